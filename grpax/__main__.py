@@ -1,0 +1,5 @@
+import sys
+
+from grpax.cli.main import main
+
+sys.exit(main())

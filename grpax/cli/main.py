@@ -1,0 +1,64 @@
+"""The ``grpax`` console command: ``grpax <command> key=value ...`` (MaxText-style keys).
+
+Each command lives in ``grpax/cli/<command>.py`` and exposes ``CONFIG`` (its frozen dataclass of keys),
+``DESCRIPTION`` (one paragraph) and ``run(config) -> int``. This module only dispatches, prints ``--help``
+and turns expected errors into one-line messages with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+from grpax.config import ConfigError, build_config, describe, suggest
+
+COMMANDS = {
+    "to_native": "convert a Hugging Face checkpoint (folder, Hub or GGUF) to a grpax Orbax checkpoint",
+    "to_huggingface": "export a grpax checkpoint to Hugging Face format (config, tokenizer, safetensors)",
+    "generate": "sample completions from a checkpoint with the KV-cache sampler",
+    "evaluate": "score a checkpoint (or a completions file) on the GSM8K test split",
+    "train_rl": "GRPO training on GSM8K (the main job)",
+}
+
+# Errors a user can fix; anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, KeyError, ValueError)
+
+
+def usage() -> str:
+    lines = ["usage: grpax <command> [config.yml] key=value ...", "", "commands:"]
+    lines += [f"  {name:<15} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "grpax <command> --help lists the keys of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    # MaxText spells commands as modules (python -m maxtext...train_rl); accept "train_rl" or "rl.train_rl".
+    name = argv[0].rsplit(".", 1)[-1].replace("-", "_")
+    if name not in COMMANDS:
+        print(f"grpax: unknown command {argv[0]!r}.{suggest(name, COMMANDS)}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"grpax.cli.{name}")
+    rest = argv[1:]
+    if any(a in ("-h", "--help") for a in rest):
+        print(f"usage: grpax {name} [config.yml] key=value ...\n\n{module.DESCRIPTION}\n\nkeys:\n"
+              f"{describe(module.CONFIG)}")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        config = build_config(module.CONFIG, rest)
+        return int(module.run(config) or 0)
+    except USER_ERRORS as e:
+        print(f"grpax {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"grpax {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

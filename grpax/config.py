@@ -1,0 +1,188 @@
+"""Typed, frozen configs and MaxText-style ``key=value`` parsing.
+
+Every command takes flat ``key=value`` arguments whose names match MaxText's where MaxText has one
+(``model_name``, ``base_output_directory``, ``load_parameters_path``, ``scan_layers``, ...), so a MaxText user
+switches by changing only the module name. Values are layered, later wins:
+
+1. the dataclass defaults;
+2. the model preset ``grpax/configs/<model_name>.yml`` when it exists (only keys the command knows);
+3. a user YAML given as ``config=FILE.yml`` (or as a bare ``*.yml`` first argument, as MaxText does);
+4. ``key=value`` overrides on the command line.
+
+An unknown key is an error that suggests the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad key or value on the command line or in a YAML file; the message names the key and the fix."""
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={text!r}: expected a boolean (true/false)")
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Converts a YAML or command-line value to the field's annotated type."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing))  # noqa: S307 - our own annotations only
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        non_none = [a for a in args if a is not type(None)]
+        last_error = None
+        for a in non_none:
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                last_error = e
+        raise last_error or ConfigError(f"{key}={value!r}: cannot convert")
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            items = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        elem = args[0] if args else str
+        return tuple(_coerce(key, v, elem) for v in items)
+    if annotation is bool:
+        return value if isinstance(value, bool) else _parse_bool(key, str(value))
+    if annotation is int:
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected an integer") from None
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected a number") from None
+    if annotation is str:
+        return str(value).strip()
+    return value
+
+
+def suggest(key: str, valid: typing.Iterable[str]) -> str:
+    """Returns ' Did you mean X?' for the closest valid key, or ''."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of key: value")
+    return data
+
+
+def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
+    """Splits ``key=value`` tokens; a bare ``*.yml`` token or ``config=`` names a user YAML file."""
+    overrides: dict[str, str] = {}
+    user_yaml = None
+    for token in argv:
+        if "=" not in token:
+            if token.endswith((".yml", ".yaml")):
+                user_yaml = Path(token)
+                continue
+            raise ConfigError(f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)")
+        key, value = token.split("=", 1)
+        key = key.strip().lstrip("-").replace("-", "_")
+        if key == "config":
+            user_yaml = Path(value)
+            continue
+        overrides[key] = value
+    return overrides, user_yaml
+
+
+def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
+    """Builds a frozen dataclass ``cls`` from defaults, model preset, user YAML and ``key=value`` tokens.
+
+    Args:
+      cls: a dataclass type whose fields are the command's keys.
+      argv: ``key=value`` tokens (MaxText style).
+      **explicit: values that win over everything (used by tests and library callers).
+
+    Returns:
+      An instance of ``cls``.
+
+    Raises:
+      ConfigError: an unknown key (with a did-you-mean), or a value of the wrong type.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    overrides, user_yaml = parse_overrides(list(argv or []))
+    for key in list(overrides) + list(explicit):
+        if key not in fields:
+            raise ConfigError(f"unknown key '{key}' for this command.{suggest(key, fields)} "
+                              f"(run with --help to list the keys)")
+    layers: list[tuple[str, dict]] = []
+    model_name = explicit.get("model_name", overrides.get("model_name"))
+    user_data = _read_yaml(user_yaml) if user_yaml else {}
+    model_name = model_name or user_data.get("model_name")
+    if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
+        preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
+        layers.append((f"preset {model_name}.yml", {k: v for k, v in preset.items() if k in fields}))
+    if user_yaml:
+        for key in user_data:
+            if key not in fields:
+                raise ConfigError(f"unknown key '{key}' in {user_yaml}.{suggest(key, fields)}")
+        layers.append((str(user_yaml), user_data))
+    layers.append(("command line", overrides))
+    values: dict[str, Any] = {}
+    for _, layer in layers:
+        for key, value in layer.items():
+            values[key] = _coerce(key, value, hints[key])
+    values.update(explicit)
+    return cls(**values)
+
+
+def describe(cls: type) -> str:
+    """Lists a config's keys, types, defaults and one-line help (from ``metadata['help']``) for --help."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        type_name = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("typing.", "")
+        lines.append(f"  {f.name}={default!s:<14} [{type_name}] {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field with a one-line help text shown by --help."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: default, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")

@@ -1,0 +1,217 @@
+"""The Llama-family decoder as a pure function: ``forward(params, tokens, cfg, ...) -> (logits, cache)``.
+
+Matches Hugging Face ``LlamaForCausalLM`` (transformers ``modeling_llama.py``): RMSNorm computed in float32,
+rotary embeddings in the rotate-half layout with optional Llama 3 frequency scaling, grouped-query attention,
+SwiGLU MLP, optional tied embeddings, and a ``head_dim`` that need not equal hidden_dim / num_heads.
+
+Positions are per row, so left-padded, right-padded and packed-by-mask batches give the same logits for their
+real tokens as unpadded rows. The KV cache layout keeps the token of position p at cache slot p of its row:
+each row advances at its own pace and a query at position p attends exactly to slots 0..p.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from grpax.models.params import Params
+from grpax.models.registry import ModelConfig
+
+# A large finite negative keeps fully-masked (padding) query rows finite instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies float32 [H/2], with Llama 3 scaling when ``cfg.rope_scaling`` is set.
+
+    Source: transformers ``_compute_llama3_parameters`` (Llama 3 herd paper, section 3.2 long context).
+    """
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates ``x`` [B, T, heads, H] by ``positions`` int [B, T] (rotate-half layout, as HF Llama)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) in float32, cast back to ``x.dtype`` before the weight, as HF does."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    Args:
+      q: [B, T, N, H] queries (already rotated).
+      k, v: [B, S, K, H] keys and values; N must be a multiple of K.
+      mask: bool [B, T, S], True where query t may attend to key s.
+
+    Returns:
+      [B, T, N, H] in q's dtype; softmax in float32.
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, N, H)
+
+
+def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None):
+    """One decoder block; returns (x, new_cache_k, new_cache_v)."""
+    dtype = jnp.dtype(cfg.dtype)
+    w = {name: val.astype(dtype) for name, val in layer.items()}
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q = apply_rope(jnp.einsum("BTD,DNH->BTNH", h, w["wq"]), positions, inv_freq)
+    k = apply_rope(jnp.einsum("BTD,DKH->BTKH", h, w["wk"]), positions, inv_freq)
+    v = jnp.einsum("BTD,DKH->BTKH", h, w["wv"])
+    if cache_k is not None:
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+        k, v = cache_k.astype(dtype), cache_v.astype(dtype)
+    attn = attention(q, k, v, mask)
+    x = x + jnp.einsum("BTNH,NHD->BTD", attn, w["wo"])
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
+    up = jnp.einsum("BTD,DF->BTF", h, w["w_up"])
+    x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])
+    return x, cache_k, cache_v
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def _maybe_remat(fn, cfg: ModelConfig):
+    if cfg.remat_policy == "none":
+        return fn
+    if cfg.remat_policy not in _REMAT_POLICIES:
+        raise ValueError(f"remat_policy={cfg.remat_policy!r}: expected none, {', '.join(_REMAT_POLICIES)}")
+    return jax.checkpoint(fn, policy=_REMAT_POLICIES[cfg.remat_policy])
+
+
+def default_positions(tokens: jax.Array, attention_mask: jax.Array | None) -> jax.Array:
+    """Positions int32 [B, T]: 0.. over real tokens (``cumsum(mask) - 1``, clipped at 0), or ``arange``."""
+    if attention_mask is None:
+        return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype: str | None = None) -> dict:
+    """An empty KV cache: ``{"k", "v"}`` each [L, B, S, K, H] in ``dtype`` (default ``cfg.dtype``)."""
+    shape = (cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    cache: dict | None = None,
+    return_hidden: bool = False,
+) -> tuple[jax.Array, dict | None]:
+    """Runs the decoder.
+
+    Args:
+      params: the params tree (``grpax.models.params``), stacked or unstacked layers.
+      tokens: int32 [B, T] token ids.
+      cfg: model config (``dtype`` sets the activation dtype).
+      positions: int32 [B, T] position of each token; default ``cumsum(attention_mask) - 1``.
+      attention_mask: [B, T], 1 for real tokens, 0 for padding (keys that must not be attended). Only used
+        without a cache; with a cache, visibility is ``slot <= position``.
+      cache: optional ``{"k", "v"}`` [L, B, S, K, H] from ``init_cache``; each token is written at slot
+        ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``.
+      return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
+
+    Returns:
+      (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
+    """
+    B, T = tokens.shape
+    if positions is None:
+        positions = default_positions(tokens, attention_mask)
+    positions = positions.astype(jnp.int32)
+    dtype = jnp.dtype(cfg.dtype)
+    x = params["embed"].astype(dtype)[tokens]
+    inv_freq = rope_inv_freq(cfg)
+    if cache is None:
+        idx = jnp.arange(T)
+        mask = (positions[:, None, :] <= positions[:, :, None]) & (idx[None, :] <= idx[:, None])[None]
+        if attention_mask is not None:
+            mask = mask & attention_mask.astype(bool)[:, None, :]
+    else:
+        S = cache["k"].shape[2]
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+
+    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq), cfg)
+    layers = params["layers"]
+    new_cache = None
+    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
+
+        def body(carry, xs):
+            layer, ck, cv = xs
+            carry, ck, cv = layer_fn(carry, layer, positions, mask, cache_k=ck, cache_v=cv)
+            return carry, (ck, cv)
+
+        ck = cache["k"] if cache is not None else None
+        cv = cache["v"] if cache is not None else None
+        x, (ck, cv) = jax.lax.scan(body, x, (layers, ck, cv))
+        if cache is not None:
+            new_cache = {"k": ck, "v": cv}
+    else:
+        ks, vs = [], []
+        for i, layer in enumerate(layers):
+            ck = cache["k"][i] if cache is not None else None
+            cv = cache["v"][i] if cache is not None else None
+            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv)
+            ks.append(ck)
+            vs.append(cv)
+        if cache is not None:
+            new_cache = {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if return_hidden:
+        return x, new_cache
+    return logits_from_hidden(params, x, cfg), new_cache
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head)."""
+    dtype = jnp.dtype(cfg.dtype)
+    if "lm_head" in params:
+        return jnp.einsum("...D,DV->...V", hidden, params["lm_head"].astype(dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32)

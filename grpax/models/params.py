@@ -1,0 +1,139 @@
+"""Parameter declarations: each weight's shape, logical axes and initialiser, declared once.
+
+Parameters are a plain nested dict (a pytree), so optax, orbax and ``jax.tree`` work on them directly:
+
+    embed        [V, D]          ("vocab", "embed")
+    layers/
+      attn_norm  [L, D]          ("layers", "norm")
+      wq         [L, D, N, H]    ("layers", "embed", "q_heads", "head_dim")
+      wk, wv     [L, D, K, H]    ("layers", "embed", "kv_heads", "head_dim")
+      wo         [L, N, H, D]    ("layers", "q_heads", "head_dim", "embed")
+      mlp_norm   [L, D]          ("layers", "norm")
+      w_gate     [L, D, F]       ("layers", "embed", "mlp")
+      w_up       [L, D, F]       ("layers", "embed", "mlp")
+      w_down     [L, F, D]       ("layers", "mlp", "embed")
+    final_norm   [D]             ("norm",)
+    lm_head      [D, V]          ("embed", "vocab")      absent when tie_word_embeddings
+
+With ``scan_layers=True`` the layer weights are stacked on a leading L axis (one compiled layer, scanned);
+with ``scan_layers=False`` ``layers`` is a list of L dicts without that axis. ``grpax.sharding`` maps the
+logical axes onto a device mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.models.registry import ModelConfig
+
+Params = dict[str, Any]
+
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Shape and logical axes of one (unstacked) layer's weights."""
+    D, N, K, H, F = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    return {
+        "attn_norm": ((D,), ("norm",)),
+        "wq": ((D, N, H), ("embed", "q_heads", "head_dim")),
+        "wk": ((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wv": ((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wo": ((N, H, D), ("q_heads", "head_dim", "embed")),
+        "mlp_norm": ((D,), ("norm",)),
+        "w_gate": ((D, F), ("embed", "mlp")),
+        "w_up": ((D, F), ("embed", "mlp")),
+        "w_down": ((F, D), ("mlp", "embed")),
+    }
+
+
+def top_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Shape and logical axes of the non-layer weights."""
+    specs = {
+        "embed": ((cfg.vocab_size, cfg.hidden_dim), ("vocab", "embed")),
+        "final_norm": ((cfg.hidden_dim,), ("norm",)),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ((cfg.hidden_dim, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def _tree(cfg: ModelConfig, leaf) -> Params:
+    """Builds the params-shaped tree, calling ``leaf(name, shape, axes)`` for each weight."""
+    tree = {name: leaf(name, shape, axes) for name, (shape, axes) in top_specs(cfg).items()}
+    specs = layer_specs(cfg)
+    if cfg.scan_layers:
+        tree["layers"] = {name: leaf(name, (cfg.num_layers, *shape), ("layers", *axes))
+                          for name, (shape, axes) in specs.items()}
+    else:
+        tree["layers"] = [{name: leaf(name, shape, axes) for name, (shape, axes) in specs.items()}
+                          for _ in range(cfg.num_layers)]
+    return tree
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """The params tree with each leaf replaced by its tuple of logical axis names."""
+    return _tree(cfg, lambda name, shape, axes: axes)
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """``jax.ShapeDtypeStruct`` leaves in ``cfg.weight_dtype``: shapes without memory."""
+    dtype = jnp.dtype(cfg.weight_dtype)
+    return _tree(cfg, lambda name, shape, axes: jax.ShapeDtypeStruct(shape, dtype))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters, from abstract shapes (allocates nothing)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(cfg)))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters: normal(0, 0.02) matrices (as HF ``initializer_range``), ones for norms.
+
+    Args:
+      cfg: the model config; leaves are created in ``cfg.weight_dtype``.
+      key: a PRNG key.
+
+    Returns:
+      The params tree (see module docstring).
+    """
+    dtype = jnp.dtype(cfg.weight_dtype)
+    counter = iter(range(10**9))
+
+    def leaf(name, shape, axes):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        k = jax.random.fold_in(key, next(counter))
+        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    return _tree(cfg, leaf)
+
+
+def stack_layers(layers: list[Params]) -> Params:
+    """List of per-layer dicts -> dict of [L, ...] arrays (scan_layers=False -> True)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_layers(layers: Params, num_layers: int) -> list[Params]:
+    """Dict of [L, ...] arrays -> list of per-layer dicts (scan_layers=True -> False)."""
+    return [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
+
+
+def convert_layout(params: Params, cfg: ModelConfig, scan_layers: bool) -> Params:
+    """Returns ``params`` with layers stacked (``scan_layers=True``) or as a list, whatever they were."""
+    is_stacked = isinstance(params["layers"], dict)
+    if is_stacked == scan_layers:
+        return params
+    out = dict(params)
+    out["layers"] = stack_layers(params["layers"]) if scan_layers else unstack_layers(params["layers"],
+                                                                                     cfg.num_layers)
+    return out
+
+
+def cast_params(params: Params, dtype: str | jnp.dtype) -> Params:
+    """Casts every floating leaf to ``dtype``."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
