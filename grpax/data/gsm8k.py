@@ -1,0 +1,394 @@
+"""GSM8K data: loading rows, a resumable shuffled prompt iterator, chat-template rendering, tokenization.
+
+GSM8K (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems") stores each row as a
+``question`` and an ``answer`` holding the worked solution, whose last line is ``#### <number>``. Rows load
+from a local JSONL / Parquet file, a folder in either layout (including the Hugging Face Hub's
+``main/{split}-*.parquet``), or a Hub name through the ``datasets`` library. Offline, a Hub name fails at once
+with a message asking for a local path, rather than retrying for minutes.
+
+Prompts are rendered with the tokenizer's own chat template (``add_generation_prompt=True``) plus an
+optional pre-filled ``response_prefix``, then tokenized with ``add_special_tokens=False`` because the
+template already writes BOS where the model has one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from grpax.data.prompts import PromptPreset, get_prompt_preset
+
+logger = logging.getLogger(__name__)
+
+_HUB_HOST = "huggingface.co"
+_HUB_TIMEOUT_S = 2.0
+
+
+class DatasetUnavailableError(ValueError):
+    """A dataset name or path that cannot be loaded here; the message says what to pass instead."""
+
+
+def extract_gold(answer_text: str) -> str | None:
+    """Returns the gold number of a GSM8K solution.
+
+    Args:
+        answer_text: a full solution ending in ``#### <number>``, or a bare number.
+
+    Returns:
+        The text after the last ``####``, stripped, with thousands separators removed (``"1,000"`` ->
+        ``"1000"``); for text without ``####`` that is a bare number, that number; else None.
+
+    Example:
+        >>> extract_gold("48/2 = 24\\n#### 1,000"), extract_gold(" 72 "), extract_gold("no marker")
+        ('1000', '72', None)
+    """
+    if "####" in answer_text:
+        return answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+    candidate = answer_text.strip().replace(",", "")
+    try:
+        float(candidate)
+    except ValueError:
+        return None
+    return candidate
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
+    return rows
+
+
+def _read_parquet(paths: Sequence[Path]) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise ImportError(
+            f"reading {paths[0]} needs pyarrow: pip install pyarrow (or pass a .jsonl file)"
+        ) from e
+    rows: list[dict] = []
+    for p in paths:
+        rows.extend(pq.read_table(p).to_pylist())
+    return rows
+
+
+def _files_in_folder(folder: Path, split: str) -> list[Path]:
+    candidates = [
+        [folder / f"{split}.jsonl"],
+        [folder / f"{split}.parquet"],
+        sorted(folder.glob(f"{split}-*.parquet")),
+        sorted(folder.glob(f"main/{split}-*.parquet")),
+    ]
+    for files in candidates:
+        if files and all(f.is_file() for f in files):
+            return files
+    raise FileNotFoundError(
+        f"no {split!r} split in folder {folder}: looked for {split}.jsonl, {split}.parquet, "
+        f"{split}-*.parquet and main/{split}-*.parquet. Pass a folder holding one of these, or a file path."
+    )
+
+
+def _hub_reachable(timeout_s: float = _HUB_TIMEOUT_S) -> bool:
+    # DNS lookups ignore socket timeouts, so the probe runs in a daemon thread that is abandoned if slow.
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((_HUB_HOST, 443), timeout=timeout_s).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(result and result[0])
+
+
+def _load_from_hub(name: str, split: str) -> list[dict]:
+    hint = f"pass a local path instead, e.g. dataset_name=../shared/data/gsm8k (a folder with {split}.jsonl)"
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get(
+        "HF_DATASETS_OFFLINE", "0"
+    ) not in ("", "0"):
+        raise DatasetUnavailableError(f"cannot load Hub dataset {name!r}: offline mode is set; {hint}")
+    try:
+        import datasets  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise DatasetUnavailableError(
+            f"cannot load Hub dataset {name!r}: the datasets library is not installed "
+            f"(pip install 'grpax[hub]'); or {hint}"
+        ) from e
+    if not _hub_reachable():
+        raise DatasetUnavailableError(f"cannot load Hub dataset {name!r}: {_HUB_HOST} is unreachable; {hint}")
+    config = "main" if name.rstrip("/").endswith("gsm8k") else None
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:
+        raise DatasetUnavailableError(
+            f"cannot load Hub dataset {name!r} (split {split!r}): {e}; {hint}"
+        ) from e
+
+
+def load_dataset_rows(
+    path_or_name: str,
+    split: str,
+    question_field: str = "question",
+    answer_field: str = "answer",
+) -> list[dict]:
+    """Loads GSM8K-style rows from a file, a folder or the Hugging Face Hub.
+
+    Args:
+        path_or_name: a ``.jsonl`` or ``.parquet`` file; a folder with ``{split}.jsonl``, ``{split}.parquet``,
+            ``{split}-*.parquet`` or ``main/{split}-*.parquet``; or a Hub name such as ``openai/gsm8k``
+            (config ``main``), which needs the ``datasets`` library and a network.
+        split: ``"train"`` or ``"test"`` (used for folders and Hub names).
+        question_field: the column holding the question.
+        answer_field: the column holding the solution (ending in ``#### N``) or a bare number.
+
+    Returns:
+        Rows ``{"question": str, "answer": str, "gold": str}``, ``gold`` being the final number without
+        thousands separators.
+
+    Raises:
+        FileNotFoundError: if a path does not exist or a folder lacks the split.
+        DatasetUnavailableError: (a ValueError) if a Hub name cannot be loaded here; raised at once offline.
+        ImportError: for Parquet without pyarrow.
+        ValueError: if a row lacks a field or its answer has no final number (file, row and field named).
+
+    Example:
+        >>> rows = load_dataset_rows("../shared/data/gsm8k", "test")  # doctest: +SKIP
+        >>> rows[0]["gold"]  # doctest: +SKIP
+        '18'
+    """
+    path = Path(path_or_name).expanduser()
+    looks_like_path = (
+        path_or_name.startswith((".", "/", "~"))
+        or path.suffix in (".jsonl", ".json", ".parquet")
+        or path.exists()
+    )
+    if path.is_dir():
+        files = _files_in_folder(path, split)
+    elif path.is_file():
+        files = [path]
+    elif looks_like_path:
+        raise FileNotFoundError(
+            f"dataset path {path_or_name!r} does not exist; pass a .jsonl/.parquet file or a folder"
+        )
+    else:
+        files = []
+    if files:
+        source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
+        raw = _read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])
+    else:
+        source = f"Hub dataset {path_or_name}"
+        raw = _load_from_hub(path_or_name, split)
+
+    rows = []
+    for i, r in enumerate(raw):
+        for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
+            if name not in r:
+                raise ValueError(
+                    f"{source}: row {i} has no field {name!r} (fields: {sorted(r)}); pass {arg}=<column name>"
+                )
+        answer = str(r[answer_field])
+        gold = extract_gold(answer)
+        if gold is None:
+            raise ValueError(
+                f"{source}: row {i} field {answer_field!r} has no '#### <number>' line and is not a number: "
+                f"{answer[-80:]!r}; point answer_field at the column with the gold answer"
+            )
+        rows.append({"question": str(r[question_field]), "answer": answer, "gold": gold})
+    return rows
+
+
+class PromptIterator:
+    """Endless, seeded, resumable iterator over batches of rows.
+
+    Each epoch visits the rows in a fresh permutation drawn from ``numpy.random.default_rng((seed, epoch))``.
+    Batches always hold ``batch_size`` rows, so leftover rows at the end of an epoch (fewer than a batch) are
+    skipped for that epoch. ``state_dict`` / ``load_state_dict`` resume exactly where a run stopped.
+
+    Args:
+        rows: the rows to serve (already length-filtered).
+        batch_size: rows per batch.
+        seed: shuffle seed.
+
+    Raises:
+        ValueError: if batch_size < 1 or there are fewer rows than batch_size.
+
+    Example:
+        >>> it = PromptIterator([{"q": i} for i in range(5)], batch_size=2, seed=0)
+        >>> len(next(it)), it.state_dict()["index"]
+        (2, 2)
+    """
+
+    def __init__(self, rows: Sequence[dict], batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(rows) < batch_size:
+            raise ValueError(f"need at least batch_size={batch_size} rows, got {len(rows)}")
+        self.rows = list(rows)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        """Full batches per epoch (leftover rows are skipped)."""
+        return len(self.rows) // self.batch_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.seed, epoch)).permutation(len(self.rows))
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        return self
+
+    def __next__(self) -> list[dict]:
+        if self.index + self.batch_size > len(self.rows):
+            self.epoch += 1
+            self.index = 0
+            self._order = self._permutation(self.epoch)
+        batch = [self.rows[j] for j in self._order[self.index : self.index + self.batch_size]]
+        self.index += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Returns ``{"epoch", "index", "seed"}``: enough to resume at the next batch."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restores a position saved by ``state_dict``.
+
+        Args:
+            state: ``{"epoch": int, "index": int, "seed": int}``.
+
+        Raises:
+            ValueError: if the index is out of range for these rows.
+        """
+        if not 0 <= int(state["index"]) <= len(self.rows):
+            raise ValueError(f"iterator index {state['index']} out of range for {len(self.rows)} rows")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def build_messages(
+    question: str, system_prompt: str, template: str = "{question}", system_role: bool = True
+) -> list[dict[str, str]]:
+    """Builds the chat messages for one question.
+
+    Args:
+        question: the problem text.
+        system_prompt: system text; empty for none.
+        template: user-turn text with a ``{question}`` slot (plain replacement; other braces are kept).
+        system_role: if False (for chat templates without a system role), the system text is put at the top
+            of the user turn instead.
+
+    Returns:
+        ``[{"role": "system", "content": ...}, {"role": "user", "content": ...}]`` (no system message if
+        ``system_prompt`` is empty or ``system_role`` is False).
+
+    Example:
+        >>> build_messages("1+1?", "Be brief.", "Q: {question}")
+        [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Q: 1+1?'}]
+    """
+    user = template.replace("{question}", question)
+    if system_prompt and not system_role:
+        return [{"role": "user", "content": f"{system_prompt}\n\n{user}"}]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": user}]
+
+
+def render_prompt(
+    tokenizer: Any, question: str, prompt_config: PromptPreset | str, system_role: bool = True
+) -> str:
+    """Renders one question as prompt text with the tokenizer's chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        question: the problem text.
+        prompt_config: a PromptPreset or preset name (``"maxtext"``, ``"smollm2_demo"``).
+        system_role: see ``build_messages``.
+
+    Returns:
+        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` followed by the
+        preset's ``response_prefix``.
+
+    Raises:
+        ValueError: if the preset name is unknown.
+
+    Example:
+        >>> render_prompt(tok, "1+1?", "smollm2_demo").endswith("<reasoning>\\n")  # doctest: +SKIP
+        True
+    """
+    preset = get_prompt_preset(prompt_config) if isinstance(prompt_config, str) else prompt_config
+    messages = build_messages(question, preset.system_prompt, preset.user_template, system_role)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + preset.response_prefix
+
+
+def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Tokenizes rendered prompts without adding special tokens (the chat template wrote them).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        texts: rendered prompt strings.
+
+    Returns:
+        Token ids per prompt (lengths vary; no padding).
+
+    Example:
+        >>> tokenize_prompts(tok, ["<s>user: hi"])  # doctest: +SKIP
+        [[1, 5, 6]]
+    """
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def filter_by_length(
+    rows: Sequence[dict], token_ids: Sequence[Sequence[int]], max_prompt_length: int
+) -> tuple[list[dict], list[list[int]], int]:
+    """Drops prompts longer than ``max_prompt_length`` tokens and logs how many.
+
+    Args:
+        rows: dataset rows.
+        token_ids: prompt token ids, aligned with rows.
+        max_prompt_length: the longest prompt kept, in tokens.
+
+    Returns:
+        ``(kept_rows, kept_ids, num_dropped)``.
+
+    Raises:
+        ValueError: if rows and token_ids differ in length.
+
+    Example:
+        >>> filter_by_length([{"q": 1}, {"q": 2}], [[1, 2, 3], [1]], max_prompt_length=2)
+        ([{'q': 2}], [[1]], 1)
+    """
+    if len(rows) != len(token_ids):
+        raise ValueError(f"rows ({len(rows)}) and token_ids ({len(token_ids)}) must have the same length")
+    kept = [(r, list(ids)) for r, ids in zip(rows, token_ids, strict=True) if len(ids) <= max_prompt_length]
+    num_dropped = len(rows) - len(kept)
+    if num_dropped:
+        logger.info(
+            "dropped %d of %d prompts longer than %d tokens", num_dropped, len(rows), max_prompt_length
+        )
+    return [r for r, _ in kept], [ids for _, ids in kept], num_dropped

@@ -1,0 +1,588 @@
+"""GSM8K answer extraction and reward functions (pure Python, no JAX).
+
+The model is asked to reason between ``<reasoning>`` tags and to put the final number between ``<answer>``
+tags. The rewards follow the GRPO GSM8K recipe of MaxText (``configs/rl.yml``, ``rl/utils_rl.py``) and the
+Tunix GRPO demo, which share one set of point values: an exact-format bonus, a per-tag partial-format
+score, a tiered answer score (exact, whitespace-only difference, within 10% / 20% of the gold value, wrong)
+and a number-match score. Each reward is a separate function with the signature
+
+    fn(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]
+
+where ``answers`` are gold numbers as strings and ``completions`` are the generated text after the prompt.
+If the prompt pre-filled a ``response_prefix`` (e.g. ``"<reasoning>\\n"``) it is passed as a keyword and
+prepended before checking, so pre-filled tags count as emitted. Point values come from a ``RewardConfig``
+(kwarg ``reward_config``); ``score_completions`` runs the functions a config names and sums them with its
+weights. A value of NaN means the function abstained (could not score that completion): it adds nothing to
+the total. See docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from grpax.data.prompts import ANSWER_END, ANSWER_START, REASONING_END, REASONING_START, TAGS
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., list[float]]
+
+# Whole-completion layout: optional leading whitespace, one reasoning block, then the answer block, then only
+# whitespace. The reasoning must be non-empty; the answer block is captured.
+_FORMAT_RE = re.compile(
+    rf"^\s*{re.escape(REASONING_START)}.+?{re.escape(REASONING_END)}\s*"
+    rf"{re.escape(ANSWER_START)}(.*?){re.escape(ANSWER_END)}\s*$",
+    flags=re.DOTALL,
+)
+_MINUS = "\u2212"  # unicode minus sign, seen in model output
+# One number: optional sign, optional $, digits with optional thousands groups, optional decimals; or a bare
+# ".5". The lookbehind keeps the "-" of "10-5" from turning 5 into -5.
+_NUMBER = r"(?<![\w.])[-+\u2212]?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])[-+\u2212]?\$?\.\d+"
+_NUMBER_RE = re.compile(_NUMBER)
+_FRACTION_RE = re.compile(rf"(?:({_NUMBER})\s+)?({_NUMBER})\s*/\s*(\d+)")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Point values and weights of the GSM8K rewards.
+
+    Attributes:
+        format_exact: points when the whole completion has the layout
+            ``<reasoning>...</reasoning> <answer>...</answer>`` (MaxText ``reward_exact_format_match``).
+        format_tag_present: points per tag that appears exactly once (``reward_partial_format_match``).
+        format_tag_penalty: points per tag that is missing or repeated (``penalty_incorrect_format``).
+        answer_exact: points when the extracted answer equals the gold one, as a string or numerically
+            (``reward_exact_format_match`` in MaxText's answer check).
+        answer_whitespace: points when the answers differ only by surrounding whitespace and are not numbers
+            (``reward_white_space_format_match``).
+        answer_ratio_high: points when extracted / gold is within [0.9, 1.1] but not equal
+            (``reward_ratio_guess_to_answer_high``).
+        answer_ratio_low: points when the ratio is within [0.8, 1.2] (``reward_ratio_guess_to_answer_low``).
+        answer_wrong: points for a numeric answer outside those ranges (``penalty_incorrect_answer``).
+        answer_unparseable: points when an answer was given but holds no number
+            (MaxText / Tunix give ``penalty_incorrect_format`` here).
+        number_match: points when the number found equals the gold value (MaxText / Tunix ``check_numbers``).
+        require_format: if True, ``answer_correct``, ``answer_close`` and ``number_match`` only score
+            completions whose whole layout matches (as MaxText / Tunix do) and give 0 otherwise; if False the
+            answer is taken from the last ``<answer>`` tag wherever it is.
+        weights: reward-function name -> weight in the total; only the names listed are run.
+        use_math_verify: also accept answers that the ``math-verify`` library judges equivalent.
+        math_verify_timeout_s: seconds allowed per ``math-verify`` parse / compare.
+    """
+
+    format_exact: float = 3.0
+    format_tag_present: float = 0.5
+    format_tag_penalty: float = -0.5
+    answer_exact: float = 3.0
+    answer_whitespace: float = 1.5
+    answer_ratio_high: float = 0.5
+    answer_ratio_low: float = 0.25
+    answer_wrong: float = -1.0
+    answer_unparseable: float = -0.5
+    number_match: float = 1.5
+    require_format: bool = True
+    weights: Mapping[str, float] = field(
+        default_factory=lambda: {
+            "format_exact": 1.0,
+            "format_approximate": 1.0,
+            "answer_correct": 1.0,
+            "answer_close": 1.0,
+            "number_match": 1.0,
+        }
+    )
+    use_math_verify: bool = False
+    math_verify_timeout_s: float = 5.0
+
+
+# MaxText configs/rl.yml and the Tunix GRPO demo use the same values, so both presets are RewardConfig().
+_SIMPLE = RewardConfig(
+    format_exact=0.1,
+    answer_exact=1.0,
+    answer_whitespace=1.0,
+    require_format=False,
+    weights={"answer_correct": 1.0, "format_exact": 1.0},
+)
+_SMOLLM2_DEMO = RewardConfig(
+    format_exact=1.0,
+    format_tag_present=0.25,
+    format_tag_penalty=0.0,
+    answer_exact=2.0,
+    answer_whitespace=2.0,
+    answer_ratio_high=0.5,
+    answer_ratio_low=0.25,
+    answer_wrong=0.0,
+    answer_unparseable=0.0,
+    number_match=0.5,
+    require_format=False,
+)
+REWARD_PRESETS: dict[str, RewardConfig] = {
+    "maxtext": RewardConfig(),
+    "tunix": RewardConfig(),
+    "simple": _SIMPLE,
+    "smollm2_demo": _SMOLLM2_DEMO,
+}
+
+
+def get_reward_config(name: str, **overrides) -> RewardConfig:
+    """Returns a reward preset, optionally with some fields replaced.
+
+    Args:
+        name: ``"maxtext"``, ``"tunix"``, ``"simple"`` or ``"smollm2_demo"``.
+        **overrides: RewardConfig fields to replace.
+
+    Returns:
+        The RewardConfig.
+
+    Raises:
+        ValueError: if the name or an override field is unknown.
+
+    Example:
+        >>> get_reward_config("tunix", answer_wrong=0.0).answer_wrong
+        0.0
+    """
+    if name not in REWARD_PRESETS:
+        raise ValueError(f"unknown reward preset {name!r}; known presets: {sorted(REWARD_PRESETS)}")
+    unknown = set(overrides) - set(RewardConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown RewardConfig fields {sorted(unknown)}")
+    return replace(REWARD_PRESETS[name], **overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Extraction and number parsing.
+
+
+def extract_answer(completion: str) -> str | None:
+    """Returns the text of the last ``<answer>`` block.
+
+    Args:
+        completion: generated text (with any response prefix already prepended).
+
+    Returns:
+        The text between the last ``<answer>`` and the ``</answer>`` after it, unstripped; the text after the
+        last ``<answer>`` if it is not closed; None if there is no ``<answer>`` tag.
+
+    Example:
+        >>> extract_answer("<answer>1</answer> <answer> 72 </answer>")
+        ' 72 '
+    """
+    start = completion.rfind(ANSWER_START)
+    if start < 0:
+        return None
+    rest = completion[start + len(ANSWER_START) :]
+    end = rest.find(ANSWER_END)
+    return rest if end < 0 else rest[:end]
+
+
+def extract_last_number(text: str) -> str | None:
+    """Returns the last number written anywhere in the text.
+
+    Args:
+        text: any text.
+
+    Returns:
+        The number as written (sign, ``$`` and thousands separators kept, trailing ``.`` or ``,`` dropped), or
+        None if there is none.
+
+    Example:
+        >>> extract_last_number("She pays $1,200, then 18 more. Total: -3.5.")
+        '-3.5'
+    """
+    matches = _NUMBER_RE.findall(text)
+    return matches[-1] if matches else None
+
+
+def _to_float(token: str) -> float:
+    token = token.replace(_MINUS, "-").replace("$", "").replace(",", "")
+    return float(token)
+
+
+def normalize_number(text: str | None) -> float | None:
+    """Parses the first number in a short answer string.
+
+    Handles signs (including the unicode minus), ``$``, thousands separators, decimals, trailing punctuation
+    or words (``"18 eggs"``, ``"72."``), percentages (``"50%"`` -> 50, as GSM8K writes them), fractions
+    (``"1/2"``), mixed numbers (``"3 1/2"``) and a leading ``=`` (only the text after the last ``=`` counts).
+
+    Args:
+        text: the answer text; None is allowed.
+
+    Returns:
+        The value, or None if no number is found (or a fraction divides by zero).
+
+    Example:
+        >>> normalize_number("$1,234.50"), normalize_number("3 1/2"), normalize_number("no idea")
+        (1234.5, 3.5, None)
+    """
+    if text is None:
+        return None
+    text = text.split("=")[-1]
+    frac = _FRACTION_RE.search(text)
+    first = _NUMBER_RE.search(text)
+    if frac is not None and first is not None and frac.start() == first.start():
+        whole, num, den = frac.groups()
+        if float(den) == 0:
+            return None
+        value = _to_float(num) / float(den)
+        if whole is not None:
+            w = _to_float(whole)
+            value = w - value if w < 0 else w + value
+        return value
+    if first is None:
+        return None
+    return _to_float(first.group(0))
+
+
+def _numbers_equal(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+
+
+def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
+    try:
+        import math_verify  # noqa: PLC0415 - optional dependency
+    except ImportError as e:
+        raise ImportError(
+            "use_math_verify=True needs the math-verify library: pip install 'math-verify>=0.5' "
+            "(or pip install 'grpax[math]')"
+        ) from e
+    t = max(1, int(math.ceil(timeout_s)))
+    gold_parsed = math_verify.parse(gold, parsing_timeout=t)
+    pred_parsed = math_verify.parse(pred, parsing_timeout=t)
+    return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=t))
+
+
+def is_correct(
+    extracted: str | None, gold: str, use_math_verify: bool = False, timeout_s: float = 5.0
+) -> bool:
+    """Whether an extracted answer equals the gold answer.
+
+    Equal means: the same string after stripping whitespace, or the same number after ``normalize_number``
+    (relative and absolute tolerance 1e-6), or, if ``use_math_verify``, equivalent for ``math-verify``.
+
+    Args:
+        extracted: the model's answer text, or None if it gave none.
+        gold: the gold answer, e.g. ``"72"``.
+        use_math_verify: also try ``math-verify``.
+        timeout_s: seconds allowed per ``math-verify`` call.
+
+    Returns:
+        True if correct.
+
+    Raises:
+        ImportError: if ``use_math_verify`` and ``math-verify`` is not installed.
+
+    Example:
+        >>> is_correct(" $1,000.00 ", "1000"), is_correct("999", "1000")
+        (True, False)
+    """
+    if extracted is None:
+        return False
+    if extracted.strip() == gold.strip():
+        return True
+    if _numbers_equal(normalize_number(extracted), normalize_number(gold)):
+        return True
+    return use_math_verify and _math_verify_equal(extracted, gold, timeout_s)
+
+
+def is_close(extracted: str | None, gold: str, tolerance: float = 0.1) -> bool:
+    """Whether the extracted number is within ``tolerance`` of the gold one, as a ratio.
+
+    This is MaxText's "partial accuracy": ``1 - tolerance <= extracted / gold <= 1 + tolerance``. A zero gold
+    value only accepts zero.
+
+    Args:
+        extracted: the model's answer text, or None.
+        gold: the gold answer.
+        tolerance: allowed relative distance (0.1 = 10%).
+
+    Returns:
+        True if close (exact answers are close).
+
+    Example:
+        >>> is_close("95", "100"), is_close("85", "100")
+        (True, False)
+    """
+    pred, true = normalize_number(extracted), normalize_number(gold)
+    if pred is None or true is None:
+        return False
+    if true == 0:
+        return pred == 0
+    return 1 - tolerance - 1e-9 <= pred / true <= 1 + tolerance + 1e-9
+
+
+def is_format_exact(completion: str) -> bool:
+    """Whether the whole completion has the ``<reasoning>...</reasoning><answer>...</answer>`` layout.
+
+    Args:
+        completion: generated text with any response prefix prepended.
+
+    Returns:
+        True if it matches (whitespace allowed before, between the blocks and after).
+
+    Example:
+        >>> is_format_exact("<reasoning>2+2</reasoning>\\n<answer>4</answer>\\n"), is_format_exact("4")
+        (True, False)
+    """
+    return _FORMAT_RE.match(completion) is not None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reward functions.
+
+
+def _prep(completions: Sequence[str], kwargs: dict) -> tuple[list[str], RewardConfig]:
+    prefix = kwargs.get("response_prefix") or ""
+    config = kwargs.get("reward_config") or RewardConfig()
+    return [prefix + c for c in completions], config
+
+
+def _answer_for_scoring(completion: str, config: RewardConfig) -> str | None:
+    if config.require_format:
+        m = _FORMAT_RE.match(completion)
+        return None if m is None else m.group(1)
+    return extract_answer(completion)
+
+
+def format_exact(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """Rewards completions whose whole layout is ``<reasoning>...</reasoning> <answer>...</answer>``.
+
+    Args:
+        prompts: prompt texts [B] (unused).
+        completions: generated texts [B].
+        answers: gold answers [B] (unused).
+        **kwargs: ``response_prefix`` (str) and ``reward_config`` (RewardConfig).
+
+    Returns:
+        Points [B]: ``format_exact`` if the layout matches, else 0.
+
+    Example:
+        >>> format_exact([""], ["think</reasoning><answer>4</answer>"], ["4"], response_prefix="<reasoning>")
+        [3.0]
+    """
+    texts, config = _prep(completions, kwargs)
+    return [config.format_exact if is_format_exact(t) else 0.0 for t in texts]
+
+
+def format_approximate(
+    prompts: list[str], completions: list[str], answers: list[str], **kwargs
+) -> list[float]:
+    """Scores each of the four tags: present exactly once earns points, missing or repeated costs points.
+
+    Args:
+        prompts: prompt texts [B] (unused).
+        completions: generated texts [B].
+        answers: gold answers [B] (unused).
+        **kwargs: ``response_prefix`` (str) and ``reward_config`` (RewardConfig).
+
+    Returns:
+        Points [B]: the sum over the 4 tags of ``format_tag_present`` or ``format_tag_penalty``.
+
+    Example:
+        >>> format_approximate([""], ["<reasoning>x</reasoning><answer>1</answer><answer>"], ["1"])
+        [1.0]
+    """
+    texts, config = _prep(completions, kwargs)
+    return [
+        sum(config.format_tag_present if t.count(tag) == 1 else config.format_tag_penalty for tag in TAGS)
+        for t in texts
+    ]
+
+
+def answer_correct(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """Rewards a correct final answer.
+
+    The answer is the last ``<answer>`` block (with ``require_format``, only from a completion whose layout
+    matches). Exact or numerically equal answers earn ``answer_exact``; non-numeric answers equal after
+    stripping whitespace earn ``answer_whitespace``; anything else earns 0 here (``answer_close`` scores it).
+
+    Args:
+        prompts: prompt texts [B] (unused).
+        completions: generated texts [B].
+        answers: gold answers [B], e.g. ``"72"``.
+        **kwargs: ``response_prefix`` (str) and ``reward_config`` (RewardConfig).
+
+    Returns:
+        Points [B].
+
+    Raises:
+        ImportError: if the config asks for ``math-verify`` and it is not installed.
+
+    Example:
+        >>> answer_correct([""], ["<reasoning>48/2=24</reasoning><answer>$72.00</answer>"], ["72"])
+        [3.0]
+    """
+    texts, config = _prep(completions, kwargs)
+    scores = []
+    for text, gold in zip(texts, answers, strict=True):
+        pred = _answer_for_scoring(text, config)
+        if pred is None:
+            scores.append(0.0)
+        elif pred == gold or _numbers_equal(normalize_number(pred), normalize_number(gold)):
+            scores.append(config.answer_exact)
+        elif pred.strip() == gold.strip():
+            scores.append(config.answer_whitespace)
+        elif config.use_math_verify and _math_verify_equal(pred, gold, config.math_verify_timeout_s):
+            scores.append(config.answer_exact)
+        else:
+            scores.append(0.0)
+    return scores
+
+
+def answer_close(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """Partial credit for a wrong answer near the gold value, a penalty for one far from it.
+
+    Correct answers score 0 here (``answer_correct`` pays them). Otherwise, with r = extracted / gold:
+    ``answer_ratio_high`` if 0.9 <= r <= 1.1, ``answer_ratio_low`` if 0.8 <= r <= 1.2, else ``answer_wrong``;
+    ``answer_unparseable`` if the answer holds no number; 0 if there is no answer. NaN (abstain) if the gold
+    answer is not a number.
+
+    Args:
+        prompts: prompt texts [B] (unused).
+        completions: generated texts [B].
+        answers: gold answers [B].
+        **kwargs: ``response_prefix`` (str) and ``reward_config`` (RewardConfig).
+
+    Returns:
+        Points [B].
+
+    Example:
+        >>> answer_close([""], ["<reasoning>x</reasoning><answer>95</answer>"], ["100"])
+        [0.5]
+    """
+    texts, config = _prep(completions, kwargs)
+    scores = []
+    for text, gold in zip(texts, answers, strict=True):
+        pred_text = _answer_for_scoring(text, config)
+        true = normalize_number(gold)
+        if true is None:
+            scores.append(math.nan)
+            continue
+        if pred_text is None:
+            scores.append(0.0)
+            continue
+        pred = normalize_number(pred_text)
+        if pred is None:
+            scores.append(config.answer_unparseable)
+        elif pred_text.strip() == gold.strip() or _numbers_equal(pred, true):
+            scores.append(0.0)
+        elif is_close(pred_text, gold, 0.1):
+            scores.append(config.answer_ratio_high)
+        elif is_close(pred_text, gold, 0.2):
+            scores.append(config.answer_ratio_low)
+        else:
+            scores.append(config.answer_wrong)
+    return scores
+
+
+def number_match(prompts: list[str], completions: list[str], answers: list[str], **kwargs) -> list[float]:
+    """Rewards the right number even when the answer block holds more than a number.
+
+    The number is the last one in the answer block; without an ``<answer>`` tag (and without
+    ``require_format``) it is the last number anywhere in the completion.
+
+    Args:
+        prompts: prompt texts [B] (unused).
+        completions: generated texts [B].
+        answers: gold answers [B].
+        **kwargs: ``response_prefix`` (str) and ``reward_config`` (RewardConfig).
+
+    Returns:
+        Points [B]: ``number_match`` if the number equals the gold value, else 0.
+
+    Example:
+        >>> number_match([""], ["... so she earns 10 dollars."], ["10"], reward_config=get_reward_config("simple"))
+        [1.5]
+    """
+    texts, config = _prep(completions, kwargs)
+    scores = []
+    for text, gold in zip(texts, answers, strict=True):
+        block = _answer_for_scoring(text, config)
+        if block is None and not config.require_format:
+            block = text
+        number = None if block is None else extract_last_number(block)
+        ok = number is not None and _numbers_equal(normalize_number(number), normalize_number(gold))
+        scores.append(config.number_match if ok else 0.0)
+    return scores
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "format_exact": format_exact,
+    "format_approximate": format_approximate,
+    "answer_correct": answer_correct,
+    "answer_close": answer_close,
+    "number_match": number_match,
+}
+
+_warned: set[str] = set()
+
+
+def score_completions(
+    prompts: list[str],
+    completions: list[str],
+    answers: list[str],
+    reward_config: RewardConfig | str = "maxtext",
+    reward_fns: Mapping[str, RewardFn] | None = None,
+    **kwargs,
+) -> dict[str, list[float]]:
+    """Runs the reward functions a config names and adds their weighted sum.
+
+    A function that raises abstains: its values are NaN for the whole batch and a warning is logged once per
+    function name. NaN values add nothing to ``total``; a completion for which every function abstained gets
+    a NaN total.
+
+    Args:
+        prompts: prompt texts [B].
+        completions: generated texts [B], without the response prefix.
+        answers: gold answers [B] as strings.
+        reward_config: a RewardConfig or preset name; its ``weights`` pick the functions.
+        reward_fns: extra or replacement functions by name (looked up before the built-in ones).
+        **kwargs: passed to every function (e.g. ``response_prefix``).
+
+    Returns:
+        Name -> points [B] for each weighted function, plus ``"total"`` [B].
+
+    Raises:
+        ValueError: if the input lengths differ, a weighted name has no function, or a function returns the
+            wrong number of values (the message names it).
+
+    Example:
+        >>> out = score_completions([""], ["<reasoning>x</reasoning><answer>4</answer>"], ["4"], "tunix")
+        >>> out["total"]
+        [9.5]
+    """
+    if isinstance(reward_config, str):
+        reward_config = get_reward_config(reward_config)
+    if not (len(prompts) == len(completions) == len(answers)):
+        raise ValueError(
+            f"prompts, completions and answers must have the same length, got "
+            f"{len(prompts)}, {len(completions)}, {len(answers)}"
+        )
+    fns = {**REWARD_FUNCTIONS, **(reward_fns or {})}
+    out: dict[str, list[float]] = {}
+    for name in reward_config.weights:
+        if name not in fns:
+            raise ValueError(f"reward {name!r} in RewardConfig.weights has no function; known: {sorted(fns)}")
+        try:
+            raw = fns[name](prompts, completions, answers, reward_config=reward_config, **kwargs)
+            values = [float(v) for v in raw]
+        except ImportError:
+            raise
+        except Exception as e:  # a broken reward abstains rather than killing a long run
+            if name not in _warned:
+                _warned.add(name)
+                logger.warning("reward %r raised %s: %s; scoring NaN (abstain)", name, type(e).__name__, e)
+            values = [math.nan] * len(completions)
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            )
+        out[name] = values
+    totals = []
+    for i in range(len(completions)):
+        terms = [reward_config.weights[n] * out[n][i] for n in out if not math.isnan(out[n][i])]
+        totals.append(sum(terms) if terms else math.nan)
+    out["total"] = totals
+    return out
