@@ -104,6 +104,17 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _flatten(data: dict) -> dict:
+    """Flattens MaxText's nested sections (``rl: {num_generations: 2}``) into top-level keys."""
+    flat: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("rl", "debug"):
+            flat.update(_flatten(value))
+        else:
+            flat[key] = value
+    return flat
+
+
 def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
     """Splits ``key=value`` tokens; a bare ``*.yml`` token or ``config=`` names a user YAML file."""
     overrides: dict[str, str] = {}
@@ -116,6 +127,7 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
             raise ConfigError(f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)")
         key, value = token.split("=", 1)
         key = key.strip().lstrip("-").replace("-", "_")
+        key = key.removeprefix("rl.")
         if key == "config":
             user_yaml = Path(value)
             continue
@@ -127,7 +139,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     """Builds a frozen dataclass ``cls`` from defaults, model preset, user YAML and ``key=value`` tokens.
 
     Args:
-      cls: a dataclass type whose fields are the command's keys.
+      cls: a dataclass type whose fields are the command's keys; an optional class attribute
+        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names.
       argv: ``key=value`` tokens (MaxText style).
       **explicit: values that win over everything (used by tests and library callers).
 
@@ -139,14 +152,17 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
+    overrides = {aliases.get(k, k): v for k, v in overrides.items()}
     for key in list(overrides) + list(explicit):
         if key not in fields:
             raise ConfigError(f"unknown key '{key}' for this command.{suggest(key, fields)} "
                               f"(run with --help to list the keys)")
     layers: list[tuple[str, dict]] = []
     model_name = explicit.get("model_name", overrides.get("model_name"))
-    user_data = _read_yaml(user_yaml) if user_yaml else {}
+    user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
+    user_data = {aliases.get(k, k): v for k, v in user_data.items()}
     model_name = model_name or user_data.get("model_name")
     if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
         preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
