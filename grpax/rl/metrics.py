@@ -1,0 +1,453 @@
+"""Evaluation metrics for sampled GSM8K completions, with 95% confidence intervals (pure numpy).
+
+Inputs are grouped per question: ``k`` sampled completions for each of ``Q`` questions. Proportions
+(accuracy, partial accuracy, format accuracy) use the Wilson score interval (Wilson 1927), which stays inside
+[0, 1] and behaves at 0% and 100%; the mean reward uses the normal approximation mean +- 1.96 * std / sqrt(N).
+``pass@k`` is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+Code"), 1 - C(n - c, k) / C(n, k) per question; ``maj@k`` is the majority vote over the extracted answers.
+Both are averaged over questions, and their interval is the Wilson interval of that mean with N = Q.
+
+The file-scoring helpers (``load_completions_file``, ``score_records``, ``summarize``) score completions made
+elsewhere, e.g. by vLLM, with the same rewards as training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from grpax.data.gsm8k import extract_gold
+from grpax.rewards.gsm8k import (
+    RewardConfig,
+    extract_answer,
+    is_close,
+    is_correct,
+    is_format_exact,
+    normalize_number,
+    score_completions,
+)
+
+Z_95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A metric value with its sample size and 95% confidence interval.
+
+    Attributes:
+        value: the point estimate.
+        n: the number of samples it averages (completions, or questions for pass@k / maj@k).
+        ci95: (low, high) bounds of the 95% interval.
+    """
+
+    value: float
+    n: int
+    ci95: tuple[float, float]
+
+
+def wilson_interval(successes: float, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval for a proportion.
+
+    Args:
+        successes: number of successes (may be fractional, e.g. a sum of pass@k estimates).
+        n: number of trials.
+        z: normal quantile (1.96 for 95%).
+
+    Returns:
+        (low, high); (nan, nan) if n == 0.
+
+    Example:
+        >>> [round(x, 4) for x in wilson_interval(3, 4)]
+        [0.3006, 0.9544]
+    """
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # At p = 0 or 1 the exact bound is 0 or 1; rounding would otherwise give 0.9999999999999999.
+    lo = 0.0 if successes <= 0 else max(0.0, center - half)
+    hi = 1.0 if successes >= n else min(1.0, center + half)
+    return (lo, hi)
+
+
+def _flat(values: Sequence[Sequence]) -> list:
+    return [v for group in values for v in group]
+
+
+def _proportion(flags: Sequence[bool]) -> Estimate:
+    n = len(flags)
+    s = float(sum(bool(f) for f in flags))
+    return Estimate(s / n if n else math.nan, n, wilson_interval(s, n))
+
+
+def accuracy(correct: Sequence[Sequence[bool]]) -> Estimate:
+    """Fraction of all completions that are correct.
+
+    Args:
+        correct: per question, per sample correctness [Q][k].
+
+    Returns:
+        Estimate with n = number of completions and a Wilson interval.
+
+    Example:
+        >>> accuracy([[True, False], [True, True]]).value
+        0.75
+    """
+    return _proportion(_flat(correct))
+
+
+def partial_accuracy(close: Sequence[Sequence[bool]]) -> Estimate:
+    """Fraction of completions whose answer is within 10% of the gold value (``is_close``).
+
+    Args:
+        close: per question, per sample closeness [Q][k].
+
+    Returns:
+        Estimate with n = number of completions and a Wilson interval.
+
+    Example:
+        >>> partial_accuracy([[True, True], [False, True]]).value
+        0.75
+    """
+    return _proportion(_flat(close))
+
+
+def format_accuracy(formatted: Sequence[Sequence[bool]]) -> Estimate:
+    """Fraction of completions with the exact ``<reasoning>``/``<answer>`` layout.
+
+    Args:
+        formatted: per question, per sample layout match [Q][k].
+
+    Returns:
+        Estimate with n = number of completions and a Wilson interval.
+
+    Example:
+        >>> format_accuracy([[False, False], [False, True]]).value
+        0.25
+    """
+    return _proportion(_flat(formatted))
+
+
+def mean_reward(rewards: Sequence[Sequence[float]]) -> Estimate:
+    """Mean total reward over completions, NaN (abstained) values skipped.
+
+    Args:
+        rewards: per question, per sample total reward [Q][k], in points.
+
+    Returns:
+        Estimate with n = number of non-NaN values and interval mean +- 1.96 * std / sqrt(n) (std with
+        ddof=1; zero width when n == 1).
+
+    Example:
+        >>> mean_reward([[1.0, 3.0], [2.0, float("nan")]]).value
+        2.0
+    """
+    x = np.asarray(_flat(rewards), dtype=np.float64)
+    x = x[~np.isnan(x)]
+    n = int(x.size)
+    if n == 0:
+        return Estimate(math.nan, 0, (math.nan, math.nan))
+    mean = float(x.mean())
+    half = Z_95 * float(x.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
+    return Estimate(mean, n, (mean - half, mean + half))
+
+
+def pass_at_k_unbiased(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one question: 1 - C(n - c, k) / C(n, k).
+
+    Args:
+        n: samples drawn.
+        c: correct samples among them.
+        k: the k in pass@k (k <= n).
+
+    Returns:
+        The probability that at least one of k samples drawn without replacement is correct.
+
+    Raises:
+        ValueError: if k > n or c > n.
+
+    Example:
+        >>> pass_at_k_unbiased(n=4, c=1, k=2)
+        0.5
+    """
+    if k > n or c > n or k < 1:
+        raise ValueError(f"need 1 <= k <= n and c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k(correct: Sequence[Sequence[bool]], k: int | None = None) -> Estimate:
+    """Mean unbiased pass@k over questions.
+
+    Args:
+        correct: per question, per sample correctness [Q][n].
+        k: the k in pass@k; defaults to the samples per question (then it is "any sample correct").
+
+    Returns:
+        Estimate with n = number of questions and a Wilson interval.
+
+    Raises:
+        ValueError: if a question has fewer than k samples.
+
+    Example:
+        >>> pass_at_k([[True, False], [False, False]]).value
+        0.5
+    """
+    values = [pass_at_k_unbiased(len(g), sum(bool(x) for x in g), k or len(g)) for g in correct]
+    q = len(values)
+    s = float(sum(values))
+    return Estimate(s / q if q else math.nan, q, wilson_interval(s, q))
+
+
+def _vote_key(answer: str) -> str:
+    value = normalize_number(answer)
+    return answer.strip() if value is None else repr(round(value, 6))
+
+
+def majority_answer(answers: Sequence[str | None]) -> str | None:
+    """The most frequent answer; numbers vote together by value; ties go to the first seen.
+
+    Args:
+        answers: extracted answers of one question's samples (None = no answer, no vote).
+
+    Returns:
+        The first-seen spelling of the winning answer, or None if nobody answered.
+
+    Example:
+        >>> majority_answer(["18", None, "$18.00", "20", "20"])
+        '18'
+    """
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for a in answers:
+        if a is None:
+            continue
+        key = _vote_key(a)
+        counts[key] = counts.get(key, 0) + 1
+        first.setdefault(key, a)
+    if not counts:
+        return None
+    best = max(counts.values())
+    winner = next(k for k in first if counts[k] == best)  # dicts keep first-seen order
+    return first[winner]
+
+
+def maj_at_k(answers: Sequence[Sequence[str | None]], golds: Sequence[str], k: int | None = None) -> Estimate:
+    """Fraction of questions whose majority answer over the first k samples is correct.
+
+    Args:
+        answers: per question, per sample extracted answers [Q][n] (None = no answer).
+        golds: gold answers [Q].
+        k: samples used per question; defaults to all.
+
+    Returns:
+        Estimate with n = number of questions and a Wilson interval.
+
+    Raises:
+        ValueError: if answers and golds differ in length.
+
+    Example:
+        >>> maj_at_k([["3", "4", "4"], ["1", "2", None]], ["4", "2"]).value  # the 1-vs-2 tie goes to "1"
+        0.5
+    """
+    if len(answers) != len(golds):
+        raise ValueError(f"answers ({len(answers)}) and golds ({len(golds)}) must have the same length")
+    flags = [
+        is_correct(majority_answer(list(a)[: k or len(a)]), g) for a, g in zip(answers, golds, strict=True)
+    ]
+    q = len(flags)
+    s = float(sum(flags))
+    return Estimate(s / q if q else math.nan, q, wilson_interval(s, q))
+
+
+def load_completions_file(path: str | Path) -> list[dict]:
+    """Reads completions made elsewhere (e.g. vLLM) from a JSONL file.
+
+    Each line needs ``question``, ``answer`` (a bare number or a full GSM8K solution ending in ``#### N``)
+    and ``completion``. Keep a question's samples on consecutive lines for ``summarize``.
+
+    Args:
+        path: the JSONL file.
+
+    Returns:
+        Rows ``{"question": str, "answer": str (gold number), "completion": str}``.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if a line is not JSON, lacks a field, or its answer has no number (file and line named).
+
+    Example:
+        >>> rows = load_completions_file("runs/vllm_samples.jsonl")  # doctest: +SKIP
+        >>> rows[0]["answer"]  # doctest: +SKIP
+        '72'
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"completions file {path} does not exist")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
+            missing = [k for k in ("question", "answer", "completion") if k not in r]
+            if missing:
+                raise ValueError(
+                    f"{path}: line {line_no} lacks field(s) {missing}; each line needs question, answer, completion"
+                )
+            gold = extract_gold(str(r["answer"]))
+            if gold is None:
+                raise ValueError(
+                    f"{path}: line {line_no} field 'answer' is neither a number nor a solution ending in '#### N'"
+                )
+            rows.append({"question": str(r["question"]), "answer": gold, "completion": str(r["completion"])})
+    return rows
+
+
+def score_records(
+    questions: Sequence[str],
+    golds: Sequence[str],
+    completions: Sequence[str],
+    reward_config: RewardConfig | str = "maxtext",
+    response_prefix: str = "",
+) -> list[dict]:
+    """Scores aligned (question, gold, completion) triples into records.
+
+    Args:
+        questions: question per completion [N].
+        golds: gold answer per completion [N].
+        completions: generated text [N], without the response prefix.
+        reward_config: RewardConfig or preset name.
+        response_prefix: text pre-filled before each completion (prepended before checking).
+
+    Returns:
+        Records ``{"question", "answer", "completion", "extracted_answer", "correct", "close", "formatted",
+        "rewards"}``; ``rewards`` maps each reward name (and ``"total"``) to its points.
+
+    Raises:
+        ValueError: if the inputs differ in length.
+
+    Example:
+        >>> r = score_records(["2+2?"], ["4"], ["<reasoning>2+2</reasoning><answer>4</answer>"], "tunix")
+        >>> r[0]["correct"], r[0]["rewards"]["total"]
+        (True, 9.5)
+    """
+    if not (len(questions) == len(golds) == len(completions)):
+        raise ValueError(
+            f"questions, golds and completions must have the same length, got "
+            f"{len(questions)}, {len(golds)}, {len(completions)}"
+        )
+    scores = score_completions(
+        list(questions), list(completions), list(golds), reward_config, response_prefix=response_prefix
+    )
+    records = []
+    for i, (q, g, c) in enumerate(zip(questions, golds, completions, strict=True)):
+        full = response_prefix + c
+        extracted = extract_answer(full)
+        records.append(
+            {
+                "question": q,
+                "answer": g,
+                "completion": c,
+                "extracted_answer": extracted,
+                "correct": is_correct(extracted, g),
+                "close": is_close(extracted, g),
+                "formatted": is_format_exact(full),
+                "rewards": {name: values[i] for name, values in scores.items()},
+            }
+        )
+    return records
+
+
+def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | int | list[float]]:
+    """Summary metrics of scored records, ``num_samples`` consecutive records per question.
+
+    Args:
+        records: from ``score_records`` (or dicts with ``question``, ``answer``, ``completion``,
+            ``extracted_answer``, ``correct`` and ``rewards``; ``close`` / ``formatted`` are recomputed if
+            absent, and ``rewards["total"]`` is used for the mean reward when present).
+        num_samples: completions per question (the k of pass@k and maj@k).
+
+    Returns:
+        ``num_questions``, ``num_completions``, ``accuracy``, ``partial_accuracy``, ``format_accuracy``,
+        ``mean_reward``, ``pass@k``, ``maj@k`` and for each metric ``<name>_ci95`` = [low, high].
+
+    Raises:
+        ValueError: if the record count is not a multiple of num_samples, or a group mixes questions.
+
+    Example:
+        >>> recs = score_records(["q"] * 2, ["4"] * 2, ["<answer>4</answer>", "5"], "simple")
+        >>> s = summarize(recs, num_samples=2)
+        >>> s["accuracy"], s["pass@k"], s["maj@k"]
+        (0.5, 1.0, 1.0)
+    """
+    if num_samples < 1 or len(records) % num_samples:
+        raise ValueError(f"{len(records)} records do not split into groups of num_samples={num_samples}")
+    groups = [list(records[i : i + num_samples]) for i in range(0, len(records), num_samples)]
+    for g in groups:
+        if len({r["question"] for r in g}) != 1:
+            raise ValueError(
+                f"records for one question must be consecutive: a group of {num_samples} mixes questions "
+                f"(first: {g[0]['question'][:60]!r})"
+            )
+
+    def field(r: dict, name: str) -> bool:
+        if name in r:
+            return bool(r[name])
+        if name == "close":
+            return is_close(r["extracted_answer"], r["answer"])
+        return is_format_exact(r["completion"])
+
+    def total(r: dict) -> float:
+        rewards = r.get("rewards") or {}
+        if "total" in rewards:
+            return float(rewards["total"])
+        values = [float(v) for v in rewards.values() if not math.isnan(float(v))]
+        return sum(values) if values else math.nan
+
+    metrics = {
+        "accuracy": accuracy([[bool(r["correct"]) for r in g] for g in groups]),
+        "partial_accuracy": partial_accuracy([[field(r, "close") for r in g] for g in groups]),
+        "format_accuracy": format_accuracy([[field(r, "formatted") for r in g] for g in groups]),
+        "mean_reward": mean_reward([[total(r) for r in g] for g in groups]),
+        "pass@k": pass_at_k([[bool(r["correct"]) for r in g] for g in groups], num_samples),
+        "maj@k": maj_at_k(
+            [[r["extracted_answer"] for r in g] for g in groups], [g[0]["answer"] for g in groups]
+        ),
+    }
+    summary: dict[str, float | int | list[float]] = {
+        "num_questions": len(groups),
+        "num_completions": len(records),
+    }
+    for name, est in metrics.items():
+        summary[name] = est.value
+        summary[f"{name}_ci95"] = [est.ci95[0], est.ci95[1]]
+    return summary
+
+
+__all__ = [
+    "Estimate",
+    "accuracy",
+    "format_accuracy",
+    "load_completions_file",
+    "maj_at_k",
+    "majority_answer",
+    "mean_reward",
+    "partial_accuracy",
+    "pass_at_k",
+    "pass_at_k_unbiased",
+    "score_records",
+    "summarize",
+    "wilson_interval",
+]

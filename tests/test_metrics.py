@@ -1,0 +1,176 @@
+"""Evaluation metrics against hand-computed values on a small hand-made predictions list."""
+
+import json
+import math
+
+import pytest
+
+from grpax.rl.metrics import (
+    accuracy,
+    format_accuracy,
+    load_completions_file,
+    maj_at_k,
+    majority_answer,
+    mean_reward,
+    partial_accuracy,
+    pass_at_k,
+    pass_at_k_unbiased,
+    score_records,
+    summarize,
+    wilson_interval,
+)
+
+# 3 questions x 4 samples: the extracted answers (None = no answer) and gold answers.
+GOLDS = ["18", "5", "100"]
+ANSWERS = [
+    ["18", "18.00", "20", None],  # 2 correct; 18 and 18.00 vote together
+    ["4", "6", "6", "5"],  # 1 correct; majority 6 is wrong
+    ["95", "90", None, None],  # 0 correct; both within 10%; the 95-vs-90 tie goes to 95
+]
+CORRECT = [[True, True, False, False], [False, False, False, True], [False, False, False, False]]
+CLOSE = [[True, True, False, False], [False, False, False, True], [True, True, False, False]]
+
+
+def test_wilson_interval_hand_computed():
+    # p = 0.25, n = 12: center 0.310624, half-width 0.221684.
+    lo, hi = wilson_interval(3, 12)
+    assert (lo, hi) == pytest.approx((0.088942, 0.532305), abs=1e-5)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    assert wilson_interval(0, 10)[1] == pytest.approx(0.277532, abs=1e-5)  # 3.8415 / 13.8415
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+
+
+def test_accuracy_partial_and_format():
+    acc = accuracy(CORRECT)
+    assert (acc.value, acc.n) == (0.25, 12)
+    assert acc.ci95 == pytest.approx((0.088942, 0.532305), abs=1e-5)
+    part = partial_accuracy(CLOSE)
+    assert (part.value, part.n) == (pytest.approx(5 / 12), 12)
+    fmt = format_accuracy([[True, False], [False, False]])
+    assert (fmt.value, fmt.n) == (0.25, 4)
+
+
+def test_pass_at_k_hand_computed():
+    assert pass_at_k_unbiased(4, 2, 2) == pytest.approx(5 / 6)  # 1 - C(2,2)/C(4,2)
+    assert pass_at_k_unbiased(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k_unbiased(4, 0, 2) == 0.0
+    assert pass_at_k_unbiased(4, 3, 2) == 1.0
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k_unbiased(2, 1, 3)
+
+    p4 = pass_at_k(CORRECT)  # k = n = 4: any sample correct -> 1, 1, 0
+    assert (p4.value, p4.n) == (pytest.approx(2 / 3), 3)
+    assert pass_at_k(CORRECT, 2).value == pytest.approx((5 / 6 + 0.5 + 0) / 3)  # 4/9
+    assert pass_at_k(CORRECT, 1).value == pytest.approx(accuracy(CORRECT).value)  # pass@1 = accuracy
+
+
+def test_maj_at_k_hand_computed():
+    assert majority_answer(ANSWERS[0]) == "18"
+    assert majority_answer(ANSWERS[1]) == "6"
+    assert majority_answer(ANSWERS[2]) == "95"
+    assert majority_answer(["90", "95"]) == "90"  # ties: first seen
+    assert majority_answer([None, None]) is None
+    assert majority_answer(["$1,000", "1000", "999"]) == "$1,000"
+
+    maj = maj_at_k(ANSWERS, GOLDS)
+    assert (maj.value, maj.n) == (pytest.approx(1 / 3), 3)
+    # With only the first 2 samples, question 2 votes 4 vs 6 -> 4 (wrong), question 3 95 vs 90 -> 95.
+    assert maj_at_k(ANSWERS, GOLDS, k=2).value == pytest.approx(1 / 3)
+    assert maj_at_k([["5", "4", "4"]], ["5"], k=1).value == 1.0
+    with pytest.raises(ValueError, match="same length"):
+        maj_at_k(ANSWERS, GOLDS[:2])
+
+
+def test_mean_reward_normal_interval():
+    est = mean_reward([[1.0, 2.0], [3.0, 4.0, float("nan")]])
+    # std (ddof=1) = sqrt(5/3) = 1.290994; half-width = 1.959964 * 1.290994 / 2 = 1.265148.
+    assert (est.value, est.n) == (2.5, 4)
+    assert est.ci95 == pytest.approx((1.234852, 3.765148), abs=1e-5)
+    single = mean_reward([[7.0]])
+    assert (single.value, single.ci95) == (7.0, (7.0, 7.0))
+    assert math.isnan(mean_reward([[float("nan")]]).value)
+
+
+def completion_for(answer):
+    return "I give up." if answer is None else f"<reasoning>work</reasoning>\n<answer>{answer}</answer>"
+
+
+def test_score_records_and_summarize():
+    questions = [f"question {q}" for q in range(3) for _ in range(4)]
+    golds = [GOLDS[q] for q in range(3) for _ in range(4)]
+    completions = [completion_for(a) for group in ANSWERS for a in group]
+    records = score_records(questions, golds, completions, "simple")
+
+    assert [r["correct"] for r in records] == [c for g in CORRECT for c in g]
+    assert [r["extracted_answer"] for r in records[:4]] == ["18", "18.00", "20", None]
+    assert records[0]["rewards"] == {"answer_correct": 1.0, "format_exact": 0.1, "total": pytest.approx(1.1)}
+
+    s = summarize(records, num_samples=4)
+    assert set(s) == {
+        "num_questions",
+        "num_completions",
+        "accuracy",
+        "partial_accuracy",
+        "format_accuracy",
+        "mean_reward",
+        "pass@k",
+        "maj@k",
+        "accuracy_ci95",
+        "partial_accuracy_ci95",
+        "format_accuracy_ci95",
+        "mean_reward_ci95",
+        "pass@k_ci95",
+        "maj@k_ci95",
+    }
+    assert (s["num_questions"], s["num_completions"]) == (3, 12)
+    assert s["accuracy"] == 0.25
+    assert s["accuracy_ci95"] == pytest.approx([0.088942, 0.532305], abs=1e-5)
+    assert s["partial_accuracy"] == pytest.approx(5 / 12)
+    assert s["format_accuracy"] == pytest.approx(9 / 12)
+    # Totals: q1 1.1 1.1 0.1 0 | q2 0.1 0.1 0.1 1.1 | q3 0.1 0.1 0 0 -> 3.9 / 12.
+    assert s["mean_reward"] == pytest.approx(0.325)
+    assert s["pass@k"] == pytest.approx(2 / 3)
+    assert s["maj@k"] == pytest.approx(1 / 3)
+
+
+def test_summarize_with_prefix_and_validation():
+    records = score_records(
+        ["q"], ["4"], ["2+2</reasoning><answer>4</answer>"], "tunix", response_prefix="<reasoning>"
+    )
+    assert records[0]["formatted"] and records[0]["correct"]
+    assert records[0]["completion"] == "2+2</reasoning><answer>4</answer>"  # stored without the prefix
+    assert summarize(records, 1)["format_accuracy"] == 1.0
+    with pytest.raises(ValueError, match="groups of num_samples=2"):
+        summarize(records, 2)
+    mixed = score_records(["a", "b"], ["1", "1"], ["1", "1"], "simple")
+    with pytest.raises(ValueError, match="consecutive"):
+        summarize(mixed, 2)
+    with pytest.raises(ValueError, match="same length"):
+        score_records(["a"], ["1", "2"], ["x"])
+
+
+def test_load_completions_file(tmp_path):
+    path = tmp_path / "vllm.jsonl"
+    lines = [
+        {
+            "question": "q1",
+            "answer": "He pays 2 * 500 = 1,000.\n#### 1,000",
+            "completion": "<answer>1000</answer>",
+        },
+        {"question": "q2", "answer": "72", "completion": "72"},
+        {"question": "q3", "answer": 5, "completion": ""},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    rows = load_completions_file(path)
+    assert [r["answer"] for r in rows] == ["1000", "72", "5"]
+    assert rows[0] == {"question": "q1", "answer": "1000", "completion": "<answer>1000</answer>"}
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 1 lacks field\(s\) \['completion'\]"):
+        load_completions_file(bad)
+    bad.write_text(json.dumps({"question": "q", "answer": "many", "completion": ""}) + "\n")
+    with pytest.raises(ValueError, match="#### N"):
+        load_completions_file(bad)
+    with pytest.raises(FileNotFoundError):
+        load_completions_file(tmp_path / "missing.jsonl")
