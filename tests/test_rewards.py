@@ -272,3 +272,24 @@ def test_math_verify_missing_is_a_clear_error(monkeypatch):
     cfg = get_reward_config("tunix", use_math_verify=True)
     with pytest.raises(ImportError, match="pip install"):
         score_completions(["p"], [GOOD.replace("\n72\n", "\\frac{144}{2}")], ["72"], cfg)
+
+
+def test_math_verify_flag_uses_library(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("math_verify")
+    fake.parse = lambda text, parsing_timeout: (
+        calls.append(parsing_timeout),
+        text.replace("\\frac{144}{2}", "72"),
+    )[1]
+    fake.verify = lambda gold, pred, timeout_seconds: gold == pred
+    monkeypatch.setitem(sys.modules, "math_verify", fake)
+    completion = GOOD.replace("\n72\n", "\\frac{144}{2}")
+    off = get_reward_config("tunix")
+    on = get_reward_config("tunix", use_math_verify=True, math_verify_timeout_s=2.5)
+    assert one(answer_correct, completion, reward_config=off) == 0.0
+    assert one(answer_correct, completion, reward_config=on) == 3.0
+    assert calls == [3, 3]  # timeout rounded up to whole seconds
+    assert is_correct("\\frac{144}{2}", "72", use_math_verify=True)

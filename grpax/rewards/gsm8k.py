@@ -249,9 +249,13 @@ def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
             "(or pip install 'grpax[math]')"
         ) from e
     t = max(1, int(math.ceil(timeout_s)))
-    gold_parsed = math_verify.parse(gold, parsing_timeout=t)
-    pred_parsed = math_verify.parse(pred, parsing_timeout=t)
-    return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=t))
+    try:
+        gold_parsed = math_verify.parse(gold, parsing_timeout=t)
+        pred_parsed = math_verify.parse(pred, parsing_timeout=t)
+        return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=t))
+    except Exception as e:  # a timeout or parse failure means "not shown equal", not a crash
+        logger.debug("math-verify could not compare %r with %r: %s", pred, gold, e)
+        return False
 
 
 def is_correct(
