@@ -111,8 +111,9 @@ def test_parquet_hub_layout(tmp_path):
     assert [r["gold"] for r in rows] == ["0000", "1000"]
 
 
-def test_hub_name_offline_fails_fast(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+@pytest.mark.parametrize("var, value", [("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "true")])
+def test_hub_name_offline_fails_fast(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
     start = time.perf_counter()
     with pytest.raises(DatasetUnavailableError, match=r"openai/gsm8k.*dataset_name=\.\./shared/data/gsm8k"):
         load_dataset_rows("openai/gsm8k", "train")

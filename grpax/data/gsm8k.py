@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _HUB_HOST = "huggingface.co"
 _HUB_TIMEOUT_S = 2.0
+_TRUE = ("1", "true", "yes", "on")
 
 
 class DatasetUnavailableError(ValueError):
@@ -121,9 +122,7 @@ def _hub_reachable(timeout_s: float = _HUB_TIMEOUT_S) -> bool:
 
 def _load_from_hub(name: str, split: str) -> list[dict]:
     hint = f"pass a local path instead, e.g. dataset_name=../shared/data/gsm8k (a folder with {split}.jsonl)"
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get(
-        "HF_DATASETS_OFFLINE", "0"
-    ) not in ("", "0"):
+    if any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         raise DatasetUnavailableError(f"cannot load Hub dataset {name!r}: offline mode is set; {hint}")
     try:
         import datasets  # noqa: PLC0415 - optional dependency
