@@ -1,0 +1,595 @@
+"""Checkpoint conversion: Hugging Face safetensors / Hub / GGUF -> grpax Orbax, and grpax Orbax -> Hugging Face.
+
+The library side of ``grpax to_native`` and ``grpax to_huggingface`` (MaxText's ``to_maxtext`` /
+``to_huggingface`` keys). Both write into a hidden staging folder and publish it with a rename at the end, so an
+interrupted conversion never leaves something that looks like a finished checkpoint:
+
+* ``to_native`` writes ``<base>/config.json``, the tokenizer files and ``<base>/0/items`` (Orbax); ``0`` is
+  moved into place last.
+* ``to_huggingface`` writes ``config.json``, ``generation_config.json``, tokenizer files and ``*.safetensors``
+  (sharded with ``model.safetensors.index.json`` above ``max_shard_size``); ``config.json`` is moved last.
+
+Tensors are streamed one at a time (``safetensors.safe_open`` with numpy, no torch) into preallocated stacked
+arrays when ``lazy_load_tensors=True``; bfloat16 uses ``ml_dtypes`` so no torch is needed either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
+from grpax.checkpoint.orbax import TOKENIZER_FILES, find_model_folder, restore_params, save_params
+from grpax.config import ConfigError, env_flag
+from grpax.models.registry import (
+    HF_REPOS,
+    MODELS,
+    ModelConfig,
+    check_matches,
+    from_hf_config,
+    get_model_config,
+    to_hf_config,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3  # bytes, as transformers' save_pretrained
+_HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_FILES,
+]
+# Tokens that end a chat turn in the Llama 3 and SmolLM2 (ChatML) templates.
+_END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>")
+
+
+def _dtype(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"weight_dtype={name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+
+class SafetensorsSource:
+    """HF-named tensors from a folder of ``*.safetensors`` (one file, or sharded with an index).
+
+    Args:
+      folder: holds ``model.safetensors`` or ``model.safetensors.index.json`` + shards (or any ``*.safetensors``).
+      lazy: keep files open and read one tensor per ``get_tensor``; otherwise read every file at once.
+
+    Raises:
+      FileNotFoundError: no safetensors in ``folder`` or a shard named by the index is missing.
+      ValueError: a file is not valid safetensors (names it).
+    """
+
+    def __init__(self, folder: Path, lazy: bool = True):
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index} is not a valid safetensors index ({e})") from None
+            files = sorted({folder / f for f in weight_map.values()})
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(
+                f"no *.safetensors in {folder}: hf_model_path must hold config.json and the "
+                "model's safetensors files (PyTorch .bin files are not read)"
+            )
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"{f} is listed in {index} but missing; re-download the model")
+        self.total_bytes = sum(f.stat().st_size for f in files)
+        self._handles: dict[str, Any] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+        self._where: dict[str, Any] = {}
+        for f in files:
+            try:
+                if lazy:
+                    handle = safe_open(str(f), framework="np")
+                    self._handles[str(f)] = handle
+                    self._where.update({name: handle for name in handle.keys()})
+                else:
+                    self._arrays.update(load_file(str(f)))
+            except Exception as e:  # safetensors raises its own SafetensorError / OSError
+                raise ValueError(
+                    f"{f} is not a valid safetensors file ({e}); re-download or re-export it"
+                ) from None
+        del weight_map
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._where or name in self._arrays
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        if name in self._arrays:
+            return self._arrays.pop(name)  # each tensor is read once: free it as soon as it is copied
+        return self._where[name].get_tensor(name)
+
+
+def _hub_download(model_name: str, hf_access_token: str | None) -> Path:
+    """Downloads config, safetensors and tokenizer files of ``HF_REPOS[model_name]``; fails at once offline."""
+    import huggingface_hub
+    from huggingface_hub import HfApi, snapshot_download
+
+    if model_name not in HF_REPOS:
+        raise ConfigError(
+            f"model_name={model_name!r} has no known Hub repository; pass hf_model_path=<folder with "
+            "config.json and *.safetensors> or gguf_path=<file.gguf>"
+        )
+    repo = HF_REPOS[model_name]
+    how = (
+        f"download it elsewhere (huggingface-cli download {repo}) and pass hf_model_path=<that folder>, "
+        "or pass gguf_path=<file.gguf>"
+    )
+    offline = env_flag("HF_HUB_OFFLINE") or bool(getattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False))
+    if offline:
+        try:  # a snapshot already in the local Hub cache is fine offline
+            return Path(snapshot_download(repo_id=repo, allow_patterns=_HUB_PATTERNS, local_files_only=True))
+        except Exception:
+            raise ConfigError(
+                f"HF_HUB_OFFLINE is set and {repo} is not in the local Hub cache; {how}"
+            ) from None
+    try:  # a short probe so a machine without network fails in seconds, not after long retries
+        HfApi().model_info(repo, token=hf_access_token, timeout=5)
+    except Exception as e:
+        gated = type(e).__name__ in ("GatedRepoError", "RepositoryNotFoundError", "HfHubHTTPError")
+        fix = "pass hf_access_token=<token with access to it>, or " if gated else ""
+        raise ConfigError(
+            f"cannot reach the Hugging Face Hub for {repo} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}); {fix}{how}"
+        ) from None
+    log.info("downloading %s from the Hub", repo)
+    return Path(snapshot_download(repo_id=repo, token=hf_access_token, allow_patterns=_HUB_PATTERNS))
+
+
+# ------------------------------------------------------------------------------------------- publishing
+
+
+def _staging_dir(target: Path) -> Path:
+    """A fresh hidden sibling of ``target`` on the same filesystem (so the final rename is atomic)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def _publish(staging: Path, target: Path, last: str) -> None:
+    """Moves ``staging``'s content to ``target``; entry ``last`` (what makes it look valid) is moved last.
+
+    Raises:
+      FileExistsError: ``target`` already holds an entry of the same name (nothing is overwritten).
+    """
+    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+        if target.exists():
+            target.rmdir()
+        os.replace(staging, target)  # one atomic rename
+        return
+    clashes = [p.name for p in staging.iterdir() if (target / p.name).exists()]
+    if clashes:
+        raise FileExistsError(
+            f"{target} already holds {', '.join(sorted(clashes))}; delete them or choose another "
+            "base_output_directory"
+        )
+    for entry in sorted(staging.iterdir(), key=lambda p: p.name == last):
+        os.replace(entry, target / entry.name)
+    staging.rmdir()
+
+
+def _check_target(target: Path, names: list[str]) -> None:
+    clashes = [n for n in names if (target / n).exists()]
+    if clashes:
+        raise FileExistsError(
+            f"{target} already holds {', '.join(clashes)}; delete them or choose another "
+            "base_output_directory"
+        )
+
+
+def _progress(total: int, desc: str, enabled: bool) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A tqdm bar over bytes: returns ``(update, close)``."""
+    if not enabled:
+        return (lambda n: None), (lambda: None)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    return bar.update, bar.close
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+# -------------------------------------------------------------------------------------------- to_native
+
+
+def to_native(
+    model_name: str,
+    base_output_directory: str | Path,
+    hf_model_path: str | Path | None = None,
+    hf_access_token: str | None = None,
+    gguf_path: str | Path | None = None,
+    scan_layers: bool = True,
+    lazy_load_tensors: bool = True,
+    weight_dtype: str = "float32",
+    use_zarr3: bool = True,
+    use_ocdbt: bool = True,
+    use_multimodal: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Converts a Hugging Face checkpoint (local folder, Hub, or GGUF file) to a grpax Orbax checkpoint.
+
+    Args:
+      model_name: a registered name (``grpax.models.registry.MODELS``); the source config must match its shapes.
+        Unregistered names are accepted with a local source (the source config.json is then authoritative).
+      base_output_directory: output root; receives ``config.json``, tokenizer files and ``0/items``.
+      hf_model_path: local folder with ``config.json`` and ``*.safetensors`` (single or sharded).
+      hf_access_token: Hub token for gated repositories (used only without a local source).
+      gguf_path: a GGUF file instead (``grpax.checkpoint.gguf``); wins over the Hub, not over hf_model_path.
+      scan_layers: store layers stacked [L, ...] (True) or as a per-layer list.
+      lazy_load_tensors: stream one tensor at a time; False reads whole files first (faster, more memory).
+      weight_dtype: float32 | bfloat16 | float16, the stored parameter dtype.
+      use_zarr3, use_ocdbt: Orbax storage format options.
+      use_multimodal: must be False (only text Llama models are supported).
+      progress: show a tqdm bar over bytes read.
+
+    Returns:
+      A summary dict: ``params_path``, ``config_path``, ``tokenizer_files``, ``source``, ``num_params``,
+      ``bytes_read``, ``weight_dtype``, ``scan_layers``.
+
+    Raises:
+      ConfigError: multimodal, a config that does not match ``model_name``, a bad dtype, an unreachable Hub.
+      FileNotFoundError: a missing source file or folder; FileExistsError: the output already holds a checkpoint.
+      MissingTensorError: a tensor is absent (names it). ValueError: corrupt file or wrong tensor shape.
+    """
+    if use_multimodal:
+        raise ConfigError(
+            "use_multimodal=true is not supported: grpax converts text-only Llama models; "
+            "set use_multimodal=false"
+        )
+    dtype = _dtype(weight_dtype)
+    target = Path(base_output_directory).absolute()
+    _check_target(target, ["0", "config.json"])
+    tokenizer_src: Path | None = None
+    tokenizer_obj = None
+    if hf_model_path:
+        folder = Path(hf_model_path).absolute()
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"hf_model_path={folder} is not a folder; pass the folder holding config.json "
+                "and *.safetensors"
+            )
+        source_kind = f"safetensors folder {folder}"
+    elif gguf_path:
+        folder = None
+        source_kind = f"GGUF file {Path(gguf_path).absolute()}"
+    else:
+        folder = _hub_download(model_name, hf_access_token)
+        source_kind = f"Hub {HF_REPOS[model_name]} ({folder})"
+
+    if folder is not None:
+        from grpax.models.registry import load_hf_config
+
+        cfg = load_hf_config(folder, scan_layers=scan_layers, weight_dtype=weight_dtype)
+        hf_config = json.loads((folder / "config.json").read_text())
+        check_matches(cfg, model_name, str(folder / "config.json"))
+        source = SafetensorsSource(folder, lazy=lazy_load_tensors)
+        total_bytes = source.total_bytes
+        tokenizer_src = folder
+    else:
+        from grpax.checkpoint.gguf import read_gguf
+
+        gguf_file = Path(gguf_path).absolute()
+        if not gguf_file.is_file():
+            raise FileNotFoundError(f"gguf_path={gguf_file} does not exist")
+        source = read_gguf(gguf_file)
+        hf_config = source.hf_config
+        cfg = from_hf_config(hf_config, scan_layers=scan_layers, weight_dtype=weight_dtype)
+        check_matches(cfg, model_name, f"GGUF {gguf_file}")
+        if model_name in MODELS:  # GGUF metadata lacks some ids (pad); the registry knows them
+            ref = get_model_config(model_name)
+            cfg = cfg.replace(
+                bos_token_id=ref.bos_token_id, eos_token_ids=ref.eos_token_ids, pad_token_id=ref.pad_token_id
+            )
+        total_bytes = sum(4 * n for n in _tensor_sizes(cfg))  # dequantised float32
+        tokenizer_obj = source.tokenizer()
+        if not lazy_load_tensors:
+            log.info("lazy_load_tensors=false has no effect for GGUF (tensors are dequantised one at a time)")
+
+    update, close = _progress(total_bytes, "to_native", progress)
+    bytes_read = 0
+
+    def on_tensor(n: int) -> None:
+        nonlocal bytes_read
+        bytes_read += n
+        update(n)
+
+    try:
+        params = load_params_from_tensors(
+            source.get_tensor, source.has_tensor, cfg, dtype=dtype, on_tensor=on_tensor
+        )
+    finally:
+        close()
+    del source
+    num_params = sum(int(np.prod(x.shape)) for x in _leaves(params))
+
+    staging = _staging_dir(target)
+    try:
+        out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
+        if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
+            out_cfg = {
+                **{
+                    k: v for k, v in hf_config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")
+                },
+                **out_cfg,
+            }
+        _write_json(staging / "config.json", out_cfg)
+        if tokenizer_obj is not None:
+            from grpax.data.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer_obj, staging)
+            tokenizer_files = sorted(p.name for p in staging.iterdir() if p.name in TOKENIZER_FILES)
+        else:
+            tokenizer_files = _copy_tokenizer(tokenizer_src, staging)
+        if not tokenizer_files:
+            log.warning(
+                "no tokenizer files in %s; load_model will need them next to config.json", tokenizer_src
+            )
+        save_params(params, staging / "0" / "items", use_zarr3=use_zarr3, use_ocdbt=use_ocdbt)
+        del params
+        _publish(staging, target, last="0")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {
+        "params_path": str(target / "0" / "items"),
+        "config_path": str(target / "config.json"),
+        "tokenizer_files": [str(target / n) for n in tokenizer_files],
+        "source": source_kind,
+        "num_params": num_params,
+        "bytes_read": bytes_read,
+        "weight_dtype": weight_dtype,
+        "scan_layers": scan_layers,
+    }
+
+
+def _leaves(params: dict) -> Iterator[np.ndarray]:
+    for k, v in params.items():
+        if k == "layers":
+            for layer in v if isinstance(v, list) else [v]:
+                yield from layer.values()
+        else:
+            yield v
+
+
+def _tensor_sizes(cfg: ModelConfig) -> list[int]:
+    from grpax.models.params import abstract_params
+
+    return [int(np.prod(x.shape)) for x in _leaves(abstract_params(cfg))]
+
+
+# ---------------------------------------------------------------------------------------- to_huggingface
+
+
+def end_of_turn_ids(cfg: ModelConfig, tokenizer: Any | None) -> list[int]:
+    """Every id that ends generation: the config's eos ids, the tokenizer's eos, and chat end-of-turn tokens."""
+    ids = list(cfg.eos_token_ids)
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        candidates = [tokenizer.eos_token_id] + [vocab.get(t) for t in _END_OF_TURN_TOKENS]
+        ids += [i for i in candidates if i is not None and i < cfg.vocab_size]
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def generation_config(cfg: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
+    """``generation_config.json``: bos, pad, and eos as a list of every end-of-turn id (a single id when one)."""
+    eos = end_of_turn_ids(cfg, tokenizer)
+    out: dict[str, Any] = {"_from_model_config": False}
+    if cfg.bos_token_id is not None:
+        out["bos_token_id"] = cfg.bos_token_id
+    if eos:
+        out["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+    if pad is not None:
+        out["pad_token_id"] = int(pad)
+    return out
+
+
+def _write_safetensors(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    folder: Path,
+    max_shard_size: int,
+    total: int,
+    update: Callable[[int], None],
+) -> list[str]:
+    """Writes shards of at most ``max_shard_size`` bytes (a larger single tensor gets its own shard)."""
+    from safetensors.numpy import save_file
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    paths: list[str] = []
+    weight_map: dict[str, int] = {}
+
+    def flush(final: bool) -> None:
+        idx = len(paths)
+        name = f"model-{idx + 1:05d}.safetensors.part"
+        save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
+        paths.append(name)
+        if not final:
+            shards.append({})
+            sizes.append(0)
+
+    for hf_name, w in tensors:
+        if sizes[-1] and sizes[-1] + w.nbytes > max_shard_size:
+            flush(final=False)
+            shards[-2] = {}  # free the written shard
+        shards[-1][hf_name] = np.ascontiguousarray(w)
+        sizes[-1] += w.nbytes
+        weight_map[hf_name] = len(paths)
+        update(w.nbytes)
+    flush(final=True)
+    n = len(paths)
+    names = (
+        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    for part, final in zip(paths, names, strict=True):
+        os.replace(folder / part, folder / final)
+    if n > 1:
+        _write_json(
+            folder / "model.safetensors.index.json",
+            {
+                "metadata": {"total_size": total},
+                "weight_map": {k: names[i] for k, i in sorted(weight_map.items())},
+            },
+        )
+    return names
+
+
+def to_huggingface(
+    load_parameters_path: str | Path,
+    base_output_directory: str | Path,
+    model_name: str | None = None,
+    weight_dtype: str = "bfloat16",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Exports a grpax Orbax checkpoint as a Hugging Face ``LlamaForCausalLM`` folder.
+
+    The model config and tokenizer are taken from the nearest folder at or above ``load_parameters_path``
+    holding ``config.json`` (see ``grpax.checkpoint.orbax.load_model``); without one, the registered
+    ``model_name`` config is used. Tied models get no ``lm_head.weight``.
+
+    Args:
+      load_parameters_path: the Orbax params folder (``<base>/0/items`` or ``.../actor/<step>/model_params``).
+      base_output_directory: output folder (created; existing files are never overwritten).
+      model_name: when given, the checkpoint's config must match its shapes.
+      weight_dtype: float32 | bfloat16 | float16 dtype of the written safetensors (``torch_dtype`` too).
+      max_shard_size: bytes per safetensors shard; more than one shard writes ``model.safetensors.index.json``.
+      progress: show a tqdm bar over bytes written.
+
+    Returns:
+      A summary dict: ``output_dir``, ``safetensors`` (file names), ``config_path``, ``tokenizer_files``,
+      ``num_params``, ``bytes_written``, ``weight_dtype``.
+
+    Raises:
+      FileNotFoundError: no checkpoint, or neither config.json nor a registered ``model_name``.
+      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype.
+      MissingTensorError / ValueError: the params lack a weight (e.g. ``lm_head`` of an untied model) or have
+        the wrong shape.
+    """
+    from grpax.checkpoint.hf import MissingTensorError
+    from grpax.models.params import abstract_params
+
+    dtype = _dtype(weight_dtype)
+    params_path = Path(load_parameters_path).absolute()
+    target = Path(base_output_directory).absolute()
+    _check_target(target, ["config.json", "model.safetensors", "model.safetensors.index.json"])
+    if not params_path.exists():
+        raise FileNotFoundError(
+            f"load_parameters_path={params_path} does not exist; pass <base>/0/items of a "
+            "converted model or .../checkpoints/actor/<step>/model_params"
+        )
+    try:
+        folder: Path | None = find_model_folder(params_path)
+    except FileNotFoundError:
+        if not model_name or model_name not in MODELS:
+            raise
+        folder = None
+    if folder is not None:
+        hf_config = json.loads((folder / "config.json").read_text())
+        cfg = from_hf_config(hf_config)
+        if model_name:
+            check_matches(cfg, model_name, str(folder / "config.json"))
+    else:
+        log.warning("no config.json above %s; using the registered %s config", params_path, model_name)
+        hf_config, cfg = {}, get_model_config(model_name)
+
+    params = restore_params(params_path)
+    stacked = isinstance(params["layers"], dict)
+    cfg = cfg.replace(scan_layers=stacked)
+    expected = abstract_params(cfg)
+    for name in ("embed", "final_norm", "lm_head"):
+        if name in expected and name not in params:
+            hint = " (the config says tie_word_embeddings=false)" if name == "lm_head" else ""
+            raise MissingTensorError(f"weight {name!r} is missing from {params_path}{hint}")
+        if name in expected and tuple(params[name].shape) != expected[name].shape:
+            raise ValueError(
+                f"weight {name!r} in {params_path} has shape {tuple(params[name].shape)}, expected "
+                f"{expected[name].shape} from {folder or model_name}"
+            )
+    layers = params["layers"]
+    num_layers = len(layers) if not stacked else next(iter(layers.values())).shape[0]
+    if num_layers != cfg.num_layers:
+        raise ValueError(f"{params_path} has {num_layers} layers, config says {cfg.num_layers}")
+    if "lm_head" in params and cfg.tie_word_embeddings:
+        log.warning("checkpoint has lm_head but the config ties embeddings; lm_head is not exported")
+        params = {k: v for k, v in params.items() if k != "lm_head"}
+
+    tokenizer = None
+    tokenizer_files: list[str] = []
+    if folder is not None and any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
+        from grpax.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(folder)
+
+    total = sum(int(np.prod(x.shape)) for x in _leaves(params)) * dtype.itemsize
+    staging = _staging_dir(target)
+    update, close = _progress(total, "to_huggingface", progress)
+    try:
+        tensors = ((n, w.astype(dtype, copy=False)) for n, w in iter_hf_tensors(params, cfg))
+        files = _write_safetensors(tensors, staging, max_shard_size, total, update)
+        close()
+        if folder is not None:
+            tokenizer_files = _copy_tokenizer(folder, staging)
+        else:
+            log.warning("no tokenizer to export: the output has weights and config only")
+        _write_json(staging / "generation_config.json", generation_config(cfg, tokenizer))
+        out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
+        keep = {
+            k: v for k, v in hf_config.items() if k not in out_cfg and k not in ("rope_parameters", "dtype")
+        }
+        _write_json(staging / "config.json", {**keep, **out_cfg})
+        _publish(staging, target, last="config.json")
+    except BaseException:
+        close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {
+        "output_dir": str(target),
+        "safetensors": files,
+        "config_path": str(target / "config.json"),
+        "tokenizer_files": tokenizer_files,
+        "num_params": sum(int(np.prod(x.shape)) for x in _leaves(params)),
+        "bytes_written": total,
+        "weight_dtype": weight_dtype,
+    }

@@ -1,0 +1,211 @@
+"""Native grpax checkpoints: the params tree saved with Orbax (zarr3 + OCDBT), restored to host or to shardings.
+
+A converted checkpoint follows MaxText's layout so ``load_parameters_path=<base>/0/items`` works the same::
+
+    <base>/config.json          Hugging Face form (``grpax.models.registry.to_hf_config``)
+    <base>/tokenizer.json ...   tokenizer files and chat template
+    <base>/0/items/             Orbax PyTree checkpoint of the params tree (``grpax.models.params``)
+
+A trained actor checkpoint lives at ``<base>/<run>/checkpoints/actor/<step>/model_params`` with ``config.json``
+and the tokenizer files at ``<base>/<run>/checkpoints/``. ``load_model`` finds them by walking up from the
+params folder.
+
+Writes are atomic: Orbax writes into ``<dir>.orbax-checkpoint-tmp-*`` and renames it to ``<dir>`` only after
+every array and ``_CHECKPOINT_METADATA`` are written, so an interrupted save leaves no folder at ``<dir>``.
+Params may be stored stacked (``scan_layers=True``) or as a per-layer list; restore converts to the layout asked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from grpax.config import ConfigError
+from grpax.models.params import Params, convert_layout
+from grpax.models.registry import ModelConfig, from_hf_config
+
+log = logging.getLogger(__name__)
+
+# Files written by ``tokenizer.save_pretrained`` (any of them may be absent).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+_METADATA_FILE = "_CHECKPOINT_METADATA"
+
+
+def _checkpointer(use_zarr3: bool = True, use_ocdbt: bool = True):
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3))
+
+
+def save_params(
+    params: Params, directory: str | Path, use_zarr3: bool = True, use_ocdbt: bool = True
+) -> Path:
+    """Saves a params tree (numpy or jax leaves, any layout) as an Orbax PyTree checkpoint.
+
+    Args:
+      params: the params tree; numpy leaves are written as they are (bfloat16 via ``ml_dtypes``).
+      directory: the checkpoint folder to create, e.g. ``<base>/0/items``; must not exist.
+      use_zarr3: zarr v3 array format (MaxText ``checkpoint_storage_use_zarr3``).
+      use_ocdbt: one OCDBT key-value store instead of a file per chunk (``checkpoint_storage_use_ocdbt``).
+
+    Returns:
+      The absolute checkpoint path.
+
+    Raises:
+      FileExistsError: if ``directory`` already exists (choose another path or delete it).
+    """
+    directory = Path(directory).absolute()
+    if directory.exists():
+        raise FileExistsError(f"{directory} already exists; delete it or choose another output directory")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp
+
+    _checkpointer(use_zarr3, use_ocdbt).save(directory, args=ocp.args.PyTreeSave(params))
+    return directory
+
+
+def _stored_tree(directory: Path) -> Any:
+    """The checkpoint's metadata tree (leaves carry ``shape`` and ``dtype``)."""
+    if not (directory / _METADATA_FILE).exists():
+        hint = ""
+        if (directory / "0" / "items" / _METADATA_FILE).exists():
+            hint = f" (did you mean {directory / '0' / 'items'}?)"
+        elif directory.exists():
+            hint = " (an interrupted or unfinished write, or not an Orbax checkpoint)"
+        raise FileNotFoundError(
+            f"{directory} is not a grpax/Orbax params checkpoint{hint}: pass the folder "
+            "holding _CHECKPOINT_METADATA, e.g. <base>/0/items"
+        )
+    meta = _checkpointer().metadata(directory)
+    return getattr(meta, "item_metadata", meta).tree
+
+
+def stored_dtype(directory: str | Path) -> str:
+    """The dtype of the checkpoint's embedding (the dtype the weights were saved in)."""
+    tree = _stored_tree(Path(directory).absolute())
+    return str(np.dtype(tree["embed"].dtype))
+
+
+def restore_params(directory: str | Path, cfg: ModelConfig | None = None, sharding: Any = None) -> Params:
+    """Restores a params tree saved by ``save_params`` (or by the trainer).
+
+    Args:
+      directory: the checkpoint folder (``<base>/0/items`` or ``.../actor/<step>/model_params``).
+      cfg: when given, layers are converted to ``cfg.scan_layers`` layout (stacked [L, ...] or a list) and
+        leaves are cast to ``cfg.weight_dtype``; when None the stored layout and dtype are kept.
+      sharding: None restores numpy arrays on the host; a ``jax.sharding.Sharding`` is applied to every leaf;
+        a pytree of shardings must match the params tree in ``cfg``'s layout.
+
+    Returns:
+      The params tree (numpy leaves on host, ``jax.Array`` leaves with ``sharding``).
+
+    Raises:
+      FileNotFoundError: the folder is missing or holds no finished checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    tree = _stored_tree(directory)
+    dtype = np.dtype(cfg.weight_dtype) if cfg is not None else None
+    stacked = isinstance(tree["layers"], dict)
+    direct = sharding is not None and (cfg is None or stacked == cfg.scan_layers)
+    if direct:
+        shardings = (
+            jax.tree.map(lambda _: sharding, tree)
+            if isinstance(sharding, jax.sharding.Sharding)
+            else sharding
+        )
+        restore_args = jax.tree.map(
+            lambda _, s: ocp.ArrayRestoreArgs(sharding=s, dtype=dtype), tree, shardings
+        )
+    else:
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), tree)
+    params = _checkpointer().restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    if cfg is not None and not direct:
+        params = convert_layout(params, cfg, cfg.scan_layers)
+        if not cfg.scan_layers:
+            params["layers"] = [{k: np.asarray(v) for k, v in layer.items()} for layer in params["layers"]]
+        else:
+            params["layers"] = {k: np.asarray(v) for k, v in params["layers"].items()}
+    if sharding is not None and not direct:
+        params = jax.device_put(params, sharding)
+    return params
+
+
+def find_model_folder(path: str | Path) -> Path:
+    """The nearest folder at or above ``path`` that holds ``config.json``.
+
+    Raises:
+      FileNotFoundError: if no folder from ``path`` up to the filesystem root has ``config.json``.
+    """
+    path = Path(path).absolute()
+    for folder in [path, *path.parents]:
+        if (folder / "config.json").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"no config.json at or above {path}: a converted checkpoint keeps it at <base>/ next "
+        "to 0/items, a trained one at <base>/<run>/checkpoints/; re-run grpax to_native or "
+        "copy the model's config.json there"
+    )
+
+
+def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelConfig, Any]:
+    """Loads params, model config and tokenizer from a native checkpoint.
+
+    ``path`` is either a converted checkpoint ``<base>/0/items`` or a trained actor checkpoint
+    ``<base>/<run>/checkpoints/actor/<step>/model_params``. ``config.json`` (Hugging Face form) and the tokenizer
+    files are searched from ``path`` upwards: the first folder holding ``config.json`` must also hold the
+    tokenizer (``to_native`` writes both at ``<base>/``; the trainer at ``<base>/<run>/checkpoints/``).
+
+    Args:
+      path: the Orbax params folder.
+      **model_overrides: ``ModelConfig`` fields to override (``scan_layers``, ``dtype``, ``weight_dtype``...);
+        ``weight_dtype`` defaults to the dtype stored in the checkpoint.
+
+    Returns:
+      ``(params, cfg, tokenizer)``: numpy params in ``cfg``'s layout, the ``ModelConfig``, and a
+      ``transformers.PreTrainedTokenizerFast``.
+
+    Raises:
+      FileNotFoundError: the checkpoint, ``config.json`` or the tokenizer files are missing (names the path).
+      ConfigError: ``config.json`` is not a Llama config.
+    """
+    from grpax.data.tokenizer import load_tokenizer
+
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist: pass <base>/0/items of a converted model "
+            "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
+        )
+    folder = find_model_folder(path)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    overrides = dict(model_overrides)
+    overrides.setdefault("weight_dtype", stored_dtype(path))
+    cfg = from_hf_config(hf, **overrides)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
+        raise FileNotFoundError(
+            f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "
+            "copy the model's tokenizer files there or re-run grpax to_native"
+        )
+    tokenizer = load_tokenizer(folder)
+    params = restore_params(path, cfg)
+    return params, cfg, tokenizer

@@ -1,0 +1,65 @@
+"""``grpax to_huggingface``: grpax Orbax checkpoint -> Hugging Face folder (config, tokenizer, safetensors).
+
+The output loads with ``transformers.AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` unchanged
+(and with vLLM / llama.cpp's converter). MaxText keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpax.config import field
+
+DESCRIPTION = (
+    "Exports the grpax checkpoint at load_parameters_path (<base>/0/items of a conversion, or "
+    "<run>/checkpoints/actor/<step>/model_params of a training run) to a Hugging Face folder at "
+    "base_output_directory: config.json, generation_config.json, tokenizer files with the chat "
+    "template, and safetensors in weight_dtype (sharded with an index above max_shard_size)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CONFIG:
+    model_name: str = field("", "registered model name; when given the checkpoint's config must match it")
+    load_parameters_path: str = field(
+        "", "the Orbax params folder to export (<base>/0/items or .../model_params)"
+    )
+    base_output_directory: str = field("", "output folder for the Hugging Face files")
+    weight_dtype: str = field("bfloat16", "safetensors dtype: bfloat16 | float32 | float16")
+    max_shard_size: int = field(2 * 1024**3, "bytes per safetensors shard; more shards write an index")
+    scan_layers: bool = field(True, "accepted for MaxText compatibility; the stored layout is read as it is")
+    use_multimodal: bool = field(False, "multimodal models are not supported; must be false")
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets JAX_PLATFORMS unless already set)")
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize() on multi-host")
+
+
+def run(config: CONFIG) -> int:
+    from grpax.cli.common import maybe_initialize_distributed, select_hardware
+    from grpax.config import ConfigError
+
+    select_hardware(config.hardware)
+    if config.use_multimodal:
+        raise ConfigError("use_multimodal=true is not supported: grpax exports text-only Llama models")
+    for key in ("load_parameters_path", "base_output_directory"):
+        if not getattr(config, key):
+            raise ConfigError(f"{key} is required")
+    maybe_initialize_distributed(config.skip_jax_distributed_system)
+    from grpax.checkpoint.convert import to_huggingface
+
+    summary = to_huggingface(
+        load_parameters_path=config.load_parameters_path,
+        base_output_directory=config.base_output_directory,
+        model_name=config.model_name or None,
+        weight_dtype=config.weight_dtype,
+        max_shard_size=config.max_shard_size,
+    )
+    print(f"exported {config.load_parameters_path}")
+    print(
+        f"  folder       {summary['output_dir']}  ({summary['num_params']:,} parameters, {summary['weight_dtype']})"
+    )
+    print(f"  safetensors  {', '.join(summary['safetensors'])}")
+    print(f"  config       {summary['config_path']} (+ generation_config.json)")
+    print(
+        f"  tokenizer    {', '.join(summary['tokenizer_files']) or 'none (no tokenizer next to config.json)'}"
+    )
+    return 0
