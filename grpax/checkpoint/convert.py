@@ -55,8 +55,6 @@ _HUB_PATTERNS = [
     "model.safetensors.index.json",
     *TOKENIZER_FILES,
 ]
-# Tokens that end a chat turn in the Llama 3 and SmolLM2 (ChatML) templates.
-_END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>")
 
 
 def _dtype(name: str) -> np.dtype:
@@ -403,12 +401,11 @@ def _tensor_sizes(cfg: ModelConfig) -> list[int]:
 
 def end_of_turn_ids(cfg: ModelConfig, tokenizer: Any | None) -> list[int]:
     """Every id that ends generation: the config's eos ids, the tokenizer's eos, and chat end-of-turn tokens."""
-    ids = list(cfg.eos_token_ids)
-    if tokenizer is not None:
-        vocab = tokenizer.get_vocab()
-        candidates = [tokenizer.eos_token_id] + [vocab.get(t) for t in _END_OF_TURN_TOKENS]
-        ids += [i for i in candidates if i is not None and i < cfg.vocab_size]
-    return list(dict.fromkeys(int(i) for i in ids))
+    if tokenizer is None:
+        return list(cfg.eos_token_ids)
+    from grpax.data.tokenizer import stop_token_ids
+
+    return [i for i in stop_token_ids(tokenizer, cfg) if i < cfg.vocab_size]
 
 
 def generation_config(cfg: ModelConfig, tokenizer: Any | None) -> dict[str, Any]:
