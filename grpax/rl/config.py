@@ -1,0 +1,148 @@
+"""``GRPOConfig``: the algorithm and optimizer keys of a GRPO run, each tied to its paper symbol.
+
+The objective (DeepSeekMath, Shao et al. 2024, eq. 3) for a prompt q with G sampled completions o_1..o_G:
+
+    J(theta) = 1/G sum_i 1/|o_i| sum_t { min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i) - beta KL_t }
+
+with r_it = pi_theta(o_it) / pi_old(o_it) and A_i the group-relative advantage (``grpax.rl.advantages``).
+Variants are selected by keys rather than classes: DAPO (Yu et al. 2025) clip-higher ``epsilon_high`` and
+``loss_agg_mode="token-mean"``; Dr. GRPO (Liu et al. 2025) ``scale_rewards="none"`` and
+``loss_agg_mode="sequence-mean-token-sum-norm"``; GSPO (Zheng et al. 2025) ``importance_sampling_level=
+"sequence"``. ``docs/algorithm.md`` explains the defaults and where they differ from MaxText's ``rl.yml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from grpax.config import ConfigError, field
+
+LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm")
+SCALE_REWARDS = ("group", "batch", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO algorithm and optimizer hyper-parameters (see the module docstring for the objective)."""
+
+    # MaxText key -> our key, so MaxText command lines (rl.yml names) work unchanged.
+    ALIASES: ClassVar[dict[str, str]] = {
+        "grpo_beta": "beta",
+        "grpo_epsilon": "epsilon",
+        "adam_b1": "b1",
+        "adam_b2": "b2",
+        "adam_weight_decay": "weight_decay",
+        "gradient_clipping_threshold": "max_grad_norm",
+        "warmup_steps_fraction": "warmup_ratio",
+        "decode_sampling_temperature": "temperature",
+    }
+
+    num_generations: int = field(
+        4, "G: completions sampled per prompt; advantages are relative within a group"
+    )
+    num_iterations: int = field(1, "mu: policy updates per sampled batch (1 = on-policy, ratio r == 1)")
+    beta: float = field(0.04, "beta: KL coefficient in the GRPO objective; 0 skips the reference model")
+    epsilon: float = field(0.2, "eps: lower clip range, the ratio is clipped at 1 - eps")
+    epsilon_high: float | None = field(
+        None, "eps_high: upper clip range, 1 + eps_high (DAPO clip-higher); None = epsilon"
+    )
+    kl_estimator: str = field("k3", "KL_t estimator of KL(pi_theta || pi_ref): k1, k2 or k3 (Schulman 2020)")
+    loss_agg_mode: str = field(
+        "token-mean", "how per-token losses are averaged: " + ", ".join(LOSS_AGG_MODES)
+    )
+    scale_rewards: str = field(
+        "group", "A_i = (r_i - mean_group) / std: std of the group, batch, or none (Dr. GRPO)"
+    )
+    importance_sampling_level: str = field("token", "r_it per token (GRPO) or one ratio per sequence (GSPO)")
+    mask_truncated_completions: bool = field(
+        False, "drop completions that hit max_completion_length from the loss (DAPO overlong filtering)"
+    )
+    temperature: float = field(0.9, "tau: sampling temperature; logprobs are of logits / tau")
+    learning_rate: float = field(3e-6, "eta: peak AdamW learning rate")
+    b1: float = field(0.9, "AdamW beta_1 (first-moment decay)")
+    b2: float = field(0.99, "AdamW beta_2 (second-moment decay)")
+    weight_decay: float = field(0.1, "AdamW decoupled weight decay lambda (matrices only, not norms)")
+    adam_eps: float = field(1e-8, "AdamW epsilon added to sqrt(v)")
+    max_grad_norm: float = field(0.1, "clip the global gradient norm to this value; 0 disables clipping")
+    warmup_ratio: float = field(0.1, "fraction of the training steps spent in linear warmup from 0")
+    lr_schedule: str = field("cosine", "after warmup: cosine (to end_lr_ratio * eta), linear, or constant")
+    end_lr_ratio: float = field(0.0, "final learning rate as a fraction of learning_rate")
+    num_micro_batches: int = field(
+        1,
+        "gradient accumulation: the batch rows are split into this many "
+        "micro-batches; the update equals the full-batch update",
+    )
+
+    def __post_init__(self):
+        validate(self)
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high, defaulting to eps."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def replace(self, **kwargs) -> GRPOConfig:
+        return dataclasses.replace(self, **kwargs)
+
+
+def validate(cfg: GRPOConfig) -> None:
+    """Raises ConfigError naming the bad key."""
+    choices = {
+        "kl_estimator": KL_ESTIMATORS,
+        "loss_agg_mode": LOSS_AGG_MODES,
+        "scale_rewards": SCALE_REWARDS,
+        "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+        "lr_schedule": LR_SCHEDULES,
+    }
+    for key, valid in choices.items():
+        if getattr(cfg, key) not in valid:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(valid)}")
+    if cfg.num_generations < 2:
+        raise ConfigError(
+            f"num_generations={cfg.num_generations}: GRPO needs at least 2 completions per prompt"
+        )
+    if cfg.num_iterations < 1:
+        raise ConfigError(f"num_iterations={cfg.num_iterations}: expected >= 1")
+    if cfg.num_micro_batches < 1:
+        raise ConfigError(f"num_micro_batches={cfg.num_micro_batches}: expected >= 1")
+    if cfg.beta < 0:
+        raise ConfigError(f"beta={cfg.beta}: expected >= 0")
+    if not 0 <= cfg.epsilon < 1 or cfg.clip_high < 0:
+        raise ConfigError(
+            f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, eps_high >= 0"
+        )
+    if cfg.temperature <= 0:
+        raise ConfigError(f"temperature={cfg.temperature}: expected > 0")
+    if not 0 <= cfg.warmup_ratio < 1:
+        raise ConfigError(f"warmup_ratio={cfg.warmup_ratio}: expected 0 <= warmup_ratio < 1")
+
+
+# MaxText ``src/MaxText/configs/rl.yml`` (and ``base.yml`` for the keys rl.yml inherits), in our key names.
+# rl.yml: num_generations 2, num_iterations 1, grpo_beta 0.08, grpo_epsilon 0.2, learning_rate 3e-6,
+# adam_b1 0.9, adam_b2 0.99, gradient_clipping_threshold 0.1, decode_sampling_temperature 0.9;
+# base.yml: adam_weight_decay 0.1, adam_eps 1e-8, warmup_steps_fraction 0.1; the RL optimizer
+# (utils_rl.get_optimizer) decays with a cosine to 0. MaxText's default loss is Tunix's GRPO loss, whose
+# aggregation is sequence-mean-token-mean.
+MAXTEXT_RL_DEFAULTS = {
+    "num_generations": 2,
+    "num_iterations": 1,
+    "beta": 0.08,
+    "epsilon": 0.2,
+    "learning_rate": 3e-6,
+    "b1": 0.9,
+    "b2": 0.99,
+    "weight_decay": 0.1,
+    "adam_eps": 1e-8,
+    "max_grad_norm": 0.1,
+    "warmup_ratio": 0.1,
+    "lr_schedule": "cosine",
+    "end_lr_ratio": 0.0,
+    "temperature": 0.9,
+    "loss_agg_mode": "sequence-mean-token-mean",
+}
+# Sampler keys of rl.yml (decode_sampling_*): they belong to the sampler config, listed here for reference.
+MAXTEXT_RL_SAMPLING_DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
