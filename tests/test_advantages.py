@@ -43,7 +43,9 @@ def test_identical_rewards_give_exact_zero():
 
 
 def test_nan_rewards_are_excluded_and_get_zero():
-    adv, stats = compute_advantages([1.0, np.nan, 0.0, 2.0, np.nan, 5.0, np.nan, np.nan], 4, return_stats=True)
+    adv, stats = compute_advantages(
+        [1.0, np.nan, 0.0, 2.0, np.nan, 5.0, np.nan, np.nan], 4, return_stats=True
+    )
     # Group 0 valid rewards (1, 0, 2): mean 1, sample std sqrt(2 / 2) = 1.
     np.testing.assert_allclose(adv[:4], [0.0, 0.0, -1 / 1.0001, 1 / 1.0001], rtol=1e-6)
     # Group 1 has one valid reward: no signal.
@@ -58,7 +60,9 @@ def test_nan_rewards_are_excluded_and_get_zero():
 def test_all_nan_group_is_zero():
     adv = compute_advantages([np.nan, np.nan, 1.0, 0.0], 2)
     assert adv[0] == 0.0 and adv[1] == 0.0
-    np.testing.assert_allclose(adv[2:], [0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4)], rtol=1e-6)
+    np.testing.assert_allclose(
+        adv[2:], [0.5 / (math.sqrt(0.5) + 1e-4), -0.5 / (math.sqrt(0.5) + 1e-4)], rtol=1e-6
+    )
 
 
 def test_errors():
