@@ -19,9 +19,12 @@ import jax.numpy as jnp
 
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
+from grpax.sharding import constrain
 
 # A large finite negative keeps fully-masked (padding) query rows finite instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Logical axes of the residual stream [B, T, D]; pinned at block edges when run inside jax.set_mesh(mesh).
+_RESIDUAL = ("batch", "length", "act_embed")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -166,7 +169,7 @@ def forward(
         positions = default_positions(tokens, attention_mask)
     positions = positions.astype(jnp.int32)
     dtype = jnp.dtype(cfg.dtype)
-    x = params["embed"].astype(dtype)[tokens]
+    x = constrain(params["embed"].astype(dtype)[tokens], _RESIDUAL)
     inv_freq = rope_inv_freq(cfg)
     if cache is None:
         idx = jnp.arange(T)
@@ -185,7 +188,7 @@ def forward(
         def body(carry, xs):
             layer, ck, cv = xs
             carry, ck, cv = layer_fn(carry, layer, positions, mask, cache_k=ck, cache_v=cv)
-            return carry, (ck, cv)
+            return constrain(carry, _RESIDUAL), (ck, cv)
 
         ck = cache["k"] if cache is not None else None
         cv = cache["v"] if cache is not None else None
@@ -198,6 +201,7 @@ def forward(
             ck = cache["k"][i] if cache is not None else None
             cv = cache["v"][i] if cache is not None else None
             x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv)
+            x = constrain(x, _RESIDUAL)
             ks.append(ck)
             vs.append(cv)
         if cache is not None:

@@ -1,0 +1,601 @@
+"""Device meshes for the trainer and the sampler, and the one table mapping logical axes to mesh axes.
+
+Every weight is declared once with logical axes (``grpax.models.params``: ``wq: ("embed", "q_heads",
+"head_dim")``). ``LOGICAL_AXIS_RULES`` maps each logical axis to mesh axes of a 3-axis mesh
+``("data", "fsdp", "tensor")``, as MaxText's ``logical_axis_rules`` do:
+
+* ``data``: pure data parallelism (rows split, weights replicated);
+* ``fsdp``: rows split and weights split on their ``embed`` dimension (ZeRO-3 / FSDP, gathered per use);
+* ``tensor``: Megatron tensor parallelism on heads, MLP hidden and vocab.
+
+Params and optimizer state are placed once with ``NamedSharding`` (``shard_params``,
+``init_optimizer_state``); a plain ``jax.jit`` of the forward, the sampler or the train step then runs on the
+mesh with no change to that code: XLA propagates the shardings and inserts the collectives.
+
+Divisibility policy: a dimension whose size is not a multiple of its mesh axes is *replicated* on those axes
+(with one logged warning per weight), never an error. SmolLM2-135M has 9 query and 3 KV heads, so with
+``tensor=8`` its attention weights and KV cache are replicated over ``tensor`` while its MLP (1536 = 8 x 192)
+and vocab (49152) are still split; the result is exact, only the attention memory saving is lost. A
+multi-axis rule such as ``batch -> ("data", "fsdp")`` keeps the longest prefix that divides.
+
+The mesh shape follows MaxText's keys: ``ici_*`` within a slice (or host, for GPUs/CPUs), ``dcn_*`` across
+slices (hosts); one ``ici_*`` and one ``dcn_*`` may be -1 (filled from the device count). The sampler gets
+its own mesh from ``rollout_data_parallelism`` x ``rollout_tensor_parallelism`` (fsdp=1), the MaxText RL
+keys; ``reshard_for_rollout`` moves the weights when its layout differs from the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpax.config import ConfigError, field
+from grpax.models.params import Params, layer_specs, top_specs
+from grpax.models.registry import ModelConfig
+
+log = logging.getLogger(__name__)
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+
+MeshAxes = str | tuple[str, ...] | None
+
+# The one table: logical axis -> mesh axis (or axes, major first, or None = replicated).
+LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    # weights (grpax.models.params)
+    ("vocab", TENSOR),
+    ("embed", FSDP),
+    ("q_heads", TENSOR),
+    ("kv_heads", TENSOR),
+    ("mlp", TENSOR),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+    # activations [B, T, ...]
+    ("batch", (DATA, FSDP)),
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", TENSOR),
+    ("act_kv_heads", TENSOR),
+    ("act_mlp", TENSOR),
+    ("act_vocab", TENSOR),
+    # KV cache [L, B, S, K, H]
+    ("cache_layers", None),
+    ("cache_batch", (DATA, FSDP)),
+    ("cache_length", None),
+    ("cache_kv_heads", TENSOR),
+    ("cache_head_dim", None),
+)
+
+CACHE_AXES = ("cache_layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape keys (MaxText names). ``ici_*``: within a slice/host; ``dcn_*``: across slices/hosts."""
+
+    ici_data_parallelism: int = field(1, "data-parallel ways within a slice (-1: fill from device count)")
+    ici_fsdp_parallelism: int = field(-1, "FSDP ways within a slice (weights split on embed; -1: fill)")
+    ici_tensor_parallelism: int = field(1, "tensor-parallel ways within a slice (heads/mlp/vocab; -1: fill)")
+    dcn_data_parallelism: int = field(
+        -1, "data-parallel ways across slices/hosts (-1: fill from slice count)"
+    )
+    dcn_fsdp_parallelism: int = field(1, "FSDP ways across slices/hosts")
+    dcn_tensor_parallelism: int = field(1, "tensor-parallel ways across slices/hosts (rarely useful)")
+    chips_per_vm: int | None = field(
+        0, "devices per host, checked against jax.local_device_count(); 0 = auto"
+    )
+    allow_split_physical_axes: bool = field(False, "let a mesh axis span a split TPU torus axis")
+    rollout_data_parallelism: int = field(1, "sampler data-parallel ways (-1: sampler devices / tp)")
+    rollout_tensor_parallelism: int = field(-1, "sampler tensor-parallel ways (-1: sampler devices / dp)")
+
+    @classmethod
+    def from_config(cls, config: Any) -> MeshConfig:
+        """Picks the mesh keys from any config object (a command's ``CONFIG`` instance) that has them."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
+
+
+# ---------------------------------------------------------------------------------------------- meshes
+
+
+def _fill(values: Sequence[int], total: int, names: Sequence[str], what: str) -> tuple[int, ...]:
+    """Replaces at most one -1 in ``values`` so that their product is ``total``; raises naming the keys."""
+    values = [int(v) for v in values]
+    auto = [i for i, v in enumerate(values) if v == -1]
+    shown = ", ".join(f"{n}={v}" for n, v in zip(names, values, strict=True))
+    if len(auto) > 1:
+        raise ConfigError(f"at most one of {', '.join(names)} can be -1 (auto); got {shown}")
+    if any(v == 0 or v < -1 for v in values):
+        raise ConfigError(f"parallelism must be a positive integer or -1; got {shown}")
+    known = math.prod(v for v in values if v != -1)
+    if auto:
+        if total % known:
+            raise ConfigError(
+                f"{what} ({total}) is not divisible by the product of the fixed keys "
+                f"({known}: {shown}), so {names[auto[0]]}=-1 cannot be filled"
+            )
+        values[auto[0]] = total // known
+    elif known != total:
+        raise ConfigError(f"{' * '.join(names)} = {known} ({shown}) must equal {what} ({total})")
+    return tuple(values)
+
+
+def _granules(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+    """(number of DCN granules, whether they are processes): TPU slices when present, else hosts."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in slices and len(slices) > 1:
+        return len(slices), False
+    return len({d.process_index for d in devices}), True
+
+
+def check_chips_per_vm(mesh_cfg: MeshConfig) -> None:
+    """Raises ``ConfigError`` when ``chips_per_vm`` is set and differs from ``jax.local_device_count()``."""
+    if mesh_cfg.chips_per_vm and mesh_cfg.chips_per_vm != jax.local_device_count():
+        raise ConfigError(
+            f"chips_per_vm={mesh_cfg.chips_per_vm} but this host sees {jax.local_device_count()} "
+            f"{jax.default_backend()} devices ({jax.local_devices()[0].device_kind}); set chips_per_vm="
+            f"{jax.local_device_count()} or 0 (auto)"
+        )
+
+
+def _build(
+    ici: Sequence[int],
+    dcn: Sequence[int],
+    devices: Sequence[jax.Device],
+    allow_split: bool,
+    axis_names: Sequence[str],
+) -> Mesh:
+    num_granules, process_is_granule = _granules(devices)
+    if math.prod(dcn) > 1:
+        arr = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=process_is_granule, allow_split_physical_axes=allow_split
+        )
+    else:
+        arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=allow_split)
+    return Mesh(arr, tuple(axis_names))
+
+
+def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The trainer mesh, axes ``("data", "fsdp", "tensor")``, each of size ``ici_* x dcn_*``.
+
+    Args:
+      mesh_cfg: the mesh keys (default ``MeshConfig()``: all devices on fsdp within a host, data across).
+      devices: the devices to use (default ``jax.devices()``, all processes).
+
+    Returns:
+      A ``jax.sharding.Mesh`` of shape (data, fsdp, tensor).
+
+    Raises:
+      ConfigError: a product of keys that does not match the device (or slice) count, naming the keys;
+        two -1 among ``ici_*`` or ``dcn_*``; ``chips_per_vm`` differing from the local device count.
+    """
+    mesh_cfg = mesh_cfg or MeshConfig()
+    check_chips_per_vm(mesh_cfg)
+    devices = list(devices if devices is not None else jax.devices())
+    num_granules, _ = _granules(devices)
+    dcn = _fill(
+        (mesh_cfg.dcn_data_parallelism, mesh_cfg.dcn_fsdp_parallelism, mesh_cfg.dcn_tensor_parallelism),
+        num_granules,
+        ("dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"),
+        "the number of slices/hosts",
+    )
+    if len(devices) % num_granules:
+        raise ConfigError(f"{len(devices)} devices do not split evenly over {num_granules} slices/hosts")
+    ici = _fill(
+        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
+        len(devices) // num_granules,
+        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+        "the number of devices per slice/host",
+    )
+    mesh = _build(ici, dcn, devices, mesh_cfg.allow_split_physical_axes, MESH_AXES)
+    log.info("trainer mesh %s (ici %s, dcn %s)", dict(mesh.shape), ici, dcn)
+    return mesh
+
+
+def rollout_parallelism(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int]:
+    """Resolves ``(rollout_data_parallelism, rollout_tensor_parallelism)`` for ``num_devices`` sampler devices.
+
+    At most one key may be -1; it is derived so that dp x tp = ``num_devices`` (MaxText RL's rule).
+
+    Raises:
+      ConfigError: both keys -1; the other key does not divide ``num_devices``; dp x tp != ``num_devices``.
+    """
+    dp, tp = mesh_cfg.rollout_data_parallelism, mesh_cfg.rollout_tensor_parallelism
+    if dp == -1 and tp == -1:
+        raise ConfigError(
+            "at most one of rollout_data_parallelism, rollout_tensor_parallelism can be -1 "
+            f"(auto-derived); got both -1. Set one of them, e.g. rollout_data_parallelism=1 "
+            f"for {num_devices}-way tensor parallelism"
+        )
+    for name, v in (("rollout_data_parallelism", dp), ("rollout_tensor_parallelism", tp)):
+        if v == 0 or v < -1:
+            raise ConfigError(f"{name}={v}: expected a positive integer or -1")
+    if dp == -1 or tp == -1:
+        fixed_name, fixed = (
+            ("rollout_tensor_parallelism", tp) if dp == -1 else ("rollout_data_parallelism", dp)
+        )
+        auto_name = "rollout_data_parallelism" if dp == -1 else "rollout_tensor_parallelism"
+        if num_devices % fixed:
+            raise ConfigError(
+                f"num_sampler_devices ({num_devices}) must be divisible by {fixed_name} ({fixed}) "
+                f"when {auto_name} is -1"
+            )
+        return (num_devices // tp, tp) if dp == -1 else (dp, num_devices // dp)
+    if dp * tp != num_devices:
+        raise ConfigError(
+            f"rollout_tensor_parallelism ({tp}) * rollout_data_parallelism ({dp}) != "
+            f"number of sampler devices ({num_devices})"
+        )
+    return dp, tp
+
+
+def create_rollout_mesh(
+    mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """The sampler mesh: axes ``("data", "fsdp", "tensor")`` of shape (dp, 1, tp).
+
+    Tensor parallelism stays within a slice/host; across several slices/hosts data parallelism spans them.
+
+    Args:
+      mesh_cfg: reads ``rollout_data_parallelism`` and ``rollout_tensor_parallelism``.
+      devices: the sampler's devices (default ``jax.devices()``: colocated with the trainer).
+
+    Raises:
+      ConfigError: see ``rollout_parallelism``; or dp not a multiple of the number of slices/hosts.
+    """
+    mesh_cfg = mesh_cfg or MeshConfig()
+    check_chips_per_vm(mesh_cfg)
+    devices = list(devices if devices is not None else jax.devices())
+    dp, tp = rollout_parallelism(mesh_cfg, len(devices))
+    num_granules, _ = _granules(devices)
+    if dp % num_granules:
+        raise ConfigError(
+            f"rollout_data_parallelism ({dp}) must be a multiple of the number of slices/hosts "
+            f"({num_granules}): tensor parallelism does not cross hosts"
+        )
+    mesh = _build(
+        (dp // num_granules, 1, tp),
+        (num_granules, 1, 1),
+        devices,
+        mesh_cfg.allow_split_physical_axes,
+        MESH_AXES,
+    )
+    log.info("rollout mesh %s", dict(mesh.shape))
+    return mesh
+
+
+# ------------------------------------------------------------------------------------ logical -> mesh
+
+
+def _rules_dict(rules: Sequence[tuple[str, MeshAxes]]) -> dict[str, tuple[str, ...]]:
+    out = {}
+    for logical, mesh_axes in rules:
+        out[logical] = (
+            () if mesh_axes is None else ((mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes))
+        )
+    return out
+
+
+_warned: set[str] = set()
+
+
+def logical_to_spec(
+    axes: Sequence[str | None],
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+    *,
+    shape: Sequence[int] | None = None,
+    mesh_shape: dict[str, int] | None = None,
+    name: str = "array",
+) -> P:
+    """The ``PartitionSpec`` of one array from its logical axes.
+
+    Args:
+      axes: one logical axis name (or None) per dimension.
+      rules: the logical -> mesh table.
+      shape: the array's shape; with ``mesh_shape``, a dimension not divisible by its mesh axes keeps the
+        longest dividing prefix of them (replicated when none), logging a warning naming ``name``.
+      mesh_shape: mesh axis name -> size.
+      name: used in messages.
+
+    Raises:
+      ValueError: a logical axis missing from ``rules``; the same mesh axis used by two dimensions (a clash);
+        ``shape`` and ``axes`` of different lengths.
+    """
+    table = _rules_dict(rules)
+    if shape is not None and len(shape) != len(axes):
+        raise ValueError(f"{name}: shape {tuple(shape)} has {len(shape)} dims but logical axes {tuple(axes)}")
+    used: dict[str, str] = {}
+    spec = []
+    for i, logical in enumerate(axes):
+        if logical is None:
+            spec.append(None)
+            continue
+        if logical not in table:
+            raise ValueError(f"{name}: logical axis {logical!r} has no rule; known: {', '.join(table)}")
+        mesh_axes = table[logical]
+        for m in mesh_axes:
+            if m in used:
+                raise ValueError(
+                    f"{name}: mesh axis {m!r} is used twice (by logical axes {used[m]!r} and "
+                    f"{logical!r}); fix the rules table"
+                )
+            used[m] = logical
+        if mesh_axes and shape is not None and mesh_shape is not None:
+            sizes = [mesh_shape.get(m, 1) for m in mesh_axes]
+            keep = len(mesh_axes)
+            while keep and shape[i] % math.prod(sizes[:keep]):
+                keep -= 1
+            if keep < len(mesh_axes):
+                msg = (
+                    f"{name}: dim {i} ({logical}) of size {shape[i]} is not divisible by mesh axes "
+                    f"{mesh_axes} of sizes {sizes}; replicating it over {mesh_axes[keep:]}"
+                )
+                if msg not in _warned:
+                    _warned.add(msg)
+                    log.warning(msg)
+            mesh_axes = mesh_axes[:keep]
+        # Size-1 mesh axes are dropped so equal layouts on differently-shaped meshes compare equal.
+        if mesh_shape is not None:
+            mesh_axes = tuple(m for m in mesh_axes if mesh_shape.get(m, 1) > 1)
+        spec.append(None if not mesh_axes else (mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def logical_to_sharding(
+    axes_tree: Any, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES, shapes: Any = None
+) -> Any:
+    """Maps a tree of logical-axes tuples to a tree of ``NamedSharding`` on ``mesh``.
+
+    Args:
+      axes_tree: pytree whose leaves are tuples of logical axis names (``grpax.models.params.logical_axes``).
+      mesh: the device mesh.
+      rules: the logical -> mesh table.
+      shapes: optional matching tree of arrays / ``ShapeDtypeStruct``s; enables the divisibility fallback
+        (replicate, with a warning) described in the module docstring.
+
+    Raises:
+      ValueError: a clash (one mesh axis on two dims of a weight) or a logical axis with no rule.
+    """
+    mesh_shape = dict(mesh.shape)
+    paths_axes, treedef = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=_is_axes)
+    shape_leaves = [None] * len(paths_axes)
+    if shapes is not None:
+        shape_leaves = [tuple(x.shape) for x in treedef.flatten_up_to(shapes)]
+    out = []
+    for (path, axes), shape in zip(paths_axes, shape_leaves, strict=True):
+        spec = logical_to_spec(
+            axes, rules, shape=shape, mesh_shape=mesh_shape, name=jax.tree_util.keystr(path)
+        )
+        out.append(NamedSharding(mesh, spec))
+    return treedef.unflatten(out)
+
+
+# --------------------------------------------------------------------------------------------- params
+
+
+def _axes_by_name() -> dict[str, tuple[str, ...]]:
+    """Weight name -> logical axes of one unstacked weight; the axes do not depend on sizes."""
+    tiny = ModelConfig(
+        vocab_size=1, hidden_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, mlp_dim=1
+    )
+    out = {name: axes for name, (_, axes) in layer_specs(tiny).items()}
+    out.update({name: axes for name, (_, axes) in top_specs(tiny).items()})
+    out["lm_head"] = ("embed", "vocab")
+    return out
+
+
+def params_logical_axes(params: Params) -> Params:
+    """Logical axes of an actual params tree, stacked (``layers`` a dict of [L, ...]) or a list of layers."""
+    names = _axes_by_name()
+
+    def leaf(path, x):
+        name = getattr(path[-1], "key", None)
+        if name not in names:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: not a known weight ({', '.join(names)})")
+        axes = names[name]
+        return ("layers", *axes) if x.ndim == len(axes) + 1 else axes
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def param_shardings(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+    params: Params | None = None,
+) -> Params:
+    """``NamedSharding`` tree for the params of ``cfg`` (layout of ``params`` when given, else of ``cfg``)."""
+    from grpax.models.params import abstract_params, logical_axes
+
+    if params is None:
+        return logical_to_sharding(logical_axes(cfg), mesh, rules, shapes=abstract_params(cfg))
+    return logical_to_sharding(params_logical_axes(params), mesh, rules, shapes=params)
+
+
+def _put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Places ``x`` with ``sharding``; multi-process safe (every process holds the same full host value)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.jit(lambda a: a, out_shardings=sharding)(x)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def shard_params(
+    params: Params, cfg: ModelConfig, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES
+) -> Params:
+    """Places every weight on ``mesh`` by the rules table (``jax.device_put``); layout as given.
+
+    With several processes every process must pass the same full values (e.g. from the same checkpoint or
+    the same init key); each keeps only its own shards.
+    """
+    shardings = param_shardings(cfg, mesh, rules, params=params)
+    return jax.tree.map(_put, params, shardings)
+
+
+def _tree_shardings_like(tree: Any, params: Params, mesh: Mesh) -> Any:
+    """For each leaf of ``tree`` (an optimizer state): the sharding of the params leaf it mirrors.
+
+    A leaf mirrors a params leaf when its key path ends with that leaf's path and the shapes agree
+    (optax's ``mu``, ``nu``, ... are params-shaped subtrees); other leaves (step counts) are replicated.
+    """
+    by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    replicated = NamedSharding(mesh, P())
+
+    def leaf(path, x):
+        path = tuple(path)
+        for start in range(len(path)):
+            p = by_path.get(path[start:])
+            if p is not None and tuple(p.shape) == tuple(x.shape):
+                return p.sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def optimizer_state_shardings(tx: Any, params: Params, mesh: Mesh) -> Any:
+    """Shardings of ``tx.init(params)``: params-shaped leaves follow ``params``, the rest replicated."""
+    return _tree_shardings_like(jax.eval_shape(tx.init, params), params, mesh)
+
+
+def init_optimizer_state(tx: Any, params: Params, mesh: Mesh) -> Any:
+    """``tx.init(params)`` computed on the mesh with each moment sharded like its weight (no gather)."""
+    return jax.jit(tx.init, out_shardings=optimizer_state_shardings(tx, params, mesh))(params)
+
+
+# ----------------------------------------------------------------------------------- batch and cache
+
+
+def batch_sharding(
+    x: Any,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+    global_rows: int | None = None,
+) -> NamedSharding:
+    """Sharding of one batch array: dim 0 over ``("data", "fsdp")`` (longest dividing prefix), rest replicated."""
+    if np.ndim(x) == 0:
+        return NamedSharding(mesh, P())
+    shape = (global_rows or np.shape(x)[0], *np.shape(x)[1:])
+    axes = ("batch",) + (None,) * (len(shape) - 1)
+    return NamedSharding(
+        mesh, logical_to_spec(axes, rules, shape=shape, mesh_shape=dict(mesh.shape), name="batch")
+    )
+
+
+def shard_batch(batch: Any, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES) -> Any:
+    """Places a pytree of batch arrays [B, ...] with rows split over ``("data", "fsdp")``.
+
+    With one process ``batch`` is the global batch. With several, each process passes its own rows
+    (``grpax.distributed.local_rows``) and the global batch is their concatenation in process order.
+    """
+    n = jax.process_count()
+    if n == 1:
+        return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(x, mesh, rules)), batch)
+
+    def put(x):
+        x = np.asarray(x)
+        global_rows = x.shape[0] * n if x.ndim else None
+        sharding = batch_sharding(x, mesh, rules, global_rows=global_rows)
+        global_shape = (global_rows, *x.shape[1:]) if x.ndim else ()
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(put, batch)
+
+
+def cache_sharding(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    batch_size: int | None = None,
+    max_length: int | None = None,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+) -> dict[str, NamedSharding]:
+    """``{"k", "v"}`` shardings for the KV cache [L, B, S, K, H] (``grpax.models.llama.init_cache``).
+
+    Rows follow the batch (``data``, ``fsdp``), KV heads follow ``tensor``; a size that does not divide is
+    replicated. Without ``batch_size`` the row split is not checked for divisibility.
+    """
+    shape = (
+        cfg.num_layers,
+        batch_size or math.prod(dict(mesh.shape).values()),
+        max_length or 1,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
+    spec = logical_to_spec(CACHE_AXES, rules, shape=shape, mesh_shape=dict(mesh.shape), name="kv cache")
+    return {"k": NamedSharding(mesh, spec), "v": NamedSharding(mesh, spec)}
+
+
+def constrain(
+    x: jax.Array,
+    logical_axes: Sequence[str | None],
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+) -> jax.Array:
+    """``with_sharding_constraint`` by logical axes inside ``jax.set_mesh(mesh)``; a no-op outside a mesh.
+
+    Args:
+      x: an activation, e.g. the residual stream [B, T, D] with ``("batch", "length", "act_embed")``.
+      logical_axes: one logical axis (or None) per dim of ``x``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_to_spec(logical_axes, rules, shape=x.shape, mesh_shape=dict(mesh.shape), name="activation")
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+# -------------------------------------------------------------------------------------- trainer -> sampler
+
+
+def reshard_for_rollout(
+    params: Params,
+    trainer_mesh: Mesh,
+    rollout_mesh: Mesh,
+    rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+) -> tuple[Params, float]:
+    """The trainer's params laid out for the sampler's mesh.
+
+    Args:
+      params: the params tree placed on ``trainer_mesh``.
+      trainer_mesh: the trainer's mesh.
+      rollout_mesh: the sampler's mesh (``create_rollout_mesh``).
+
+    Returns:
+      (params on the rollout layout, seconds spent copying). When every weight already has an equivalent
+      layout (same devices, same split) the very same ``params`` object is returned with 0.0 seconds: no
+      copy. Otherwise the weights are copied (``jax.device_put``, blocked until done), so trainer and
+      sampler copies coexist while sampling.
+    """
+    if trainer_mesh is rollout_mesh:
+        return params, 0.0
+    targets = logical_to_sharding(params_logical_axes(params), rollout_mesh, rules, shapes=params)
+    leaves, treedef = jax.tree.flatten(params)
+    target_leaves = treedef.flatten_up_to(targets)
+    same = all(
+        isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+        for x, s in zip(leaves, target_leaves, strict=True)
+    )
+    if same:
+        return params, 0.0
+    start = time.perf_counter()
+    out = jax.block_until_ready([_put(x, s) for x, s in zip(leaves, target_leaves, strict=True)])
+    seconds = time.perf_counter() - start
+    log.info("resharded params for rollout in %.3f s", seconds)
+    return treedef.unflatten(out), seconds

@@ -1,0 +1,327 @@
+"""Meshes, the logical -> mesh rules table, and sharded-equals-unsharded on 8 fake CPU devices.
+
+The suite runs with one CPU device, and the device count is fixed once jax starts, so the 8-device tests run
+in a child pytest (``test_on_8_fake_devices`` starts it with ``--xla_force_host_platform_device_count=8``);
+in the parent they are skipped, in the child they run. Tests that need no devices run in both.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from grpax import sharding as sh
+from grpax.config import ConfigError
+from grpax.models.llama import forward
+from grpax.models.params import convert_layout, init_params
+from grpax.models.registry import ModelConfig
+
+IN_CHILD = os.environ.get("GRPAX_TEST_FAKE_DEVICES") == "8"
+on_8_devices = pytest.mark.skipif(not IN_CHILD, reason="runs in the 8-device child of test_on_8_fake_devices")
+
+# Head counts, vocab, embed and mlp all divide 8, so every mesh below splits every weight it can.
+CFG = ModelConfig(
+    vocab_size=128, hidden_dim=64, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=16, mlp_dim=128
+)
+# SmolLM2-like heads (9 query, 3 KV): they do not divide tensor=8.
+CFG_ODD_HEADS = CFG.replace(hidden_dim=72, num_heads=9, num_kv_heads=3, head_dim=8)
+
+MESHES = {
+    "fsdp8": sh.MeshConfig(ici_fsdp_parallelism=8),
+    "tensor8": sh.MeshConfig(ici_fsdp_parallelism=1, ici_tensor_parallelism=8),
+    "2x2x2": sh.MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2),
+}
+
+
+def test_on_8_fake_devices():
+    if IN_CHILD:
+        pytest.skip("this is the child run")
+    env = dict(
+        os.environ,
+        GRPAX_TEST_FAKE_DEVICES="8",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-m", "not slow"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    # Only this test itself is skipped in the child: every 8-device test ran.
+    assert "1 skipped" in out.splitlines()[-1], out
+
+
+# ------------------------------------------------------------------------- no devices needed
+
+
+def test_rollout_parallelism_resolves_one_auto_key():
+    assert sh.rollout_parallelism(
+        sh.MeshConfig(rollout_data_parallelism=2, rollout_tensor_parallelism=-1), 8
+    ) == (2, 4)
+    assert sh.rollout_parallelism(
+        sh.MeshConfig(rollout_data_parallelism=-1, rollout_tensor_parallelism=8), 8
+    ) == (1, 8)
+    assert sh.rollout_parallelism(
+        sh.MeshConfig(rollout_data_parallelism=4, rollout_tensor_parallelism=2), 8
+    ) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "dp, tp, message",
+    [
+        (-1, -1, "at most one of rollout_data_parallelism, rollout_tensor_parallelism can be -1"),
+        (3, -1, r"num_sampler_devices \(8\) must be divisible by rollout_data_parallelism \(3\)"),
+        (-1, 3, r"num_sampler_devices \(8\) must be divisible by rollout_tensor_parallelism \(3\)"),
+        (
+            2,
+            2,
+            r"rollout_tensor_parallelism \(2\) \* rollout_data_parallelism \(2\) != number of sampler devices "
+            r"\(8\)",
+        ),
+        (0, 8, "rollout_data_parallelism=0"),
+    ],
+)
+def test_rollout_parallelism_errors(dp, tp, message):
+    with pytest.raises(ConfigError, match=message):
+        sh.rollout_parallelism(sh.MeshConfig(rollout_data_parallelism=dp, rollout_tensor_parallelism=tp), 8)
+
+
+def test_mesh_key_errors_name_the_keys():
+    with pytest.raises(ConfigError, match="at most one of ici_data_parallelism"):
+        sh._fill(
+            (-1, -1, 1), 8, ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"), "n"
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"ici_data_parallelism \* ici_fsdp_parallelism \* "
+        r"ici_tensor_parallelism = 4 .* must equal devices \(8\)",
+    ):
+        sh._fill(
+            (2, 2, 1),
+            8,
+            ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+            "devices",
+        )
+    with pytest.raises(ConfigError, match=r"not divisible .* ici_fsdp_parallelism=-1 cannot be filled"):
+        sh._fill(
+            (3, -1, 1), 8, ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"), "n"
+        )
+    assert sh._fill((2, -1, 2), 8, ("a", "b", "c"), "n") == (2, 2, 2)
+    n = jax.local_device_count()
+    with pytest.raises(ConfigError, match=f"chips_per_vm={n + 1} but this host sees {n}"):
+        sh.create_mesh(sh.MeshConfig(chips_per_vm=n + 1))
+    with pytest.raises(ConfigError, match="must equal the number of devices per slice/host"):
+        sh.create_mesh(sh.MeshConfig(ici_fsdp_parallelism=16 * n))
+
+
+def test_rules_table_specs():
+    mesh_shape = {"data": 2, "fsdp": 2, "tensor": 2}
+    spec = functools.partial(sh.logical_to_spec, mesh_shape=mesh_shape)
+    assert spec(("layers", "embed", "q_heads", "head_dim"), shape=(2, 64, 8, 16)) == P(None, "fsdp", "tensor")
+    assert spec(("vocab", "embed"), shape=(128, 64)) == P("tensor", "fsdp")
+    assert spec(("layers", "norm"), shape=(2, 64)) == P()
+    assert spec(("batch", None), shape=(8, 5)) == P(("data", "fsdp"))
+    # 2 rows over data x fsdp = 4: keep the dividing prefix.
+    assert spec(("batch", None), shape=(2, 5)) == P("data")
+    assert spec(sh.CACHE_AXES, shape=(2, 4, 16, 8, 16)) == P(None, ("data", "fsdp"), None, "tensor")
+    # Size-1 mesh axes drop out, so layouts compare equal across mesh shapes.
+    assert sh.logical_to_spec(
+        ("embed", "mlp"), shape=(64, 128), mesh_shape={"data": 1, "fsdp": 8, "tensor": 1}
+    ) == P("fsdp")
+
+
+def test_indivisible_dim_is_replicated_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="grpax.sharding"):
+        spec = sh.logical_to_spec(
+            ("layers", "embed", "q_heads", "head_dim"),
+            shape=(30, 576, 9, 64),
+            mesh_shape={"data": 1, "fsdp": 1, "tensor": 8},
+            name="layers.wq",
+        )
+    assert spec == P()
+    assert "layers.wq: dim 2 (q_heads) of size 9 is not divisible by mesh axes ('tensor',) of sizes [8]" in (
+        caplog.text
+    )
+
+
+def test_clash_and_unknown_axis_raise():
+    clash_rules = tuple((k, "tensor" if k == "embed" else v) for k, v in sh.LOGICAL_AXIS_RULES)
+    with pytest.raises(ValueError, match="w_gate.*mesh axis 'tensor' is used twice.*'embed' and 'mlp'"):
+        sh.logical_to_spec(("layers", "embed", "mlp"), clash_rules, name="layers.w_gate")
+    with pytest.raises(ValueError, match="logical axis 'heads' has no rule"):
+        sh.logical_to_spec(("heads",))
+
+
+def test_params_logical_axes_both_layouts():
+    params = jax.eval_shape(lambda: init_params(CFG, jax.random.key(0)))
+    axes = sh.params_logical_axes(params)
+    assert axes["layers"]["wq"] == ("layers", "embed", "q_heads", "head_dim")
+    assert axes["embed"] == ("vocab", "embed")
+    unstacked = sh.params_logical_axes(
+        jax.eval_shape(lambda: convert_layout(init_params(CFG, jax.random.key(0)), CFG, scan_layers=False))
+    )
+    assert unstacked["layers"][1]["w_down"] == ("mlp", "embed")
+
+
+def test_constrain_is_a_no_op_outside_a_mesh():
+    x = jnp.ones((4, 3, 8))
+    assert sh.constrain(x, ("batch", "length", "act_embed")) is x
+
+
+# ------------------------------------------------------------------------- 8 fake devices
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.key(1), (8, 6), 0, CFG.vocab_size)
+
+
+@on_8_devices
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_forward_equals_unsharded(name, params, tokens):
+    mesh = sh.create_mesh(MESHES[name])
+    expected, _ = forward(params, tokens, CFG)
+    sharded = sh.shard_params(params, CFG, mesh)
+    fwd = jax.jit(functools.partial(forward, cfg=CFG))
+    with jax.set_mesh(mesh):
+        logits, _ = fwd(sharded, sh.shard_batch(tokens, mesh))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+    # Outside a mesh context (no activation constraints) the result is the same.
+    logits, _ = fwd(sharded, sh.shard_batch(tokens, mesh))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+
+
+@on_8_devices
+def test_sharded_forward_unstacked_layers(params, tokens):
+    cfg = CFG.replace(scan_layers=False)
+    unstacked = convert_layout(params, cfg, scan_layers=False)
+    mesh = sh.create_mesh(MESHES["2x2x2"])
+    expected, _ = forward(unstacked, tokens, cfg)
+    with jax.set_mesh(mesh):
+        logits, _ = jax.jit(functools.partial(forward, cfg=cfg))(
+            sh.shard_params(unstacked, cfg, mesh), sh.shard_batch(tokens, mesh)
+        )
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+
+
+def _expected_bytes_per_device(cfg: ModelConfig, fsdp: int, tensor: int) -> int:
+    """Hand count: norms replicated; embed dims split by fsdp; heads / mlp / vocab split by tensor."""
+    V, D, L, N, K, H, F = (
+        cfg.vocab_size,
+        cfg.hidden_dim,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.mlp_dim,
+    )
+    both = fsdp * tensor
+    floats = (V * D * 2) / both  # embed [V, D] and lm_head [D, V]
+    floats += D  # final_norm
+    floats += L * (2 * D)  # attn_norm, mlp_norm
+    floats += L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) / both
+    return int(floats * 4)
+
+
+@on_8_devices
+@pytest.mark.parametrize("name, fsdp, tensor", [("fsdp8", 8, 1), ("tensor8", 1, 8), ("2x2x2", 2, 2)])
+def test_per_device_param_bytes(name, fsdp, tensor, params):
+    sharded = sh.shard_params(params, CFG, sh.create_mesh(MESHES[name]))
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(sharded):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert len(per_device) == 8
+    assert set(per_device.values()) == {_expected_bytes_per_device(CFG, fsdp, tensor)}
+    # 2x2x2 splits each matrix 4 ways, fsdp8 / tensor8 8 ways; norms (0.8% of the bytes here) stay whole.
+    assert total / per_device[jax.devices()[0]] > (3.9 if name == "2x2x2" else 7.5)
+
+
+@on_8_devices
+def test_odd_heads_replicate_attention_and_stay_exact(caplog):
+    params = init_params(CFG_ODD_HEADS, jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(3), (8, 5), 0, CFG.vocab_size)
+    mesh = sh.create_mesh(MESHES["tensor8"])
+    with caplog.at_level(logging.WARNING, logger="grpax.sharding"):
+        sharded = sh.shard_params(params, CFG_ODD_HEADS, mesh)
+    assert sharded["layers"]["wq"].sharding.spec == P()
+    assert sharded["layers"]["wk"].sharding.spec == P()
+    assert sharded["layers"]["w_gate"].sharding.spec == P(None, None, "tensor")
+    assert sharded["embed"].sharding.spec == P("tensor")
+    assert "['layers']['wk']: dim 2 (kv_heads) of size 3 is not divisible" in caplog.text
+    assert sh.cache_sharding(CFG_ODD_HEADS, mesh, batch_size=8)["k"].spec == P()
+    expected, _ = forward(params, tokens, CFG_ODD_HEADS)
+    with jax.set_mesh(mesh):
+        logits, _ = jax.jit(functools.partial(forward, cfg=CFG_ODD_HEADS))(
+            sharded, sh.shard_batch(tokens, mesh)
+        )
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+
+
+@on_8_devices
+def test_rollout_mesh_and_reshard(params):
+    rollout = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2, rollout_tensor_parallelism=-1))
+    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    tp8 = sh.create_rollout_mesh(sh.MeshConfig())  # defaults: dp=1, tp=-1 -> 8
+    assert dict(tp8.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+    with pytest.raises(ConfigError, match="at most one"):
+        sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=-1, rollout_tensor_parallelism=-1))
+
+    # Trainer tensor=8 and sampler tp=8: the same layout, so the same arrays come back.
+    trainer = sh.create_mesh(MESHES["tensor8"])
+    on_trainer = sh.shard_params(params, CFG, trainer)
+    same, seconds = sh.reshard_for_rollout(on_trainer, trainer, tp8)
+    assert same is on_trainer and seconds == 0.0
+
+    # Trainer fsdp=8 -> sampler dp=2 x tp=4: copied, values unchanged.
+    trainer = sh.create_mesh(MESHES["fsdp8"])
+    on_trainer = sh.shard_params(params, CFG, trainer)
+    moved, seconds = sh.reshard_for_rollout(on_trainer, trainer, rollout)
+    assert seconds > 0
+    assert moved["layers"]["wq"].sharding.spec == P(None, None, "tensor")
+    assert moved["layers"]["wq"].sharding.mesh == rollout
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@on_8_devices
+def test_batch_cache_and_optimizer_state_shardings(params):
+    import optax
+
+    mesh = sh.create_mesh(MESHES["2x2x2"])
+    batch = sh.shard_batch(
+        {"prompt_ids": np.zeros((8, 4), np.int32), "rewards": np.zeros((2,), np.float32)}, mesh
+    )
+    assert batch["prompt_ids"].sharding.spec == P(("data", "fsdp"))
+    assert batch["rewards"].sharding.spec == P("data")
+    cache = sh.cache_sharding(
+        CFG, sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2)), batch_size=8
+    )
+    assert cache["k"].spec == P(None, "data", None, "tensor")
+
+    sharded = sh.shard_params(params, CFG, mesh)
+    state = sh.init_optimizer_state(optax.adamw(1e-3), sharded, mesh)
+    adam = state[0]
+    assert adam.mu["layers"]["w_up"].sharding == sharded["layers"]["w_up"].sharding
+    assert adam.nu["embed"].sharding.spec == P("tensor", "fsdp")
+    assert adam.count.sharding.spec == P()
