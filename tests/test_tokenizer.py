@@ -1,0 +1,89 @@
+"""Tokenizer folders: save/load round trip of SmolLM2's, stop ids, chat template; all without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from grpax.checkpoint import gguf as gg
+from grpax.data.tokenizer import apply_chat_template, load_tokenizer, save_tokenizer, stop_token_ids
+from grpax.models.registry import get_model_config
+
+GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        model = gg.read_gguf(gg.default_gguf_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return model.tokenizer(), model.hf_config
+
+
+def _question() -> str:
+    with open(GSM8K_TEST) as f:
+        return json.loads(f.readline())["question"]
+
+
+def test_save_load_round_trip(smollm2, tmp_path):
+    tok, _ = smollm2
+    save_tokenizer(tok, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "tokenizer.json").is_file()
+    assert (tmp_path / "ckpt" / "tokenizer_config.json").is_file()
+    loaded = load_tokenizer(tmp_path / "ckpt")
+    messages = [{"role": "user", "content": _question()}]
+    prompt = apply_chat_template(tok, messages)
+    assert apply_chat_template(loaded, messages) == prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert loaded(prompt)["input_ids"] == tok(prompt)["input_ids"]
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "ckpt")(prompt)["input_ids"] == tok(prompt)["input_ids"]
+    assert len(loaded) == len(tok) == 49152
+    special = (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id, loaded.unk_token_id)
+    assert special == (1, 2, 2, 0)
+    assert loaded.decode(loaded("Janet’s ducks lay 16 eggs")["input_ids"]) == "Janet’s ducks lay 16 eggs"
+
+    code = (
+        "import sys\nfrom grpax.data.tokenizer import load_tokenizer\n"
+        f"tok = load_tokenizer({str(tmp_path / 'ckpt')!r})\n"
+        "print(tok('<|im_start|>user')['input_ids'], 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False" and out.stdout.startswith("[1, 4093]"), out.stdout
+
+
+def test_smollm2_stop_ids(smollm2):
+    tok, hf = smollm2
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 2
+    assert stop_token_ids(tok, hf) == (2,)
+    assert stop_token_ids(tok) == (2,)
+    assert stop_token_ids(tok, get_model_config("smollm2-135m-Instruct")) == (2,)
+    assert stop_token_ids(tok, get_model_config("smollm2-135m")) == (0, 2)  # base model's <|endoftext|> first
+
+
+def test_llama3_style_stop_ids():
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "b": 1, "<|begin_of_text|>": 2, "<|end_of_text|>": 3, "<|eom_id|>": 4, "<|eot_id|>": 5}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    )
+    assert stop_token_ids(tok, {"eos_token_id": [3, 4, 5]}) == (3, 4, 5)
+    assert stop_token_ids(tok, {"eos_token_id": 3}) == (3, 5, 4)
+    assert stop_token_ids(tok, get_model_config("llama3.1-8b-Instruct")) == (128001, 128008, 128009, 3, 5, 4)
+    with pytest.raises(ValueError, match="has no chat template"):
+        apply_chat_template(tok, [{"role": "user", "content": "a"}])
+
+
+def test_load_tokenizer_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
