@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 _METADATA_FILE = "_CHECKPOINT_METADATA"
+_TREE_METADATA_FILE = "_METADATA"  # the PyTree structure; written before the final rename
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _checkpointer(use_zarr3: bool = True, use_ocdbt: bool = True):
@@ -75,13 +78,23 @@ def save_params(
     directory.parent.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp
 
-    _checkpointer(use_zarr3, use_ocdbt).save(directory, args=ocp.args.PyTreeSave(params))
+    checkpointer = _checkpointer(use_zarr3, use_ocdbt)
+    try:
+        checkpointer.save(directory, args=ocp.args.PyTreeSave(params))
+    except BaseException:
+        checkpointer.close()  # wait for Orbax's background writers before cleaning up
+        # Orbax leaves its unfinished ``<name>.orbax-checkpoint-tmp*`` folder behind; it never restores (see
+        # ``_stored_tree``), but remove it so a retry starts clean.
+        for tmp in directory.parent.glob(f"{directory.name}{_TMP_SUFFIX}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return directory
 
 
 def _stored_tree(directory: Path) -> Any:
     """The checkpoint's metadata tree (leaves carry ``shape`` and ``dtype``)."""
-    if not (directory / _METADATA_FILE).exists():
+    finished = (directory / _METADATA_FILE).exists() and (directory / _TREE_METADATA_FILE).exists()
+    if not finished or _TMP_SUFFIX in directory.name:
         hint = ""
         if (directory / "0" / "items" / _METADATA_FILE).exists():
             hint = f" (did you mean {directory / '0' / 'items'}?)"

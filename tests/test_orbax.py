@@ -1,0 +1,174 @@
+"""Native Orbax checkpoints: save -> restore equal, layout conversion, shardings, atomicity, load_model."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from grpax.checkpoint.orbax import find_model_folder, load_model, restore_params, save_params
+from grpax.models.params import abstract_params
+from grpax.models.registry import ModelConfig, to_hf_config
+
+CFG = ModelConfig(
+    vocab_size=101,
+    hidden_dim=16,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=24,
+    bos_token_id=96,
+    eos_token_ids=(98,),
+)
+
+
+def _params(scan_layers: bool, dtype: str = "float32"):
+    cfg = CFG.replace(scan_layers=scan_layers, weight_dtype=dtype)
+    rng = np.random.RandomState(0)  # numpy, not init_params: no per-shape compiles in this file
+    params = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), abstract_params(cfg))
+    return params, cfg
+
+
+def _assert_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["stacked", "list"])
+def test_save_restore_equal(tmp_path, scan_layers, dtype):
+    params, _ = _params(scan_layers, dtype)
+    save_params(params, tmp_path / "0" / "items")
+    restored = restore_params(tmp_path / "0" / "items")
+    _assert_equal(params, restored)
+    assert isinstance(jax.tree.leaves(restored)[0], np.ndarray)
+    if dtype == "bfloat16":
+        assert restored["embed"].dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("zarr3, ocdbt", [(False, False), (True, False), (False, True)])
+def test_storage_options(tmp_path, zarr3, ocdbt):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "ckpt", use_zarr3=zarr3, use_ocdbt=ocdbt)
+    _assert_equal(params, restore_params(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("saved, wanted", [(True, False), (False, True)])
+def test_restore_converts_layout_and_dtype(tmp_path, saved, wanted):
+    params, _ = _params(saved)
+    save_params(params, tmp_path / "ckpt")
+    cfg = CFG.replace(scan_layers=wanted, weight_dtype="bfloat16")
+    restored = restore_params(tmp_path / "ckpt", cfg)
+    assert isinstance(restored["layers"], dict) == wanted
+    stacked = (
+        params["layers"]
+        if saved
+        else {k: np.stack([la[k] for la in params["layers"]]) for k in params["layers"][0]}
+    )
+    for k, v in stacked.items():
+        got = restored["layers"][k] if wanted else np.stack([la[k] for la in restored["layers"]])
+        assert got.dtype == ml_dtypes.bfloat16
+        assert np.array_equal(got, v.astype(ml_dtypes.bfloat16)), k
+
+
+def test_restore_to_sharding(tmp_path):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "ckpt")
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restored = restore_params(tmp_path / "ckpt", CFG, sharding=sharding)
+    assert all(isinstance(x, jax.Array) and x.sharding == sharding for x in jax.tree.leaves(restored))
+    _assert_equal(params, jax.tree.map(np.asarray, restored))
+    # Layout conversion on the way to devices.
+    unscanned = restore_params(tmp_path / "ckpt", CFG.replace(scan_layers=False), sharding=sharding)
+    assert len(unscanned["layers"]) == 3 and isinstance(unscanned["layers"][0]["wq"], jax.Array)
+    assert np.array_equal(np.asarray(unscanned["layers"][2]["wq"]), params["layers"]["wq"][2])
+
+
+def test_failed_write_leaves_nothing_restorable(tmp_path, monkeypatch):
+    params, _ = _params(True)
+    original = ocp.type_handlers.NumpyHandler.serialize
+
+    async def fail_after_writing(self, values, infos, args=None):
+        await original(self, values, infos, args)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "serialize", fail_after_writing)
+    with pytest.raises(OSError, match="disk full"):
+        save_params(params, tmp_path / "0" / "items")
+    assert not (tmp_path / "0" / "items").exists()
+    for leftover in (tmp_path / "0").iterdir():  # cleanup is best effort; a leftover must never restore
+        with pytest.raises(FileNotFoundError, match="interrupted or unfinished"):
+            restore_params(leftover)
+    with pytest.raises(FileNotFoundError, match="not a grpax/Orbax params checkpoint"):
+        restore_params(tmp_path / "0" / "items")
+
+
+def test_unfinished_orbax_tmp_folder_is_rejected(tmp_path):
+    tmp = tmp_path / "items.orbax-checkpoint-tmp-123"
+    tmp.mkdir()
+    (tmp / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="interrupted or unfinished"):
+        restore_params(tmp)
+
+
+def test_save_refuses_existing(tmp_path):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "ckpt")
+    with pytest.raises(FileExistsError, match="already exists"):
+        save_params(params, tmp_path / "ckpt")
+
+
+def test_restore_hints_at_items(tmp_path):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "0" / "items")
+    with pytest.raises(FileNotFoundError, match="did you mean .*0/items"):
+        restore_params(tmp_path)
+
+
+def _model_folder(folder, tokenizer: bool = True):
+    from test_convert import save_tiny_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(to_hf_config(CFG)))
+    if tokenizer:
+        save_tiny_tokenizer(folder)
+
+
+def test_load_model_converted_and_trained_layouts(tmp_path):
+    params, _ = _params(True, "bfloat16")
+    # Converted: <base>/config.json + <base>/0/items.
+    _model_folder(tmp_path / "base")
+    save_params(params, tmp_path / "base" / "0" / "items")
+    # Trained: <base>/<run>/checkpoints/{config.json, actor/<step>/model_params}.
+    ckpts = tmp_path / "base" / "run1" / "checkpoints"
+    _model_folder(ckpts)
+    save_params(params, ckpts / "actor" / "20" / "model_params")
+    for path in (tmp_path / "base" / "0" / "items", ckpts / "actor" / "20" / "model_params"):
+        loaded, cfg, tok = load_model(path, scan_layers=False)
+        assert cfg.weight_dtype == "bfloat16" and not cfg.scan_layers
+        assert (cfg.vocab_size, cfg.num_layers, cfg.eos_token_ids) == (101, 3, (98,))
+        assert len(loaded["layers"]) == 3
+        assert np.array_equal(loaded["layers"][1]["w_up"], params["layers"]["w_up"][1])
+        assert tok.convert_tokens_to_ids("<|im_end|>") == 98 and tok.chat_template
+    assert find_model_folder(ckpts / "actor" / "20" / "model_params") == ckpts
+    loaded, cfg, _ = load_model(tmp_path / "base" / "0" / "items", weight_dtype="float32")
+    assert loaded["embed"].dtype == np.float32 and cfg.scan_layers
+
+
+def test_load_model_errors_name_paths(tmp_path):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "a" / "0" / "items")
+    with pytest.raises(FileNotFoundError, match="no config.json at or above .*a/0/items"):
+        load_model(tmp_path / "a" / "0" / "items")
+    _model_folder(tmp_path / "a", tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in .*a "):
+        load_model(tmp_path / "a" / "0" / "items")
+    with pytest.raises(FileNotFoundError, match="checkpoint .*missing does not exist"):
+        load_model(tmp_path / "missing")
