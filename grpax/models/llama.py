@@ -87,8 +87,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, N, H)
 
 
-def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None):
-    """One decoder block; returns (x, new_cache_k, new_cache_v)."""
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention for one query per row (T == 1), as multiply-reduce loops over the cache.
+
+    Same result as ``attention``, but reads the [B, S, K, H] cache in place: a dot would first transpose it
+    to put K next to B (a full cache copy per layer per step on CPU), and a multiply-reduce fuses with the
+    slice of this layer out of the stacked cache.
+
+    Args:
+      q: [B, 1, N, H] query (already rotated).
+      k, v: [B, S, K, H] cache keys and values.
+      mask: bool [B, 1, S], True where the query may attend to slot s.
+
+    Returns:
+      float32 [B, 1, N, H]; scores, softmax and the weighted sum in float32.
+    """
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, 1, K, N // K, H).astype(jnp.float32) / math.sqrt(H)
+    scores = jnp.sum(q * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B, S, K, G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B, K, G, H]
+    return out.reshape(B, 1, N, H)
+
+
+def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None, index=None):
+    """One decoder block; returns (x, cache_k, cache_v).
+
+    With a cache, ``cache_k``/``cache_v`` are the whole stacked caches [L, B, S, K, H] and ``index`` this
+    layer's position in them: the new keys/values are scattered in place (the caches are loop carries, so XLA
+    updates them without copying) and attention reads this layer's slice.
+    """
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
@@ -97,10 +127,15 @@ def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, 
     v = jnp.einsum("BTD,DKH->BTKH", h, w["wv"])
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-        k, v = cache_k.astype(dtype), cache_v.astype(dtype)
-    attn = attention(q, k, v, mask)
+        cache_k = cache_k.at[index, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[index, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+        k, v = cache_k[index], cache_v[index]
+        if x.shape[1] == 1:
+            attn = decode_attention(q, k, v, mask).astype(dtype)
+        else:
+            attn = attention(q, k.astype(dtype), v.astype(dtype), mask)
+    else:
+        attn = attention(q, k, v, mask)
     x = x + jnp.einsum("BTNH,NHD->BTD", attn, w["wo"])
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
@@ -182,30 +217,23 @@ def forward(
 
     layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq), cfg)
     layers = params["layers"]
-    new_cache = None
-    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
+    ck = cache["k"] if cache is not None else None
+    cv = cache["v"] if cache is not None else None
+    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned; the cache in the carry
 
         def body(carry, xs):
-            layer, ck, cv = xs
-            carry, ck, cv = layer_fn(carry, layer, positions, mask, cache_k=ck, cache_v=cv)
-            return constrain(carry, _RESIDUAL), (ck, cv)
+            x, ck, cv = carry
+            layer, i = xs
+            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv, index=i)
+            return (constrain(x, _RESIDUAL), ck, cv), None
 
-        ck = cache["k"] if cache is not None else None
-        cv = cache["v"] if cache is not None else None
-        x, (ck, cv) = jax.lax.scan(body, x, (layers, ck, cv))
-        if cache is not None:
-            new_cache = {"k": ck, "v": cv}
+        num_layers = jax.tree.leaves(layers)[0].shape[0]
+        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (layers, jnp.arange(num_layers)))
     else:
-        ks, vs = [], []
         for i, layer in enumerate(layers):
-            ck = cache["k"][i] if cache is not None else None
-            cv = cache["v"][i] if cache is not None else None
-            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv)
+            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv, index=i)
             x = constrain(x, _RESIDUAL)
-            ks.append(ck)
-            vs.append(cv)
-        if cache is not None:
-            new_cache = {"k": jnp.stack(ks), "v": jnp.stack(vs)}
+    new_cache = {"k": ck, "v": cv} if cache is not None else None
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if return_hidden:
         return x, new_cache

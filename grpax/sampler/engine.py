@@ -1,0 +1,291 @@
+"""The rollout engine: batched prefill + KV-cache decode, the whole loop inside one ``jax.jit``.
+
+GRPO spends most of its wall time sampling, so the loop never returns to Python: prompts are prefilled into a
+cache of ``P_bucket + C`` slots (slot == position, each row at its own length), then a ``lax.while_loop``
+decodes one token per row per step and exits as soon as every row has emitted a stop token. The cache is
+created inside the jitted function and lives in the loop carry, so XLA updates it in place (no per-step copy
+and nothing to donate across a jit boundary). Compiled functions are cached per (batch size, prompt bucket,
+model config, sampler config): a new prompt length inside the same bucket reuses the compiled code.
+
+Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
+``fold_in(fold_in(key, step), row)``. ``completion_mask`` comes from the loop's own stop bookkeeping, never
+from token values, so a pad id equal to the EOS id (SmolLM2) is handled. The design follows the
+prefill/decode split of MaxText's and Tunix's samplers; the returned fields use TRL's names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.models.llama import forward, init_cache, logits_from_hidden
+from grpax.models.params import Params
+from grpax.models.registry import ModelConfig
+from grpax.sampler.sampling import sample_tokens, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+TRUNCATIONS = ("left", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """How completions are sampled (hashable: it is a static argument of the compiled sampler)."""
+
+    max_prompt_length: int = 256  # longest prompt in tokens (after truncation)
+    max_completion_length: int = 256  # C: new tokens per row at most
+    temperature: float = 1.0  # divides the logits; logprobs are of log_softmax(logits / temperature)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus mass; 1.0 = off
+    greedy: bool = False  # argmax decoding (temperature, top_k, top_p ignored; logprobs at temperature 1)
+    stop_token_ids: tuple[int, ...] = ()  # a row finishes after emitting any of these (included in the mask)
+    pad_token_id: int = 0  # written after a row has finished (the mask, not this id, marks real tokens)
+    # Allowed prompt paddings P; () = powers of two from 16, the last one capped at max_prompt_length.
+    prompt_length_buckets: tuple[int, ...] = ()
+    truncation: str = "left"  # prompts longer than max_prompt_length: "left" keeps the end, "drop" skips them
+    cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
+
+    def __post_init__(self):
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation={self.truncation!r}: expected one of {TRUNCATIONS}")
+        if self.max_completion_length < 1 or self.max_prompt_length < 1:
+            raise ValueError("max_prompt_length and max_completion_length must be >= 1")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (use greedy=true for argmax)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.greedy else self.temperature
+
+    def buckets(self) -> tuple[int, ...]:
+        """Sorted prompt paddings; the last one is ``max_prompt_length``."""
+        if self.prompt_length_buckets:
+            return tuple(
+                sorted(
+                    {min(b, self.max_prompt_length) for b in self.prompt_length_buckets}
+                    | {self.max_prompt_length}
+                )
+            )
+        out, b = [], 16
+        while b < self.max_prompt_length:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_prompt_length)
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest bucket >= ``length`` tokens."""
+        return next(b for b in self.buckets() if b >= length)
+
+
+class GenerateOutput(NamedTuple):
+    """Rollouts of one ``generate`` call; row i answers ``prompts[prompt_indices[i]]``.
+
+    Attributes:
+      prompt_ids: int32 [B, P] left-padded prompts (pad_token_id on the left).
+      prompt_mask: int32 [B, P], 1 for real prompt tokens.
+      completion_ids: int32 [B, C]; pad_token_id after the end.
+      completion_mask: int32 [B, C], 1 for every generated token up to and including the first stop token.
+      logprobs: float32 [B, C], log_softmax(logits / temperature) of each sampled token; 0 where masked.
+      lengths: int32 [B] completion lengths in tokens (= completion_mask.sum(1)).
+      finish_reason: "stop" (a stop token was emitted) or "length" (C tokens without one), per row.
+      prompt_indices: int32 [B] index of each row's prompt in the input list (differs only with truncation
+        "drop").
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finish_reason: list[str]
+    prompt_indices: np.ndarray
+
+
+def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: SamplerConfig) -> jax.Array:
+    """Samples int32 [B] with noise from fold_in(fold_in(key, step), row): independent of the batch."""
+    if sc.greedy:
+        return sample_tokens(logits, key, greedy=True)
+    step_key = jax.random.fold_in(key, step)
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, jnp.arange(logits.shape[0]))
+
+    def one(row_logits, row_key):
+        return sample_tokens(
+            row_logits[None], row_key, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p
+        )[0]
+
+    return jax.vmap(one)(logits, row_keys)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg"))
+def generate_padded(
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+) -> dict[str, jax.Array]:
+    """Samples completions for right-padded prompts (the array entry point the trainer calls).
+
+    Args:
+      params: model params (any sharding).
+      prompt_tokens: int32 [B, P] right-padded prompt ids.
+      prompt_lengths: int32 [B] real prompt lengths in tokens, each in 1..P.
+      key: PRNG key; the same key gives the same completions.
+      cfg: model config (static).
+      sampler_cfg: sampler config (static).
+
+    Returns:
+      dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
+      ``lengths`` int32 [B], ``stopped`` bool [B] (a stop token was emitted).
+    """
+    sc = sampler_cfg
+    B, P = prompt_tokens.shape
+    C = sc.max_completion_length
+    prompt_tokens = prompt_tokens.astype(jnp.int32)
+    prompt_lengths = prompt_lengths.astype(jnp.int32)
+    stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
+    temperature = sc.logprob_temperature
+
+    # Prefill: slot == position; padding slots >= length are overwritten by decode before being attended.
+    cache = init_cache(cfg, B, P + C, sc.cache_dtype)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    hidden, cache = forward(params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True)
+    last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
+    logits = logits_from_hidden(params, last, cfg)  # [B, V]
+
+    def record(state, step, logits):
+        ids, mask, logprobs, done = state
+        token = _sample_rows(logits, key, step, sc)
+        live = ~done
+        ids = ids.at[:, step].set(jnp.where(live, token, sc.pad_token_id))
+        mask = mask.at[:, step].set(live.astype(jnp.int32))
+        logprobs = logprobs.at[:, step].set(jnp.where(live, token_logprobs(logits, token, temperature), 0.0))
+        is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+        done = done | (live & is_stop)
+        return (ids, mask, logprobs, done), jnp.where(live, token, sc.pad_token_id)
+
+    state = (
+        jnp.full((B, C), sc.pad_token_id, jnp.int32),
+        jnp.zeros((B, C), jnp.int32),
+        jnp.zeros((B, C), jnp.float32),
+        jnp.zeros((B,), bool),
+    )
+    state, token = record(state, 0, logits)
+
+    def cond(carry):
+        step, _, _, state = carry
+        return (step < C) & ~jnp.all(state[3])
+
+    def body(carry):
+        step, token, cache, state = carry
+        pos = (prompt_lengths + step - 1)[:, None]  # position of the previous token
+        hidden, cache = forward(params, token[:, None], cfg, positions=pos, cache=cache, return_hidden=True)
+        logits = logits_from_hidden(params, hidden[:, 0], cfg)
+        state, token = record(state, step, logits)
+        return step + 1, token, cache, state
+
+    _, _, _, state = jax.lax.while_loop(cond, body, (jnp.int32(1), token, cache, state))
+    ids, mask, logprobs, done = state
+    return {
+        "completion_ids": ids,
+        "completion_mask": mask,
+        "logprobs": logprobs,
+        "lengths": mask.sum(axis=1).astype(jnp.int32),
+        "stopped": done,
+    }
+
+
+def prepare_prompts(
+    prompts: list[list[int]], sampler_cfg: SamplerConfig
+) -> tuple[list[list[int]], list[int]]:
+    """Applies the truncation policy; returns (kept prompts, their indices in ``prompts``).
+
+    Raises:
+      ValueError: if a prompt is empty.
+    """
+    sc = sampler_cfg
+    kept, indices, num_long = [], [], 0
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) > sc.max_prompt_length:
+            num_long += 1
+            if sc.truncation == "drop":
+                continue
+            prompt = prompt[-sc.max_prompt_length :]
+        kept.append(list(prompt))
+        indices.append(i)
+    if num_long:
+        action = "dropped" if sc.truncation == "drop" else "left-truncated (kept their last tokens)"
+        logger.warning(
+            "%d of %d prompts are longer than max_prompt_length=%d and were %s",
+            num_long,
+            len(prompts),
+            sc.max_prompt_length,
+            action,
+        )
+    return kept, indices
+
+
+def generate(
+    params: Params,
+    prompts: list[list[int]],
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    key: jax.Array,
+) -> GenerateOutput:
+    """Samples one completion per prompt (repeat a prompt G times in ``prompts`` for a GRPO group).
+
+    Args:
+      params: model params.
+      prompts: B token-id lists (no padding).
+      cfg: model config.
+      sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens.
+      key: PRNG key (one per call; rows get independent noise).
+
+    Returns:
+      A ``GenerateOutput`` of numpy arrays.
+
+    Raises:
+      ValueError: an empty prompt, or no prompt left after truncation "drop".
+    """
+    sc = sampler_cfg
+    kept, indices = prepare_prompts(prompts, sc)
+    if not kept:
+        raise ValueError(
+            "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
+        )
+    B = len(kept)
+    lengths = np.array([len(p) for p in kept], np.int32)
+    P = sc.bucket_for(int(lengths.max()))
+    right = np.full((B, P), sc.pad_token_id, np.int32)
+    left = np.full((B, P), sc.pad_token_id, np.int32)
+    prompt_mask = np.zeros((B, P), np.int32)
+    for i, p in enumerate(kept):
+        right[i, : len(p)] = p
+        left[i, P - len(p) :] = p
+        prompt_mask[i, P - len(p) :] = 1
+    out = jax.device_get(generate_padded(params, right, lengths, key, cfg, sc))
+    finish = ["stop" if s else "length" for s in out["stopped"]]
+    return GenerateOutput(
+        prompt_ids=left,
+        prompt_mask=prompt_mask,
+        completion_ids=np.asarray(out["completion_ids"]),
+        completion_mask=np.asarray(out["completion_mask"]),
+        logprobs=np.asarray(out["logprobs"]),
+        lengths=np.asarray(out["lengths"]),
+        finish_reason=finish,
+        prompt_indices=np.array(indices, np.int32),
+    )

@@ -1,0 +1,151 @@
+"""The KV-cache rollout engine against a full forward recompute (grpax.sampler.engine)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpax.models.llama import forward
+from grpax.models.params import init_params
+from grpax.models.registry import ModelConfig
+from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
+
+CFG = ModelConfig(
+    vocab_size=61,
+    hidden_dim=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=48,
+    rope_theta=10000.0,
+)
+PROMPTS = [[5, 9, 11, 3, 7, 21, 30], [1, 2], [40, 41, 42, 43, 44], [17]]
+C = 12
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = init_params(CFG, jax.random.key(0))
+    # std 0.02 gives near-uniform logits (argmax ties); std ~0.3 makes the distributions peaked and varied
+    return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)
+
+
+def _sc(**kw):
+    base = dict(max_prompt_length=16, max_completion_length=C, greedy=True, pad_token_id=0)
+    return SamplerConfig(**{**base, **kw})
+
+
+def _full_logits(params, prompt, completion):
+    """float32 [len(completion), V]: logits predicting each completion token, from one uncached forward."""
+    seq = jnp.asarray([list(prompt) + list(completion)], jnp.int32)
+    logits, _ = forward(params, seq, CFG)
+    return np.asarray(logits[0, len(prompt) - 1 : len(prompt) - 1 + len(completion)])
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_greedy_cached_decode_equals_full_forward(params):
+    out = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
+    assert out.completion_ids.shape == (4, C) and out.completion_ids.dtype == np.int32
+    np.testing.assert_array_equal(out.completion_mask, 1)
+    assert out.finish_reason == ["length"] * 4
+    for i, prompt in enumerate(PROMPTS):
+        ref = _full_logits(params, prompt, out.completion_ids[i])
+        np.testing.assert_array_equal(out.completion_ids[i], ref.argmax(-1))
+        expected = np.take_along_axis(_log_softmax(ref), out.completion_ids[i][:, None], -1)[:, 0]
+        np.testing.assert_allclose(out.logprobs[i], expected, atol=1e-4)
+    assert len(set(map(tuple, out.completion_ids.tolist()))) > 1  # the rows really differ
+
+
+def test_sampled_logprobs_equal_full_forward_at_temperature(params):
+    sc = _sc(greedy=False, temperature=0.7)
+    out = generate(params, PROMPTS, CFG, sc, jax.random.key(4))
+    for i, prompt in enumerate(PROMPTS):
+        ref = _log_softmax(_full_logits(params, prompt, out.completion_ids[i]) / 0.7)
+        expected = np.take_along_axis(ref, out.completion_ids[i][:, None], -1)[:, 0]
+        np.testing.assert_allclose(out.logprobs[i], expected, atol=1e-4)
+    # at temperature 0.7 sampling departs from greedy somewhere
+    greedy = generate(params, PROMPTS, CFG, _sc(), jax.random.key(4))
+    assert (out.completion_ids != greedy.completion_ids).any()
+
+
+def test_rows_do_not_depend_on_the_batch(params):
+    sc = _sc(greedy=False, temperature=1.0)
+    full = generate(params, PROMPTS, CFG, sc, jax.random.key(7))
+    # row 0 alone (smaller bucket for none: 7 tokens -> 16) and with other companions of other lengths
+    alone = generate(params, PROMPTS[:1], CFG, sc, jax.random.key(7))
+    other = generate(params, [PROMPTS[0], [3] * 15, [8]], CFG, sc, jax.random.key(7))
+    np.testing.assert_array_equal(alone.completion_ids[0], full.completion_ids[0])
+    np.testing.assert_array_equal(other.completion_ids[0], full.completion_ids[0])
+    np.testing.assert_allclose(other.logprobs[0], full.logprobs[0], atol=1e-5)
+    # greedy rows are independent of their row index too
+    g = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
+    g_rev = generate(params, PROMPTS[::-1], CFG, _sc(), jax.random.key(0))
+    np.testing.assert_array_equal(g.completion_ids, g_rev.completion_ids[::-1])
+
+
+def test_stop_tokens_mask_and_finish_reason(params):
+    free = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
+    # stop at two ids seen in row 0 (positions 3 and 6 unless they appear earlier) with pad == one stop id
+    row = free.completion_ids[0].tolist()
+    stops = (row[3], row[6])
+    sc = _sc(stop_token_ids=stops, pad_token_id=stops[0])
+    out = generate(params, PROMPTS, CFG, sc, jax.random.key(0))
+    for i in range(len(PROMPTS)):
+        ids = free.completion_ids[i].tolist()
+        first = next((t for t, tok in enumerate(ids) if tok in stops), None)
+        n = C if first is None else first + 1
+        assert out.lengths[i] == n
+        np.testing.assert_array_equal(out.completion_mask[i], [1] * n + [0] * (C - n))
+        np.testing.assert_array_equal(out.completion_ids[i, :n], ids[:n])
+        np.testing.assert_array_equal(out.completion_ids[i, n:], stops[0])
+        np.testing.assert_array_equal(out.logprobs[i, n:], 0.0)
+        assert out.finish_reason[i] == ("length" if first is None else "stop")
+    assert out.lengths[0] <= 4 and out.finish_reason[0] == "stop"
+
+
+def test_all_rows_stopping_ends_early_with_length_cutoff(params):
+    free = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
+    firsts = tuple(int(t) for t in free.completion_ids[:, 0])  # every row stops at its first token
+    out = generate(params, PROMPTS, CFG, _sc(stop_token_ids=firsts), jax.random.key(0))
+    np.testing.assert_array_equal(out.lengths, 1)
+    assert out.finish_reason == ["stop"] * 4
+    np.testing.assert_array_equal(out.completion_mask[:, 1:], 0)
+
+
+def test_seeds(params):
+    sc = _sc(greedy=False, temperature=1.0, top_k=20, top_p=0.95)
+    a = generate(params, [PROMPTS[0]] * 4, CFG, sc, jax.random.key(1))
+    b = generate(params, [PROMPTS[0]] * 4, CFG, sc, jax.random.key(1))
+    c = generate(params, [PROMPTS[0]] * 4, CFG, sc, jax.random.key(2))
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert (a.completion_ids != c.completion_ids).any()
+    assert len(set(map(tuple, a.completion_ids.tolist()))) == 4  # the G completions of one prompt differ
+
+
+def test_prompt_padding_and_truncation(params, caplog):
+    sc = _sc(max_prompt_length=6)
+    out = generate(params, PROMPTS, CFG, sc, jax.random.key(0))
+    assert out.prompt_ids.shape == (4, 6)
+    np.testing.assert_array_equal(out.prompt_ids[0], PROMPTS[0][-6:])  # left truncation keeps the end
+    np.testing.assert_array_equal(out.prompt_ids[1], [0, 0, 0, 0, 1, 2])
+    np.testing.assert_array_equal(out.prompt_mask[1], [0, 0, 0, 0, 1, 1])
+    assert "longer than max_prompt_length=6" in caplog.text
+    kept, idx = prepare_prompts(PROMPTS, dataclasses.replace(sc, truncation="drop"))
+    assert idx == [1, 2, 3] and kept == PROMPTS[1:]
+
+
+def test_buckets():
+    sc = SamplerConfig(max_prompt_length=200)
+    assert sc.buckets() == (16, 32, 64, 128, 200)
+    assert sc.bucket_for(1) == 16 and sc.bucket_for(65) == 128 and sc.bucket_for(129) == 200
+    assert SamplerConfig(max_prompt_length=100, prompt_length_buckets=(48, 96)).buckets() == (48, 96, 100)
+    with pytest.raises(ValueError, match="truncation"):
+        SamplerConfig(truncation="right")

@@ -1,0 +1,75 @@
+"""Sampling filters and draws on known distributions (grpax.sampler.sampling)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.sampler.sampling import apply_top_k, apply_top_p, sample_tokens, token_logprobs
+
+PROBS = np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float32)  # sorted: 1 (.4), 3 (.3), 4 (.15), 2 (.1), 0 (.05)
+
+
+def _kept(filtered):
+    return set(np.flatnonzero(np.isfinite(np.asarray(filtered)[0])).tolist())
+
+
+def test_top_k_keeps_k_largest():
+    logits = jnp.log(jnp.asarray(PROBS))[None]
+    assert _kept(apply_top_k(logits, 1)) == {1}
+    assert _kept(apply_top_k(logits, 3)) == {1, 3, 4}
+    assert _kept(apply_top_k(logits, 0)) == {0, 1, 2, 3, 4}
+    kept = apply_top_k(logits, 2)
+    np.testing.assert_allclose(np.asarray(kept)[0, [1, 3]], np.log(PROBS[[1, 3]]), rtol=1e-6)
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    logits = jnp.log(jnp.asarray(PROBS))[None]
+    assert _kept(apply_top_p(logits, 0.4)) == {1}  # 0.4 alone reaches 0.4
+    assert _kept(apply_top_p(logits, 0.41)) == {1, 3}  # 0.7
+    assert _kept(apply_top_p(logits, 0.7)) == {1, 3}
+    assert _kept(apply_top_p(logits, 0.71)) == {1, 3, 4}  # 0.85
+    assert _kept(apply_top_p(logits, 0.96)) == {0, 1, 2, 3, 4}
+    assert _kept(apply_top_p(logits, 1e-6)) == {1}  # always at least one token
+    assert _kept(apply_top_p(logits, 1.0)) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_rows_are_independent():
+    logits = jnp.log(jnp.asarray(np.stack([PROBS, PROBS[::-1]])))
+    out = np.isfinite(np.asarray(apply_top_p(logits, 0.5)))
+    assert np.flatnonzero(out[0]).tolist() == [1, 3]
+    assert np.flatnonzero(out[1]).tolist() == [1, 3]  # reversed: 0.3 at 1, 0.4 at 3
+
+
+def test_sampling_frequencies_follow_filtered_distribution():
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS)), (20000, 5))
+    tokens = np.asarray(sample_tokens(logits, jax.random.key(0), temperature=1.0, top_k=3))
+    freq = np.bincount(tokens, minlength=5) / tokens.size
+    expected = np.array([0, 0.4, 0, 0.3, 0.15]) / 0.85
+    np.testing.assert_allclose(freq, expected, atol=0.015)
+    tokens = np.asarray(sample_tokens(logits, jax.random.key(1), temperature=1.0, top_p=0.7))
+    freq = np.bincount(tokens, minlength=5) / tokens.size
+    np.testing.assert_allclose(freq, np.array([0, 0.4, 0, 0.3, 0]) / 0.7, atol=0.015)
+    # temperature 0.5 squares the probabilities before renormalising
+    tokens = np.asarray(sample_tokens(logits, jax.random.key(2), temperature=0.5))
+    freq = np.bincount(tokens, minlength=5) / tokens.size
+    np.testing.assert_allclose(freq, PROBS**2 / (PROBS**2).sum(), atol=0.015)
+
+
+def test_greedy_and_seeds():
+    logits = jax.random.normal(jax.random.key(3), (8, 50))
+    np.testing.assert_array_equal(
+        sample_tokens(logits, jax.random.key(0), greedy=True), np.argmax(np.asarray(logits), -1)
+    )
+    a = sample_tokens(logits, jax.random.key(0))
+    b = sample_tokens(logits, jax.random.key(0))
+    c = sample_tokens(logits, jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == jnp.int32 and (np.asarray(a) != np.asarray(c)).any()
+
+
+def test_token_logprobs_is_scaled_log_softmax():
+    logits = jnp.log(jnp.asarray(PROBS))[None].repeat(2, 0)
+    tokens = jnp.array([1, 0])
+    np.testing.assert_allclose(token_logprobs(logits, tokens), np.log(PROBS[[1, 0]]), rtol=1e-6)
+    p2 = PROBS**2 / (PROBS**2).sum()
+    np.testing.assert_allclose(token_logprobs(logits, tokens, 0.5), np.log(p2[[1, 0]]), rtol=1e-5)
