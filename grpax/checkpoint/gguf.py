@@ -307,6 +307,8 @@ class GGUFModel:
                 f"package cannot dequantize ({e}); upgrade gguf or use another quantization"
             ) from None
         w = np.asarray(w, np.float32).reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        if not w.flags.writeable:  # an F32 tensor is a view of the read-only memory map: hand out a copy
+            w = w.copy()
         cfg = self.hf_config
         if name.endswith("self_attn.q_proj.weight"):
             w = reverse_permute(w, cfg["num_attention_heads"])
