@@ -1,0 +1,181 @@
+"""``grpax generate``: sample completions from a checkpoint with the KV-cache rollout engine.
+
+MaxText's decode keys (``max_prefill_predict_length``, ``max_target_length``, ``decode_sampling_*``) select the
+prompt budget and the sampling rule; completions are printed and optionally written as JSONL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from grpax.cli.common import select_hardware
+from grpax.config import ConfigError, field
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = (
+    "Sample completions from a grpax checkpoint (load_parameters_path=<base>/0/items or an actor checkpoint) "
+    "for prompt=TEXT or prompts_path=FILE.jsonl (a 'prompt' field per line), num_generations per prompt, "
+    "batch_size rows per compiled call. decode_sampling_strategy=greedy|weighted|nucleus|topk as in MaxText. "
+    "output_path=FILE.jsonl writes one record per completion (prompt, completion, completion_ids, "
+    "finish_reason)."
+)
+
+STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    load_parameters_path: str = field("", "checkpoint (<base>/0/items or <run>/checkpoints/actor/<step>/...)")
+    model_name: str = field("", "model registry name (optional: checks the checkpoint's shapes)")
+    prompt: str = field("", "one prompt text")
+    prompts_path: str = field("", "JSONL file with a 'prompt' field per line")
+    use_chat_template: bool = field(
+        True, "wrap each prompt as a user turn with the tokenizer's chat template"
+    )
+    max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts keep their last tokens)")
+    max_target_length: int = field(512, "max prompt + completion tokens")
+    max_completion_length: int = field(-1, "new tokens per completion (-1: max_target_length - prefill)")
+    decode_sampling_strategy: str = field("greedy", "greedy | weighted | nucleus | topk")
+    decode_sampling_temperature: float = field(1.0, "temperature (weighted, nucleus, topk)")
+    decode_sampling_top_k: int = field(50, "k of topk")
+    decode_sampling_nucleus_p: float = field(0.9, "p of nucleus")
+    num_generations: int = field(1, "completions per prompt")
+    batch_size: int = field(8, "rows per generate call (prompts x generations are split into batches)")
+    seed: int = field(0, "sampling seed")
+    weight_dtype: str = field("float32", "parameter dtype")
+    dtype: str = field("float32", "activation dtype (float32 is fastest on CPU)")
+    scan_layers: bool = field(True, "stacked layers")
+    output_path: str = field("", "JSONL file for the completions")
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
+
+
+CONFIG = GenerateConfig
+
+
+def sampling_kwargs(config: GenerateConfig) -> dict:
+    """The ``SamplerConfig`` sampling fields for ``decode_sampling_strategy``.
+
+    Raises:
+      ConfigError: an unknown strategy.
+    """
+    strategy = config.decode_sampling_strategy
+    temperature = config.decode_sampling_temperature
+    if strategy == "greedy":
+        return {"greedy": True}
+    if strategy == "weighted":
+        return {"temperature": temperature}
+    if strategy == "nucleus":
+        return {"temperature": temperature, "top_p": config.decode_sampling_nucleus_p}
+    if strategy == "topk":
+        return {"temperature": temperature, "top_k": config.decode_sampling_top_k}
+    raise ConfigError(f"decode_sampling_strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+
+
+def read_prompts(config: GenerateConfig) -> list[str]:
+    """The prompt texts from ``prompt=`` and/or ``prompts_path=``.
+
+    Raises:
+      ConfigError: neither is given, or a JSONL line lacks ``prompt``.
+    """
+    prompts = [config.prompt] if config.prompt else []
+    if config.prompts_path:
+        for n, line in enumerate(Path(config.prompts_path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "prompt" not in record:
+                raise ConfigError(f"{config.prompts_path}:{n} has no 'prompt' field")
+            prompts.append(str(record["prompt"]))
+    if not prompts:
+        raise ConfigError("pass prompt=TEXT or prompts_path=FILE.jsonl")
+    return prompts
+
+
+def run(config: GenerateConfig) -> int:
+    select_hardware(config.hardware)
+    import jax
+    from tqdm import tqdm
+
+    from grpax import distributed
+    from grpax.checkpoint.orbax import load_model
+    from grpax.data.tokenizer import stop_token_ids
+    from grpax.models.registry import check_matches
+    from grpax.sampler.engine import SamplerConfig, generate
+
+    if not config.load_parameters_path:
+        raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
+    completion_length = config.max_completion_length
+    if completion_length < 0:
+        completion_length = config.max_target_length - config.max_prefill_predict_length
+    if completion_length < 1:
+        raise ConfigError(
+            f"max_target_length={config.max_target_length} leaves no completion tokens after "
+            f"max_prefill_predict_length={config.max_prefill_predict_length}"
+        )
+    if config.num_generations < 1 or config.batch_size < 1:
+        raise ConfigError("num_generations and batch_size must be >= 1")
+    sampling = sampling_kwargs(config)
+    texts = read_prompts(config)
+    distributed.maybe_initialize(config.skip_jax_distributed_system)
+    params, model_cfg, tokenizer = load_model(
+        config.load_parameters_path,
+        scan_layers=config.scan_layers,
+        weight_dtype=config.weight_dtype,
+        dtype=config.dtype,
+    )
+    if config.model_name:
+        check_matches(model_cfg, config.model_name, config.load_parameters_path)
+    params = jax.device_put(params)
+    if config.use_chat_template:
+        rendered = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+            )
+            for t in texts
+        ]
+    else:
+        rendered = texts
+    token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in rendered]
+    stops = stop_token_ids(tokenizer, model_cfg)
+    pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else (stops[0] if stops else 0)
+    sampler_cfg = SamplerConfig(
+        max_prompt_length=config.max_prefill_predict_length,
+        max_completion_length=completion_length,
+        stop_token_ids=stops,
+        pad_token_id=pad,
+        **sampling,
+    )
+    rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]
+    key = jax.random.key(config.seed)
+    records, record_prompts = [], []
+    for start in tqdm(range(0, len(rows), config.batch_size), desc="generate", unit="batch"):
+        batch = rows[start : start + config.batch_size]
+        out = generate(
+            params, [token_ids[i] for i in batch], model_cfg, sampler_cfg, jax.random.fold_in(key, start)
+        )
+        for r, row_index in enumerate(out.prompt_indices):
+            i = batch[int(row_index)]
+            record_prompts.append(i)
+            ids = out.completion_ids[r, : out.lengths[r]].tolist()
+            records.append(
+                {
+                    "prompt": texts[i],
+                    "completion": tokenizer.decode(ids, skip_special_tokens=True),
+                    "completion_ids": ids,
+                    "finish_reason": out.finish_reason[r],
+                }
+            )
+    for i, record in zip(record_prompts, records, strict=True):
+        print(f"=== prompt {i} ({record['finish_reason']}, {len(record['completion_ids'])} tokens)")
+        print(f"{record['prompt']}\n--- completion\n{record['completion']}\n")
+    if config.output_path:
+        path = Path(config.output_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        log.info("wrote %d completions to %s", len(records), path)
+    return 0
