@@ -149,3 +149,71 @@ def test_buckets():
     assert SamplerConfig(max_prompt_length=100, prompt_length_buckets=(48, 96)).buckets() == (48, 96, 100)
     with pytest.raises(ValueError, match="truncation"):
         SamplerConfig(truncation="right")
+
+
+def _transformers_from_gguf(path):
+    """transformers' own GGUF reader (``load_gguf_checkpoint``) into a float32 ``LlamaForCausalLM``.
+
+    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` does the same but requires ``accelerate``,
+    which is not a test dependency.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = LlamaForCausalLM(LlamaConfig(**load_gguf_checkpoint(path, return_tensors=False)["config"]))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
+    )
+    assert missing == ["lm_head.weight"] and not unexpected  # lm_head is tied to the embedding
+    return model.float().eval()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_generate():
+    """SmolLM2-135M-Instruct (GGUF, float32): 64 greedy tokens on real GSM8K prompts equal transformers'."""
+    import json
+
+    import torch
+
+    from grpax.checkpoint.gguf import default_gguf_path, read_gguf
+    from grpax.checkpoint.hf import load_params_from_tensors
+    from grpax.models.registry import from_hf_config
+
+    path = default_gguf_path()
+    source = read_gguf(path)
+    cfg = from_hf_config(source.hf_config)
+    params = load_params_from_tensors(source.get_tensor, source.has_tensor, cfg)
+    tokenizer = source.tokenizer()
+    with open("/work/shared/data/gsm8k/test.jsonl") as f:
+        questions = [json.loads(next(f))["question"] for _ in range(3)]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+    stops = (2,)  # <|im_end|>, SmolLM2-Instruct's eos
+    sc = SamplerConfig(
+        max_prompt_length=256, max_completion_length=64, greedy=True, stop_token_ids=stops, pad_token_id=2
+    )
+    out = generate(params, prompts, cfg, sc, jax.random.key(0))
+
+    hf = _transformers_from_gguf(path)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=list(stops),
+                pad_token_id=2,
+            )
+        ref_new = ref[0, len(prompt) :].tolist()
+        ours = out.completion_ids[i, : out.lengths[i]].tolist()
+        assert ours == ref_new, (i, tokenizer.decode(ours), tokenizer.decode(ref_new))
+    assert max(out.lengths) >= 32  # the comparison covers real text, not an immediate stop
