@@ -157,8 +157,10 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     overrides = {aliases.get(k, k): v for k, v in overrides.items()}
     for key in list(overrides) + list(explicit):
         if key not in fields:
-            raise ConfigError(f"unknown key '{key}' for this command.{suggest(key, fields)} "
-                              f"(run with --help to list the keys)")
+            raise ConfigError(
+                f"unknown key '{key}' for this command.{suggest(key, fields)} "
+                f"(run with --help to list the keys)"
+            )
     layers: list[tuple[str, dict]] = []
     model_name = explicit.get("model_name", overrides.get("model_name"))
     user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
@@ -186,8 +188,11 @@ def describe(cls: type) -> str:
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        )
         type_name = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("typing.", "")
         lines.append(f"  {f.name}={default!s:<14} [{type_name}] {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -26,7 +26,11 @@ _LAYER_HF = {
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
 }
-_TOP_HF = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+_TOP_HF = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
 
 
 class MissingTensorError(KeyError):
@@ -113,8 +117,10 @@ def load_params_from_tensors(
             on_tensor(w.nbytes)
         out = hf_to_native(name, w, cfg) if w.size == int(np.prod(shape)) else None
         if out is None or out.shape != shape:
-            raise ValueError(f"tensor {hf_name!r} has shape {tuple(w.shape)}, expected HF layout of {shape} "
-                             f"for this config; is model_name right?")
+            raise ValueError(
+                f"tensor {hf_name!r} has shape {tuple(w.shape)}, expected HF layout of {shape} "
+                f"for this config; is model_name right?"
+            )
         return out.astype(dtype, copy=False)
 
     params: dict = {}
@@ -128,8 +134,10 @@ def load_params_from_tensors(
                 stacked[name][i] = fetch(hf_layer_name(i, name), name, shape)
         params["layers"] = stacked
     else:
-        params["layers"] = [{name: fetch(hf_layer_name(i, name), name, shape) for name, (shape, _) in specs.items()}
-                            for i in range(cfg.num_layers)]
+        params["layers"] = [
+            {name: fetch(hf_layer_name(i, name), name, shape) for name, (shape, _) in specs.items()}
+            for i in range(cfg.num_layers)
+        ]
     return params
 
 

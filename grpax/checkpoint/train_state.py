@@ -31,7 +31,9 @@ class TrainCheckpointer:
       use_zarr3, use_ocdbt: Orbax storage options (MaxText ``checkpoint_storage_use_*``).
     """
 
-    def __init__(self, directory: str | Path, max_to_keep: int = 3, use_zarr3: bool = True, use_ocdbt: bool = True):
+    def __init__(
+        self, directory: str | Path, max_to_keep: int = 3, use_zarr3: bool = True, use_ocdbt: bool = True
+    ):
         self.directory = Path(directory).absolute()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         tree_handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
@@ -40,20 +42,27 @@ class TrainCheckpointer:
             registry.add(item, ocp.args.PyTreeRestore, tree_handler)
         registry.add("train_meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         registry.add("train_meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.directory / "actor", options=options, handler_registry=registry)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory / "actor", options=options, handler_registry=registry
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         """Writes step ``step`` and waits until it is complete on disk."""
-        self.manager.save(step, args=ocp.args.Composite(
-            model_params=ocp.args.PyTreeSave(params),
-            opt_state=ocp.args.PyTreeSave(opt_state),
-            train_meta=ocp.args.JsonSave(meta),
-        ), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                model_params=ocp.args.PyTreeSave(params),
+                opt_state=ocp.args.PyTreeSave(opt_state),
+                train_meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
         self.manager.wait_until_finished()
 
     def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
@@ -64,18 +73,26 @@ class TrainCheckpointer:
         """
 
         def restore_args(tree):
-            return jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype, global_shape=x.shape),
-                                tree)
+            return jax.tree.map(
+                lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype, global_shape=x.shape), tree
+            )
 
         def as_saved(tree):
             # Orbax stores NamedTuples (optax states) as plain containers; restore into the template's structure.
             return jax.tree.map(lambda x: x, tree)
 
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            model_params=ocp.args.PyTreeRestore(as_saved(params_like), restore_args=restore_args(params_like)),
-            opt_state=ocp.args.PyTreeRestore(as_saved(opt_state_like), restore_args=restore_args(opt_state_like)),
-            train_meta=ocp.args.JsonRestore(),
-        ))
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                model_params=ocp.args.PyTreeRestore(
+                    as_saved(params_like), restore_args=restore_args(params_like)
+                ),
+                opt_state=ocp.args.PyTreeRestore(
+                    as_saved(opt_state_like), restore_args=restore_args(opt_state_like)
+                ),
+                train_meta=ocp.args.JsonRestore(),
+            ),
+        )
         return restored.model_params, restored.opt_state, dict(restored.train_meta)
 
     def step_dir(self, step: int) -> Path:

@@ -45,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"grpax.cli.{name}")
     rest = argv[1:]
     if any(a in ("-h", "--help") for a in rest):
-        print(f"usage: grpax {name} [config.yml] key=value ...\n\n{module.DESCRIPTION}\n\nkeys:\n"
-              f"{describe(module.CONFIG)}")
+        print(
+            f"usage: grpax {name} [config.yml] key=value ...\n\n{module.DESCRIPTION}\n\nkeys:\n"
+            f"{describe(module.CONFIG)}"
+        )
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file it writes at INFO
     try:
         config = build_config(module.CONFIG, rest)
         return int(module.run(config) or 0)

@@ -67,11 +67,15 @@ def _tree(cfg: ModelConfig, leaf) -> Params:
     tree = {name: leaf(name, shape, axes) for name, (shape, axes) in top_specs(cfg).items()}
     specs = layer_specs(cfg)
     if cfg.scan_layers:
-        tree["layers"] = {name: leaf(name, (cfg.num_layers, *shape), ("layers", *axes))
-                          for name, (shape, axes) in specs.items()}
+        tree["layers"] = {
+            name: leaf(name, (cfg.num_layers, *shape), ("layers", *axes))
+            for name, (shape, axes) in specs.items()
+        }
     else:
-        tree["layers"] = [{name: leaf(name, shape, axes) for name, (shape, axes) in specs.items()}
-                          for _ in range(cfg.num_layers)]
+        tree["layers"] = [
+            {name: leaf(name, shape, axes) for name, (shape, axes) in specs.items()}
+            for _ in range(cfg.num_layers)
+        ]
     return tree
 
 
@@ -129,8 +133,9 @@ def convert_layout(params: Params, cfg: ModelConfig, scan_layers: bool) -> Param
     if is_stacked == scan_layers:
         return params
     out = dict(params)
-    out["layers"] = stack_layers(params["layers"]) if scan_layers else unstack_layers(params["layers"],
-                                                                                     cfg.num_layers)
+    out["layers"] = (
+        stack_layers(params["layers"]) if scan_layers else unstack_layers(params["layers"], cfg.num_layers)
+    )
     return out
 
 

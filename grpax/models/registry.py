@@ -55,31 +55,78 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count from shapes alone (no memory is allocated)."""
-        D, N, K, H, F, V = (self.hidden_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim,
-                            self.vocab_size)
+        D, N, K, H, F, V = (
+            self.hidden_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.mlp_dim,
+            self.vocab_size,
+        )
         per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
 
 
 def _llama3_scaling(factor: float) -> tuple[tuple[str, float], ...]:
-    return (("factor", factor), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-            ("original_max_position_embeddings", 8192.0))
+    return (
+        ("factor", factor),
+        ("high_freq_factor", 4.0),
+        ("low_freq_factor", 1.0),
+        ("original_max_position_embeddings", 8192.0),
+    )
 
 
 _LLAMA3_INSTRUCT_EOS = (128001, 128008, 128009)
-_LLAMA31_8B = dict(vocab_size=128256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                   mlp_dim=14336, rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0),
-                   max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,))
+_LLAMA31_8B = dict(
+    vocab_size=128256,
+    hidden_dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=14336,
+    rope_theta=500000.0,
+    rope_scaling=_llama3_scaling(8.0),
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001,),
+)
 _LLAMA31_70B = dict(_LLAMA31_8B, hidden_dim=8192, num_layers=80, num_heads=64, mlp_dim=28672)
-_LLAMA32_1B = dict(_LLAMA31_8B, hidden_dim=2048, num_layers=16, num_heads=32, head_dim=64, mlp_dim=8192,
-                   rope_scaling=_llama3_scaling(32.0), tie_word_embeddings=True)
+_LLAMA32_1B = dict(
+    _LLAMA31_8B,
+    hidden_dim=2048,
+    num_layers=16,
+    num_heads=32,
+    head_dim=64,
+    mlp_dim=8192,
+    rope_scaling=_llama3_scaling(32.0),
+    tie_word_embeddings=True,
+)
 _LLAMA32_3B = dict(_LLAMA32_1B, hidden_dim=3072, num_layers=28, num_heads=24, head_dim=128)
-_SMOLLM2_135M = dict(vocab_size=49152, hidden_dim=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                     mlp_dim=1536, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
-                     bos_token_id=0, eos_token_ids=(0,))
+_SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_dim=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    mlp_dim=1536,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=0,
+    eos_token_ids=(0,),
+)
 _SMOLLM2_360M = dict(_SMOLLM2_135M, hidden_dim=960, num_layers=32, num_heads=15, num_kv_heads=5, mlp_dim=2560)
-_SMOLLM2_17B = dict(_SMOLLM2_135M, hidden_dim=2048, num_layers=24, num_heads=32, num_kv_heads=32, mlp_dim=8192,
-                    rope_theta=130000.0)
+_SMOLLM2_17B = dict(
+    _SMOLLM2_135M,
+    hidden_dim=2048,
+    num_layers=24,
+    num_heads=32,
+    num_kv_heads=32,
+    mlp_dim=8192,
+    rope_theta=130000.0,
+)
 _SMOL_INSTRUCT = dict(bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
 _LLAMA_INSTRUCT = dict(eos_token_ids=_LLAMA3_INSTRUCT_EOS)
 
@@ -126,8 +173,10 @@ def get_model_config(model_name: str, **overrides: Any) -> ModelConfig:
       ConfigError: if ``model_name`` is not registered (with a did-you-mean).
     """
     if model_name not in MODELS:
-        raise ConfigError(f"model_name={model_name!r} is not registered.{suggest(model_name, MODELS)} "
-                          f"Known: {', '.join(MODELS)}; or pass a Hugging Face config.json via hf_model_path.")
+        raise ConfigError(
+            f"model_name={model_name!r} is not registered.{suggest(model_name, MODELS)} "
+            f"Known: {', '.join(MODELS)}; or pass a Hugging Face config.json via hf_model_path."
+        )
     return ModelConfig(**{**MODELS[model_name], **overrides})
 
 
@@ -145,27 +194,41 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """
     archs = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
-        raise ConfigError(f"config.json describes {archs} (model_type={hf.get('model_type')!r}); "
-                          "grpax supports LlamaForCausalLM only")
+        raise ConfigError(
+            f"config.json describes {archs} (model_type={hf.get('model_type')!r}); "
+            "grpax supports LlamaForCausalLM only"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
     if rope_type == "llama3":
-        scaling = tuple(sorted((k, float(rope[k])) for k in (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+        scaling = tuple(
+            sorted(
+                (k, float(rope[k]))
+                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            )
+        )
     elif rope_type not in ("default", None):
         raise ConfigError(f"config.json rope type {rope_type!r} is not supported (default and llama3 are)")
     num_heads = hf["num_attention_heads"]
     values = dict(
-        vocab_size=hf["vocab_size"], hidden_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads, mlp_dim=hf["intermediate_size"],
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=scaling,
+        vocab_size=hf["vocab_size"],
+        hidden_dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        mlp_dim=hf["intermediate_size"],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_ids=_as_tuple(hf.get("eos_token_id")),
-        pad_token_id=hf.get("pad_token_id"), attention_bias=bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+        attention_bias=bool(hf.get("attention_bias", False)),
     )
     if values["attention_bias"] or hf.get("mlp_bias"):
         raise ConfigError("config.json has attention_bias/mlp_bias=true; grpax supports bias-free Llama only")
@@ -178,8 +241,10 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
     eos = list(cfg.eos_token_ids)
     scaling = cfg.rope_scaling_dict
     if scaling:
-        scaling = {"rope_type": "llama3", **{k: (int(v) if k == "original_max_position_embeddings" else v)
-                                            for k, v in scaling.items()}}
+        scaling = {
+            "rope_type": "llama3",
+            **{k: (int(v) if k == "original_max_position_embeddings" else v) for k, v in scaling.items()},
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -227,11 +292,21 @@ def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
     try:
         return from_hf_config(hf, **overrides)
     except KeyError as e:
-        raise ConfigError(f"{path} lacks the key {e.args[0]!r} that a LlamaForCausalLM config needs") from None
+        raise ConfigError(
+            f"{path} lacks the key {e.args[0]!r} that a LlamaForCausalLM config needs"
+        ) from None
 
 
-ARCH_FIELDS = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-               "tie_word_embeddings")
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_dim",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "tie_word_embeddings",
+)
 
 
 def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
@@ -239,7 +314,13 @@ def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
     if model_name not in MODELS:
         return
     ref = get_model_config(model_name)
-    diffs = [f"{f}: {getattr(cfg, f)} vs {getattr(ref, f)}" for f in ARCH_FIELDS if getattr(cfg, f) != getattr(ref, f)]
+    diffs = [
+        f"{f}: {getattr(cfg, f)} vs {getattr(ref, f)}"
+        for f in ARCH_FIELDS
+        if getattr(cfg, f) != getattr(ref, f)
+    ]
     if diffs:
-        raise ConfigError(f"{source} does not match model_name={model_name} ({'; '.join(diffs)}); "
-                          "pass the model_name of that checkpoint")
+        raise ConfigError(
+            f"{source} does not match model_name={model_name} ({'; '.join(diffs)}); "
+            "pass the model_name of that checkpoint"
+        )

@@ -60,7 +60,9 @@ class MetricsWriter:
         """Drops JSONL lines with ``step > step`` (after a resume, so the file matches the restored run)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def close(self) -> None:

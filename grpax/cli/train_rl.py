@@ -1,0 +1,30 @@
+"""``grpax train_rl``: GRPO on GSM8K (the main job). Thin wrapper over ``grpax.rl.trainer.train``."""
+
+from __future__ import annotations
+
+from grpax.rl.trainer import TrainConfig, format_before_after, train
+
+CONFIG = TrainConfig
+DESCRIPTION = (
+    "GRPO training: sample num_generations completions per prompt with the KV-cache sampler, score them with "
+    "the GSM8K rewards, update the policy with the clipped GRPO objective and a KL penalty to the frozen "
+    "reference; evaluate before and after; checkpoint the actor under "
+    "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "
+    "run_name resumes from the latest checkpoint. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
+    "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
+)
+
+
+def run(config: TrainConfig) -> int:
+    results = train(config)
+    print("\n" + format_before_after(results.get("before"), results["after"]))
+    print(f"\nrun folder:        {results['run_dir']}")
+    print(f"actor checkpoint:  {results['actor_path']}")
+    print(
+        f"metrics:           {results['run_dir']}/metrics.jsonl (TensorBoard: {results['run_dir']}/tensorboard)"
+    )
+    print(
+        f"export with:       grpax to_huggingface model_name={config.model_name} "
+        f"load_parameters_path={results['actor_path']} base_output_directory=<folder>"
+    )
+    return 0

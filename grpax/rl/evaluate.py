@@ -1,0 +1,111 @@
+"""Evaluation of a policy on GSM8K: sample, score with the reward functions, summarise with CIs.
+
+The same function serves ``grpax evaluate`` and the GRPO trainer (before, during and after training), so
+numbers are comparable across both. Metrics: accuracy, partial_accuracy, format_accuracy, mean_reward,
+pass@k and maj@k (``grpax.rl.metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from grpax.data.gsm8k import render_prompt, tokenize_prompts
+from grpax.data.prompts import PromptPreset
+from grpax.models.registry import ModelConfig
+from grpax.rewards.gsm8k import RewardConfig
+from grpax.rl.metrics import score_records, summarize
+from grpax.sampler.engine import SamplerConfig, generate
+
+log = logging.getLogger("grpax.evaluate")
+
+
+def decode_completions(tokenizer: Any, completion_ids: np.ndarray, completion_mask: np.ndarray) -> list[str]:
+    """Decodes each row's masked completion tokens to text (special tokens such as EOS dropped)."""
+    rows = [
+        ids[mask.astype(bool)].tolist()
+        for ids, mask in zip(np.asarray(completion_ids), np.asarray(completion_mask), strict=True)
+    ]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def evaluate(
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    *,
+    prompt_preset: PromptPreset,
+    reward_config: RewardConfig,
+    sampler_cfg: SamplerConfig,
+    batch_size: int,
+    num_eval_passes: int = 1,
+    seed: int = 0,
+    output_path: str | Path | None = None,
+    desc: str = "eval",
+) -> dict:
+    """Samples ``num_eval_passes`` completions per question and returns the summary metrics.
+
+    Args:
+      params: model params (any sharding).
+      model_cfg: the model's config.
+      tokenizer: HF tokenizer with the chat template.
+      rows: dataset rows with ``question`` and ``gold`` (``grpax.data.gsm8k.load_dataset_rows``).
+      prompt_preset: how questions become prompts (system prompt, template, response prefix).
+      reward_config: reward values and weights.
+      sampler_cfg: sampling settings (greedy for the usual accuracy).
+      batch_size: questions per generate call (rows per call = batch_size * num_eval_passes).
+      num_eval_passes: samples per question (k of pass@k and maj@k).
+      seed: sampling seed.
+      output_path: a folder to write ``results.jsonl`` (one record per completion) and ``summary.json``.
+      desc: progress-bar label.
+
+    Returns:
+      The summary dict of ``grpax.rl.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
+      format_accuracy, mean_reward, pass@k, maj@k, with 95% intervals).
+
+    Raises:
+      ValueError: if ``rows`` is empty or ``batch_size`` / ``num_eval_passes`` < 1.
+    """
+    if not rows:
+        raise ValueError("evaluate: no questions to evaluate (num_test_batches or the eval split is empty)")
+    if batch_size < 1 or num_eval_passes < 1:
+        raise ValueError(
+            f"evaluate: batch_size={batch_size} and num_eval_passes={num_eval_passes} must be >= 1"
+        )
+    texts = [render_prompt(tokenizer, row["question"], prompt_preset) for row in rows]
+    prompt_ids = tokenize_prompts(tokenizer, texts)
+    key = jax.random.key(seed)
+    records: list[dict] = []
+    starts = range(0, len(rows), batch_size)
+    for i, start in enumerate(
+        tqdm(starts, desc=desc, unit="batch", leave=False, disable=jax.process_index() != 0)
+    ):
+        batch_rows = rows[start : start + batch_size]
+        batch_ids = [ids for ids in prompt_ids[start : start + batch_size] for _ in range(num_eval_passes)]
+        out = generate(params, batch_ids, model_cfg, sampler_cfg, jax.random.fold_in(key, i))
+        completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        questions = [row["question"] for row in batch_rows for _ in range(num_eval_passes)]
+        golds = [row["gold"] for row in batch_rows for _ in range(num_eval_passes)]
+        batch_records = score_records(
+            questions, golds, completions, reward_config, response_prefix=prompt_preset.response_prefix
+        )
+        for record, reason in zip(batch_records, out.finish_reason, strict=True):
+            record["finish_reason"] = reason
+        records.extend(batch_records)
+    summary = summarize(records, num_eval_passes)
+    if output_path is not None and jax.process_index() == 0:
+        out_dir = Path(output_path)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with (out_dir / "results.jsonl").open("w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,556 @@
+"""The GRPO training loop (``grpax train_rl``): rollout -> rewards -> advantages -> clipped update, repeated.
+
+Each step takes ``batch_size`` GSM8K prompts, samples ``num_generations`` (G) completions of each with the
+KV-cache sampler on the trainer's own parameters (no copy), scores them with the reward functions, turns rewards
+into group-relative advantages, scores the completions under the frozen reference model (when beta > 0) and
+applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
+eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
+steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
+data-iterator position and RNG seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from grpax import distributed, sharding
+from grpax.checkpoint.orbax import load_model
+from grpax.checkpoint.train_state import TrainCheckpointer
+from grpax.config import ConfigError, field
+from grpax.data.gsm8k import (
+    PromptIterator,
+    filter_by_length,
+    load_dataset_rows,
+    render_prompt,
+    tokenize_prompts,
+)
+from grpax.data.prompts import get_prompt_preset
+from grpax.data.tokenizer import save_tokenizer, stop_token_ids
+from grpax.models.registry import ModelConfig, to_hf_config
+from grpax.rewards.gsm8k import get_reward_config, score_completions
+from grpax.rl.advantages import compute_advantages
+from grpax.rl.config import GRPOConfig
+from grpax.rl.evaluate import decode_completions, evaluate
+from grpax.rl.metrics_writer import MetricsWriter
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+
+log = logging.getLogger("grpax.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(GRPOConfig, sharding.MeshConfig):
+    """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
+
+    ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
+        **getattr(GRPOConfig, "ALIASES", {}),
+        "data_shuffle_seed": "seed",
+        "grpo_beta": "beta",
+        "grpo_epsilon": "epsilon",
+        "adam_b1": "b1",
+        "adam_b2": "b2",
+        "gradient_clipping_threshold": "max_grad_norm",
+        "decode_sampling_temperature": "temperature",
+    }
+
+    model_name: str = field("smollm2-135m-Instruct", "model registry name (checked against the checkpoint)")
+    load_parameters_path: str = field(
+        "",
+        "converted checkpoint <base>/0/items (from grpax to_native) or an actor "
+        "checkpoint .../actor/<step>/model_params",
+    )
+    base_output_directory: str = field("outputs", "root folder of all runs")
+    run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
+    scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
+    weight_dtype: str = field("float32", "parameter dtype (float32 | bfloat16)")
+    dtype: str = field("float32", "activation / matmul dtype; float32 is faster than bfloat16 on CPU")
+    remat_policy: str = field(
+        "none", "rematerialisation of each layer in the backward pass: none | full | dots"
+    )
+    dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
+    eval_dataset_name: str = field("", "dataset for evaluation (default: dataset_name)")
+    train_split: str = field("train", "split used for training")
+    eval_split: str = field("test", "split used for evaluation")
+    prompt_preset: str = field("smollm2_demo", "prompt wording: maxtext | smollm2_demo")
+    reward_preset: str = field("smollm2_demo", "reward values: maxtext | tunix | simple | smollm2_demo")
+    batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
+    num_batches: int = field(20, "training steps")
+    num_test_batches: int = field(
+        4, "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split"
+    )
+    eval_batch_size: int = field(16, "questions per evaluation batch")
+    eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
+    eval_before: bool = field(True, "evaluate before the first step")
+    num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
+    eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
+    max_prefill_predict_length: int = field(256, "max prompt tokens; longer prompts are dropped (counted)")
+    max_target_length: int = field(512, "max prompt + completion tokens")
+    decode_sampling_top_k: int = field(50, "top-k of rollout sampling (0 = off)")
+    decode_sampling_nucleus_p: float = field(1.0, "top-p of rollout sampling (1.0 = off)")
+    seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
+    checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
+    max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
+    checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
+    checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
+    log_period: int = field(1, "write metrics every N steps")
+    export_hf: str = field("", "after training, also export the actor to this folder in Hugging Face format")
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.max_target_length - self.max_prefill_predict_length
+
+    def grpo(self) -> GRPOConfig:
+        return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
+
+    def mesh(self) -> sharding.MeshConfig:
+        return sharding.MeshConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(sharding.MeshConfig)}
+        )
+
+
+EVAL_STRATEGIES = {  # MaxText rl.yml generation_configs
+    "greedy": dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0),
+    "standard": dict(greedy=False, temperature=0.7, top_k=50, top_p=0.95),
+    "liberal": dict(greedy=False, temperature=0.85, top_k=2000, top_p=1.0),
+}
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raises ConfigError naming the key for settings that cannot work."""
+    if not cfg.load_parameters_path:
+        raise ConfigError(
+            "load_parameters_path is required: convert a model first with "
+            "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items"
+        )
+    if cfg.max_completion_length < 1:
+        raise ConfigError(
+            f"max_target_length={cfg.max_target_length} must exceed "
+            f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
+        )
+    if cfg.num_generations < 2:
+        raise ConfigError(
+            f"num_generations={cfg.num_generations}: GRPO needs at least 2 completions per prompt"
+        )
+    if cfg.num_batches < 1 or cfg.batch_size < 1:
+        raise ConfigError(f"num_batches={cfg.num_batches} and batch_size={cfg.batch_size} must be >= 1")
+    if cfg.eval_sampling_strategy not in EVAL_STRATEGIES:
+        raise ConfigError(
+            f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of "
+            f"{', '.join(EVAL_STRATEGIES)}"
+        )
+    rows = cfg.batch_size * cfg.num_generations
+    if rows % cfg.num_micro_batches:
+        raise ConfigError(
+            f"num_micro_batches={cfg.num_micro_batches} must divide batch_size * num_generations = {rows}"
+        )
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradients became NaN/inf; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class RunPaths:
+    run_dir: Path
+    checkpoints: Path
+    eval_dir: Path
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunPaths:
+        run_dir = Path(cfg.base_output_directory) / cfg.run_name
+        return cls(run_dir, run_dir / "checkpoints", run_dir / "eval")
+
+
+def _write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> None:
+    """config.json and tokenizer beside the actor checkpoints, so ``load_model`` finds them."""
+    if jax.process_index() != 0 or (folder / "config.json").exists():
+        return
+    tmp = folder.with_name(folder.name + ".tmp-model-files")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2))
+    save_tokenizer(tokenizer, tmp)
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in tmp.iterdir():
+        item.rename(folder / item.name)
+    tmp.rmdir()
+
+
+def prepare_rows(
+    tokenizer: Any, dataset: str, split: str, preset, max_prompt_length: int, limit: int = -1
+) -> list[dict]:
+    """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
+
+    Args:
+      limit: keep the first ``limit`` rows after filtering (-1: all).
+    """
+    rows = load_dataset_rows(dataset, split)
+    texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    ids = tokenize_prompts(tokenizer, texts)
+    rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)
+    log.info(
+        "%s/%s: %d prompts (%d longer than max_prefill_predict_length=%d dropped)",
+        dataset,
+        split,
+        len(rows),
+        dropped,
+        max_prompt_length,
+    )
+    for row, row_ids in zip(rows, ids, strict=True):
+        row["prompt_ids"] = row_ids
+    return rows if limit < 0 else rows[:limit]
+
+
+def _mesh_context(mesh: jax.sharding.Mesh | None):
+    """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def grpo_step(
+    state: TrainState,
+    ref_params: Any,
+    prompts: list[list[int]],
+    reward_fn: Callable[[GenerateOutput], dict[str, Any]],
+    *,
+    model_cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    grpo: GRPOConfig,
+    train_step: Callable,
+    num_micro_batches: int,
+    key: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+    rollout_mesh: jax.sharding.Mesh | None = None,
+) -> tuple[TrainState, GenerateOutput, dict[str, np.ndarray], dict[str, float]]:
+    """One GRPO iteration: rollout, rewards, advantages, reference logprobs, ``num_iterations`` updates.
+
+    Args:
+      state: the policy's TrainState (donated to ``train_step``).
+      ref_params: the frozen reference params, or None when beta == 0.
+      prompts: P token-id lists; each is sampled G = ``grpo.num_generations`` times, rows grouped contiguously.
+      reward_fn: ``GenerateOutput -> {name: [P * G] points}`` with a ``"total"`` entry (NaN = abstain).
+      model_cfg, sampler_cfg, grpo: model, sampling and algorithm configs.
+      train_step: from ``make_train_step``.
+      num_micro_batches: gradient-accumulation blocks for the reference / old logprob passes.
+      key: PRNG key of this step's sampling.
+      mesh: the trainer's mesh (the batch is sharded over its data/fsdp axes); None = default placement.
+      rollout_mesh: the sampler's mesh; when its layout differs from the trainer's the weights are resharded
+        once per step (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
+
+    Returns:
+      (new state, the rollout, the reward dict as numpy arrays, host metrics: everything ``train_step``
+      reports plus rewards per function, advantage stats, completion lengths, truncated fraction,
+      ``time/{rollout,reference,train,step}_s`` and ``tokens_per_s``).
+    """
+    t_start = time.perf_counter()
+    rollout_params, reshard_s = state.params, 0.0
+    if mesh is not None and rollout_mesh is not None:
+        rollout_params, reshard_s = sharding.reshard_for_rollout(state.params, mesh, rollout_mesh)
+    with _mesh_context(rollout_mesh or mesh):
+        out = generate(
+            rollout_params,
+            [p for p in prompts for _ in range(grpo.num_generations)],
+            model_cfg,
+            sampler_cfg,
+            key,
+        )
+    del rollout_params
+    t_rollout = time.perf_counter()
+    scores = {name: np.asarray(values, np.float64) for name, values in reward_fn(out).items()}
+    advantages = compute_advantages(
+        scores["total"].astype(np.float32), grpo.num_generations, scale_rewards=grpo.scale_rewards
+    )
+    batch = {
+        "prompt_ids": jnp.asarray(out.prompt_ids),
+        "prompt_mask": jnp.asarray(out.prompt_mask),
+        "completion_ids": jnp.asarray(out.completion_ids),
+        "completion_mask": jnp.asarray(out.completion_mask),
+        "advantages": jnp.asarray(advantages, jnp.float32),
+        "old_logprobs": jnp.asarray(out.logprobs),
+        "truncated": jnp.asarray([r == "length" for r in out.finish_reason]),
+    }
+    if mesh is not None:
+        batch = sharding.shard_batch(batch, mesh)
+    t_scored = time.perf_counter()
+    with _mesh_context(mesh):
+        if ref_params is not None:
+            batch["ref_logprobs"] = jax.block_until_ready(
+                compute_logprobs(ref_params, batch, model_cfg, grpo.temperature, num_micro_batches)
+            )
+        if grpo.num_iterations > 1:
+            batch["old_logprobs"] = compute_logprobs(
+                state.params, batch, model_cfg, grpo.temperature, num_micro_batches
+            )
+        t_ref = time.perf_counter()
+        for _ in range(grpo.num_iterations):
+            state, step_metrics = train_step(state, batch)
+    step_metrics = jax.device_get(step_metrics)
+    t_train = time.perf_counter()
+
+    mask = np.asarray(out.completion_mask)
+    lengths = mask.sum(axis=1)
+    metrics: dict[str, Any] = {k: float(v) for k, v in step_metrics.items() if np.ndim(v) == 0}
+    metrics["nonfinite"] = bool(step_metrics.get("nonfinite", False))
+    for name, values in scores.items():
+        finite = values[np.isfinite(values)]
+        metrics[f"rewards/{name}/mean"] = float(finite.mean()) if finite.size else math.nan
+        metrics[f"rewards/{name}/std"] = float(finite.std()) if finite.size else math.nan
+    metrics.update(
+        {
+            "advantages/mean": float(np.mean(advantages)),
+            "advantages/std": float(np.std(advantages)),
+            "advantages/abs_max": float(np.max(np.abs(advantages))),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "truncated_fraction": float(np.mean([r == "length" for r in out.finish_reason])),
+            "time/rollout_s": t_rollout - t_start,
+            "time/reshard_s": reshard_s,
+            "time/rewards_s": t_scored - t_rollout,
+            "time/reference_s": t_ref - t_scored,
+            "time/train_s": t_train - t_ref,
+            "time/step_s": t_train - t_start,
+            "tokens_per_s": float(mask.sum() + np.asarray(out.prompt_mask).sum()) / (t_train - t_start),
+        }
+    )
+    return state, out, scores, metrics
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
+
+    Raises:
+      ConfigError: invalid keys or paths (message names the key).
+      NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
+    """
+    validate(cfg)
+    distributed.maybe_initialize(cfg.skip_jax_distributed_system)
+    paths = RunPaths.of(cfg)
+    grpo = cfg.grpo()
+    main_process = jax.process_index() == 0
+
+    params, model_cfg, tokenizer = load_model(
+        cfg.load_parameters_path,
+        scan_layers=cfg.scan_layers,
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        remat_policy=cfg.remat_policy,
+    )
+    if model_cfg.vocab_size and cfg.model_name:
+        from grpax.models.registry import check_matches
+
+        check_matches(model_cfg, cfg.model_name, cfg.load_parameters_path)
+    mesh_cfg = cfg.mesh()
+    mesh = sharding.create_mesh(mesh_cfg)
+    rollout_mesh = sharding.create_rollout_mesh(mesh_cfg)
+    params = sharding.shard_params(params, model_cfg, mesh)
+    log.info("trainer mesh %s, sampler mesh %s", dict(mesh.shape), dict(rollout_mesh.shape))
+    ref_params = jax.tree.map(jnp.copy, params) if grpo.beta > 0 else None  # the state is donated: copy once
+
+    preset = get_prompt_preset(cfg.prompt_preset)
+    reward_config = get_reward_config(cfg.reward_preset)
+    train_rows = prepare_rows(
+        tokenizer, cfg.dataset_name, cfg.train_split, preset, cfg.max_prefill_predict_length
+    )
+    eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
+    eval_rows = prepare_rows(
+        tokenizer,
+        cfg.eval_dataset_name or cfg.dataset_name,
+        cfg.eval_split,
+        preset,
+        cfg.max_prefill_predict_length,
+        eval_limit,
+    )
+    # Each host reads its own slice of the prompts (same order everywhere, then strided by process).
+    iterator = PromptIterator(train_rows, cfg.batch_size, seed=cfg.seed)
+
+    stops = stop_token_ids(tokenizer, model_cfg)
+    pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0]
+    sampler_cfg = SamplerConfig(
+        max_prompt_length=cfg.max_prefill_predict_length,
+        max_completion_length=cfg.max_completion_length,
+        temperature=grpo.temperature,
+        top_k=cfg.decode_sampling_top_k,
+        top_p=cfg.decode_sampling_nucleus_p,
+        greedy=False,
+        stop_token_ids=stops,
+        pad_token_id=pad_id,
+    )
+    eval_sampler_cfg = dataclasses.replace(sampler_cfg, **EVAL_STRATEGIES[cfg.eval_sampling_strategy])
+
+    num_train_steps = cfg.num_batches * grpo.num_iterations
+    optimizer, lr_schedule = optimizer_from_config(grpo, num_train_steps)
+    state = TrainState(
+        params=params,
+        opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
+        step=jnp.zeros((), jnp.int32),
+    )
+    train_step = make_train_step(model_cfg, grpo, optimizer, cfg.num_micro_batches, lr_schedule)
+
+    checkpointer = TrainCheckpointer(
+        paths.checkpoints,
+        cfg.max_num_checkpoints_to_keep,
+        cfg.checkpoint_storage_use_zarr3,
+        cfg.checkpoint_storage_use_ocdbt,
+    )
+    writer = MetricsWriter(paths.run_dir)
+    results: dict[str, Any] = {"run_dir": str(paths.run_dir)}
+    start_step = 0
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        new_params, opt_state, meta = checkpointer.restore(latest, state.params, state.opt_state)
+        state = TrainState(params=new_params, opt_state=opt_state, step=jnp.asarray(meta["optimizer_step"]))
+        iterator.load_state_dict(meta["iterator"])
+        start_step = meta["step"]
+        results["before"] = meta.get("eval_before")
+        writer.truncate_after(start_step)
+        log.info("resumed %s from step %d", paths.checkpoints, start_step)
+    else:
+        if main_process:
+            paths.run_dir.mkdir(parents=True, exist_ok=True)
+            (paths.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        _write_model_files(paths.checkpoints, model_cfg, tokenizer)
+
+    def run_eval(tag: str, step: int) -> dict:
+        t0 = time.perf_counter()
+        with _mesh_context(mesh):
+            summary = evaluate(
+                state.params,
+                model_cfg,
+                tokenizer,
+                eval_rows,
+                prompt_preset=preset,
+                reward_config=reward_config,
+                sampler_cfg=eval_sampler_cfg,
+                batch_size=cfg.eval_batch_size,
+                num_eval_passes=cfg.num_eval_passes,
+                seed=cfg.seed,
+                output_path=paths.eval_dir / tag,
+                desc=f"eval {tag}",
+            )
+        writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")
+        log.info(
+            "eval %s (step %d, %.0f s): accuracy %.3f, format %.3f, mean reward %.3f over %d questions",
+            tag,
+            step,
+            time.perf_counter() - t0,
+            summary["accuracy"],
+            summary["format_accuracy"],
+            summary["mean_reward"],
+            summary["num_questions"],
+        )
+        return summary
+
+    if start_step == 0 and cfg.eval_before:
+        results["before"] = run_eval("before", 0)
+
+    base_key = jax.random.key(cfg.seed)
+    bar = tqdm(
+        range(start_step, cfg.num_batches),
+        initial=start_step,
+        total=cfg.num_batches,
+        desc="grpo",
+        unit="step",
+        disable=not main_process,
+    )
+    reward_history: list[float] = []
+
+    def gsm8k_rewards(rows, out):
+        completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        golds = [row["gold"] for row in rows for _ in range(grpo.num_generations)]
+        questions = [row["question"] for row in rows for _ in range(grpo.num_generations)]
+        return score_completions(
+            questions, completions, golds, reward_config, response_prefix=preset.response_prefix
+        )
+
+    for step in bar:
+        rows = next(iterator)
+        prompts = [row["prompt_ids"] for row in rows]
+        state, _, scores, metrics = grpo_step(
+            state,
+            ref_params,
+            prompts,
+            lambda out, rows=rows: gsm8k_rewards(rows, out),
+            model_cfg=model_cfg,
+            sampler_cfg=sampler_cfg,
+            grpo=grpo,
+            train_step=train_step,
+            num_micro_batches=cfg.num_micro_batches,
+            key=jax.random.fold_in(base_key, step),
+            mesh=mesh,
+            rollout_mesh=rollout_mesh,
+        )
+        if metrics["nonfinite"]:
+            raise NonFiniteError(
+                f"step {step + 1}: loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was "
+                f"skipped and the last good checkpoint in {paths.checkpoints} is kept. Lower learning_rate or "
+                "check the rewards."
+            )
+        if "answer_correct" in scores:
+            metrics["accuracy"] = float(
+                np.mean(np.asarray(scores["answer_correct"]) >= reward_config.answer_exact)
+            )
+        reward_history.append(metrics["rewards/total/mean"])
+        if (step + 1) % cfg.log_period == 0 or step + 1 == cfg.num_batches:
+            writer.write(step + 1, metrics)
+        bar.set_postfix(
+            reward=f"{metrics['rewards/total/mean']:.3f}",
+            acc=f"{metrics.get('accuracy', 0):.2f}",
+            kl=f"{metrics.get('kl', 0):.4f}",
+            len=f"{metrics['completion_length/mean']:.0f}",
+            s=f"{metrics['time/step_s']:.1f}",
+        )
+
+        done = step + 1
+        if cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
+            run_eval(f"step_{done}", done)
+        if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
+            meta = {
+                "step": done,
+                "optimizer_step": int(state.step),
+                "iterator": iterator.state_dict(),
+                "seed": cfg.seed,
+                "eval_before": results.get("before"),
+            }
+            checkpointer.save(done, state.params, state.opt_state, meta)
+    bar.close()
+    final_step = cfg.num_batches
+    results["after"] = run_eval("after", final_step)
+    results["actor_path"] = str(checkpointer.step_dir(final_step) / "model_params")
+    results["reward_history"] = reward_history
+    checkpointer.close()
+    writer.close()
+    if main_process:
+        (paths.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return results
+
+
+def format_before_after(before: dict | None, after: dict) -> str:
+    """A two-column table of the evaluation metrics before and after training."""
+    keys = ["accuracy", "partial_accuracy", "format_accuracy", "mean_reward"]
+    keys += [k for k in after if k.startswith(("pass@", "maj@")) and not k.endswith("ci95")]
+    lines = [f"{'metric':<20}{'before':>10}{'after':>10}"]
+    for k in keys:
+        b = before.get(k) if before else None
+        a = after.get(k)
+        fmt = lambda v: f"{v:>10.3f}" if isinstance(v, (int, float)) else f"{'-':>10}"  # noqa: E731
+        lines.append(f"{k:<20}{fmt(b)}{fmt(a)}")
+    lines.append(
+        f"{'questions':<20}{(before or {}).get('num_questions', '-'):>10}{after.get('num_questions'):>10}"
+    )
+    return "\n".join(lines)
