@@ -1,0 +1,168 @@
+"""The jitted GRPO update on a tiny random Llama: accumulation equivalence, learning, NaN guard, LR schedule."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from grpax.models.llama import forward
+from grpax.models.params import init_params
+from grpax.models.registry import ModelConfig
+from grpax.rl.config import GRPOConfig
+from grpax.rl.optim import learning_rate_at, make_lr_schedule, make_optimizer, optimizer_from_config
+from grpax.rl.train_step import accumulate_gradients, compute_logprobs, init_train_state, make_train_step
+
+CFG = ModelConfig(
+    vocab_size=61, hidden_dim=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32
+)
+B, P, C = 8, 5, 6
+TEMPERATURE = 0.7
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    prompt_len = np.array([5, 3, 4, 2, 5, 1, 3, 4])
+    completion_len = np.array([6, 2, 0, 4, 1, 6, 3, 5])  # one empty row
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)  # left-padded
+    completion_mask = (np.arange(C)[None] < completion_len[:, None]).astype(np.int32)
+    return {
+        "prompt_ids": (rng.integers(1, CFG.vocab_size, (B, P)) * prompt_mask).astype(np.int32),
+        "prompt_mask": prompt_mask,
+        "completion_ids": (rng.integers(1, CFG.vocab_size, (B, C)) * completion_mask).astype(np.int32),
+        "completion_mask": completion_mask,
+        "advantages": np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 1.5], np.float32),
+        "truncated": completion_len == C,
+    }
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+def test_compute_logprobs_matches_unpadded_forward(params):
+    batch = _batch()
+    lp1 = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    lp4 = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 4))
+    np.testing.assert_allclose(lp4, lp1, atol=1e-6)
+    for b in (0, 3, 7):  # rows with different left padding
+        prompt = batch["prompt_ids"][b][batch["prompt_mask"][b] == 1]
+        completion = batch["completion_ids"][b][batch["completion_mask"][b] == 1]
+        tokens = jnp.asarray(np.concatenate([prompt, completion]))[None]
+        logits, _ = forward(params, tokens, CFG)
+        logp = jax.nn.log_softmax(logits[0] / TEMPERATURE, axis=-1)
+        n = len(completion)
+        want = [float(logp[len(prompt) - 1 + t, completion[t]]) for t in range(n)]
+        np.testing.assert_allclose(lp1[b, :n], want, atol=2e-5)
+        assert (lp1[b, n:] == 0.0).all()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"])
+def test_gradient_accumulation_equals_full_batch(params, mode):
+    batch = _batch()
+    ref = compute_logprobs(params, batch, CFG, TEMPERATURE, 1)
+    rng = np.random.default_rng(1)
+    batch["old_logprobs"] = np.asarray(ref) + rng.normal(0, 0.3, ref.shape).astype(
+        np.float32
+    )  # some clipping
+    batch["ref_logprobs"] = np.asarray(ref) + rng.normal(0, 0.1, ref.shape).astype(np.float32)
+    grpo = GRPOConfig(loss_agg_mode=mode, beta=0.05, epsilon_high=0.28, temperature=TEMPERATURE)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
+    loss1, g1, aux1 = fn(params, batch, CFG, grpo, 1)
+    assert float(aux1["clip_region_frac"]) > 0
+    flat1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g1)])
+    for m in (2, 4):
+        loss_m, g_m, aux_m = fn(params, batch, CFG, grpo, m)
+        flat_m = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g_m)])
+        assert np.linalg.norm(flat_m - flat1) <= 1e-6 * np.linalg.norm(flat1), m
+        # The loss is a sum of per-token terms of size ~|A| ~ 1 that cancel to ~1e-2, so float32 summation
+        # order moves it by ~1e-7 of the terms' scale, not of the (small) result.
+        scale = float(np.abs(batch["advantages"]).max())
+        assert float(loss_m) == pytest.approx(float(loss1), abs=1e-6 * scale)
+        for k in ("kl", "entropy", "ratio_mean", "clip_region_frac", "num_tokens"):
+            assert float(aux_m[k]) == pytest.approx(float(aux1[k]), rel=1e-5), k
+
+
+@pytest.fixture(scope="module")
+def train_step():
+    """One compiled step shared by the tests below: constant lr 1e-2, no clipping, no weight decay."""
+    grpo = GRPOConfig(beta=0.0, temperature=TEMPERATURE, max_grad_norm=0.0, weight_decay=0.0)
+    schedule = make_lr_schedule(1e-2, 10, schedule="constant")
+    optimizer = make_optimizer(schedule, 10, max_grad_norm=0.0, weight_decay=0.0)
+    return optimizer, make_train_step(CFG, grpo, optimizer, num_micro_batches=2, lr_schedule=schedule)
+
+
+def test_train_step_raises_logprobs_of_positive_rows(params, train_step):
+    optimizer, step = train_step
+    batch = _batch()
+    batch["old_logprobs"] = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        assert not bool(metrics["nonfinite"])
+        assert float(metrics["learning_rate"]) == pytest.approx(1e-2)
+        losses.append(float(metrics["loss"]))
+    # The first update is on-policy: ratio 1, loss = -sum(A * tokens) / tokens.
+    mask = batch["completion_mask"]
+    assert losses[0] == pytest.approx(-(batch["advantages"] @ mask.sum(1)) / mask.sum(), rel=1e-5)
+    assert losses[-1] < losses[0] - 0.05
+    assert int(state.step) == 4
+    new = np.asarray(compute_logprobs(state.params, batch, CFG, TEMPERATURE, 1))
+    seq_delta = ((new - batch["old_logprobs"]) * mask).sum(1)
+    adv = batch["advantages"]
+    assert (seq_delta[(adv > 0) & (mask.sum(1) > 0)] > 0).all()
+    assert (seq_delta[adv < 0] < 0).all()
+
+
+def test_nan_advantage_skips_the_step(params, train_step):
+    optimizer, step = train_step
+    batch = _batch()
+    batch["old_logprobs"] = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    batch["advantages"][3] = np.nan
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = step(state, batch)
+    assert bool(metrics["nonfinite"])
+    assert int(state.step) == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
+    assert [int(c) for _, c in counts] == [0, 0]  # Adam moments and the schedule did not advance
+    # The state still works: the same batch with finite advantages updates it.
+    batch["advantages"][3] = -0.5
+    state, metrics = step(state, batch)
+    assert not bool(metrics["nonfinite"]) and int(state.step) == 1
+
+
+def test_optimizer_from_config_sizes_the_schedule():
+    _, schedule = optimizer_from_config(GRPOConfig(learning_rate=2e-6, warmup_ratio=0.1), num_train_steps=50)
+    assert learning_rate_at(schedule, 0) == 0.0
+    assert learning_rate_at(schedule, 5) == pytest.approx(2e-6)
+    assert learning_rate_at(schedule, 50) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    s = make_lr_schedule(1e-3, 100, warmup_ratio=0.1, end_lr_ratio=0.1)
+    assert learning_rate_at(s, 0) == 0.0
+    assert learning_rate_at(s, 5) == pytest.approx(5e-4)
+    assert learning_rate_at(s, 10) == pytest.approx(1e-3)
+    # Halfway through the decay: end + (peak - end) * (1 + cos(pi / 2)) / 2.
+    assert learning_rate_at(s, 55) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert learning_rate_at(s, 100) == pytest.approx(1e-4)
+    # Sized from the real step count: a 20-step run warms up for 2 steps and ends at step 20.
+    short = make_lr_schedule(1e-3, 20, warmup_ratio=0.1)
+    assert learning_rate_at(short, 2) == pytest.approx(1e-3)
+    assert learning_rate_at(short, 11) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 9 / 18)))
+    assert learning_rate_at(short, 20) == pytest.approx(0.0, abs=1e-12)
+    lin = make_lr_schedule(1e-3, 100, warmup_steps=10, schedule="linear")
+    assert learning_rate_at(lin, 55) == pytest.approx(5e-4)
+    const = make_lr_schedule(1e-3, 100, warmup_steps=0, schedule="constant")
+    assert learning_rate_at(const, 0) == learning_rate_at(const, 99) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="real step count"):
+        make_lr_schedule(1e-3, 0)
+    with pytest.raises(ValueError, match="no room"):
+        make_lr_schedule(1e-3, 10, warmup_steps=10)
