@@ -9,7 +9,7 @@ interrupted conversion never leaves something that looks like a finished checkpo
 * ``to_huggingface`` writes ``config.json``, ``generation_config.json``, tokenizer files and ``*.safetensors``
   (sharded with ``model.safetensors.index.json`` above ``max_shard_size``); ``config.json`` is moved last.
 
-Tensors are streamed one at a time (``safetensors.safe_open`` with numpy, no torch) into preallocated stacked
+Tensors are streamed one at a time (``grpax.checkpoint.safetensors_io``: pread, no mmap, no torch) into preallocated stacked
 arrays when ``lazy_load_tensors=True``; bfloat16 uses ``ml_dtypes`` so no torch is needed either way.
 """
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
 from grpax.checkpoint.orbax import TOKENIZER_FILES, find_model_folder, restore_params, save_params
+from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
     HF_REPOS,
@@ -79,9 +80,6 @@ class SafetensorsSource:
     """
 
     def __init__(self, folder: Path, lazy: bool = True):
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-
         index = folder / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -91,7 +89,6 @@ class SafetensorsSource:
             files = sorted({folder / f for f in weight_map.values()})
         else:
             files = sorted(folder.glob("*.safetensors"))
-            weight_map = None
         if not files:
             raise FileNotFoundError(
                 f"no *.safetensors in {folder}: hf_model_path must hold config.json and the "
@@ -101,22 +98,15 @@ class SafetensorsSource:
             if not f.exists():
                 raise FileNotFoundError(f"{f} is listed in {index} but missing; re-download the model")
         self.total_bytes = sum(f.stat().st_size for f in files)
-        self._handles: dict[str, Any] = {}
+        # pread-based reader (grpax.checkpoint.safetensors_io): no mmap, so read tensors leave the RSS once copied.
+        self._where: dict[str, SafetensorsFile] = {}
         self._arrays: dict[str, np.ndarray] = {}
-        self._where: dict[str, Any] = {}
         for f in files:
-            try:
-                if lazy:
-                    handle = safe_open(str(f), framework="np")
-                    self._handles[str(f)] = handle
-                    self._where.update({name: handle for name in handle.keys()})
-                else:
-                    self._arrays.update(load_file(str(f)))
-            except Exception as e:  # safetensors raises its own SafetensorError / OSError
-                raise ValueError(
-                    f"{f} is not a valid safetensors file ({e}); re-download or re-export it"
-                ) from None
-        del weight_map
+            handle = SafetensorsFile(f)
+            if lazy:
+                self._where.update(dict.fromkeys(handle.keys(), handle))
+            else:
+                self._arrays.update({name: handle.get_tensor(name) for name in handle.keys()})
 
     def has_tensor(self, name: str) -> bool:
         return name in self._where or name in self._arrays
