@@ -297,3 +297,29 @@ def test_bad_weight_dtype(untied, tmp_path):
     src, _ = untied
     with pytest.raises(ConfigError, match="weight_dtype='int8'"):
         to_native("tiny", tmp_path / "out", hf_model_path=src, weight_dtype="int8", progress=False)
+
+
+def test_pread_reader_matches_safetensors(tmp_path):
+    import ml_dtypes
+    from safetensors import safe_open
+
+    from grpax.checkpoint.safetensors_io import SafetensorsFile
+
+    rng = np.random.RandomState(0)
+    tensors = {
+        "a": rng.randn(3, 5).astype(np.float32),
+        "b": rng.randn(7).astype(ml_dtypes.bfloat16),
+        "c": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "d": np.zeros((0, 4), np.float16),
+    }
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    assert f.metadata == {"format": "pt"} and sorted(f.keys()) == ["a", "b", "c", "d"]
+    with safe_open(str(tmp_path / "x.safetensors"), "np") as ref:
+        for name in tensors:
+            got = f.get_tensor(name)
+            assert got.dtype == ref.get_tensor(name).dtype and np.array_equal(got, ref.get_tensor(name)), name
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    (tmp_path / "short.safetensors").write_bytes(raw[:-4])
+    with pytest.raises(ValueError, match="short.safetensors is not a valid safetensors file .*truncated"):
+        SafetensorsFile(tmp_path / "short.safetensors")
