@@ -93,7 +93,10 @@ def save_params(
 
 def _stored_tree(directory: Path) -> Any:
     """The checkpoint's metadata tree (leaves carry ``shape`` and ``dtype``)."""
-    finished = (directory / _METADATA_FILE).exists() and (directory / _TREE_METADATA_FILE).exists()
+    # A standalone checkpoint has _CHECKPOINT_METADATA itself; an item of a CheckpointManager step (the
+    # trainer's actor/<step>/model_params) has it in the step folder, which Orbax renames into place last.
+    committed = (directory / _METADATA_FILE).exists() or (directory.parent / _METADATA_FILE).exists()
+    finished = committed and (directory / _TREE_METADATA_FILE).exists()
     if not finished or _TMP_SUFFIX in directory.name:
         hint = ""
         if (directory / "0" / "items" / _METADATA_FILE).exists():
