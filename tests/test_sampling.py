@@ -4,7 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpax.sampler.sampling import apply_top_k, apply_top_p, sample_tokens, token_logprobs
+from grpax.sampler.sampling import (
+    apply_top_k,
+    apply_top_p,
+    sample_from_uniform,
+    sample_tokens,
+    token_logprobs,
+)
 
 PROBS = np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float32)  # sorted: 1 (.4), 3 (.3), 4 (.15), 2 (.1), 0 (.05)
 
@@ -73,3 +79,17 @@ def test_token_logprobs_is_scaled_log_softmax():
     np.testing.assert_allclose(token_logprobs(logits, tokens), np.log(PROBS[[1, 0]]), rtol=1e-6)
     p2 = PROBS**2 / (PROBS**2).sum()
     np.testing.assert_allclose(token_logprobs(logits, tokens, 0.5), np.log(p2[[1, 0]]), rtol=1e-5)
+
+
+def test_two_level_inverse_cdf_is_exact_on_a_grid():
+    # uniforms on a regular grid hit each token with frequency = its probability (to the grid spacing)
+    n = 200
+    grid = (np.arange(n) + 0.5) / n
+    u = np.stack(np.meshgrid(grid, grid, indexing="ij"), -1).reshape(-1, 2).astype(np.float32)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS)), (n * n, 5))
+    tokens = np.asarray(sample_from_uniform(logits, jnp.asarray(u), block_size=2))  # blocks {0,1},{2,3},{4}
+    np.testing.assert_allclose(np.bincount(tokens, minlength=5) / tokens.size, PROBS, atol=1.0 / n)
+    # filtered tokens are never drawn, even at u = 0 and u -> 1
+    edge = jnp.asarray([[0.0, 0.0], [0.9999999, 0.9999999]], jnp.float32)
+    two = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS)), (2, 5))
+    assert set(np.asarray(sample_from_uniform(two, edge, top_k=2, block_size=2)).tolist()) <= {1, 3}

@@ -27,7 +27,7 @@ import numpy as np
 from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sampler.sampling import sample_tokens, token_logprobs
+from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +118,8 @@ def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: Sampler
         return sample_tokens(logits, key, greedy=True)
     step_key = jax.random.fold_in(key, step)
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, jnp.arange(logits.shape[0]))
-
-    def one(row_logits, row_key):
-        return sample_tokens(
-            row_logits[None], row_key, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p
-        )[0]
-
-    return jax.vmap(one)(logits, row_keys)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)  # [B, 2]
+    return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg"))
