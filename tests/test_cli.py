@@ -253,3 +253,16 @@ def test_smollm2_gguf_end_to_end(tmp_path):
     out = np.asarray(forward(params, ids, cfg)[0])
     assert np.abs(out - ref).max() <= 1e-3
     assert out[0, -1].argmax() == ref[0, -1].argmax()
+
+
+def test_existing_output_is_one_line(tiny_src, tmp_path, capsys):
+    args = [
+        "to_native",
+        "model_name=tiny",
+        f"hf_model_path={tiny_src}",
+        f"base_output_directory={tmp_path}/n",
+    ]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 2
+    _one_line_error(capsys, "already holds 0, config.json")

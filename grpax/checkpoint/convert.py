@@ -28,7 +28,13 @@ import ml_dtypes
 import numpy as np
 
 from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
-from grpax.checkpoint.orbax import TOKENIZER_FILES, find_model_folder, restore_params, save_params
+from grpax.checkpoint.orbax import (
+    TOKENIZER_FILES,
+    OutputExistsError,
+    find_model_folder,
+    restore_params,
+    save_params,
+)
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
@@ -177,7 +183,7 @@ def _publish(staging: Path, target: Path, last: str) -> None:
         return
     clashes = [p.name for p in staging.iterdir() if (target / p.name).exists()]
     if clashes:
-        raise FileExistsError(
+        raise OutputExistsError(
             f"{target} already holds {', '.join(sorted(clashes))}; delete them or choose another "
             "base_output_directory"
         )
@@ -189,7 +195,7 @@ def _publish(staging: Path, target: Path, last: str) -> None:
 def _check_target(target: Path, names: list[str]) -> None:
     clashes = [n for n in names if (target / n).exists()]
     if clashes:
-        raise FileExistsError(
+        raise OutputExistsError(
             f"{target} already holds {', '.join(clashes)}; delete them or choose another "
             "base_output_directory"
         )

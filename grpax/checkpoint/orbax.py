@@ -49,6 +49,10 @@ _TREE_METADATA_FILE = "_METADATA"  # the PyTree structure; written before the fi
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
+class OutputExistsError(FileExistsError, ValueError):
+    """The output path already exists; nothing is overwritten (a ValueError too, so the CLI prints one line)."""
+
+
 def _checkpointer(use_zarr3: bool = True, use_ocdbt: bool = True):
     import orbax.checkpoint as ocp
 
@@ -74,7 +78,7 @@ def save_params(
     """
     directory = Path(directory).absolute()
     if directory.exists():
-        raise FileExistsError(f"{directory} already exists; delete it or choose another output directory")
+        raise OutputExistsError(f"{directory} already exists; delete it or choose another output directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp
 
