@@ -143,11 +143,16 @@ def test_nan_stops_the_run_and_keeps_the_checkpoint(tiny_checkpoint, tmp_path, m
     calls = {"n": 0}
 
     def nan_rewards(state, ref, prompts, reward_fn, **kwargs):
+        # A reward function gone wrong at step 2: an infinite reward makes the advantages, loss and grads NaN.
         calls["n"] += 1
         if calls["n"] == 2:
-            kwargs["grpo"] = kwargs["grpo"].__class__(
-                **{**kwargs["grpo"].__dict__, "learning_rate": float("nan")}
-            )
+            good_fn = reward_fn
+
+            def reward_fn(out):
+                scores = good_fn(out)
+                scores["total"] = [float("inf")] * len(scores["total"])
+                return scores
+
         return real_step(state, ref, prompts, reward_fn, **kwargs)
 
     monkeypatch.setattr(trainer, "grpo_step", nan_rewards)

@@ -39,6 +39,7 @@ from grpax.rl.losses import (
 )
 
 # Metrics averaged over tokens (weighted by each micro-batch's token count when accumulating).
+_MAX_METRICS = ("logprob_diff_max",)
 _TOKEN_MEAN_METRICS = ("kl", "ratio_mean", "clip_low_frac", "clip_high_frac", "clip_region_frac", "entropy")
 
 
@@ -127,6 +128,11 @@ def _micro_loss(params, mb: dict, normalizer: jax.Array, cfg: ModelConfig, grpo:
         mask = apply_truncation_mask(mask, mb["truncated"])
     entropy = token_entropy(jax.lax.stop_gradient(logits))
     aux["entropy"] = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+    # How far the sampler's logprobs are from the trainer's for the same params (num_iterations = 1): ~0 in
+    # float32; a large value means the sampler and the trainer compute different distributions.
+    old = mb.get("old_logprobs")
+    diff = jnp.abs(jax.lax.stop_gradient(logprobs) - old) if old is not None else jnp.zeros_like(logprobs)
+    aux["logprob_diff_max"] = jnp.max(jnp.where(mask > 0, diff, 0.0))
     return loss, aux
 
 
@@ -144,7 +150,8 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
       num_micro_batches: M; B must be a multiple of M.
 
     Returns:
-      (loss float32 scalar, grads like params, aux) where aux holds ``policy_loss`` and ``num_tokens`` (sums)
+      (loss float32 scalar, grads like params, aux) where aux holds ``policy_loss`` and ``num_tokens`` (sums),
+      ``logprob_diff_max`` (max |logprobs - old_logprobs| over completion tokens)
       and the token-weighted means ``kl``, ``ratio_mean``, ``clip_*_frac``, ``entropy``.
 
     Raises:
@@ -162,10 +169,15 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
         grads_sum, loss_sum, aux_sum = carry
         (loss, aux), grads = grad_fn(params, mb, normalizer, cfg, grpo)
         n = aux["num_tokens"]
-        aux_sum = {k: aux_sum[k] + (aux[k] * n if k in _TOKEN_MEAN_METRICS else aux[k]) for k in aux_sum}
+        aux_sum = {
+            k: jnp.maximum(aux_sum[k], aux[k])
+            if k in _MAX_METRICS
+            else aux_sum[k] + (aux[k] * n if k in _TOKEN_MEAN_METRICS else aux[k])
+            for k in aux_sum
+        }
         return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, aux_sum), None
 
-    keys = (*_TOKEN_MEAN_METRICS, "policy_loss", "num_tokens")
+    keys = (*_TOKEN_MEAN_METRICS, *_MAX_METRICS, "policy_loss", "num_tokens")
     init = (
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.float32),
