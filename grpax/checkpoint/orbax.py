@@ -101,7 +101,7 @@ def _stored_tree(directory: Path) -> Any:
     # trainer's actor/<step>/model_params) has it in the step folder, which Orbax renames into place last.
     committed = (directory / _METADATA_FILE).exists() or (directory.parent / _METADATA_FILE).exists()
     finished = committed and (directory / _TREE_METADATA_FILE).exists()
-    if not finished or _TMP_SUFFIX in directory.name:
+    if not finished or _TMP_SUFFIX in directory.name or _TMP_SUFFIX in directory.parent.name:
         hint = ""
         if (directory / "0" / "items" / _METADATA_FILE).exists():
             hint = f" (did you mean {directory / '0' / 'items'}?)"
