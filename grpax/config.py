@@ -166,6 +166,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
     user_data = {aliases.get(k, k): v for k, v in user_data.items()}
     model_name = model_name or user_data.get("model_name")
+    if model_name is None and "model_name" in fields:
+        model_name = fields["model_name"].default
     if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
         preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
         layers.append((f"preset {model_name}.yml", {k: v for k, v in preset.items() if k in fields}))

@@ -22,7 +22,9 @@ DESCRIPTION = (
 class EvaluateConfig:
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field("", "score this JSONL of completions instead of sampling a model")
-    model_name: str = field("", "model registry name (optional check)")
+    model_name: str = field(
+        "smollm2-135m-Instruct", "model registry name: picks the model preset (prompt, rewards, dtypes)"
+    )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with test.jsonl, or a file")
     eval_split: str = field("test", "split to evaluate")
     num_test_batches: int = field(-1, "evaluate num_test_batches * eval_batch_size questions (-1: all)")
@@ -31,8 +33,10 @@ class EvaluateConfig:
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    prompt_preset: str = field("smollm2_demo", "prompt wording: maxtext | smollm2_demo")
-    reward_preset: str = field("smollm2_demo", "reward values: maxtext | tunix | simple | smollm2_demo")
+    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
+    reward_preset: str = field(
+        "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+    )
     response_prefix: str = field("", "with completions_path: text the completions continue from")
     seed: int = field(0, "sampling seed")
     scan_layers: bool = field(True, "stacked layers")

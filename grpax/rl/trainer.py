@@ -88,8 +88,10 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     eval_dataset_name: str = field("", "dataset for evaluation (default: dataset_name)")
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
-    prompt_preset: str = field("smollm2_demo", "prompt wording: maxtext | smollm2_demo")
-    reward_preset: str = field("smollm2_demo", "reward values: maxtext | tunix | simple | smollm2_demo")
+    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
+    reward_preset: str = field(
+        "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+    )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     num_batches: int = field(20, "training steps")
     num_test_batches: int = field(
