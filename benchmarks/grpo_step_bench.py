@@ -1,0 +1,420 @@
+"""Seconds per GRPO step: grpax ``grpo_step`` vs TRL ``GRPOTrainer`` vs this machine's roofline, in one run.
+
+SmolLM2-135M-Instruct (the embedded GGUF, dequantised to float32) on real GSM8K train prompts rendered with the
+model's chat template and the ``smollm2_demo`` prompt preset: P prompts x G completions, exactly ``new_tokens``
+new tokens per row (grpax: no stop ids; TRL: ``min_new_tokens`` = ``max_completion_length``), beta 0.08, float32
+on CPU, one optimizer update per step (num_iterations 1). Both systems see the same weights (TRL loads a Hugging
+Face folder written from grpax's params), the same prompts in the same order, the same sampling settings
+(temperature 0.9, top-k 50) and the same reward (``grpax.rewards.gsm8k.score_completions`` total, preset
+``smollm2_demo``, wrapped as a TRL reward function).
+
+Start-up (load + trainer construction; plus, for the first step, compilation or warm-up) is reported apart from
+the steady state: the median of ``--steady_steps`` steps after ``--warmup_steps`` warm-up steps. Per step:
+
+* grpax: ``grpo_step``'s own ``time/{rollout,rewards,reference,train}_s``;
+* TRL: ``_generate`` (rollout), ``_calculate_rewards`` (rewards), the rest of ``_generate_and_score_completions``
+  (reference logprobs + bookkeeping), and the rest of the step (forward/backward + AdamW: "update").
+
+The roofline is the sum over phases of max(FLOPs / matmul throughput, bytes / memory bandwidth): prefill and
+the reference pass are forward passes over the real prompt + completion tokens, each decode step reads all the
+weights and the filled KV cache and does 2 FLOPs per matmul weight per row, and the update is 3 forward passes
+(forward + backward). Matmul throughput is a jitted float32 1024^3 matmul, bandwidth a numpy copy.
+
+Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations 4] [--new_tokens 128]
+       [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--json_out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.checkpoint.convert import generation_config
+from grpax.checkpoint.gguf import default_gguf_path, read_gguf
+from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
+from grpax.data.gsm8k import (
+    PromptIterator,
+    filter_by_length,
+    load_dataset_rows,
+    render_prompt,
+    tokenize_prompts,
+)
+from grpax.data.prompts import get_prompt_preset
+from grpax.models.registry import from_hf_config, to_hf_config
+from grpax.rewards.gsm8k import get_reward_config, score_completions
+from grpax.rl.config import GRPOConfig
+from grpax.rl.evaluate import decode_completions
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+from grpax.rl.trainer import grpo_step
+from grpax.sampler.engine import SamplerConfig, generate_padded
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout_bench import measure_bandwidth, measure_matmul  # noqa: E402
+
+GSM8K_TRAIN = "/work/shared/data/gsm8k/train.jsonl"
+PRESET = "smollm2_demo"
+MAX_PROMPT_LENGTH = 256
+TEMPERATURE, TOP_K, BETA, SEED = 0.9, 50, 0.08, 42
+
+
+def load_batches(tokenizer, num_prompts: int, num_steps: int) -> list[list[dict]]:
+    """``num_steps`` batches of ``num_prompts`` shuffled train rows, each with ``text`` and ``prompt_ids``."""
+    preset = get_prompt_preset(PRESET)
+    rows = load_dataset_rows(GSM8K_TRAIN, "train")
+    rows = [
+        rows[i] for i in np.random.default_rng(SEED).permutation(len(rows))[: 4 * num_prompts * num_steps]
+    ]
+    texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    rows, ids, _ = filter_by_length(rows, tokenize_prompts(tokenizer, texts), MAX_PROMPT_LENGTH)
+    for row, text, row_ids in zip(rows, texts, ids, strict=False):
+        row["text"], row["prompt_ids"] = text, row_ids
+    iterator = PromptIterator(rows, num_prompts, seed=SEED)
+    return [next(iterator) for _ in range(num_steps)]
+
+
+def reward_total(questions, completions, golds) -> list[float]:
+    """The grpax GSM8K reward (``smollm2_demo`` preset) that both systems optimise, in points."""
+    return score_completions(
+        questions,
+        completions,
+        golds,
+        get_reward_config(PRESET),
+        response_prefix=get_prompt_preset(PRESET).response_prefix,
+    )["total"]
+
+
+def _cache_size(fn) -> int:
+    return fn._cache_size() if hasattr(fn, "_cache_size") else -1
+
+
+def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
+    """Runs ``grpo_step`` on each batch; returns per-step phase times and compile-cache sizes."""
+    G = args.num_generations
+    grpo = GRPOConfig(
+        num_generations=G, beta=BETA, temperature=TEMPERATURE, lr_schedule="constant", warmup_ratio=0.0
+    )
+    t0 = time.perf_counter()
+    params = jax.device_put(params)
+    ref_params = jax.tree.map(jnp.copy, params)
+    optimizer, schedule = optimizer_from_config(grpo, len(batches))
+    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    train_step = make_train_step(cfg, grpo, optimizer, 1, schedule)
+    sampler_cfg = SamplerConfig(
+        max_prompt_length=MAX_PROMPT_LENGTH,
+        max_completion_length=args.new_tokens,
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        stop_token_ids=(),  # every row decodes exactly new_tokens tokens, as TRL with min_new_tokens
+        pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 2,
+    )
+    jax.block_until_ready(state)
+    setup_s = time.perf_counter() - t0
+    steps = []
+    for i, rows in enumerate(batches):
+
+        def rewards(out, rows=rows):
+            completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+            expand = lambda key: [row[key] for row in rows for _ in range(G)]  # noqa: E731
+            return {"total": reward_total(expand("question"), completions, expand("gold"))}
+
+        state, out, _, m = grpo_step(
+            state,
+            ref_params,
+            [row["prompt_ids"] for row in rows],
+            rewards,
+            model_cfg=cfg,
+            sampler_cfg=sampler_cfg,
+            grpo=grpo,
+            train_step=train_step,
+            num_micro_batches=1,
+            key=jax.random.fold_in(jax.random.key(SEED), i),
+        )
+        step = {
+            "step_s": m["time/step_s"],
+            "rollout_s": m["time/rollout_s"],
+            "rewards_s": m["time/rewards_s"],
+            "reference_s": m["time/reference_s"],
+            "update_s": m["time/train_s"],
+            "prompt_bucket": int(out.prompt_ids.shape[1]),
+            "mean_prompt_len": float(out.prompt_mask.sum(1).mean()),
+            "mean_completion_len": float(out.lengths.mean()),
+            "reward_mean": m["rewards/total/mean"],
+            "compiled": {
+                "generate": _cache_size(generate_padded),
+                "reference": _cache_size(compute_logprobs),
+                "train_step": _cache_size(train_step),
+            },
+        }
+        steps.append(step)
+        print(f"grpax step {i}: " + json.dumps(step), flush=True)
+    return {"setup_s": setup_s, "steps": steps}
+
+
+def write_hf_folder(params, cfg, tokenizer, folder: Path) -> None:
+    """The same float32 weights as a Hugging Face ``LlamaForCausalLM`` folder (what TRL loads by path)."""
+    from safetensors.numpy import save_file
+
+    (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32"), indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(generation_config(cfg, tokenizer), indent=2))
+    tensors = {name: np.ascontiguousarray(w, np.float32) for name, w in iter_hf_tensors(params, cfg)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(folder))
+
+
+def bench_trl(folder: Path, batches, args) -> dict:
+    """TRL ``GRPOTrainer`` on the same prompts; returns per-step phase times."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    torch.set_num_threads(args.torch_threads)
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    for rows in batches:  # TRL tokenizes the rendered text itself: check it gets grpax's prompt ids
+        for row in rows:
+            assert tokenizer(text=row["text"])["input_ids"] == row["prompt_ids"], "prompt ids differ"
+    dataset = Dataset.from_list(
+        [
+            {"prompt": r["text"], "question": r["question"], "gold": r["gold"]}
+            for rows in batches
+            for r in rows
+        ]
+    )
+
+    def gsm8k_total(prompts, completions, question, gold, **kwargs):
+        return reward_total(question, completions, gold)
+
+    timers: dict[str, float] = {}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super()._generate(*a, **k)
+            finally:
+                timers["rollout_s"] = timers.get("rollout_s", 0.0) + time.perf_counter() - t
+
+        def _calculate_rewards(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*a, **k)
+            finally:
+                timers["rewards_s"] = timers.get("rewards_s", 0.0) + time.perf_counter() - t
+
+        def _generate_and_score_completions(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*a, **k)
+            finally:
+                timers["prepare_s"] = timers.get("prepare_s", 0.0) + time.perf_counter() - t
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            timers.clear()
+            timers["begin"] = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            step_s = time.perf_counter() - timers["begin"]
+            step = {
+                "step_s": step_s,
+                "rollout_s": timers["rollout_s"],
+                "rewards_s": timers["rewards_s"],
+                "reference_s": timers["prepare_s"] - timers["rollout_s"] - timers["rewards_s"],
+                "update_s": step_s - timers["prepare_s"],
+            }
+            steps.append(step)
+            print(f"TRL step {len(steps) - 1}: " + json.dumps(step), flush=True)
+
+    num_rows = args.num_prompts * args.num_generations
+    config = TRLConfig(
+        output_dir=str(folder / "trl_out"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        model_init_kwargs={"dtype": torch.float32},
+        per_device_train_batch_size=num_rows,
+        gradient_accumulation_steps=1,
+        num_generations=args.num_generations,
+        max_completion_length=args.new_tokens,
+        generation_kwargs={"min_new_tokens": args.new_tokens},
+        temperature=TEMPERATURE,
+        top_k=TOP_K,
+        top_p=1.0,
+        beta=BETA,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="dapo",  # token-mean over the batch, grpax's default loss_agg_mode
+        scale_rewards="group",
+        learning_rate=3e-6,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        max_grad_norm=0.1,
+        lr_scheduler_type="constant",
+        max_steps=len(batches),
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=SEED,
+        disable_tqdm=True,
+    )
+    trainer = TimedGRPOTrainer(
+        model=str(folder),
+        reward_funcs=gsm8k_total,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
+    setup_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t
+    return {"setup_s": setup_s, "steps": steps, "train_s": train_s}
+
+
+def roofline(cfg, num_rows: int, prompt_len: float, new_tokens: int, bw: float, flops: float) -> dict:
+    """Lower bounds in seconds per phase of one GRPO step (module docstring), float32."""
+    itemsize = 4
+    D, L, N, K, H, V = (
+        cfg.hidden_dim,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+    )
+    body = cfg.num_params() - V * D * (1 if cfg.tie_word_embeddings else 2)  # layer matmuls (+ norms)
+    head = V * D  # vocab projection
+
+    def attn_flops(q_tokens: float, kv_len: float) -> float:
+        return 4 * L * N * H * q_tokens * kv_len  # QK^T and PV
+
+    total_len = prompt_len + new_tokens
+    prefill = 2 * num_rows * prompt_len * body + attn_flops(num_rows * prompt_len, prompt_len / 2)
+    decode_step_flops = 2 * num_rows * (body + head) + attn_flops(num_rows, prompt_len + new_tokens / 2)
+    kv_bytes = 2 * L * num_rows * (prompt_len + new_tokens / 2) * K * H * itemsize
+    decode_step_bytes = cfg.num_params() * itemsize + kv_bytes
+    decode = new_tokens * max(decode_step_flops / flops, decode_step_bytes / bw)
+    # Reference / policy forward: all tokens through the layers, only completion tokens through the vocab.
+    fwd = 2 * num_rows * total_len * body + 2 * num_rows * new_tokens * head
+    fwd += attn_flops(num_rows * total_len, total_len / 2)
+    phases = {
+        "rollout_s": prefill / flops + decode,
+        "reference_s": fwd / flops,
+        "update_s": 3 * fwd / flops,
+    }
+    phases["step_s"] = sum(phases.values())
+    phases["vocab_fraction_of_fwd_flops"] = 2 * num_rows * new_tokens * head / fwd
+    return phases
+
+
+def _median(steps: list[dict], key: str) -> float:
+    return statistics.median(s[key] for s in steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num_prompts", type=int, default=4)
+    ap.add_argument("--num_generations", type=int, default=4)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    ap.add_argument("--warmup_steps", type=int, default=1)
+    ap.add_argument("--steady_steps", type=int, default=3)
+    ap.add_argument("--torch_threads", type=int, default=2)
+    ap.add_argument("--skip_trl", action="store_true")
+    ap.add_argument("--skip_grpax", action="store_true")
+    ap.add_argument("--json_out", default="")
+    args = ap.parse_args()
+
+    print(
+        f"load average {os.getloadavg()}, {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    bw, flops = measure_bandwidth(), measure_matmul()
+    print(
+        f"measured: memory bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s (jnp f32)",
+        flush=True,
+    )
+
+    t0 = time.perf_counter()
+    source = read_gguf(default_gguf_path())
+    cfg = from_hf_config(source.hf_config, dtype="float32", weight_dtype="float32")
+    params = load_params_from_tensors(source.get_tensor, source.has_tensor, cfg)
+    tokenizer = source.tokenizer()
+    load_s = time.perf_counter() - t0
+    num_steps = args.warmup_steps + args.steady_steps
+    batches = load_batches(tokenizer, args.num_prompts, num_steps)
+    prompt_len = float(np.mean([len(r["prompt_ids"]) for rows in batches for r in rows]))
+    print(f"model load {load_s:.1f} s; mean prompt length {prompt_len:.1f} tokens", flush=True)
+
+    results: dict = {"load_average_start": os.getloadavg(), "bandwidth": bw, "matmul_flops": flops}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_hf_folder(params, cfg, tokenizer, folder)
+        if not args.skip_grpax:
+            results["grpax"] = bench_grpax(params, cfg, tokenizer, batches, args)
+            results["grpax"]["setup_s"] += load_s
+            results["load_average_after_grpax"] = os.getloadavg()
+        del params
+        if not args.skip_trl:
+            results["trl"] = bench_trl(folder, batches, args)
+            results["load_average_after_trl"] = os.getloadavg()
+
+    roof = roofline(cfg, args.num_prompts * args.num_generations, prompt_len, args.new_tokens, bw, flops)
+    results["roofline"] = roof
+    keys = ("step_s", "rollout_s", "reference_s", "update_s")
+    print(
+        f"\nGRPO step, SmolLM2-135M-Instruct float32 CPU, {args.num_prompts} prompts x G={args.num_generations}, "
+        f"{args.new_tokens} new tokens, mean prompt {prompt_len:.0f} tokens, beta {BETA}; "
+        f"steady = median of {args.steady_steps} steps after {args.warmup_steps} warm-up"
+    )
+    header = f"{'system':<9}{'start-up s':>11}{'1st step s':>11}{'steady s':>10}{'rollout':>9}{'ref':>7}"
+    print(header + f"{'update':>8}{'rewards':>9}{'vs TRL':>8}{'of roof':>9}")
+    summary = {}
+    for name in ("grpax", "trl"):
+        if name not in results:
+            continue
+        steady_steps = results[name]["steps"][args.warmup_steps :]
+        med = {k: _median(steady_steps, k) for k in (*keys, "rewards_s")}
+        first = results[name]["steps"][0]["step_s"]
+        # Start-up: load + construction, plus what the first step costs beyond a steady one (compile, warm-up).
+        startup = results[name]["setup_s"] + max(first - med["step_s"], 0.0)
+        summary[name] = {"startup_s": startup, "first_step_s": first, **med}
+    for name, s in summary.items():
+        ratio = summary["trl"]["step_s"] / s["step_s"] if "trl" in summary else float("nan")
+        print(
+            f"{name:<9}{s['startup_s']:>11.1f}{s['first_step_s']:>11.1f}{s['step_s']:>10.1f}{s['rollout_s']:>9.1f}"
+            f"{s['reference_s']:>7.1f}{s['update_s']:>8.1f}{s['rewards_s']:>9.2f}{ratio:>7.2f}x"
+            f"{roof['step_s'] / s['step_s']:>9.1%}"
+        )
+    print(
+        f"{'roofline':<9}{'':>11}{'':>11}{roof['step_s']:>10.1f}{roof['rollout_s']:>9.1f}{roof['reference_s']:>7.1f}"
+        f"{roof['update_s']:>8.1f}   (vocab projection = {roof['vocab_fraction_of_fwd_flops']:.0%} of forward FLOPs)"
+    )
+    results["summary"] = summary
+    print(f"load average after: {os.getloadavg()}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
