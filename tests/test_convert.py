@@ -323,3 +323,77 @@ def test_pread_reader_matches_safetensors(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(raw[:-4])
     with pytest.raises(ValueError, match="short.safetensors is not a valid safetensors file .*truncated"):
         SafetensorsFile(tmp_path / "short.safetensors")
+
+
+@pytest.mark.parametrize("zarr3, ocdbt", [(True, True), (False, False)])
+def test_lazy_conversion_streams_leaf_by_leaf(untied, tmp_path, monkeypatch, zarr3, ocdbt):
+    """The lazy write reads each stacked leaf's tensors together, frees it before the next, and restores bit-exact."""
+    import weakref
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    import grpax.checkpoint.convert as convert
+    from grpax.checkpoint.orbax import LazyArray, restore_params
+
+    src, _ = untied
+    reads: list[str] = []
+    original_get = convert.SafetensorsSource.get_tensor
+    monkeypatch.setattr(
+        convert.SafetensorsSource,
+        "get_tensor",
+        lambda self, name: reads.append(name) or original_get(self, name),
+    )
+    live, peak, built = [0], [0], []
+    original_lazy = convert.lazy_params
+
+    def counting_lazy_params(*args, **kwargs):
+        def wrap(leaf: LazyArray) -> LazyArray:
+            def build():
+                out = leaf.build()
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+                built.append(out.shape)
+                weakref.finalize(out, lambda: live.__setitem__(0, live[0] - 1))
+                return out
+
+            return LazyArray(leaf.shape, leaf.dtype, build)
+
+        return jax.tree.map(wrap, original_lazy(*args, **kwargs))
+
+    monkeypatch.setattr(convert, "lazy_params", counting_lazy_params)
+    kwargs = dict(
+        hf_model_path=src, weight_dtype="bfloat16", use_zarr3=zarr3, use_ocdbt=ocdbt, progress=False
+    )
+    lazy = to_native("tiny", tmp_path / "lazy", **kwargs)
+    assert lazy["bytes_read"] == sum(v.nbytes for v in read_tensors(src).values())
+    assert len(built) == 3 + 9 and (3, 48, 6, 12) in built  # embed, final_norm, lm_head + 9 stacked [L, ...]
+    assert peak[0] == 1 and live[0] == 0
+    # Reads are grouped by output leaf: the three layers of q_proj back to back.
+    q = [i for i, name in enumerate(reads) if "q_proj" in name]
+    assert q == list(range(q[0], q[0] + 3))
+    eager = to_native("tiny", tmp_path / "eager", lazy_load_tensors=False, **kwargs)
+    a = restore_params(lazy["params_path"])
+    b = ocp.PyTreeCheckpointer().restore(eager["params_path"])
+    assert sorted(a) == sorted(b) == ["embed", "final_norm", "layers", "lm_head"]
+    pairs = [(a[k], b[k]) for k in ("embed", "final_norm", "lm_head")]
+    pairs += [(a["layers"][k], b["layers"][k]) for k in b["layers"]]
+    assert len(pairs) == 12 and sorted(a["layers"]) == sorted(b["layers"])
+    for x, y in pairs:
+        assert x.dtype == y.dtype == np.dtype("bfloat16") and np.array_equal(x, y)
+
+
+def test_lazy_conversion_checks_shapes_before_writing(untied, tmp_path):
+    src, _ = untied
+    (tmp_path / "src").mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / "src" / f.name).write_bytes(f.read_bytes())
+    tensors = read_tensors(src)
+    tensors["model.layers.2.mlp.down_proj.weight"] = tensors["model.layers.2.mlp.down_proj.weight"][:, :40]
+    save_file(tensors, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"model.layers.2.mlp.down_proj.weight.*\(48, 40\), expected .*\(80, 48\)"
+    ):
+        to_native("tiny", tmp_path / "out", hf_model_path=tmp_path / "src", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from grpax.checkpoint.orbax import find_model_folder, load_model, restore_params, save_params
+from grpax.checkpoint.orbax import LazyArray, find_model_folder, load_model, restore_params, save_params
 from grpax.models.params import abstract_params
 from grpax.models.registry import ModelConfig, to_hf_config
 
@@ -172,3 +172,76 @@ def test_load_model_errors_name_paths(tmp_path):
         load_model(tmp_path / "a" / "0" / "items")
     with pytest.raises(FileNotFoundError, match="checkpoint .*missing does not exist"):
         load_model(tmp_path / "missing")
+
+
+def _lazy(params, built: list[str]):
+    """``params`` with every leaf replaced by a ``LazyArray`` that logs its build and returns a copy."""
+
+    def lazy(path, x):
+        def build():
+            built.append(jax.tree_util.keystr(path))
+            return x.copy()
+
+        return LazyArray(x.shape, x.dtype, build)
+
+    return jax.tree_util.tree_map_with_path(lazy, params)
+
+
+@pytest.mark.parametrize("zarr3, ocdbt", [(True, True), (False, False), (True, False), (False, True)])
+def test_lazy_leaves_restore_like_a_plain_save(tmp_path, zarr3, ocdbt):
+    params, _ = _params(True, "bfloat16")
+    built: list[str] = []
+    save_params(_lazy(params, built), tmp_path / "lazy", use_zarr3=zarr3, use_ocdbt=ocdbt)
+    assert sorted(built) == sorted(
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+    )
+    _assert_equal(params, restore_params(tmp_path / "lazy"))
+    _assert_equal(params, ocp.PyTreeCheckpointer().restore(tmp_path / "lazy"))  # plain Orbax, no grpax code
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_device = restore_params(tmp_path / "lazy", CFG.replace(weight_dtype="bfloat16"), sharding=sharding)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(on_device))
+    _assert_equal(params, jax.tree.map(np.asarray, on_device))
+    # The tree metadata is exactly what a plain save of the numpy tree writes.
+    save_params(params, tmp_path / "plain", use_zarr3=zarr3, use_ocdbt=ocdbt)
+    meta = [json.loads((tmp_path / d / "_METADATA").read_text()) for d in ("lazy", "plain")]
+    assert meta[0]["tree_metadata"] == meta[1]["tree_metadata"]
+    assert meta[0]["use_zarr3"] == meta[1]["use_zarr3"] == zarr3
+
+
+def test_lazy_leaves_are_built_and_freed_one_at_a_time(tmp_path):
+    import weakref
+
+    params, _ = _params(True)
+    live, peak, order = [0], [0], []
+
+    def release():
+        live[0] -= 1
+
+    def lazy(path, x):
+        def build():
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            order.append(jax.tree_util.keystr(path))
+            out = x.copy()
+            weakref.finalize(out, release)
+            return out
+
+        return LazyArray(x.shape, x.dtype, build)
+
+    save_params(jax.tree_util.tree_map_with_path(lazy, params), tmp_path / "ckpt")
+    assert peak[0] == 1 and live[0] == 0  # each built leaf was dropped before the next was built
+    assert len(order) == len(set(order)) == len(jax.tree.leaves(params))
+    _assert_equal(params, restore_params(tmp_path / "ckpt"))
+
+
+def test_failed_lazy_build_leaves_nothing(tmp_path):
+    params, _ = _params(True)
+
+    def wrong_shape():
+        return np.zeros((2, 2), np.float32)
+
+    params["layers"]["wq"] = LazyArray(params["layers"]["wq"].shape, np.dtype(np.float32), wrong_shape)
+    with pytest.raises(ValueError, match=r"wq.*built float32\[2, 2\], declared float32\[3, 16, 4, 8\]"):
+        save_params(params, tmp_path / "0" / "items")
+    assert not (tmp_path / "0" / "items").exists()
+    assert list((tmp_path / "0").iterdir()) == []

@@ -13,13 +13,22 @@ params folder.
 Writes are atomic: Orbax writes into ``<dir>.orbax-checkpoint-tmp-*`` and renames it to ``<dir>`` only after
 every array and ``_CHECKPOINT_METADATA`` are written, so an interrupted save leaves no folder at ``<dir>``.
 Params may be stored stacked (``scan_layers=True``) or as a per-layer list; restore converts to the layout asked.
+
+Streaming writes: a leaf may be a ``LazyArray`` (shape, dtype and a function that builds the array). Such leaves
+are built and written one at a time inside Orbax's own save, each freed before the next is built, so a
+conversion holds about one stacked leaf at a time instead of the whole tree (plus Orbax's copy of it). The files
+are the ones a plain ``PyTreeSave`` of numpy arrays writes (same ``_METADATA``, typestr ``np.ndarray``), so the
+ordinary Orbax restore reads them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,22 +62,107 @@ class OutputExistsError(FileExistsError, ValueError):
     """The output path already exists; nothing is overwritten (a ValueError too, so the CLI prints one line)."""
 
 
-def _checkpointer(use_zarr3: bool = True, use_ocdbt: bool = True):
+@dataclasses.dataclass(frozen=True)
+class LazyArray:
+    """A params leaf built only when ``save_params`` writes it (see the module docstring).
+
+    Attributes:
+      shape: the array's shape.
+      dtype: its numpy dtype.
+      build: returns the array (a numpy array of ``shape`` and ``dtype``); called once, from Orbax's writer
+        thread; its exceptions abort the save.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    build: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def _release_free_memory() -> None:
+    """Returns freed heap pages to the OS (glibc keeps tensorstore's per-thread arenas otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _streaming_handler_registry():
+    """Orbax's default type handlers plus one that builds and writes ``LazyArray`` leaves one at a time."""
+    from orbax.checkpoint._src.futures import future
+    from orbax.checkpoint._src.serialization import type_handler_registry as registry
+    from orbax.checkpoint._src.serialization import type_handlers, types
+
+    class StreamingNumpyHandler(type_handlers.NumpyHandler):
+        """``NumpyHandler`` (typestr ``np.ndarray``, so restore reads the leaves as usual) that writes leaf by leaf.
+
+        The stock handler deep-copies every array up front and writes them all concurrently, so the whole tree
+        is held twice plus tensorstore's encode buffers. Here each array is built, written, and dropped before
+        the next one; ``save_params`` blocks until the writes finish, so no copy is needed.
+        """
+
+        def __init__(self):
+            super().__init__(deepcopy_host_arrays=False)
+
+        async def serialize(self, values, infos, args=None):
+            args = args or [types.SaveArgs()] * len(values)
+            types.check_input_arguments(values, infos, args)
+
+            async def write_one_by_one():
+                for value, info, arg in zip(values, infos, args, strict=True):
+                    array = value.build() if isinstance(value, LazyArray) else value
+                    if array.shape != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
+                        raise ValueError(
+                            f"{info.name}: built {array.dtype}{list(array.shape)}, declared "
+                            f"{np.dtype(value.dtype)}{list(value.shape)}"
+                        )
+                    await self._background_serialize([array], [info], [arg])
+                    del array
+                    _release_free_memory()
+
+            return [future.CommitFutureAwaitingContractedSignals(write_one_by_one(), name="grpax_streaming")]
+
+    handler = StreamingNumpyHandler()
+    return registry.create_type_handler_registry(
+        *registry._DEFAULT_TYPE_HANDLERS, (LazyArray, handler), (np.ndarray, handler)
+    )
+
+
+def _checkpointer(
+    use_zarr3: bool = True, use_ocdbt: bool = True, use_compression: bool = True, streaming: bool = False
+):
     import orbax.checkpoint as ocp
 
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3))
+    kwargs = {"type_handler_registry": _streaming_handler_registry()} if streaming else {}
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(
+            use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression, **kwargs
+        )
+    )
 
 
 def save_params(
-    params: Params, directory: str | Path, use_zarr3: bool = True, use_ocdbt: bool = True
+    params: Params,
+    directory: str | Path,
+    use_zarr3: bool = True,
+    use_ocdbt: bool = True,
+    *,
+    use_compression: bool = True,
 ) -> Path:
     """Saves a params tree (numpy or jax leaves, any layout) as an Orbax PyTree checkpoint.
 
     Args:
-      params: the params tree; numpy leaves are written as they are (bfloat16 via ``ml_dtypes``).
+      params: the params tree; numpy leaves are written as they are (bfloat16 via ``ml_dtypes``). ``LazyArray``
+        leaves are built and written one at a time (with the numpy leaves), so peak memory is about one leaf
+        plus its encode buffers; they restore as numpy arrays.
       directory: the checkpoint folder to create, e.g. ``<base>/0/items``; must not exist.
       use_zarr3: zarr v3 array format (MaxText ``checkpoint_storage_use_zarr3``).
       use_ocdbt: one OCDBT key-value store instead of a file per chunk (``checkpoint_storage_use_ocdbt``).
+      use_compression: zstd-compress the chunks (Orbax's default); random-like bfloat16 weights shrink by about
+        a quarter at roughly half the write speed.
 
     Returns:
       The absolute checkpoint path.
@@ -82,7 +176,11 @@ def save_params(
     directory.parent.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp
 
-    checkpointer = _checkpointer(use_zarr3, use_ocdbt)
+    leaves = jax.tree.leaves(params)
+    streaming = any(isinstance(x, LazyArray) for x in leaves) and all(
+        isinstance(x, LazyArray | np.ndarray) for x in leaves
+    )
+    checkpointer = _checkpointer(use_zarr3, use_ocdbt, use_compression, streaming=streaming)
     try:
         checkpointer.save(directory, args=ocp.args.PyTreeSave(params))
     except BaseException:
