@@ -8,6 +8,9 @@ Models:
 
 Each conversion runs in its own subprocess; peak RSS is that child's ``ru_maxrss`` read by a wrapper process
 with ``resource.getrusage(RUSAGE_CHILDREN)``. Goal (lazy): peak RSS < 2 x the largest stacked tensor + 1 GB.
+The 1.24 B model is also converted with ``use_compression=False`` (Orbax's zstd off) and its output restored
+(``restore_params`` to numpy, in a fresh process) to time the read back. The load average is printed before and
+after: the machine is shared.
 
     python benchmarks/convert_bench.py --workdir /tmp/convert_bench [--skip-1b]
 """
@@ -39,6 +42,14 @@ print(json.dumps({"seconds": seconds, "convert_seconds": summary["convert_second
                   "peak_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 """
 
+_RESTORE = r"""
+import json, sys, time
+from grpax.checkpoint.orbax import restore_params
+start = time.perf_counter()
+restore_params(json.loads(sys.argv[1]))
+print(json.dumps({"convert_seconds": time.perf_counter() - start}))
+"""
+
 _CONVERT = r"""
 import json, sys, time
 from grpax.checkpoint.convert import to_native
@@ -50,9 +61,9 @@ print(json.dumps(summary))
 """
 
 
-def measure(kwargs: dict) -> dict:
-    """Runs one ``to_native`` in a fresh process (inside a wrapper that reads its peak RSS)."""
-    cmd = [sys.executable, "-c", _CHILD, sys.executable, "-c", _CONVERT, json.dumps(kwargs)]
+def measure(kwargs: dict, script: str = _CONVERT) -> dict:
+    """Runs one ``to_native`` (or ``script``) in a fresh process, inside a wrapper that reads its peak RSS."""
+    cmd = [sys.executable, "-c", _CHILD, sys.executable, "-c", script, json.dumps(kwargs)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -125,8 +136,9 @@ def main() -> None:
     from grpax.checkpoint.gguf import default_gguf_path
 
     rows = []
+    print("load average before:", os.getloadavg(), flush=True)
 
-    def run(label, model_name, source_bytes, **kwargs):
+    def run(label, model_name, source_bytes, restore=False, **kwargs):
         out = work / f"out_{len(rows)}"
         kwargs = {
             "model_name": model_name,
@@ -135,17 +147,24 @@ def main() -> None:
             **kwargs,
         }
         m = measure(kwargs)
-        shutil.rmtree(out, ignore_errors=True)
+        items = out / "0" / "items"
+        out_bytes = sum(f.stat().st_size for f in items.rglob("*") if f.is_file())
         big = largest_stacked_bytes(model_name, args.weight_dtype)
         row = {
             "case": label,
             "source_MB": source_bytes / 1e6,
+            "output_MB": out_bytes / 1e6,
             "seconds": round(m["seconds"], 2),
             "convert_seconds": round(m["convert_seconds"], 2),
             "MB_per_s": round(source_bytes / 1e6 / m["convert_seconds"], 1),
             "peak_rss_GB": round(m["peak_rss_kb"] * 1024 / 1e9, 3),
             "goal_GB": round((2 * big + 1e9) / 1e9, 3),
         }
+        if restore:
+            r = measure(str(items), script=_RESTORE)
+            row["restore_seconds"] = round(r["convert_seconds"], 2)
+            row["restore_peak_rss_GB"] = round(r["peak_rss_kb"] * 1024 / 1e9, 3)
+        shutil.rmtree(out, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -173,21 +192,27 @@ def main() -> None:
             f"wrote synthetic 1.24B model ({total / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s",
             flush=True,
         )
-        for lazy in (True, False):
+        for lazy, compress in ((True, True), (True, False), (False, True)):
             run(
-                f"synthetic llama3.2-1b HF bf16 sharded {'lazy' if lazy else 'eager'}",
+                f"synthetic llama3.2-1b HF bf16 sharded {'lazy' if lazy else 'eager'}"
+                + ("" if compress else " no-zstd"),
                 "llama3.2-1b",
                 total,
+                restore=lazy,
                 hf_model_path=str(work / "synthetic_1b"),
                 lazy_load_tensors=lazy,
+                use_compression=compress,
             )
+    print("load average after:", os.getloadavg(), flush=True)
     print(
-        "\n| case | source MB | process s | convert s | MB/s | peak RSS GB | goal GB |\n|---|---|---|---|---|---|---|"
+        "\n| case | source MB | output MB | process s | convert s | MB/s | peak RSS GB | goal GB | restore s "
+        "| restore RSS GB |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in rows:
         print(
-            f"| {r['case']} | {r['source_MB']:.0f} | {r['seconds']} | {r['convert_seconds']} | {r['MB_per_s']} | {r['peak_rss_GB']} | "
-            f"{r['goal_GB']} |"
+            f"| {r['case']} | {r['source_MB']:.0f} | {r['output_MB']:.0f} | {r['seconds']} | "
+            f"{r['convert_seconds']} | {r['MB_per_s']} | {r['peak_rss_GB']} | {r['goal_GB']} | "
+            f"{r.get('restore_seconds', '')} | {r.get('restore_peak_rss_GB', '')} |"
         )
     shutil.rmtree(work, ignore_errors=True)
 

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,13 +114,22 @@ def _streaming_handler_registry():
 
             async def write_one_by_one():
                 for value, info, arg in zip(values, infos, args, strict=True):
+                    start = time.perf_counter()
                     array = value.build() if isinstance(value, LazyArray) else value
+                    built = time.perf_counter()
                     if array.shape != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
                         raise ValueError(
                             f"{info.name}: built {array.dtype}{list(array.shape)}, declared "
                             f"{np.dtype(value.dtype)}{list(value.shape)}"
                         )
                     await self._background_serialize([array], [info], [arg])
+                    log.debug(
+                        "%s: %.0f MB built in %.2f s, written in %.2f s",
+                        info.name,
+                        array.nbytes / 1e6,
+                        built - start,
+                        time.perf_counter() - built,
+                    )
                     del array
                     _release_free_memory()
 
