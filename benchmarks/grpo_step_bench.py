@@ -109,7 +109,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
     ref_params = jax.tree.map(jnp.copy, params)
     optimizer, schedule = optimizer_from_config(grpo, len(batches))
     state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
-    train_step = make_train_step(cfg, grpo, optimizer, 1, schedule)
+    train_step = make_train_step(cfg, grpo, optimizer, args.num_micro_batches, schedule)
     sampler_cfg = SamplerConfig(
         max_prompt_length=MAX_PROMPT_LENGTH,
         max_completion_length=args.new_tokens,
@@ -137,7 +137,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
             sampler_cfg=sampler_cfg,
             grpo=grpo,
             train_step=train_step,
-            num_micro_batches=1,
+            num_micro_batches=args.num_micro_batches,
             key=jax.random.fold_in(jax.random.key(SEED), i),
         )
         step = {
@@ -339,6 +339,10 @@ def main() -> None:
     ap.add_argument("--warmup_steps", type=int, default=1)
     ap.add_argument("--steady_steps", type=int, default=3)
     ap.add_argument("--torch_threads", type=int, default=2)
+    ap.add_argument(
+        "--num_micro_batches", type=int, default=4, help="grpax reference/update row blocks (peak memory)"
+    )
+    ap.add_argument("--remat_policy", default="none", help="grpax remat of each layer: none | dots | full")
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")
     ap.add_argument("--json_out", default="")
@@ -357,7 +361,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     source = read_gguf(default_gguf_path())
-    cfg = from_hf_config(source.hf_config, dtype="float32", weight_dtype="float32")
+    cfg = from_hf_config(
+        source.hf_config, dtype="float32", weight_dtype="float32", remat_policy=args.remat_policy
+    )
     params = load_params_from_tensors(source.get_tensor, source.has_tensor, cfg)
     tokenizer = source.tokenizer()
     load_s = time.perf_counter() - t0
