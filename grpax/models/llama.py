@@ -117,7 +117,8 @@ def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, 
 
     With a cache, ``cache_k``/``cache_v`` are the whole stacked caches [L, B, S, K, H] and ``index`` this
     layer's position in them: the new keys/values are scattered in place (the caches are loop carries, so XLA
-    updates them without copying) and attention reads this layer's slice.
+    updates them without copying) and attention reads this layer's slice. With ``index=None`` they are this
+    layer's own [B, S, K, H] buffers.
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
@@ -127,9 +128,10 @@ def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, 
     v = jnp.einsum("BTD,DKH->BTKH", h, w["wv"])
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[index, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[index, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-        k, v = cache_k[index], cache_v[index]
+        at = (rows, positions) if index is None else (index, rows, positions)
+        cache_k = cache_k.at[at].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[at].set(v.astype(cache_v.dtype), mode="drop")
+        k, v = (cache_k, cache_v) if index is None else (cache_k[index], cache_v[index])
         if x.shape[1] == 1:
             attn = decode_attention(q, k, v, mask).astype(dtype)
         else:
@@ -193,7 +195,9 @@ def forward(
       attention_mask: [B, T], 1 for real tokens, 0 for padding (keys that must not be attended). Only used
         without a cache; with a cache, visibility is ``slot <= position``.
       cache: optional ``{"k", "v"}`` [L, B, S, K, H] from ``init_cache``; each token is written at slot
-        ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``.
+        ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``. With per-layer params
+        (a list) the cache may also be lists of L [B, S, K, H] arrays (separate buffers, fastest decode on CPU);
+        the cache comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
 
     Returns:
@@ -212,7 +216,7 @@ def forward(
         if attention_mask is not None:
             mask = mask & attention_mask.astype(bool)[:, None, :]
     else:
-        S = cache["k"].shape[2]
+        S = cache["k"][0].shape[1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[2]
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
 
     layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq), cfg)
@@ -229,6 +233,10 @@ def forward(
 
         num_layers = jax.tree.leaves(layers)[0].shape[0]
         (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (layers, jnp.arange(num_layers)))
+    elif isinstance(ck, (list, tuple)):  # per-layer cache buffers: each updated in place on its own
+        ck, cv = list(ck), list(cv)
+        for i, layer in enumerate(layers):
+            x, ck[i], cv[i] = layer_fn(x, layer, positions, mask, cache_k=ck[i], cache_v=cv[i])
     else:
         for i, layer in enumerate(layers):
             x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv, index=i)

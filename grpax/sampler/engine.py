@@ -4,7 +4,8 @@ GRPO spends most of its wall time sampling, so the loop never returns to Python:
 cache of ``P_bucket + C`` slots (slot == position, each row at its own length), then a ``lax.while_loop``
 decodes one token per row per step and exits as soon as every row has emitted a stop token. The cache is
 created inside the jitted function and lives in the loop carry, so XLA updates it in place (no per-step copy
-and nothing to donate across a jit boundary). Compiled functions are cached per (batch size, prompt bucket,
+and nothing to donate across a jit boundary). By default the decode runs with per-layer weight and cache
+buffers (layers unrolled): scanning stacked layers copies each layer's weights and cache slice every step. Compiled functions are cached per (batch size, prompt bucket,
 model config, sampler config): a new prompt length inside the same bucket reuses the compiled code.
 
 Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax.models.llama import forward, init_cache, logits_from_hidden
-from grpax.models.params import Params
+from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig
 from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_logprobs
 
@@ -46,10 +47,14 @@ class SamplerConfig:
     greedy: bool = False  # argmax decoding (temperature, top_k, top_p ignored; logprobs at temperature 1)
     stop_token_ids: tuple[int, ...] = ()  # a row finishes after emitting any of these (included in the mask)
     pad_token_id: int = 0  # written after a row has finished (the mask, not this id, marks real tokens)
-    # Allowed prompt paddings P; () = powers of two from 16, the last one capped at max_prompt_length.
+    # Allowed prompt paddings P; () = multiples of 64, the last one capped at max_prompt_length.
     prompt_length_buckets: tuple[int, ...] = ()
     truncation: str = "left"  # prompts longer than max_prompt_length: "left" keeps the end, "drop" skips them
     cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
+    # Decode with per-layer weights and cache buffers (layers unrolled) instead of scanning stacked layers:
+    # no per-step copy of each layer's weights and cache slice (~2x faster on CPU), longer compile, and a
+    # transient per-layer copy of the weights inside the sampler.
+    unroll_layers: bool = True
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -76,11 +81,7 @@ class SamplerConfig:
                     | {self.max_prompt_length}
                 )
             )
-        out, b = [], 16
-        while b < self.max_prompt_length:
-            out.append(b)
-            b *= 2
-        return (*out, self.max_prompt_length)
+        return (*range(64, self.max_prompt_length, 64), self.max_prompt_length)
 
     def bucket_for(self, length: int) -> int:
         """The smallest bucket >= ``length`` tokens."""
@@ -154,9 +155,25 @@ def generate_padded(
     temperature = sc.logprob_temperature
 
     # Prefill: slot == position; padding slots >= length are overwritten by decode before being attended.
-    cache = init_cache(cfg, B, P + C, sc.cache_dtype)
+    # Prefill into a P-slot cache (prompt attention never scans the C empty slots), then pad it to P + C.
+    # Slot == position; padding slots >= length are overwritten by decode before they are attended.
+    dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
+    if sc.unroll_layers:
+        params = convert_layout(params, cfg, scan_layers=False)
+        shape = (B, P, cfg.num_kv_heads, cfg.head_dim)
+        cache = {name: [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)] for name in ("k", "v")}
+        slot_axis = 1
+    else:
+        params = convert_layout(params, cfg, scan_layers=True)
+        cache = init_cache(cfg, B, P, dtype)
+        slot_axis = 2
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = forward(params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True)
+
+    def grow(c):
+        return jnp.pad(c, [(0, C) if axis == slot_axis else (0, 0) for axis in range(c.ndim)])
+
+    cache = jax.tree.map(grow, cache)
     last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
     logits = logits_from_hidden(params, last, cfg)  # [B, V]
 
