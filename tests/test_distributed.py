@@ -113,16 +113,40 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_single_process_helpers(monkeypatch):
-    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    for var in (
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+        *distributed._CLUSTER_ENV_VARS,
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     assert distributed.maybe_initialize(skip=True) is False
-    assert distributed.maybe_initialize() is False
+    assert distributed.maybe_initialize() is False and not calls
     assert distributed.process_count() == 1 and distributed.is_main_process()
     assert distributed.local_rows(8) == slice(0, 8)
-    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     with pytest.raises(ValueError, match="needs coordinator_address, num_processes and process_id together"):
         distributed.maybe_initialize()
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two' is not an integer"):
         distributed.maybe_initialize()
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    # A launcher's variables (or the address alone): JAX's auto-detection supplies the count and the id.
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.maybe_initialize() is True and calls == [{}]
+    assert distributed.maybe_initialize(skip=True) is False and len(calls) == 1
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert distributed.maybe_initialize() is True
+    assert calls[-1] == dict(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1)
+
+
+def test_fetch_single_process():
+    x = jax.numpy.arange(4.0)
+    out = distributed.fetch({"x": x, "n": 3, "a": np.ones(2)})
+    assert isinstance(out["x"], np.ndarray) and out["n"] == 3
+    np.testing.assert_array_equal(out["x"], [0, 1, 2, 3])

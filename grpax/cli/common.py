@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from grpax.config import ConfigError
 
-log = logging.getLogger(__name__)
-
 HARDWARE = ("cpu", "gpu", "tpu", "gpu_multiprocess")
-# Environment variables that mean "this process is one of several" (JAX's cluster auto-detection reads them).
-_MULTIHOST_ENV = (
-    "JAX_COORDINATOR_ADDRESS",
-    "COORDINATOR_ADDRESS",
-    "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_SIZE",
-    "TPU_WORKER_HOSTNAMES",
-    "MEGASCALE_COORDINATOR_ADDRESS",
-)
 
 
 def select_hardware(hardware: str) -> None:
@@ -38,21 +26,17 @@ def select_hardware(hardware: str) -> None:
 
 
 def maybe_initialize_distributed(skip: bool) -> bool:
-    """Calls ``jax.distributed.initialize()`` when not ``skip`` and a multi-host environment is detected.
+    """Starts ``jax.distributed`` for a multi-process run: ``grpax.distributed.maybe_initialize(skip)``.
+
+    Every command initialises through ``grpax.distributed.maybe_initialize`` (the one implementation: JAX_*
+    variables, launcher auto-detection, Cloud TPU); this name stays for the CLI modules.
 
     Args:
       skip: MaxText's ``skip_jax_distributed_system``; True never initialises.
 
     Returns:
-      Whether ``jax.distributed.initialize()`` was called.
+      Whether the distributed runtime is initialised.
     """
-    if skip:
-        return False
-    present = [name for name in _MULTIHOST_ENV if os.environ.get(name)]
-    if not present:
-        return False
-    import jax
+    from grpax import distributed
 
-    log.info("initialising jax.distributed (found %s)", ", ".join(present))
-    jax.distributed.initialize()
-    return True
+    return distributed.maybe_initialize(skip)
