@@ -520,6 +520,17 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = 
     return jax.tree.map(put, batch)
 
 
+def shard_global_batch(
+    batch: Any, mesh: Mesh, rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES
+) -> Any:
+    """Places a pytree of batch arrays [B, ...] that every process holds in full (the same values).
+
+    Rows are split over ``("data", "fsdp")`` like ``shard_batch``; each process keeps only the rows of its
+    own devices (``jax.make_array_from_callback``). With one process this is ``shard_batch``.
+    """
+    return jax.tree.map(lambda x: _put(x, batch_sharding(x, mesh, rules)), batch)
+
+
 def cache_sharding(
     cfg: ModelConfig,
     mesh: Mesh,
