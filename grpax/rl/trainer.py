@@ -48,7 +48,13 @@ from grpax.rl.evaluate import decode_completions, evaluate
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
-from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+from grpax.sampler.engine import (
+    GenerateOutput,
+    SamplerConfig,
+    generate,
+    generate_padded,
+    prepare_prompts,
+)
 
 log = logging.getLogger("grpax.train")
 
@@ -220,6 +226,47 @@ def prepare_rows(
     return rows if limit < 0 else rows[:limit]
 
 
+def generate_rollouts(
+    params: Any, prompts: list[list[int]], cfg: ModelConfig, sampler_cfg: SamplerConfig, key: jax.Array
+) -> GenerateOutput:
+    """``grpax.sampler.engine.generate`` that also works when ``params`` span several processes.
+
+    With one process this is ``generate``. With several, every process passes the same prompts and key; the
+    sampled arrays (sharded over all processes' devices) are gathered to every host with
+    ``grpax.distributed.fetch``, so each process holds the whole, identical rollout. (``generate`` itself
+    reads its outputs with ``jax.device_get``, which cannot read arrays spanning other processes.)
+    """
+    if jax.process_count() == 1:
+        return generate(params, prompts, cfg, sampler_cfg, key)
+    sc = sampler_cfg
+    kept, indices = prepare_prompts(prompts, sc)
+    if not kept:
+        raise ValueError(
+            "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
+        )
+    B = len(kept)
+    lengths = np.array([len(p) for p in kept], np.int32)
+    P = sc.bucket_for(int(lengths.max()))
+    right = np.full((B, P), sc.pad_token_id, np.int32)
+    left = np.full((B, P), sc.pad_token_id, np.int32)
+    prompt_mask = np.zeros((B, P), np.int32)
+    for i, p in enumerate(kept):
+        right[i, : len(p)] = p
+        left[i, P - len(p) :] = p
+        prompt_mask[i, P - len(p) :] = 1
+    out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc))
+    return GenerateOutput(
+        prompt_ids=left,
+        prompt_mask=prompt_mask,
+        completion_ids=out["completion_ids"],
+        completion_mask=out["completion_mask"],
+        logprobs=out["logprobs"],
+        lengths=out["lengths"],
+        finish_reason=["stop" if s else "length" for s in out["stopped"]],
+        prompt_indices=np.array(indices, np.int32),
+    )
+
+
 def _mesh_context(mesh: jax.sharding.Mesh | None):
     """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
@@ -265,7 +312,7 @@ def grpo_step(
     if mesh is not None and rollout_mesh is not None:
         rollout_params, reshard_s = sharding.reshard_for_rollout(state.params, mesh, rollout_mesh)
     with _mesh_context(rollout_mesh or mesh):
-        out = generate(
+        out = generate_rollouts(
             rollout_params,
             [p for p in prompts for _ in range(grpo.num_generations)],
             model_cfg,
@@ -288,7 +335,8 @@ def grpo_step(
         "truncated": jnp.asarray([r == "length" for r in out.finish_reason]),
     }
     if mesh is not None:
-        batch = sharding.shard_batch(batch, mesh)
+        # Every process holds the whole rollout and computed the same rewards: each keeps its devices' rows.
+        batch = sharding.shard_global_batch(batch, mesh)
     t_scored = time.perf_counter()
     with _mesh_context(mesh):
         if ref_params is not None:
@@ -302,7 +350,7 @@ def grpo_step(
         t_ref = time.perf_counter()
         for _ in range(grpo.num_iterations):
             state, step_metrics = train_step(state, batch)
-    step_metrics = jax.device_get(step_metrics)
+    step_metrics = distributed.fetch(step_metrics)
     t_train = time.perf_counter()
 
     mask = np.asarray(out.completion_mask)
@@ -345,6 +393,8 @@ def train(cfg: TrainConfig) -> dict:
     paths = RunPaths.of(cfg)
     grpo = cfg.grpo()
     main_process = jax.process_index() == 0
+    if not main_process:  # one process logs; the others only warn
+        logging.getLogger("grpax").setLevel(logging.WARNING)
 
     params, model_cfg, tokenizer = load_model(
         cfg.load_parameters_path,
@@ -378,7 +428,7 @@ def train(cfg: TrainConfig) -> dict:
         cfg.max_prefill_predict_length,
         eval_limit,
     )
-    # Each host reads its own slice of the prompts (same order everywhere, then strided by process).
+    # Every process reads the same prompts in the same order (docs/scaling.md, "Several processes").
     iterator = PromptIterator(train_rows, cfg.batch_size, seed=cfg.seed)
 
     stops = stop_token_ids(tokenizer, model_cfg)
@@ -444,6 +494,7 @@ def train(cfg: TrainConfig) -> dict:
                 seed=cfg.seed,
                 output_path=paths.eval_dir / tag,
                 desc=f"eval {tag}",
+                generate_fn=generate_rollouts,
             )
         writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")
         log.info(

@@ -1,0 +1,217 @@
+"""``grpax train_rl`` on two JAX processes (localhost, gloo) equals the same run on one process.
+
+Two processes with 2 CPU devices each run a short GRPO run (a tiny random Llama with SmolLM2's tokenizer,
+the real GSM8K files, beta > 0, a checkpoint) on the mesh (data=2 across processes, fsdp=2 within). One
+process with 4 devices runs the same config on the same mesh shape (ici data=2 x fsdp=2). The final params
+agree to 1e-5 (float32), the metrics.jsonl rewards are identical, only process 0 wrote logs and metrics,
+and the two-process checkpoint restores onto a different mesh (tensor=4) with the same values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from grpax.checkpoint.gguf import read_gguf
+from grpax.checkpoint.orbax import restore_params, save_params
+from grpax.data.tokenizer import save_tokenizer
+from grpax.models.params import init_params
+from grpax.models.registry import get_model_config, to_hf_config
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+TIMEOUT_S = 600
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    keys, address, num_processes, process_id, out = sys.argv[1:6]
+    keys = json.loads(keys)
+    if int(num_processes) > 1:
+        from grpax import distributed
+        assert distributed.maybe_initialize(False, address, int(num_processes), int(process_id))
+    import jax
+    from grpax.rl.trainer import TrainConfig, train
+    results = train(TrainConfig(**keys))
+    if len(sys.argv) > 6:  # restore another run's checkpoint onto a tensor=4 mesh
+        from grpax import sharding as sh
+        from grpax.checkpoint.orbax import load_model
+        from grpax.checkpoint.train_state import TrainCheckpointer
+        from grpax.rl.optim import optimizer_from_config
+        cfg = TrainConfig(**keys)
+        params, model_cfg, _ = load_model(cfg.load_parameters_path, scan_layers=cfg.scan_layers)
+        mesh = sh.create_mesh(sh.MeshConfig(ici_fsdp_parallelism=1, ici_tensor_parallelism=4))
+        params = sh.shard_params(params, model_cfg, mesh)
+        optimizer, _ = optimizer_from_config(cfg.grpo(), cfg.num_batches)
+        opt_state = sh.init_optimizer_state(optimizer, params, mesh)
+        checkpointer = TrainCheckpointer(sys.argv[6])
+        step = checkpointer.latest_step()
+        restored, restored_opt, meta = checkpointer.restore(step, params, opt_state)
+        leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
+        np.savez(out, step=step, optimizer_step=meta["optimizer_step"],
+                 mesh=np.array([dict(mesh.shape)[a] for a in ("data", "fsdp", "tensor")]),
+                 embed_spec=str(restored["embed"].sharding.spec),
+                 opt_finite=all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(restored_opt)),
+                 **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+        checkpointer.close()
+    print("RESULT", json.dumps({"process": jax.process_index(), "actor_path": results["actor_path"]}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""
+    folder = tmp_path_factory.mktemp("tiny")
+    cfg = get_model_config(
+        "smollm2-135m-Instruct",
+        hidden_dim=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        mlp_dim=64,
+    )
+    save_params(init_params(cfg, jax.random.key(0)), folder / "0" / "items")
+    (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
+    save_tokenizer(read_gguf().tokenizer(), folder)
+    return folder / "0" / "items"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _keys(ckpt: Path, out: Path, **overrides) -> dict:
+    keys = dict(
+        model_name="",
+        load_parameters_path=str(ckpt),
+        base_output_directory=str(out),
+        run_name="run",
+        dataset_name=str(GSM8K),
+        batch_size=2,
+        num_generations=2,
+        num_batches=2,
+        max_target_length=272,
+        num_test_batches=1,
+        eval_batch_size=2,
+        eval_before=False,
+        checkpoint_period=2,
+        learning_rate=1e-3,
+        beta=0.04,
+        rollout_data_parallelism=2,
+        rollout_tensor_parallelism=-1,
+    )
+    keys.update(overrides)
+    return keys
+
+
+def _launch(script: Path, keys: dict, num_processes: int, devices: int, out: Path, *extra: str) -> list[str]:
+    """Runs ``num_processes`` children with ``devices`` CPU devices each; returns their logs."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                json.dumps(keys),
+                address,
+                str(num_processes),
+                str(i),
+                str(out),
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(logs)
+    return logs
+
+
+def _rewards(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keep = ("step", "accuracy", "completion_length/mean", "truncated_fraction")
+    return [
+        {k: v for k, v in r.items() if k.startswith(("rewards/", "advantages/", "eval/")) or k in keep}
+        for r in records
+    ]
+
+
+def _losses(run_dir: Path) -> np.ndarray:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "kl", "entropy", "grad_norm", "ratio_mean")
+    return np.array([[r[k] for k in keys] for r in records if "loss" in r], np.float64)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tiny_checkpoint, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    two = tmp_path / "two"
+    logs = _launch(script, _keys(tiny_checkpoint, two), 2, 2, tmp_path / "unused.npz")
+    run_two = two / "run"
+    # Process 0 alone logs the run; both processes took part in the checkpoint.
+    assert "grpax.train" not in logs[1] and "eval after" in logs[0]
+    assert sorted(p.name for p in (run_two / "checkpoints" / "actor").iterdir()) == ["2"]
+    for name in ("config.json", "metrics.jsonl", "results.json", "tensorboard", "eval"):
+        assert (run_two / name).exists(), name
+
+    one = tmp_path / "one"
+    keys = _keys(tiny_checkpoint, one, ici_data_parallelism=2, ici_fsdp_parallelism=-1)
+    restored_npz = tmp_path / "restored.npz"
+    _launch(script, keys, 1, 4, restored_npz, str(run_two / "checkpoints"))
+    run_one = one / "run"
+
+    assert _rewards(run_two) == _rewards(run_one)
+    # The evaluation's greedy completions, text for text.
+    results = "eval/after/results.jsonl"
+    assert (run_two / results).read_text() == (run_one / results).read_text()
+    losses = [_losses(run) for run in (run_two, run_one)]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4, atol=1e-7)
+    assert len(_rewards(run_one)) == 3  # 2 steps + the final evaluation
+    params_two = restore_params(run_two / "checkpoints" / "actor" / "2" / "model_params")
+    params_one = restore_params(run_one / "checkpoints" / "actor" / "2" / "model_params")
+    initial = restore_params(tiny_checkpoint)
+    for a, b in zip(jax.tree.leaves(params_two), jax.tree.leaves(params_one), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert any(
+        not np.allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+        for a, c in zip(jax.tree.leaves(params_two), jax.tree.leaves(initial), strict=True)
+    )
+
+    # The two-process checkpoint on a one-process tensor=4 mesh: the same values, the new layout.
+    restored = np.load(restored_npz)
+    assert int(restored["step"]) == 2 and int(restored["optimizer_step"]) == 2
+    np.testing.assert_array_equal(restored["mesh"], [1, 1, 4])
+    assert "tensor" in str(restored["embed_spec"]) and bool(restored["opt_finite"])
+    for path, x in jax.tree_util.tree_flatten_with_path(params_two)[0]:
+        np.testing.assert_array_equal(restored[jax.tree_util.keystr(path)], np.asarray(x))
