@@ -75,10 +75,12 @@ def load_batches(tokenizer, num_prompts: int, num_steps: int) -> list[list[dict]
     rows = [
         rows[i] for i in np.random.default_rng(SEED).permutation(len(rows))[: 4 * num_prompts * num_steps]
     ]
-    texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
-    rows, ids, _ = filter_by_length(rows, tokenize_prompts(tokenizer, texts), MAX_PROMPT_LENGTH)
-    for row, text, row_ids in zip(rows, texts, ids, strict=False):
-        row["text"], row["prompt_ids"] = text, row_ids
+    for row in rows:
+        row["text"] = render_prompt(tokenizer, row["question"], preset)
+    ids = tokenize_prompts(tokenizer, [row["text"] for row in rows])
+    rows, ids, _ = filter_by_length(rows, ids, MAX_PROMPT_LENGTH)
+    for row, row_ids in zip(rows, ids, strict=True):
+        row["prompt_ids"] = row_ids
     iterator = PromptIterator(rows, num_prompts, seed=SEED)
     return [next(iterator) for _ in range(num_steps)]
 
