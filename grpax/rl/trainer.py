@@ -99,6 +99,11 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
         "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
     )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
+    micro_batch_size: int = field(
+        1,
+        "prompts per micro-batch of the reference and update passes (x num_generations rows; MaxText key); "
+        "bounds memory, the update equals the full-batch one; -1 = use num_micro_batches",
+    )
     num_batches: int = field(20, "training steps")
     num_test_batches: int = field(
         4, "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split"
@@ -119,6 +124,13 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
     log_period: int = field(1, "write metrics every N steps")
     export_hf: str = field("", "after training, also export the actor to this folder in Hugging Face format")
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of the reference and update passes: from micro_batch_size, else num_micro_batches."""
+        if self.micro_batch_size > 0:
+            return self.batch_size // self.micro_batch_size
+        return self.num_micro_batches
 
     @property
     def max_completion_length(self) -> int:
@@ -164,7 +176,11 @@ def validate(cfg: TrainConfig) -> None:
             f"{', '.join(EVAL_STRATEGIES)}"
         )
     rows = cfg.batch_size * cfg.num_generations
-    if rows % cfg.num_micro_batches:
+    if cfg.micro_batch_size > 0 and cfg.batch_size % cfg.micro_batch_size:
+        raise ConfigError(
+            f"micro_batch_size={cfg.micro_batch_size} must divide batch_size={cfg.batch_size} (prompts per step)"
+        )
+    if rows % cfg.micro_batches:
         raise ConfigError(
             f"num_micro_batches={cfg.num_micro_batches} must divide batch_size * num_generations = {rows}"
         )
@@ -452,7 +468,7 @@ def train(cfg: TrainConfig) -> dict:
         opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
         step=jnp.zeros((), jnp.int32),
     )
-    train_step = make_train_step(model_cfg, grpo, optimizer, cfg.num_micro_batches, lr_schedule)
+    train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
     checkpointer = TrainCheckpointer(
         paths.checkpoints,
@@ -543,7 +559,7 @@ def train(cfg: TrainConfig) -> dict:
             sampler_cfg=sampler_cfg,
             grpo=grpo,
             train_step=train_step,
-            num_micro_batches=cfg.num_micro_batches,
+            num_micro_batches=cfg.micro_batches,
             key=jax.random.fold_in(base_key, step),
             mesh=mesh,
             rollout_mesh=rollout_mesh,
