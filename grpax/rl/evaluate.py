@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from grpax.data.prompts import PromptPreset
 from grpax.models.registry import ModelConfig
 from grpax.rewards.gsm8k import RewardConfig
 from grpax.rl.metrics import score_records, summarize
-from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+from grpax.sampler.engine import SamplerConfig, generate
 
 log = logging.getLogger("grpax.evaluate")
 
@@ -50,7 +50,6 @@ def evaluate(
     seed: int = 0,
     output_path: str | Path | None = None,
     desc: str = "eval",
-    generate_fn: Callable[..., GenerateOutput] = generate,
 ) -> dict:
     """Samples ``num_eval_passes`` completions per question and returns the summary metrics.
 
@@ -67,7 +66,6 @@ def evaluate(
       seed: sampling seed.
       output_path: a folder to write ``results.jsonl`` (one record per completion) and ``summary.json``.
       desc: progress-bar label.
-      generate_fn: the sampler, ``generate``'s signature (the trainer passes its multi-process-safe one).
 
     Returns:
       The summary dict of ``grpax.rl.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
@@ -92,7 +90,7 @@ def evaluate(
     ):
         batch_rows = rows[start : start + batch_size]
         batch_ids = [ids for ids in prompt_ids[start : start + batch_size] for _ in range(num_eval_passes)]
-        out = generate_fn(params, batch_ids, model_cfg, sampler_cfg, jax.random.fold_in(key, i))
+        out = generate(params, batch_ids, model_cfg, sampler_cfg, jax.random.fold_in(key, i))
         completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
         questions = [row["question"] for row in batch_rows for _ in range(num_eval_passes)]
         golds = [row["gold"] for row in batch_rows for _ in range(num_eval_passes)]

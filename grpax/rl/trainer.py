@@ -52,8 +52,6 @@ from grpax.sampler.engine import (
     GenerateOutput,
     SamplerConfig,
     generate,
-    generate_padded,
-    prepare_prompts,
 )
 
 log = logging.getLogger("grpax.train")
@@ -242,47 +240,6 @@ def prepare_rows(
     return rows if limit < 0 else rows[:limit]
 
 
-def generate_rollouts(
-    params: Any, prompts: list[list[int]], cfg: ModelConfig, sampler_cfg: SamplerConfig, key: jax.Array
-) -> GenerateOutput:
-    """``grpax.sampler.engine.generate`` that also works when ``params`` span several processes.
-
-    With one process this is ``generate``. With several, every process passes the same prompts and key; the
-    sampled arrays (sharded over all processes' devices) are gathered to every host with
-    ``grpax.distributed.fetch``, so each process holds the whole, identical rollout. (``generate`` itself
-    reads its outputs with ``jax.device_get``, which cannot read arrays spanning other processes.)
-    """
-    if jax.process_count() == 1:
-        return generate(params, prompts, cfg, sampler_cfg, key)
-    sc = sampler_cfg
-    kept, indices = prepare_prompts(prompts, sc)
-    if not kept:
-        raise ValueError(
-            "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
-        )
-    B = len(kept)
-    lengths = np.array([len(p) for p in kept], np.int32)
-    P = sc.bucket_for(int(lengths.max()))
-    right = np.full((B, P), sc.pad_token_id, np.int32)
-    left = np.full((B, P), sc.pad_token_id, np.int32)
-    prompt_mask = np.zeros((B, P), np.int32)
-    for i, p in enumerate(kept):
-        right[i, : len(p)] = p
-        left[i, P - len(p) :] = p
-        prompt_mask[i, P - len(p) :] = 1
-    out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc))
-    return GenerateOutput(
-        prompt_ids=left,
-        prompt_mask=prompt_mask,
-        completion_ids=out["completion_ids"],
-        completion_mask=out["completion_mask"],
-        logprobs=out["logprobs"],
-        lengths=out["lengths"],
-        finish_reason=["stop" if s else "length" for s in out["stopped"]],
-        prompt_indices=np.array(indices, np.int32),
-    )
-
-
 def _mesh_context(mesh: jax.sharding.Mesh | None):
     """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
@@ -328,7 +285,7 @@ def grpo_step(
     if mesh is not None and rollout_mesh is not None:
         rollout_params, reshard_s = sharding.reshard_for_rollout(state.params, mesh, rollout_mesh)
     with _mesh_context(rollout_mesh or mesh):
-        out = generate_rollouts(
+        out = generate(
             rollout_params,
             [p for p in prompts for _ in range(grpo.num_generations)],
             model_cfg,
@@ -510,7 +467,6 @@ def train(cfg: TrainConfig) -> dict:
                 seed=cfg.seed,
                 output_path=paths.eval_dir / tag,
                 desc=f"eval {tag}",
-                generate_fn=generate_rollouts,
             )
         writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")
         log.info(

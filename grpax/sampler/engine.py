@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpax import distributed
 from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig
@@ -289,7 +290,8 @@ def generate(
         right[i, : len(p)] = p
         left[i, P - len(p) :] = p
         prompt_mask[i, P - len(p) :] = 1
-    out = jax.device_get(generate_padded(params, right, lengths, key, cfg, sc))
+    # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
+    out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc))
     finish = ["stop" if s else "length" for s in out["stopped"]]
     return GenerateOutput(
         prompt_ids=left,
