@@ -27,7 +27,9 @@ def apply_top_k(logits: jax.Array, top_k: int) -> jax.Array:
     """
     if top_k <= 0 or top_k >= logits.shape[-1]:
         return logits
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]  # [B, 1]
+    # The barrier keeps XLA from fusing the slice into the TopK: on CPU, "top_k then take the k-th value" is
+    # otherwise rewritten into a path ~100x slower than the top_k itself (150 ms vs 1.4 ms at B=16, V=49152).
+    kth = jax.lax.optimization_barrier(jax.lax.top_k(logits, top_k)[0])[..., -1:]  # [B, 1]
     return jnp.where(logits >= kth, logits, _NEG_INF)
 
 
