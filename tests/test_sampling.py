@@ -93,3 +93,16 @@ def test_two_level_inverse_cdf_is_exact_on_a_grid():
     edge = jnp.asarray([[0.0, 0.0], [0.9999999, 0.9999999]], jnp.float32)
     two = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS)), (2, 5))
     assert set(np.asarray(sample_from_uniform(two, edge, top_k=2, block_size=2)).tolist()) <= {1, 3}
+
+
+def test_top_p_bisection_equals_the_sorting_definition():
+    # The nucleus by its textbook construction: sort, keep tokens whose preceding mass is < p, ties kept.
+    logits = 3.0 * jax.random.normal(jax.random.key(0), (8, 49152))
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    for p in (0.05, 0.3, 0.5, 0.9, 0.95):
+        keep = ((jnp.cumsum(probs, axis=-1) - probs) < p).at[..., 0].set(True)
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        expected = np.asarray(logits >= threshold)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(apply_top_p(logits, p))), expected)

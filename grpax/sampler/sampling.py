@@ -33,27 +33,45 @@ def apply_top_k(logits: jax.Array, top_k: int) -> jax.Array:
     return jnp.where(logits >= kth, logits, _NEG_INF)
 
 
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (IEEE-754 bits, negatives' magnitude bits flipped)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+
+
 def apply_top_p(logits: jax.Array, top_p: float) -> jax.Array:
     """Nucleus filter: keeps the smallest set of most likely tokens whose probability mass is >= ``top_p``.
 
+    A token is kept when the mass of the strictly more likely tokens is < ``top_p`` (so ties at the threshold
+    are kept and the most likely token always is). That set is ``logits >= T`` for the smallest T with
+    ``mass(logits > T) < top_p``, found by bisection over the float32 order (32 masked sums over V) instead of
+    sorting the vocabulary, which costs ~100x more on CPU at V = 49k.
+
     Args:
       logits: float32 [B, V] (already temperature-scaled).
-      top_p: mass in (0, 1]; 1.0 keeps all. The most likely token is always kept.
+      top_p: mass in (0, 1]; 1.0 keeps all.
 
     Returns:
       float32 [B, V] with dropped tokens at -inf.
     """
     if top_p >= 1.0:
         return logits
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-    keep_sorted = mass_before < top_p
-    keep_sorted = keep_sorted.at[..., 0].set(True)
-    # Threshold = the smallest kept logit; ties at the threshold are kept as well.
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits >= threshold, logits, _NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = _sortable(logits)
+
+    def mass_above(threshold):  # [B] mass of tokens whose key is > threshold [B]
+        return jnp.sum(jnp.where(keys > threshold[:, None], probs, 0.0), axis=-1)
+
+    def step(_, bounds):
+        lo, hi = bounds  # invariant: mass_above(lo) >= top_p > mass_above(hi)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        below = mass_above(mid) < top_p
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    lo = jnp.min(keys, axis=-1) - 1
+    hi = jnp.max(keys, axis=-1)
+    _, threshold = jax.lax.fori_loop(0, 33, step, (lo, hi))
+    return jnp.where(keys >= threshold[:, None], logits, _NEG_INF)
 
 
 def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
