@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file it writes at INFO
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax logs every file it writes, and probes, at INFO/WARNING
     try:
         config = build_config(module.CONFIG, rest)
         return int(module.run(config) or 0)
