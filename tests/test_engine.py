@@ -221,3 +221,19 @@ def test_smollm2_greedy_matches_transformers_generate():
         ours = out.completion_ids[i, : out.lengths[i]].tolist()
         assert ours == ref_new, (i, tokenizer.decode(ours), tokenizer.decode(ref_new))
     assert max(out.lengths) >= 32  # the comparison covers real text, not an immediate stop
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_num_generations_equals_repeated_prompts(params, unroll):
+    # One prefill per prompt, its cache copied to G rows, must sample exactly what G copies of the prompt do.
+    G = 3
+    sc = dataclasses.replace(_sc(greedy=False, temperature=0.8, top_k=20), unroll_layers=unroll)
+    grouped = generate(params, PROMPTS, CFG, sc, jax.random.key(7), num_generations=G)
+    repeated = generate(params, [p for p in PROMPTS for _ in range(G)], CFG, sc, jax.random.key(7))
+    np.testing.assert_array_equal(grouped.completion_ids, repeated.completion_ids)
+    np.testing.assert_array_equal(grouped.completion_mask, repeated.completion_mask)
+    np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(grouped.prompt_ids, repeated.prompt_ids)
+    np.testing.assert_array_equal(grouped.prompt_indices, np.repeat(np.arange(len(PROMPTS)), G))
+    assert grouped.finish_reason == repeated.finish_reason
+    assert len({tuple(r) for r in grouped.completion_ids[:G]}) > 1  # the G samples of a prompt differ

@@ -89,8 +89,14 @@ def evaluate(
         tqdm(starts, desc=desc, unit="batch", leave=False, disable=jax.process_index() != 0)
     ):
         batch_rows = rows[start : start + batch_size]
-        batch_ids = [ids for ids in prompt_ids[start : start + batch_size] for _ in range(num_eval_passes)]
-        out = generate(params, batch_ids, model_cfg, sampler_cfg, jax.random.fold_in(key, i))
+        out = generate(
+            params,
+            prompt_ids[start : start + batch_size],
+            model_cfg,
+            sampler_cfg,
+            jax.random.fold_in(key, i),
+            num_generations=num_eval_passes,
+        )
         completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
         questions = [row["question"] for row in batch_rows for _ in range(num_eval_passes)]
         golds = [row["gold"] for row in batch_rows for _ in range(num_eval_passes)]

@@ -286,11 +286,7 @@ def grpo_step(
         rollout_params, reshard_s = sharding.reshard_for_rollout(state.params, mesh, rollout_mesh)
     with _mesh_context(rollout_mesh or mesh):
         out = generate(
-            rollout_params,
-            [p for p in prompts for _ in range(grpo.num_generations)],
-            model_cfg,
-            sampler_cfg,
-            key,
+            rollout_params, prompts, model_cfg, sampler_cfg, key, num_generations=grpo.num_generations
         )
     del rollout_params
     t_rollout = time.perf_counter()
