@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import types
 import typing
@@ -84,6 +85,70 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is str:
         return str(value).strip()
     return value
+
+
+# MaxText keys that some grpax commands do not need: accepted everywhere (so MaxText command lines work
+# unchanged) with a note, instead of an unknown-key error.
+MAXTEXT_KEYS = frozenset(
+    {
+        "model_name",
+        "hf_access_token",
+        "base_output_directory",
+        "scan_layers",
+        "use_multimodal",
+        "hardware",
+        "skip_jax_distributed_system",
+        "checkpoint_storage_use_zarr3",
+        "checkpoint_storage_use_ocdbt",
+        "lazy_load_tensors",
+        "load_parameters_path",
+        "run_name",
+        "chips_per_vm",
+        "num_batches",
+        "num_test_batches",
+        "rollout_data_parallelism",
+        "rollout_tensor_parallelism",
+        "weight_dtype",
+        "tokenizer_path",
+        "tokenizer_type",
+        "async_checkpointing",
+        "enable_checkpointing",
+        "use_pathways",
+    }
+)
+
+
+def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
+    kept = {}
+    for key, value in values.items():
+        if key in fields or key not in MAXTEXT_KEYS:
+            kept[key] = value
+        elif key == "use_multimodal" and str(value).strip().lower() in ("1", "true", "yes", "on"):
+            raise ConfigError(
+                "use_multimodal=true: multimodal models are not supported by grpax (use_multimodal=false)"
+            )
+        else:
+            logging.getLogger("grpax.config").info(
+                "%s=%s (%s): a MaxText key this command does not use; ignored", key, value, where
+            )
+    return kept
+
+
+def _check_model_name(model_name: str) -> None:
+    """Rejects a near-miss of a registered model name (a typo would silently pick other presets)."""
+    from grpax.models.registry import MODELS
+
+    if model_name in MODELS:
+        return
+    lower = {name.lower(): name for name in MODELS}
+    close = lower.get(model_name.lower()) or next(
+        iter(difflib.get_close_matches(model_name, MODELS, n=1, cutoff=0.85)), None
+    )
+    if close:
+        raise ConfigError(
+            f"model_name={model_name!r} is not registered. Did you mean '{close}'? "
+            f"(known: {', '.join(MODELS)})"
+        )
 
 
 def suggest(key: str, valid: typing.Iterable[str]) -> str:
@@ -155,6 +220,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
     overrides = {aliases.get(k, k): v for k, v in overrides.items()}
+    overrides = _drop_maxtext_only(overrides, fields, "the command line")
     for key in list(overrides) + list(explicit):
         if key not in fields:
             raise ConfigError(
@@ -168,10 +234,13 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     model_name = model_name or user_data.get("model_name")
     if model_name is None and "model_name" in fields:
         model_name = fields["model_name"].default
+    if model_name:
+        _check_model_name(str(model_name))
     if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
         preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
         layers.append((f"preset {model_name}.yml", {k: v for k, v in preset.items() if k in fields}))
     if user_yaml:
+        user_data = _drop_maxtext_only(user_data, fields, str(user_yaml))
         for key in user_data:
             if key not in fields:
                 raise ConfigError(f"unknown key '{key}' in {user_yaml}.{suggest(key, fields)}")
@@ -185,19 +254,27 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     return cls(**values)
 
 
-def describe(cls: type) -> str:
-    """Lists a config's keys, types, defaults and one-line help (from ``metadata['help']``) for --help."""
+def describe(cls: type, values: Any = None) -> str:
+    """Lists a config's keys, types, defaults and one-line help (from ``metadata['help']``) for --help.
+
+    Args:
+      cls: the config dataclass.
+      values: an instance whose values are shown instead of the bare defaults (e.g. with the model preset
+        applied), so --help shows what a run would use.
+    """
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        default = (
-            f.default
-            if f.default is not dataclasses.MISSING
-            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
-        )
+        if values is not None:
+            default = getattr(values, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)"
         type_name = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("typing.", "")
-        lines.append(f"  {f.name}={default!s:<14} [{type_name}] {f.metadata.get('help', '')}")
-    return "\n".join(lines)
+        lines.append((f"  {f.name}={default!s}", f"[{type_name}] {f.metadata.get('help', '')}"))
+    width = max(len(left) for left, _ in lines) + 2
+    return "\n".join(f"{left:<{width}}{right}" for left, right in lines)
 
 
 def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse

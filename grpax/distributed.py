@@ -84,7 +84,7 @@ def maybe_initialize(
       ValueError: a process count or id without the other two values, or a non-integer variable.
     """
     if skip:
-        log.info("skip_jax_distributed_system=true: not initialising jax.distributed")
+        log.debug("skip_jax_distributed_system=true: not initialising jax.distributed")
         return False
     if jax.distributed.is_initialized():
         return True

@@ -22,7 +22,41 @@ COMMANDS = {
 }
 
 # Errors a user can fix; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, KeyError, ValueError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    KeyError,
+    ValueError,
+)
+
+
+def select_backend(hardware: str) -> None:
+    """Points JAX at ``hardware`` (unless JAX_PLATFORMS is set) and checks that the backend exists.
+
+    Raises:
+      ConfigError: an unknown value, or no such device (one line instead of JAX's traceback).
+    """
+    import os
+
+    import jax
+
+    from grpax.cli.common import select_hardware
+
+    select_hardware(hardware)
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+    try:
+        jax.devices()
+    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or AssertionError here
+        extra = {"gpu": "cuda", "gpu_multiprocess": "cuda", "tpu": "tpu"}.get(hardware)
+        hint = f'install the accelerator build (pip install -e ".[{extra}]") or ' if extra else ""
+        raise ConfigError(
+            f"hardware={hardware}: JAX finds no such device ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else 'backend failed to start'}); "
+            f"{hint}pass hardware=cpu"
+        ) from None
 
 
 def usage() -> str:
@@ -45,15 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"grpax.cli.{name}")
     rest = argv[1:]
     if any(a in ("-h", "--help") for a in rest):
+        try:  # show the values a run would use: defaults with the model's preset (and any given keys) applied
+            shown = build_config(module.CONFIG, [a for a in rest if a not in ("-h", "--help")])
+            note = "keys (values with the preset of model_name applied, from grpax/configs/<model_name>.yml):"
+        except ConfigError:
+            shown, note = None, "keys:"
         print(
-            f"usage: grpax {name} [config.yml] key=value ...\n\n{module.DESCRIPTION}\n\nkeys:\n"
-            f"{describe(module.CONFIG)}"
+            f"usage: grpax {name} [config.yml] key=value ...\n\n{module.DESCRIPTION}\n\n{note}\n"
+            f"{describe(module.CONFIG, shown)}"
         )
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax logs every file it writes, and probes, at INFO/WARNING
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
+    )
+    # Orbax logs every file it writes, and its probes, at INFO / WARNING.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         config = build_config(module.CONFIG, rest)
+        if getattr(config, "hardware", None):
+            select_backend(config.hardware)
         return int(module.run(config) or 0)
     except USER_ERRORS as e:
         print(f"grpax {name}: error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ SmolLM2, ``<|eot_id|>`` for Llama 3) that is not always the config's ``eos_token
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -42,9 +43,21 @@ def load_tokenizer(folder: str | os.PathLike):
 
 
 def save_tokenizer(tokenizer: Any, folder: str | os.PathLike) -> None:
-    """Writes ``tokenizer.json``, ``tokenizer_config.json`` and the chat template into ``folder`` (created)."""
+    """Writes ``tokenizer.json``, ``tokenizer_config.json`` and the chat template into ``folder`` (created).
+
+    transformers 5 records ``tokenizer_class: TokenizersBackend``, a class transformers 4 (and vLLM builds
+    pinned to it) cannot import; the file is rewritten to ``PreTrainedTokenizerFast``, which both load.
+    """
     os.makedirs(folder, exist_ok=True)
     tokenizer.save_pretrained(os.fspath(folder))
+    config_path = os.path.join(os.fspath(folder), "tokenizer_config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            with open(config_path, "w") as f:
+                json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 def _config_eos_ids(config: Any) -> tuple[int, ...]:
