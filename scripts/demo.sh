@@ -14,6 +14,7 @@ STEPS=${STEPS:-8}
 if [[ -z "${DATASET:-}" ]]; then
   if [[ -d ../shared/data/gsm8k ]]; then DATASET=../shared/data/gsm8k; else DATASET=openai/gsm8k; fi
 fi
+if [[ "$DATASET" == openai/gsm8k ]]; then python3 -m pip install -q -e ".[hub]"; fi  # the Hub needs `datasets`
 MODEL=smollm2-135m-Instruct
 GGUF=$(python3 -c "from grpax.checkpoint.gguf import default_gguf_path; print(default_gguf_path())")
 
