@@ -21,11 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from grpax.checkpoint.gguf import read_gguf
-from grpax.checkpoint.orbax import restore_params, save_params
-from grpax.data.tokenizer import save_tokenizer
-from grpax.models.params import init_params
-from grpax.models.registry import get_model_config, to_hf_config
+from grpax.checkpoint.orbax import restore_params
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 TIMEOUT_S = 600
@@ -66,25 +62,6 @@ CHILD = textwrap.dedent(
     print("RESULT", json.dumps({"process": jax.process_index(), "actor_path": results["actor_path"]}))
     """
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""
-    folder = tmp_path_factory.mktemp("tiny")
-    cfg = get_model_config(
-        "smollm2-135m-Instruct",
-        hidden_dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        mlp_dim=64,
-    )
-    save_params(init_params(cfg, jax.random.key(0)), folder / "0" / "items")
-    (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
-    save_tokenizer(read_gguf().tokenizer(), folder)
-    return folder / "0" / "items"
 
 
 def _free_port() -> int:

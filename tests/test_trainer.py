@@ -11,35 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from grpax.checkpoint.gguf import read_gguf
-from grpax.checkpoint.orbax import restore_params, save_params
+from grpax.checkpoint.orbax import restore_params
 from grpax.config import ConfigError, build_config
-from grpax.data.tokenizer import save_tokenizer
-from grpax.models.params import init_params
-from grpax.models.registry import get_model_config, to_hf_config
 from grpax.rl import trainer
 from grpax.rl.trainer import TrainConfig, train
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""
-    folder = tmp_path_factory.mktemp("tiny")
-    cfg = get_model_config(
-        "smollm2-135m-Instruct",
-        hidden_dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        mlp_dim=64,
-    )
-    save_params(init_params(cfg, jax.random.key(0)), folder / "0" / "items")
-    (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
-    save_tokenizer(read_gguf().tokenizer(), folder)
-    return folder / "0" / "items"
 
 
 def _config(ckpt, out, **overrides):
