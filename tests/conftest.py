@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Llama with SmolLM2's real tokenizer, saved as a converted checkpoint."""
 
 import json
+from pathlib import Path
 
 import jax
 import pytest
@@ -10,6 +11,32 @@ from grpax.checkpoint.orbax import save_params
 from grpax.data.tokenizer import save_tokenizer
 from grpax.models.params import init_params
 from grpax.models.registry import get_model_config, to_hf_config
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def tiny_run_keys(ckpt, out, **overrides) -> dict:
+    """train_rl keys of a seconds-long run of ``tiny_checkpoint`` on the real GSM8K files."""
+    keys = dict(
+        model_name="",
+        load_parameters_path=str(ckpt),
+        base_output_directory=str(out),
+        run_name="run",
+        dataset_name=str(GSM8K),
+        batch_size=2,
+        num_generations=2,
+        num_batches=3,
+        max_target_length=272,
+        num_test_batches=1,
+        eval_batch_size=2,
+        eval_before=False,
+        checkpoint_period=2,
+        learning_rate=1e-3,
+        warmup_ratio=0.25,
+        beta=0.04,
+    )
+    keys.update(overrides)
+    return keys
 
 
 @pytest.fixture(scope="module")

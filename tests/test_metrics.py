@@ -6,15 +6,13 @@ import math
 import pytest
 
 from grpax.rl.metrics import (
-    accuracy,
-    format_accuracy,
     load_completions_file,
     maj_at_k,
     majority_answer,
     mean_reward,
-    partial_accuracy,
     pass_at_k,
     pass_at_k_unbiased,
+    proportion,
     score_records,
     summarize,
     wilson_interval,
@@ -41,12 +39,12 @@ def test_wilson_interval_hand_computed():
 
 
 def test_accuracy_partial_and_format():
-    acc = accuracy(CORRECT)
+    acc = proportion(CORRECT)
     assert (acc.value, acc.n) == (0.25, 12)
     assert acc.ci95 == pytest.approx((0.088942, 0.532305), abs=1e-5)
-    part = partial_accuracy(CLOSE)
+    part = proportion(CLOSE)
     assert (part.value, part.n) == (pytest.approx(5 / 12), 12)
-    fmt = format_accuracy([[True, False], [False, False]])
+    fmt = proportion([[True, False], [False, False]])
     assert (fmt.value, fmt.n) == (0.25, 4)
 
 
@@ -61,7 +59,7 @@ def test_pass_at_k_hand_computed():
     p4 = pass_at_k(CORRECT)  # k = n = 4: any sample correct -> 1, 1, 0
     assert (p4.value, p4.n) == (pytest.approx(2 / 3), 3)
     assert pass_at_k(CORRECT, 2).value == pytest.approx((5 / 6 + 0.5 + 0) / 3)  # 4/9
-    assert pass_at_k(CORRECT, 1).value == pytest.approx(accuracy(CORRECT).value)  # pass@1 = accuracy
+    assert pass_at_k(CORRECT, 1).value == pytest.approx(proportion(CORRECT).value)  # pass@1 = accuracy
 
 
 def test_maj_at_k_hand_computed():

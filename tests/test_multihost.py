@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_run_keys
 
 from grpax.checkpoint.orbax import restore_params
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 TIMEOUT_S = 600
 
 CHILD = textwrap.dedent(
@@ -71,27 +71,11 @@ def _free_port() -> int:
 
 
 def _keys(ckpt: Path, out: Path, **overrides) -> dict:
-    keys = dict(
-        model_name="",
-        load_parameters_path=str(ckpt),
-        base_output_directory=str(out),
-        run_name="run",
-        dataset_name=str(GSM8K),
-        batch_size=2,
-        num_generations=2,
-        num_batches=2,
-        max_target_length=272,
-        num_test_batches=1,
-        eval_batch_size=2,
-        eval_before=False,
-        checkpoint_period=2,
-        learning_rate=1e-3,
-        beta=0.04,
-        rollout_data_parallelism=2,
-        rollout_tensor_parallelism=-1,
+    # 2 steps on a data=2 sampler mesh, otherwise the tiny run of tests/test_trainer.py.
+    defaults = dict(
+        num_batches=2, warmup_ratio=0.1, rollout_data_parallelism=2, rollout_tensor_parallelism=-1
     )
-    keys.update(overrides)
-    return keys
+    return tiny_run_keys(ckpt, out, **{**defaults, **overrides})
 
 
 def _launch(script: Path, keys: dict, num_processes: int, devices: int, out: Path, *extra: str) -> list[str]:

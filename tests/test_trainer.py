@@ -10,36 +10,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_run_keys
 
 from grpax.checkpoint.orbax import restore_params
 from grpax.config import ConfigError, build_config
 from grpax.rl import trainer
 from grpax.rl.trainer import TrainConfig, train
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-
 
 def _config(ckpt, out, **overrides):
-    keys = dict(
-        model_name="",
-        load_parameters_path=str(ckpt),
-        base_output_directory=str(out),
-        run_name="run",
-        dataset_name=str(GSM8K),
-        batch_size=2,
-        num_generations=2,
-        num_batches=3,
-        max_target_length=272,
-        num_test_batches=1,
-        eval_batch_size=2,
-        eval_before=False,
-        checkpoint_period=2,
-        learning_rate=1e-3,
-        warmup_ratio=0.25,
-        beta=0.04,
-    )
-    keys.update(overrides)
-    return TrainConfig(**keys)
+    return TrainConfig(**tiny_run_keys(ckpt, out, **overrides))
 
 
 def _records(run_dir):

@@ -74,7 +74,7 @@ class GRPOConfig:
     num_micro_batches: int = field(
         1,
         "gradient accumulation: the batch rows are split into this many "
-        "micro-batches; the update equals the full-batch update",
+        "micro-batches; the update equals the full-batch update (train_rl: only with micro_batch_size=-1)",
     )
 
     def __post_init__(self):

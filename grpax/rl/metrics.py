@@ -81,58 +81,23 @@ def _flat(values: Sequence[Sequence]) -> list:
     return [v for group in values for v in group]
 
 
-def _proportion(flags: Sequence[bool]) -> Estimate:
-    n = len(flags)
-    s = float(sum(bool(f) for f in flags))
+def proportion(flags: Sequence[Sequence[bool]]) -> Estimate:
+    """Fraction of all completions whose flag is set: accuracy, partial accuracy or format accuracy.
+
+    Args:
+        flags: per question, per sample flags [Q][k] (correct, within 10% of gold, exact layout).
+
+    Returns:
+        Estimate with n = number of completions and a Wilson interval.
+
+    Example:
+        >>> proportion([[True, False], [True, True]]).value
+        0.75
+    """
+    flat = _flat(flags)
+    n = len(flat)
+    s = float(sum(bool(f) for f in flat))
     return Estimate(s / n if n else math.nan, n, wilson_interval(s, n))
-
-
-def accuracy(correct: Sequence[Sequence[bool]]) -> Estimate:
-    """Fraction of all completions that are correct.
-
-    Args:
-        correct: per question, per sample correctness [Q][k].
-
-    Returns:
-        Estimate with n = number of completions and a Wilson interval.
-
-    Example:
-        >>> accuracy([[True, False], [True, True]]).value
-        0.75
-    """
-    return _proportion(_flat(correct))
-
-
-def partial_accuracy(close: Sequence[Sequence[bool]]) -> Estimate:
-    """Fraction of completions whose answer is within 10% of the gold value (``is_close``).
-
-    Args:
-        close: per question, per sample closeness [Q][k].
-
-    Returns:
-        Estimate with n = number of completions and a Wilson interval.
-
-    Example:
-        >>> partial_accuracy([[True, True], [False, True]]).value
-        0.75
-    """
-    return _proportion(_flat(close))
-
-
-def format_accuracy(formatted: Sequence[Sequence[bool]]) -> Estimate:
-    """Fraction of completions with the exact ``<reasoning>``/``<answer>`` layout.
-
-    Args:
-        formatted: per question, per sample layout match [Q][k].
-
-    Returns:
-        Estimate with n = number of completions and a Wilson interval.
-
-    Example:
-        >>> format_accuracy([[False, False], [False, True]]).value
-        0.25
-    """
-    return _proportion(_flat(formatted))
 
 
 def mean_reward(rewards: Sequence[Sequence[float]]) -> Estimate:
@@ -417,9 +382,9 @@ def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | in
         return sum(values) if values else math.nan
 
     metrics = {
-        "accuracy": accuracy([[bool(r["correct"]) for r in g] for g in groups]),
-        "partial_accuracy": partial_accuracy([[field(r, "close") for r in g] for g in groups]),
-        "format_accuracy": format_accuracy([[field(r, "formatted") for r in g] for g in groups]),
+        "accuracy": proportion([[bool(r["correct"]) for r in g] for g in groups]),
+        "partial_accuracy": proportion([[field(r, "close") for r in g] for g in groups]),
+        "format_accuracy": proportion([[field(r, "formatted") for r in g] for g in groups]),
         "mean_reward": mean_reward([[total(r) for r in g] for g in groups]),
         "pass@k": pass_at_k([[bool(r["correct"]) for r in g] for g in groups], num_samples),
         "maj@k": maj_at_k(
@@ -438,13 +403,11 @@ def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | in
 
 __all__ = [
     "Estimate",
-    "accuracy",
-    "format_accuracy",
     "load_completions_file",
     "maj_at_k",
     "majority_answer",
     "mean_reward",
-    "partial_accuracy",
+    "proportion",
     "pass_at_k",
     "pass_at_k_unbiased",
     "score_records",

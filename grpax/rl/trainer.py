@@ -40,7 +40,7 @@ from grpax.data.gsm8k import (
 )
 from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import save_tokenizer, stop_token_ids
-from grpax.models.registry import ModelConfig, to_hf_config
+from grpax.models.registry import ModelConfig, check_matches, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.advantages import compute_advantages
 from grpax.rl.config import GRPOConfig
@@ -372,9 +372,7 @@ def train(cfg: TrainConfig) -> dict:
         dtype=cfg.dtype,
         remat_policy=cfg.remat_policy,
     )
-    if model_cfg.vocab_size and cfg.model_name:
-        from grpax.models.registry import check_matches
-
+    if cfg.model_name:
         check_matches(model_cfg, cfg.model_name, cfg.load_parameters_path)
     mesh_cfg = cfg.mesh()
     mesh = sharding.create_mesh(mesh_cfg)
