@@ -69,7 +69,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("act_kv_heads", TENSOR),
     ("act_mlp", TENSOR),
     ("act_vocab", TENSOR),
-    # KV cache [L, B, S, K, H]
+    # KV cache: keys [L, B, K, H, S], values [L, B, K, S, H] (grpax.models.llama.init_cache)
     ("cache_layers", None),
     ("cache_batch", (DATA, FSDP)),
     ("cache_length", None),
@@ -77,7 +77,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("cache_head_dim", None),
 )
 
-CACHE_AXES = ("cache_layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
+CACHE_K_AXES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_head_dim", "cache_length")
+CACHE_V_AXES = ("cache_layers", "cache_batch", "cache_kv_heads", "cache_length", "cache_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,20 +539,23 @@ def cache_sharding(
     max_length: int | None = None,
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
 ) -> dict[str, NamedSharding]:
-    """``{"k", "v"}`` shardings for the KV cache [L, B, S, K, H] (``grpax.models.llama.init_cache``).
+    """``{"k", "v"}`` shardings for the stacked KV cache of ``grpax.models.llama.init_cache``.
 
-    Rows follow the batch (``data``, ``fsdp``), KV heads follow ``tensor``; a size that does not divide is
-    replicated. Without ``batch_size`` the row split is not checked for divisibility.
+    Keys are [L, B, K, H, S] and values [L, B, K, S, H]. Rows follow the batch (``data``, ``fsdp``), KV heads
+    follow ``tensor``; a size that does not divide is replicated. Without ``batch_size`` the row split is not
+    checked for divisibility.
     """
-    shape = (
+    L, B, K, H = (
         cfg.num_layers,
         batch_size or math.prod(dict(mesh.shape).values()),
-        max_length or 1,
         cfg.num_kv_heads,
         cfg.head_dim,
     )
-    spec = logical_to_spec(CACHE_AXES, rules, shape=shape, mesh_shape=dict(mesh.shape), name="kv cache")
-    return {"k": NamedSharding(mesh, spec), "v": NamedSharding(mesh, spec)}
+    S = max_length or 1
+    mesh_shape = dict(mesh.shape)
+    k = logical_to_spec(CACHE_K_AXES, rules, shape=(L, B, K, H, S), mesh_shape=mesh_shape, name="kv cache")
+    v = logical_to_spec(CACHE_V_AXES, rules, shape=(L, B, K, S, H), mesh_shape=mesh_shape, name="kv cache")
+    return {"k": NamedSharding(mesh, k), "v": NamedSharding(mesh, v)}
 
 
 def constrain(

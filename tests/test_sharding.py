@@ -151,7 +151,8 @@ def test_rules_table_specs():
     assert spec(("batch", None), shape=(8, 5)) == P(("data", "fsdp"))
     # 2 rows over data x fsdp = 4: keep the dividing prefix.
     assert spec(("batch", None), shape=(2, 5)) == P("data")
-    assert spec(sh.CACHE_AXES, shape=(2, 4, 16, 8, 16)) == P(None, ("data", "fsdp"), None, "tensor")
+    assert spec(sh.CACHE_K_AXES, shape=(2, 4, 8, 16, 16)) == P(None, ("data", "fsdp"), "tensor")
+    assert spec(sh.CACHE_V_AXES, shape=(2, 4, 8, 16, 16)) == P(None, ("data", "fsdp"), "tensor")
     # Size-1 mesh axes drop out, so layouts compare equal across mesh shapes.
     assert sh.logical_to_spec(
         ("embed", "mlp"), shape=(64, 128), mesh_shape={"data": 1, "fsdp": 8, "tensor": 1}
@@ -331,7 +332,8 @@ def test_batch_cache_and_optimizer_state_shardings(params):
     cache = sh.cache_sharding(
         CFG, sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2)), batch_size=8
     )
-    assert cache["k"].spec == P(None, "data", None, "tensor")
+    assert cache["k"].spec == P(None, "data", "tensor")
+    assert cache["v"].spec == P(None, "data", "tensor")
 
     sharded = sh.shard_params(params, CFG, mesh)
     state = sh.init_optimizer_state(optax.adamw(1e-3), sharded, mesh)

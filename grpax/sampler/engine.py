@@ -160,27 +160,23 @@ def generate_padded(
     stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
     temperature = sc.logprob_temperature
 
-    # Prefill: slot == position; padding slots >= length are overwritten by decode before being attended.
     # Prefill into a P-slot cache (prompt attention never scans the C empty slots), then pad it to P + C.
     # Slot == position; padding slots >= length are overwritten by decode before they are attended.
     dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
-    if sc.unroll_layers:
-        params = convert_layout(params, cfg, scan_layers=False)
-        shape = (B, P, cfg.num_kv_heads, cfg.head_dim)
-        cache = {name: [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)] for name in ("k", "v")}
-        slot_axis = 1
-    else:
-        params = convert_layout(params, cfg, scan_layers=True)
-        cache = init_cache(cfg, B, P, dtype)
-        slot_axis = 2
+    params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
+    cache = init_cache(cfg, B, P, dtype, stacked=not sc.unroll_layers)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     hidden, cache = forward(params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True)
 
-    def grow(c):
-        c = jnp.pad(c, [(0, C) if axis == slot_axis else (0, 0) for axis in range(c.ndim)])
-        return jnp.repeat(c, G, axis=slot_axis - 1) if G > 1 else c  # the batch axis precedes the slots
+    def grow(c, slot_axis):  # [.., B, ...] -> [.., B * G, ...] with C more slots
+        c = jnp.pad(c, [(0, C if axis == c.ndim + slot_axis else 0) for axis in range(c.ndim)])
+        batch_axis = 0 if sc.unroll_layers else 1
+        return jnp.repeat(c, G, axis=batch_axis) if G > 1 else c
 
-    cache = jax.tree.map(grow, cache)
+    cache = {
+        "k": jax.tree.map(lambda c: grow(c, -1), cache["k"]),  # [.., B, K, H, S]
+        "v": jax.tree.map(lambda c: grow(c, -2), cache["v"]),  # [.., B, K, S, H]
+    }
     last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
     if G > 1:
         last = jnp.repeat(last, G, axis=0)
