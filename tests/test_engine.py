@@ -237,3 +237,72 @@ def test_num_generations_equals_repeated_prompts(params, unroll):
     np.testing.assert_array_equal(grouped.prompt_indices, np.repeat(np.arange(len(PROMPTS)), G))
     assert grouped.finish_reason == repeated.finish_reason
     assert len({tuple(r) for r in grouped.completion_ids[:G]}) > 1  # the G samples of a prompt differ
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_packed_prefill_equals_each_prompt_alone(scan_layers):
+    # Prompts packed back to back (crossing the 32-token attention chunks, with a padding tail) give each
+    # prompt's own logits and write the cache a padded prefill writes. Plain init (not the x15 fixture,
+    # whose sharp softmax amplifies the float32 rounding of the two summation orders to ~1e-3 at values ~90).
+    from grpax.models.llama import init_cache
+    from grpax.models.params import convert_layout
+
+    p = convert_layout(init_params(CFG, jax.random.key(0)), CFG, scan_layers=scan_layers)
+    rng = np.random.RandomState(3)
+    lengths, B, P, T = [45, 1, 30, 7, 20], 5, 48, 112
+    prompts = [rng.randint(0, CFG.vocab_size, n) for n in lengths]
+    rows = np.concatenate([np.full(n, b) for b, n in enumerate(lengths)] + [np.full(T - sum(lengths), B)])
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(T - sum(lengths), int)])
+    packed = np.concatenate(prompts + [np.zeros(T - sum(lengths), int)])
+    cache = init_cache(CFG, B, P, stacked=scan_layers)
+    logits, cache = forward(
+        p,
+        jnp.asarray(packed)[None],
+        CFG,
+        positions=jnp.asarray(positions)[None],
+        cache=cache,
+        packed_rows=jnp.asarray(rows),
+        packed_window=P,
+    )
+    right = np.zeros((B, P), np.int32)
+    for b, prompt in enumerate(prompts):
+        right[b, : len(prompt)] = prompt
+    padded_cache = init_cache(CFG, B, P, stacked=scan_layers)
+    _, padded_cache = forward(
+        p, jnp.asarray(right), CFG, positions=jnp.broadcast_to(jnp.arange(P), (B, P)), cache=padded_cache
+    )
+    start = 0
+    for b, prompt in enumerate(prompts):
+        alone, _ = forward(p, jnp.asarray(prompt)[None], CFG)
+        np.testing.assert_allclose(logits[0, start : start + len(prompt)], alone[0], atol=1e-5, rtol=0)
+        start += len(prompt)
+        for name, slots in (("k", np.s_[..., : len(prompt)]), ("v", np.s_[..., : len(prompt), :])):
+            for ours, theirs in zip(
+                jax.tree.leaves(cache[name]), jax.tree.leaves(padded_cache[name]), strict=True
+            ):
+                row = (slice(None), b) if scan_layers else (b,)
+                np.testing.assert_allclose(
+                    np.asarray(ours)[row][slots], np.asarray(theirs)[row][slots], atol=1e-5, rtol=0
+                )
+
+
+def test_packed_and_padded_prefill_sample_the_same(params):
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(1, CFG.vocab_size, n).tolist() for n in (40, 3, 33, 17, 1, 29)]
+    for sc in (
+        _sc(max_prompt_length=48),
+        _sc(max_prompt_length=48, greedy=False, temperature=0.9, top_p=0.9),
+    ):
+        packed = generate(params, prompts, CFG, sc, jax.random.key(2), num_generations=2)
+        padded = generate(
+            params,
+            prompts,
+            CFG,
+            dataclasses.replace(sc, packed_prefill=False),
+            jax.random.key(2),
+            num_generations=2,
+        )
+        np.testing.assert_array_equal(packed.completion_ids, padded.completion_ids)
+        np.testing.assert_array_equal(packed.completion_mask, padded.completion_mask)
+        np.testing.assert_allclose(packed.logprobs, padded.logprobs, atol=1e-5, rtol=0)
+    assert sc.packed_length_for(123, 6, 48) == 144 and sc.packed_length_for(288, 6, 48) == 288

@@ -122,14 +122,70 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None, index=None):
+def packed_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, window: int, chunk: int = 32
+) -> jax.Array:
+    """Causal attention inside each row of a packed sequence (several prompts back to back, no padding).
+
+    Each token attends to the earlier tokens of its own row. Rows are contiguous and at most ``window``
+    tokens long, so the queries are cut into chunks of ``chunk`` tokens and each chunk attends only to the
+    ``window + chunk`` keys that end with it: work grows with T * (window + chunk), not T^2, and no FLOP is
+    spent on padding (the prefill of a right-padded batch computes every row at the longest row's length).
+
+    Args:
+      q: [T, N, H] queries (already rotated); k, v: [T, K, H]; N must be a multiple of K.
+      rows: int32 [T] row of each token (tokens of a row contiguous and in order; padding gets its own id).
+      window: static, >= the longest row in tokens.
+      chunk: static query chunk size.
+
+    Returns:
+      [T, N, H] in q's dtype; scores and softmax in float32.
+    """
+    T, N, H = q.shape
+    K = k.shape[1]
+    G = N // K
+    nc = -(-T // chunk)
+    m = -(-window // chunk)  # chunks of history each query chunk may reach back to
+    pad = nc * chunk - T
+    # Heads lead so that both products are plain batched matmuls over (K, chunk): [G * chunk, H] x [H, W].
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(nc, chunk, K, G, H)
+    q = q.transpose(2, 0, 3, 1, 4).reshape(K, nc, G * chunk, H)
+    rows_q = jnp.pad(rows, (0, pad), constant_values=-1)  # padding queries match no key row
+    k, v = (jnp.pad(x, ((m * chunk, pad), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))  # [K, T', H]
+    rows_k = jnp.pad(rows, (m * chunk, pad), constant_values=-2)
+
+    def windows(x, axis):  # [.., (m + nc) * chunk, ..] -> [.., nc, (m + 1) * chunk, ..]: chunk c's keys
+        x = x.reshape(*x.shape[:axis], nc + m, chunk, *x.shape[axis + 1 :])
+        sl = lambda j: jax.lax.slice_in_dim(x, j, j + nc, axis=axis)  # noqa: E731
+        return jnp.concatenate([sl(j) for j in range(m + 1)], axis=axis + 1)
+
+    kw, vw = windows(k, 1), windows(v, 1)  # [K, nc, W, H]
+    key_index = windows(jnp.arange((m + nc) * chunk) - m * chunk, 0)  # pack index of each key [nc, W]
+    query_index = jnp.arange(nc * chunk).reshape(nc, chunk)
+    mask = (windows(rows_k, 0)[:, None, :] == rows_q.reshape(nc, chunk)[:, :, None]) & (
+        key_index[:, None, :] <= query_index[:, :, None]
+    )  # [nc, chunk, W]
+    scores = jnp.einsum("KcMH,KcwH->KcMw", q, kw, preferred_element_type=jnp.float32) / math.sqrt(H)
+    scores = scores.reshape(K, nc, G, chunk, -1)
+    scores = jnp.where(mask[None, :, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(vw.dtype).reshape(K, nc, G * chunk, -1)
+    out = jnp.einsum("KcMw,KcwH->KcMH", probs, vw, preferred_element_type=jnp.float32)
+    out = out.reshape(K, nc, G, chunk, H).transpose(1, 3, 0, 2, 4)  # [nc, chunk, K, G, H]
+    return out.reshape(nc * chunk, N, H)[:T].astype(q.dtype)
+
+
+def _layer(
+    x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None, index=None, packed=None
+):
     """One decoder block; returns (x, cache_k, cache_v).
 
     With a cache (the decode layout of ``init_cache``: keys [.., B, K, H, S], values [.., B, K, S, H]),
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
     ``positions[b, t]`` of row b (the caches are loop carries, so XLA updates them without copying) and the
-    queries attend over the cache.
+    queries attend over the cache. With ``packed=(rows, window)`` x is one packed sequence [1, T, D] of
+    several rows' prompts (``rows`` [T] each token's cache row): tokens are written at (rows[t],
+    positions[0, t]) and attend within their row (``packed_attention``).
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
@@ -138,15 +194,19 @@ def _layer(x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, 
     k = apply_rope(jnp.einsum("BTD,DKH->BTKH", h, w["wk"]), positions, inv_freq)
     v = jnp.einsum("BTD,DKH->BTKH", h, w["wv"])
     if cache_k is not None:
-        rows = jnp.arange(x.shape[0])[:, None]
+        rows = jnp.arange(x.shape[0])[:, None] if packed is None else packed[0][None, :]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
         if index is None:
             cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-            attn = cached_attention(q, cache_k, cache_v, mask)
         else:
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+        if packed is not None:
+            attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
+        elif index is None:
+            attn = cached_attention(q, cache_k, cache_v, mask)
+        else:
             attn = cached_attention(q, cache_k[index], cache_v[index], mask)
     else:
         attn = attention(q, k, v, mask)
@@ -208,6 +268,8 @@ def forward(
     attention_mask: jax.Array | None = None,
     cache: dict | None = None,
     return_hidden: bool = False,
+    packed_rows: jax.Array | None = None,
+    packed_window: int = 0,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
 
@@ -223,6 +285,11 @@ def forward(
         With per-layer params (a list) the cache may also be lists of L per-layer buffers
         (``init_cache(..., stacked=False)``, fastest decode on CPU); it comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
+      packed_rows: int32 [T] for a packed prefill: ``tokens`` [1, T] holds several prompts back to back
+        (no padding between them) and token t belongs to cache row ``packed_rows[t]`` at position
+        ``positions[0, t]``; a ``cache`` is required and rows out of its range (padding) are not written.
+        Each token attends to the earlier tokens of its own row only (``packed_attention``).
+      packed_window: static, with ``packed_rows``: the longest packed row in tokens (or more).
 
     Returns:
       (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
@@ -234,16 +301,26 @@ def forward(
     dtype = jnp.dtype(cfg.dtype)
     x = constrain(params["embed"].astype(dtype)[tokens], _RESIDUAL)
     inv_freq = rope_inv_freq(cfg)
+    if packed_rows is not None and cache is None:
+        raise ValueError("forward(packed_rows=...) writes a KV cache: pass cache=init_cache(...)")
     if cache is None:
         idx = jnp.arange(T)
         mask = (positions[:, None, :] <= positions[:, :, None]) & (idx[None, :] <= idx[:, None])[None]
         if attention_mask is not None:
             mask = mask & attention_mask.astype(bool)[:, None, :]
+    elif packed_rows is not None:
+        if B != 1 or packed_window < 1:
+            raise ValueError(
+                f"a packed prefill takes tokens [1, T] and packed_window >= 1, got {tokens.shape}"
+                f" and packed_window={packed_window}"
+            )
+        mask = None
     else:
         S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
 
-    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq), cfg)
+    packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window)
+    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq, packed=packed), cfg)
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
     cv = cache["v"] if cache is not None else None

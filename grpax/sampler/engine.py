@@ -2,11 +2,14 @@
 
 GRPO spends most of its wall time sampling, so the loop never returns to Python: prompts are prefilled into a
 cache of ``P_bucket + C`` slots (slot == position, each row at its own length), then a ``lax.while_loop``
-decodes one token per row per step and exits as soon as every row has emitted a stop token. The cache is
-created inside the jitted function and lives in the loop carry, so XLA updates it in place (no per-step copy
-and nothing to donate across a jit boundary). By default the decode runs with per-layer weight and cache
-buffers (layers unrolled): scanning stacked layers copies each layer's weights and cache slice every step. Compiled functions are cached per (batch size, prompt bucket,
-model config, sampler config): a new prompt length inside the same bucket reuses the compiled code.
+decodes one token per row per step and exits as soon as every row has emitted a stop token. On one device the
+prefill packs the prompts back to back (no FLOPs on padding; each token attends within its own prompt); under
+a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The cache is created inside the jitted
+function and lives in the loop carry, so XLA updates it in place (no per-step copy and nothing to donate
+across a jit boundary). By default the decode runs with per-layer weight and cache buffers (layers
+unrolled): scanning stacked layers copies each layer's weights and cache slice every step. Compiled functions
+are cached per (batch size, prompt bucket, packed length, model config, sampler config): a new prompt length
+inside the same bucket reuses the compiled code.
 
 Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
 ``fold_in(fold_in(key, step), row)``. ``completion_mask`` comes from the loop's own stop bookkeeping, never
@@ -56,6 +59,10 @@ class SamplerConfig:
     # no per-step copy of each layer's weights and cache slice (~2x faster on CPU), longer compile, and a
     # transient per-layer copy of the weights inside the sampler.
     unroll_layers: bool = True
+    # Prefill the prompts packed back to back (no padding FLOPs; attention within each prompt) instead of as
+    # a [B, P] padded batch. Used by ``generate`` on a single device; under a mesh the padded prefill keeps
+    # its rows sharded.
+    packed_prefill: bool = True
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -87,6 +94,15 @@ class SamplerConfig:
     def bucket_for(self, length: int) -> int:
         """The smallest bucket >= ``length`` tokens."""
         return next(b for b in self.buckets() if b >= length)
+
+    def packed_length_for(self, total: int, batch_size: int, prompt_bucket: int) -> int:
+        """Packed prefill length for ``total`` prompt tokens: a multiple of 1/8 of the padded ``B * P``.
+
+        At most 8 lengths (compiled shapes) per batch size and prompt bucket, at most B * P / 8 tokens of
+        padding.
+        """
+        step = -(-batch_size * prompt_bucket // 8)
+        return min(-(-total // step) * step, batch_size * prompt_bucket)
 
 
 class GenerateOutput(NamedTuple):
@@ -124,7 +140,7 @@ def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: Sampler
     return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg", "num_generations"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg", "num_generations", "packed_length"))
 def generate_padded(
     params: Params,
     prompt_tokens: jax.Array,
@@ -133,8 +149,9 @@ def generate_padded(
     cfg: ModelConfig,
     sampler_cfg: SamplerConfig,
     num_generations: int = 1,
+    packed_length: int | None = None,
 ) -> dict[str, jax.Array]:
-    """Samples completions for right-padded prompts (the array entry point the trainer calls).
+    """Samples completions for right-padded prompts (the array entry point; ``generate`` wraps it).
 
     Args:
       params: model params (any sharding).
@@ -146,6 +163,9 @@ def generate_padded(
       num_generations: G (static): each prompt is prefilled once and its cache copied to G rows, which sample
         independently; output row i answers prompt i // G. The same as passing every prompt G times, with a
         G-times cheaper prefill.
+      packed_length: static; when set (>= the sum of ``prompt_lengths``), the prompts are prefilled packed
+        back to back in one sequence of this many tokens instead of as the padded [B, P] batch: the same
+        cache and logits without the padding FLOPs (``forward(packed_rows=...)``).
 
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
@@ -165,8 +185,36 @@ def generate_padded(
     dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
     params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
     cache = init_cache(cfg, B, P, dtype, stacked=not sc.unroll_layers)
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    hidden, cache = forward(params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True)
+    if packed_length is None:
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        hidden, cache = forward(
+            params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True
+        )
+        last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
+    else:  # token t of prompt b goes to packed index offsets[b] + t; padding keeps row B (never written)
+        offsets = jnp.cumsum(prompt_lengths) - prompt_lengths
+        t = jnp.arange(P, dtype=jnp.int32)[None, :]
+        index = jnp.where(t < prompt_lengths[:, None], offsets[:, None] + t, packed_length)
+        packed = jnp.zeros((packed_length,), jnp.int32).at[index].set(prompt_tokens, mode="drop")
+        rows = (
+            jnp.full((packed_length,), B, jnp.int32)
+            .at[index]
+            .set(jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, P)), mode="drop")
+        )
+        positions = (
+            jnp.zeros((packed_length,), jnp.int32).at[index].set(jnp.broadcast_to(t, (B, P)), mode="drop")
+        )
+        hidden, cache = forward(
+            params,
+            packed[None],
+            cfg,
+            positions=positions[None],
+            cache=cache,
+            return_hidden=True,
+            packed_rows=rows,
+            packed_window=P,
+        )
+        last = hidden[0, offsets + prompt_lengths - 1]  # [B, D]
 
     def grow(c, slot_axis):  # [.., B, ...] -> [.., B * G, ...] with C more slots
         c = jnp.pad(c, [(0, C if axis == c.ndim + slot_axis else 0) for axis in range(c.ndim)])
@@ -177,7 +225,6 @@ def generate_padded(
         "k": jax.tree.map(lambda c: grow(c, -1), cache["k"]),  # [.., B, K, H, S]
         "v": jax.tree.map(lambda c: grow(c, -2), cache["v"]),  # [.., B, K, S, H]
     }
-    last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
     if G > 1:
         last = jnp.repeat(last, G, axis=0)
         prompt_lengths = jnp.repeat(prompt_lengths, G)
@@ -299,7 +346,15 @@ def generate(
         left[i, P - len(p) :] = p
         prompt_mask[i, P - len(p) :] = 1
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
-    out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc, num_generations))
+    packed_length = None
+    single_device = all(
+        len(x.sharding.device_set) == 1 for x in jax.tree.leaves(params) if hasattr(x, "sharding")
+    )
+    if sc.packed_prefill and single_device:
+        packed_length = sc.packed_length_for(int(lengths.sum()), B, P)
+    out = distributed.fetch(
+        generate_padded(params, right, lengths, key, cfg, sc, num_generations, packed_length=packed_length)
+    )
     finish = ["stop" if s else "length" for s in out["stopped"]]
     G = num_generations
     return GenerateOutput(
