@@ -57,7 +57,7 @@ from grpax.rl.evaluate import decode_completions
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.rl.trainer import grpo_step
-from grpax.sampler.engine import SamplerConfig, generate_padded
+from grpax.sampler.engine import SamplerConfig, decode, prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import measure_bandwidth, measure_matmul  # noqa: E402
@@ -153,7 +153,8 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
             "mean_completion_len": float(out.lengths.mean()),
             "reward_mean": m["rewards/total/mean"],
             "compiled": {
-                "generate": _cache_size(generate_padded),
+                "prefill": _cache_size(prefill),
+                "decode": _cache_size(decode),
                 "reference": _cache_size(compute_logprobs),
                 "train_step": _cache_size(train_step),
             },

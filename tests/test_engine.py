@@ -306,3 +306,23 @@ def test_packed_and_padded_prefill_sample_the_same(params):
         np.testing.assert_array_equal(packed.completion_mask, padded.completion_mask)
         np.testing.assert_allclose(packed.logprobs, padded.logprobs, atol=1e-5, rtol=0)
     assert sc.packed_length_for(123, 6, 48) == 144 and sc.packed_length_for(288, 6, 48) == 288
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_decode_phases_give_the_same_rollouts(params, unroll):
+    # Phases of 5 steps (caches of P + 5, + 10, + 12 slots, grown between) against one phase on P + C slots;
+    # P = 7 = the longest prompt, so that row fills the last slot of each phase's cache.
+    base = dataclasses.replace(_sc(greedy=False, temperature=0.9, max_prompt_length=7), unroll_layers=unroll)
+    phased = generate(
+        params, PROMPTS, CFG, dataclasses.replace(base, decode_phase_length=5), jax.random.key(3), 2
+    )
+    single = generate(
+        params, PROMPTS, CFG, dataclasses.replace(base, decode_phase_length=0), jax.random.key(3), 2
+    )
+    np.testing.assert_array_equal(phased.completion_ids, single.completion_ids)
+    np.testing.assert_array_equal(phased.completion_mask, single.completion_mask)
+    np.testing.assert_allclose(phased.logprobs, single.logprobs, atol=1e-5, rtol=0)
+    greedy = generate(params, PROMPTS, CFG, _sc(decode_phase_length=5, max_prompt_length=7), jax.random.key(0))
+    for i, prompt in enumerate(PROMPTS):  # the phased decode is exact
+        ref = _full_logits(params, prompt, greedy.completion_ids[i])
+        np.testing.assert_array_equal(greedy.completion_ids[i], ref.argmax(-1))
