@@ -10,7 +10,7 @@ import pytest
 from grpax.models.llama import forward
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
-from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
+from grpax.sampler.engine import SamplerConfig, generate, generate_padded, prepare_prompts
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -306,6 +306,8 @@ def test_packed_and_padded_prefill_sample_the_same(params):
         np.testing.assert_array_equal(packed.completion_mask, padded.completion_mask)
         np.testing.assert_allclose(packed.logprobs, padded.logprobs, atol=1e-5, rtol=0)
     assert sc.packed_length_for(123, 6, 48) == 144 and sc.packed_length_for(288, 6, 48) == 288
+    with pytest.raises(ValueError, match="packed_length=12 is less than the 13 prompt tokens"):
+        generate_padded(params, np.ones((2, 8), np.int32), np.array([8, 5]), jax.random.key(0), CFG, sc, 1, 12)
 
 
 @pytest.mark.parametrize("unroll", [True, False])

@@ -93,8 +93,9 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: both products then run along contiguous
     slots (keys) or head dims (values) without transposing the cache. For one query per row (decode, T == 1)
     the scores are a multiply-reduce over H that XLA vectorises over the slots, and the weighted sum a batched
-    matmul; together about 15% faster on CPU than the [B, S, K, H] layout and 3x faster than an einsum over it,
-    which made XLA transpose the whole cache of every layer at every step (docs/benchmarks.md).
+    matmul: a 349 -> 256 ms decode step at batch 64 on CPU against a multiply-reduce over a [B, S, K, H] cache,
+    and far faster than an einsum over that layout, which made XLA transpose the whole cache of every layer at
+    every step (docs/benchmarks.md).
 
     Args:
       q: [B, T, N, H] queries (already rotated).

@@ -1,16 +1,17 @@
 """The rollout engine: batched prefill + KV-cache decode, the whole decode loop inside ``jax.jit``.
 
 GRPO spends most of its wall time sampling, so the loop never returns to Python: prompts are prefilled into a
-cache of ``P_bucket + C`` slots (slot == position, each row at its own length), then a ``lax.while_loop``
-decodes one token per row per step and exits as soon as every row has emitted a stop token. On one device the
-prefill packs the prompts back to back (no FLOPs on padding; each token attends within its own prompt); under
-a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The decode runs in phases of
-``decode_phase_length`` steps, each on a cache just long enough for it (grown between phases), so attention
-work follows the filled length. Prefill and decode are two compiled functions; the cache passes from one to
-the other and lives in the decode loop's carry, where XLA updates it in place (no per-step copy; XLA cannot
-alias a donated input that no output matches in shape, so it is not donated). By default the decode runs with per-layer weight and cache buffers (layers unrolled):
-scanning stacked layers copies each layer's weights and cache slice every step. Compiled functions are cached
-per shape (batch size, prompt bucket, packed length) and config: a new prompt length inside the same bucket
+cache of ``P_bucket + C`` slots at most (slot == position, each row at its own length), then a
+``lax.while_loop`` decodes one token per row per step and exits as soon as every row has emitted a stop
+token. On one device the prefill packs the prompts back to back (no FLOPs on padding; each token attends
+within its own prompt); under a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The decode
+runs in phases of ``decode_phase_length`` steps, each on a cache just long enough for it (grown between
+phases), so attention work follows the filled length. Prefill and decode are two compiled functions; the
+cache passes from one to the other and lives in the decode loop's carry, where XLA updates it in place: one
+copy per phase, none per step (a donated input cannot help: XLA aliases donations only to outputs of the same
+shape). By default the decode runs with per-layer weight and cache buffers (layers unrolled): scanning
+stacked layers copies each layer's weights and cache slice every step. Compiled functions are cached per
+shape (batch size, prompt bucket, packed length) and config: a new prompt length inside the same bucket
 reuses the compiled decode.
 
 Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
@@ -172,6 +173,9 @@ def generate_padded(
         back to back in one sequence of this many tokens instead of as the padded [B, P] batch: the same
         cache and logits without the padding FLOPs (``forward(packed_rows=...)``).
 
+    Raises:
+      ValueError: ``packed_length`` below the sum of concrete ``prompt_lengths``.
+
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
       ``lengths`` int32 [B], ``stopped`` bool [B] (a stop token was emitted); B = prompts * G.
@@ -179,6 +183,13 @@ def generate_padded(
     Runs two compiled functions: ``prefill`` (per prompt batch shape and packed length) and ``decode`` (per
     row count, prompt bucket and sampler config), so a new packed length recompiles only the cheap prefill.
     """
+    if packed_length is not None and not isinstance(prompt_lengths, jax.core.Tracer):
+        total = int(np.sum(np.asarray(prompt_lengths)))
+        if total > packed_length:
+            raise ValueError(
+                f"packed_length={packed_length} is less than the {total} prompt tokens to pack; pass at least "
+                "their sum (SamplerConfig.packed_length_for) or packed_length=None for the padded prefill"
+            )
     cache, logits = prefill(
         params, prompt_tokens, prompt_lengths, cfg, sampler_cfg, num_generations, packed_length=packed_length
     )
