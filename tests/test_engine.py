@@ -307,7 +307,9 @@ def test_packed_and_padded_prefill_sample_the_same(params):
         np.testing.assert_allclose(packed.logprobs, padded.logprobs, atol=1e-5, rtol=0)
     assert sc.packed_length_for(123, 6, 48) == 144 and sc.packed_length_for(288, 6, 48) == 288
     with pytest.raises(ValueError, match="packed_length=12 is less than the 13 prompt tokens"):
-        generate_padded(params, np.ones((2, 8), np.int32), np.array([8, 5]), jax.random.key(0), CFG, sc, 1, 12)
+        generate_padded(
+            params, np.ones((2, 8), np.int32), np.array([8, 5]), jax.random.key(0), CFG, sc, 1, 12
+        )
 
 
 @pytest.mark.parametrize("unroll", [True, False])
@@ -324,7 +326,24 @@ def test_decode_phases_give_the_same_rollouts(params, unroll):
     np.testing.assert_array_equal(phased.completion_ids, single.completion_ids)
     np.testing.assert_array_equal(phased.completion_mask, single.completion_mask)
     np.testing.assert_allclose(phased.logprobs, single.logprobs, atol=1e-5, rtol=0)
-    greedy = generate(params, PROMPTS, CFG, _sc(decode_phase_length=5, max_prompt_length=7), jax.random.key(0))
+    greedy = generate(
+        params, PROMPTS, CFG, _sc(decode_phase_length=5, max_prompt_length=7), jax.random.key(0)
+    )
     for i, prompt in enumerate(PROMPTS):  # the phased decode is exact
         ref = _full_logits(params, prompt, greedy.completion_ids[i])
         np.testing.assert_array_equal(greedy.completion_ids[i], ref.argmax(-1))
+
+
+@pytest.mark.parametrize("cache_dtype, unroll", [(None, True), ("float32", False), ("bfloat16", True)])
+def test_bfloat16_model_and_cache_dtypes_run_on_the_padded_prefill(cache_dtype, unroll):
+    # Regressions: a bf16 x bf16 -> f32 batched dot XLA:CPU rejects, and a float32 cache turning a bf16
+    # model's residual stream to float32 (the stacked-layer scan then fails on its carry type).
+    cfg = CFG.replace(dtype="bfloat16")
+    p = init_params(cfg, jax.random.key(0))
+    sc = dataclasses.replace(_sc(), cache_dtype=cache_dtype, unroll_layers=unroll, packed_prefill=False)
+    padded = generate(p, PROMPTS, cfg, sc, jax.random.key(0))
+    packed = generate(p, PROMPTS, cfg, dataclasses.replace(sc, packed_prefill=True), jax.random.key(0))
+    assert np.isfinite(padded.logprobs).all() and (padded.logprobs <= 0).all()
+    np.testing.assert_array_equal(padded.completion_mask, 1)
+    # the first token comes from the prefill alone: both prefills agree on it
+    np.testing.assert_array_equal(padded.completion_ids[:, 0], packed.completion_ids[:, 0])

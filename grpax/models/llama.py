@@ -115,12 +115,12 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
         out = jnp.einsum("BKGS,BKSH->BKGH", probs, cache_v, preferred_element_type=jnp.float32)
         return out.reshape(B, 1, N, H).astype(q.dtype)
-    q = q.astype(cache_k.dtype)
-    scores = jnp.einsum("BTKGH,BKHS->BKGTS", q, cache_k, preferred_element_type=jnp.float32) / math.sqrt(H)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, cache_v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N, H).astype(q.dtype)
+    # Several queries per row (a padded prefill, once per rollout): the plain attention on the cache turned
+    # to [B, S, K, H], in float32 (XLA:CPU rejects some bf16 x bf16 -> f32 batched dots of this layout).
+    k = cache_k.transpose(0, 3, 1, 2).astype(jnp.float32)  # [B, S, K, H]
+    v = cache_v.transpose(0, 2, 1, 3).astype(jnp.float32)
+    out = attention(q.reshape(B, T, N, H).astype(jnp.float32), k, v, mask)
+    return out.astype(q.dtype)
 
 
 def packed_attention(

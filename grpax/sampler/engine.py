@@ -82,6 +82,10 @@ class SamplerConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if self.decode_phase_length < 0:
+            raise ValueError(
+                f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
+            )
 
     @property
     def logprob_temperature(self) -> float:
