@@ -90,12 +90,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache in the decode layout.
 
-    The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]: both products then run along contiguous
-    slots (keys) or head dims (values) without transposing the cache. For one query per row (decode, T == 1)
-    the scores are a multiply-reduce over H that XLA vectorises over the slots, and the weighted sum a batched
-    matmul: a 349 -> 256 ms decode step at batch 64 on CPU against a multiply-reduce over a [B, S, K, H] cache,
-    and far faster than an einsum over that layout, which made XLA transpose the whole cache of every layer at
-    every step (docs/benchmarks.md).
+    The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]. For one query per row (decode, T == 1)
+    both products read the cache in place: the scores are a multiply-reduce over H that XLA vectorises over
+    the slots, and the weighted sum a batched matmul over contiguous [S, H] rows. At batch 64 on CPU that is a
+    256 ms decode step against 349 ms for a multiply-reduce over a [B, S, K, H] cache, and far faster than an
+    einsum over that layout, which made XLA transpose the whole cache of every layer at every step
+    (docs/benchmarks.md). Several queries per row (a padded prefill, once per rollout) use ``attention`` on
+    the cache transposed to [B, S, K, H], in float32.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
@@ -246,8 +247,8 @@ def init_cache(
 ) -> dict:
     """An empty KV cache in the decode layout, in ``dtype`` (default ``cfg.dtype``).
 
-    Keys are [L, B, K, H, S] and values [L, B, K, S, H] (S = ``max_length`` slots): attention reads both as
-    batched matmuls in place (``cached_attention``). With ``stacked=False`` each is a list of L per-layer
+    Keys are [L, B, K, H, S] and values [L, B, K, S, H] (S = ``max_length`` slots): decode attention reads
+    both in place (``cached_attention``). With ``stacked=False`` each is a list of L per-layer
     buffers without the L axis (for unstacked params: each buffer is then updated in place on its own).
     """
     L, B, K, H, S = cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, max_length
