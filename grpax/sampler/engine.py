@@ -6,13 +6,14 @@ cache of ``P_bucket + C`` slots at most (slot == position, each row at its own l
 token. On one device the prefill packs the prompts back to back (no FLOPs on padding; each token attends
 within its own prompt); under a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The decode
 runs in phases of ``decode_phase_length`` steps, each on a cache just long enough for it (grown between
-phases), so attention work follows the filled length. Prefill and decode are two compiled functions; the
-cache passes from one to the other and lives in the decode loop's carry, where XLA updates it in place: one
-copy per phase, none per step (a donated input cannot help: XLA aliases donations only to outputs of the same
-shape). By default the decode runs with per-layer weight and cache buffers (layers unrolled): scanning
-stacked layers copies each layer's weights and cache slice every step. Compiled functions are cached per
-shape (batch size, prompt bucket, packed length) and config: a new prompt length inside the same bucket
-reuses the compiled decode.
+phases), so attention work follows the filled length. On one CPU device the decode attention is a C++
+kernel (``grpax.models.cpu_kernels``) that reads only each row's filled slots; elsewhere it is XLA's.
+Prefill and decode are two compiled functions; the cache passes from one to the other and lives in the
+decode loop's carry, where XLA updates it in place: one copy per phase, none per step (a donated input
+cannot help: XLA aliases donations only to outputs of the same shape). By default the decode runs with
+per-layer weight and cache buffers (layers unrolled): scanning stacked layers copies each layer's weights
+and cache slice every step. Compiled functions are cached per shape (batch size, prompt bucket, packed
+length) and config: a new prompt length inside the same bucket reuses the compiled decode.
 
 Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
 ``fold_in(fold_in(key, step), row)``. ``completion_mask`` comes from the loop's own stop bookkeeping, never
@@ -354,6 +355,8 @@ def decode(
     step; no per-step copy.
 
     ``prompt_lengths`` int32 [B] per row (already repeated G times); returns ``generate_padded``'s dict.
+    ``sampler_cfg.decode_attention`` is taken as resolved: "kernel" uses the CPU kernel (the caller checks
+    that it applies, ``resolve_decode_attention``), anything else XLA's attention.
     """
     sc = sampler_cfg
     B = logits.shape[0]

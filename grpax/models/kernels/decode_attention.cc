@@ -88,6 +88,11 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
       for (int64_t j = 0; j < kV; ++j) acc[g][j] = splat(0.0f);
     for (int64_t h = 0; h < H; ++h) {
       const T* row = keys + h * S + s0;
+      // The 64 key rows are 64 strided streams, more than the hardware prefetcher follows: fetch each row's
+      // next block while this one is summed (30 layers x 64 rows x 448
+      // slots on a shared 2-core VM: 137 and 169 ms without, 112 and 110 ms with).
+      __builtin_prefetch(row + kV * kW);
+      __builtin_prefetch(row + kV * kW + 16);
       v8 kv[kV];
       if (width == kV * kW && sizeof(T) == sizeof(float)) {
         for (int64_t j = 0; j < kV; ++j) kv[j] = load(reinterpret_cast<const float*>(row) + j * kW);
@@ -132,6 +137,8 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
       for (int64_t j = 0; j < 4; ++j) acc[g][j] = splat(0.0f);
     for (int64_t s = 0; s < n; ++s) {
       const T* row = values + s * H + h0;
+      __builtin_prefetch(row + 8 * H);
+      __builtin_prefetch(row + 8 * H + 16);
       v8 vv[4];
       for (int64_t j = 0; j < nv; ++j) {
         if (sizeof(T) == sizeof(float) && (j + 1) * kW <= hw) {
