@@ -1,6 +1,5 @@
 """The CPU decode-attention kernel (grpax.models.cpu_kernels) against XLA's ``cached_attention``."""
 
-import dataclasses
 import math
 import os
 
@@ -89,7 +88,7 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert "GRPAX_CPU_KERNELS=0" in cpu_kernels._load()
 
 
-def test_sampler_config_is_unchanged_by_resolution():
-    sc = SamplerConfig(decode_attention="kernel")
-    assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
-    assert dataclasses.replace(sc, decode_attention="auto").decode_attention == "auto"
+def test_an_explicit_choice_is_kept():
+    for choice in ("kernel", "xla"):
+        sc = SamplerConfig(decode_attention=choice)
+        assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
