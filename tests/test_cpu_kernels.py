@@ -63,6 +63,13 @@ def test_kernel_equals_xla_decode_attention(B, K, G, H, S, dtype, scale):
     np.testing.assert_allclose(np.asarray(out[b, 0, 1]), expected, atol=2e-6, rtol=0)
 
 
+def test_kernel_needs_positions():
+    q, cache_k, cache_v, positions = _case(2, 1, 2, 8, 5, jnp.float32, 1.0)
+    mask = jnp.arange(5)[None, None, :] <= positions[:, :, None]
+    with pytest.raises(ValueError, match="positions"):
+        cached_attention(q, cache_k, cache_v, mask, None, True)
+
+
 def test_kernel_used_only_where_it_applies(monkeypatch):
     params = {"w": np.ones((2, 2), np.float32)}
     assert engine.resolve_decode_attention(SamplerConfig(), params).decode_attention == "kernel"

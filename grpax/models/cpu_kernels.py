@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,13 @@ def _build() -> Path:
     if not (Path(include) / "xla" / "ffi" / "api" / "ffi.h").exists():
         raise RuntimeError(f"XLA FFI headers not found under {include}")
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(), " ".join(_FLAGS).encode()):
+    # The FFI headers and the runtime the library is loaded into both come with jaxlib.
+    for part in (
+        _SOURCE.read_bytes(),
+        jaxlib.version.__version__.encode(),
+        cxx.encode(),
+        " ".join(_FLAGS).encode(),
+    ):
         key.update(part)
     key.update(_cpu_signature().encode())
     cache = Path(os.environ.get("GRPAX_KERNEL_CACHE") or Path.home() / ".cache" / "grpax" / "kernels")

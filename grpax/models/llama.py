@@ -115,6 +115,9 @@ def cached_attention(
       positions: int32 [B, T] query positions (slot <= position is visible); needed with ``kernel``.
       kernel: use the CPU decode-attention kernel for T == 1 (it must be built: ``cpu_kernels.available()``).
 
+    Raises:
+      ValueError: ``kernel`` without ``positions``.
+
     Returns:
       [B, T, N, H] in q's dtype; scores and softmax in float32.
     """
@@ -123,10 +126,11 @@ def cached_attention(
     q = q.reshape(B, T, K, N // K, H)
     if T == 1:
         q1 = q[:, 0].astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H]
+        if kernel and positions is None:
+            raise ValueError("cached_attention(kernel=True) needs the query positions [B, 1]")
         kernel_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         if (
             kernel
-            and positions is not None
             and N // K <= cpu_kernels.MAX_GROUP
             and cache_k.dtype == cache_v.dtype
             and cache_k.dtype in kernel_dtypes
@@ -234,7 +238,7 @@ def _layer(
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if cache_k is not None:
-        rows = jnp.arange(x.shape[0])[:, None] if packed is None else packed[0][None, :]
+        rows = jnp.arange(B)[:, None] if packed is None else packed[0][None, :]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
         if index is None:
             cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")

@@ -90,7 +90,9 @@ class SamplerConfig:
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if self.decode_attention not in DECODE_ATTENTIONS:
-            raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTIONS}")
+            raise ValueError(
+                f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTIONS}"
+            )
         if self.decode_phase_length < 0:
             raise ValueError(
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
@@ -160,21 +162,20 @@ def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: Sampler
     return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
 
 
-def _devices(x) -> set:
-    return set(x.sharding.device_set) if hasattr(x, "sharding") else {jax.devices()[0]}
+def _param_devices(params: Params) -> set | None:
+    """The devices holding the params (numpy leaves: the default device); None while they are traced."""
+    leaves = jax.tree.leaves(params)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    return set().union(
+        *(x.sharding.device_set if hasattr(x, "sharding") else {jax.devices()[0]} for x in leaves)
+    )
 
 
 def _on_cpu(params: Params) -> bool:
     """True when the params are concrete arrays on CPU devices only."""
-    return all(
-        not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in _devices(x))
-        for x in jax.tree.leaves(params)
-    )
-
-
-def _on_one_cpu_device(params: Params) -> bool:
-    """True when every leaf is a concrete array on one CPU device (numpy leaves: the default device)."""
-    return _on_cpu(params) and len(set().union(*(_devices(x) for x in jax.tree.leaves(params)))) == 1
+    devices = _param_devices(params)
+    return devices is not None and all(d.platform == "cpu" for d in devices)
 
 
 def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
@@ -186,7 +187,7 @@ def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> Samp
     sc = sampler_cfg
     if sc.decode_attention == "xla":
         return sc
-    one_cpu = _on_one_cpu_device(params)
+    one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
     if sc.decode_attention == "kernel":
         if not one_cpu:
             raise ValueError(
@@ -276,7 +277,11 @@ def _grow(cache: dict, slots: int, batch_axis: int, repeat: int = 1) -> dict:
     }
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg", "num_generations", "packed_length"))
+_PREFILL_STATIC = ("cfg", "sampler_cfg", "num_generations", "packed_length")
+_DECODE_STATIC = ("cfg", "sampler_cfg")
+
+
+@functools.partial(jax.jit, static_argnames=_PREFILL_STATIC)
 def prefill(
     params: Params,
     prompt_tokens: jax.Array,
@@ -339,7 +344,7 @@ def prefill(
     return cache, logits_from_hidden(params, last, cfg)  # [B * G, V]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler_cfg"))
+@functools.partial(jax.jit, static_argnames=_DECODE_STATIC)
 def decode(
     params: Params,
     cache: dict,
@@ -429,12 +434,10 @@ def decode(
 # without them against 112-117 with them; no clear change at batch 64 (docs/benchmarks.md).
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 _prefill_cpu = jax.jit(
-    prefill.__wrapped__,
-    static_argnames=("cfg", "sampler_cfg", "num_generations", "packed_length"),
-    compiler_options=CPU_COMPILER_OPTIONS,
+    prefill.__wrapped__, static_argnames=_PREFILL_STATIC, compiler_options=CPU_COMPILER_OPTIONS
 )
 _decode_cpu = jax.jit(
-    decode.__wrapped__, static_argnames=("cfg", "sampler_cfg"), compiler_options=CPU_COMPILER_OPTIONS
+    decode.__wrapped__, static_argnames=_DECODE_STATIC, compiler_options=CPU_COMPILER_OPTIONS
 )
 
 
@@ -512,10 +515,7 @@ def generate(
         prompt_mask[i, P - len(p) :] = 1
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
     packed_length = None
-    single_device = all(
-        len(x.sharding.device_set) == 1 for x in jax.tree.leaves(params) if hasattr(x, "sharding")
-    )
-    if sc.packed_prefill and single_device:
+    if sc.packed_prefill and len(_param_devices(params)) == 1:
         packed_length = sc.packed_length_for(int(lengths.sum()), B, P)
     out = distributed.fetch(
         generate_padded(params, right, lengths, key, cfg, sc, num_generations, packed_length=packed_length)

@@ -9,7 +9,6 @@
 // Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
