@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (grpax.models.cpu_kernels) against XLA's ``cached_attention``."""
+"""The CPU kernels (grpax.models.cpu_kernels): decode attention against XLA's ``cached_attention``, the packed
+matmul against float64 products, the packed decode layout against the model's own forward."""
 
 import math
 import os
@@ -17,7 +18,7 @@ from grpax.sampler.engine import SamplerConfig
 # elsewhere (no compiler) these tests are skipped and the sampler uses XLA's attention.
 if not cpu_kernels.available():
     if os.environ.get("GRPAX_REQUIRE_CPU_KERNELS") == "1":
-        raise RuntimeError(f"the CPU decode-attention kernel did not build: {cpu_kernels._load()}")
+        raise RuntimeError(f"the CPU kernels did not build: {cpu_kernels._load()}")
     pytest.skip(f"CPU kernel unavailable: {cpu_kernels._load()}", allow_module_level=True)
 
 
@@ -96,6 +97,124 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
 
 
 def test_an_explicit_choice_is_kept():
-    for choice in ("kernel", "xla"):
-        sc = SamplerConfig(decode_attention=choice)
-        assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
+    for attention in ("kernel", "xla"):
+        for matmul in ("kernel", "xla"):
+            sc = SamplerConfig(decode_attention=attention, decode_matmul=matmul)
+            assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
+
+
+def test_matmul_kernel_used_only_where_it_applies(monkeypatch):
+    params = {"w": np.ones((2, 2), np.float32)}
+    resolved = engine.resolve_decode_attention(SamplerConfig(), params)
+    assert (resolved.decode_attention, resolved.decode_matmul) == ("kernel", "kernel")
+    # stacked (scanned) layers keep XLA's dots; asking for the kernel there names the key and the fix
+    scanned = engine.resolve_decode_attention(SamplerConfig(unroll_layers=False), params)
+    assert (scanned.decode_attention, scanned.decode_matmul) == ("kernel", "xla")
+    with pytest.raises(ValueError, match="decode_matmul='kernel' needs unroll_layers=True"):
+        engine.resolve_decode_attention(SamplerConfig(unroll_layers=False, decode_matmul="kernel"), params)
+    with pytest.raises(ValueError, match="decode_matmul"):
+        SamplerConfig(decode_matmul="blas")
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert engine.resolve_decode_attention(SamplerConfig(), params).decode_matmul == "xla"
+    with pytest.raises(ValueError, match="decode_matmul='kernel': the CPU kernels could not be built"):
+        engine.resolve_decode_attention(SamplerConfig(decode_attention="xla", decode_matmul="kernel"), params)
+
+
+def test_pack_weight_layout():
+    w = np.arange(3 * 20, dtype=np.float32).reshape(3, 20)
+    packed = np.asarray(cpu_kernels.pack_weight(jnp.asarray(w)))
+    assert packed.shape == (2, 3, 16)
+    np.testing.assert_array_equal(packed[0], w[:, :16])
+    np.testing.assert_array_equal(packed[1, :, :4], w[:, 16:])
+    np.testing.assert_array_equal(packed[1, :, 4:], 0)  # zero-padded columns
+    np.testing.assert_array_equal(
+        np.asarray(cpu_kernels.pack_weight(jnp.asarray(w.T), transposed=True)), packed
+    )
+    gated = np.asarray(cpu_kernels.pack_swiglu(jnp.asarray(w), jnp.asarray(-w)))
+    np.testing.assert_array_equal(gated[0::2], packed)  # gate panels at even, up panels at odd indices
+    np.testing.assert_array_equal(gated[1::2], -packed)
+    assert cpu_kernels.pack_weight(jnp.asarray(w), jnp.bfloat16).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "M, K, N",
+    [
+        (1, 8, 3),  # one row, fewer columns than a panel
+        (6, 64, 16),  # one full register tile and one panel
+        (7, 64, 40),  # a tile of 6 and one of 1; a partly filled last panel
+        (16, 576, 960),  # SmolLM2's fused q/k/v at batch 16
+        (64, 1536, 576),  # its down projection at batch 64
+        (13, 32, 4099),  # many panels, the last one of 3 columns
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_equals_float64_product(M, K, N, dtype):
+    rng = np.random.default_rng(M * K + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)).astype(np.float32)).astype(dtype)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)  # bf16 weights are widened exactly
+    out = jax.jit(lambda x, w: cpu_kernels.matmul(x, cpu_kernels.pack_weight(w), N))(x, w)
+    assert out.shape == (M, N) and out.dtype == jnp.float32
+    expected = x.astype(np.float64) @ w64
+    # float32 accumulation over K terms of size ~1: error ~ sqrt(K) * 2^-24 * |terms|
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6 * math.sqrt(K) * 4, rtol=0)
+    # leading dims are flattened and restored
+    out3 = cpu_kernels.matmul(jnp.asarray(x).reshape(M, 1, K), cpu_kernels.pack_weight(w), N)
+    np.testing.assert_array_equal(np.asarray(out3)[:, 0], np.asarray(out))
+
+
+@pytest.mark.parametrize("M, K, F", [(5, 16, 24), (16, 576, 1536)])
+def test_swiglu_matmul_equals_float64(M, K, F):
+    rng = np.random.default_rng(F)
+    x = rng.standard_normal((M, K)).astype(np.float32) / math.sqrt(K)
+    gate, up = (rng.standard_normal((K, F)).astype(np.float32) * 3 for _ in range(2))
+    out = cpu_kernels.matmul(jnp.asarray(x), cpu_kernels.pack_swiglu(gate, up), F, swiglu=True)
+    g = x.astype(np.float64) @ gate
+    assert g.min() < -3 and g.max() > 3  # both branches of the sigmoid, and its tails
+    u = x.astype(np.float64) @ up
+    sig = 1 / (1 + np.exp(-g))
+    expected = g * sig * u
+    # Rounding bound: float32 sums of K products (error <= K * 2^-24 * sum |terms|) carried through
+    # silu(g) * u, plus the polynomial exp's ~1e-7 relative error (1e-6 here).
+    eps = K * 2.0**-24
+    dsilu = np.abs(sig * (1 + g * (1 - sig)))
+    bound = eps * (
+        dsilu * np.abs(u) * (np.abs(x) @ np.abs(gate)) + np.abs(g * sig) * (np.abs(x) @ np.abs(up))
+    )
+    error = np.abs(np.asarray(out, np.float64) - expected)
+    assert (error <= bound + 1e-6 * np.abs(expected) + 1e-7).all(), (error / (bound + 1e-7)).max()
+    assert error.max() > 0  # a float32 result, not a copy of the reference
+
+
+def test_packed_decode_params_give_the_same_forward():
+    from grpax.models.llama import forward, init_cache, pack_decode_params
+    from grpax.models.params import convert_layout, init_params
+    from grpax.models.registry import ModelConfig
+
+    for tied in (True, False):
+        cfg = ModelConfig(
+            vocab_size=70,
+            hidden_dim=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            mlp_dim=40,
+            rope_theta=10000.0,
+            tie_word_embeddings=tied,
+        )
+        params = convert_layout(init_params(cfg, jax.random.key(1)), cfg, scan_layers=False)
+        params = jax.tree.map(lambda x: x * 10.0 if x.ndim >= 2 else x, params)
+        assert ("lm_head" in params) != tied
+        packed = pack_decode_params(params, cfg)
+        assert "packed_lm_head" in packed and "lm_head" not in packed
+        tokens = jnp.asarray([[3], [60], [7]], jnp.int32)
+        positions = jnp.asarray([[4], [0], [9]], jnp.int32)
+        outs = []
+        for p in (params, packed):
+            cache = init_cache(cfg, 3, 12, stacked=False)
+            outs.append(forward(p, tokens, cfg, positions=positions, cache=cache)[0])
+        np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=2e-5, rtol=1e-5)
+        assert np.abs(np.asarray(outs[0])).max() > 1  # logits far from zero: a wrong layout would show
+    with pytest.raises(ValueError, match="per-layer params"):
+        pack_decode_params(init_params(cfg, jax.random.key(1)), cfg)

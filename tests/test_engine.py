@@ -34,11 +34,12 @@ def params():
     return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)
 
 
-# Decode attention: the CPU kernel (where it builds) and XLA's ops must both match the full forward.
+# The decode step on the CPU kernels (attention, and the matmuls where the layers are unrolled; where they
+# build) and on XLA's ops must both match the full forward.
 ATTENTIONS = [
     pytest.param(
         "kernel",
-        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="CPU decode-attention kernel unavailable"),
+        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable"),
     ),
     "xla",
 ]
@@ -46,6 +47,8 @@ ATTENTIONS = [
 
 def _sc(**kw):
     base = dict(max_prompt_length=16, max_completion_length=C, greedy=True, pad_token_id=0)
+    if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots too
+        kw.setdefault("decode_matmul", "xla")
     return SamplerConfig(**{**base, **kw})
 
 

@@ -50,14 +50,28 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates ``x`` [B, T, heads, H] by ``positions`` int [B, T] (rotate-half layout, as HF Llama)."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) float32 [B, T, 1, H/2] of the RoPE angles ``positions`` int [B, T] x ``inv_freq`` [H/2].
+
+    A loop (the decode) can compute them for every position once, ``rope_tables(arange(S)[None], ..)``, and
+    pass the tables to ``forward(rope_table=...)``: computed inside the step, XLA:CPU fuses cos and sin into
+    each layer's rotation and evaluates them once per rotated element (every head of q and k, every layer),
+    ~8 ms of a 64-row decode step.
+    """
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x`` [B, T, heads, H] by the angles of ``rope_tables`` (rotate-half layout, as HF Llama)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates ``x`` [B, T, heads, H] by ``positions`` int [B, T] (rotate-half layout, as HF Llama)."""
+    return rotate(x, *rope_tables(positions, inv_freq))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -207,7 +221,7 @@ def _layer(
     layer,
     positions,
     mask,
-    inv_freq,
+    rope,
     cfg: ModelConfig,
     cache_k=None,
     cache_v=None,
@@ -227,16 +241,22 @@ def _layer(
     decode-attention kernel for one query per row (``cached_attention``).
     """
     dtype = jnp.dtype(cfg.dtype)
-    w = {name: val.astype(dtype) for name, val in layer.items()}
+    packed_weights = "packed_qkv" in layer  # the CPU decode layout of pack_decode_params
+    w = {name: val if name.startswith("packed_") else val.astype(dtype) for name, val in layer.items()}
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     B, T, D = x.shape
-    # Heads merged into one matrix dimension ([D, N, H] -> [D, N * H] is free in row-major order): with two
-    # contracting dims XLA:CPU transposed the output projection's weight at every decode step.
-    q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    if packed_weights:
+        NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = cpu_kernels.matmul(h, w["packed_qkv"], NH + 2 * KH).astype(dtype)
+        q, k, v = (part.reshape(B, T, -1, cfg.head_dim) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
+    else:
+        # Heads merged into one matrix dimension ([D, N, H] -> [D, N * H] is free in row-major order): with
+        # two contracting dims XLA:CPU transposed the output projection's weight at every decode step.
+        q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+        k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+        v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    q = rotate(q, *rope)
+    k = rotate(k, *rope)
     if cache_k is not None:
         rows = jnp.arange(B)[:, None] if packed is None else packed[0][None, :]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
@@ -254,6 +274,11 @@ def _layer(
             attn = cached_attention(q, cache_k[index], cache_v[index], mask, positions, decode_kernel)
     else:
         attn = attention(q, k, v, mask)
+    if packed_weights:
+        x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D).astype(dtype)
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        act = cpu_kernels.matmul(h, w["packed_gate_up"], cfg.mlp_dim, swiglu=True).astype(dtype)
+        return x + cpu_kernels.matmul(act, w["packed_down"], D).astype(dtype), cache_k, cache_v
     x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
@@ -315,6 +340,7 @@ def forward(
     packed_rows: jax.Array | None = None,
     packed_window: int = 0,
     decode_kernel: bool = False,
+    rope_table: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
 
@@ -338,6 +364,9 @@ def forward(
       decode_kernel: static; with a cache and one token per row, attend with the CPU decode-attention kernel
         (``grpax.models.cpu_kernels``; the caller checks ``available()`` and that the arrays live on one CPU
         device: the kernel has no sharding rule).
+      rope_table: optional (cos, sin) float32 [S, H/2] for positions 0..S-1 (``rope_tables`` of
+        ``arange(S)``, squeezed), looked up at ``positions`` instead of computing the angles; every position
+        must be < S.
 
     Returns:
       (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
@@ -348,7 +377,10 @@ def forward(
     positions = positions.astype(jnp.int32)
     dtype = jnp.dtype(cfg.dtype)
     x = constrain(params["embed"].astype(dtype)[tokens], _RESIDUAL)
-    inv_freq = rope_inv_freq(cfg)
+    if rope_table is None:
+        rope = rope_tables(positions, rope_inv_freq(cfg))  # (cos, sin), shared by every layer
+    else:
+        rope = tuple(table[positions][:, :, None, :] for table in rope_table)
     if packed_rows is not None and cache is None:
         raise ValueError("forward(packed_rows=...) writes a KV cache: pass cache=init_cache(...)")
     if cache is None:
@@ -369,7 +401,7 @@ def forward(
 
     packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window)
     layer_fn = _maybe_remat(
-        functools.partial(_layer, cfg=cfg, inv_freq=inv_freq, packed=packed, decode_kernel=decode_kernel), cfg
+        functools.partial(_layer, cfg=cfg, packed=packed, decode_kernel=decode_kernel), cfg
     )
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
@@ -379,7 +411,7 @@ def forward(
         def body(carry, xs):
             x, ck, cv = carry
             layer, i = xs
-            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv, index=i)
+            x, ck, cv = layer_fn(x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i)
             return (constrain(x, _RESIDUAL), ck, cv), None
 
         num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -387,10 +419,10 @@ def forward(
     elif isinstance(ck, (list, tuple)):  # per-layer cache buffers: each updated in place on its own
         ck, cv = list(ck), list(cv)
         for i, layer in enumerate(layers):
-            x, ck[i], cv[i] = layer_fn(x, layer, positions, mask, cache_k=ck[i], cache_v=cv[i])
+            x, ck[i], cv[i] = layer_fn(x, layer, positions, mask, rope, cache_k=ck[i], cache_v=cv[i])
     else:
         for i, layer in enumerate(layers):
-            x, ck, cv = layer_fn(x, layer, positions, mask, cache_k=ck, cache_v=cv, index=i)
+            x, ck, cv = layer_fn(x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i)
             x = constrain(x, _RESIDUAL)
     new_cache = {"k": ck, "v": cv} if cache is not None else None
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -402,6 +434,8 @@ def forward(
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head)."""
     dtype = jnp.dtype(cfg.dtype)
+    if "packed_lm_head" in params:
+        return cpu_kernels.matmul(hidden, params["packed_lm_head"], cfg.vocab_size)
     if "lm_head" in params:
         return jnp.einsum(
             "...D,DV->...V", hidden, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
@@ -409,3 +443,48 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> j
     return jnp.einsum(
         "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
     )
+
+
+def pack_decode_params(params: Params, cfg: ModelConfig) -> Params:
+    """Params with per-layer (unstacked) weights repacked for the CPU decode matmuls (``cpu_kernels.matmul``).
+
+    Each layer's q/k/v projections become one packed [D, (N + 2K) H] matrix (``packed_qkv``), the output
+    projection ``packed_wo``, gate and up one SwiGLU matrix (``packed_gate_up``), the down projection
+    ``packed_down``; the LM head (tied embeddings transposed, or ``lm_head``) ``packed_lm_head``. Weights are
+    stored in ``cfg.dtype`` (the dtype XLA's path casts them to). ``forward`` and ``logits_from_hidden`` use
+    the packed weights wherever they find them; ``embed`` stays for the token lookup.
+
+    Args:
+      params: params with ``layers`` a list (``convert_layout(..., scan_layers=False)``).
+      cfg: model config.
+
+    Returns:
+      a new params tree (the weights are copied once into the packed layout).
+
+    Raises:
+      ValueError: stacked layers.
+    """
+    if isinstance(params["layers"], dict):
+        raise ValueError("pack_decode_params takes per-layer params: convert_layout(..., scan_layers=False)")
+    dtype = jnp.dtype(cfg.dtype)
+    layers = []
+    for layer in params["layers"]:
+        D = layer["wq"].shape[0]
+        qkv = jnp.concatenate([layer[name].reshape(D, -1) for name in ("wq", "wk", "wv")], axis=1)
+        layers.append(
+            {
+                "attn_norm": layer["attn_norm"],
+                "mlp_norm": layer["mlp_norm"],
+                "packed_qkv": cpu_kernels.pack_weight(qkv, dtype),
+                "packed_wo": cpu_kernels.pack_weight(layer["wo"].reshape(-1, D), dtype),
+                "packed_gate_up": cpu_kernels.pack_swiglu(layer["w_gate"], layer["w_up"], dtype),
+                "packed_down": cpu_kernels.pack_weight(layer["w_down"], dtype),
+            }
+        )
+    out = {name: val for name, val in params.items() if name not in ("layers", "lm_head")}
+    out["layers"] = layers
+    if "lm_head" in params:
+        out["packed_lm_head"] = cpu_kernels.pack_weight(params["lm_head"], dtype)
+    else:
+        out["packed_lm_head"] = cpu_kernels.pack_weight(params["embed"], dtype, transposed=True)
+    return out

@@ -34,7 +34,14 @@ import numpy as np
 
 from grpax import distributed
 from grpax.models import cpu_kernels
-from grpax.models.llama import forward, init_cache, logits_from_hidden
+from grpax.models.llama import (
+    forward,
+    init_cache,
+    logits_from_hidden,
+    pack_decode_params,
+    rope_inv_freq,
+    rope_tables,
+)
 from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig
 from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_logprobs
@@ -77,6 +84,10 @@ class SamplerConfig:
     # one CPU device), "xla" = XLA's ops (any device, any mesh), "auto" = the kernel where it applies and
     # builds, else XLA's.
     decode_attention: str = "auto"
+    # Decode matmuls: "kernel" = the CPU kernel of grpax.models.cpu_kernels on weights repacked once per call
+    # into column panels (one CPU device, unroll_layers; a transient packed copy of the weights), "xla" =
+    # XLA's dots, "auto" = the kernel where it applies and builds, else XLA's.
+    decode_matmul: str = "auto"
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -93,6 +104,8 @@ class SamplerConfig:
             raise ValueError(
                 f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTIONS}"
             )
+        if self.decode_matmul not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {DECODE_ATTENTIONS}")
         if self.decode_phase_length < 0:
             raise ValueError(
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
@@ -179,29 +192,40 @@ def _on_cpu(params: Params) -> bool:
 
 
 def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
-    """The config with ``decode_attention`` "auto" made "kernel" or "xla" for these params.
+    """The config with ``decode_attention`` and ``decode_matmul`` "auto" made "kernel" or "xla" for these params.
+
+    The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete array on one CPU
+    device and the kernels build; the matmul kernel also needs ``unroll_layers``.
 
     Raises:
-      ValueError: "kernel" asked for params not on one CPU device, or the kernel could not be built.
+      ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, stacked
+        layers for the matmul kernel) or the kernels could not be built.
     """
     sc = sampler_cfg
-    if sc.decode_attention == "xla":
+    if sc.decode_attention == "xla" and sc.decode_matmul == "xla":
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
-    if sc.decode_attention == "kernel":
-        if not one_cpu:
-            raise ValueError(
-                "decode_attention='kernel' runs on one CPU device only; these params are sharded or on "
-                "an accelerator: use decode_attention='auto' or 'xla'"
-            )
-        if not cpu_kernels.available():
-            raise ValueError(
-                "decode_attention='kernel': the CPU kernel could not be built (see the warning above); "
-                "use decode_attention='auto' or 'xla'"
-            )
-        return sc
-    use_kernel = one_cpu and cpu_kernels.available()
-    return dataclasses.replace(sc, decode_attention="kernel" if use_kernel else "xla")
+    choices = {}
+    for key, value, needs in (
+        ("decode_attention", sc.decode_attention, None),
+        ("decode_matmul", sc.decode_matmul, None if sc.unroll_layers else "unroll_layers=True"),
+    ):
+        if value == "kernel":
+            if not one_cpu:
+                raise ValueError(
+                    f"{key}='kernel' runs on one CPU device only; these params are sharded or on an "
+                    f"accelerator: use {key}='auto' or 'xla'"
+                )
+            if needs:
+                raise ValueError(f"{key}='kernel' needs {needs}: set it or use {key}='auto' or 'xla'")
+            if not cpu_kernels.available():
+                raise ValueError(
+                    f"{key}='kernel': the CPU kernels could not be built (see the warning above); "
+                    f"use {key}='auto' or 'xla'"
+                )
+        elif value == "auto":
+            choices[key] = "kernel" if one_cpu and not needs and cpu_kernels.available() else "xla"
+    return dataclasses.replace(sc, **choices) if choices else sc
 
 
 def generate_padded(
@@ -360,8 +384,9 @@ def decode(
     step; no per-step copy.
 
     ``prompt_lengths`` int32 [B] per row (already repeated G times); returns ``generate_padded``'s dict.
-    ``sampler_cfg.decode_attention`` is taken as resolved: "kernel" uses the CPU kernel (the caller checks
-    that it applies, ``resolve_decode_attention``), anything else XLA's attention.
+    ``sampler_cfg.decode_attention`` and ``decode_matmul`` are taken as resolved: "kernel" uses the CPU kernel
+    (the caller checks that it applies, ``resolve_decode_attention``; the matmul kernel repacks the weights
+    once per call, ``pack_decode_params``), anything else XLA's ops.
     """
     sc = sampler_cfg
     B = logits.shape[0]
@@ -369,8 +394,15 @@ def decode(
     stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
     temperature = sc.logprob_temperature
     params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
+    if sc.decode_matmul == "kernel":
+        params = pack_decode_params(params, cfg)
     batch_axis = 0 if sc.unroll_layers else 1
     ends = _phase_ends(sc)
+    # RoPE cos/sin of every position the loop reaches (P + C slots), computed once: computed inside the step,
+    # XLA:CPU re-derived them in every layer's fusions.
+    slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + C
+    cos, sin = rope_tables(jnp.arange(slots, dtype=jnp.int32)[None], rope_inv_freq(cfg))
+    rope_table = (cos[0, :, 0], sin[0, :, 0])  # [P + C, H/2]
 
     def record(state, step, logits):
         ids, mask, logprobs, done = state
@@ -407,6 +439,7 @@ def decode(
                 cache=cache,
                 return_hidden=True,
                 decode_kernel=sc.decode_attention == "kernel",
+                rope_table=rope_table,
             )
             logits = logits_from_hidden(params, hidden[:, 0], cfg)
             state, token = record(state, step, logits)

@@ -8,65 +8,19 @@
 //
 // Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kW = 8;  // floats per vector
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-inline v8 load(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
-// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0.
-inline v8 exp_nonpositive(v8 x) {
-  const v8 lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  v8 n = x * splat(1.44269504088896341f);
-  // round to nearest: add and subtract 1.5 * 2^23
-  const v8 magic = splat(12582912.0f);
-  n = (n + magic) - magic;
-  v8 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  v8i e = __builtin_convertvector(n, v8i);
-  e = (e + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  v8 out = p * scale;
-  return x <= lo ? splat(0.0f) : out;
-}
+using namespace grpax;
 
 constexpr int kMaxGroup = 8;  // query heads per kv head handled in registers
 
@@ -164,12 +118,6 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
   }
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
 template <typename T>
 ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                                  ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
@@ -186,26 +134,12 @@ ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   const int32_t* pos = positions.typed_data();
   float* op = out->typed_data();
 
-  auto work = std::make_shared<Work>();
-  work->total = B * K;
-  auto run = [=]() {
-    std::vector<float> scores;
-    for (;;) {
-      const int64_t i = work->next.fetch_add(1);
-      if (i >= work->total) return;
-      const int64_t b = i / K;
-      const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b]) + 1, 1, S);
-      attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, n, scores);
-      work->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), B * K) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    auto task = run;
-    pool.Schedule(std::move(task));
-  }
-  run();
-  while (work->done.load() < work->total) std::this_thread::yield();
+  parallel_for(pool, B * K, [&](int64_t i) {
+    thread_local std::vector<float> scores;
+    const int64_t b = i / K;
+    const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b]) + 1, 1, S);
+    attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, n, scores);
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,148 @@
+// Small-batch matmul on CPU for the decode step: y[M, N] = x[M, K] @ W with W packed in column panels.
+//
+// A decode step multiplies a few rows (M = batch) by every weight matrix, so its cost is streaming the
+// weights from memory, not arithmetic. W comes packed as [P, K, 16] (P = ceil(N / 16) panels of 16 columns,
+// zero padded; grpax.models.cpu_kernels.pack_weight): each panel is one contiguous run of memory, read once
+// per call and shared out over XLA's intra-op thread pool. A panel is multiplied in blocks of up to 6 rows
+// held in 12 vector registers (6 rows x 16 columns, the register tile of BLIS-style AVX2 kernels) while the
+// panel's next rows are prefetched. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves
+// the bytes read); x, y and the accumulation are float32.
+//
+// With `swiglu` the panels of two matrices come interleaved (gate panel p at 2p, up panel p at 2p + 1) and
+// y = silu(x @ W_gate) * (x @ W_up): the MLP's gate, up and activation in one pass (Llama's SwiGLU).
+//
+// Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace grpax;
+
+constexpr int kPanel = 16;  // columns per panel: two vectors
+constexpr int kRows = 6;    // rows per register tile
+constexpr int kAhead = 32;  // panel rows prefetched ahead (2 KB of float32 weights)
+
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+inline v8 load_weights(const float* p) { return load(p); }
+inline v8 load_weights(const uint16_t* p) {  // 8 bfloat16 -> float32: the high halves of the floats
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8i bits = __builtin_convertvector(h, v8i) << 16;
+  v8 r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
+
+// out[r, 0:16] = x[r, :] @ panel for MR rows of x (row stride K); the panel is [K, 16].
+template <typename T, int MR>
+inline void tile(const float* x, const T* panel, int64_t K, float* out, bool prefetch) {
+  v8 lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = splat(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    const T* w = panel + k * kPanel;
+    if (prefetch) __builtin_prefetch(w + kAhead * kPanel);  // one cache line of float32 per panel row
+    const v8 w0 = load_weights(w), w1 = load_weights(w + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const v8 xr = splat(x[r * K + k]);
+      lo[r] += xr * w0;
+      hi[r] += xr * w1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store(out + r * kPanel, lo[r]);
+    store(out + r * kPanel + 8, hi[r]);
+  }
+}
+
+// out[M, 16] = x[M, K] @ panel. The first tile reads the panel from memory (and prefetches ahead); the
+// others find it in cache.
+template <typename T>
+void panel_product(const float* x, int64_t M, const T* panel, int64_t K, float* out) {
+  bool prefetch = true;
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows, prefetch = false) tile<T, kRows>(x + m * K, panel, K, out + m * kPanel, prefetch);
+  switch (M - m) {
+    case 5: tile<T, 5>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    case 4: tile<T, 4>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    case 3: tile<T, 3>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    case 2: tile<T, 2>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    case 1: tile<T, 1>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    default: break;
+  }
+}
+
+// silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, else e / (1 + e).
+inline v8 swiglu(v8 g, v8 u) {
+  const v8 zero = splat(0.0f);
+  const v8 e = exp_nonpositive(g < zero ? g : -g);
+  const v8 s = (g < zero ? e : splat(1.0f)) / (splat(1.0f) + e);
+  return g * s * u;
+}
+
+template <typename T>
+ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, int64_t N,
+                       bool gated, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("matmul: x must be [M, K] and the packed weights [P, K, 16]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0];
+  const int64_t panels = gated ? P / 2 : P;  // output panels
+  if (wd[1] != K || (gated && P % 2) || N > panels * kPanel || N <= (panels - 1) * kPanel)
+    return ffi::Error::InvalidArgument("matmul: packed weights do not match x [M, K] and n");
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != M || yd[1] != N)
+    return ffi::Error::InvalidArgument("matmul: the output must be [M, n]");
+  const float* xp = x.typed_data();
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
+  float* yp = y->typed_data();
+  parallel_for(pool, panels, [&](int64_t p) {
+    thread_local std::vector<float> buf;
+    buf.resize(2 * M * kPanel);
+    float* a = buf.data();
+    float* b = a + M * kPanel;
+    if (gated) {
+      panel_product<T>(xp, M, wp + (2 * p) * K * kPanel, K, a);
+      panel_product<T>(xp, M, wp + (2 * p + 1) * K * kPanel, K, b);
+      for (int64_t i = 0; i < M * kPanel; i += kW) store(a + i, swiglu(load(a + i), load(b + i)));
+    } else {
+      panel_product<T>(xp, M, wp + p * K * kPanel, K, a);
+    }
+    const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, N - n0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, a + m * kPanel, width * sizeof(float));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t n, bool swiglu,
+                  ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      return matmul_impl<float>(pool, x, w, n, swiglu, y);
+    case ffi::DataType::BF16:
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, y);
+    default:
+      return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("n")
+                                  .Attr<bool>("swiglu")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
