@@ -120,20 +120,37 @@ def test_matmul_kernel_used_only_where_it_applies(monkeypatch):
         engine.resolve_decode_attention(SamplerConfig(decode_attention="xla", decode_matmul="kernel"), params)
 
 
-def test_pack_weight_layout():
-    w = np.arange(3 * 20, dtype=np.float32).reshape(3, 20)
-    packed = np.asarray(cpu_kernels.pack_weight(jnp.asarray(w)))
-    assert packed.shape == (2, 3, 16)
-    np.testing.assert_array_equal(packed[0], w[:, :16])
-    np.testing.assert_array_equal(packed[1, :, :4], w[:, 16:])
-    np.testing.assert_array_equal(packed[1, :, 4:], 0)  # zero-padded columns
-    np.testing.assert_array_equal(
-        np.asarray(cpu_kernels.pack_weight(jnp.asarray(w.T), transposed=True)), packed
-    )
-    gated = np.asarray(cpu_kernels.pack_swiglu(jnp.asarray(w), jnp.asarray(-w)))
-    np.testing.assert_array_equal(gated[0::2], packed)  # gate panels at even, up panels at odd indices
-    np.testing.assert_array_equal(gated[1::2], -packed)
-    assert cpu_kernels.pack_weight(jnp.asarray(w), jnp.bfloat16).dtype == jnp.bfloat16
+def _np_pack(w):  # the panel layout by hand: [K, N] -> [ceil(N / 16), K, 16], zero-padded
+    K, N = w.shape
+    P = -(-N // 16)
+    out = np.zeros((P, K, 16), w.dtype)
+    for p in range(P):
+        cols = w[:, 16 * p : 16 * p + 16]
+        out[p, :, : cols.shape[1]] = cols
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_pack_layout(dtype):
+    rng = np.random.default_rng(0)
+    a, b = (np.asarray(jnp.asarray(rng.standard_normal((2, 5, n)), dtype)) for n in (20, 35))
+    packed = jax.jit(lambda a, b: cpu_kernels.pack([a, b]))(a, b)  # two layers, columns concatenated
+    assert len(packed) == 2 and packed[0].shape == (2 + 3, 5, 16) and packed[0].dtype == a.dtype
+    for layer in range(2):
+        expected = np.concatenate([_np_pack(a[layer]), _np_pack(b[layer])])
+        np.testing.assert_array_equal(np.asarray(packed[layer]), expected)
+    # transposed input [L, N, K]: the same panels as from [L, K, N]
+    t = cpu_kernels.pack([jnp.asarray(a).transpose(0, 2, 1)], transposed=True)
+    np.testing.assert_array_equal(np.asarray(t[1]), _np_pack(a[1]))
+    # SwiGLU: gate panel q at 2q, up panel q at 2q + 1
+    g = cpu_kernels.pack([a, -a], swiglu=True)
+    np.testing.assert_array_equal(np.asarray(g[0])[0::2], _np_pack(a[0]))
+    np.testing.assert_array_equal(np.asarray(g[0])[1::2], _np_pack(-a[0]))
+    assert cpu_kernels.pack([jnp.asarray(a, jnp.float32)], jnp.bfloat16)[0].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="gate and up of one shape"):
+        cpu_kernels.pack([a, b], swiglu=True)
+    with pytest.raises(ValueError, match="one L and K"):
+        cpu_kernels.pack([a, b[:, :4]])
 
 
 @pytest.mark.parametrize(
@@ -153,13 +170,14 @@ def test_matmul_equals_float64_product(M, K, N, dtype):
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((K, N)).astype(np.float32)).astype(dtype)
     w64 = np.asarray(w.astype(jnp.float32), np.float64)  # bf16 weights are widened exactly
-    out = jax.jit(lambda x, w: cpu_kernels.matmul(x, cpu_kernels.pack_weight(w), N))(x, w)
+    packed = cpu_kernels.pack([w[None]])[0]
+    out = jax.jit(lambda x, w: cpu_kernels.matmul(x, w, N))(x, packed)
     assert out.shape == (M, N) and out.dtype == jnp.float32
     expected = x.astype(np.float64) @ w64
     # float32 accumulation over K terms of size ~1: error ~ sqrt(K) * 2^-24 * |terms|
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6 * math.sqrt(K) * 4, rtol=0)
     # leading dims are flattened and restored
-    out3 = cpu_kernels.matmul(jnp.asarray(x).reshape(M, 1, K), cpu_kernels.pack_weight(w), N)
+    out3 = cpu_kernels.matmul(jnp.asarray(x).reshape(M, 1, K), packed, N)
     np.testing.assert_array_equal(np.asarray(out3)[:, 0], np.asarray(out))
 
 
@@ -168,7 +186,8 @@ def test_swiglu_matmul_equals_float64(M, K, F):
     rng = np.random.default_rng(F)
     x = rng.standard_normal((M, K)).astype(np.float32) / math.sqrt(K)
     gate, up = (rng.standard_normal((K, F)).astype(np.float32) * 3 for _ in range(2))
-    out = cpu_kernels.matmul(jnp.asarray(x), cpu_kernels.pack_swiglu(gate, up), F, swiglu=True)
+    packed = cpu_kernels.pack([jnp.asarray(gate)[None], jnp.asarray(up)[None]], swiglu=True)[0]
+    out = cpu_kernels.matmul(jnp.asarray(x), packed, F, swiglu=True)
     g = x.astype(np.float64) @ gate
     assert g.min() < -3 and g.max() > 3  # both branches of the sigmoid, and its tails
     u = x.astype(np.float64) @ up
@@ -203,18 +222,18 @@ def test_packed_decode_params_give_the_same_forward():
             rope_theta=10000.0,
             tie_word_embeddings=tied,
         )
-        params = convert_layout(init_params(cfg, jax.random.key(1)), cfg, scan_layers=False)
-        params = jax.tree.map(lambda x: x * 10.0 if x.ndim >= 2 else x, params)
+        stacked = init_params(cfg, jax.random.key(1))
+        stacked = jax.tree.map(lambda x: x * 10.0 if x.ndim >= 2 else x, stacked)
+        params = convert_layout(stacked, cfg, scan_layers=False)
         assert ("lm_head" in params) != tied
-        packed = pack_decode_params(params, cfg)
-        assert "packed_lm_head" in packed and "lm_head" not in packed
         tokens = jnp.asarray([[3], [60], [7]], jnp.int32)
         positions = jnp.asarray([[4], [0], [9]], jnp.int32)
         outs = []
-        for p in (params, packed):
+        # packed from stacked layers and from a list of layers
+        for p in (params, pack_decode_params(stacked, cfg), pack_decode_params(params, cfg)):
+            assert "packed_lm_head" in p or p is params
             cache = init_cache(cfg, 3, 12, stacked=False)
-            outs.append(forward(p, tokens, cfg, positions=positions, cache=cache)[0])
-        np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=2e-5, rtol=1e-5)
-        assert np.abs(np.asarray(outs[0])).max() > 1  # logits far from zero: a wrong layout would show
-    with pytest.raises(ValueError, match="per-layer params"):
-        pack_decode_params(init_params(cfg, jax.random.key(1)), cfg)
+            outs.append(np.asarray(forward(p, tokens, cfg, positions=positions, cache=cache)[0]))
+        np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+        np.testing.assert_array_equal(outs[2], outs[1])
+        assert np.abs(outs[0]).max() > 1  # logits far from zero: a wrong layout would show

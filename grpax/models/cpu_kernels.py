@@ -7,7 +7,7 @@ Two kernels, the role Pallas kernels play on TPU and GPU in MaxText and Tunix:
   matmuls, about 4x over the time it takes to read the cache once; at batch 64 that was half of every decode
   step. The kernel reads only the filled slots of each row, once.
 - ``matmul`` (``kernels/matmul.cc``): the decode step's few-row matmuls against weights packed in panels of
-  16 columns (``pack_weight``), read once per step as contiguous runs, with SwiGLU fused for the MLP. At batch
+  16 columns (``pack``), read once per step as contiguous runs, with SwiGLU fused for the MLP. At batch
   16 XLA:CPU's dots streamed the weights at ~60 GFLOP/s on a 2-core AVX2 machine; the kernel ~95.
 
 Both share their work out over XLA's own intra-op threads. They are compiled with the machine's C++ compiler
@@ -44,6 +44,7 @@ _SOURCES = (_KERNELS / "decode_attention.cc", _KERNELS / "matmul.cc")
 _HEADERS = (_KERNELS / "parallel.h", _KERNELS / "simd.h")
 _TARGET = "grpax_decode_attention"
 _MATMUL_TARGET = "grpax_matmul"
+_PACK_TARGET = "grpax_pack"
 PANEL = 16  # columns per panel of a packed weight (kernels/matmul.cc)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 MAX_GROUP = 8  # query heads per kv head the kernel supports
@@ -112,6 +113,7 @@ def _load() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.GrpaxDecodeAttention), platform="cpu")
         jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.GrpaxMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(_PACK_TARGET, jax.ffi.pycapsule(lib.GrpaxPack), platform="cpu")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return str(e)
     return None
@@ -155,36 +157,53 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posit
     )
 
 
-def pack_weight(w: jax.Array, dtype=None, transposed: bool = False) -> jax.Array:
-    """A [K, N] weight in the panel layout of ``matmul``: [ceil(N / 16), K, 16], zero-padded columns.
+def pack(
+    weights: list[jax.Array], dtype=None, swiglu: bool = False, transposed: bool = False
+) -> list[jax.Array]:
+    """Weights of L layers in the panel layout of ``matmul``, one packed array per layer (a C++ copy).
 
     Args:
-      w: [K, N] (or [N, K] with ``transposed``, e.g. tied embeddings [V, D] for the LM head).
-      dtype: stored dtype, float32 or bfloat16 (default: w's).
+      weights: matrices [L, K, N_i] (with ``transposed`` [L, N_i, K], e.g. tied embeddings [1, V, D] for the
+        LM head), one K. Their columns are concatenated in order (fused q/k/v), or with ``swiglu`` two
+        matrices (gate, up) have their panels interleaved for ``matmul(..., swiglu=True)``.
+      dtype: stored dtype, float32 or bfloat16 (default: the first weight's); cast before packing.
 
     Returns:
-      [P, K, 16] with ``packed[p, k, j] == w[k, 16 p + j]``.
+      L arrays [P, K, 16] with ``packed[l][p, k, j]`` = column 16 p + j of layer l's concatenated matrix,
+      zero past its last column (P = sum of ceil(N_i / 16)); with ``swiglu`` gate panel q at 2q and up panel q
+      at 2q + 1.
+
+    Raises:
+      ValueError: shapes that do not match (K, L, or the two SwiGLU matrices).
+      RuntimeError: the kernels could not be built.
     """
-    w = w.T if transposed else w
-    K, N = w.shape
-    P = -(-N // PANEL)
-    w = jnp.pad(w.astype(dtype or w.dtype), ((0, 0), (0, P * PANEL - N)))
-    return w.reshape(K, P, PANEL).transpose(1, 0, 2)
-
-
-def pack_swiglu(w_gate: jax.Array, w_up: jax.Array, dtype=None) -> jax.Array:
-    """Gate and up weights [D, F] packed for ``matmul(..., swiglu=True)``: [2 ceil(F / 16), D, 16].
-
-    Panel 2p holds gate columns 16p.., panel 2p + 1 the same up columns.
-    """
-    gate, up = pack_weight(w_gate, dtype), pack_weight(w_up, dtype)
-    return jnp.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {reason}")
+    dtype = jnp.dtype(dtype or weights[0].dtype)
+    weights = [w.astype(dtype) for w in weights]
+    L = weights[0].shape[0]
+    K = weights[0].shape[1 + transposed]
+    cols = [w.shape[1 + (not transposed)] for w in weights]
+    if any(w.ndim != 3 or w.shape[0] != L or w.shape[1 + transposed] != K for w in weights):
+        raise ValueError(
+            f"pack: weights must be [L, K, N] with one L and K, got {[w.shape for w in weights]}"
+        )
+    if swiglu and (len(weights) != 2 or cols[0] != cols[1]):
+        raise ValueError(
+            f"pack(swiglu=True) takes gate and up of one shape, got {[w.shape for w in weights]}"
+        )
+    P = sum(-(-n // PANEL) for n in cols)
+    out = jax.ShapeDtypeStruct((P, K, PANEL), dtype)
+    return list(
+        jax.ffi.ffi_call(_PACK_TARGET, [out] * L)(*weights, swiglu=bool(swiglu), transposed=bool(transposed))
+    )
 
 
 def matmul(x: jax.Array, packed: jax.Array, n: int, swiglu: bool = False) -> jax.Array:
-    """``x @ W`` for a few rows on CPU, W packed by ``pack_weight`` (``available()`` must be True).
+    """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
 
-    With ``swiglu`` (W from ``pack_swiglu``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates in float32
+    With ``swiglu`` (W from ``pack(..., swiglu=True)``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates in float32
     (bfloat16 weights are widened exactly); the sum order differs from XLA's dot, so results agree with it to
     float32 rounding (~1e-6 relative), not bit for bit.
 

@@ -446,45 +446,48 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> j
 
 
 def pack_decode_params(params: Params, cfg: ModelConfig) -> Params:
-    """Params with per-layer (unstacked) weights repacked for the CPU decode matmuls (``cpu_kernels.matmul``).
+    """Params repacked for the CPU decode matmuls (``cpu_kernels.matmul``), per-layer weights unrolled.
 
     Each layer's q/k/v projections become one packed [D, (N + 2K) H] matrix (``packed_qkv``), the output
     projection ``packed_wo``, gate and up one SwiGLU matrix (``packed_gate_up``), the down projection
     ``packed_down``; the LM head (tied embeddings transposed, or ``lm_head``) ``packed_lm_head``. Weights are
-    stored in ``cfg.dtype`` (the dtype XLA's path casts them to). ``forward`` and ``logits_from_hidden`` use
-    the packed weights wherever they find them; ``embed`` stays for the token lookup.
+    stored in ``cfg.dtype`` (the dtype XLA's path casts them to) and copied once, straight from stacked
+    layers (``cpu_kernels.pack``). ``forward`` and ``logits_from_hidden`` use the packed weights wherever
+    they find them; ``embed`` stays for the token lookup.
 
     Args:
-      params: params with ``layers`` a list (``convert_layout(..., scan_layers=False)``).
-      cfg: model config.
+      params: the params tree, layers stacked [L, ...] or a list.
 
     Returns:
-      a new params tree (the weights are copied once into the packed layout).
-
-    Raises:
-      ValueError: stacked layers.
+      a new params tree with ``layers`` a list of L dicts.
     """
-    if isinstance(params["layers"], dict):
-        raise ValueError("pack_decode_params takes per-layer params: convert_layout(..., scan_layers=False)")
     dtype = jnp.dtype(cfg.dtype)
-    layers = []
-    for layer in params["layers"]:
-        D = layer["wq"].shape[0]
-        qkv = jnp.concatenate([layer[name].reshape(D, -1) for name in ("wq", "wk", "wv")], axis=1)
-        layers.append(
-            {
-                "attn_norm": layer["attn_norm"],
-                "mlp_norm": layer["mlp_norm"],
-                "packed_qkv": cpu_kernels.pack_weight(qkv, dtype),
-                "packed_wo": cpu_kernels.pack_weight(layer["wo"].reshape(-1, D), dtype),
-                "packed_gate_up": cpu_kernels.pack_swiglu(layer["w_gate"], layer["w_up"], dtype),
-                "packed_down": cpu_kernels.pack_weight(layer["w_down"], dtype),
-            }
-        )
+    layers = params["layers"]
+    # groups of layers stacked [L, ...]: all of them, or each of a list on its own (a free reshape)
+    groups = [layers] if isinstance(layers, dict) else [jax.tree.map(lambda x: x[None], la) for la in layers]
+    out_layers = []
+    for group in groups:
+        L, D = group["wq"].shape[:2]
+        mat = lambda name: group[name].reshape(L, D, -1)  # noqa: E731  [L, D, heads * H]
+        qkv = cpu_kernels.pack([mat("wq"), mat("wk"), mat("wv")], dtype)
+        wo = cpu_kernels.pack([group["wo"].reshape(L, -1, D)], dtype)
+        gate_up = cpu_kernels.pack([group["w_gate"], group["w_up"]], dtype, swiglu=True)
+        down = cpu_kernels.pack([group["w_down"]], dtype)
+        for i in range(L):
+            out_layers.append(
+                {
+                    "attn_norm": group["attn_norm"][i],
+                    "mlp_norm": group["mlp_norm"][i],
+                    "packed_qkv": qkv[i],
+                    "packed_wo": wo[i],
+                    "packed_gate_up": gate_up[i],
+                    "packed_down": down[i],
+                }
+            )
     out = {name: val for name, val in params.items() if name not in ("layers", "lm_head")}
-    out["layers"] = layers
+    out["layers"] = out_layers
     if "lm_head" in params:
-        out["packed_lm_head"] = cpu_kernels.pack_weight(params["lm_head"], dtype)
+        (out["packed_lm_head"],) = cpu_kernels.pack([params["lm_head"][None]], dtype)
     else:
-        out["packed_lm_head"] = cpu_kernels.pack_weight(params["embed"], dtype, transposed=True)
+        (out["packed_lm_head"],) = cpu_kernels.pack([params["embed"][None]], dtype, transposed=True)
     return out

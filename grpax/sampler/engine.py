@@ -393,9 +393,10 @@ def decode(
     C = sc.max_completion_length
     stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
     temperature = sc.logprob_temperature
-    params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
-    if sc.decode_matmul == "kernel":
+    if sc.decode_matmul == "kernel":  # per-layer packed weights, copied straight from stacked layers
         params = pack_decode_params(params, cfg)
+    else:
+        params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
     batch_axis = 0 if sc.unroll_layers else 1
     ends = _phase_ends(sc)
     # RoPE cos/sin of every position the loop reaches (P + C slots), computed once: computed inside the step,

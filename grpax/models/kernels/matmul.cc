@@ -136,7 +136,91 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
 }
 
+// Packs weights for `matmul`: per layer l, the inputs' columns (in order, or with `swiglu` two inputs'
+// panels alternating) cut into panels of 16: out[l][p, k, j] = column 16p + j of the layer's matrix (zero
+// past its last column). Inputs are [L, K, N_i] (with `transposed` [L, N_i, K], e.g. tied embeddings
+// [V, D]), one dtype (2 or 4 bytes, copied as is); one output [P, K, 16] per layer. Work items are
+// (layer, panel) pairs shared over the thread pool: reading each input once, writing each output once.
+ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, bool swiglu,
+                bool transposed) {
+  const int64_t num_inputs = args.size(), L = rets.size();
+  if (num_inputs < 1 || L < 1 || (swiglu && num_inputs != 2))
+    return ffi::Error::InvalidArgument("pack: one or more inputs (two with swiglu) and one output per layer");
+  std::vector<const char*> data(num_inputs);
+  std::vector<int64_t> cols(num_inputs), first_panel(num_inputs + 1, 0);
+  int64_t K = -1, elem = 0;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+  for (int64_t i = 0; i < num_inputs; ++i) {
+    auto arg = args.get<ffi::AnyBuffer>(i);
+    if (!arg) return ffi::Error::InvalidArgument("pack: an input is not a buffer");
+    auto d = arg->dimensions();
+    if (d.size() != 3 || d[0] != L) return ffi::Error::InvalidArgument("pack: inputs must be [L, K, N]");
+    const int64_t k = transposed ? d[2] : d[1];
+    cols[i] = transposed ? d[1] : d[2];
+    if (i == 0) {
+      K = k;
+      dtype = arg->element_type();
+      elem = static_cast<int64_t>(ffi::ByteWidth(dtype));
+    }
+    if (k != K || arg->element_type() != dtype || (elem != 2 && elem != 4) || (swiglu && cols[i] != cols[0]))
+      return ffi::Error::InvalidArgument("pack: inputs must share K and a 2- or 4-byte dtype");
+    data[i] = static_cast<const char*>(arg->untyped_data());
+    first_panel[i + 1] = first_panel[i] + (cols[i] + kPanel - 1) / kPanel;
+  }
+  const int64_t P = first_panel[num_inputs];
+  std::vector<char*> out(L);
+  for (int64_t l = 0; l < L; ++l) {
+    auto ret = rets.get<ffi::AnyBuffer>(l);
+    if (!ret) return ffi::Error::InvalidArgument("pack: an output is not a buffer");
+    auto d = (*ret)->dimensions();
+    if (d.size() != 3 || d[0] != P || d[1] != K || d[2] != kPanel || (*ret)->element_type() != dtype)
+      return ffi::Error::InvalidArgument("pack: outputs must be [P, K, 16] in the inputs' dtype");
+    out[l] = static_cast<char*>((*ret)->untyped_data());
+  }
+  const int64_t panels_per_input = first_panel[1];  // with swiglu both inputs have as many
+  parallel_for(pool, L * P, [&](int64_t item) {
+    const int64_t l = item / P, p = item % P;  // output panel p of layer l
+    int64_t i, q;  // input and its panel
+    if (swiglu) {
+      i = p % 2;
+      q = p / 2;
+    } else {
+      i = std::upper_bound(first_panel.begin(), first_panel.end(), p) - first_panel.begin() - 1;
+      q = p - first_panel[i];
+    }
+    const int64_t N = cols[i], width = std::min<int64_t>(kPanel, N - q * kPanel);
+    const char* src = data[i] + l * N * K * elem;
+    char* dst = out[l] + (swiglu ? (2 * q + i) : p) * K * kPanel * elem;
+    if (width < kPanel) std::memset(dst, 0, K * kPanel * elem);
+    if (!transposed) {  // row k of the panel: `width` contiguous columns of row k
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(dst + k * kPanel * elem, src + (k * N + q * kPanel) * elem, width * elem);
+    } else if (elem == 4) {  // column j of the panel: row 16q + j of the [N, K] input
+      for (int64_t j = 0; j < width; ++j) {
+        const float* row = reinterpret_cast<const float*>(src) + (q * kPanel + j) * K;
+        float* d = reinterpret_cast<float*>(dst) + j;
+        for (int64_t k = 0; k < K; ++k) d[k * kPanel] = row[k];
+      }
+    } else {
+      for (int64_t j = 0; j < width; ++j) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(src) + (q * kPanel + j) * K;
+        uint16_t* d = reinterpret_cast<uint16_t*>(dst) + j;
+        for (int64_t k = 0; k < K; ++k) d[k * kPanel] = row[k];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxPack, pack,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("swiglu")
+                                  .Attr<bool>("transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                               ffi::Ffi::Bind()
