@@ -468,8 +468,7 @@ def pack_decode_params(params: Params, cfg: ModelConfig) -> Params:
     out_layers = []
     for group in groups:
         L, D = group["wq"].shape[:2]
-        mat = lambda name: group[name].reshape(L, D, -1)  # noqa: E731  [L, D, heads * H]
-        qkv = cpu_kernels.pack([mat("wq"), mat("wk"), mat("wv")], dtype)
+        qkv = cpu_kernels.pack([group[name].reshape(L, D, -1) for name in ("wq", "wk", "wv")], dtype)
         wo = cpu_kernels.pack([group["wo"].reshape(L, -1, D)], dtype)
         gate_up = cpu_kernels.pack([group["w_gate"], group["w_up"]], dtype, swiglu=True)
         down = cpu_kernels.pack([group["w_down"]], dtype)
