@@ -64,6 +64,30 @@ def test_kernel_equals_xla_decode_attention(B, K, G, H, S, dtype, scale):
     np.testing.assert_allclose(np.asarray(out[b, 0, 1]), expected, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_update_kernel_writes_the_cache_in_place_then_attends(dtype):
+    B, K, G, H, S = 4, 3, 3, 64, 37
+    q, cache_k, cache_v, positions = _case(B, K, G, H, S, dtype, 1.0)  # positions S-1, S+3 (dropped), .., 0
+    rng = np.random.default_rng(5)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((B, K, H)), dtype) for _ in range(2))
+    # XLA's scatter of the decode path (mode="drop": a slot past the cache is not written), then the kernel
+    rows = jnp.arange(B)[:, None]
+    ref_k = cache_k.at[rows, :, :, positions].set(new_k[:, None], mode="drop")
+    ref_v = cache_v.at[rows, :, positions, :].set(new_v[:, None], mode="drop")
+    q1 = q.reshape(B, K, G, H).astype(jnp.float32) / math.sqrt(H)
+    ref = cpu_kernels.decode_attention(q1, ref_k, ref_v, positions[:, 0])
+
+    @jax.jit
+    def step(q1, new_k, new_v, cache_k, cache_v, positions):
+        return cpu_kernels.decode_attention_update(q1, new_k, new_v, cache_k, cache_v, positions)
+
+    out, got_k, got_v = step(q1, new_k, new_v, cache_k, cache_v, positions[:, 0])
+    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(ref_v, np.float32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert not np.array_equal(np.asarray(got_k, np.float32), np.asarray(cache_k, np.float32))  # it wrote
+
+
 def test_kernel_needs_positions():
     q, cache_k, cache_v, positions = _case(2, 1, 2, 8, 5, jnp.float32, 1.0)
     mask = jnp.arange(5)[None, None, :] <= positions[:, :, None]

@@ -43,6 +43,7 @@ _KERNELS = Path(__file__).parent / "kernels"
 _SOURCES = (_KERNELS / "decode_attention.cc", _KERNELS / "matmul.cc")
 _HEADERS = (_KERNELS / "parallel.h", _KERNELS / "simd.h")
 _TARGET = "grpax_decode_attention"
+_UPDATE_TARGET = "grpax_decode_attention_update"
 _MATMUL_TARGET = "grpax_matmul"
 _PACK_TARGET = "grpax_pack"
 PANEL = 16  # columns per panel of a packed weight (kernels/matmul.cc)
@@ -112,6 +113,9 @@ def _load() -> str | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.GrpaxDecodeAttention), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _UPDATE_TARGET, jax.ffi.pycapsule(lib.GrpaxDecodeAttentionUpdate), platform="cpu"
+        )
         jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.GrpaxMatmul), platform="cpu")
         jax.ffi.register_ffi_target(_PACK_TARGET, jax.ffi.pycapsule(lib.GrpaxPack), platform="cpu")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
@@ -154,6 +158,52 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, posit
         raise RuntimeError(f"the CPU kernels are unavailable: {reason}")
     return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), cache_k, cache_v, positions.astype(jnp.int32)
+    )
+
+
+def decode_attention_update(
+    q: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes each row's new key and value at slot ``positions[b]``, then attends as ``decode_attention``.
+
+    The cache is updated in place (its buffers are outputs aliased to the inputs): the same cache as
+    ``cache_k.at[b, :, :, positions[b]].set(new_k[b])`` (slots past the cache dropped) without XLA's scatter,
+    which for a bfloat16 cache converted the whole cache to float32 and back around it at every step.
+
+    Args:
+      q: float32 [B, K, G, H] queries, rotated and scaled by 1/sqrt(H); G <= 8.
+      new_k, new_v: [B, K, H] in the cache dtype.
+      cache_k: [B, K, H, S]; cache_v: [B, K, S, H]; float32 or bfloat16 (both the same).
+      positions: int32 [B].
+
+    Returns:
+      (float32 [B, K, G, H], updated cache_k, updated cache_v).
+
+    Raises:
+      RuntimeError: the kernels could not be built (the reason in the message).
+    """
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {reason}")
+    shapes = (
+        jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+        jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype),
+    )
+    return tuple(
+        jax.ffi.ffi_call(_UPDATE_TARGET, shapes, input_output_aliases={3: 1, 4: 2})(
+            q.astype(jnp.float32),
+            new_k.astype(cache_k.dtype),
+            new_v.astype(cache_v.dtype),
+            cache_k,
+            cache_v,
+            positions.astype(jnp.int32),
+        )
     )
 
 

@@ -102,6 +102,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, N, H)
 
 
+def _decode_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """One query per row [B, 1, N, H] as the decode kernels take it: float32 [B, K, G, H] scaled by 1/sqrt(H)."""
+    B, _, N, H = q.shape
+    return q.reshape(B, num_kv_heads, N // num_kv_heads, H).astype(jnp.float32) / math.sqrt(H)
+
+
+def _kernel_applies(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
+    """Whether the CPU decode-attention kernel takes this step: one query per row, G <= 8, a f32/bf16 cache."""
+    kernel_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    return (
+        q.shape[1] == 1
+        and q.shape[2] // cache_k.shape[1] <= cpu_kernels.MAX_GROUP
+        and cache_k.dtype == cache_v.dtype
+        and cache_k.dtype in kernel_dtypes
+    )
+
+
 def cached_attention(
     q: jax.Array,
     cache_k: jax.Array,
@@ -137,18 +154,11 @@ def cached_attention(
     """
     B, T, N, H = q.shape
     K = cache_k.shape[1]
-    q = q.reshape(B, T, K, N // K, H)
     if T == 1:
-        q1 = q[:, 0].astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H]
+        q1 = _decode_queries(q, K)  # [B, K, G, H]
         if kernel and positions is None:
             raise ValueError("cached_attention(kernel=True) needs the query positions [B, 1]")
-        kernel_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-        if (
-            kernel
-            and N // K <= cpu_kernels.MAX_GROUP
-            and cache_k.dtype == cache_v.dtype
-            and cache_k.dtype in kernel_dtypes
-        ):
+        if kernel and _kernel_applies(q, cache_k, cache_v):
             out = cpu_kernels.decode_attention(q1, cache_k, cache_v, positions[:, 0])
             return out.reshape(B, 1, N, H).astype(q.dtype)
         scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
@@ -156,6 +166,7 @@ def cached_attention(
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
         out = jnp.einsum("BKGS,BKSH->BKGH", probs, cache_v, preferred_element_type=jnp.float32)
         return out.reshape(B, 1, N, H).astype(q.dtype)
+    q = q.reshape(B, T, K, N // K, H)
     # Several queries per row (a padded prefill, once per rollout): the plain attention on the cache turned
     # to [B, S, K, H], in float32 (XLA:CPU rejects some bf16 x bf16 -> f32 batched dots of this layout).
     k = cache_k.transpose(0, 3, 1, 2).astype(jnp.float32)  # [B, S, K, H]
@@ -257,7 +268,19 @@ def _layer(
         v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
     q = rotate(q, *rope)
     k = rotate(k, *rope)
-    if cache_k is not None:
+    if (
+        cache_k is not None
+        and index is None
+        and packed is None
+        and decode_kernel
+        and _kernel_applies(q, cache_k, cache_v)
+    ):
+        # one query per row into per-layer buffers: the kernel writes the new key/value in place and attends
+        attn, cache_k, cache_v = cpu_kernels.decode_attention_update(
+            _decode_queries(q, cache_k.shape[1]), k[:, 0], v[:, 0], cache_k, cache_v, positions[:, 0]
+        )
+        attn = attn.reshape(B, 1, -1, cfg.head_dim).astype(q.dtype)
+    elif cache_k is not None:
         rows = jnp.arange(B)[:, None] if packed is None else packed[0][None, :]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
         if index is None:

@@ -1,4 +1,6 @@
 // Decode attention on CPU: one query per row over a KV cache in the decode layout, read in place.
+// GrpaxDecodeAttentionUpdate first writes the step's new key and value of each row at slot positions[b] (the
+// cache is updated in place: its buffers are the call's outputs aliased to its inputs), then attends.
 //
 // out[b, k, g, :] = softmax_s(q[b, k, g, :] . keys[b, k, :, s]) @ values[b, k, s, :] over slots
 // s = 0 .. positions[b] (inclusive), the same as grpax.models.llama.cached_attention with T == 1.
@@ -118,10 +120,12 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
   }
 }
 
+// Attends (and with new_keys/new_values first writes them at slot positions[b] of keys/values, in place:
+// the cache buffers are the call's outputs, aliased to its inputs).
 template <typename T>
-ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
-                                 ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
-                                 ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error decode_attention_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer* new_keys,
+                                 ffi::AnyBuffer* new_values, ffi::AnyBuffer& keys, ffi::AnyBuffer& values,
+                                 ffi::Buffer<ffi::S32>& positions, float* op, T* keys_out, T* values_out) {
   auto qd = q.dimensions();  // [B, K, G, H]
   auto kd = keys.dimensions();  // [B, K, H, S]
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("decode_attention: rank 4 expected");
@@ -129,14 +133,32 @@ ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, 
   if (kd[0] != B || kd[1] != K || kd[2] != H || G > kMaxGroup)
     return ffi::Error::InvalidArgument("decode_attention: keys must be [B, K, H, S] with G <= 8");
   const float* qp = q.typed_data();
+  const int32_t* pos = positions.typed_data();
   const T* kp = reinterpret_cast<const T*>(keys.untyped_data());
   const T* vp = reinterpret_cast<const T*>(values.untyped_data());
-  const int32_t* pos = positions.typed_data();
-  float* op = out->typed_data();
+  const T* nk = nullptr;
+  const T* nv = nullptr;
+  if (new_keys != nullptr) {
+    if (new_keys->element_count() != B * K * H || new_values->element_count() != B * K * H ||
+        new_keys->element_type() != keys.element_type() || new_values->element_type() != keys.element_type())
+      return ffi::Error::InvalidArgument("decode_attention: new keys/values must be [B, K, H] in the cache dtype");
+    nk = reinterpret_cast<const T*>(new_keys->untyped_data());
+    nv = reinterpret_cast<const T*>(new_values->untyped_data());
+    // The outputs alias the inputs (input_output_aliases); should XLA ever give fresh buffers, fill them.
+    if (keys_out != kp) std::memcpy(keys_out, kp, B * K * H * S * sizeof(T));
+    if (values_out != vp) std::memcpy(values_out, vp, B * K * S * H * sizeof(T));
+    kp = keys_out;
+    vp = values_out;
+  }
 
   parallel_for(pool, B * K, [&](int64_t i) {
     thread_local std::vector<float> scores;
     const int64_t b = i / K;
+    if (nk != nullptr && pos[b] >= 0 && pos[b] < S) {  // a slot past the cache is dropped, as XLA's scatter
+      T* key_rows = keys_out + i * H * S;
+      for (int64_t h = 0; h < H; ++h) key_rows[h * S + pos[b]] = nk[i * H + h];
+      std::memcpy(values_out + (i * S + pos[b]) * H, nv + i * H, H * sizeof(T));
+    }
     const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b]) + 1, 1, S);
     attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, n, scores);
   });
@@ -150,9 +172,31 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     return ffi::Error::InvalidArgument("decode_attention: keys and values must share a dtype");
   switch (keys.element_type()) {
     case ffi::DataType::F32:
-      return decode_attention_impl<float>(pool, q, keys, values, positions, out);
+      return decode_attention_impl<float>(pool, q, nullptr, nullptr, keys, values, positions, out->typed_data(),
+                                          nullptr, nullptr);
     case ffi::DataType::BF16:
-      return decode_attention_impl<uint16_t>(pool, q, keys, values, positions, out);
+      return decode_attention_impl<uint16_t>(pool, q, nullptr, nullptr, keys, values, positions,
+                                             out->typed_data(), nullptr, nullptr);
+    default:
+      return ffi::Error::InvalidArgument("decode_attention: cache dtype must be float32 or bfloat16");
+  }
+}
+
+ffi::Error decode_attention_update(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer new_keys,
+                                   ffi::AnyBuffer new_values, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                                   ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
+  if (keys.element_type() != values.element_type())
+    return ffi::Error::InvalidArgument("decode_attention: keys and values must share a dtype");
+  switch (keys.element_type()) {
+    case ffi::DataType::F32:
+      return decode_attention_impl<float>(pool, q, &new_keys, &new_values, keys, values, positions,
+                                          out->typed_data(), static_cast<float*>(keys_out->untyped_data()),
+                                          static_cast<float*>(values_out->untyped_data()));
+    case ffi::DataType::BF16:
+      return decode_attention_impl<uint16_t>(pool, q, &new_keys, &new_values, keys, values, positions,
+                                             out->typed_data(), static_cast<uint16_t*>(keys_out->untyped_data()),
+                                             static_cast<uint16_t*>(values_out->untyped_data()));
     default:
       return ffi::Error::InvalidArgument("decode_attention: cache dtype must be float32 or bfloat16");
   }
@@ -168,3 +212,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxDecodeAttention, decode_attention,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxDecodeAttentionUpdate, decode_attention_update,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
