@@ -249,7 +249,10 @@ def _layer(
     queries attend over the cache. With ``packed=(rows, window)`` x is one packed sequence [1, T, D] of
     several rows' prompts (``rows`` [T] each token's cache row): tokens are written at (rows[t],
     positions[0, t]) and attend within their row (``packed_attention``). ``decode_kernel`` selects the CPU
-    decode-attention kernel for one query per row (``cached_attention``).
+    decode-attention kernel for one query per row: into per-layer buffers it also writes the new key/value in
+    place (``cpu_kernels.decode_attention_update``), into stacked ones XLA scatters them
+    (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
+    MLP on the CPU matmul kernel (``cpu_kernels.matmul``).
     """
     dtype = jnp.dtype(cfg.dtype)
     packed_weights = "packed_qkv" in layer  # the CPU decode layout of pack_decode_params

@@ -6,8 +6,9 @@ cache of ``P_bucket + C`` slots at most (slot == position, each row at its own l
 token. On one device the prefill packs the prompts back to back (no FLOPs on padding; each token attends
 within its own prompt); under a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The decode
 runs in phases of ``decode_phase_length`` steps, each on a cache just long enough for it (grown between
-phases), so attention work follows the filled length. On one CPU device the decode attention is a C++
-kernel (``grpax.models.cpu_kernels``) that reads only each row's filled slots; elsewhere it is XLA's.
+phases), so attention work follows the filled length. On one CPU device the decode step runs on C++ kernels
+(``grpax.models.cpu_kernels``): attention that writes the new key/value in place and reads only each row's
+filled slots, and matmuls against weights repacked once per call into column panels; elsewhere XLA's ops.
 Prefill and decode are two compiled functions; the cache passes from one to the other and lives in the
 decode loop's carry, where XLA updates it in place: one copy per phase, none per step (a donated input
 cannot help: XLA aliases donations only to outputs of the same shape). By default the decode runs with

@@ -42,14 +42,15 @@ inline v8 load_weights(const uint16_t* p) {  // 8 bfloat16 -> float32: the high 
   return r;
 }
 
-// out[r, 0:16] = x[r, :] @ panel for MR rows of x (row stride K); the panel is [K, 16].
+// out[r, 0:16] = x[r, :] @ panel for MR rows of x (row stride K); the panel is [K, 16]. One cache line a row
+// (64 bytes: a float32 panel row, two bfloat16 rows) of `fetch` is prefetched per panel row.
 template <typename T, int MR>
-inline void tile(const float* x, const T* panel, int64_t K, float* out, bool prefetch) {
+inline void tile(const float* x, const T* panel, int64_t K, float* out, const T* fetch) {
   v8 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = splat(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     const T* w = panel + k * kPanel;
-    if (prefetch) __builtin_prefetch(w + kAhead * kPanel);  // one cache line of float32 per panel row
+    if (fetch != nullptr) __builtin_prefetch(fetch + k * kPanel);
     const v8 w0 = load_weights(w), w1 = load_weights(w + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -64,19 +65,23 @@ inline void tile(const float* x, const T* panel, int64_t K, float* out, bool pre
   }
 }
 
-// out[M, 16] = x[M, K] @ panel. The first tile reads the panel from memory (and prefetches ahead); the
-// others find it in cache.
+// out[M, 16] = x[M, K] @ panel. The first tile reads the panel from memory (prefetching its own rows ahead);
+// the second prefetches `next` (the panel this thread multiplies next, or null) while it computes from
+// cache, so that memory keeps streaming during the compute-only tiles.
 template <typename T>
-void panel_product(const float* x, int64_t M, const T* panel, int64_t K, float* out) {
-  bool prefetch = true;
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows, prefetch = false) tile<T, kRows>(x + m * K, panel, K, out + m * kPanel, prefetch);
+void panel_product(const float* x, int64_t M, const T* panel, const T* next, int64_t K, float* out) {
+  int64_t m = 0, t = 0;
+  auto fetch = [&](int64_t tile_index) -> const T* {
+    if (tile_index == 0) return panel + kAhead * kPanel;
+    return tile_index == 1 ? next : nullptr;
+  };
+  for (; m + kRows <= M; m += kRows, ++t) tile<T, kRows>(x + m * K, panel, K, out + m * kPanel, fetch(t));
   switch (M - m) {
-    case 5: tile<T, 5>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
-    case 4: tile<T, 4>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
-    case 3: tile<T, 3>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
-    case 2: tile<T, 2>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
-    case 1: tile<T, 1>(x + m * K, panel, K, out + m * kPanel, prefetch); break;
+    case 5: tile<T, 5>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
+    case 4: tile<T, 4>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
+    case 3: tile<T, 3>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
+    case 2: tile<T, 2>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
+    case 1: tile<T, 1>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
     default: break;
   }
 }
@@ -106,20 +111,28 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   const float* xp = x.typed_data();
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
-  parallel_for(pool, panels, [&](int64_t p) {
+  // Items are runs of consecutive output panels, so a thread knows the panel it multiplies next.
+  const int64_t run = std::max<int64_t>(1, panels / (8 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t step = gated ? 2 : 1;  // input panels per output panel
+  parallel_for(pool, (panels + run - 1) / run, [&](int64_t item) {
     thread_local std::vector<float> buf;
     buf.resize(2 * M * kPanel);
     float* a = buf.data();
     float* b = a + M * kPanel;
-    if (gated) {
-      panel_product<T>(xp, M, wp + (2 * p) * K * kPanel, K, a);
-      panel_product<T>(xp, M, wp + (2 * p + 1) * K * kPanel, K, b);
-      for (int64_t i = 0; i < M * kPanel; i += kW) store(a + i, swiglu(load(a + i), load(b + i)));
-    } else {
-      panel_product<T>(xp, M, wp + p * K * kPanel, K, a);
+    const int64_t end = std::min(panels, (item + 1) * run);
+    for (int64_t p = item * run; p < end; ++p) {
+      const T* first = wp + step * p * K * kPanel;
+      const T* after_last = p + 1 < end ? wp + step * (p + 1) * K * kPanel : nullptr;
+      if (gated) {
+        panel_product<T>(xp, M, first, first + K * kPanel, K, a);
+        panel_product<T>(xp, M, first + K * kPanel, after_last, K, b);
+        for (int64_t i = 0; i < M * kPanel; i += kW) store(a + i, swiglu(load(a + i), load(b + i)));
+      } else {
+        panel_product<T>(xp, M, first, after_last, K, a);
+      }
+      const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, N - n0);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, a + m * kPanel, width * sizeof(float));
     }
-    const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, N - n0);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, a + m * kPanel, width * sizeof(float));
   });
   return ffi::Error::Success();
 }
