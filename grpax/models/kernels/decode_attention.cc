@@ -49,8 +49,8 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
       __builtin_prefetch(row + kV * kW);
       __builtin_prefetch(row + kV * kW + 16);
       v8 kv[kV];
-      if (width == kV * kW && sizeof(T) == sizeof(float)) {
-        for (int64_t j = 0; j < kV; ++j) kv[j] = load(reinterpret_cast<const float*>(row) + j * kW);
+      if (width == kV * kW) {
+        for (int64_t j = 0; j < kV; ++j) kv[j] = load8(row + j * kW);
       } else {
         float tmp[kV * kW] = {0};
         for (int64_t i = 0; i < width; ++i) tmp[i] = to_float(row[i]);
@@ -96,8 +96,8 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
       __builtin_prefetch(row + 8 * H + 16);
       v8 vv[4];
       for (int64_t j = 0; j < nv; ++j) {
-        if (sizeof(T) == sizeof(float) && (j + 1) * kW <= hw) {
-          vv[j] = load(reinterpret_cast<const float*>(row) + j * kW);
+        if ((j + 1) * kW <= hw) {
+          vv[j] = load8(row + j * kW);
         } else {
           float tmp[kW] = {0};
           for (int64_t i = 0; i < kW && j * kW + i < hw; ++i) tmp[i] = to_float(row[j * kW + i]);

@@ -30,18 +30,6 @@ constexpr int kPanel = 16;  // columns per panel: two vectors
 constexpr int kRows = 6;    // rows per register tile
 constexpr int kAhead = 32;  // panel rows prefetched ahead (2 KB of float32 weights)
 
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-inline v8 load_weights(const float* p) { return load(p); }
-inline v8 load_weights(const uint16_t* p) {  // 8 bfloat16 -> float32: the high halves of the floats
-  v8h h;
-  std::memcpy(&h, p, sizeof(h));
-  v8i bits = __builtin_convertvector(h, v8i) << 16;
-  v8 r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return r;
-}
-
 // out[r, 0:16] = x[r, :] @ panel for MR rows of x (row stride K); the panel is [K, 16]. One cache line a row
 // (64 bytes: a float32 panel row, two bfloat16 rows) of `fetch` is prefetched per panel row.
 template <typename T, int MR>
@@ -51,7 +39,7 @@ inline void tile(const float* x, const T* panel, int64_t K, float* out, const T*
   for (int64_t k = 0; k < K; ++k) {
     const T* w = panel + k * kPanel;
     if (fetch != nullptr) __builtin_prefetch(fetch + k * kPanel);
-    const v8 w0 = load_weights(w), w1 = load_weights(w + 8);
+    const v8 w0 = load8(w), w1 = load8(w + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const v8 xr = splat(x[r * K + k]);

@@ -20,6 +20,19 @@ inline v8 load(const float* p) {
 
 inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
 
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+// 8 consecutive values as float32: float32 as they are, bfloat16 widened (the high halves of the floats).
+inline v8 load8(const float* p) { return load(p); }
+inline v8 load8(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  v8i bits = __builtin_convertvector(h, v8i) << 16;
+  v8 r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
   uint32_t bits = static_cast<uint32_t>(x) << 16;
