@@ -175,6 +175,8 @@ def test_pack_layout(dtype):
         cpu_kernels.pack([a, b], swiglu=True)
     with pytest.raises(ValueError, match="one L and K"):
         cpu_kernels.pack([a, b[:, :4]])
+    with pytest.raises(ValueError, match=r"must be \[L, K, N\]"):
+        cpu_kernels.pack([a[0]])
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 The only module that knows Hugging Face weight names. HF stores linear weights as ``[out, in]``; grpax stores
 them ``[in, out]`` with heads split (``wq`` [D, N, H]). Q and K keep HF's rotate-half row order, which is the
-layout ``grpax.models.llama.apply_rope`` uses, so no permutation is needed here (GGUF files differ: see
+layout ``grpax.models.llama.rotate`` uses, so no permutation is needed here (GGUF files differ: see
 ``grpax.checkpoint.gguf``).
 """
 

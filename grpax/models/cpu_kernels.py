@@ -230,12 +230,14 @@ def pack(
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"the CPU kernels are unavailable: {reason}")
+    if any(w.ndim != 3 for w in weights):
+        raise ValueError(f"pack: weights must be [L, K, N], got {[w.shape for w in weights]}")
     dtype = jnp.dtype(dtype or weights[0].dtype)
     weights = [w.astype(dtype) for w in weights]
     L = weights[0].shape[0]
     K = weights[0].shape[1 + transposed]
     cols = [w.shape[1 + (not transposed)] for w in weights]
-    if any(w.ndim != 3 or w.shape[0] != L or w.shape[1 + transposed] != K for w in weights):
+    if any(w.shape[0] != L or w.shape[1 + transposed] != K for w in weights):
         raise ValueError(
             f"pack: weights must be [L, K, N] with one L and K, got {[w.shape for w in weights]}"
         )
@@ -253,9 +255,9 @@ def pack(
 def matmul(x: jax.Array, packed: jax.Array, n: int, swiglu: bool = False) -> jax.Array:
     """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
 
-    With ``swiglu`` (W from ``pack(..., swiglu=True)``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates in float32
-    (bfloat16 weights are widened exactly); the sum order differs from XLA's dot, so results agree with it to
-    float32 rounding (~1e-6 relative), not bit for bit.
+    With ``swiglu`` (W from ``pack(..., swiglu=True)``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates
+    in float32 (bfloat16 weights are widened exactly); the sum order differs from XLA's dot, so results agree
+    with it to float32 rounding (~1e-6 relative), not bit for bit.
 
     Args:
       x: [..., K], any float dtype (computed in float32).

@@ -69,11 +69,6 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates ``x`` [B, T, heads, H] by ``positions`` int [B, T] (rotate-half layout, as HF Llama)."""
-    return rotate(x, *rope_tables(positions, inv_freq))
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019) in float32, cast back to ``x.dtype`` before the weight, as HF does."""
     x32 = x.astype(jnp.float32)

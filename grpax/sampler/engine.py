@@ -50,7 +50,7 @@ from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_log
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("left", "drop")
-DECODE_ATTENTIONS = ("auto", "kernel", "xla")
+KERNEL_CHOICES = ("auto", "kernel", "xla")  # decode_attention and decode_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +101,10 @@ class SamplerConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
-        if self.decode_attention not in DECODE_ATTENTIONS:
-            raise ValueError(
-                f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTIONS}"
-            )
-        if self.decode_matmul not in DECODE_ATTENTIONS:
-            raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {DECODE_ATTENTIONS}")
+        if self.decode_attention not in KERNEL_CHOICES:
+            raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {KERNEL_CHOICES}")
+        if self.decode_matmul not in KERNEL_CHOICES:
+            raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_phase_length < 0:
             raise ValueError(
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
