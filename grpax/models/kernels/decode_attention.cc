@@ -139,7 +139,8 @@ ffi::Error decode_attention_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q
   const T* nk = nullptr;
   const T* nv = nullptr;
   if (new_keys != nullptr) {
-    if (new_keys->element_count() != B * K * H || new_values->element_count() != B * K * H ||
+    const size_t count = static_cast<size_t>(B * K * H);
+    if (new_keys->element_count() != count || new_values->element_count() != count ||
         new_keys->element_type() != keys.element_type() || new_values->element_type() != keys.element_type())
       return ffi::Error::InvalidArgument("decode_attention: new keys/values must be [B, K, H] in the cache dtype");
     nk = reinterpret_cast<const T*>(new_keys->untyped_data());
@@ -165,41 +166,41 @@ ffi::Error decode_attention_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q
   return ffi::Error::Success();
 }
 
-ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
-                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
-                            ffi::ResultBuffer<ffi::F32> out) {
+// Calls run(T{}) with T the cache's element type: float (float32) or uint16_t (bfloat16 bits).
+template <typename Run>
+ffi::Error by_cache_type(const ffi::AnyBuffer& keys, const ffi::AnyBuffer& values, Run run) {
   if (keys.element_type() != values.element_type())
     return ffi::Error::InvalidArgument("decode_attention: keys and values must share a dtype");
   switch (keys.element_type()) {
     case ffi::DataType::F32:
-      return decode_attention_impl<float>(pool, q, nullptr, nullptr, keys, values, positions, out->typed_data(),
-                                          nullptr, nullptr);
+      return run(float{});
     case ffi::DataType::BF16:
-      return decode_attention_impl<uint16_t>(pool, q, nullptr, nullptr, keys, values, positions,
-                                             out->typed_data(), nullptr, nullptr);
+      return run(uint16_t{});
     default:
       return ffi::Error::InvalidArgument("decode_attention: cache dtype must be float32 or bfloat16");
   }
+}
+
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> positions,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  return by_cache_type(keys, values, [&](auto zero) {
+    using T = decltype(zero);
+    return decode_attention_impl<T>(pool, q, nullptr, nullptr, keys, values, positions, out->typed_data(),
+                                    nullptr, nullptr);
+  });
 }
 
 ffi::Error decode_attention_update(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer new_keys,
                                    ffi::AnyBuffer new_values, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                                    ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
                                    ffi::Result<ffi::AnyBuffer> keys_out, ffi::Result<ffi::AnyBuffer> values_out) {
-  if (keys.element_type() != values.element_type())
-    return ffi::Error::InvalidArgument("decode_attention: keys and values must share a dtype");
-  switch (keys.element_type()) {
-    case ffi::DataType::F32:
-      return decode_attention_impl<float>(pool, q, &new_keys, &new_values, keys, values, positions,
-                                          out->typed_data(), static_cast<float*>(keys_out->untyped_data()),
-                                          static_cast<float*>(values_out->untyped_data()));
-    case ffi::DataType::BF16:
-      return decode_attention_impl<uint16_t>(pool, q, &new_keys, &new_values, keys, values, positions,
-                                             out->typed_data(), static_cast<uint16_t*>(keys_out->untyped_data()),
-                                             static_cast<uint16_t*>(values_out->untyped_data()));
-    default:
-      return ffi::Error::InvalidArgument("decode_attention: cache dtype must be float32 or bfloat16");
-  }
+  return by_cache_type(keys, values, [&](auto zero) {
+    using T = decltype(zero);
+    return decode_attention_impl<T>(pool, q, &new_keys, &new_values, keys, values, positions, out->typed_data(),
+                                    static_cast<T*>(keys_out->untyped_data()),
+                                    static_cast<T*>(values_out->untyped_data()));
+  });
 }
 
 }  // namespace

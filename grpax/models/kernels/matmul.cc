@@ -2,7 +2,7 @@
 //
 // A decode step multiplies a few rows (M = batch) by every weight matrix, so its cost is streaming the
 // weights from memory, not arithmetic. W comes packed as [P, K, 16] (P = ceil(N / 16) panels of 16 columns,
-// zero padded; grpax.models.cpu_kernels.pack_weight): each panel is one contiguous run of memory, read once
+// zero padded; grpax.models.cpu_kernels.pack): each panel is one contiguous run of memory, read once
 // per call and shared out over XLA's intra-op thread pool. A panel is multiplied in blocks of up to 6 rows
 // held in 12 vector registers (6 rows x 16 columns, the register tile of BLIS-style AVX2 kernels) while the
 // panel's next rows are prefetched. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves
@@ -137,6 +137,13 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
 }
 
+// panel[k, j] = rows[j, k] for j < width: a panel of a transposed input from `width` rows of length K.
+template <typename T>
+void copy_columns(const T* rows, T* panel, int64_t K, int64_t width) {
+  for (int64_t j = 0; j < width; ++j)
+    for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = rows[j * K + k];
+}
+
 // Packs weights for `matmul`: per layer l, the inputs' columns (in order, or with `swiglu` two inputs'
 // panels alternating) cut into panels of 16: out[l][p, k, j] = column 16p + j of the layer's matrix (zero
 // past its last column). Inputs are [L, K, N_i] (with `transposed` [L, N_i, K], e.g. tied embeddings
@@ -178,7 +185,6 @@ ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRet
       return ffi::Error::InvalidArgument("pack: outputs must be [P, K, 16] in the inputs' dtype");
     out[l] = static_cast<char*>((*ret)->untyped_data());
   }
-  const int64_t panels_per_input = first_panel[1];  // with swiglu both inputs have as many
   parallel_for(pool, L * P, [&](int64_t item) {
     const int64_t l = item / P, p = item % P;  // output panel p of layer l
     int64_t i, q;  // input and its panel
@@ -197,17 +203,10 @@ ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRet
       for (int64_t k = 0; k < K; ++k)
         std::memcpy(dst + k * kPanel * elem, src + (k * N + q * kPanel) * elem, width * elem);
     } else if (elem == 4) {  // column j of the panel: row 16q + j of the [N, K] input
-      for (int64_t j = 0; j < width; ++j) {
-        const float* row = reinterpret_cast<const float*>(src) + (q * kPanel + j) * K;
-        float* d = reinterpret_cast<float*>(dst) + j;
-        for (int64_t k = 0; k < K; ++k) d[k * kPanel] = row[k];
-      }
+      copy_columns(reinterpret_cast<const float*>(src) + q * kPanel * K, reinterpret_cast<float*>(dst), K, width);
     } else {
-      for (int64_t j = 0; j < width; ++j) {
-        const uint16_t* row = reinterpret_cast<const uint16_t*>(src) + (q * kPanel + j) * K;
-        uint16_t* d = reinterpret_cast<uint16_t*>(dst) + j;
-        for (int64_t k = 0; k < K; ++k) d[k * kPanel] = row[k];
-      }
+      copy_columns(reinterpret_cast<const uint16_t*>(src) + q * kPanel * K, reinterpret_cast<uint16_t*>(dst), K,
+                   width);
     }
   });
   return ffi::Error::Success();
