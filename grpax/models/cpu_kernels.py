@@ -48,7 +48,7 @@ _UPDATE_TARGET = "grpax_decode_attention_update"
 _MATMUL_TARGET = "grpax_matmul"
 _PACK_TARGET = "grpax_pack"
 PANEL = 16  # columns per panel of a packed weight (kernels/matmul.cc)
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
+_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 MAX_GROUP = 8  # query heads per kv head the kernel supports
 
 

@@ -14,6 +14,7 @@
 // Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -26,59 +27,66 @@ namespace {
 
 using namespace grpax;
 
-constexpr int kPanel = 16;  // columns per panel: two vectors
-constexpr int kRows = 6;    // rows per register tile
+constexpr int kPanel = 16;  // columns per panel
 constexpr int kAhead = 32;  // panel rows prefetched ahead (2 KB of float32 weights)
+// Register tiles: rows x panels of float32 accumulators, two vectors a row. With AVX-512 (16 lanes) a tile is
+// 12 rows x 2 panels (24 of the 32 vector registers), so each weight load feeds 12 FMAs and each broadcast
+// 2; with 8 lanes it is 6 rows x 1 panel (12 of 16 registers, the BLIS-style AVX2 tile).
+constexpr int kVectorsPerPanel = kPanel / kLanes;
+constexpr int kBlockPanels = 2 / kVectorsPerPanel;  // panels in one tile
+constexpr int kRows = kLanes == 16 ? 12 : 6;
 
-// out[r, 0:16] = x[r, :] @ panel for MR rows of x (row stride K); the panel is [K, 16]. One cache line a row
-// (64 bytes: a float32 panel row, two bfloat16 rows) of `fetch` is prefetched per panel row.
-template <typename T, int MR>
-inline void tile(const float* x, const T* panel, int64_t K, float* out, const T* fetch) {
-  v8 lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = splat(0.0f);
+// out[r, 0:16 NP] = x[r, :] @ [NP panels] for MR rows of x, given transposed: x[r, k] at xt[k * M + r];
+// panel j is panel + j * K * 16.
+// One cache line a row (64 bytes: a float32 panel row, two bfloat16 rows) of each panel of `fetch` is
+// prefetched per panel row.
+template <typename T, int MR, int NP>
+inline void tile(const float* xt, int64_t M, const T* panel, int64_t K, float* out, const T* fetch) {
+  constexpr int NV = NP * kVectorsPerPanel;
+  vec acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vec{};
   for (int64_t k = 0; k < K; ++k) {
-    const T* w = panel + k * kPanel;
-    if (fetch != nullptr) __builtin_prefetch(fetch + k * kPanel);
-    const v8 w0 = load8(w), w1 = load8(w + 8);
-#pragma GCC unroll 8
+    vec w[NV];
+    for (int j = 0; j < NV; ++j) {
+      const int64_t offset = (j / kVectorsPerPanel) * K * kPanel + k * kPanel + (j % kVectorsPerPanel) * kLanes;
+      w[j] = loadv(panel + offset);
+      if (fetch != nullptr && j % kVectorsPerPanel == 0) __builtin_prefetch(fetch + offset);
+    }
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const v8 xr = splat(x[r * K + k]);
-      lo[r] += xr * w0;
-      hi[r] += xr * w1;
+      const vec xr = splatv(xt[k * M + r]);
+      for (int j = 0; j < NV; ++j) acc[r][j] += xr * w[j];
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    store(out + r * kPanel, lo[r]);
-    store(out + r * kPanel + 8, hi[r]);
-  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) storev(out + r * NP * kPanel + j * kLanes, acc[r][j]);
 }
 
-// out[M, 16] = x[M, K] @ panel. The first tile reads the panel from memory (prefetching its own rows ahead);
-// the second prefetches `next` (the panel this thread multiplies next, or null) while it computes from
-// cache, so that memory keeps streaming during the compute-only tiles.
-template <typename T>
-void panel_product(const float* x, int64_t M, const T* panel, const T* next, int64_t K, float* out) {
+// out[M, 16 NP] = x[M, K] @ [NP panels] (x transposed, xt [K, M]). The first tile reads the panels from memory (prefetching their own
+// rows ahead); the second prefetches `next` (the panels this thread multiplies next, or null) while it
+// computes from cache, so that memory keeps streaming during the compute-only tiles.
+template <typename T, int NP>
+void panel_product(const float* xt, int64_t M, const T* panel, const T* next, int64_t K, float* out) {
   int64_t m = 0, t = 0;
   auto fetch = [&](int64_t tile_index) -> const T* {
     if (tile_index == 0) return panel + kAhead * kPanel;
     return tile_index == 1 ? next : nullptr;
   };
-  for (; m + kRows <= M; m += kRows, ++t) tile<T, kRows>(x + m * K, panel, K, out + m * kPanel, fetch(t));
-  switch (M - m) {
-    case 5: tile<T, 5>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
-    case 4: tile<T, 4>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
-    case 3: tile<T, 3>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
-    case 2: tile<T, 2>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
-    case 1: tile<T, 1>(x + m * K, panel, K, out + m * kPanel, fetch(t)); break;
-    default: break;
-  }
+  constexpr int64_t stride = NP * kPanel;
+  for (; m + kRows <= M; m += kRows, ++t) tile<T, kRows, NP>(xt + m, M, panel, K, out + m * stride, fetch(t));
+  const int64_t rest = M - m;
+  if (rest == 0) return;
+  [&]<int... R>(std::integer_sequence<int, R...>) {
+    ((rest == R + 1 ? tile<T, R + 1, NP>(xt + m, M, panel, K, out + m * stride, fetch(t)) : void()), ...);
+  }(std::make_integer_sequence<int, kRows - 1>{});
 }
 
 // silu(g) * u = g * sigmoid(g) * u, sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, else e / (1 + e).
-inline v8 swiglu(v8 g, v8 u) {
-  const v8 zero = splat(0.0f);
-  const v8 e = exp_nonpositive(g < zero ? g : -g);
-  const v8 s = (g < zero ? e : splat(1.0f)) / (splat(1.0f) + e);
+inline vec swiglu(vec g, vec u) {
+  const vec zero = vec{};
+  const vec e = exp_nonpositive(g < zero ? g : -g);
+  const vec s = (g < zero ? e : zero + 1.0f) / (1.0f + e);
   return g * s * u;
 }
 
@@ -96,30 +104,53 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != M || yd[1] != N)
     return ffi::Error::InvalidArgument("matmul: the output must be [M, n]");
-  const float* xp = x.typed_data();
+  // x transposed once per call, so a tile's broadcasts of one k come from one run: xt[k * M + r].
+  thread_local std::vector<float> xt_buf;
+  xt_buf.resize(M * K);
+  float* xt = xt_buf.data();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x.typed_data()[m * K + k];
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
-  // Items are runs of consecutive output panels, so a thread knows the panel it multiplies next.
-  const int64_t run = std::max<int64_t>(1, panels / (8 * std::max<int64_t>(1, pool.num_threads())));
-  const int64_t step = gated ? 2 : 1;  // input panels per output panel
-  parallel_for(pool, (panels + run - 1) / run, [&](int64_t item) {
+  // A block is the output panels one tile covers: kBlockPanels of them, or one with `gated` (its gate and up
+  // input panels). Items are runs of consecutive blocks, so a thread knows the panels it multiplies next.
+  const int64_t per_block = gated ? 1 : kBlockPanels;  // output panels per block
+  const int64_t blocks = (panels + per_block - 1) / per_block;
+  const int64_t run = std::max<int64_t>(1, blocks / (8 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t in_per_out = gated ? 2 : 1;  // input panels per output panel
+  parallel_for(pool, (blocks + run - 1) / run, [&](int64_t item) {
     thread_local std::vector<float> buf;
     buf.resize(2 * M * kPanel);
     float* a = buf.data();
-    float* b = a + M * kPanel;
-    const int64_t end = std::min(panels, (item + 1) * run);
-    for (int64_t p = item * run; p < end; ++p) {
-      const T* first = wp + step * p * K * kPanel;
-      const T* after_last = p + 1 < end ? wp + step * (p + 1) * K * kPanel : nullptr;
-      if (gated) {
-        panel_product<T>(xp, M, first, first + K * kPanel, K, a);
-        panel_product<T>(xp, M, first + K * kPanel, after_last, K, b);
-        for (int64_t i = 0; i < M * kPanel; i += kW) store(a + i, swiglu(load(a + i), load(b + i)));
-      } else {
-        panel_product<T>(xp, M, first, after_last, K, a);
+    const int64_t end = std::min(blocks, (item + 1) * run);
+    for (int64_t blk = item * run; blk < end; ++blk) {
+      const int64_t p0 = blk * per_block;  // first output panel
+      const int64_t count = std::min(per_block, panels - p0);
+      const int64_t in_panels = count * in_per_out;
+      const T* first = wp + in_per_out * p0 * K * kPanel;
+      const T* after_last = blk + 1 < end ? first + in_panels * K * kPanel : nullptr;
+      // a = x @ the block's input panels: [M, 16 in_panels].
+      if (in_panels == kBlockPanels) {
+        panel_product<T, kBlockPanels>(xt, M, first, after_last, K, a);
+      } else {  // one panel (the last block with AVX-512) or, with 8 lanes, a gated pair taken one by one
+        for (int64_t j = 0; j < in_panels; ++j) {
+          const T* next = j + 1 < in_panels ? first + (j + 1) * K * kPanel : after_last;
+          panel_product<T, 1>(xt, M, first + j * K * kPanel, next, K, a + j * M * kPanel);
+        }
       }
-      const int64_t n0 = p * kPanel, width = std::min<int64_t>(kPanel, N - n0);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + n0, a + m * kPanel, width * sizeof(float));
+      const int64_t width = std::min<int64_t>(count * kPanel, N - p0 * kPanel);
+      if (gated) {  // gate and up of each row: [M, 32] from one tile, or [M, 16] twice
+        const bool one_tile = in_panels == kBlockPanels;
+        for (int64_t m = 0; m < M; ++m) {
+          float* g = one_tile ? a + m * 2 * kPanel : a + m * kPanel;
+          const float* u = one_tile ? g + kPanel : a + (M + m) * kPanel;
+          for (int64_t i = 0; i < kPanel; i += kLanes) storev(g + i, swiglu(loadv(g + i), loadv(u + i)));
+          std::memcpy(yp + m * N + p0 * kPanel, g, width * sizeof(float));
+        }
+      } else {
+        const int64_t stride = in_panels * kPanel;
+        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + p0 * kPanel, a + m * stride, width * sizeof(float));
+      }
     }
   });
   return ffi::Error::Success();

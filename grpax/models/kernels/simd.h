@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace grpax {
 
@@ -33,6 +34,39 @@ inline v8 load8(const uint16_t* p) {
   return r;
 }
 
+// The machine's widest float vector (16 lanes with AVX-512, else 8) for kernels whose tiles scale with it.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t veci __attribute__((vector_size(64)));
+typedef uint16_t vech __attribute__((vector_size(32)));
+#else
+constexpr int kLanes = 8;
+typedef v8 vec;
+typedef v8i veci;
+typedef v8h vech;
+#endif
+
+template <int... I>
+inline vec splat_lanes(float x, std::integer_sequence<int, I...>) {
+  return vec{((void)I, x)...};
+}
+inline vec splatv(float x) { return splat_lanes(x, std::make_integer_sequence<int, kLanes>{}); }
+inline vec loadv(const float* p) {
+  vec r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline vec loadv(const uint16_t* p) {  // kLanes bfloat16 widened to float32
+  vech h;
+  std::memcpy(&h, p, sizeof(h));
+  veci bits = __builtin_convertvector(h, veci) << 16;
+  vec r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
+inline void storev(float* p, vec x) { std::memcpy(p, &x, sizeof(x)); }
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -42,28 +76,29 @@ inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of th
 }
 
 // exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
-// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0.
-inline v8 exp_nonpositive(v8 x) {
-  const v8 lo = splat(-87.0f);
+// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0. V: v8 or vec.
+template <typename V>
+inline V exp_nonpositive(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.0f;
   x = x < lo ? lo : x;
-  v8 n = x * splat(1.44269504088896341f);
+  V n = x * 1.44269504088896341f;
   // round to nearest: add and subtract 1.5 * 2^23
-  const v8 magic = splat(12582912.0f);
-  n = (n + magic) - magic;
-  v8 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  v8i e = __builtin_convertvector(n, v8i);
+  n = (n + 12582912.0f) - 12582912.0f;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  VI e = __builtin_convertvector(n, VI);
   e = (e + 127) << 23;
-  v8 scale;
+  V scale;
   std::memcpy(&scale, &e, sizeof(scale));
-  v8 out = p * scale;
-  return x <= lo ? splat(0.0f) : out;
+  V out = p * scale;
+  return x <= lo ? V{} : out;
 }
 
 }  // namespace grpax
