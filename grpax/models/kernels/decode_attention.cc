@@ -26,43 +26,53 @@ using namespace grpax;
 
 constexpr int kMaxGroup = 8;  // query heads per kv head handled in registers
 
+constexpr int kV = 4;  // vectors per register block: 4 x kLanes slots of scores, or of a value row
+
+// Prefetches the bytes [p, p + bytes) (whole cache lines).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(static_cast<const char*>(p) + c);
+}
+
+// kV vectors from `count` <= kV * kLanes values at p (zero past them).
+template <typename T>
+inline void load_block(const T* p, int64_t count, vec* out) {
+  if (count == kV * kLanes) {
+    for (int j = 0; j < kV; ++j) out[j] = loadv(p + j * kLanes);
+  } else {
+    float tmp[kV * kLanes] = {0};
+    for (int64_t i = 0; i < count; ++i) tmp[i] = to_float(p[i]);
+    for (int j = 0; j < kV; ++j) out[j] = loadv(tmp + j * kLanes);
+  }
+}
+
 // One (b, k) block: G queries [G, H] over n filled slots of keys [H, S] and values [S, H].
 template <typename T>
 void attend_block(const float* q, const T* keys, const T* values, float* out, int64_t G, int64_t H,
-                  int64_t S, int64_t n, std::vector<float>& scores) {
-  const int64_t n_pad = (n + kW - 1) / kW * kW;
+                  int64_t S, int64_t n, std::vector<float>& scores, const T* next_keys, int64_t next_n) {
+  constexpr int64_t kSlots = kV * kLanes;  // slots per block of scores
+  const int64_t n_pad = (n + kSlots - 1) / kSlots * kSlots;
   scores.assign(G * n_pad, 0.0f);
-  // Scores: blocks of 32 slots (4 vectors) x G queries accumulated in registers; each key row is read once
-  // for all G queries, a full cache line at a time.
-  constexpr int64_t kV = 4;
-  for (int64_t s0 = 0; s0 < n_pad; s0 += kV * kW) {
-    const int64_t nv = std::min<int64_t>(kV, (n_pad - s0) / kW);
-    const int64_t width = std::min<int64_t>(kV * kW, n - s0);
-    v8 acc[kMaxGroup][kV];
+  // Scores: blocks of kSlots slots (kV vectors) x G queries accumulated in registers; each key row is read
+  // once for all G queries, whole cache lines at a time.
+  for (int64_t s0 = 0; s0 < n_pad; s0 += kSlots) {
+    const int64_t width = std::min<int64_t>(kSlots, n - s0);
+    vec acc[kMaxGroup][kV];
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t j = 0; j < kV; ++j) acc[g][j] = splat(0.0f);
+      for (int64_t j = 0; j < kV; ++j) acc[g][j] = vec{};
     for (int64_t h = 0; h < H; ++h) {
       const T* row = keys + h * S + s0;
-      // The 64 key rows are 64 strided streams, more than the hardware prefetcher follows: fetch each row's
-      // next block while this one is summed (30 layers x 64 rows x 448
-      // slots on a shared 2-core VM: 137 and 169 ms without, 112 and 110 ms with).
-      __builtin_prefetch(row + kV * kW);
-      __builtin_prefetch(row + kV * kW + 16);
-      v8 kv[kV];
-      if (width == kV * kW) {
-        for (int64_t j = 0; j < kV; ++j) kv[j] = load8(row + j * kW);
-      } else {
-        float tmp[kV * kW] = {0};
-        for (int64_t i = 0; i < width; ++i) tmp[i] = to_float(row[i]);
-        for (int64_t j = 0; j < kV; ++j) kv[j] = load(tmp + j * kW);
-      }
+      // The H key rows are H strided streams, more than the hardware prefetcher follows: fetch each row's
+      // next block while this one is summed.
+      if (s0 + kSlots < n) prefetch_bytes(row + kSlots, std::min<int64_t>(kSlots, n - s0 - kSlots) * sizeof(T));
+      vec kv[kV];
+      load_block(row, width, kv);
       for (int64_t g = 0; g < G; ++g) {
-        const v8 qg = splat(q[g * H + h]);
-        for (int64_t j = 0; j < nv; ++j) acc[g][j] += qg * kv[j];
+        const vec qg = splatv(q[g * H + h]);
+        for (int64_t j = 0; j < kV; ++j) acc[g][j] += qg * kv[j];
       }
     }
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t j = 0; j < nv; ++j) store(&scores[g * n_pad + s0 + j * kW], acc[g][j]);
+      for (int64_t j = 0; j < kV; ++j) storev(&scores[g * n_pad + s0 + j * kLanes], acc[g][j]);
   }
   // Softmax over the n filled slots of each query.
   float inv_sum[kMaxGroup];
@@ -70,52 +80,42 @@ void attend_block(const float* q, const T* keys, const T* values, float* out, in
     float* sc = &scores[g * n_pad];
     float m = sc[0];
     for (int64_t s = 1; s < n; ++s) m = std::max(m, sc[s]);
-    v8 total = splat(0.0f);
-    for (int64_t s0 = 0; s0 < n_pad; s0 += kW) {
-      v8 e = exp_nonpositive(load(sc + s0) - splat(m));
-      if (s0 + kW > n) {
-        for (int64_t i = n - s0; i < kW; ++i) e[i] = 0.0f;
+    vec total = vec{};
+    for (int64_t s0 = 0; s0 < n; s0 += kLanes) {  // the last vector's lanes past n are zeroed
+      vec e = exp_nonpositive(loadv(sc + s0) - m);
+      if (s0 + kLanes > n) {
+        for (int64_t i = n - s0; i < kLanes; ++i) e[i] = 0.0f;
       }
-      store(sc + s0, e);
+      storev(sc + s0, e);
       total += e;
     }
     float sum = 0.0f;
-    for (int i = 0; i < kW; ++i) sum += total[i];
+    for (int i = 0; i < kLanes; ++i) sum += total[i];
     inv_sum[g] = 1.0f / sum;
   }
-  // Weighted sum of values, H in chunks of 32 floats (G x 4 accumulators stay in registers).
-  for (int64_t h0 = 0; h0 < H; h0 += 4 * kW) {
-    const int64_t hw = std::min<int64_t>(4 * kW, H - h0);
-    const int64_t nv = (hw + kW - 1) / kW;
-    v8 acc[kMaxGroup][4];
+  // Weighted sum of values, H in chunks of kV vectors (G x kV accumulators stay in registers).
+  for (int64_t h0 = 0; h0 < H; h0 += kSlots) {
+    const int64_t hw = std::min<int64_t>(kSlots, H - h0);
+    vec acc[kMaxGroup][kV];
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t j = 0; j < 4; ++j) acc[g][j] = splat(0.0f);
+      for (int64_t j = 0; j < kV; ++j) acc[g][j] = vec{};
     for (int64_t s = 0; s < n; ++s) {
       const T* row = values + s * H + h0;
-      __builtin_prefetch(row + 8 * H);
-      __builtin_prefetch(row + 8 * H + 16);
-      v8 vv[4];
-      for (int64_t j = 0; j < nv; ++j) {
-        if ((j + 1) * kW <= hw) {
-          vv[j] = load8(row + j * kW);
-        } else {
-          float tmp[kW] = {0};
-          for (int64_t i = 0; i < kW && j * kW + i < hw; ++i) tmp[i] = to_float(row[j * kW + i]);
-          vv[j] = load(tmp);
-        }
-      }
+      if (s + 8 < n) prefetch_bytes(row + 8 * H, hw * sizeof(T));
+      // The next block's first key block (its H rows start H strided streams) while this one is summed.
+      if (next_keys != nullptr && h0 == 0 && s < H)
+        prefetch_bytes(next_keys + s * S, std::min<int64_t>(kSlots, next_n) * sizeof(T));
+      vec vv[kV];
+      load_block(row, hw, vv);
       for (int64_t g = 0; g < G; ++g) {
-        const v8 p = splat(scores[g * n_pad + s]);
-        for (int64_t j = 0; j < nv; ++j) acc[g][j] += p * vv[j];
+        const vec p = splatv(scores[g * n_pad + s]);
+        for (int64_t j = 0; j < kV; ++j) acc[g][j] += p * vv[j];
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      for (int64_t j = 0; j < nv; ++j) {
-        v8 r = acc[g][j] * splat(inv_sum[g]);
-        float tmp[kW];
-        store(tmp, r);
-        for (int64_t i = 0; i < kW && j * kW + i < hw; ++i) out[g * H + h0 + j * kW + i] = tmp[i];
-      }
+      float tmp[kSlots];
+      for (int64_t j = 0; j < kV; ++j) storev(tmp + j * kLanes, acc[g][j] * inv_sum[g]);
+      std::memcpy(out + g * H + h0, tmp, hw * sizeof(float));
     }
   }
 }
@@ -152,16 +152,24 @@ ffi::Error decode_attention_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q
     vp = values_out;
   }
 
-  parallel_for(pool, B * K, [&](int64_t i) {
+  // Items are runs of consecutive (b, k) blocks, so a thread knows the block it attends next.
+  const int64_t blocks = B * K;
+  const int64_t run = std::max<int64_t>(1, blocks / (4 * std::max<int64_t>(1, pool.num_threads())));
+  auto filled = [&](int64_t i) { return std::clamp<int64_t>(static_cast<int64_t>(pos[i / K]) + 1, 1, S); };
+  parallel_for(pool, (blocks + run - 1) / run, [&](int64_t item) {
     thread_local std::vector<float> scores;
-    const int64_t b = i / K;
-    if (nk != nullptr && pos[b] >= 0 && pos[b] < S) {  // a slot past the cache is dropped, as XLA's scatter
-      T* key_rows = keys_out + i * H * S;
-      for (int64_t h = 0; h < H; ++h) key_rows[h * S + pos[b]] = nk[i * H + h];
-      std::memcpy(values_out + (i * S + pos[b]) * H, nv + i * H, H * sizeof(T));
+    const int64_t end = std::min(blocks, (item + 1) * run);
+    for (int64_t i = item * run; i < end; ++i) {
+      const int64_t b = i / K;
+      if (nk != nullptr && pos[b] >= 0 && pos[b] < S) {  // a slot past the cache is dropped, as XLA's scatter
+        T* key_rows = keys_out + i * H * S;
+        for (int64_t h = 0; h < H; ++h) key_rows[h * S + pos[b]] = nk[i * H + h];
+        std::memcpy(values_out + (i * S + pos[b]) * H, nv + i * H, H * sizeof(T));
+      }
+      const bool more = i + 1 < end;
+      attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, filled(i), scores,
+                      more ? kp + (i + 1) * H * S : nullptr, more ? filled(i + 1) : 0);
     }
-    const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b]) + 1, 1, S);
-    attend_block<T>(qp + i * G * H, kp + i * H * S, vp + i * S * H, op + i * G * H, G, H, S, n, scores);
   });
   return ffi::Error::Success();
 }
