@@ -231,6 +231,26 @@ def test_swiglu_matmul_equals_float64(M, K, F):
     assert error.max() > 0  # a float32 result, not a copy of the reference
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("M, K, N", [(7, 64, 40), (64, 576, 1536), (13, 32, 4099)])
+def test_matmul_transposed_input_and_output_are_the_same_product(M, K, N, swiglu):
+    # The kernel multiplies from x^T either way, in the same order: transposing in or out is bit-exact.
+    rng = np.random.default_rng(M + K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    ws = [jnp.asarray(rng.standard_normal((1, K, N)).astype(np.float32)) for _ in range(1 + swiglu)]
+    packed = cpu_kernels.pack(ws, swiglu=swiglu)[0]
+    plain = np.asarray(cpu_kernels.matmul(x, packed, N, swiglu=swiglu))
+    from_t = cpu_kernels.matmul(x.T, packed, N, swiglu=swiglu, x_transposed=True)
+    out_t = cpu_kernels.matmul(x, packed, N, swiglu=swiglu, transpose_out=True)
+    both = cpu_kernels.matmul(x.T, packed, N, swiglu=swiglu, x_transposed=True, transpose_out=True)
+    assert from_t.shape == (M, N) and out_t.shape == (N, M) and both.shape == (N, M)
+    np.testing.assert_array_equal(np.asarray(from_t), plain)
+    np.testing.assert_array_equal(np.asarray(out_t), plain.T)
+    np.testing.assert_array_equal(np.asarray(both), plain.T)
+    with pytest.raises(ValueError, match="2-D x"):
+        cpu_kernels.matmul(x[None], packed, N, swiglu=swiglu, transpose_out=True)
+
+
 def test_packed_decode_params_give_the_same_forward():
     from grpax.models.llama import forward, init_cache, pack_decode_params
     from grpax.models.params import convert_layout, init_params

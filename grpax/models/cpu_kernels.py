@@ -254,7 +254,14 @@ def pack(
     )
 
 
-def matmul(x: jax.Array, packed: jax.Array, n: int, swiglu: bool = False) -> jax.Array:
+def matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    n: int,
+    swiglu: bool = False,
+    x_transposed: bool = False,
+    transpose_out: bool = False,
+) -> jax.Array:
     """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
 
     With ``swiglu`` (W from ``pack(..., swiglu=True)``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates
@@ -262,20 +269,36 @@ def matmul(x: jax.Array, packed: jax.Array, n: int, swiglu: bool = False) -> jax
     with it to float32 rounding (~1e-6 relative), not bit for bit.
 
     Args:
-      x: [..., K], any float dtype (computed in float32).
+      x: [..., K], any float dtype (computed in float32); with ``x_transposed`` [K, M] (x^T, 2-D).
       packed: [P, K, 16] float32 or bfloat16 (2P panels with ``swiglu``).
       n: static number of output columns N (P = ceil(N / 16)).
+      x_transposed: static; x comes as [K, M]. The kernel multiplies from x^T, so a caller that has it (the
+        output of ``transpose_out``) spares the kernel its transposition.
+      transpose_out: static; return y^T [n, M] (x must then be 2-D), e.g. to feed ``x_transposed``.
 
     Returns:
-      float32 [..., n].
+      float32 [..., n], or [n, M] with ``transpose_out``.
 
     Raises:
+      ValueError: ``x_transposed`` or ``transpose_out`` with x not 2-D.
       RuntimeError: the kernels could not be built (the reason in the message).
     """
     _require()
+    if (x_transposed or transpose_out) and x.ndim != 2:
+        raise ValueError(f"matmul(x_transposed / transpose_out) takes a 2-D x, got shape {x.shape}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    y = jax.ffi.ffi_call(_MATMUL_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
-        x2, packed, n=np.int64(n), swiglu=bool(swiglu)
+    M = x2.shape[1] if x_transposed else x2.shape[0]
+    y = jax.ffi.ffi_call(
+        _MATMUL_TARGET, jax.ShapeDtypeStruct((n, M) if transpose_out else (M, n), jnp.float32)
+    )(
+        x2,
+        packed,
+        n=np.int64(n),
+        swiglu=bool(swiglu),
+        x_transposed=bool(x_transposed),
+        transpose_out=bool(transpose_out),
     )
+    if x_transposed or transpose_out:
+        return y
     return y.reshape(*lead, n)

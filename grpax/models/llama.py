@@ -298,8 +298,12 @@ def _layer(
     if packed_weights:
         x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D).astype(dtype)
         h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-        act = cpu_kernels.matmul(h, w["packed_gate_up"], cfg.mlp_dim, swiglu=True).astype(dtype)
-        return x + cpu_kernels.matmul(act, w["packed_down"], D).astype(dtype), cache_k, cache_v
+        # The activation goes from one kernel to the next transposed ([F, B * T]), as the kernel reads it.
+        act = cpu_kernels.matmul(
+            h.reshape(B * T, D), w["packed_gate_up"], cfg.mlp_dim, swiglu=True, transpose_out=True
+        ).astype(dtype)
+        down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=True).reshape(B, T, D)
+        return x + down.astype(dtype), cache_k, cache_v
     x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])

@@ -92,24 +92,33 @@ inline vec swiglu(vec g, vec u) {
 
 template <typename T>
 ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, int64_t N,
-                       bool gated, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+                       bool gated, bool x_transposed, bool transpose_out, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("matmul: x must be [M, K] and the packed weights [P, K, 16]");
-  const int64_t M = xd[0], K = xd[1], P = wd[0];
+    return ffi::Error::InvalidArgument("matmul: x must be [M, K] ([K, M] transposed) and the weights [P, K, 16]");
+  const int64_t M = x_transposed ? xd[1] : xd[0], K = x_transposed ? xd[0] : xd[1], P = wd[0];
   const int64_t panels = gated ? P / 2 : P;  // output panels
   if (wd[1] != K || (gated && P % 2) || N > panels * kPanel || N <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("matmul: packed weights do not match x [M, K] and n");
   auto yd = y->dimensions();
-  if (yd.size() != 2 || yd[0] != M || yd[1] != N)
-    return ffi::Error::InvalidArgument("matmul: the output must be [M, n]");
-  // x transposed once per call, so a tile's broadcasts of one k come from one run: xt[k * M + r].
+  if (yd.size() != 2 || yd[0] != (transpose_out ? N : M) || yd[1] != (transpose_out ? M : N))
+    return ffi::Error::InvalidArgument("matmul: the output must be [M, n] ([n, M] transposed)");
+  // Tiles broadcast x[r, k] from its transpose, so that the rows of one k are one run: xt[k * M + r]. Blocks
+  // of 64 k keep the 64 output lines in L1 while the rows advance (3x the naive loop order).
+  const float* xt = x.typed_data();
   thread_local std::vector<float> xt_buf;
-  xt_buf.resize(M * K);
-  float* xt = xt_buf.data();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = x.typed_data()[m * K + k];
+  if (!x_transposed) {
+    xt_buf.resize(M * K);
+    float* t = xt_buf.data();
+    const float* xp = x.typed_data();
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = k0; k < k1; ++k) t[k * M + m] = xp[m * K + k];
+    }
+    xt = t;
+  }
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
   // A block is the output panels one tile covers: kBlockPanels of them, or one with `gated` (its gate and up
@@ -145,10 +154,14 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
           float* g = one_tile ? a + m * 2 * kPanel : a + m * kPanel;
           const float* u = one_tile ? g + kPanel : a + (M + m) * kPanel;
           for (int64_t i = 0; i < kPanel; i += kLanes) storev(g + i, swiglu(loadv(g + i), loadv(u + i)));
-          std::memcpy(yp + m * N + p0 * kPanel, g, width * sizeof(float));
         }
+      }
+      // Row m of the block's output is at a + m * stride ([M, 32] gate rows from one tile keep their stride).
+      const int64_t stride = gated ? (in_panels == kBlockPanels ? 2 * kPanel : kPanel) : in_panels * kPanel;
+      if (transpose_out) {
+        for (int64_t j = 0; j < width; ++j)
+          for (int64_t m = 0; m < M; ++m) yp[(p0 * kPanel + j) * M + m] = a[m * stride + j];
       } else {
-        const int64_t stride = in_panels * kPanel;
         for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + p0 * kPanel, a + m * stride, width * sizeof(float));
       }
     }
@@ -157,12 +170,12 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
 }
 
 ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t n, bool swiglu,
-                  ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                  bool x_transposed, bool transpose_out, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      return matmul_impl<float>(pool, x, w, n, swiglu, y);
+      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, y);
     case ffi::DataType::BF16:
-      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, y);
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, y);
     default:
       return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
   }
@@ -260,4 +273,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Attr<int64_t>("n")
                                   .Attr<bool>("swiglu")
+                                  .Attr<bool>("x_transposed")
+                                  .Attr<bool>("transpose_out")
                                   .Ret<ffi::Buffer<ffi::F32>>());
