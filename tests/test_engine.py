@@ -337,7 +337,8 @@ def test_decode_phases_give_the_same_rollouts(params, unroll, attention):
     # Phases of 5 steps (caches of P + 5, + 10, + 12 slots, grown between) against one phase on P + C slots;
     # P = 7 = the longest prompt, so that row fills the last slot of each phase's cache.
     base = dataclasses.replace(
-        _sc(greedy=False, temperature=0.9, max_prompt_length=7, decode_attention=attention), unroll_layers=unroll
+        _sc(greedy=False, temperature=0.9, max_prompt_length=7, decode_attention=attention),
+        unroll_layers=unroll,
     )
     phased = generate(
         params, PROMPTS, CFG, dataclasses.replace(base, decode_phase_length=5), jax.random.key(3), 2
