@@ -251,6 +251,36 @@ def test_matmul_transposed_input_and_output_are_the_same_product(M, K, N, swiglu
         cpu_kernels.matmul(x[None], packed, N, swiglu=swiglu, transpose_out=True)
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_with_rms_norm_equals_norm_then_product(dtype, swiglu):
+    from grpax.models.llama import rms_norm
+
+    M, K, N, eps = 13, 96, 40, 1e-5
+    rng = np.random.default_rng(7)
+    x = jnp.asarray((rng.standard_normal((M, K)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32))
+    x = x.astype(dtype)
+    g = jnp.asarray(rng.uniform(0.5, 2.0, K).astype(np.float32)).astype(dtype)
+    ws = [jnp.asarray(rng.standard_normal((1, K, N)).astype(np.float32)) for _ in range(1 + swiglu)]
+    packed = cpu_kernels.pack(ws, swiglu=swiglu)[0]
+    fused = np.asarray(cpu_kernels.matmul(x, packed, N, swiglu=swiglu, norm_weight=g, eps=eps))
+    apart = np.asarray(cpu_kernels.matmul(rms_norm(x, g, eps), packed, N, swiglu=swiglu))
+    if dtype == jnp.float32:
+        # against float64: the normed rows, then the product
+        x64 = np.asarray(x, np.float64)
+        h = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps) * np.asarray(g, np.float64)
+        if not swiglu:
+            np.testing.assert_allclose(fused, h @ np.asarray(ws[0][0], np.float64), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(fused, apart, rtol=1e-5, atol=1e-5)
+    else:
+        # the same bfloat16 roundings as rms_norm: equal but where the mean's sum order moves a rounding
+        close = np.isclose(fused, apart, rtol=1e-5, atol=1e-5)
+        assert close.mean() > 0.9, close.mean()
+        np.testing.assert_allclose(fused, apart, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="norm_weight"):
+        cpu_kernels.matmul(x.T, packed, N, swiglu=swiglu, x_transposed=True, norm_weight=g)
+
+
 def test_packed_decode_params_give_the_same_forward():
     from grpax.models.llama import forward, init_cache, pack_decode_params
     from grpax.models.params import convert_layout, init_params

@@ -261,8 +261,14 @@ def matmul(
     swiglu: bool = False,
     x_transposed: bool = False,
     transpose_out: bool = False,
+    norm_weight: jax.Array | None = None,
+    eps: float = 0.0,
 ) -> jax.Array:
     """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
+
+    With ``norm_weight`` x's rows are RMS-normalised first, ``rms_norm(x, norm_weight, eps) @ W`` (the Llama
+    pre-norm, as ``grpax.models.llama.rms_norm``: in float32, with a bfloat16 x rounded to bfloat16 before and
+    after the weight), while the kernel lays x out for its tiles: no separate pass over x.
 
     With ``swiglu`` (W from ``pack(..., swiglu=True)``) returns ``silu(x @ W_gate) * (x @ W_up)``. Accumulates
     in float32 (bfloat16 weights are widened exactly); the sum order differs from XLA's dot, so results agree
@@ -275,17 +281,30 @@ def matmul(
       x_transposed: static; x comes as [K, M]. The kernel multiplies from x^T, so a caller that has it (the
         output of ``transpose_out``) spares the kernel its transposition.
       transpose_out: static; return y^T [n, M] (x must then be 2-D), e.g. to feed ``x_transposed``.
+      norm_weight: [K] RMSNorm weight (not with ``x_transposed``); eps: static, its epsilon.
 
     Returns:
       float32 [..., n], or [n, M] with ``transpose_out``.
 
     Raises:
-      ValueError: ``x_transposed`` or ``transpose_out`` with x not 2-D.
+      ValueError: ``x_transposed`` or ``transpose_out`` with x not 2-D; ``norm_weight`` with ``x_transposed``
+        or not of shape [K].
       RuntimeError: the kernels could not be built (the reason in the message).
     """
     _require()
     if (x_transposed or transpose_out) and x.ndim != 2:
         raise ValueError(f"matmul(x_transposed / transpose_out) takes a 2-D x, got shape {x.shape}")
+    if norm_weight is not None and (x_transposed or norm_weight.shape != x.shape[-1:]):
+        raise ValueError(
+            f"matmul(norm_weight=...) takes x [..., K] (not transposed) and a weight [K]; got x {x.shape}, "
+            f"weight {norm_weight.shape}, x_transposed={x_transposed}"
+        )
+    normalize = norm_weight is not None
+    norm_bf16 = x.dtype == jnp.bfloat16
+    if norm_weight is None:
+        norm_weight = jnp.zeros((1,), jnp.float32)
+    else:  # as rms_norm: the weight in x's dtype
+        norm_weight = norm_weight.astype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     M = x2.shape[1] if x_transposed else x2.shape[0]
@@ -294,10 +313,14 @@ def matmul(
     )(
         x2,
         packed,
+        norm_weight.astype(jnp.float32),
         n=np.int64(n),
         swiglu=bool(swiglu),
         x_transposed=bool(x_transposed),
         transpose_out=bool(transpose_out),
+        normalize=normalize,
+        eps=np.float32(eps),
+        norm_bf16=bool(norm_bf16),
     )
     if x_transposed or transpose_out:
         return y

@@ -252,13 +252,15 @@ def _layer(
     dtype = jnp.dtype(cfg.dtype)
     packed_weights = "packed_qkv" in layer  # the CPU decode layout of pack_decode_params
     w = {name: val if name.startswith("packed_") else val.astype(dtype) for name, val in layer.items()}
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     B, T, D = x.shape
-    if packed_weights:
+    eps = cfg.rms_norm_eps
+    if packed_weights:  # the kernel applies the pre-norm as it lays x out
         NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = cpu_kernels.matmul(h, w["packed_qkv"], NH + 2 * KH).astype(dtype)
+        qkv = cpu_kernels.matmul(x, w["packed_qkv"], NH + 2 * KH, norm_weight=w["attn_norm"], eps=eps)
+        qkv = qkv.astype(dtype)
         q, k, v = (part.reshape(B, T, -1, cfg.head_dim) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
     else:
+        h = rms_norm(x, w["attn_norm"], eps)
         # Heads merged into one matrix dimension ([D, N, H] -> [D, N * H] is free in row-major order): with
         # two contracting dims XLA:CPU transposed the output projection's weight at every decode step.
         q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
@@ -297,15 +299,20 @@ def _layer(
         attn = attention(q, k, v, mask)
     if packed_weights:
         x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D).astype(dtype)
-        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
         # The activation goes from one kernel to the next transposed ([F, B * T]), as the kernel reads it.
         act = cpu_kernels.matmul(
-            h.reshape(B * T, D), w["packed_gate_up"], cfg.mlp_dim, swiglu=True, transpose_out=True
+            x.reshape(B * T, D),
+            w["packed_gate_up"],
+            cfg.mlp_dim,
+            swiglu=True,
+            transpose_out=True,
+            norm_weight=w["mlp_norm"],
+            eps=eps,
         ).astype(dtype)
         down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=True).reshape(B, T, D)
         return x + down.astype(dtype), cache_k, cache_v
     x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, w["mlp_norm"], eps)
     gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
     up = jnp.einsum("BTD,DF->BTF", h, w["w_up"])
     x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])

@@ -13,6 +13,7 @@
 //
 // Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -90,9 +91,26 @@ inline vec swiglu(vec g, vec u) {
   return g * s * u;
 }
 
+// bfloat16 rounding (to nearest even) of a float32, kept as float32.
+inline float round_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Norm {  // RMSNorm of x's rows before the product (Llama's pre-norm), as grpax.models.llama.rms_norm
+  bool on = false;
+  const float* weight = nullptr;  // [K]
+  float eps = 0.0f;
+  bool bf16 = false;  // the model's dtype is bfloat16: round the normed row and the product as XLA does
+};
+
 template <typename T>
 ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, int64_t N,
-                       bool gated, bool x_transposed, bool transpose_out, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+                       bool gated, bool x_transposed, bool transpose_out, const Norm& norm,
+                       ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
@@ -112,10 +130,28 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
     xt_buf.resize(M * K);
     float* t = xt_buf.data();
     const float* xp = x.typed_data();
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {
-      const int64_t k1 = std::min<int64_t>(K, k0 + 64);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = k0; k < k1; ++k) t[k * M + m] = xp[m * K + k];
+    if (norm.on) {  // t[k, m] = w[k] * x[m, k] / sqrt(mean_k x[m, k]^2 + eps)
+      thread_local std::vector<float> scale;
+      scale.resize(M);
+      for (int64_t m = 0; m < M; ++m) {
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; ++k) ss += xp[m * K + k] * xp[m * K + k];
+        scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(K) + norm.eps);
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = k0; k < k1; ++k) {
+            const float normed = xp[m * K + k] * scale[m];
+            t[k * M + m] = norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(normed)) : norm.weight[k] * normed;
+          }
+      }
+    } else {
+      for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = k0; k < k1; ++k) t[k * M + m] = xp[m * K + k];
+      }
     }
     xt = t;
   }
@@ -169,13 +205,21 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, int64_t n, bool swiglu,
-                  bool x_transposed, bool transpose_out, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm_weight,
+                  int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps,
+                  bool norm_bf16, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  Norm norm;
+  if (normalize) {
+    const int64_t K = x.dimensions().size() == 2 ? x.dimensions()[1] : -1;
+    if (x_transposed || static_cast<int64_t>(norm_weight.element_count()) != K)
+      return ffi::Error::InvalidArgument("matmul: the norm takes x [M, K] (not transposed) and a weight [K]");
+    norm = Norm{true, norm_weight.typed_data(), eps, norm_bf16};
+  }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, y);
+      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
     case ffi::DataType::BF16:
-      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, y);
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
     default:
       return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
   }
@@ -271,8 +315,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("n")
                                   .Attr<bool>("swiglu")
                                   .Attr<bool>("x_transposed")
                                   .Attr<bool>("transpose_out")
+                                  .Attr<bool>("normalize")
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("norm_bf16")
                                   .Ret<ffi::Buffer<ffi::F32>>());
