@@ -3,10 +3,14 @@
 // A decode step multiplies a few rows (M = batch) by every weight matrix, so its cost is streaming the
 // weights from memory, not arithmetic. W comes packed as [P, K, 16] (P = ceil(N / 16) panels of 16 columns,
 // zero padded; grpax.models.cpu_kernels.pack): each panel is one contiguous run of memory, read once
-// per call and shared out over XLA's intra-op thread pool. A panel is multiplied in blocks of up to 6 rows
-// held in 12 vector registers (6 rows x 16 columns, the register tile of BLIS-style AVX2 kernels) while the
-// panel's next rows are prefetched. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves
-// the bytes read); x, y and the accumulation are float32.
+// per call and shared out over XLA's intra-op thread pool. Register tiles of up to 12 rows x 2 panels with
+// AVX-512 (24 of its 32 vector registers), else 6 rows x 1 panel (12 of AVX2's 16, the BLIS-style tile), run
+// over K while the panels' next rows are prefetched; x is read from its transpose, so the broadcasts of one k
+// are one run of memory. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves the bytes
+// read); x, y and the accumulation are float32.
+//
+// Options for the decode layer: the pre-norm (RMSNorm) applied to x as it is transposed; x given already
+// transposed; y written transposed (the SwiGLU output feeds the down projection that way).
 //
 // With `swiglu` the panels of two matrices come interleaved (gate panel p at 2p, up panel p at 2p + 1) and
 // y = silu(x @ W_gate) * (x @ W_up): the MLP's gate, up and activation in one pass (Llama's SwiGLU).
