@@ -247,7 +247,7 @@ def _layer(
     decode-attention kernel for one query per row: into per-layer buffers it also writes the new key/value in
     place (``cpu_kernels.decode_attention_update``), into stacked ones XLA scatters them
     (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
-    MLP on the CPU matmul kernel (``cpu_kernels.matmul``).
+    MLP on the CPU matmul kernel (``cpu_kernels.matmul``, the pre-norms applied inside it).
     """
     dtype = jnp.dtype(cfg.dtype)
     packed_weights = "packed_qkv" in layer  # the CPU decode layout of pack_decode_params

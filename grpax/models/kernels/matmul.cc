@@ -69,9 +69,9 @@ inline void tile(const float* xt, int64_t M, const T* panel, int64_t K, float* o
     for (int j = 0; j < NV; ++j) storev(out + r * ld + j * kLanes, acc[r][j]);
 }
 
-// out[M, 16 NP] = x[M, K] @ [NP panels] (x transposed, xt [K, M]). The first tile reads the panels from memory (prefetching their own
-// rows ahead); the second prefetches `next` (the panels this thread multiplies next, or null) while it
-// computes from cache, so that memory keeps streaming during the compute-only tiles.
+// out[M, 16 NP] = x[M, K] @ [NP panels] (x transposed, xt [K, M]). The first tile reads the panels from memory
+// (prefetching their own rows ahead); the second prefetches `next` (the panels this thread multiplies next, or
+// null) while it computes from cache, so that memory keeps streaming during the compute-only tiles.
 template <typename T, int NP>
 void panel_product(const float* xt, int64_t M, const T* panel, const T* next, int64_t K, float* out) {
   int64_t m = 0, t = 0;

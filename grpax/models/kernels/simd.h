@@ -1,5 +1,5 @@
-// SIMD helpers shared by the CPU kernels (GCC/Clang vector extensions: 8 floats per vector, which
-// -march=native maps onto AVX2/AVX-512 or the machine's own vector unit).
+// SIMD helpers shared by the CPU kernels (GCC/Clang vector extensions: 16 floats per vector with AVX-512,
+// else 8, which -march=native maps onto the machine's vector unit).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -7,45 +7,15 @@
 
 namespace grpax {
 
-constexpr int kW = 8;  // floats per vector
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-inline v8 load(const float* p) {
-  v8 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-inline void store(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
-
-typedef uint16_t v8h __attribute__((vector_size(16)));
-
-// 8 consecutive values as float32: float32 as they are, bfloat16 widened (the high halves of the floats).
-inline v8 load8(const float* p) { return load(p); }
-inline v8 load8(const uint16_t* p) {
-  v8h h;
-  std::memcpy(&h, p, sizeof(h));
-  v8i bits = __builtin_convertvector(h, v8i) << 16;
-  v8 r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return r;
-}
-
-// The machine's widest float vector (16 lanes with AVX-512, else 8) for kernels whose tiles scale with it.
+// The machine's widest float vector (16 lanes with AVX-512, else 8): the kernels' tiles scale with it.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
-typedef float vec __attribute__((vector_size(64)));
-typedef int32_t veci __attribute__((vector_size(64)));
-typedef uint16_t vech __attribute__((vector_size(32)));
 #else
 constexpr int kLanes = 8;
-typedef v8 vec;
-typedef v8i veci;
-typedef v8h vech;
 #endif
+typedef float vec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));
 
 template <int... I>
 inline vec splat_lanes(float x, std::integer_sequence<int, I...>) {
@@ -76,7 +46,7 @@ inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of th
 }
 
 // exp(x) for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6
-// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0. V: v8 or vec.
+// polynomial (Cephes expf coefficients), relative error ~1e-7; x below -87 gives 0. V: a float vector type (vec).
 template <typename V>
 inline V exp_nonpositive(V x) {
   typedef int32_t VI __attribute__((vector_size(sizeof(V))));
