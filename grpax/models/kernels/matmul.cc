@@ -156,28 +156,24 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
     xt_buf.resize(M * K);
     float* t = xt_buf.data();
     const float* xp = x.typed_data();
-    if (norm.on) {  // t[k, m] = w[k] * x[m, k] / sqrt(mean_k x[m, k]^2 + eps)
-      thread_local std::vector<float> scale;
-      scale.resize(M);
+    thread_local std::vector<float> scale;  // per row: 1 / sqrt(mean_k x[m, k]^2 + eps) with the norm
+    scale.assign(M, 1.0f);
+    if (norm.on) {
       for (int64_t m = 0; m < M; ++m) {
         float ss = 0.0f;
         for (int64_t k = 0; k < K; ++k) ss += xp[m * K + k] * xp[m * K + k];
         scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(K) + norm.eps);
       }
-      for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const int64_t k1 = std::min<int64_t>(K, k0 + 64);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t k = k0; k < k1; ++k) {
-            const float normed = xp[m * K + k] * scale[m];
-            t[k * M + m] = norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(normed)) : norm.weight[k] * normed;
-          }
-      }
-    } else {
-      for (int64_t k0 = 0; k0 < K; k0 += 64) {
-        const int64_t k1 = std::min<int64_t>(K, k0 + 64);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t k = k0; k < k1; ++k) t[k * M + m] = xp[m * K + k];
-      }
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {  // t[k, m] = x[m, k], or w[k] * x[m, k] * scale[m] with the norm
+      const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = k0; k < k1; ++k) {
+          const float normed = xp[m * K + k] * scale[m];
+          t[k * M + m] = !norm.on   ? normed
+                         : norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(normed))
+                                     : norm.weight[k] * normed;
+        }
     }
     xt = t;
   }
