@@ -313,3 +313,91 @@ def test_packed_decode_params_give_the_same_forward():
         np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=1e-5)
         np.testing.assert_array_equal(outs[2], outs[1])
         assert np.abs(outs[0]).max() > 1  # logits far from zero: a wrong layout would show
+
+
+def _packed_case(lengths, pad, N, K, H, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    T = sum(lengths) + pad
+    rows = np.concatenate([np.full(n, b) for b, n in enumerate(lengths)] + [np.full(pad, len(lengths))])
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((T, n, H), np.float32)).astype(dtype) for n in (N, K, K)
+    )
+    return q, k, v, jnp.asarray(rows, jnp.int32)
+
+
+def _packed_attention_float64(q, k, v, rows, num_rows):
+    q, k, v, rows = (np.asarray(x, np.float64) for x in (q, k, v, rows))
+    T, N, H = q.shape
+    G = N // k.shape[1]
+    out = np.zeros((T, N, H))
+    for t in range(T):
+        if not 0 <= rows[t] < num_rows:
+            continue
+        keys = np.flatnonzero((rows == rows[t]) & (np.arange(T) <= t))
+        for n in range(N):
+            s = k[keys, n // G] @ q[t, n] / math.sqrt(H)
+            p = np.exp(s - s.max())
+            out[t, n] = (p / p.sum()) @ v[keys, n // G]
+    return out
+
+
+@pytest.mark.parametrize(
+    "lengths, pad, N, K, H",
+    [
+        ([96, 1, 40, 33, 7], 11, 9, 3, 64),  # SmolLM2's heads; a one-token row; rows across 32-key blocks
+        ([5, 70, 17], 0, 4, 4, 128),  # no grouping, Llama 3's head size, no padding tail
+        ([12, 3, 30], 4, 6, 2, 8),  # a head size zero-padded to 64
+    ],
+)
+def test_packed_attention_kernel_equals_float64_and_xla(lengths, pad, N, K, H):
+    from grpax.models.llama import packed_attention
+
+    q, k, v, rows = _packed_case(lengths, pad, N, K, H, jnp.float32)
+    out = jax.jit(cpu_kernels.packed_attention, static_argnums=4)(q, k, v, rows, len(lengths))
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    ref = _packed_attention_float64(q, k, v, rows, len(lengths))
+    np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6, rtol=0)
+    assert not np.any(np.asarray(out)[sum(lengths) :])  # padding tokens: zeros
+    real = slice(0, sum(lengths))
+    xla = packed_attention(q, k, v, rows, max(lengths))
+    # each within float32 rounding of the exact result (XLA's up to 1.7e-6 off it for H = 128, the kernel 1e-6)
+    np.testing.assert_allclose(np.asarray(xla)[real], ref[real], atol=2e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(xla)[real], atol=4e-6, rtol=0)
+
+
+def test_packed_attention_kernel_rounds_bfloat16_probabilities_like_xla():
+    from grpax.models.llama import packed_attention
+
+    lengths = [50, 23, 64]
+    q, k, v, rows = _packed_case(lengths, 5, 9, 3, 64, jnp.bfloat16, seed=1)
+    out = np.asarray(cpu_kernels.packed_attention(q, k, v, rows, 3), np.float32)[: sum(lengths)]
+    xla = np.asarray(packed_attention(q, k, v, rows, 64), np.float32)[: sum(lengths)]
+    exact = _packed_attention_float64(q, k, v, rows, 3)[: sum(lengths)]
+    # the same bfloat16 values almost everywhere (different float32 sum orders may round an output the other
+    # way); without the probabilities' bfloat16 rounding the outputs move off XLA's (checked by the float64
+    # reference, which keeps them exact: both are about as far from it)
+    assert np.mean(out != xla) < 1e-3
+    assert np.max(np.abs(out - xla)) <= 2 ** -7 * np.max(np.abs(xla))
+    assert np.max(np.abs(out - exact)) < 3e-2
+
+
+def test_packed_attention_kernel_rejects_bad_shapes():
+    q, k, v, rows = _packed_case([4, 4], 0, 6, 4, 64, jnp.float32)  # 4 kv heads do not divide 6 heads
+    with pytest.raises(ValueError, match="K dividing N"):
+        cpu_kernels.packed_attention(q, k, v, rows, 2)
+    q, k, v, rows = _packed_case([4, 4], 0, 6, 3, 64, jnp.float32)
+    with pytest.raises(ValueError, match="rows"):
+        cpu_kernels.packed_attention(q, k, v, rows[:5], 2)
+
+
+def test_prefill_attention_kernel_chosen_where_it_applies(monkeypatch):
+    params = {"w": np.ones((2, 2), np.float32)}
+    assert engine.resolve_decode_attention(SamplerConfig(), params).prefill_attention == "kernel"
+    with pytest.raises(ValueError, match="prefill_attention"):
+        SamplerConfig(prefill_attention="flash")
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert engine.resolve_decode_attention(SamplerConfig(), params).prefill_attention == "xla"
+    with pytest.raises(ValueError, match="prefill_attention='kernel': the CPU kernels could not be built"):
+        engine.resolve_decode_attention(
+            SamplerConfig(decode_attention="xla", decode_matmul="xla", prefill_attention="kernel"), params
+        )

@@ -34,8 +34,8 @@ def params():
     return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)
 
 
-# The decode step on the CPU kernels (attention, and the matmuls where the layers are unrolled; where they
-# build) and on XLA's ops must both match the full forward.
+# The sampler on the CPU kernels (prefill and decode attention, and the decode matmuls where the layers are
+# unrolled; where they build) and on XLA's ops must both match the full forward.
 ATTENTIONS = [
     pytest.param(
         "kernel",
@@ -47,8 +47,9 @@ ATTENTIONS = [
 
 def _sc(**kw):
     base = dict(max_prompt_length=16, max_completion_length=C, greedy=True, pad_token_id=0)
-    if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots too
+    if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots and prefill attention too
         kw.setdefault("decode_matmul", "xla")
+        kw.setdefault("prefill_attention", "xla")
     return SamplerConfig(**{**base, **kw})
 
 
@@ -258,8 +259,12 @@ def test_num_generations_equals_repeated_prompts(params, unroll):
     assert len({tuple(r) for r in grouped.completion_ids[:G]}) > 1  # the G samples of a prompt differ
 
 
+@pytest.mark.parametrize(
+    "packed_kernel",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels"))],
+)
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_packed_prefill_equals_each_prompt_alone(scan_layers):
+def test_packed_prefill_equals_each_prompt_alone(scan_layers, packed_kernel):
     # Prompts packed back to back (crossing the 32-token attention chunks, with a padding tail) give each
     # prompt's own logits and write the cache a padded prefill writes. Plain init (not the x15 fixture,
     # whose sharp softmax amplifies the float32 rounding of the two summation orders to ~1e-3 at values ~90).
@@ -282,6 +287,7 @@ def test_packed_prefill_equals_each_prompt_alone(scan_layers):
         cache=cache,
         packed_rows=jnp.asarray(rows),
         packed_window=P,
+        packed_kernel=packed_kernel,  # the CPU kernel (cpu_kernels.packed_attention) or XLA's windows
     )
     right = np.zeros((B, P), np.int32)
     for b, prompt in enumerate(prompts):

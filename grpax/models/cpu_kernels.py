@@ -42,12 +42,13 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).parent / "kernels"
-_SOURCES = (_KERNELS / "decode_attention.cc", _KERNELS / "matmul.cc")
+_SOURCES = (_KERNELS / "decode_attention.cc", _KERNELS / "matmul.cc", _KERNELS / "packed_attention.cc")
 _HEADERS = (_KERNELS / "parallel.h", _KERNELS / "simd.h")
 _TARGET = "grpax_decode_attention"
 _UPDATE_TARGET = "grpax_decode_attention_update"
 _MATMUL_TARGET = "grpax_matmul"
 _PACK_TARGET = "grpax_pack"
+_PACKED_ATTENTION_TARGET = "grpax_packed_attention"
 PANEL = 16  # columns per panel of a packed weight (kernels/matmul.cc)
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 MAX_GROUP = 8  # query heads per kv head the kernel supports
@@ -120,6 +121,9 @@ def _load() -> str | None:
         )
         jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(lib.GrpaxMatmul), platform="cpu")
         jax.ffi.register_ffi_target(_PACK_TARGET, jax.ffi.pycapsule(lib.GrpaxPack), platform="cpu")
+        jax.ffi.register_ffi_target(
+            _PACKED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.GrpaxPackedAttention), platform="cpu"
+        )
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return str(e)
     return None
@@ -326,3 +330,53 @@ def matmul(
     if x_transposed or transpose_out:
         return y
     return y.reshape(*lead, n)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
+    """Causal attention inside each row of a packed sequence, on CPU (``available()`` must be True).
+
+    The same result as ``grpax.models.llama.packed_attention`` (to float32 rounding: exp by a degree-6
+    polynomial, ~1e-7 relative, and sums in another order): token t attends to the tokens j <= t of its own
+    row, scores scaled by 1/sqrt(H). Rows are runs of equal ids in ``rows``; tokens with an id outside
+    0..num_rows-1 (the packing's padding) get zeros and cost nothing. In bfloat16 the probabilities are
+    rounded to bfloat16 before the product with the values, as the jnp version does. A head size that is not
+    a multiple of 64 is zero-padded to one (the kernel's value tiles).
+
+    Args:
+      q: [T, N, H] queries, already rotated (not scaled); k, v: [T, K, H]; float32 or bfloat16 (computed in
+        float32); N a multiple of K.
+      rows: int32 [T] row of each token (the tokens of a row contiguous and in order).
+      num_rows: static number of real rows.
+
+    Returns:
+      [T, N, H] in q's dtype.
+
+    Raises:
+      ValueError: shapes that do not fit (q [T, N, H], k = v [T, K, H], K dividing N, rows [T]).
+      RuntimeError: the kernels could not be built (the reason in the message).
+    """
+    _require()
+    T, N, H = q.shape if q.ndim == 3 else (None, None, None)
+    if (
+        q.ndim != 3
+        or k.shape != v.shape
+        or k.ndim != 3
+        or k.shape[0] != T
+        or k.shape[2] != H
+        or N % k.shape[1]
+        or rows.shape != (T,)
+    ):
+        raise ValueError(
+            f"cpu_kernels.packed_attention takes q [T, N, H], k and v [T, K, H] with K dividing N, and rows "
+            f"[T]; got q {q.shape}, k {k.shape}, v {v.shape}, rows {rows.shape}"
+        )
+    Hp = -(-H // 64) * 64
+    pad = [(0, 0), (0, 0), (0, Hp - H)]
+    out = jax.ffi.ffi_call(_PACKED_ATTENTION_TARGET, jax.ShapeDtypeStruct((T, N, Hp), jnp.float32))(
+        *(jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v)),
+        rows.astype(jnp.int32),
+        num_rows=np.int64(num_rows),
+        scale=np.float32(1.0 / np.sqrt(H)),
+        probs_bf16=bool(v.dtype == jnp.bfloat16),
+    )
+    return out[..., :H].astype(q.dtype)

@@ -234,6 +234,7 @@ def _layer(
     index=None,
     packed=None,
     decode_kernel=False,
+    packed_kernel=False,
 ):
     """One decoder block; returns (x, cache_k, cache_v).
 
@@ -243,7 +244,8 @@ def _layer(
     ``positions[b, t]`` of row b (the caches are loop carries, so XLA updates them without copying) and the
     queries attend over the cache. With ``packed=(rows, window)`` x is one packed sequence [1, T, D] of
     several rows' prompts (``rows`` [T] each token's cache row): tokens are written at (rows[t],
-    positions[0, t]) and attend within their row (``packed_attention``). ``decode_kernel`` selects the CPU
+    positions[0, t]) and attend within their row (``packed_attention``, or with ``packed_kernel`` the CPU
+    kernel ``cpu_kernels.packed_attention``). ``decode_kernel`` selects the CPU
     decode-attention kernel for one query per row: into per-layer buffers it also writes the new key/value in
     place (``cpu_kernels.decode_attention_update``), into stacked ones XLA scatters them
     (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
@@ -289,7 +291,10 @@ def _layer(
         else:
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-        if packed is not None:
+        if packed is not None and packed_kernel:
+            num_rows = cache_k.shape[0 if index is None else 1]
+            attn = cpu_kernels.packed_attention(q[0], k[0], v[0], packed[0], num_rows)[None]
+        elif packed is not None:
             attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
         elif index is None:
             attn = cached_attention(q, cache_k, cache_v, mask, positions, decode_kernel)
@@ -372,6 +377,7 @@ def forward(
     packed_rows: jax.Array | None = None,
     packed_window: int = 0,
     decode_kernel: bool = False,
+    packed_kernel: bool = False,
     rope_table: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
@@ -396,6 +402,8 @@ def forward(
       decode_kernel: static; with a cache and one token per row, attend with the CPU decode-attention kernel
         (``grpax.models.cpu_kernels``; the caller checks ``available()`` and that the arrays live on one CPU
         device: the kernel has no sharding rule).
+      packed_kernel: static; with ``packed_rows``, attend with the CPU packed-attention kernel
+        (``cpu_kernels.packed_attention``; the same conditions as ``decode_kernel``).
       rope_table: optional (cos, sin) float32 [S, H/2] for positions 0..S-1 (``rope_tables`` of
         ``arange(S)``, squeezed), looked up at ``positions`` instead of computing the angles; every position
         must be < S.
@@ -433,7 +441,10 @@ def forward(
 
     packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window)
     layer_fn = _maybe_remat(
-        functools.partial(_layer, cfg=cfg, packed=packed, decode_kernel=decode_kernel), cfg
+        functools.partial(
+            _layer, cfg=cfg, packed=packed, decode_kernel=decode_kernel, packed_kernel=packed_kernel
+        ),
+        cfg,
     )
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None

@@ -85,6 +85,9 @@ class SamplerConfig:
     # one CPU device), "xla" = XLA's ops (any device, any mesh), "auto" = the kernel where it applies and
     # builds, else XLA's.
     decode_attention: str = "auto"
+    # Prefill attention of the packed prefill: "kernel" = the CPU kernel of grpax.models.cpu_kernels (one
+    # CPU device; ~5-10x XLA's windowed attention), "xla" = XLA's ops, "auto" = the kernel where it applies.
+    prefill_attention: str = "auto"
     # Decode matmuls: "kernel" = the CPU kernel of grpax.models.cpu_kernels on weights repacked once per call
     # into column panels (one CPU device, unroll_layers; a transient packed copy of the weights), "xla" =
     # XLA's dots, "auto" = the kernel where it applies and builds, else XLA's.
@@ -103,6 +106,8 @@ class SamplerConfig:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if self.decode_attention not in KERNEL_CHOICES:
             raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {KERNEL_CHOICES}")
+        if self.prefill_attention not in KERNEL_CHOICES:
+            raise ValueError(f"prefill_attention={self.prefill_attention!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_matmul not in KERNEL_CHOICES:
             raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_phase_length < 0:
@@ -191,8 +196,9 @@ def _on_cpu(params: Params) -> bool:
 
 
 def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
-    """The config with ``decode_attention`` and ``decode_matmul`` "auto" made "kernel" or "xla" for these params.
+    """The config with its "auto" kernel choices made "kernel" or "xla" for these params.
 
+    The choices are ``decode_attention``, ``prefill_attention`` and ``decode_matmul``.
     The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete array on one CPU
     device and the kernels build; the matmul kernel also needs ``unroll_layers``.
 
@@ -201,12 +207,13 @@ def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> Samp
         layers for the matmul kernel) or the kernels could not be built.
     """
     sc = sampler_cfg
-    if sc.decode_attention == "xla" and sc.decode_matmul == "xla":
+    if sc.decode_attention == sc.prefill_attention == sc.decode_matmul == "xla":
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
     choices = {}
     for key, value, needs in (
         ("decode_attention", sc.decode_attention, None),
+        ("prefill_attention", sc.prefill_attention, None),
         ("decode_matmul", sc.decode_matmul, None if sc.unroll_layers else "unroll_layers=True"),
     ):
         if value == "kernel":
@@ -358,6 +365,7 @@ def prefill(
             return_hidden=True,
             packed_rows=rows,
             packed_window=P,
+            packed_kernel=sc.prefill_attention == "kernel",
         )
         last = hidden[0, offsets + prompt_lengths - 1]  # [B, D]
 
