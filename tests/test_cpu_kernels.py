@@ -123,7 +123,12 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
 def test_an_explicit_choice_is_kept():
     for attention in ("kernel", "xla"):
         for matmul in ("kernel", "xla"):
-            sc = SamplerConfig(decode_attention=attention, decode_matmul=matmul)
+            sc = SamplerConfig(
+                decode_attention=attention,
+                decode_matmul=matmul,
+                prefill_attention=attention,
+                decode_sampling=matmul,
+            )
             assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
 
 
@@ -319,9 +324,7 @@ def _packed_case(lengths, pad, N, K, H, dtype, seed=0):
     rng = np.random.default_rng(seed)
     T = sum(lengths) + pad
     rows = np.concatenate([np.full(n, b) for b, n in enumerate(lengths)] + [np.full(pad, len(lengths))])
-    q, k, v = (
-        jnp.asarray(rng.standard_normal((T, n, H), np.float32)).astype(dtype) for n in (N, K, K)
-    )
+    q, k, v = (jnp.asarray(rng.standard_normal((T, n, H), np.float32)).astype(dtype) for n in (N, K, K))
     return q, k, v, jnp.asarray(rows, jnp.int32)
 
 
@@ -377,7 +380,7 @@ def test_packed_attention_kernel_rounds_bfloat16_probabilities_like_xla():
     # way); without the probabilities' bfloat16 rounding the outputs move off XLA's (checked by the float64
     # reference, which keeps them exact: both are about as far from it)
     assert np.mean(out != xla) < 1e-3
-    assert np.max(np.abs(out - xla)) <= 2 ** -7 * np.max(np.abs(xla))
+    assert np.max(np.abs(out - xla)) <= 2**-7 * np.max(np.abs(xla))
     assert np.max(np.abs(out - exact)) < 3e-2
 
 
@@ -401,3 +404,53 @@ def test_prefill_attention_kernel_chosen_where_it_applies(monkeypatch):
         engine.resolve_decode_attention(
             SamplerConfig(decode_attention="xla", decode_matmul="xla", prefill_attention="kernel"), params
         )
+
+
+@pytest.mark.parametrize("B, V, temperature", [(16, 49152, 1.0), (5, 1000, 0.7), (3, 61, 1.3)])
+def test_sample_kernel_equals_xla_draw_and_logprobs(B, V, temperature):
+    from grpax.sampler.sampling import sample_from_uniform, token_logprobs
+
+    rng = np.random.default_rng(B)
+    logits = jnp.asarray(rng.standard_normal((B, V), np.float32) * 3)
+    u = jnp.asarray(rng.random((B, 2), np.float32))
+    tokens, logprobs = jax.jit(cpu_kernels.sample, static_argnums=2)(logits, u, temperature)
+    assert tokens.dtype == jnp.int32 and logprobs.shape == (B,)
+    expected = sample_from_uniform(logits, u, temperature=temperature)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+    # log_softmax(logits / t)[token] in float64
+    scaled = np.asarray(logits, np.float64) / temperature
+    logz = scaled.max(1) + np.log(np.exp(scaled - scaled.max(1, keepdims=True)).sum(1))
+    exact = scaled[np.arange(B), np.asarray(tokens)] - logz
+    np.testing.assert_allclose(np.asarray(logprobs), exact, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(logprobs), np.asarray(token_logprobs(logits, tokens, temperature)), atol=2e-6, rtol=0
+    )
+
+
+def test_sample_kernel_draws_the_distribution():
+    # Inverse CDF over a grid of u: each token's share of the grid is its probability (to the grid's step),
+    # across blocks (block_size 16, V = 40: a partial last block) and within them.
+    logits = jnp.asarray([[np.log(i % 7 + 0.5) if i % 5 else -30.0 for i in range(40)]], jnp.float32)
+    x = np.asarray(logits[0], np.float64)
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    n = 200
+    grid = (np.arange(n) + 0.5) / n
+    u = jnp.asarray(np.stack(np.meshgrid(grid, grid, indexing="ij"), -1).reshape(-1, 2), jnp.float32)
+    tokens, _ = cpu_kernels.sample(jnp.repeat(logits, n * n, axis=0), u, 1.0, block_size=16)
+    counts = np.bincount(np.asarray(tokens), minlength=40) / (n * n)
+    np.testing.assert_allclose(counts, probs, atol=2 / n)
+    assert counts[0] == 0 and counts[5] == 0  # the near-zero tokens are never drawn here
+
+
+def test_sample_kernel_chosen_where_it_applies(monkeypatch):
+    params = {"w": np.ones((2, 2), np.float32)}
+    resolve = engine.resolve_decode_attention
+    assert resolve(SamplerConfig(), params).decode_sampling == "kernel"
+    for kw in ({"top_k": 5}, {"top_p": 0.9}, {"greedy": True}):
+        assert resolve(SamplerConfig(**kw), params).decode_sampling == "xla"
+    with pytest.raises(ValueError, match="decode_sampling='kernel' needs top_k=0, top_p=1.0, greedy=False"):
+        resolve(SamplerConfig(top_k=5, decode_sampling="kernel"), params)
+    with pytest.raises(ValueError, match="decode_sampling"):
+        SamplerConfig(decode_sampling="gumbel")
+    with pytest.raises(ValueError, match="temperature"):
+        cpu_kernels.sample(jnp.zeros((2, 32)), jnp.zeros((2, 2)), 0.0)

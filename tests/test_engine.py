@@ -50,6 +50,7 @@ def _sc(**kw):
     if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots and prefill attention too
         kw.setdefault("decode_matmul", "xla")
         kw.setdefault("prefill_attention", "xla")
+        kw.setdefault("decode_sampling", "xla")
     return SamplerConfig(**{**base, **kw})
 
 
@@ -261,7 +262,10 @@ def test_num_generations_equals_repeated_prompts(params, unroll):
 
 @pytest.mark.parametrize(
     "packed_kernel",
-    [False, pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels"))],
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
+    ],
 )
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_packed_prefill_equals_each_prompt_alone(scan_layers, packed_kernel):

@@ -92,6 +92,12 @@ class SamplerConfig:
     # into column panels (one CPU device, unroll_layers; a transient packed copy of the weights), "xla" =
     # XLA's dots, "auto" = the kernel where it applies and builds, else XLA's.
     decode_matmul: str = "auto"
+    # Decode sampling (temperature only: no top-k / top-p, not greedy): "kernel" = the CPU kernel
+    # ``cpu_kernels.sample`` (the draw and its log-probability in two passes over the vocabulary; one CPU
+    # device), "xla" = XLA's ops (``sampling.sample_from_uniform`` and ``token_logprobs``), "auto" = the kernel
+    # where it applies. The same distribution; a uniform within float32 rounding of a CDF step may pick the
+    # neighbouring token.
+    decode_sampling: str = "auto"
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -107,7 +113,11 @@ class SamplerConfig:
         if self.decode_attention not in KERNEL_CHOICES:
             raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {KERNEL_CHOICES}")
         if self.prefill_attention not in KERNEL_CHOICES:
-            raise ValueError(f"prefill_attention={self.prefill_attention!r}: expected one of {KERNEL_CHOICES}")
+            raise ValueError(
+                f"prefill_attention={self.prefill_attention!r}: expected one of {KERNEL_CHOICES}"
+            )
+        if self.decode_sampling not in KERNEL_CHOICES:
+            raise ValueError(f"decode_sampling={self.decode_sampling!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_matmul not in KERNEL_CHOICES:
             raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_phase_length < 0:
@@ -169,13 +179,18 @@ class GenerateOutput(NamedTuple):
     prompt_indices: np.ndarray
 
 
+def _row_uniforms(key: jax.Array, step: jax.Array, num_rows: int) -> jax.Array:
+    """float32 [B, 2] uniforms, row b's from fold_in(fold_in(key, step), b): independent of the batch."""
+    step_key = jax.random.fold_in(key, step)
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, jnp.arange(num_rows))
+    return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
+
+
 def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: SamplerConfig) -> jax.Array:
-    """Samples int32 [B] with noise from fold_in(fold_in(key, step), row): independent of the batch."""
+    """Samples int32 [B] with the noise of ``_row_uniforms``: independent of the batch."""
     if sc.greedy:
         return sample_tokens(logits, key, greedy=True)
-    step_key = jax.random.fold_in(key, step)
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, jnp.arange(logits.shape[0]))
-    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)  # [B, 2]
+    u = _row_uniforms(key, step, logits.shape[0])
     return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
 
 
@@ -195,19 +210,25 @@ def _on_cpu(params: Params) -> bool:
     return devices is not None and all(d.platform == "cpu" for d in devices)
 
 
+def _plain_sampling(sc: SamplerConfig) -> bool:
+    """True when rows are drawn from the temperature-scaled distribution alone (what ``cpu_kernels.sample`` does)."""
+    return not sc.greedy and sc.top_k == 0 and sc.top_p >= 1.0
+
+
 def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
     """The config with its "auto" kernel choices made "kernel" or "xla" for these params.
 
-    The choices are ``decode_attention``, ``prefill_attention`` and ``decode_matmul``.
+    The choices are ``decode_attention``, ``prefill_attention``, ``decode_matmul`` and ``decode_sampling``.
     The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete array on one CPU
-    device and the kernels build; the matmul kernel also needs ``unroll_layers``.
+    device and the kernels build; the matmul kernel also needs ``unroll_layers``, the sampling kernel plain
+    temperature sampling (no top-k, top-p or greedy).
 
     Raises:
       ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, stacked
         layers for the matmul kernel) or the kernels could not be built.
     """
     sc = sampler_cfg
-    if sc.decode_attention == sc.prefill_attention == sc.decode_matmul == "xla":
+    if sc.decode_attention == sc.prefill_attention == sc.decode_matmul == sc.decode_sampling == "xla":
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
     choices = {}
@@ -215,6 +236,11 @@ def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> Samp
         ("decode_attention", sc.decode_attention, None),
         ("prefill_attention", sc.prefill_attention, None),
         ("decode_matmul", sc.decode_matmul, None if sc.unroll_layers else "unroll_layers=True"),
+        (
+            "decode_sampling",
+            sc.decode_sampling,
+            None if _plain_sampling(sc) else "top_k=0, top_p=1.0, greedy=False",
+        ),
     ):
         if value == "kernel":
             if not one_cpu:
@@ -414,11 +440,15 @@ def decode(
 
     def record(state, step, logits):
         ids, mask, logprobs, done = state
-        token = _sample_rows(logits, key, step, sc)
+        if sc.decode_sampling == "kernel":  # the draw and its logprob in one CPU kernel
+            token, token_logprob = cpu_kernels.sample(logits, _row_uniforms(key, step, B), sc.temperature)
+        else:
+            token = _sample_rows(logits, key, step, sc)
+            token_logprob = token_logprobs(logits, token, temperature)
         live = ~done
         ids = ids.at[:, step].set(jnp.where(live, token, sc.pad_token_id))
         mask = mask.at[:, step].set(live.astype(jnp.int32))
-        logprobs = logprobs.at[:, step].set(jnp.where(live, token_logprobs(logits, token, temperature), 0.0))
+        logprobs = logprobs.at[:, step].set(jnp.where(live, token_logprob, 0.0))
         is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
         done = done | (live & is_stop)
         return (ids, mask, logprobs, done), jnp.where(live, token, sc.pad_token_id)
