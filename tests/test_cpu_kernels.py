@@ -328,15 +328,19 @@ def _packed_case(lengths, pad, N, K, H, dtype, seed=0):
     return q, k, v, jnp.asarray(rows, jnp.int32)
 
 
-def _packed_attention_float64(q, k, v, rows, num_rows):
+def _packed_attention_float64(q, k, v, rows, num_rows, prefix=0):
     q, k, v, rows = (np.asarray(x, np.float64) for x in (q, k, v, rows))
     T, N, H = q.shape
     G = N // k.shape[1]
     out = np.zeros((T, N, H))
     for t in range(T):
-        if not 0 <= rows[t] < num_rows:
+        if t < prefix:  # the shared prefix: causal among its own tokens
+            keys = np.arange(t + 1)
+        elif not 0 <= rows[t] < num_rows:
             continue
-        keys = np.flatnonzero((rows == rows[t]) & (np.arange(T) <= t))
+        else:  # every row continues the prefix
+            own = np.flatnonzero((rows == rows[t]) & (np.arange(T) <= t) & (np.arange(T) >= prefix))
+            keys = np.concatenate([np.arange(prefix), own])
         for n in range(N):
             s = k[keys, n // G] @ q[t, n] / math.sqrt(H)
             p = np.exp(s - s.max())
@@ -366,6 +370,21 @@ def test_packed_attention_kernel_equals_float64_and_xla(lengths, pad, N, K, H):
     # each within float32 rounding of the exact result (XLA's up to 1.7e-6 off it for H = 128, the kernel 1e-6)
     np.testing.assert_allclose(np.asarray(xla)[real], ref[real], atol=2e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(xla)[real], atol=4e-6, rtol=0)
+
+
+@pytest.mark.parametrize("H", [64, 8])
+def test_packed_attention_kernel_with_a_shared_prefix_equals_float64(H):
+    # 37 prefix tokens (ids 0, like row 0's: the kernel takes them by position), then rows 0-2 and padding
+    lengths = [37, 20, 1, 45]
+    q, k, v, rows = _packed_case(lengths, 6, 9, 3, H, jnp.float32, seed=2)
+    rows = jnp.concatenate([jnp.zeros(37, jnp.int32), rows[37:] - 1])  # prefix, rows 0, 1, 2, padding id 3
+    out = np.asarray(cpu_kernels.packed_attention(q, k, v, rows, 3, prefix=37))
+    np.testing.assert_allclose(out, _packed_attention_float64(q, k, v, rows, 3, prefix=37), atol=2e-6, rtol=0)
+    assert not np.any(out[sum(lengths) :])
+    # the same as each row's prefix + own tokens packed without sharing (row 1: prefix + its one token)
+    alone = np.concatenate([np.arange(37), np.arange(57, 58)])
+    single = cpu_kernels.packed_attention(q[alone], k[alone], v[alone], jnp.zeros(38, jnp.int32), 1)
+    np.testing.assert_allclose(out[57], np.asarray(single)[-1], atol=2e-6, rtol=0)
 
 
 def test_packed_attention_kernel_rounds_bfloat16_probabilities_like_xla():

@@ -384,3 +384,55 @@ def test_bfloat16_model_and_cache_dtypes_run_on_the_padded_prefill(cache_dtype, 
     np.testing.assert_array_equal(padded.completion_mask, 1)
     # the first token comes from the prefill alone: both prefills agree on it
     np.testing.assert_array_equal(padded.completion_ids[:, 0], packed.completion_ids[:, 0])
+
+
+def test_shared_prefix_length():
+    from grpax.sampler.engine import shared_prefix_length
+
+    system = list(range(1, 20))  # 19 shared tokens
+    assert shared_prefix_length([system + [40, 41], system + [50]]) == 16  # rounded down to a multiple of 8
+    assert shared_prefix_length([system + [40, 41], system + [50]], multiple=1) == 19
+    assert shared_prefix_length([system, system + [50]], multiple=1) == 18  # each prompt keeps one token
+    assert shared_prefix_length([system + [40]]) == 0  # nothing to share with one prompt
+    assert shared_prefix_length([[1, 2, 3], [4, 5, 6]]) == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prompt_prefix_prefilled_once_gives_the_same_rollouts(params, greedy):
+    # A 17-token "system prompt" before each question: prefilled once (16 tokens shared) or per prompt, the
+    # completions and logprobs agree (the unshared path is held to the full forward by the tests above).
+    system = [(7 * i + 3) % CFG.vocab_size for i in range(17)]
+    prompts = [system + p for p in PROMPTS]
+    kw = dict(max_prompt_length=32, greedy=greedy, temperature=0.8)
+    shared = generate(params, prompts, CFG, _sc(**kw), jax.random.key(3), num_generations=2)
+    alone = generate(params, prompts, CFG, _sc(share_prompt_prefix=False, **kw), jax.random.key(3), 2)
+    np.testing.assert_array_equal(shared.completion_ids, alone.completion_ids)
+    np.testing.assert_array_equal(shared.completion_mask, alone.completion_mask)
+    np.testing.assert_allclose(shared.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    assert shared.finish_reason == alone.finish_reason
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+def test_shared_prefix_errors_name_the_fix(params):
+    right = np.array([[1, 2, 3, 4], [1, 2, 5, 0]], np.int32)
+    lengths = np.array([4, 3], np.int32)
+    with pytest.raises(ValueError, match="needs the packed prefill"):
+        generate_padded(params, right, lengths, jax.random.key(0), CFG, _sc(), prefix_length=2)
+    with pytest.raises(ValueError, match="longer than the shared prefix"):
+        generate_padded(
+            params, right, lengths, jax.random.key(0), CFG, _sc(), packed_length=8, prefix_length=3
+        )
+    with pytest.raises(ValueError, match="prefill-attention kernel"):
+        generate_padded(
+            params,
+            right,
+            lengths,
+            jax.random.key(0),
+            CFG,
+            _sc(decode_attention="xla"),
+            packed_length=8,
+            prefix_length=2,
+        )
+    with pytest.raises(ValueError, match="packed_kernel=True"):
+        forward(params, jnp.asarray(right[:1]), CFG, packed_prefix=2)

@@ -336,13 +336,17 @@ def matmul(
     return y.reshape(*lead, n)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, num_rows: int) -> jax.Array:
+def packed_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, num_rows: int, prefix: int = 0
+) -> jax.Array:
     """Causal attention inside each row of a packed sequence, on CPU (``available()`` must be True).
 
     The same result as ``grpax.models.llama.packed_attention`` (to float32 rounding: exp by a degree-6
     polynomial, ~1e-7 relative, and sums in another order): token t attends to the tokens j <= t of its own
     row, scores scaled by 1/sqrt(H). Rows are runs of equal ids in ``rows``; tokens with an id outside
-    0..num_rows-1 (the packing's padding) get zeros and cost nothing. In bfloat16 the probabilities are
+    0..num_rows-1 (the packing's padding) get zeros and cost nothing. With ``prefix`` = A > 0 the first A
+    tokens are a prefix every row shares (whatever their ids): they attend causally among themselves and every
+    later token also attends to all of them, as if its row began with them. In bfloat16 the probabilities are
     rounded to bfloat16 before the product with the values, as the jnp version does. A head size that is not
     a multiple of 64 is zero-padded to one (the kernel's value tiles).
 
@@ -351,6 +355,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, 
         float32); N a multiple of K.
       rows: int32 [T] row of each token (the tokens of a row contiguous and in order).
       num_rows: static number of real rows.
+      prefix: static length A of the shared prefix (0: none).
 
     Returns:
       [T, N, H] in q's dtype.
@@ -369,10 +374,12 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, 
         or k.shape[2] != H
         or N % k.shape[1]
         or rows.shape != (T,)
+        or not 0 <= prefix <= T
     ):
         raise ValueError(
-            f"cpu_kernels.packed_attention takes q [T, N, H], k and v [T, K, H] with K dividing N, and rows "
-            f"[T]; got q {q.shape}, k {k.shape}, v {v.shape}, rows {rows.shape}"
+            f"cpu_kernels.packed_attention takes q [T, N, H], k and v [T, K, H] with K dividing N, rows [T] "
+            f"and a prefix of 0..T tokens; got q {q.shape}, k {k.shape}, v {v.shape}, rows {rows.shape}, "
+            f"prefix={prefix}"
         )
     Hp = -(-H // 64) * 64
     pad = [(0, 0), (0, 0), (0, Hp - H)]
@@ -380,6 +387,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, 
         *(jnp.pad(x.astype(jnp.float32), pad) for x in (q, k, v)),
         rows.astype(jnp.int32),
         num_rows=np.int64(num_rows),
+        prefix=np.int64(prefix),
         scale=np.float32(1.0 / np.sqrt(H)),
         probs_bf16=bool(v.dtype == jnp.bfloat16),
     )

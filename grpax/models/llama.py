@@ -242,9 +242,10 @@ def _layer(
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
     ``positions[b, t]`` of row b (the caches are loop carries, so XLA updates them without copying) and the
-    queries attend over the cache. With ``packed=(rows, window)`` x is one packed sequence [1, T, D] of
-    several rows' prompts (``rows`` [T] each token's cache row): tokens are written at (rows[t],
-    positions[0, t]) and attend within their row (``packed_attention``, or with ``packed_kernel`` the CPU
+    queries attend over the cache. With ``packed=(rows, window, prefix)`` x is one packed sequence [1, T, D] of
+    several rows' prompts (``rows`` [T] each token's cache row; the first ``prefix`` tokens shared by every row,
+    written to each row's first slots): tokens are written at (rows[t], positions[0, t]) and attend within
+    their row (``packed_attention``, or with ``packed_kernel`` the CPU
     kernel ``cpu_kernels.packed_attention``). ``decode_kernel`` selects the CPU
     decode-attention kernel for one query per row: into per-layer buffers it also writes the new key/value in
     place (``cpu_kernels.decode_attention_update``), into stacked ones XLA scatters them
@@ -291,9 +292,19 @@ def _layer(
         else:
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+        prefix = 0 if packed is None else packed[2]
+        if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
+            num_rows = cache_k.shape[0 if index is None else 1]
+            pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
+            pv = jnp.broadcast_to(
+                v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3])
+            )
+            at_k = cache_k.at[:, :, :, :prefix] if index is None else cache_k.at[index, :, :, :, :prefix]
+            at_v = cache_v.at[:, :, :prefix, :] if index is None else cache_v.at[index, :, :, :prefix, :]
+            cache_k, cache_v = at_k.set(pk.astype(cache_k.dtype)), at_v.set(pv.astype(cache_v.dtype))
         if packed is not None and packed_kernel:
             num_rows = cache_k.shape[0 if index is None else 1]
-            attn = cpu_kernels.packed_attention(q[0], k[0], v[0], packed[0], num_rows)[None]
+            attn = cpu_kernels.packed_attention(q[0], k[0], v[0], packed[0], num_rows, prefix)[None]
         elif packed is not None:
             attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
         elif index is None:
@@ -378,6 +389,7 @@ def forward(
     packed_window: int = 0,
     decode_kernel: bool = False,
     packed_kernel: bool = False,
+    packed_prefix: int = 0,
     rope_table: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
@@ -404,6 +416,9 @@ def forward(
         device: the kernel has no sharding rule).
       packed_kernel: static; with ``packed_rows``, attend with the CPU packed-attention kernel
         (``cpu_kernels.packed_attention``; the same conditions as ``decode_kernel``).
+      packed_prefix: static, with ``packed_rows`` and ``packed_kernel``: the first A tokens are a prefix every
+        row shares (e.g. a system prompt, prefilled once): written to slots 0..A-1 of every cache row and
+        attended by every later token, whose positions continue from A.
       rope_table: optional (cos, sin) float32 [S, H/2] for positions 0..S-1 (``rope_tables`` of
         ``arange(S)``, squeezed), looked up at ``positions`` instead of computing the angles; every position
         must be < S.
@@ -439,7 +454,12 @@ def forward(
         S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
 
-    packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window)
+    if packed_prefix and not (packed_rows is not None and packed_kernel):
+        raise ValueError(
+            f"forward(packed_prefix={packed_prefix}) shares a prefix in a packed prefill on the CPU kernel: pass "
+            "packed_rows and packed_kernel=True (XLA's packed attention has no shared prefix), or packed_prefix=0"
+        )
+    packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window, packed_prefix)
     layer_fn = _maybe_remat(
         functools.partial(
             _layer, cfg=cfg, packed=packed, decode_kernel=decode_kernel, packed_kernel=packed_kernel

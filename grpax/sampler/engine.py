@@ -4,7 +4,9 @@ GRPO spends most of its wall time sampling, so the loop never returns to Python:
 cache of ``P_bucket + C`` slots at most (slot == position, each row at its own length), then a
 ``lax.while_loop`` decodes one token per row per step and exits as soon as every row has emitted a stop
 token. On one device the prefill packs the prompts back to back (no FLOPs on padding; each token attends
-within its own prompt); under a mesh it runs on the padded [B, P] batch, whose rows stay sharded. The decode
+within its own prompt), with the tokens every prompt starts with (a system prompt, an instruction template)
+prefilled once and copied to every row on CPU; under a mesh it runs on the padded [B, P] batch, whose rows
+stay sharded. The decode
 runs in phases of ``decode_phase_length`` steps, each on a cache just long enough for it (grown between
 phases), so attention work follows the filled length. On one CPU device the decode step runs on C++ kernels
 (``grpax.models.cpu_kernels``): attention that writes the new key/value in place and reads only each row's
@@ -77,6 +79,9 @@ class SamplerConfig:
     # a [B, P] padded batch. Used by ``generate`` on a single device; under a mesh the padded prefill keeps
     # its rows sharded.
     packed_prefill: bool = True
+    # With the packed prefill on the CPU attention kernel, prefill the prompts' common first tokens (a system
+    # prompt, an instruction template; ``shared_prefix_length``) once and copy their keys/values to every row.
+    share_prompt_prefix: bool = True
     # Decode in phases of this many steps, each on a cache of P + (its last step) slots, grown between
     # phases: attention work follows the filled length instead of P + C (~25% less at C = 256), at the cost
     # of compiling one loop body per phase. 0 = one phase on all P + C slots.
@@ -269,6 +274,7 @@ def generate_padded(
     sampler_cfg: SamplerConfig,
     num_generations: int = 1,
     packed_length: int | None = None,
+    prefix_length: int = 0,
 ) -> dict[str, jax.Array]:
     """Samples completions for right-padded prompts (the array entry point; ``generate`` wraps it).
 
@@ -285,6 +291,10 @@ def generate_padded(
       packed_length: static; when set (>= the sum of ``prompt_lengths``), the prompts are prefilled packed
         back to back in one sequence of this many tokens instead of as the padded [B, P] batch: the same
         cache and logits without the padding FLOPs (``forward(packed_rows=...)``).
+      prefix_length: static A; with ``packed_length`` and the prefill attention kernel, the first A tokens are
+        the same in every prompt (e.g. the system prompt, ``shared_prefix_length``) and are prefilled once:
+        packed first, written to every row's cache. Every prompt must be longer than A (and the packed length
+        at least A + the sum of ``prompt_lengths - A``).
 
     Raises:
       ValueError: ``packed_length`` below the sum of concrete ``prompt_lengths``; ``decode_attention``
@@ -297,17 +307,37 @@ def generate_padded(
     Runs two compiled functions: ``prefill`` (per prompt batch shape and packed length) and ``decode`` (per
     row count, prompt bucket and sampler config), so a new packed length recompiles only the cheap prefill.
     """
+    if prefix_length and packed_length is None:
+        raise ValueError(f"prefix_length={prefix_length} needs the packed prefill: pass packed_length too")
     if packed_length is not None and not isinstance(prompt_lengths, jax.core.Tracer):
-        total = int(np.sum(np.asarray(prompt_lengths)))
+        lengths = np.asarray(prompt_lengths)
+        if prefix_length and (lengths.min() <= prefix_length):
+            raise ValueError(
+                f"prefix_length={prefix_length}: every prompt must be longer than the shared prefix, the "
+                f"shortest has {lengths.min()} tokens (shared_prefix_length keeps one token per prompt)"
+            )
+        total = int(np.sum(lengths)) - (len(lengths) - 1) * prefix_length
         if total > packed_length:
             raise ValueError(
                 f"packed_length={packed_length} is less than the {total} prompt tokens to pack; pass at least "
                 "their sum (SamplerConfig.packed_length_for) or packed_length=None for the padded prefill"
             )
     sampler_cfg = resolve_decode_attention(sampler_cfg, params)
+    if prefix_length and sampler_cfg.prefill_attention != "kernel":
+        raise ValueError(
+            f"prefix_length={prefix_length} shares a prefix on the CPU prefill-attention kernel, not in use here "
+            f"(prefill_attention={sampler_cfg.prefill_attention!r}): pass prefix_length=0"
+        )
     on_cpu = _on_cpu(params)
     cache, logits = (_prefill_cpu if on_cpu else prefill)(
-        params, prompt_tokens, prompt_lengths, cfg, sampler_cfg, num_generations, packed_length=packed_length
+        params,
+        prompt_tokens,
+        prompt_lengths,
+        cfg,
+        sampler_cfg,
+        num_generations,
+        packed_length=packed_length,
+        prefix_length=prefix_length,
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
     return (_decode_cpu if on_cpu else decode)(params, cache, logits, lengths, key, cfg, sampler_cfg)
@@ -333,7 +363,7 @@ def _grow(cache: dict, slots: int, batch_axis: int, repeat: int = 1) -> dict:
     }
 
 
-_PREFILL_STATIC = ("cfg", "sampler_cfg", "num_generations", "packed_length")
+_PREFILL_STATIC = ("cfg", "sampler_cfg", "num_generations", "packed_length", "prefix_length")
 _DECODE_STATIC = ("cfg", "sampler_cfg")
 
 
@@ -346,6 +376,7 @@ def prefill(
     sampler_cfg: SamplerConfig,
     num_generations: int = 1,
     packed_length: int | None = None,
+    prefix_length: int = 0,
 ) -> tuple[dict, jax.Array]:
     """Prefills right-padded prompts; returns (KV cache for the first decode phase, first-token logits).
 
@@ -369,15 +400,23 @@ def prefill(
             params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True
         )
         last = hidden[jnp.arange(B), prompt_lengths - 1]  # [B, D]
-    else:  # token t of prompt b goes to packed index offsets[b] + t; padding keeps row B (never written)
-        offsets = jnp.cumsum(prompt_lengths) - prompt_lengths
+    else:
+        # The shared prefix (A tokens, taken from row 0) first, then token t >= A of prompt b at packed index
+        # offsets[b] + t - A. The prefix and the padding get row B, which the layers' scatter drops; they write
+        # the prefix to every row themselves.
+        A = prefix_length
+        suffix = prompt_lengths - A
+        offsets = A + jnp.cumsum(suffix) - suffix
         t = jnp.arange(P, dtype=jnp.int32)[None, :]
-        index = jnp.where(t < prompt_lengths[:, None], offsets[:, None] + t, packed_length)
+        index = jnp.where((t >= A) & (t < prompt_lengths[:, None]), offsets[:, None] + t - A, packed_length)
+        index = index.at[0, :A].set(jnp.arange(A, dtype=jnp.int32))
         packed = jnp.zeros((packed_length,), jnp.int32).at[index].set(prompt_tokens, mode="drop")
         rows = (
             jnp.full((packed_length,), B, jnp.int32)
             .at[index]
             .set(jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, P)), mode="drop")
+            .at[:A]
+            .set(B)
         )
         positions = (
             jnp.zeros((packed_length,), jnp.int32).at[index].set(jnp.broadcast_to(t, (B, P)), mode="drop")
@@ -392,8 +431,9 @@ def prefill(
             packed_rows=rows,
             packed_window=P,
             packed_kernel=sc.prefill_attention == "kernel",
+            packed_prefix=A,
         )
-        last = hidden[0, offsets + prompt_lengths - 1]  # [B, D]
+        last = hidden[0, offsets + suffix - 1]  # [B, D]
 
     cache = _grow(cache, _phase_ends(sc)[0], 0 if sc.unroll_layers else 1, repeat=G)  # rows x G
     if G > 1:
@@ -512,6 +552,23 @@ _decode_cpu = jax.jit(
 )
 
 
+def shared_prefix_length(prompts: list[list[int]], multiple: int = 8) -> int:
+    """Tokens every prompt starts with, rounded down to a ``multiple`` and leaving each prompt one token.
+
+    The rounding keeps the number of compiled prefills small when batches share different numbers of tokens
+    by chance. Returns 0 for fewer than two prompts.
+    """
+    if len(prompts) < 2:
+        return 0
+    first = prompts[0]
+    common = min(len(p) for p in prompts) - 1  # each prompt keeps one token of its own
+    for p in prompts[1:]:
+        common = min(
+            common, next((i for i, (a, b) in enumerate(zip(first, p, strict=False)) if a != b), common)
+        )
+    return max(common, 0) // multiple * multiple
+
+
 def prepare_prompts(
     prompts: list[list[int]], sampler_cfg: SamplerConfig
 ) -> tuple[list[list[int]], list[int]]:
@@ -558,7 +615,9 @@ def generate(
       params: model params.
       prompts: N token-id lists (no padding).
       cfg: model config.
-      sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens.
+      sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens. With
+        ``share_prompt_prefix`` (and the packed prefill on the CPU kernel) the prompts' common first tokens
+        (``shared_prefix_length``) are prefilled once.
       key: PRNG key (one per call; rows get independent noise).
       num_generations: G completions per prompt; row i answers prompt i // G (each prompt is prefilled once).
 
@@ -585,11 +644,23 @@ def generate(
         left[i, P - len(p) :] = p
         prompt_mask[i, P - len(p) :] = 1
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
-    packed_length = None
+    packed_length, prefix = None, 0
     if sc.packed_prefill and len(_param_devices(params)) == 1:
-        packed_length = sc.packed_length_for(int(lengths.sum()), B, P)
+        if sc.share_prompt_prefix and resolve_decode_attention(sc, params).prefill_attention == "kernel":
+            prefix = shared_prefix_length(kept)
+        packed_length = sc.packed_length_for(int(lengths.sum()) - (B - 1) * prefix, B, P)
     out = distributed.fetch(
-        generate_padded(params, right, lengths, key, cfg, sc, num_generations, packed_length=packed_length)
+        generate_padded(
+            params,
+            right,
+            lengths,
+            key,
+            cfg,
+            sc,
+            num_generations,
+            packed_length=packed_length,
+            prefix_length=prefix,
+        )
     )
     finish = ["stop" if s else "length" for s in out["stopped"]]
     G = num_generations

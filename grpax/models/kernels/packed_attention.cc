@@ -3,8 +3,10 @@
 //
 // out[t, n, :] = softmax_j(scale q[t, n, :] . k[j, n / G, :]) @ v[j, n / G, :] over the tokens j of t's row
 // with j <= t (rows[j] == rows[t]; the tokens of a row are contiguous). Tokens whose row is outside
-// 0 .. num_rows - 1 (the packing's padding) get zeros and cost nothing. The head size H is a multiple of 64
-// (the caller zero-pads q, k and v; scale stays 1 / sqrt(true H)).
+// 0 .. num_rows - 1 (the packing's padding) get zeros and cost nothing. With `prefix` = A > 0 the first A
+// tokens are a prefix shared by every row (a system prompt): they attend causally among themselves, and every
+// later token also attends to all of them (its row continues the prefix). The head size H is a multiple of
+// 64 (the caller zero-pads q, k and v; scale stays 1 / sqrt(true H)).
 //
 // XLA:CPU runs the jnp version as windows of keys gathered per query chunk, masks and generic reductions
 // (about 1 s for the 30 layers of SmolLM2-135M over 1.5 k prompt tokens on 2 cores). Here each work item is
@@ -107,8 +109,8 @@ struct Segment {
 };
 
 ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> rows, int64_t num_rows, float scale,
-                            bool probs_bf16, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> rows, int64_t num_rows, int64_t prefix,
+                            float scale, bool probs_bf16, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3)
     return ffi::Error::InvalidArgument("packed_attention: q must be [T, N, H], k and v [T, K, H]");
@@ -116,6 +118,8 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (kd[0] != T || vd[0] != T || vd[1] != K || kd[2] != H || vd[2] != H || K < 1 || N % K ||
       rows.element_count() != static_cast<size_t>(T))
     return ffi::Error::InvalidArgument("packed_attention: shapes of q [T, N, H], k, v [T, K, H], rows [T] differ");
+  if (prefix < 0 || prefix > T)
+    return ffi::Error::InvalidArgument("packed_attention: the shared prefix must be 0..T tokens");
   if (H % 64 != 0)  // whole value tiles (4 vectors: 64 floats with AVX-512, 32 with AVX2)
     return ffi::Error::InvalidArgument("packed_attention: the head size must be a multiple of 64 (zero padded)");
   const int64_t G = N / K;
@@ -125,9 +129,11 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int32_t* rp = rows.typed_data();
   float* op = out->typed_data();
 
-  // Runs of equal row ids; padding runs (ids outside 0 .. num_rows - 1) are zeroed and skipped.
+  // The shared prefix (tokens 0 .. prefix - 1, whatever their ids), then runs of equal row ids; padding runs
+  // (ids outside 0 .. num_rows - 1) are zeroed and skipped.
   std::vector<Segment> segments;
-  for (int64_t t = 0; t < T;) {
+  if (prefix > 0) segments.push_back({0, prefix});
+  for (int64_t t = prefix; t < T;) {
     int64_t e = t + 1;
     while (e < T && rp[e] == rp[t]) ++e;
     if (rp[t] >= 0 && rp[t] < num_rows) {
@@ -146,14 +152,17 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   parallel_for(pool, static_cast<int64_t>(segments.size()) * K, [&](int64_t item) {
     const Segment seg = segments[order[item / K]];
     const int64_t kh = item % K, L = seg.length, R = L * G;  // query rows r = i G + g (token i, head g)
-    const int64_t Lp = (L + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    // Keys j = 0 .. A + L - 1: the A shared-prefix tokens (for a row after the prefix), then the row's own.
+    const int64_t A = seg.start >= prefix ? prefix : 0, AL = A + L;
+    const int64_t Lp = (AL + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     const int64_t Rp = (R + kScoreRows - 1) / kScoreRows * kScoreRows;
-    thread_local std::vector<float> kt, qt, probs;
-    kt.assign(H * Lp, 0.0f);  // kt[h, j] = k[start + j, kh, h]
+    thread_local std::vector<float> kt, qt, probs, vbuf;
+    kt.assign(H * Lp, 0.0f);  // kt[h, j] = key j's element h
     qt.assign(H * Rp, 0.0f);  // qt[h, i G + g] = scale q[start + i, kh G + g, h]
     probs.resize(kScoreRows * Lp);
-    for (int64_t j = 0; j < L; ++j) {
-      const float* key = kp + ((seg.start + j) * K + kh) * H;
+    auto key_token = [&](int64_t j) { return j < A ? j : seg.start + j - A; };  // packed index of key j
+    for (int64_t j = 0; j < AL; ++j) {
+      const float* key = kp + (key_token(j) * K + kh) * H;
       for (int64_t h = 0; h < H; ++h) kt[h * Lp + j] = key[h];
     }
     for (int64_t i = 0; i < L; ++i)
@@ -161,11 +170,20 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         const float* query = qp + ((seg.start + i) * N + kh * G + g) * H;
         for (int64_t h = 0; h < H; ++h) qt[h * Rp + i * G + g] = query[h] * scale;
       }
-    const float* values = vp + seg.start * K * H + kh * H;  // value row j at values + j K H
+    // Value row j at values + j vstride: in place, or gathered when the prefix's rows come first.
+    const float* values = vp + seg.start * K * H + kh * H;
+    int64_t vstride = K * H;
+    if (A > 0) {
+      vbuf.resize(AL * H);
+      for (int64_t j = 0; j < AL; ++j)
+        std::memcpy(vbuf.data() + j * H, vp + (key_token(j) * K + kh) * H, H * sizeof(float));
+      values = vbuf.data();
+      vstride = H;
+    }
     for (int64_t r0 = 0; r0 < R; r0 += kScoreRows) {
       const int64_t rows_here = std::min<int64_t>(kScoreRows, R - r0);
       const int64_t last_token = (r0 + rows_here - 1) / G;
-      const int64_t seen = last_token + 1;  // keys any row of this block may attend to
+      const int64_t seen = A + last_token + 1;  // keys any row of this block may attend to
       const int64_t seen_pad = (seen + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
       // Scores of the block (full tiles: the padding rows of qt are zero).
       for (int64_t c = 0; c < seen_pad; c += kKeyBlock)
@@ -173,7 +191,7 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       // Softmax of each row over its keys 0 .. i; zero past them (up to the block's `seen`).
       for (int64_t r = 0; r < rows_here; ++r) {
         float* p = probs.data() + r * Lp;
-        const int64_t n = (r0 + r) / G + 1;
+        const int64_t n = A + (r0 + r) / G + 1;
         int64_t j = 0;
         vec vmax = splatv(p[0]);
         for (; j + kLanes <= n; j += kLanes) {
@@ -210,7 +228,7 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         for (int64_t h0 = 0; h0 < H; h0 += kValueVectors * kLanes) {
           float tmp[kValueRows * kValueVectors * kLanes];
           with_rows<kValueRows>(n_rows, [&]<int RT>() {
-            value_tile<RT>(probs.data() + r1 * Lp, Lp, values + h0, K * H, seen, tmp, kValueVectors * kLanes);
+            value_tile<RT>(probs.data() + r1 * Lp, Lp, values + h0, vstride, seen, tmp, kValueVectors * kLanes);
           });
           for (int64_t r = 0; r < n_rows; ++r) {
             const int64_t row = r0 + r1 + r, i = row / G, g = row % G;
@@ -234,6 +252,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxPackedAttention, packed_attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("prefix")
                                   .Attr<float>("scale")
                                   .Attr<bool>("probs_bf16")
                                   .Ret<ffi::Buffer<ffi::F32>>());
