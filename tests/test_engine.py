@@ -11,6 +11,7 @@ from grpax.models import cpu_kernels
 from grpax.models.llama import forward
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.sampler import engine
 from grpax.sampler.engine import SamplerConfig, generate, generate_padded, prepare_prompts
 
 CFG = ModelConfig(
@@ -399,18 +400,23 @@ def test_shared_prefix_length():
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
 @pytest.mark.parametrize("greedy", [True, False])
-def test_shared_prompt_prefix_prefilled_once_gives_the_same_rollouts(params, greedy):
+def test_shared_prompt_prefix_prefilled_once_gives_the_same_rollouts(params, greedy, monkeypatch):
     # A 17-token "system prompt" before each question: prefilled once (16 tokens shared) or per prompt, the
     # completions and logprobs agree (the unshared path is held to the full forward by the tests above).
     system = [(7 * i + 3) % CFG.vocab_size for i in range(17)]
     prompts = [system + p for p in PROMPTS]
     kw = dict(max_prompt_length=32, greedy=greedy, temperature=0.8)
+    used = []  # the prefix lengths generate passed on
+    monkeypatch.setattr(
+        engine, "generate_padded", lambda *a, **k: used.append(k["prefix_length"]) or generate_padded(*a, **k)
+    )
     shared = generate(params, prompts, CFG, _sc(**kw), jax.random.key(3), num_generations=2)
     alone = generate(params, prompts, CFG, _sc(share_prompt_prefix=False, **kw), jax.random.key(3), 2)
     np.testing.assert_array_equal(shared.completion_ids, alone.completion_ids)
     np.testing.assert_array_equal(shared.completion_mask, alone.completion_mask)
     np.testing.assert_allclose(shared.logprobs, alone.logprobs, atol=1e-5, rtol=0)
     assert shared.finish_reason == alone.finish_reason
+    assert used == [16, 0]  # 17 shared tokens rounded down to 16; none without share_prompt_prefix
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
@@ -422,6 +428,18 @@ def test_shared_prefix_errors_name_the_fix(params):
     with pytest.raises(ValueError, match="longer than the shared prefix"):
         generate_padded(
             params, right, lengths, jax.random.key(0), CFG, _sc(), packed_length=8, prefix_length=3
+        )
+    with pytest.raises(ValueError, match="prompt 1 does not start with prompt 0's first 3 tokens"):
+        bad = np.array([[1, 2, 3, 4], [1, 9, 3, 5]], np.int32)
+        generate_padded(
+            params,
+            bad,
+            np.array([4, 4], np.int32),
+            jax.random.key(0),
+            CFG,
+            _sc(),
+            packed_length=8,
+            prefix_length=3,
         )
     with pytest.raises(ValueError, match="prefill-attention kernel"):
         generate_padded(

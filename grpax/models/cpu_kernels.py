@@ -17,7 +17,7 @@ Four kernels, the role Pallas kernels play on TPU and GPU in MaxText and Tunix:
 - ``sample`` (``kernels/sample.cc``): the decode step's categorical draw and its log-probability in two
   passes over the vocabulary (XLA: ~6); 0.4 instead of 1.7 ms per step at batch 16.
 
-Both share their work out over XLA's own intra-op threads. They are compiled with the machine's C++ compiler
+All four share their work out over XLA's own intra-op threads. They are compiled with the machine's C++ compiler
 (``$CXX``, else ``g++``) for this CPU (``-march=native``) into one library in a cache folder keyed by
 sources, jaxlib version, compiler flags and CPU; when no compiler or FFI headers are found, ``available()``
 says why (logged once) and the sampler keeps XLA's ops.
@@ -346,8 +346,8 @@ def packed_attention(
 ) -> jax.Array:
     """Causal attention inside each row of a packed sequence, on CPU (``available()`` must be True).
 
-    The same result as ``grpax.models.llama.packed_attention`` (to float32 rounding: exp by a degree-6
-    polynomial, ~1e-7 relative, and sums in another order): token t attends to the tokens j <= t of its own
+    The same result as ``grpax.models.llama.packed_attention`` on the real tokens (to float32 rounding: exp by a
+    degree-6 polynomial, ~1e-7 relative, and sums in another order): token t attends to the tokens j <= t of its own
     row, scores scaled by 1/sqrt(H). Rows are runs of equal ids in ``rows``; tokens with an id outside
     0..num_rows-1 (the packing's padding) get zeros and cost nothing. With ``prefix`` = A > 0 the first A
     tokens are a prefix every row shares (whatever their ids): they attend causally among themselves and every
@@ -375,6 +375,7 @@ def packed_attention(
         q.ndim != 3
         or k.shape != v.shape
         or k.ndim != 3
+        or k.shape[1] < 1
         or k.shape[0] != T
         or k.shape[2] != H
         or N % k.shape[1]
@@ -421,13 +422,13 @@ def sample(
       (int32 [B] tokens, float32 [B] log-probabilities).
 
     Raises:
-      ValueError: shapes other than logits [B, V] and u [B, 2], or a bad temperature or block size.
+      ValueError: shapes other than logits [B, V >= 1] and u [B, 2], or a bad temperature or block size.
       RuntimeError: the kernels could not be built (the reason in the message).
     """
     _require()
-    if logits.ndim != 2 or u.shape != (logits.shape[0], 2):
+    if logits.ndim != 2 or logits.shape[1] < 1 or u.shape != (logits.shape[0], 2):
         raise ValueError(
-            f"cpu_kernels.sample takes logits [B, V] and u [B, 2]; got {logits.shape}, {u.shape}"
+            f"cpu_kernels.sample takes logits [B, V] (V >= 1) and u [B, 2]; got {logits.shape}, {u.shape}"
         )
     if not temperature > 0 or block_size < 16 or block_size % 16:
         raise ValueError(

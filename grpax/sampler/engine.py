@@ -288,23 +288,28 @@ def generate_padded(
       num_generations: G (static): each prompt is prefilled once and its cache copied to G rows, which sample
         independently; output row i answers prompt i // G. The same as passing every prompt G times, with a
         G-times cheaper prefill.
-      packed_length: static; when set (>= the sum of ``prompt_lengths``), the prompts are prefilled packed
+      packed_length: static; when set (>= the sum of ``prompt_lengths``, less (B - 1) * ``prefix_length``), the
+        prompts are prefilled packed
         back to back in one sequence of this many tokens instead of as the padded [B, P] batch: the same
         cache and logits without the padding FLOPs (``forward(packed_rows=...)``).
       prefix_length: static A; with ``packed_length`` and the prefill attention kernel, the first A tokens are
         the same in every prompt (e.g. the system prompt, ``shared_prefix_length``) and are prefilled once:
         packed first, written to every row's cache. Every prompt must be longer than A (and the packed length
-        at least A + the sum of ``prompt_lengths - A``).
+        at least A + the sum of ``prompt_lengths - A``). Checked for concrete arrays only: under an outer jit a
+        wrong A gives wrong rows silently.
 
     Raises:
-      ValueError: ``packed_length`` below the sum of concrete ``prompt_lengths``; ``decode_attention``
-        "kernel" where it cannot run (``resolve_decode_attention``).
+      ValueError: ``packed_length`` below the tokens to pack; ``prefix_length`` without ``packed_length``,
+        with a prompt not longer than it or not starting with prompt 0's first ``prefix_length`` tokens, or
+        without the prefill attention kernel; a kernel asked for where it cannot run
+        (``resolve_decode_attention``).
 
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
       ``lengths`` int32 [B], ``stopped`` bool [B] (a stop token was emitted); B = prompts * G.
 
-    Runs two compiled functions: ``prefill`` (per prompt batch shape and packed length) and ``decode`` (per
+    Runs two compiled functions: ``prefill`` (per prompt batch shape, packed length and prefix length) and
+    ``decode`` (per
     row count, prompt bucket and sampler config), so a new packed length recompiles only the cheap prefill.
     """
     if prefix_length and packed_length is None:
@@ -316,6 +321,14 @@ def generate_padded(
                 f"prefix_length={prefix_length}: every prompt must be longer than the shared prefix, the "
                 f"shortest has {lengths.min()} tokens (shared_prefix_length keeps one token per prompt)"
             )
+        if prefix_length and not isinstance(prompt_tokens, jax.core.Tracer):
+            head = np.asarray(prompt_tokens)[:, :prefix_length]
+            if not np.all(head == head[:1]):
+                row = int(np.flatnonzero(np.any(head != head[:1], axis=1))[0])
+                raise ValueError(
+                    f"prefix_length={prefix_length}: prompt {row} does not start with prompt 0's first "
+                    f"{prefix_length} tokens; pass the tokens all prompts share (shared_prefix_length) or 0"
+                )
         total = int(np.sum(lengths)) - (len(lengths) - 1) * prefix_length
         if total > packed_length:
             raise ValueError(
