@@ -117,15 +117,6 @@ inline vec swiglu(vec g, vec u) {
   return g * s * u;
 }
 
-// bfloat16 rounding (to nearest even) of a float32, kept as float32.
-inline float round_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 struct Norm {  // RMSNorm of x's rows before the product (Llama's pre-norm), as grpax.models.llama.rms_norm
   bool on = false;
   const float* weight = nullptr;  // [K]

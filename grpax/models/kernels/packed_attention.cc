@@ -42,22 +42,6 @@ constexpr int kKeyBlock = kScoreVectors * kLanes;
 constexpr int kValueRows = kLanes == 16 ? 6 : 3;
 constexpr int kValueVectors = 4;
 
-inline vec round_bf16(vec f) {  // lane-wise bfloat16 rounding (to nearest even), kept as float32
-  veci bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & static_cast<int32_t>(0xffff0000u);
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float round_bf16(float f) {  // to nearest even, kept as float32
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // scores[r, 0:kKeyBlock] (row stride ld) = sum_h qt[h * R + r] * kt[h * L + c ..] for RT rows from column c.
 template <int RT>
 inline void score_tile(const float* qt, int64_t R, const float* kt, int64_t L, int64_t H, float* scores,

@@ -37,6 +37,22 @@ inline vec loadv(const uint16_t* p) {  // kLanes bfloat16 widened to float32
 }
 inline void storev(float* p, vec x) { std::memcpy(p, &x, sizeof(x)); }
 
+// bfloat16 rounding (to nearest even) of float32 values, kept as float32: one value, or each lane.
+inline float round_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline vec round_bf16(vec f) {
+  veci bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & static_cast<int32_t>(0xffff0000u);
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
   uint32_t bits = static_cast<uint32_t>(x) << 16;
