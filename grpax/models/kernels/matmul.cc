@@ -83,9 +83,7 @@ void panel_product(const float* xt, int64_t M, const T* panel, const T* next, in
   for (; m + kRows <= M; m += kRows, ++t) tile<T, kRows, NP>(xt + m, M, panel, K, out + m * stride, fetch(t));
   const int64_t rest = M - m;
   if (rest == 0) return;
-  [&]<int... R>(std::integer_sequence<int, R...>) {
-    ((rest == R + 1 ? tile<T, R + 1, NP>(xt + m, M, panel, K, out + m * stride, fetch(t)) : void()), ...);
-  }(std::make_integer_sequence<int, kRows - 1>{});
+  with_rows<kRows - 1>(rest, [&]<int R>() { tile<T, R, NP>(xt + m, M, panel, K, out + m * stride, fetch(t)); });
 }
 
 // With 16 lanes and M <= 16 rows: out[M, 16 NP] = x @ [NP panels], one M-row tile per panel (M accumulators),
@@ -99,11 +97,9 @@ bool few_rows_product(const float* xt, int64_t M, const T* panels, int64_t NP, i
     if (M > 16) return false;
     for (int64_t j = 0; j < NP; ++j) {
       const T* panel = panels + j * K * kPanel;
-      [&]<int... R>(std::integer_sequence<int, R...>) {
-        ((M == R + 1 ? tile<T, R + 1, 1>(xt, M, panel, K, out + j * kPanel, panel + kAhead * kPanel, NP * kPanel)
-                     : void()),
-         ...);
-      }(std::make_integer_sequence<int, 16>{});
+      with_rows<16>(M, [&]<int R>() {
+        tile<T, R, 1>(xt, M, panel, K, out + j * kPanel, panel + kAhead * kPanel, NP * kPanel);
+      });
     }
     return true;
   }

@@ -42,50 +42,25 @@ constexpr int kKeyBlock = kScoreVectors * kLanes;
 constexpr int kValueRows = kLanes == 16 ? 6 : 3;
 constexpr int kValueVectors = 4;
 
-// scores[r, 0:kKeyBlock] (row stride ld) = sum_h qt[h * R + r] * kt[h * L + c ..] for RT rows from column c.
-template <int RT>
-inline void score_tile(const float* qt, int64_t R, const float* kt, int64_t L, int64_t H, float* scores,
-                       int64_t ld) {
-  vec acc[RT][kScoreVectors];
+// out[r, 0:NV kLanes] = sum_{s < n} a[r * a_row + s * a_step] * b[s * b_row ..] for RT rows: RT x NV
+// accumulators, one load of b's row s for all RT rows. The scores are (qt, rows r at stride 1, h at stride R) x
+// (kt, row h), the outputs (probs, rows at stride ld, keys at stride 1) x (values, row s).
+template <int RT, int NV>
+inline void rows_tile(const float* a, int64_t a_row, int64_t a_step, const float* b, int64_t b_row, int64_t n,
+                      float* out, int64_t out_row) {
+  vec acc[RT][NV];
   for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kScoreVectors; ++j) acc[r][j] = vec{};
-  for (int64_t h = 0; h < H; ++h) {
-    vec kv[kScoreVectors];
-    for (int j = 0; j < kScoreVectors; ++j) kv[j] = loadv(kt + h * L + j * kLanes);
-    for (int r = 0; r < RT; ++r) {
-      const vec qr = splatv(qt[h * R + r]);
-      for (int j = 0; j < kScoreVectors; ++j) acc[r][j] += qr * kv[j];
-    }
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kScoreVectors; ++j) storev(scores + r * ld + j * kLanes, acc[r][j]);
-}
-
-// out[r, 0:kValueVectors kLanes] = sum_{j < n} probs[r * ld + j] * v[j * vstride ..] for RT rows.
-template <int RT>
-inline void value_tile(const float* probs, int64_t ld, const float* v, int64_t vstride, int64_t n, float* out,
-                       int64_t out_stride) {
-  vec acc[RT][kValueVectors];
-  for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kValueVectors; ++j) acc[r][j] = vec{};
+    for (int j = 0; j < NV; ++j) acc[r][j] = vec{};
   for (int64_t s = 0; s < n; ++s) {
-    vec vv[kValueVectors];
-    for (int j = 0; j < kValueVectors; ++j) vv[j] = loadv(v + s * vstride + j * kLanes);
+    vec bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = loadv(b + s * b_row + j * kLanes);
     for (int r = 0; r < RT; ++r) {
-      const vec p = splatv(probs[r * ld + s]);
-      for (int j = 0; j < kValueVectors; ++j) acc[r][j] += p * vv[j];
+      const vec ar = splatv(a[r * a_row + s * a_step]);
+      for (int j = 0; j < NV; ++j) acc[r][j] += ar * bv[j];
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int j = 0; j < kValueVectors; ++j) storev(out + r * out_stride + j * kLanes, acc[r][j]);
-}
-
-// Calls f.template operator()<R>() for the R in 1..N with R == n (tiles for the last rows of a block).
-template <int N, typename F>
-inline void with_rows(int64_t n, F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((n == I + 1 ? f.template operator()<I + 1>() : void()), ...);
-  }(std::make_integer_sequence<int, N>{});
+    for (int j = 0; j < NV; ++j) storev(out + r * out_row + j * kLanes, acc[r][j]);
 }
 
 struct Segment {
@@ -171,7 +146,7 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       const int64_t seen_pad = (seen + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
       // Scores of the block (full tiles: the padding rows of qt are zero).
       for (int64_t c = 0; c < seen_pad; c += kKeyBlock)
-        score_tile<kScoreRows>(qt.data() + r0, Rp, kt.data() + c, Lp, H, probs.data() + c, Lp);
+        rows_tile<kScoreRows, kScoreVectors>(qt.data() + r0, 1, Rp, kt.data() + c, Lp, H, probs.data() + c, Lp);
       // Softmax of each row over its keys 0 .. i; zero past them (up to the block's `seen`).
       for (int64_t r = 0; r < rows_here; ++r) {
         float* p = probs.data() + r * Lp;
@@ -212,7 +187,8 @@ ffi::Error packed_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         for (int64_t h0 = 0; h0 < H; h0 += kValueVectors * kLanes) {
           float tmp[kValueRows * kValueVectors * kLanes];
           with_rows<kValueRows>(n_rows, [&]<int RT>() {
-            value_tile<RT>(probs.data() + r1 * Lp, Lp, values + h0, vstride, seen, tmp, kValueVectors * kLanes);
+            rows_tile<RT, kValueVectors>(probs.data() + r1 * Lp, Lp, 1, values + h0, vstride, seen, tmp,
+                                         kValueVectors * kLanes);
           });
           for (int64_t r = 0; r < n_rows; ++r) {
             const int64_t row = r0 + r1 + r, i = row / G, g = row % G;

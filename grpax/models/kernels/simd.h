@@ -53,6 +53,15 @@ inline vec round_bf16(vec f) {
   return f;
 }
 
+// Calls f.template operator()<R>() for the R in 1..N equal to n: picks the register tile (a template on its row
+// count) for the last rows of a block. Nothing is called for n outside 1..N.
+template <int N, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((n == I + 1 ? f.template operator()<I + 1>() : void()), ...);
+  }(std::make_integer_sequence<int, N>{});
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16 -> float32: the high half of the float's bits
   uint32_t bits = static_cast<uint32_t>(x) << 16;
