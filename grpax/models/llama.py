@@ -245,11 +245,10 @@ def _layer(
     queries attend over the cache. With ``packed=(rows, window, prefix)`` x is one packed sequence [1, T, D] of
     several rows' prompts (``rows`` [T] each token's cache row; the first ``prefix`` tokens shared by every row,
     written to each row's first slots): tokens are written at (rows[t], positions[0, t]) and attend within
-    their row (``packed_attention``, or with ``packed_kernel`` the CPU
-    kernel ``cpu_kernels.packed_attention``). ``decode_kernel`` selects the CPU
-    decode-attention kernel for one query per row: into per-layer buffers it also writes the new key/value in
-    place (``cpu_kernels.decode_attention_update``), into stacked ones XLA scatters them
-    (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
+    their row (``packed_attention``, or with ``packed_kernel`` the CPU kernel ``cpu_kernels.packed_attention``).
+    ``decode_kernel`` selects the CPU decode-attention kernel for one query per row: into per-layer buffers it
+    also writes the new key/value in place (``cpu_kernels.decode_attention_update``), into stacked ones XLA
+    scatters them (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
     MLP on the CPU matmul kernel (``cpu_kernels.matmul``, the pre-norms applied inside it).
     """
     dtype = jnp.dtype(cfg.dtype)
@@ -293,8 +292,8 @@ def _layer(
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
         prefix = 0 if packed is None else packed[2]
+        num_rows = cache_k.shape[0 if index is None else 1]
         if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
-            num_rows = cache_k.shape[0 if index is None else 1]
             pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
             pv = jnp.broadcast_to(
                 v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3])
@@ -303,7 +302,6 @@ def _layer(
             at_v = cache_v.at[:, :, :prefix, :] if index is None else cache_v.at[index, :, :, :prefix, :]
             cache_k, cache_v = at_k.set(pk.astype(cache_k.dtype)), at_v.set(pv.astype(cache_v.dtype))
         if packed is not None and packed_kernel:
-            num_rows = cache_k.shape[0 if index is None else 1]
             attn = cpu_kernels.packed_attention(q[0], k[0], v[0], packed[0], num_rows, prefix)[None]
         elif packed is not None:
             attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
