@@ -156,6 +156,9 @@ def _np_pack(w):  # the panel layout by hand: [K, N] -> [ceil(N / 16), K, 16], z
     for p in range(P):
         cols = w[:, 16 * p : 16 * p + 16]
         out[p, :, : cols.shape[1]] = cols
+    if w.dtype.itemsize == 2:  # bfloat16: rows in pairs, [P, K/2, 16, 2] (K rounded up to even)
+        out = np.concatenate([out, np.zeros((P, K % 2, 16), w.dtype)], axis=1)
+        out = out.reshape(P, -1, 2, 16).transpose(0, 1, 3, 2).reshape(P, -1, 16)
     return out
 
 
@@ -164,7 +167,8 @@ def test_pack_layout(dtype):
     rng = np.random.default_rng(0)
     a, b = (np.asarray(jnp.asarray(rng.standard_normal((2, 5, n)), dtype)) for n in (20, 35))
     packed = jax.jit(lambda a, b: cpu_kernels.pack([a, b]))(a, b)  # two layers, columns concatenated
-    assert len(packed) == 2 and packed[0].shape == (2 + 3, 5, 16) and packed[0].dtype == a.dtype
+    rows = 5 if dtype == np.float32 else 6  # bfloat16 rows in pairs, K = 5 padded with a zero row
+    assert len(packed) == 2 and packed[0].shape == (2 + 3, rows, 16) and packed[0].dtype == a.dtype
     for layer in range(2):
         expected = np.concatenate([_np_pack(a[layer]), _np_pack(b[layer])])
         np.testing.assert_array_equal(np.asarray(packed[layer]), expected)
@@ -193,6 +197,7 @@ def test_pack_layout(dtype):
         (16, 576, 960),  # SmolLM2's fused q/k/v at batch 16
         (64, 1536, 576),  # its down projection at batch 64
         (13, 32, 4099),  # many panels, the last one of 3 columns
+        (5, 33, 20),  # odd K: bfloat16 row pairs end with a zero row
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -254,6 +259,39 @@ def test_matmul_transposed_input_and_output_are_the_same_product(M, K, N, swiglu
     np.testing.assert_array_equal(np.asarray(both), plain.T)
     with pytest.raises(ValueError, match="2-D x"):
         cpu_kernels.matmul(x[None], packed, N, swiglu=swiglu, transpose_out=True)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU (or not lent by the OS)")
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize(
+    "M, K, N",
+    [
+        (1, 64, 40),  # one row in a 16-row tile, a partly filled last panel
+        (33, 576, 960),  # two 16-row tiles and one more row
+        (300, 96, 1000),  # two 256-row chunks, an odd panel count
+    ],
+)
+def test_amx_matmul_equals_float64_and_the_vector_tiles(M, K, N, swiglu):
+    # bfloat16 x and weights: AMX sums the same exact products in float32 (another order than the vector tiles)
+    rng = np.random.default_rng(M + K + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((1, K, N)), jnp.bfloat16) for _ in range(1 + swiglu)]
+    packed = cpu_kernels.pack(ws, swiglu=swiglu)[0]
+    amx = np.asarray(cpu_kernels.matmul(x, packed, N, swiglu=swiglu, amx=True), np.float64)
+    vector = np.asarray(cpu_kernels.matmul(x, packed, N, swiglu=swiglu, amx=False), np.float64)
+    x64 = np.asarray(x, np.float64)
+    g = x64 @ np.asarray(ws[0][0], np.float64)
+    expected = g / (1 + np.exp(-g)) * (x64 @ np.asarray(ws[1][0], np.float64)) if swiglu else g
+    scale = (np.abs(x64) @ np.abs(np.asarray(ws[0][0], np.float64))).max() * (
+        np.abs(expected).max() if swiglu else 1
+    )
+    bound = K * 2.0**-24 * scale * 2  # float32 sums of K exact products (and the SwiGLU's product)
+    assert np.abs(amx - expected).max() <= bound, np.abs(amx - expected).max() / bound
+    assert np.abs(vector - expected).max() <= bound
+    assert not np.array_equal(amx, vector)  # another sum order: the AMX path really ran
+    # transposed input and output give the same numbers
+    both = cpu_kernels.matmul(x.T, packed, N, swiglu=swiglu, x_transposed=True, transpose_out=True, amx=True)
+    np.testing.assert_array_equal(np.asarray(both, np.float64), amx.T)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

@@ -138,6 +138,14 @@ def _load() -> str | None:
     return None
 
 
+@functools.cache
+def amx_available() -> bool:
+    """True when ``matmul`` can use AMX: kernels built for a CPU with AMX-BF16 and Linux lends the tiles."""
+    if _load() is not None:
+        return False
+    return bool(ctypes.cdll.LoadLibrary(str(_build())).GrpaxAmxAvailable())
+
+
 def available() -> bool:
     """True when the CPU kernels are built and registered (builds them on the first call)."""
     reason = _load()
@@ -239,7 +247,9 @@ def pack(
     Returns:
       L arrays [P, K, 16] with ``packed[l][p, k, j]`` = column 16 p + j of layer l's concatenated matrix,
       zero past its last column (P = sum of ceil(N_i / 16)); with ``swiglu`` gate panel q at 2q and up panel q
-      at 2q + 1.
+      at 2q + 1. bfloat16 panels hold their rows in pairs, ``packed[l][p].reshape(K // 2, 16, 2)[i, j, s]`` =
+      row 2i + s, column j (the operand layout of AMX's and AVX-512 BF16's pair dot products), K rounded up
+      to even with a zero row.
 
     Raises:
       ValueError: shapes that do not match (K, L, or the two SwiGLU matrices).
@@ -262,7 +272,8 @@ def pack(
             f"pack(swiglu=True) takes gate and up of one shape, got {[w.shape for w in weights]}"
         )
     P = sum(-(-n // PANEL) for n in cols)
-    out = jax.ShapeDtypeStruct((P, K, PANEL), dtype)
+    Kp = K + K % 2 if dtype.itemsize == 2 else K
+    out = jax.ShapeDtypeStruct((P, Kp, PANEL), dtype)
     return list(
         jax.ffi.ffi_call(_PACK_TARGET, [out] * L)(*weights, swiglu=bool(swiglu), transposed=bool(transposed))
     )
@@ -277,6 +288,7 @@ def matmul(
     transpose_out: bool = False,
     norm_weight: jax.Array | None = None,
     eps: float = 0.0,
+    amx: bool | None = None,
 ) -> jax.Array:
     """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
 
@@ -296,6 +308,9 @@ def matmul(
         output of ``transpose_out``) spares the kernel its transposition.
       transpose_out: static; return y^T [n, M] (x must then be 2-D), e.g. to feed ``x_transposed``.
       norm_weight: [K] RMSNorm weight (not with ``x_transposed``); eps: static, its epsilon.
+      amx: static; with bfloat16 ``packed`` and a bfloat16 x (so that x is exact in bfloat16), K a multiple of
+        32 and ``amx_available()``, multiply on AMX tiles (the same float32 sums of exact products in another
+        order; denormal inputs count as zero). Default: on unless ``GRPAX_CPU_AMX=0``.
 
     Returns:
       float32 [..., n], or [n, M] with ``transpose_out``.
@@ -314,7 +329,9 @@ def matmul(
             f"weight {norm_weight.shape}, x_transposed={x_transposed}"
         )
     normalize = norm_weight is not None
-    norm_bf16 = x.dtype == jnp.bfloat16
+    x_bf16 = x.dtype == jnp.bfloat16
+    if amx is None:
+        amx = os.environ.get("GRPAX_CPU_AMX", "1") != "0"
     if norm_weight is None:
         norm_weight = jnp.zeros((1,), jnp.float32)
     else:  # as rms_norm: the weight in x's dtype
@@ -334,7 +351,8 @@ def matmul(
         transpose_out=bool(transpose_out),
         normalize=normalize,
         eps=np.float32(eps),
-        norm_bf16=bool(norm_bf16),
+        x_bf16=bool(x_bf16),
+        amx=bool(amx),
     )
     if x_transposed or transpose_out:
         return y

@@ -22,6 +22,12 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,17 +58,37 @@ inline void tile(const float* xt, int64_t M, const T* panel, int64_t K, float* o
   vec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vec{};
-  for (int64_t k = 0; k < K; ++k) {
-    vec w[NV];
-    for (int j = 0; j < NV; ++j) {
-      const int64_t offset = (j / kVectorsPerPanel) * K * kPanel + k * kPanel + (j % kVectorsPerPanel) * kLanes;
-      w[j] = loadv(panel + offset);
-      if (fetch != nullptr && j % kVectorsPerPanel == 0) __builtin_prefetch(fetch + offset);
-    }
+  if constexpr (sizeof(T) == 4) {
+    for (int64_t k = 0; k < K; ++k) {
+      vec w[NV];
+      for (int j = 0; j < NV; ++j) {
+        const int64_t offset = (j / kVectorsPerPanel) * K * kPanel + k * kPanel + (j % kVectorsPerPanel) * kLanes;
+        w[j] = loadv(panel + offset);
+        if (fetch != nullptr && j % kVectorsPerPanel == 0) __builtin_prefetch(fetch + offset);
+      }
 #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) {
-      const vec xr = splatv(xt[k * M + r]);
-      for (int j = 0; j < NV; ++j) acc[r][j] += xr * w[j];
+      for (int r = 0; r < MR; ++r) {
+        const vec xr = splatv(xt[k * M + r]);
+        for (int j = 0; j < NV; ++j) acc[r][j] += xr * w[j];
+      }
+    }
+  } else {  // bfloat16 row pairs: a 32-bit lane holds column j's (k, k + 1), widened by a shift and a mask
+    for (int64_t k = 0; k < K; k += 2) {
+      vec even[NV], odd[NV];
+      for (int j = 0; j < NV; ++j) {
+        const int64_t offset =
+            (j / kVectorsPerPanel) * K * kPanel + k * kPanel + (j % kVectorsPerPanel) * 2 * kLanes;
+        widen_pairs(panel + offset, even[j], odd[j]);
+        if (fetch != nullptr && j % kVectorsPerPanel == 0) __builtin_prefetch(fetch + offset);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const vec x0 = splatv(xt[k * M + r]), x1 = splatv(xt[(k + 1) * M + r]);
+        for (int j = 0; j < NV; ++j) {
+          acc[r][j] += x0 * even[j];
+          acc[r][j] += x1 * odd[j];
+        }
+      }
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -120,15 +146,156 @@ struct Norm {  // RMSNorm of x's rows before the product (Llama's pre-norm), as 
   bool bf16 = false;  // the model's dtype is bfloat16: round the normed row and the product as XLA does
 };
 
+// Finishes rows m0 .. m0 + rows - 1 of one block's product into y (N columns; y^T [N, M] with
+// `transpose_out`) at output column `col`: row i of the product at a + i * stride, `width` columns; with
+// `gated` the gate half there and the up half at + up, combined by SwiGLU first (16 columns).
+inline void emit(float* a, int64_t stride, int64_t up, int64_t rows, int64_t m0, bool gated, bool transpose_out,
+                 int64_t col, int64_t width, int64_t M, int64_t N, float* y) {
+  if (gated)
+    for (int64_t i = 0; i < rows; ++i) {
+      float* g = a + i * stride;
+      for (int64_t j = 0; j < kPanel; j += kLanes) storev(g + j, swiglu(loadv(g + j), loadv(g + up + j)));
+    }
+  if (transpose_out) {
+    for (int64_t j = 0; j < width; ++j)
+      for (int64_t i = 0; i < rows; ++i) y[(col + j) * M + m0 + i] = a[i * stride + j];
+  } else {
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (m0 + i) * N + col, a + i * stride, width * sizeof(float));
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Intel's tile unit, Sapphire Rapids and later): TDPBF16PS multiplies a 16 x 32 bfloat16 tile of x by a
+// 32 x 16 one of W, in the row-pair layout of the bfloat16 panels, into a 16 x 16 float32 accumulator tile:
+// 16 K of multiply-adds per instruction where an AVX-512 FMA does 16. Linux lends the tile registers to a
+// process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, once); without them the vector tiles are used.
+constexpr bool kAmxBuilt = true;
+constexpr int64_t kAmxAhead = 4096;  // bytes of a panel prefetched ahead
+
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 accumulate [16, 16] float32, 4-5 hold x [16 rows, 32 k] and 6-7 W [16 row pairs, 16 columns x 2].
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// c[16 R, 16 NP] (row stride 32 floats) = xb[16 R rows, K] (bfloat16, row stride ldx) @ NP pair panels from
+// `first` (K a multiple of 32): each W tile (1 KB, contiguous) feeds R products, each x tile NP.
+template <int R, int NP>
+void amx_tile(const uint16_t* xb, int64_t ldx, const uint16_t* first, int64_t K, float* c, bool fetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint16_t* second = first + K * kPanel;
+  for (int64_t k = 0; k < K; k += 32) {
+    if (fetch)  // the panels' rows kAmxAhead bytes on (past the last: the panels multiplied next)
+      for (int j = 0; j < NP; ++j)
+        for (int line = 0; line < 16; ++line)
+          __builtin_prefetch(first + j * K * kPanel + k * kPanel + line * 32 + kAmxAhead / 2);
+    _tile_loadd(6, first + k * kPanel, 64);
+    _tile_loadd(4, xb + k, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP == 2) {
+      _tile_loadd(7, second + k * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (R == 2) {
+      _tile_loadd(5, xb + 16 * ldx + k, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NP == 2) _tile_stored(1, c + 16, 128);
+  if constexpr (R == 2) {
+    _tile_stored(2, c + 16 * 32, 128);
+    if constexpr (NP == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// y = x @ W on AMX for bfloat16 pair panels: x (transposed, xt [K, M], holding bfloat16 values) is laid out
+// as bfloat16 rows once (zero rows up to a multiple of 16), then work items (a chunk of up to 256 rows, a run
+// of blocks of two input panels) go to the thread pool; each runs 32-row x 2-panel tiles over K.
+void amx_product(ffi::ThreadPool& pool, const float* xt, int64_t M, int64_t K, const uint16_t* wp, int64_t panels,
+                 bool gated, bool transpose_out, int64_t N, float* yp) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  thread_local std::vector<uint16_t> xb_buf;
+  xb_buf.assign(Mp * K, 0);
+  uint16_t* xb = xb_buf.data();
+  for (int64_t k0 = 0; k0 < K; k0 += 64)  // xb[m, k] = x[m, k]: its bfloat16 bits, exact
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = k0; k < std::min(K, k0 + 64); ++k) {
+        uint32_t bits;
+        std::memcpy(&bits, xt + k * M + m, sizeof(bits));
+        xb[m * K + k] = static_cast<uint16_t>(bits >> 16);
+      }
+  const int64_t per_block = gated ? 1 : 2, in_per_out = gated ? 2 : 1;  // output panels per block; inputs per output
+  const int64_t blocks = (panels + per_block - 1) / per_block;
+  const int64_t run = std::max<int64_t>(1, blocks / (8 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t runs = (blocks + run - 1) / run;
+  constexpr int64_t kChunk = 256;  // rows of x a work item multiplies: 256 x K bfloat16 stays in L2
+  const int64_t chunks = (M + kChunk - 1) / kChunk;
+  parallel_for(pool, chunks * runs, [&](int64_t item) {
+    alignas(64) float c[32 * 32];
+    configure_tiles();
+    const int64_t chunk = item / runs, r = item % runs;
+    const int64_t m_end = std::min(M, (chunk + 1) * kChunk), end = std::min(blocks, (r + 1) * run);
+    for (int64_t blk = r * run; blk < end; ++blk) {
+      const int64_t p0 = blk * per_block, count = std::min(per_block, panels - p0);
+      const uint16_t* first = wp + in_per_out * p0 * K * kPanel;
+      const bool two_panels = count * in_per_out == 2;
+      const int64_t width = std::min<int64_t>(count * kPanel, N - p0 * kPanel);
+      for (int64_t m = chunk * kChunk; m < m_end; m += 32) {
+        const int64_t rows = std::min<int64_t>(32, m_end - m);
+        const uint16_t* xm = xb + m * K;
+        const bool fetch = m == chunk * kChunk;  // the first rows read the panels from memory
+        if (rows > 16) {
+          two_panels ? amx_tile<2, 2>(xm, K, first, K, c, fetch) : amx_tile<2, 1>(xm, K, first, K, c, fetch);
+        } else {
+          two_panels ? amx_tile<1, 2>(xm, K, first, K, c, fetch) : amx_tile<1, 1>(xm, K, first, K, c, fetch);
+        }
+        emit(c, 32, kPanel, rows, m, gated, transpose_out, p0 * kPanel, width, M, N, yp);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+constexpr bool kAmxBuilt = false;
+bool amx_permitted() { return false; }
+void amx_product(ffi::ThreadPool&, const float*, int64_t, int64_t, const uint16_t*, int64_t, bool, bool, int64_t,
+                 float*) {}
+#endif
+
 template <typename T>
 ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, int64_t N,
-                       bool gated, bool x_transposed, bool transpose_out, const Norm& norm,
+                       bool gated, bool x_transposed, bool transpose_out, const Norm& norm, bool amx,
                        ffi::Result<ffi::Buffer<ffi::F32>>& y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
     return ffi::Error::InvalidArgument("matmul: x must be [M, K] ([K, M] transposed) and the weights [P, K, 16]");
-  const int64_t M = x_transposed ? xd[1] : xd[0], K = x_transposed ? xd[0] : xd[1], P = wd[0];
+  const int64_t M = x_transposed ? xd[1] : xd[0], Kx = x_transposed ? xd[0] : xd[1], P = wd[0];
+  const int64_t K = sizeof(T) == 2 ? Kx + Kx % 2 : Kx;  // the packed rows: bfloat16 in pairs, a zero row past odd K
   const int64_t panels = gated ? P / 2 : P;  // output panels
   if (wd[1] != K || (gated && P % 2) || N > panels * kPanel || N <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("matmul: packed weights do not match x [M, K] and n");
@@ -139,24 +306,29 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   // of 64 k keep the 64 output lines in L1 while the rows advance (3x the naive loop order).
   const float* xt = x.typed_data();
   thread_local std::vector<float> xt_buf;
-  if (!x_transposed) {
+  if (x_transposed && K != Kx) {  // one zero row past the last
+    xt_buf.assign(M * K, 0.0f);
+    std::memcpy(xt_buf.data(), xt, M * Kx * sizeof(float));
+    xt = xt_buf.data();
+  } else if (!x_transposed) {
     xt_buf.resize(M * K);
     float* t = xt_buf.data();
+    std::fill(t + M * Kx, t + M * K, 0.0f);
     const float* xp = x.typed_data();
     thread_local std::vector<float> scale;  // per row: 1 / sqrt(mean_k x[m, k]^2 + eps) with the norm
     scale.assign(M, 1.0f);
     if (norm.on) {
       for (int64_t m = 0; m < M; ++m) {
         float ss = 0.0f;
-        for (int64_t k = 0; k < K; ++k) ss += xp[m * K + k] * xp[m * K + k];
-        scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(K) + norm.eps);
+        for (int64_t k = 0; k < Kx; ++k) ss += xp[m * Kx + k] * xp[m * Kx + k];
+        scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(Kx) + norm.eps);
       }
     }
-    for (int64_t k0 = 0; k0 < K; k0 += 64) {  // t[k, m] = x[m, k], or w[k] * x[m, k] * scale[m] with the norm
-      const int64_t k1 = std::min<int64_t>(K, k0 + 64);
+    for (int64_t k0 = 0; k0 < Kx; k0 += 64) {  // t[k, m] = x[m, k], or w[k] * x[m, k] * scale[m] with the norm
+      const int64_t k1 = std::min<int64_t>(Kx, k0 + 64);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = k0; k < k1; ++k) {
-          const float normed = xp[m * K + k] * scale[m];
+          const float normed = xp[m * Kx + k] * scale[m];
           t[k * M + m] = !norm.on   ? normed
                          : norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(normed))
                                      : norm.weight[k] * normed;
@@ -166,6 +338,12 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   }
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   float* yp = y->typed_data();
+  if constexpr (sizeof(T) == 2) {
+    if (amx && K % 32 == 0 && amx_permitted()) {
+      amx_product(pool, xt, M, K, wp, panels, gated, transpose_out, N, yp);
+      return ffi::Error::Success();
+    }
+  }
   // A block is the output panels one tile covers: kBlockPanels of them, or one with `gated` (its gate and up
   // input panels). Items are runs of consecutive blocks, so a thread knows the panels it multiplies next. With
   // <= 16 rows (streaming-bound) each thread takes one contiguous run, which its prefetches follow without a
@@ -198,22 +376,11 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
         }
       }
       const int64_t width = std::min<int64_t>(count * kPanel, N - p0 * kPanel);
-      if (gated) {  // gate and up of each row: [M, 32] from one tile, or [M, 16] twice
-        const bool one_tile = in_panels == kBlockPanels;
-        for (int64_t m = 0; m < M; ++m) {
-          float* g = one_tile ? a + m * 2 * kPanel : a + m * kPanel;
-          const float* u = one_tile ? g + kPanel : a + (M + m) * kPanel;
-          for (int64_t i = 0; i < kPanel; i += kLanes) storev(g + i, swiglu(loadv(g + i), loadv(u + i)));
-        }
-      }
-      // Row m of the block's output is at a + m * stride ([M, 32] gate rows from one tile keep their stride).
-      const int64_t stride = gated ? (in_panels == kBlockPanels ? 2 * kPanel : kPanel) : in_panels * kPanel;
-      if (transpose_out) {
-        for (int64_t j = 0; j < width; ++j)
-          for (int64_t m = 0; m < M; ++m) yp[(p0 * kPanel + j) * M + m] = a[m * stride + j];
-      } else {
-        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + p0 * kPanel, a + m * stride, width * sizeof(float));
-      }
+      // Row m of the product at a + m * stride: [M, 32] (gate and up of one tile side by side, or two panels),
+      // [M, 16], or with 8 lanes a gated pair as [M, 16] gates then [M, 16] ups.
+      const bool one_tile = in_panels == kBlockPanels;
+      const int64_t stride = gated ? (one_tile ? 2 * kPanel : kPanel) : in_panels * kPanel;
+      emit(a, stride, one_tile ? kPanel : M * kPanel, M, 0, gated, transpose_out, p0 * kPanel, width, M, N, yp);
     }
   });
   return ffi::Error::Success();
@@ -221,35 +388,53 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
 
 ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm_weight,
                   int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps,
-                  bool norm_bf16, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                  bool x_bf16, bool amx, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   Norm norm;
   if (normalize) {
     const int64_t K = x.dimensions().size() == 2 ? x.dimensions()[1] : -1;
     if (x_transposed || static_cast<int64_t>(norm_weight.element_count()) != K)
       return ffi::Error::InvalidArgument("matmul: the norm takes x [M, K] (not transposed) and a weight [K]");
-    norm = Norm{true, norm_weight.typed_data(), eps, norm_bf16};
+    norm = Norm{true, norm_weight.typed_data(), eps, x_bf16};
   }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
+      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, false, y);
     case ffi::DataType::BF16:
-      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, amx && x_bf16, y);
     default:
       return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
   }
 }
 
-// panel[k, j] = rows[j, k] for j < width: a panel of a transposed input from `width` rows of length K.
+// Where weight (k, j) of a panel goes: row k (float32), or for bfloat16 the pair of rows (k - k % 2, k - k % 2
+// + 1) interleaved per column, [K / 2, 16, 2] (the layout AMX's and AVX-512 BF16's dot products take).
 template <typename T>
-void copy_columns(const T* rows, T* panel, int64_t K, int64_t width) {
-  for (int64_t j = 0; j < width; ++j)
-    for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = rows[j * K + k];
+inline int64_t slot(int64_t k, int64_t j) {
+  if constexpr (sizeof(T) == 4) {
+    return k * kPanel + j;
+  } else {
+    return (k & ~int64_t{1}) * kPanel + 2 * j + (k & 1);
+  }
+}
+
+// One panel from `width` columns of an input: column j is column j of `src` [K, N] (row stride N), or with
+// `transposed` row j of `src` [width, K].
+template <typename T>
+void copy_panel(const T* src, T* panel, int64_t K, int64_t N, int64_t width, bool transposed) {
+  if (!transposed) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < width; ++j) panel[slot<T>(k, j)] = src[k * N + j];
+  } else {
+    for (int64_t j = 0; j < width; ++j)
+      for (int64_t k = 0; k < K; ++k) panel[slot<T>(k, j)] = src[j * K + k];
+  }
 }
 
 // Packs weights for `matmul`: per layer l, the inputs' columns (in order, or with `swiglu` two inputs'
 // panels alternating) cut into panels of 16: out[l][p, k, j] = column 16p + j of the layer's matrix (zero
 // past its last column). Inputs are [L, K, N_i] (with `transposed` [L, N_i, K], e.g. tied embeddings
-// [V, D]), one dtype (2 or 4 bytes, copied as is); one output [P, K, 16] per layer. Work items are
+// [V, D]), one dtype (2 or 4 bytes, copied as is); one output [P, Kp, 16] per layer: Kp = K for float32;
+// for bfloat16 the rows come in pairs (`slot`), Kp = K rounded up to even (a zero row). Work items are
 // (layer, panel) pairs shared over the thread pool: reading each input once, writing each output once.
 ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRets rets, bool swiglu,
                 bool transposed) {
@@ -277,14 +462,14 @@ ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRet
     data[i] = static_cast<const char*>(arg->untyped_data());
     first_panel[i + 1] = first_panel[i] + (cols[i] + kPanel - 1) / kPanel;
   }
-  const int64_t P = first_panel[num_inputs];
+  const int64_t P = first_panel[num_inputs], Kp = elem == 2 ? K + K % 2 : K;
   std::vector<char*> out(L);
   for (int64_t l = 0; l < L; ++l) {
     auto ret = rets.get<ffi::AnyBuffer>(l);
     if (!ret) return ffi::Error::InvalidArgument("pack: an output is not a buffer");
     auto d = (*ret)->dimensions();
-    if (d.size() != 3 || d[0] != P || d[1] != K || d[2] != kPanel || (*ret)->element_type() != dtype)
-      return ffi::Error::InvalidArgument("pack: outputs must be [P, K, 16] in the inputs' dtype");
+    if (d.size() != 3 || d[0] != P || d[1] != Kp || d[2] != kPanel || (*ret)->element_type() != dtype)
+      return ffi::Error::InvalidArgument("pack: outputs must be [P, K, 16] (K even for bfloat16) in the inputs' dtype");
     out[l] = static_cast<char*>((*ret)->untyped_data());
   }
   parallel_for(pool, L * P, [&](int64_t item) {
@@ -298,17 +483,13 @@ ffi::Error pack(ffi::ThreadPool pool, ffi::RemainingArgs args, ffi::RemainingRet
       q = p - first_panel[i];
     }
     const int64_t N = cols[i], width = std::min<int64_t>(kPanel, N - q * kPanel);
-    const char* src = data[i] + l * N * K * elem;
-    char* dst = out[l] + (swiglu ? (2 * q + i) : p) * K * kPanel * elem;
-    if (width < kPanel) std::memset(dst, 0, K * kPanel * elem);
-    if (!transposed) {  // row k of the panel: `width` contiguous columns of row k
-      for (int64_t k = 0; k < K; ++k)
-        std::memcpy(dst + k * kPanel * elem, src + (k * N + q * kPanel) * elem, width * elem);
-    } else if (elem == 4) {  // column j of the panel: row 16q + j of the [N, K] input
-      copy_columns(reinterpret_cast<const float*>(src) + q * kPanel * K, reinterpret_cast<float*>(dst), K, width);
+    const char* src = data[i] + (l * N * K + (transposed ? q * kPanel * K : q * kPanel)) * elem;
+    char* dst = out[l] + (swiglu ? (2 * q + i) : p) * Kp * kPanel * elem;
+    if (width < kPanel || Kp != K) std::memset(dst, 0, Kp * kPanel * elem);
+    if (elem == 4) {
+      copy_panel(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst), K, N, width, transposed);
     } else {
-      copy_columns(reinterpret_cast<const uint16_t*>(src) + q * kPanel * K, reinterpret_cast<uint16_t*>(dst), K,
-                   width);
+      copy_panel(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(dst), K, N, width, transposed);
     }
   });
   return ffi::Error::Success();
@@ -336,5 +517,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                                   .Attr<bool>("transpose_out")
                                   .Attr<bool>("normalize")
                                   .Attr<float>("eps")
-                                  .Attr<bool>("norm_bf16")
+                                  .Attr<bool>("x_bf16")
+                                  .Attr<bool>("amx")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 when matmul can take its AMX path (built for a CPU with AMX-BF16 and the tile registers granted), else 0.
+extern "C" int GrpaxAmxAvailable() { return kAmxBuilt && amx_permitted() ? 1 : 0; }

@@ -35,6 +35,15 @@ inline vec loadv(const uint16_t* p) {  // kLanes bfloat16 widened to float32
   std::memcpy(&r, &bits, sizeof(r));
   return r;
 }
+// kLanes pairs of bfloat16 (2 kLanes values, pairs in order) widened to float32: the first of each pair in
+// `first`, the second in `second`.
+inline void widen_pairs(const uint16_t* p, vec& first, vec& second) {
+  veci bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const veci lo = bits << 16, hi = bits & static_cast<int32_t>(0xffff0000u);
+  std::memcpy(&first, &lo, sizeof(first));
+  std::memcpy(&second, &hi, sizeof(second));
+}
 inline void storev(float* p, vec x) { std::memcpy(p, &x, sizeof(x)); }
 
 // bfloat16 rounding (to nearest even) of float32 values, kept as float32: one value, or each lane.
