@@ -8,7 +8,8 @@ size and dtype. Prints compile time apart from steady-state time, new tokens/s, 
     step time >= max(bytes read per decode step / memory bandwidth, FLOPs per step / matmul throughput)
 
 with bytes = all weights + the filled part of the KV cache (average over the rollout), bandwidth measured with
-a numpy copy and matmul throughput with a jnp float32 matmul.
+a numpy copy and matmul throughput with a jnp matmul in the run's dtype (bfloat16: the faster of that and the
+CPU matmul kernel's AMX path, where the CPU has one).
 
 Usage: python benchmarks/rollout_bench.py [--batch_sizes 16,64] [--dtypes float32,bfloat16]
        [--new_tokens 256] [--hf_new_tokens 256] [--skip_transformers]
@@ -27,6 +28,7 @@ import numpy as np
 
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import load_params_from_tensors
+from grpax.models import cpu_kernels
 from grpax.models.params import cast_params
 from grpax.models.registry import from_hf_config
 from grpax.sampler.engine import SamplerConfig, generate
@@ -43,12 +45,24 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return 2 * a.nbytes / best
 
 
-def measure_matmul(n: int = 1024, repeats: int = 10) -> float:
-    """float32 matmul throughput in FLOP/s of a jitted [n, n] x [n, n] (best of ``repeats``)."""
-    x = jnp.ones((n, n), jnp.float32)
+def measure_matmul(n: int = 1024, repeats: int = 10, dtype: str = "float32") -> float:
+    """Matmul throughput in FLOP/s of a jitted [n, n] x [n, n] in ``dtype`` (best of ``repeats``)."""
+    x = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     f(x).block_until_ready()
     best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def measure_amx_matmul(n: int = 1024, repeats: int = 10) -> float:
+    """bfloat16 throughput in FLOP/s of the CPU matmul kernel's AMX path, [n, n] x [n, n]; 0 without AMX."""
+    if not (cpu_kernels.available() and cpu_kernels.amx_available()):
+        return 0.0
+    x = jnp.ones((n, n), jnp.bfloat16)
+    (w,) = cpu_kernels.pack([x[None]])
+    f = jax.jit(lambda x, w: cpu_kernels.matmul(x, w, n))
+    f(x, w).block_until_ready()
+    best = min(_timed(lambda: f(x, w).block_until_ready()) for _ in range(repeats))
     return 2 * n**3 / best
 
 
@@ -141,9 +155,13 @@ def main() -> None:
     print(
         f"load average {os.getloadavg()}, {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}"
     )
-    bw, flops = measure_bandwidth(), measure_matmul()
+    bw, flops = measure_bandwidth(), {"float32": measure_matmul()}
+    xla_bf16, amx = measure_matmul(dtype="bfloat16"), measure_amx_matmul()
+    flops["bfloat16"] = max(xla_bf16, amx)
     print(
-        f"measured: memory bandwidth {bw / 1e9:.1f} GB/s (numpy copy), matmul {flops / 1e9:.0f} GFLOP/s (jnp f32)"
+        f"measured: memory bandwidth {bw / 1e9:.1f} GB/s (numpy copy), matmul {flops['float32'] / 1e9:.0f} "
+        f"GFLOP/s (jnp float32), bfloat16 {xla_bf16 / 1e9:.0f} (jnp) / {amx / 1e9:.0f} (AMX kernel"
+        f"{'' if amx else ': unavailable'})"
     )
 
     path = default_gguf_path()
@@ -166,7 +184,7 @@ def main() -> None:
             cfg = base_cfg.replace(dtype=dtype, weight_dtype=dtype)
             params = params32 if dtype == "float32" else cast_params(params32, dtype)
             compile_s, tok_s = bench_grpax(params, cfg, prompts, args.new_tokens)
-            roof = roofline_tokens_per_s(cfg, batch, mean_len, args.new_tokens, bw, flops)
+            roof = roofline_tokens_per_s(cfg, batch, mean_len, args.new_tokens, bw, flops[dtype])
             rows.append((batch, dtype, compile_s, tok_s, hf, roof))
             print(
                 f"grpax B={batch} {dtype}: {tok_s:.1f} tok/s, compile {compile_s:.1f} s, roofline {roof:.0f}"

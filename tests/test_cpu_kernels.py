@@ -127,6 +127,7 @@ def test_an_explicit_choice_is_kept():
                 decode_attention=attention,
                 decode_matmul=matmul,
                 prefill_attention=attention,
+                prefill_matmul=matmul,
                 decode_sampling=matmul,
             )
             assert engine.resolve_decode_attention(sc, {"w": np.ones(2, np.float32)}) is sc
@@ -461,6 +462,79 @@ def test_prefill_attention_kernel_chosen_where_it_applies(monkeypatch):
         engine.resolve_decode_attention(
             SamplerConfig(decode_attention="xla", decode_matmul="xla", prefill_attention="kernel"), params
         )
+
+
+def test_prefill_matmul_kernel_chosen_where_it_is_faster(monkeypatch):
+    from grpax.models.registry import ModelConfig
+
+    params = {"w": np.ones((2, 2), np.float32)}
+    shape = dict(vocab_size=8, hidden_dim=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8)
+    bf16, f32 = (ModelConfig(**shape, dtype=d) for d in ("bfloat16", "float32"))
+    resolve = engine.resolve_decode_attention
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: True)
+    assert resolve(SamplerConfig(), params, bf16).prefill_matmul == "kernel"
+    assert resolve(SamplerConfig(), params, f32).prefill_matmul == "xla"  # XLA's float32 dots are as fast
+    assert resolve(SamplerConfig(), params).prefill_matmul == "xla"  # no model config: dtype unknown
+    assert resolve(SamplerConfig(unroll_layers=False), params, bf16).prefill_matmul == "xla"
+    assert resolve(SamplerConfig(prefill_matmul="kernel"), params, f32).prefill_matmul == "kernel"
+    with pytest.raises(ValueError, match="prefill_matmul='kernel' needs unroll_layers=True"):
+        resolve(SamplerConfig(unroll_layers=False, prefill_matmul="kernel"), params, bf16)
+    with pytest.raises(ValueError, match="prefill_matmul"):
+        SamplerConfig(prefill_matmul="onednn")
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    assert resolve(SamplerConfig(), params, bf16).prefill_matmul == "xla"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        pytest.param(
+            "bfloat16",
+            marks=pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU"),
+        ),
+    ],
+)
+def test_prefill_on_the_matmul_kernel_equals_xla_prefill(dtype):
+    from grpax.models.params import cast_params, init_params
+    from grpax.models.registry import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_dim=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=10000.0,
+        dtype=dtype,
+        weight_dtype=dtype,
+    )
+    params = cast_params(init_params(cfg, jax.random.key(3)), dtype)
+    rng = np.random.default_rng(0)
+    lengths = np.array([5, 9, 3], np.int32)
+    tokens = np.zeros((3, 16), np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = rng.integers(1, 96, n)
+    out = {}
+    for matmul in ("kernel", "xla"):
+        sc = SamplerConfig(
+            max_prompt_length=16, max_completion_length=8, prefill_matmul=matmul, pad_token_id=0
+        )
+        sc = engine.resolve_decode_attention(sc, params, cfg)
+        assert sc.prefill_matmul == matmul
+        out[matmul] = engine.prefill(params, tokens, lengths, cfg, sc, 2, packed_length=24)
+    (cache_k, logits_k), (cache_x, logits_x) = out["kernel"], out["xla"]
+    logits_k, logits_x = np.asarray(logits_k), np.asarray(logits_x)
+    assert logits_k.shape == (6, 96) and np.abs(logits_x).max() > 0.1
+    if dtype == "float32":  # the same products, summed in another order
+        np.testing.assert_allclose(logits_k, logits_x, rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(cache_k), jax.tree.leaves(cache_x), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    else:  # bfloat16 activations: a sum order that rounds one value the other way moves it by an ulp (2^-8)
+        np.testing.assert_allclose(logits_k, logits_x, rtol=0, atol=2e-2 * np.abs(logits_x).max())
+        assert (np.argmax(logits_k, -1) == np.argmax(logits_x, -1)).all()
 
 
 @pytest.mark.parametrize("B, V, temperature", [(16, 49152, 1.0), (5, 1000, 0.7), (3, 61, 1.3)])

@@ -51,6 +51,7 @@ def _sc(**kw):
     if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots and prefill attention too
         kw.setdefault("decode_matmul", "xla")
         kw.setdefault("prefill_attention", "xla")
+        kw.setdefault("prefill_matmul", "xla")
         kw.setdefault("decode_sampling", "xla")
     return SamplerConfig(**{**base, **kw})
 

@@ -10,7 +10,10 @@ Four kernels, the role Pallas kernels play on TPU and GPU in MaxText and Tunix:
   16 columns (``pack``), read once per step as contiguous runs, with SwiGLU and the pre-norm fused for the
   layer. The 30 layers + LM head of a SmolLM2 decode step (float32): on a 2-core AVX2 machine 35-42 ms at
   batch 16 (XLA's dots 64-70 ms), 103-116 ms at batch 64 (XLA 138-146 ms); on a 2-core AVX-512 Xeon, with
-  its 16-lane tiles, 29-32 ms at batch 16 and 76-80 ms at batch 64 (XLA ~198 ms).
+  its 16-lane tiles, 29-32 ms at batch 16 and 76-80 ms at batch 64 (XLA ~198 ms). bfloat16 weights are
+  stored in row pairs; on a CPU with AMX (Sapphire Rapids and later) a bfloat16 x is multiplied on its tile
+  unit instead: bfloat16 decode steps 15 ms at batch 16 and 33-37 ms at batch 64 (vector tiles 24 and 86 ms),
+  and the prefill's many-row products ~3x XLA's bfloat16 dots (``SamplerConfig.prefill_matmul``).
 - ``packed_attention`` (``kernels/packed_attention.cc``): the prefill's causal attention inside each packed
   prompt (and over a prefix all prompts share), from register tiles over only the keys each block of queries
   may see: ~80 ms for SmolLM2's 30 layers over 1.5 k tokens where XLA's windowed version takes 0.7-0.9 s.
@@ -23,7 +26,7 @@ sources, jaxlib version, compiler flags and CPU; when no compiler or FFI headers
 says why (logged once) and the sampler keeps XLA's ops.
 
 Environment: ``GRPAX_KERNEL_CACHE`` sets the cache folder (default ``~/.cache/grpax/kernels``);
-``GRPAX_CPU_KERNELS=0`` turns the kernels off.
+``GRPAX_CPU_KERNELS=0`` turns the kernels off; ``GRPAX_CPU_AMX=0`` keeps the matmul kernel off AMX.
 """
 
 from __future__ import annotations

@@ -313,17 +313,19 @@ def _layer(
         attn = attention(q, k, v, mask)
     if packed_weights:
         x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D).astype(dtype)
-        # The activation goes from one kernel to the next transposed ([F, B * T]), as the kernel reads it.
+        # The activation goes from one kernel to the next transposed ([F, B * T]), as the vector tiles read it;
+        # AMX tiles read rows, so with them it stays [B * T, F].
+        transposed = not (dtype == jnp.bfloat16 and cpu_kernels.amx_available())
         act = cpu_kernels.matmul(
             x.reshape(B * T, D),
             w["packed_gate_up"],
             cfg.mlp_dim,
             swiglu=True,
-            transpose_out=True,
+            transpose_out=transposed,
             norm_weight=w["mlp_norm"],
             eps=eps,
         ).astype(dtype)
-        down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=True).reshape(B, T, D)
+        down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=transposed).reshape(B, T, D)
         return x + down.astype(dtype), cache_k, cache_v
     x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
     h = rms_norm(x, w["mlp_norm"], eps)

@@ -97,6 +97,11 @@ class SamplerConfig:
     # into column panels (one CPU device, unroll_layers; a transient packed copy of the weights), "xla" =
     # XLA's dots, "auto" = the kernel where it applies and builds, else XLA's.
     decode_matmul: str = "auto"
+    # Prefill matmuls: "kernel" = the same CPU kernel on the same packed weights (one CPU device,
+    # unroll_layers), "xla" = XLA's dots, "auto" = the kernel where it is the faster: bfloat16 weights on a
+    # CPU with AMX (``cpu_kernels.amx_available()``; its tiles run the prefill's bfloat16 products ~4-7x XLA's
+    # bfloat16 dots), else XLA's (its float32 dots are as fast as the kernel's vector tiles at many rows).
+    prefill_matmul: str = "auto"
     # Decode sampling (temperature only: no top-k / top-p, not greedy): "kernel" = the CPU kernel
     # ``cpu_kernels.sample`` (the draw and its log-probability in two passes over the vocabulary; one CPU
     # device), "xla" = XLA's ops (``sampling.sample_from_uniform`` and ``token_logprobs``), "auto" = the kernel
@@ -125,6 +130,8 @@ class SamplerConfig:
             raise ValueError(f"decode_sampling={self.decode_sampling!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_matmul not in KERNEL_CHOICES:
             raise ValueError(f"decode_matmul={self.decode_matmul!r}: expected one of {KERNEL_CHOICES}")
+        if self.prefill_matmul not in KERNEL_CHOICES:
+            raise ValueError(f"prefill_matmul={self.prefill_matmul!r}: expected one of {KERNEL_CHOICES}")
         if self.decode_phase_length < 0:
             raise ValueError(
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
@@ -220,20 +227,25 @@ def _plain_sampling(sc: SamplerConfig) -> bool:
     return not sc.greedy and sc.top_k == 0 and sc.top_p >= 1.0
 
 
-def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> SamplerConfig:
+def resolve_decode_attention(
+    sampler_cfg: SamplerConfig, params: Params, cfg: ModelConfig | None = None
+) -> SamplerConfig:
     """The config with its "auto" kernel choices made "kernel" or "xla" for these params.
 
-    The choices are ``decode_attention``, ``prefill_attention``, ``decode_matmul`` and ``decode_sampling``.
-    The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete array on one CPU
-    device and the kernels build; the matmul kernel also needs ``unroll_layers``, the sampling kernel plain
-    temperature sampling (no top-k, top-p or greedy).
+    The choices are ``decode_attention``, ``prefill_attention``, ``decode_matmul``, ``prefill_matmul`` and
+    ``decode_sampling``. The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete
+    array on one CPU device and the kernels build; the matmul kernel also needs ``unroll_layers``, the
+    sampling kernel plain temperature sampling (no top-k, top-p or greedy). "auto" picks the matmul kernel for
+    the prefill only where it is faster than XLA's dots: the model config ``cfg`` given with dtype bfloat16,
+    and AMX (``cpu_kernels.amx_available()``).
 
     Raises:
       ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, stacked
         layers for the matmul kernel) or the kernels could not be built.
     """
     sc = sampler_cfg
-    if sc.decode_attention == sc.prefill_attention == sc.decode_matmul == sc.decode_sampling == "xla":
+    kernel_choices = (sc.decode_attention, sc.prefill_attention, sc.decode_matmul, sc.prefill_matmul)
+    if all(choice == "xla" for choice in (*kernel_choices, sc.decode_sampling)):
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
     choices = {}
@@ -241,6 +253,7 @@ def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> Samp
         ("decode_attention", sc.decode_attention, None),
         ("prefill_attention", sc.prefill_attention, None),
         ("decode_matmul", sc.decode_matmul, None if sc.unroll_layers else "unroll_layers=True"),
+        ("prefill_matmul", sc.prefill_matmul, None if sc.unroll_layers else "unroll_layers=True"),
         (
             "decode_sampling",
             sc.decode_sampling,
@@ -261,7 +274,11 @@ def resolve_decode_attention(sampler_cfg: SamplerConfig, params: Params) -> Samp
                     f"use {key}='auto' or 'xla'"
                 )
         elif value == "auto":
-            choices[key] = "kernel" if one_cpu and not needs and cpu_kernels.available() else "xla"
+            applies = one_cpu and not needs and cpu_kernels.available()
+            if key == "prefill_matmul":  # faster than XLA's dots only on AMX tiles, for bfloat16
+                bf16 = cfg is not None and jnp.dtype(cfg.dtype) == jnp.bfloat16
+                applies = applies and bf16 and cpu_kernels.amx_available()
+            choices[key] = "kernel" if applies else "xla"
     return dataclasses.replace(sc, **choices) if choices else sc
 
 
@@ -335,7 +352,7 @@ def generate_padded(
                 f"packed_length={packed_length} is less than the {total} prompt tokens to pack; pass at least "
                 "their sum (SamplerConfig.packed_length_for) or packed_length=None for the padded prefill"
             )
-    sampler_cfg = resolve_decode_attention(sampler_cfg, params)
+    sampler_cfg = resolve_decode_attention(sampler_cfg, params, cfg)
     if prefix_length and sampler_cfg.prefill_attention != "kernel":
         raise ValueError(
             f"prefix_length={prefix_length} shares a prefix on the CPU prefill-attention kernel, not in use here "
@@ -405,7 +422,10 @@ def prefill(
     # Prefill into a P-slot cache (prompt attention never scans empty slots), then pad it for the first decode
     # phase. Slot == position; padding slots >= length are overwritten by decode before they are attended.
     dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
-    params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
+    if sc.prefill_matmul == "kernel":  # the matmul kernel's panels (decode packs its own copy)
+        params = pack_decode_params(params, cfg)
+    else:
+        params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
     cache = init_cache(cfg, B, P, dtype, stacked=not sc.unroll_layers)
     if packed_length is None:
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))

@@ -232,22 +232,11 @@ void amx_tile(const uint16_t* xb, int64_t ldx, const uint16_t* first, int64_t K,
   }
 }
 
-// y = x @ W on AMX for bfloat16 pair panels: x (transposed, xt [K, M], holding bfloat16 values) is laid out
-// as bfloat16 rows once (zero rows up to a multiple of 16), then work items (a chunk of up to 256 rows, a run
-// of blocks of two input panels) go to the thread pool; each runs 32-row x 2-panel tiles over K.
-void amx_product(ffi::ThreadPool& pool, const float* xt, int64_t M, int64_t K, const uint16_t* wp, int64_t panels,
-                 bool gated, bool transpose_out, int64_t N, float* yp) {
-  const int64_t Mp = (M + 15) / 16 * 16;
-  thread_local std::vector<uint16_t> xb_buf;
-  xb_buf.assign(Mp * K, 0);
-  uint16_t* xb = xb_buf.data();
-  for (int64_t k0 = 0; k0 < K; k0 += 64)  // xb[m, k] = x[m, k]: its bfloat16 bits, exact
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = k0; k < std::min(K, k0 + 64); ++k) {
-        uint32_t bits;
-        std::memcpy(&bits, xt + k * M + m, sizeof(bits));
-        xb[m * K + k] = static_cast<uint16_t>(bits >> 16);
-      }
+// y = x @ W on AMX for bfloat16 pair panels, x given as bfloat16 rows xb [M rounded up to 16, K] (zero rows
+// past M): work items (a chunk of up to 256 rows, a run of blocks of two input panels) go to the thread pool;
+// each runs 32-row x 2-panel tiles over K.
+void amx_product(ffi::ThreadPool& pool, const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp,
+                 int64_t panels, bool gated, bool transpose_out, int64_t N, float* yp) {
   const int64_t per_block = gated ? 1 : 2, in_per_out = gated ? 2 : 1;  // output panels per block; inputs per output
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t run = std::max<int64_t>(1, blocks / (8 * std::max<int64_t>(1, pool.num_threads())));
@@ -282,8 +271,8 @@ void amx_product(ffi::ThreadPool& pool, const float* xt, int64_t M, int64_t K, c
 #else
 constexpr bool kAmxBuilt = false;
 bool amx_permitted() { return false; }
-void amx_product(ffi::ThreadPool&, const float*, int64_t, int64_t, const uint16_t*, int64_t, bool, bool, int64_t,
-                 float*) {}
+void amx_product(ffi::ThreadPool&, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, bool, bool,
+                 int64_t, float*) {}
 #endif
 
 template <typename T>
@@ -302,9 +291,53 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != (transpose_out ? N : M) || yd[1] != (transpose_out ? M : N))
     return ffi::Error::InvalidArgument("matmul: the output must be [M, n] ([n, M] transposed)");
+  const float* xp = x.typed_data();
+  thread_local std::vector<float> scale;  // per row: 1 / sqrt(mean_k x[m, k]^2 + eps) with the norm
+  scale.assign(M, 1.0f);
+  if (norm.on) {
+    for (int64_t m = 0; m < M; ++m) {
+      float ss = 0.0f;
+      for (int64_t k = 0; k < Kx; ++k) ss += xp[m * Kx + k] * xp[m * Kx + k];
+      scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(Kx) + norm.eps);
+    }
+  }
+  const float* row_scale = scale.data();  // (a lambda would see another thread's thread_local `scale`)
+  auto normed = [&](int64_t m, int64_t k) {  // x[m, k], or w[k] * x[m, k] * scale[m] with the norm
+    const float value = xp[m * Kx + k] * row_scale[m];
+    return !norm.on ? value : norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(value)) : norm.weight[k] * value;
+  };
+  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
+  float* yp = y->typed_data();
+  if constexpr (sizeof(T) == 2) {
+    if (amx && K % 32 == 0 && amx_permitted()) {  // x as bfloat16 rows (exact: it holds bfloat16 values)
+      const int64_t Mp = (M + 15) / 16 * 16;
+      thread_local std::vector<uint16_t> xb_buf;
+      xb_buf.resize(Mp * K);
+      uint16_t* xb = xb_buf.data();
+      auto bf16_bits = [](float f) {
+        uint32_t bits;
+        std::memcpy(&bits, &f, sizeof(bits));
+        return static_cast<uint16_t>(bits >> 16);
+      };
+      parallel_for(pool, Mp / 16, [&](int64_t block) {  // 16 rows of xb
+        for (int64_t m = block * 16; m < block * 16 + 16; ++m) {
+          uint16_t* row = xb + m * K;
+          if (m >= M) {
+            std::fill(row, row + K, uint16_t{0});
+          } else if (x_transposed) {
+            for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(xp[k * M + m]);
+          } else {
+            for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(normed(m, k));
+          }
+        }
+      });
+      amx_product(pool, xb, M, K, wp, panels, gated, transpose_out, N, yp);
+      return ffi::Error::Success();
+    }
+  }
   // Tiles broadcast x[r, k] from its transpose, so that the rows of one k are one run: xt[k * M + r]. Blocks
   // of 64 k keep the 64 output lines in L1 while the rows advance (3x the naive loop order).
-  const float* xt = x.typed_data();
+  const float* xt = xp;
   thread_local std::vector<float> xt_buf;
   if (x_transposed && K != Kx) {  // one zero row past the last
     xt_buf.assign(M * K, 0.0f);
@@ -314,35 +347,12 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
     xt_buf.resize(M * K);
     float* t = xt_buf.data();
     std::fill(t + M * Kx, t + M * K, 0.0f);
-    const float* xp = x.typed_data();
-    thread_local std::vector<float> scale;  // per row: 1 / sqrt(mean_k x[m, k]^2 + eps) with the norm
-    scale.assign(M, 1.0f);
-    if (norm.on) {
-      for (int64_t m = 0; m < M; ++m) {
-        float ss = 0.0f;
-        for (int64_t k = 0; k < Kx; ++k) ss += xp[m * Kx + k] * xp[m * Kx + k];
-        scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(Kx) + norm.eps);
-      }
-    }
-    for (int64_t k0 = 0; k0 < Kx; k0 += 64) {  // t[k, m] = x[m, k], or w[k] * x[m, k] * scale[m] with the norm
+    for (int64_t k0 = 0; k0 < Kx; k0 += 64) {
       const int64_t k1 = std::min<int64_t>(Kx, k0 + 64);
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = k0; k < k1; ++k) {
-          const float normed = xp[m * Kx + k] * scale[m];
-          t[k * M + m] = !norm.on   ? normed
-                         : norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(normed))
-                                     : norm.weight[k] * normed;
-        }
+        for (int64_t k = k0; k < k1; ++k) t[k * M + m] = normed(m, k);
     }
     xt = t;
-  }
-  const T* wp = reinterpret_cast<const T*>(w.untyped_data());
-  float* yp = y->typed_data();
-  if constexpr (sizeof(T) == 2) {
-    if (amx && K % 32 == 0 && amx_permitted()) {
-      amx_product(pool, xt, M, K, wp, panels, gated, transpose_out, N, yp);
-      return ffi::Error::Success();
-    }
   }
   // A block is the output panels one tile covers: kBlockPanels of them, or one with `gated` (its gate and up
   // input panels). Items are runs of consecutive blocks, so a thread knows the panels it multiplies next. With
