@@ -295,6 +295,30 @@ def test_amx_matmul_equals_float64_and_the_vector_tiles(M, K, N, swiglu):
     np.testing.assert_array_equal(np.asarray(both, np.float64), amx.T)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_matmul_bfloat16_output_is_the_float32_output_rounded(swiglu, amx):
+    # out_dtype=bfloat16 rounds as XLA's convert (to nearest even), for every layout; x may come as bfloat16
+    M, K, N = 37, 64, 72
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((M, K)) * 3, jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((1, K, N)), jnp.bfloat16) for _ in range(1 + swiglu)]
+    packed = cpu_kernels.pack(ws, swiglu=swiglu)[0]
+    for kw in ({}, {"transpose_out": True}):
+        full = cpu_kernels.matmul(x, packed, N, swiglu=swiglu, amx=amx, **kw)
+        half = cpu_kernels.matmul(x, packed, N, swiglu=swiglu, amx=amx, out_dtype=jnp.bfloat16, **kw)
+        assert full.dtype == jnp.float32 and half.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(half), np.asarray(full.astype(jnp.bfloat16)))
+        assert not np.array_equal(np.asarray(half, np.float32), np.asarray(full))  # it did round
+    # a bfloat16 x is the same as its float32 widening, which is exact (apart from AMX, which needs bfloat16 x)
+    widened = cpu_kernels.matmul(x.astype(jnp.float32), packed, N, swiglu=swiglu, amx=False)
+    np.testing.assert_array_equal(
+        np.asarray(cpu_kernels.matmul(x, packed, N, swiglu=swiglu, amx=False)), widened
+    )
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_kernels.matmul(x, packed, N, swiglu=swiglu, out_dtype=jnp.float16)
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matmul_with_rms_norm_equals_norm_then_product(dtype, swiglu):

@@ -7,7 +7,7 @@
 // AVX-512 (24 of its 32 vector registers), else 6 rows x 1 panel (12 of AVX2's 16, the BLIS-style tile), run
 // over K while the panels' next rows are prefetched; x is read from its transpose, so the broadcasts of one k
 // are one run of memory. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves the bytes
-// read); x, y and the accumulation are float32.
+// read), x and y float32 or bfloat16; the accumulation is float32.
 //
 // Options for the decode layer: the pre-norm (RMSNorm) applied to x as it is transposed; x given already
 // transposed; y written transposed (the SwiGLU output feeds the down projection that way).
@@ -146,11 +146,26 @@ struct Norm {  // RMSNorm of x's rows before the product (Llama's pre-norm), as 
   bool bf16 = false;  // the model's dtype is bfloat16: round the normed row and the product as XLA does
 };
 
+// The product's destination: float32, or bfloat16 (rounded to nearest even, as XLA converts; NaN kept).
+struct Out {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  void put(int64_t i, float v) const {
+    if (f32 != nullptr) {
+      f32[i] = v;
+    } else {
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      bf16[i] = v != v ? uint16_t{0x7fc0} : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+};
+
 // Finishes rows m0 .. m0 + rows - 1 of one block's product into y (N columns; y^T [N, M] with
 // `transpose_out`) at output column `col`: row i of the product at a + i * stride, `width` columns; with
 // `gated` the gate half there and the up half at + up, combined by SwiGLU first (16 columns).
 inline void emit(float* a, int64_t stride, int64_t up, int64_t rows, int64_t m0, bool gated, bool transpose_out,
-                 int64_t col, int64_t width, int64_t M, int64_t N, float* y) {
+                 int64_t col, int64_t width, int64_t M, int64_t N, const Out& y) {
   if (gated)
     for (int64_t i = 0; i < rows; ++i) {
       float* g = a + i * stride;
@@ -158,9 +173,13 @@ inline void emit(float* a, int64_t stride, int64_t up, int64_t rows, int64_t m0,
     }
   if (transpose_out) {
     for (int64_t j = 0; j < width; ++j)
-      for (int64_t i = 0; i < rows; ++i) y[(col + j) * M + m0 + i] = a[i * stride + j];
+      for (int64_t i = 0; i < rows; ++i) y.put((col + j) * M + m0 + i, a[i * stride + j]);
+  } else if (y.f32 != nullptr) {
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(y.f32 + (m0 + i) * N + col, a + i * stride, width * sizeof(float));
   } else {
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (m0 + i) * N + col, a + i * stride, width * sizeof(float));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < width; ++j) y.put((m0 + i) * N + col + j, a[i * stride + j]);
   }
 }
 
@@ -236,7 +255,7 @@ void amx_tile(const uint16_t* xb, int64_t ldx, const uint16_t* first, int64_t K,
 // past M): work items (a chunk of up to 256 rows, a run of blocks of two input panels) go to the thread pool;
 // each runs 32-row x 2-panel tiles over K.
 void amx_product(ffi::ThreadPool& pool, const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp,
-                 int64_t panels, bool gated, bool transpose_out, int64_t N, float* yp) {
+                 int64_t panels, bool gated, bool transpose_out, int64_t N, const Out& yp) {
   const int64_t per_block = gated ? 1 : 2, in_per_out = gated ? 2 : 1;  // output panels per block; inputs per output
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t run = std::max<int64_t>(1, blocks / (8 * std::max<int64_t>(1, pool.num_threads())));
@@ -272,13 +291,13 @@ void amx_product(ffi::ThreadPool& pool, const uint16_t* xb, int64_t M, int64_t K
 constexpr bool kAmxBuilt = false;
 bool amx_permitted() { return false; }
 void amx_product(ffi::ThreadPool&, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, bool, bool,
-                 int64_t, float*) {}
+                 int64_t, const Out&) {}
 #endif
 
 template <typename T>
-ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& w, int64_t N,
-                       bool gated, bool x_transposed, bool transpose_out, const Norm& norm, bool amx,
-                       ffi::Result<ffi::Buffer<ffi::F32>>& y) {
+ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, int64_t N, bool gated,
+                       bool x_transposed, bool transpose_out, const Norm& norm, bool amx,
+                       ffi::Result<ffi::AnyBuffer>& y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
@@ -291,23 +310,27 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   auto yd = y->dimensions();
   if (yd.size() != 2 || yd[0] != (transpose_out ? N : M) || yd[1] != (transpose_out ? M : N))
     return ffi::Error::InvalidArgument("matmul: the output must be [M, n] ([n, M] transposed)");
-  const float* xp = x.typed_data();
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  const float* xf = x_bf16 ? nullptr : static_cast<const float*>(x.untyped_data());
+  const uint16_t* xh = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  auto xp = [&](int64_t i) { return x_bf16 ? to_float(xh[i]) : xf[i]; };  // element i of x as stored
   thread_local std::vector<float> scale;  // per row: 1 / sqrt(mean_k x[m, k]^2 + eps) with the norm
   scale.assign(M, 1.0f);
   if (norm.on) {
     for (int64_t m = 0; m < M; ++m) {
       float ss = 0.0f;
-      for (int64_t k = 0; k < Kx; ++k) ss += xp[m * Kx + k] * xp[m * Kx + k];
+      for (int64_t k = 0; k < Kx; ++k) ss += xp(m * Kx + k) * xp(m * Kx + k);
       scale[m] = 1.0f / std::sqrt(ss / static_cast<float>(Kx) + norm.eps);
     }
   }
   const float* row_scale = scale.data();  // (a lambda would see another thread's thread_local `scale`)
   auto normed = [&](int64_t m, int64_t k) {  // x[m, k], or w[k] * x[m, k] * scale[m] with the norm
-    const float value = xp[m * Kx + k] * row_scale[m];
+    const float value = xp(m * Kx + k) * row_scale[m];
     return !norm.on ? value : norm.bf16 ? round_bf16(norm.weight[k] * round_bf16(value)) : norm.weight[k] * value;
   };
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
-  float* yp = y->typed_data();
+  const Out yp = y->element_type() == ffi::DataType::BF16 ? Out{nullptr, static_cast<uint16_t*>(y->untyped_data())}
+                                                          : Out{static_cast<float*>(y->untyped_data()), nullptr};
   if constexpr (sizeof(T) == 2) {
     if (amx && K % 32 == 0 && amx_permitted()) {  // x as bfloat16 rows (exact: it holds bfloat16 values)
       const int64_t Mp = (M + 15) / 16 * 16;
@@ -325,7 +348,9 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
           if (m >= M) {
             std::fill(row, row + K, uint16_t{0});
           } else if (x_transposed) {
-            for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(xp[k * M + m]);
+            for (int64_t k = 0; k < K; ++k) row[k] = x_bf16 ? xh[k * M + m] : bf16_bits(xf[k * M + m]);
+          } else if (x_bf16 && !norm.on) {
+            std::memcpy(row, xh + m * K, K * sizeof(uint16_t));
           } else {
             for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(normed(m, k));
           }
@@ -337,11 +362,11 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   }
   // Tiles broadcast x[r, k] from its transpose, so that the rows of one k are one run: xt[k * M + r]. Blocks
   // of 64 k keep the 64 output lines in L1 while the rows advance (3x the naive loop order).
-  const float* xt = xp;
+  const float* xt = xf;
   thread_local std::vector<float> xt_buf;
-  if (x_transposed && K != Kx) {  // one zero row past the last
+  if (x_transposed && (K != Kx || x_bf16)) {  // widened, or one zero row past the last
     xt_buf.assign(M * K, 0.0f);
-    std::memcpy(xt_buf.data(), xt, M * Kx * sizeof(float));
+    for (int64_t i = 0; i < M * Kx; ++i) xt_buf[i] = xp(i);
     xt = xt_buf.data();
   } else if (!x_transposed) {
     xt_buf.resize(M * K);
@@ -396,9 +421,13 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Any
   return ffi::Error::Success();
 }
 
-ffi::Error matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm_weight,
-                  int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps,
-                  bool x_bf16, bool amx, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm_weight,
+                  int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps, bool amx,
+                  ffi::Result<ffi::AnyBuffer> y) {
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
+  if (!is_float(x.element_type()) || !is_float(y->element_type()))
+    return ffi::Error::InvalidArgument("matmul: x and the output must be float32 or bfloat16");
   Norm norm;
   if (normalize) {
     const int64_t K = x.dimensions().size() == 2 ? x.dimensions()[1] : -1;
@@ -518,7 +547,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxPack, pack,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("n")
@@ -527,9 +556,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                                   .Attr<bool>("transpose_out")
                                   .Attr<bool>("normalize")
                                   .Attr<float>("eps")
-                                  .Attr<bool>("x_bf16")
                                   .Attr<bool>("amx")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
 
 // 1 when matmul can take its AMX path (built for a CPU with AMX-BF16 and the tile registers granted), else 0.
 extern "C" int GrpaxAmxAvailable() { return kAmxBuilt && amx_permitted() ? 1 : 0; }
