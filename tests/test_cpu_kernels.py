@@ -561,6 +561,50 @@ def test_prefill_on_the_matmul_kernel_equals_xla_prefill(dtype):
         assert (np.argmax(logits_k, -1) == np.argmax(logits_x, -1)).all()
 
 
+def test_generate_packs_once_for_prefill_and_decode_and_matches_xla(monkeypatch):
+    from grpax.models.params import init_params
+    from grpax.models.registry import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=90, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96
+    )
+    params = init_params(cfg, jax.random.key(5))
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)  # peaked logits: a clear argmax
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 0], [5, 6, 7, 1, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([5, 4], jnp.int32)
+    calls = {"pack": 0, "pack_decode_params": 0}
+    pack, pack_params = engine._pack_cpu, engine.pack_decode_params
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(engine, "_pack_cpu", counted("pack", pack))
+    monkeypatch.setattr(engine, "pack_decode_params", counted("pack_decode_params", pack_params))
+    outs = {}
+    for choice in ("kernel", "xla"):
+        sc = SamplerConfig(
+            max_prompt_length=8,
+            max_completion_length=6,
+            greedy=True,
+            pad_token_id=0,
+            decode_matmul=choice,
+            prefill_matmul=choice,
+            decode_attention=choice,
+            prefill_attention=choice,
+            decode_sampling="xla",
+        )
+        outs[choice] = engine.generate_padded(params, tokens, lengths, jax.random.key(0), cfg, sc, 2, 16)
+        if choice == "kernel":  # packed once, outside prefill and decode, which take it as it is
+            assert calls == {"pack": 1, "pack_decode_params": 0}
+    np.testing.assert_array_equal(outs["kernel"]["completion_ids"], outs["xla"]["completion_ids"])
+    np.testing.assert_allclose(outs["kernel"]["logprobs"], outs["xla"]["logprobs"], atol=1e-4, rtol=0)
+    assert calls["pack"] == 1
+
+
 @pytest.mark.parametrize("B, V, temperature", [(16, 49152, 1.0), (5, 1000, 0.7), (3, 61, 1.3)])
 def test_sample_kernel_equals_xla_draw_and_logprobs(B, V, temperature):
     from grpax.sampler.sampling import sample_from_uniform, token_logprobs

@@ -47,7 +47,9 @@ class GenerateConfig:
     batch_size: int = field(8, "rows per generate call (prompts x generations are split into batches)")
     seed: int = field(0, "sampling seed")
     weight_dtype: str = field("float32", "parameter dtype")
-    dtype: str = field("float32", "activation dtype (float32 is fastest on CPU)")
+    dtype: str = field(
+        "float32", "activation dtype (on CPU float32 is fastest, but with AMX bfloat16 samples ~1.7x faster)"
+    )
     scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")

@@ -359,6 +359,8 @@ def generate_padded(
             f"(prefill_attention={sampler_cfg.prefill_attention!r}): pass prefix_length=0"
         )
     on_cpu = _on_cpu(params)
+    if sampler_cfg.prefill_matmul == sampler_cfg.decode_matmul == "kernel":  # one packed copy for both
+        params = _pack_cpu(params, cfg)
     cache, logits = (_prefill_cpu if on_cpu else prefill)(
         params,
         prompt_tokens,
@@ -371,6 +373,14 @@ def generate_padded(
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
     return (_decode_cpu if on_cpu else decode)(params, cache, logits, lengths, key, cfg, sampler_cfg)
+
+
+def _packed(params: Params) -> bool:
+    """True for params already in the matmul kernel's layout (``pack_decode_params``)."""
+    return "packed_lm_head" in params
+
+
+_pack_cpu = jax.jit(pack_decode_params, static_argnames="cfg")
 
 
 def _phase_ends(sc: SamplerConfig) -> list[int]:
@@ -411,7 +421,8 @@ def prefill(
     """Prefills right-padded prompts; returns (KV cache for the first decode phase, first-token logits).
 
     The cache has B * G rows (each prompt's copied to its G rows) and P + (first phase length) slots, slot ==
-    position; the logits are float32 [B * G, V]. Arguments as in ``generate_padded``.
+    position; the logits are float32 [B * G, V]. Arguments as in ``generate_padded`` (with
+    ``prefill_matmul="kernel"`` the params may come packed, ``pack_decode_params``).
     """
     sc = sampler_cfg
     G = num_generations
@@ -422,8 +433,8 @@ def prefill(
     # Prefill into a P-slot cache (prompt attention never scans empty slots), then pad it for the first decode
     # phase. Slot == position; padding slots >= length are overwritten by decode before they are attended.
     dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
-    if sc.prefill_matmul == "kernel":  # the matmul kernel's panels (decode packs its own copy)
-        params = pack_decode_params(params, cfg)
+    if sc.prefill_matmul == "kernel":  # the matmul kernel's panels (given by generate_padded, or made here)
+        params = params if _packed(params) else pack_decode_params(params, cfg)
     else:
         params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
     cache = init_cache(cfg, B, P, dtype, stacked=not sc.unroll_layers)
@@ -492,7 +503,7 @@ def decode(
     ``prompt_lengths`` int32 [B] per row (already repeated G times); returns ``generate_padded``'s dict.
     ``sampler_cfg.decode_attention`` and ``decode_matmul`` are taken as resolved: "kernel" uses the CPU kernel
     (the caller checks that it applies, ``resolve_decode_attention``; the matmul kernel repacks the weights
-    once per call, ``pack_decode_params``), anything else XLA's ops.
+    once per call, ``pack_decode_params``, unless they come packed), anything else XLA's ops.
     """
     sc = sampler_cfg
     B = logits.shape[0]
@@ -500,7 +511,7 @@ def decode(
     stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
     temperature = sc.logprob_temperature
     if sc.decode_matmul == "kernel":  # per-layer packed weights, copied straight from stacked layers
-        params = pack_decode_params(params, cfg)
+        params = params if _packed(params) else pack_decode_params(params, cfg)
     else:
         params = convert_layout(params, cfg, scan_layers=not sc.unroll_layers)
     batch_axis = 0 if sc.unroll_layers else 1

@@ -457,15 +457,36 @@ inline int64_t slot(int64_t k, int64_t j) {
 }
 
 // One panel from `width` columns of an input: column j is column j of `src` [K, N] (row stride N), or with
-// `transposed` row j of `src` [width, K].
+// `transposed` row j of `src` [width, K]. The panel is zero beforehand where nothing is copied.
 template <typename T>
 void copy_panel(const T* src, T* panel, int64_t K, int64_t N, int64_t width, bool transposed) {
-  if (!transposed) {
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < width; ++j) panel[slot<T>(k, j)] = src[k * N + j];
-  } else {
-    for (int64_t j = 0; j < width; ++j)
-      for (int64_t k = 0; k < K; ++k) panel[slot<T>(k, j)] = src[j * K + k];
+  if constexpr (sizeof(T) == 4) {
+    if (!transposed) {
+      for (int64_t k = 0; k < K; ++k) std::memcpy(panel + k * kPanel, src + k * N, width * sizeof(T));
+    } else {
+      for (int64_t j = 0; j < width; ++j)
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = src[j * K + k];
+    }
+  } else if (!transposed) {  // rows k and k + 1 interleaved
+    for (int64_t k = 0; k < K; k += 2) {
+      const T* first = src + k * N;
+      T* out = panel + k * kPanel;
+      if (k + 1 < K) {
+        const T* second = first + N;
+        for (int64_t j = 0; j < width; ++j) {
+          out[2 * j] = first[j];
+          out[2 * j + 1] = second[j];
+        }
+      } else {
+        for (int64_t j = 0; j < width; ++j) out[2 * j] = first[j];
+      }
+    }
+  } else {  // row j of src holds column j: its pairs (k, k + 1) are already adjacent
+    for (int64_t j = 0; j < width; ++j) {
+      const T* column = src + j * K;
+      for (int64_t k = 0; k + 1 < K; k += 2) std::memcpy(panel + slot<T>(k, j), column + k, 2 * sizeof(T));
+      if (K % 2) panel[slot<T>(K - 1, j)] = column[K - 1];
+    }
   }
 }
 
