@@ -317,6 +317,14 @@ def test_matmul_bfloat16_output_is_the_float32_output_rounded(swiglu, amx):
     )
     with pytest.raises(ValueError, match="out_dtype"):
         cpu_kernels.matmul(x, packed, N, swiglu=swiglu, out_dtype=jnp.float16)
+    # NaN keeps its sign, infinities and overflow stay infinite, as in XLA's convert
+    special = x.at[0, 0].set(jnp.nan).at[1, :].set(jnp.inf).at[2, 0].set(-jnp.inf).at[2, 1].set(jnp.inf)
+    special = special.at[3, :].set(-3e38)
+    full = cpu_kernels.matmul(special, packed, N, swiglu=swiglu, amx=amx)
+    half = cpu_kernels.matmul(special, packed, N, swiglu=swiglu, amx=amx, out_dtype=jnp.bfloat16)
+    bits = np.asarray(half).view(np.uint16)
+    np.testing.assert_array_equal(bits, np.asarray(full.astype(jnp.bfloat16)).view(np.uint16))
+    assert np.isnan(np.asarray(full)[2]).any() and np.signbit(np.asarray(full)[2]).any()  # -NaN: inf - inf
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -505,6 +513,9 @@ def test_prefill_matmul_kernel_chosen_where_it_is_faster(monkeypatch):
         resolve(SamplerConfig(unroll_layers=False, prefill_matmul="kernel"), params, bf16)
     with pytest.raises(ValueError, match="prefill_matmul"):
         SamplerConfig(prefill_matmul="onednn")
+    monkeypatch.setenv("GRPAX_CPU_AMX", "0")  # AMX turned off: the vector tiles are no faster than XLA
+    assert resolve(SamplerConfig(), params, bf16).prefill_matmul == "xla"
+    monkeypatch.delenv("GRPAX_CPU_AMX")
     monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
     assert resolve(SamplerConfig(), params, bf16).prefill_matmul == "xla"
 
@@ -603,6 +614,15 @@ def test_generate_packs_once_for_prefill_and_decode_and_matches_xla(monkeypatch)
     np.testing.assert_array_equal(outs["kernel"]["completion_ids"], outs["xla"]["completion_ids"])
     np.testing.assert_allclose(outs["kernel"]["logprobs"], outs["xla"]["logprobs"], atol=1e-4, rtol=0)
     assert calls["pack"] == 1
+    # params packed beforehand are taken as they are ("auto" uses the kernel they need; "xla" is refused)
+    packed = pack_params(params, cfg)
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=6, greedy=True, pad_token_id=0)
+    out = engine.generate_padded(packed, tokens, lengths, jax.random.key(0), cfg, sc, 2, 16)
+    np.testing.assert_array_equal(out["completion_ids"], outs["kernel"]["completion_ids"])
+    assert calls["pack"] == 1
+    with pytest.raises(ValueError, match="prefill_matmul=xla asks for XLA's dots"):
+        sc = SamplerConfig(max_prompt_length=8, max_completion_length=6, prefill_matmul="xla", pad_token_id=0)
+        engine.generate_padded(packed, tokens, lengths, jax.random.key(0), cfg, sc, 2, 16)
 
 
 @pytest.mark.parametrize("B, V, temperature", [(16, 49152, 1.0), (5, 1000, 0.7), (3, 61, 1.3)])

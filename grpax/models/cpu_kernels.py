@@ -13,7 +13,7 @@ Four kernels, the role Pallas kernels play on TPU and GPU in MaxText and Tunix:
   its 16-lane tiles, 29-32 ms at batch 16 and 76-80 ms at batch 64 (XLA ~198 ms). bfloat16 weights are
   stored in row pairs; on a CPU with AMX (Sapphire Rapids and later) a bfloat16 x is multiplied on its tile
   unit instead: bfloat16 decode steps 15 ms at batch 16 and 33-37 ms at batch 64 (vector tiles 24 and 86 ms),
-  and the prefill's many-row products ~3x XLA's bfloat16 dots (``SamplerConfig.prefill_matmul``).
+  and the prefill's many-row products 2-3x XLA's bfloat16 dots (``SamplerConfig.prefill_matmul``).
 - ``packed_attention`` (``kernels/packed_attention.cc``): the prefill's causal attention inside each packed
   prompt (and over a prefix all prompts share), from register tiles over only the keys each block of queries
   may see: ~80 ms for SmolLM2's 30 layers over 1.5 k tokens where XLA's windowed version takes 0.7-0.9 s.
@@ -147,6 +147,11 @@ def amx_available() -> bool:
     if _load() is not None:
         return False
     return bool(ctypes.cdll.LoadLibrary(str(_build())).GrpaxAmxAvailable())
+
+
+def amx_enabled() -> bool:
+    """``amx_available()`` and not turned off by ``GRPAX_CPU_AMX=0``: ``matmul``'s default for ``amx``."""
+    return os.environ.get("GRPAX_CPU_AMX", "1") != "0" and amx_available()
 
 
 def available() -> bool:
@@ -307,7 +312,7 @@ def matmul(
     Args:
       x: [..., K], float32 or bfloat16 as it is (other float dtypes are cast to float32; the kernel computes in
         float32); with ``x_transposed`` [K, M] (x^T, 2-D).
-      packed: [P, K, 16] float32 or bfloat16 (2P panels with ``swiglu``).
+      packed: [P, K, 16] float32 or bfloat16 (bfloat16: K rounded up to even; 2P panels with ``swiglu``).
       n: static number of output columns N (P = ceil(N / 16)).
       x_transposed: static; x comes as [K, M]. The kernel multiplies from x^T, so a caller that has it (the
         output of ``transpose_out``) spares the kernel its transposition.
@@ -315,7 +320,7 @@ def matmul(
       norm_weight: [K] RMSNorm weight (not with ``x_transposed``); eps: static, its epsilon.
       amx: static; with bfloat16 ``packed`` and a bfloat16 x (so that x is exact in bfloat16), K a multiple of
         32 and ``amx_available()``, multiply on AMX tiles (the same float32 sums of exact products in another
-        order; denormal inputs count as zero). Default: on unless ``GRPAX_CPU_AMX=0``.
+        order). Default: ``amx_enabled()`` (on unless ``GRPAX_CPU_AMX=0``).
 
       out_dtype: static; float32 (default) or bfloat16 (the float32 result rounded to nearest even, as
         ``.astype(jnp.bfloat16)`` would: one pass less for a bfloat16 model).
@@ -338,7 +343,7 @@ def matmul(
         )
     normalize = norm_weight is not None
     if amx is None:
-        amx = os.environ.get("GRPAX_CPU_AMX", "1") != "0"
+        amx = amx_enabled()
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"matmul(out_dtype={out_dtype}): expected float32 or bfloat16")

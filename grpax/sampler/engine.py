@@ -98,9 +98,10 @@ class SamplerConfig:
     # XLA's dots, "auto" = the kernel where it applies and builds, else XLA's.
     decode_matmul: str = "auto"
     # Prefill matmuls: "kernel" = the same CPU kernel on the same packed weights (one CPU device,
-    # unroll_layers), "xla" = XLA's dots, "auto" = the kernel where it is the faster: bfloat16 weights on a
-    # CPU with AMX (``cpu_kernels.amx_available()``; its tiles run the prefill's bfloat16 products ~4-7x XLA's
-    # bfloat16 dots), else XLA's (its float32 dots are as fast as the kernel's vector tiles at many rows).
+    # unroll_layers), "xla" = XLA's dots, "auto" = the kernel where it is the faster: a bfloat16 model
+    # (``cfg.dtype``, the dtype the weights are packed in) on a CPU with AMX (``cpu_kernels.amx_enabled()``;
+    # its tiles run the prefill's products 2-3x XLA's bfloat16 dots), else XLA's (its float32 dots are as
+    # fast as the kernel's vector tiles at many rows).
     prefill_matmul: str = "auto"
     # Decode sampling (temperature only: no top-k / top-p, not greedy): "kernel" = the CPU kernel
     # ``cpu_kernels.sample`` (the draw and its log-probability in two passes over the vocabulary; one CPU
@@ -237,7 +238,7 @@ def resolve_decode_attention(
     array on one CPU device and the kernels build; the matmul kernel also needs ``unroll_layers``, the
     sampling kernel plain temperature sampling (no top-k, top-p or greedy). "auto" picks the matmul kernel for
     the prefill only where it is faster than XLA's dots: the model config ``cfg`` given with dtype bfloat16,
-    and AMX (``cpu_kernels.amx_available()``).
+    and AMX (``cpu_kernels.amx_enabled()``).
 
     Raises:
       ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, stacked
@@ -277,7 +278,7 @@ def resolve_decode_attention(
             applies = one_cpu and not needs and cpu_kernels.available()
             if key == "prefill_matmul":  # faster than XLA's dots only on AMX tiles, for bfloat16
                 bf16 = cfg is not None and jnp.dtype(cfg.dtype) == jnp.bfloat16
-                applies = applies and bf16 and cpu_kernels.amx_available()
+                applies = applies and bf16 and cpu_kernels.amx_enabled()
             choices[key] = "kernel" if applies else "xla"
     return dataclasses.replace(sc, **choices) if choices else sc
 
@@ -352,6 +353,15 @@ def generate_padded(
                 f"packed_length={packed_length} is less than the {total} prompt tokens to pack; pass at least "
                 "their sum (SamplerConfig.packed_length_for) or packed_length=None for the padded prefill"
             )
+    if _packed(params):  # pack_decode_params's layout: only the matmul kernel reads it
+        explicit = [key for key in ("prefill_matmul", "decode_matmul") if getattr(sampler_cfg, key) == "xla"]
+        if explicit:
+            raise ValueError(
+                f"params packed for the CPU matmul kernel (pack_decode_params) need it in prefill and decode; "
+                f"{', '.join(f'{key}=xla' for key in explicit)} asks for XLA's dots: pass the params unpacked "
+                "or set them to 'auto' or 'kernel'"
+            )
+        sampler_cfg = dataclasses.replace(sampler_cfg, prefill_matmul="kernel", decode_matmul="kernel")
     sampler_cfg = resolve_decode_attention(sampler_cfg, params, cfg)
     if prefix_length and sampler_cfg.prefill_attention != "kernel":
         raise ValueError(
@@ -359,8 +369,8 @@ def generate_padded(
             f"(prefill_attention={sampler_cfg.prefill_attention!r}): pass prefix_length=0"
         )
     on_cpu = _on_cpu(params)
-    if sampler_cfg.prefill_matmul == sampler_cfg.decode_matmul == "kernel":  # one packed copy for both
-        params = _pack_cpu(params, cfg)
+    if sampler_cfg.prefill_matmul == sampler_cfg.decode_matmul == "kernel" and not _packed(params):
+        params = _pack_cpu(params, cfg)  # one packed copy for both
     cache, logits = (_prefill_cpu if on_cpu else prefill)(
         params,
         prompt_tokens,

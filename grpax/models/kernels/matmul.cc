@@ -156,7 +156,8 @@ struct Out {
     } else {
       uint32_t bits;
       std::memcpy(&bits, &v, sizeof(bits));
-      bf16[i] = v != v ? uint16_t{0x7fc0} : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+      bf16[i] = v != v ? static_cast<uint16_t>((bits >> 16) | 0x40)  // a quiet NaN of the same sign
+                       : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
     }
   }
 };
@@ -294,6 +295,14 @@ void amx_product(ffi::ThreadPool&, const uint16_t*, int64_t, int64_t, const uint
                  int64_t, const Out&) {}
 #endif
 
+// Per-thread scratch is kept from call to call, but released after a call that needed more than this (a
+// prefill's thousands of rows), so that no thread holds its largest buffer for life.
+constexpr size_t kKeepBytes = size_t{4} << 20;
+template <typename V>
+void trim(V& buffer) {
+  if (buffer.capacity() * sizeof(typename V::value_type) > kKeepBytes) V().swap(buffer);
+}
+
 template <typename T>
 ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, int64_t N, bool gated,
                        bool x_transposed, bool transpose_out, const Norm& norm, bool amx,
@@ -357,6 +366,8 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer&
         }
       });
       amx_product(pool, xb, M, K, wp, panels, gated, transpose_out, N, yp);
+      trim(xb_buf);
+      trim(scale);
       return ffi::Error::Success();
     }
   }
@@ -417,7 +428,10 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer&
       const int64_t stride = gated ? (one_tile ? 2 * kPanel : kPanel) : in_panels * kPanel;
       emit(a, stride, one_tile ? kPanel : M * kPanel, M, 0, gated, transpose_out, p0 * kPanel, width, M, N, yp);
     }
+    trim(buf);
   });
+  trim(xt_buf);
+  trim(scale);
   return ffi::Error::Success();
 }
 
