@@ -318,8 +318,7 @@ def _layer(
         x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D, out_dtype=out).astype(dtype)
         # The activation goes from one kernel to the next transposed ([F, B * T]), as the vector tiles read it;
         # AMX tiles (bfloat16, F a multiple of 32) read rows, so for them it stays [B * T, F].
-        amx = dtype == jnp.bfloat16 and cfg.mlp_dim % 32 == 0 and cpu_kernels.amx_enabled()
-        transposed = not amx
+        transposed = not (dtype == jnp.bfloat16 and cfg.mlp_dim % 32 == 0 and cpu_kernels.amx_enabled())
         act = cpu_kernels.matmul(
             x.reshape(B * T, D),
             w["packed_gate_up"],

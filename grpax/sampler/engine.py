@@ -297,7 +297,8 @@ def generate_padded(
     """Samples completions for right-padded prompts (the array entry point; ``generate`` wraps it).
 
     Args:
-      params: model params (any sharding).
+      params: model params (any sharding), or on one CPU device already packed for the matmul kernel
+        (``pack_decode_params``; then used for both prefill and decode).
       prompt_tokens: int32 [B, P] right-padded prompt ids.
       prompt_lengths: int32 [B] real prompt lengths in tokens, each in 1..P.
       key: PRNG key; the same key gives the same completions.
@@ -320,7 +321,8 @@ def generate_padded(
       ValueError: ``packed_length`` below the tokens to pack; ``prefix_length`` without ``packed_length``,
         with a prompt not longer than it or not starting with prompt 0's first ``prefix_length`` tokens, or
         without the prefill attention kernel; a kernel asked for where it cannot run
-        (``resolve_decode_attention``).
+        (``resolve_decode_attention``); params already packed (``pack_decode_params``) with
+        ``prefill_matmul`` or ``decode_matmul`` "xla".
 
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
