@@ -114,6 +114,7 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPAX_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setattr(cpu_kernels, "_load", cpu_kernels._load.__wrapped__)
+    monkeypatch.setattr(cpu_kernels, "_library", cpu_kernels._library.__wrapped__)  # build afresh
     reason = cpu_kernels._load()
     assert reason is not None and "nonexistent" in reason
     monkeypatch.setenv("GRPAX_CPU_KERNELS", "0")

@@ -118,6 +118,12 @@ def _build() -> Path:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+    """The kernels' shared library, built (or found in the cache) and loaded once per process."""
+    return ctypes.cdll.LoadLibrary(str(_build()))
+
+
+@functools.cache
 def _load() -> str | None:
     """Builds and registers the kernels once per process; returns None, or why they are unavailable."""
     if os.environ.get("GRPAX_CPU_KERNELS", "1") == "0":
@@ -125,7 +131,7 @@ def _load() -> str | None:
     if not hasattr(jax, "ffi") or not hasattr(jax.ffi, "ffi_call"):
         return f"jax {jax.__version__} has no jax.ffi"
     try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        lib = _library()
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.GrpaxDecodeAttention), platform="cpu")
         jax.ffi.register_ffi_target(
             _UPDATE_TARGET, jax.ffi.pycapsule(lib.GrpaxDecodeAttentionUpdate), platform="cpu"
@@ -146,7 +152,7 @@ def amx_available() -> bool:
     """True when ``matmul`` can use AMX: kernels built for a CPU with AMX-BF16 and Linux lends the tiles."""
     if _load() is not None:
         return False
-    return bool(ctypes.cdll.LoadLibrary(str(_build())).GrpaxAmxAvailable())
+    return bool(_library().GrpaxAmxAvailable())
 
 
 def amx_enabled() -> bool:
@@ -299,7 +305,8 @@ def matmul(
     amx: bool | None = None,
     out_dtype=jnp.float32,
 ) -> jax.Array:
-    """``x @ W`` for a few rows on CPU, W packed by ``pack`` (``available()`` must be True).
+    """``x @ W`` on CPU, W packed by ``pack`` (``available()`` must be True): the decode step's few rows, or
+    with AMX (bfloat16) also the prefill's many.
 
     With ``norm_weight`` x's rows are RMS-normalised first, ``rms_norm(x, norm_weight, eps) @ W`` (the Llama
     pre-norm, as ``grpax.models.llama.rms_norm``: in float32, with a bfloat16 x rounded to bfloat16 before and

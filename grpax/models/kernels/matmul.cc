@@ -1,4 +1,4 @@
-// Small-batch matmul on CPU for the decode step: y[M, N] = x[M, K] @ W with W packed in column panels.
+// Matmul on CPU for the sampler: y[M, N] = x[M, K] @ W with W packed in column panels.
 //
 // A decode step multiplies a few rows (M = batch) by every weight matrix, so its cost is streaming the
 // weights from memory, not arithmetic. W comes packed as [P, K, 16] (P = ceil(N / 16) panels of 16 columns,
@@ -8,6 +8,9 @@
 // over K while the panels' next rows are prefetched; x is read from its transpose, so the broadcasts of one k
 // are one run of memory. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves the bytes
 // read), x and y float32 or bfloat16; the accumulation is float32.
+//
+// bfloat16 panels hold their rows in pairs; with a bfloat16 x on a CPU with AMX, the tile unit multiplies
+// them instead (amx_product), which also makes the prefill's many-row products faster than XLA's dots.
 //
 // Options for the decode layer: the pre-norm (RMSNorm) applied to x as it is transposed; x given already
 // transposed; y written transposed (the SwiGLU output feeds the down projection that way).
@@ -154,10 +157,7 @@ struct Out {
     if (f32 != nullptr) {
       f32[i] = v;
     } else {
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      bf16[i] = v != v ? static_cast<uint16_t>((bits >> 16) | 0x40)  // a quiet NaN of the same sign
-                       : static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+      bf16[i] = to_bf16(v);
     }
   }
 };
@@ -341,27 +341,23 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer&
   const Out yp = y->element_type() == ffi::DataType::BF16 ? Out{nullptr, static_cast<uint16_t*>(y->untyped_data())}
                                                           : Out{static_cast<float*>(y->untyped_data()), nullptr};
   if constexpr (sizeof(T) == 2) {
-    if (amx && K % 32 == 0 && amx_permitted()) {  // x as bfloat16 rows (exact: it holds bfloat16 values)
+    // AMX takes x as bfloat16 rows: a bfloat16 x as it is (the fused norm rounds to bfloat16 too, so exact)
+    if (amx && x_bf16 && K % 32 == 0 && amx_permitted()) {
       const int64_t Mp = (M + 15) / 16 * 16;
       thread_local std::vector<uint16_t> xb_buf;
       xb_buf.resize(Mp * K);
       uint16_t* xb = xb_buf.data();
-      auto bf16_bits = [](float f) {
-        uint32_t bits;
-        std::memcpy(&bits, &f, sizeof(bits));
-        return static_cast<uint16_t>(bits >> 16);
-      };
       parallel_for(pool, Mp / 16, [&](int64_t block) {  // 16 rows of xb
         for (int64_t m = block * 16; m < block * 16 + 16; ++m) {
           uint16_t* row = xb + m * K;
           if (m >= M) {
             std::fill(row, row + K, uint16_t{0});
           } else if (x_transposed) {
-            for (int64_t k = 0; k < K; ++k) row[k] = x_bf16 ? xh[k * M + m] : bf16_bits(xf[k * M + m]);
-          } else if (x_bf16 && !norm.on) {
+            for (int64_t k = 0; k < K; ++k) row[k] = xh[k * M + m];
+          } else if (!norm.on) {
             std::memcpy(row, xh + m * K, K * sizeof(uint16_t));
           } else {
-            for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(normed(m, k));
+            for (int64_t k = 0; k < K; ++k) row[k] = to_bf16(normed(m, k));
           }
         }
       });
@@ -453,7 +449,7 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
     case ffi::DataType::F32:
       return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, false, y);
     case ffi::DataType::BF16:
-      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, amx && x_bf16, y);
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, amx, y);
     default:
       return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
   }

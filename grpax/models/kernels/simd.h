@@ -46,11 +46,17 @@ inline void widen_pairs(const uint16_t* p, vec& first, vec& second) {
 }
 inline void storev(float* p, vec x) { std::memcpy(p, &x, sizeof(x)); }
 
-// bfloat16 rounding (to nearest even) of float32 values, kept as float32: one value, or each lane.
-inline float round_bf16(float f) {
+// float32 -> bfloat16 bits, rounded to nearest even as XLA converts (a NaN stays a quiet NaN of its sign).
+inline uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  if (f != f) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// bfloat16 rounding (to nearest even) of float32 values, kept as float32: one value, or each lane.
+inline float round_bf16(float f) {
+  uint32_t bits = static_cast<uint32_t>(to_bf16(f)) << 16;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
