@@ -55,8 +55,9 @@ def measure_matmul(n: int = 1024, repeats: int = 10, dtype: str = "float32") -> 
 
 
 def measure_amx_matmul(n: int = 1024, repeats: int = 10) -> float:
-    """bfloat16 throughput in FLOP/s of the CPU matmul kernel's AMX path, [n, n] x [n, n]; 0 without AMX."""
-    if not (cpu_kernels.available() and cpu_kernels.amx_available()):
+    """bfloat16 throughput in FLOP/s of the CPU matmul kernel's AMX path, [n, n] x [n, n]; 0 without AMX (or
+    with it turned off, ``GRPAX_CPU_AMX=0``)."""
+    if not (cpu_kernels.available() and cpu_kernels.amx_enabled()):
         return 0.0
     x = jnp.ones((n, n), jnp.bfloat16)
     (w,) = cpu_kernels.pack([x[None]])
@@ -184,7 +185,9 @@ def main() -> None:
             cfg = base_cfg.replace(dtype=dtype, weight_dtype=dtype)
             params = params32 if dtype == "float32" else cast_params(params32, dtype)
             compile_s, tok_s = bench_grpax(params, cfg, prompts, args.new_tokens)
-            roof = roofline_tokens_per_s(cfg, batch, mean_len, args.new_tokens, bw, flops[dtype])
+            roof = roofline_tokens_per_s(
+                cfg, batch, mean_len, args.new_tokens, bw, flops.get(dtype, flops["float32"])
+            )
             rows.append((batch, dtype, compile_s, tok_s, hf, roof))
             print(
                 f"grpax B={batch} {dtype}: {tok_s:.1f} tok/s, compile {compile_s:.1f} s, roofline {roof:.0f}"
