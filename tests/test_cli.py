@@ -266,3 +266,44 @@ def test_existing_output_is_one_line(tiny_src, tmp_path, capsys):
     capsys.readouterr()
     assert main(args) == 2
     _one_line_error(capsys, "already holds 0, config.json")
+
+
+@pytest.fixture(scope="module")
+def tiny_native(tiny_src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("native")
+    assert (
+        main(["to_native", "model_name=tiny", f"hf_model_path={tiny_src}", f"base_output_directory={out}/n"])
+        == 0
+    )
+    return out / "n" / "0" / "items"
+
+
+def test_generate_and_export_errors_are_one_line(tiny_native, tmp_path, capsys):
+    capsys.readouterr()
+    load = f"load_parameters_path={tiny_native}"
+    assert main(["generate", load, "prompt=hi", "weight_dtype=bf16"]) == 2
+    _one_line_error(
+        capsys, "weight_dtype='bf16' is not a supported dtype: use one of float32, bfloat16, float16"
+    )
+    assert main(["generate", load, "prompt=hi", "dtype=int8"]) == 2
+    _one_line_error(capsys, "dtype='int8' is not a supported dtype")
+    assert main(["generate", load, f"prompts_path={tmp_path}/none.jsonl"]) == 2
+    _one_line_error(capsys, f"prompts_path={tmp_path}/none.jsonl: no such file")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{bad\n')
+    assert main(["generate", load, f"prompts_path={bad}"]) == 2
+    _one_line_error(capsys, f"prompts_path {bad}:2 is not valid JSON")
+    bad.write_text('"just a string"\n')
+    assert main(["generate", load, f"prompts_path={bad}"]) == 2
+    _one_line_error(capsys, f"prompts_path {bad}:1 has no 'prompt' field")
+    assert main(["to_huggingface", load, f"base_output_directory={tmp_path}/hf", "max_shard_size=0"]) == 2
+    _one_line_error(capsys, "max_shard_size=0 must be a positive number of bytes")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_generate_float16_takes_xla_path(tiny_native, capsys):
+    """float16 params were handed to the CPU kernels, which take float32 / bfloat16 only, and failed."""
+    capsys.readouterr()
+    args = ["generate", f"load_parameters_path={tiny_native}", "prompt=hi", "max_completion_length=4"]
+    assert main([*args, "weight_dtype=float16", "dtype=float16"]) == 0
+    assert "completion" in capsys.readouterr().out.lower()

@@ -110,6 +110,23 @@ def test_kernel_used_only_where_it_applies(monkeypatch):
         engine.resolve_decode_attention(SamplerConfig(decode_attention="kernel"), params)
 
 
+def test_kernels_take_float32_and_bfloat16_only():
+    half = {"w": np.ones((2, 2), np.float16)}
+    resolved = engine.resolve_decode_attention(SamplerConfig(), half)
+    assert (resolved.decode_attention, resolved.decode_matmul, resolved.decode_sampling) == ("xla",) * 3
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        engine.resolve_decode_attention(SamplerConfig(decode_matmul="kernel"), half)
+    from grpax.models.registry import ModelConfig
+
+    shape = dict(
+        vocab_size=70, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=40
+    )
+    single = {"w": np.ones((2, 2), np.float32)}
+    for dtype, matmul in (("float16", "xla"), ("float32", "kernel")):
+        cfg = ModelConfig(**shape, dtype=dtype)
+        assert engine.resolve_decode_attention(SamplerConfig(), single, cfg).decode_matmul == matmul
+
+
 def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPAX_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/g++")

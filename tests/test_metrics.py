@@ -172,3 +172,9 @@ def test_load_completions_file(tmp_path):
         load_completions_file(bad)
     with pytest.raises(FileNotFoundError):
         load_completions_file(tmp_path / "missing.jsonl")
+    bad.write_text("5\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 1 is a JSON int, not an object"):
+        load_completions_file(bad)
+    bad.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl holds no completions"):
+        load_completions_file(bad)

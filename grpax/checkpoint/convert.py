@@ -648,7 +648,7 @@ def to_huggingface(
 
     Raises:
       FileNotFoundError: no checkpoint, or neither config.json nor a registered ``model_name``.
-      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype.
+      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype; max_shard_size < 1.
       MissingTensorError / ValueError: the params lack a weight (e.g. ``lm_head`` of an untied model) or have
         the wrong shape.
     """
@@ -656,6 +656,10 @@ def to_huggingface(
     from grpax.models.params import abstract_params
 
     dtype = _dtype(weight_dtype)
+    if max_shard_size < 1:
+        raise ConfigError(
+            f"max_shard_size={max_shard_size} must be a positive number of bytes (default {DEFAULT_MAX_SHARD_SIZE})"
+        )
     params_path = Path(load_parameters_path).absolute()
     target = Path(base_output_directory).absolute()
     _check_target(target, ["config.json", "model.safetensors", "model.safetensors.index.json"])

@@ -82,16 +82,28 @@ def read_prompts(config: GenerateConfig) -> list[str]:
     """The prompt texts from ``prompt=`` and/or ``prompts_path=``.
 
     Raises:
-      ConfigError: neither is given, or a JSONL line lacks ``prompt``.
+      ConfigError: neither is given, ``prompts_path`` is missing, or a JSONL line is not a JSON object with a
+        ``prompt`` field (names the file and line).
     """
     prompts = [config.prompt] if config.prompt else []
     if config.prompts_path:
-        for n, line in enumerate(Path(config.prompts_path).read_text().splitlines(), 1):
+        path = Path(config.prompts_path)
+        if not path.is_file():
+            raise ConfigError(
+                f"prompts_path={config.prompts_path}: no such file (a JSONL with a 'prompt' field)"
+            )
+        for n, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if "prompt" not in record:
-                raise ConfigError(f"{config.prompts_path}:{n} has no 'prompt' field")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"prompts_path {config.prompts_path}:{n} is not valid JSON ({e})") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ConfigError(
+                    f"prompts_path {config.prompts_path}:{n} has no 'prompt' field: each line must be a JSON "
+                    'object like {"prompt": "..."}'
+                )
             prompts.append(str(record["prompt"]))
     if not prompts:
         raise ConfigError("pass prompt=TEXT or prompts_path=FILE.jsonl")

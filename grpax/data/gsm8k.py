@@ -201,14 +201,15 @@ def load_dataset_rows(
         for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
             if name not in r:
                 raise ValueError(
-                    f"{source}: row {i} has no field {name!r} (fields: {sorted(r)}); pass {arg}=<column name>"
+                    f"{source}: row {i} has no field {name!r} (fields: {sorted(r)}); rename the column to "
+                    f"{name!r} (GSM8K's names), or from Python pass load_dataset_rows({arg}=<column name>)"
                 )
         answer = str(r[answer_field])
         gold = extract_gold(answer)
         if gold is None:
             raise ValueError(
                 f"{source}: row {i} field {answer_field!r} has no '#### <number>' line and is not a number: "
-                f"{answer[-80:]!r}; point answer_field at the column with the gold answer"
+                f"{answer[-80:]!r}; the {answer_field!r} column must hold the gold answer"
             )
         rows.append({"question": str(r[question_field]), "answer": answer, "gold": gold})
     return rows

@@ -14,6 +14,9 @@ from typing import Any
 
 from grpax.config import ConfigError, suggest
 
+# The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -45,6 +48,15 @@ class ModelConfig:
     scan_layers: bool = True
     remat_policy: str = "none"  # none | full | dots (jax.checkpoint policies on each layer)
     attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("dtype", "weight_dtype"):
+            value = getattr(self, key)
+            if value not in FLOAT_DTYPES:
+                raise ConfigError(
+                    f"{key}={value!r} is not a supported dtype: use one of {', '.join(FLOAT_DTYPES)}."
+                    f"{suggest(str(value), FLOAT_DTYPES)}"
+                )
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:

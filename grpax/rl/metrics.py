@@ -247,7 +247,8 @@ def load_completions_file(path: str | Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: if a line is not JSON, lacks a field, or its answer has no number (file and line named).
+        ValueError: if a line is not a JSON object, lacks a field, or its answer has no number (file and line
+            named), or the file holds no completions.
 
     Example:
         >>> rows = load_completions_file("runs/vllm_samples.jsonl")  # doctest: +SKIP
@@ -266,6 +267,11 @@ def load_completions_file(path: str | Path) -> list[dict]:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
+            if not isinstance(r, dict):
+                raise ValueError(
+                    f"{path}: line {line_no} is a JSON {type(r).__name__}, not an object with question, "
+                    "answer, completion"
+                )
             missing = [k for k in ("question", "answer", "completion") if k not in r]
             if missing:
                 raise ValueError(
@@ -277,6 +283,8 @@ def load_completions_file(path: str | Path) -> list[dict]:
                     f"{path}: line {line_no} field 'answer' is neither a number nor a solution ending in '#### N'"
                 )
             rows.append({"question": str(r["question"]), "answer": gold, "completion": str(r["completion"])})
+    if not rows:
+        raise ValueError(f"{path} holds no completions: each line needs question, answer, completion")
     return rows
 
 

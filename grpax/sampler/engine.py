@@ -235,20 +235,25 @@ def resolve_decode_attention(
 
     The choices are ``decode_attention``, ``prefill_attention``, ``decode_matmul``, ``prefill_matmul`` and
     ``decode_sampling``. The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete
-    array on one CPU device and the kernels build; the matmul kernel also needs ``unroll_layers``, the
+    array on one CPU device, params and activations are float32 or bfloat16 (float16 takes XLA's path) and the
+    kernels build; the matmul kernel also needs ``unroll_layers``, the
     sampling kernel plain temperature sampling (no top-k, top-p or greedy). "auto" picks the matmul kernel for
     the prefill only where it is faster than XLA's dots: the model config ``cfg`` given with dtype bfloat16,
     and AMX (``cpu_kernels.amx_enabled()``).
 
     Raises:
-      ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, stacked
-        layers for the matmul kernel) or the kernels could not be built.
+      ValueError: "kernel" asked for where it cannot run (params sharded or on an accelerator, float16,
+        stacked layers for the matmul kernel) or the kernels could not be built.
     """
     sc = sampler_cfg
     kernel_choices = (sc.decode_attention, sc.prefill_attention, sc.decode_matmul, sc.prefill_matmul)
     if all(choice == "xla" for choice in (*kernel_choices, sc.decode_sampling)):
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
+    kernel_dtypes = (jnp.float32, jnp.bfloat16)  # float16 params or activations take XLA's path
+    dtypes_ok = all(jnp.dtype(leaf.dtype) in kernel_dtypes for leaf in jax.tree.leaves(params)) and (
+        cfg is None or jnp.dtype(cfg.dtype) in kernel_dtypes
+    )
     choices = {}
     for key, value, needs in (
         ("decode_attention", sc.decode_attention, None),
@@ -269,13 +274,17 @@ def resolve_decode_attention(
                 )
             if needs:
                 raise ValueError(f"{key}='kernel' needs {needs}: set it or use {key}='auto' or 'xla'")
+            if not dtypes_ok:
+                raise ValueError(
+                    f"{key}='kernel' takes float32 or bfloat16 params and activations; use {key}='auto' or 'xla'"
+                )
             if not cpu_kernels.available():
                 raise ValueError(
                     f"{key}='kernel': the CPU kernels could not be built (see the warning above); "
                     f"use {key}='auto' or 'xla'"
                 )
         elif value == "auto":
-            applies = one_cpu and not needs and cpu_kernels.available()
+            applies = one_cpu and dtypes_ok and not needs and cpu_kernels.available()
             if key == "prefill_matmul":  # faster than XLA's dots only on AMX tiles, for bfloat16
                 bf16 = cfg is not None and jnp.dtype(cfg.dtype) == jnp.bfloat16
                 applies = applies and bf16 and cpu_kernels.amx_enabled()
