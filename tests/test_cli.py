@@ -307,3 +307,31 @@ def test_generate_float16_takes_xla_path(tiny_native, capsys):
     args = ["generate", f"load_parameters_path={tiny_native}", "prompt=hi", "max_completion_length=4"]
     assert main([*args, "weight_dtype=float16", "dtype=float16"]) == 0
     assert "completion" in capsys.readouterr().out.lower()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["decode_sampling_strategy=weighted", "decode_sampling_temperature=0"],
+            "decode_sampling_temperature=0.0 must be > 0 (use decode_sampling_strategy=greedy for argmax)",
+        ),
+        (
+            ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=1.5"],
+            "decode_sampling_nucleus_p=1.5",
+        ),
+        (
+            ["decode_sampling_strategy=topk", "decode_sampling_top_k=-1"],
+            "decode_sampling_top_k=-1 must be >= 0",
+        ),
+        (["max_prefill_predict_length=-5"], "max_prefill_predict_length=-5 and max_completion_length=64"),
+        (["num_generations=0"], "num_generations=0 must be >= 1"),
+    ],
+)
+def test_generate_sampling_errors_name_the_keys(tmp_path, capsys, args, needle):
+    """Checked before any model is loaded: the checkpoint path does not even exist."""
+    rc = main(
+        ["generate", f"load_parameters_path={tmp_path}/none", "prompt=hi", "max_completion_length=64", *args]
+    )
+    assert rc == 2
+    _one_line_error(capsys, needle)

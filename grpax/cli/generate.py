@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 from grpax.cli.common import select_hardware
@@ -78,6 +79,36 @@ def sampling_kwargs(config: GenerateConfig) -> dict:
     raise ConfigError(f"decode_sampling_strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
 
 
+# SamplerConfig's field names -> this command's keys, for its errors.
+_SAMPLER_KEYS = {
+    "temperature": "decode_sampling_temperature",
+    "top_k": "decode_sampling_top_k",
+    "top_p": "decode_sampling_nucleus_p",
+    "max_prompt_length": "max_prefill_predict_length",
+}
+
+
+def check_sampling(config: GenerateConfig, completion_length: int, sampling: dict) -> None:
+    """Checks the sampling keys before any model is loaded.
+
+    Raises:
+      ConfigError: a value ``SamplerConfig`` refuses, named by this command's key.
+    """
+    from grpax.sampler.engine import SamplerConfig
+
+    try:
+        SamplerConfig(
+            max_prompt_length=config.max_prefill_predict_length,
+            max_completion_length=completion_length,
+            **sampling,
+        )
+    except ValueError as e:
+        message = str(e).replace("greedy=true", "decode_sampling_strategy=greedy")
+        for name, key in _SAMPLER_KEYS.items():
+            message = re.sub(rf"\b{re.escape(name)}(?==)", key, message)
+        raise ConfigError(message) from None
+
+
 def read_prompts(config: GenerateConfig) -> list[str]:
     """The prompt texts from ``prompt=`` and/or ``prompts_path=``.
 
@@ -131,9 +162,11 @@ def run(config: GenerateConfig) -> int:
             f"max_target_length={config.max_target_length} leaves no completion tokens after "
             f"max_prefill_predict_length={config.max_prefill_predict_length}"
         )
-    if config.num_generations < 1 or config.batch_size < 1:
-        raise ConfigError("num_generations and batch_size must be >= 1")
+    for key in ("num_generations", "batch_size"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
     sampling = sampling_kwargs(config)
+    check_sampling(config, completion_length, sampling)
     texts = read_prompts(config)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(

@@ -114,7 +114,10 @@ class SamplerConfig:
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation={self.truncation!r}: expected one of {TRUNCATIONS}")
         if self.max_completion_length < 1 or self.max_prompt_length < 1:
-            raise ValueError("max_prompt_length and max_completion_length must be >= 1")
+            raise ValueError(
+                f"max_prompt_length={self.max_prompt_length} and max_completion_length="
+                f"{self.max_completion_length} must both be >= 1"
+            )
         if not self.greedy and self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (use greedy=true for argmax)")
         if not 0.0 < self.top_p <= 1.0:
