@@ -335,3 +335,12 @@ def test_generate_sampling_errors_name_the_keys(tmp_path, capsys, args, needle):
     )
     assert rc == 2
     _one_line_error(capsys, needle)
+
+
+def test_grpax_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    args = ["evaluate", f"completions_path={tmp_path}/missing.jsonl"]
+    assert main(args) == 2
+    _one_line_error(capsys, "missing.jsonl does not exist (GRPAX_DEBUG=1 shows the traceback)")
+    monkeypatch.setenv("GRPAX_DEBUG", "1")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        main(args)

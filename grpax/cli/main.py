@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 
 from grpax.config import ConfigError, build_config, describe, suggest
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             select_backend(config.hardware)
         return int(module.run(config) or 0)
     except USER_ERRORS as e:
-        print(f"grpax {name}: error: {e}", file=sys.stderr)
+        if os.environ.get("GRPAX_DEBUG"):
+            raise
+        # ConfigError is always the user's to fix; the others may come from a bug, so say how to see where.
+        hint = "" if isinstance(e, ConfigError) else " (GRPAX_DEBUG=1 shows the traceback)"
+        print(f"grpax {name}: error: {e}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"grpax {name}: interrupted", file=sys.stderr)
