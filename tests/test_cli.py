@@ -344,3 +344,19 @@ def test_grpax_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GRPAX_DEBUG", "1")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         main(args)
+
+
+def test_generate_refuses_a_folder_as_output_path(tmp_path, capsys):
+    """Checked before the model loads: writing the completions into a folder failed after generating them."""
+    rc = main(["generate", f"load_parameters_path={tmp_path}/none", "prompt=hi", f"output_path={tmp_path}"])
+    assert rc == 2
+    _one_line_error(capsys, f"output_path={tmp_path} is a folder")
+
+
+def test_model_config_refuses_unknown_remat_policy():
+    from grpax.config import ConfigError
+    from grpax.models.registry import get_model_config
+
+    assert get_model_config("smollm2-135m", remat_policy="minimal").remat_policy == "minimal"
+    with pytest.raises(ConfigError, match=r"remat_policy='ful': expected one of none, full, dots, minimal"):
+        get_model_config("smollm2-135m", remat_policy="ful")

@@ -167,6 +167,10 @@ def run(config: GenerateConfig) -> int:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
     sampling = sampling_kwargs(config)
     check_sampling(config, completion_length, sampling)
+    if config.output_path and Path(config.output_path).is_dir():
+        raise ConfigError(
+            f"output_path={config.output_path} is a folder: pass a file name, e.g. FOLDER/out.jsonl"
+        )
     texts = read_prompts(config)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(

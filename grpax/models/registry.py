@@ -16,6 +16,8 @@ from grpax.config import ConfigError, suggest
 
 # The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# Rematerialisation of each layer in the backward pass (grpax.models.llama: jax.checkpoint policies).
+REMAT_POLICIES = ("none", "full", "dots", "minimal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ModelConfig:
     dtype: str = "float32"  # activations / matmul inputs
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
-    remat_policy: str = "none"  # none | full | dots (jax.checkpoint policies on each layer)
+    remat_policy: str = "none"  # none | full | dots | minimal (jax.checkpoint policies on each layer)
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +59,11 @@ class ModelConfig:
                     f"{key}={value!r} is not a supported dtype: use one of {', '.join(FLOAT_DTYPES)}."
                     f"{suggest(str(value), FLOAT_DTYPES)}"
                 )
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ConfigError(
+                f"remat_policy={self.remat_policy!r}: expected one of {', '.join(REMAT_POLICIES)}"
+                f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
+            )
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
