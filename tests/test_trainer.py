@@ -5,15 +5,20 @@ so every piece of ``grpax train_rl`` runs, at a size that takes seconds.
 """
 
 import json
+import logging
+import struct
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import tiny_run_keys
 
+from grpax.checkpoint.hf import iter_hf_tensors
 from grpax.checkpoint.orbax import restore_params
 from grpax.config import ConfigError, build_config
+from grpax.models.registry import from_hf_config
 from grpax.rl import trainer
 from grpax.rl.trainer import TrainConfig, train
 
@@ -30,6 +35,36 @@ def _records(run_dir):
     ]
 
 
+def _tensorboard_steps(run_dir, tag):
+    """Steps of ``tag`` in the run's TensorBoard event files (TFRecord framing: length, crc, event, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    for path in sorted((run_dir / "tensorboard").glob("events.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+            i += 16 + n
+    return steps
+
+
+def _kill_at_call(monkeypatch, n):
+    """Makes ``grpo_step`` raise KeyboardInterrupt at its ``n``-th call (a Ctrl-C during that step)."""
+    real_step = trainer.grpo_step
+    calls = {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "grpo_step", dying_step)
+    return real_step
+
+
 @pytest.mark.slow
 def test_resume_is_bit_exact(tiny_checkpoint, tmp_path, monkeypatch):
     full = train(_config(tiny_checkpoint, tmp_path / "a"))
@@ -43,16 +78,7 @@ def test_resume_is_bit_exact(tiny_checkpoint, tmp_path, monkeypatch):
     ).exists()
 
     # The same run, killed during step 3 (after the step-2 checkpoint), then started again with the same name.
-    real_step = trainer.grpo_step
-    calls = {"n": 0}
-
-    def dying_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "grpo_step", dying_step)
+    real_step = _kill_at_call(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         train(_config(tiny_checkpoint, tmp_path / "b"))
     assert (tmp_path / "b" / "run" / "checkpoints" / "actor" / "2").exists()
@@ -140,3 +166,69 @@ def test_lr_schedule_from_the_real_config_loader():
     assert lrs[19] < 1e-7 and lrs[10] < lrs[5]  # cosine decays to 0 at the real last update
     with pytest.raises(ConfigError, match="num_generations"):
         build_config(TrainConfig, ["num_generation=4"])
+
+
+def test_restart_before_the_first_checkpoint_starts_the_files_afresh(tiny_checkpoint, tmp_path, monkeypatch):
+    keys = dict(num_batches=2, checkpoint_period=10, eval_before=True)
+    real_step = _kill_at_call(monkeypatch, 2)  # killed during step 2, before any checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(tiny_checkpoint, tmp_path, **keys))
+    run_dir = tmp_path / "run"
+    assert [r["step"] for r in _records(run_dir)] == [0, 1]  # eval before, step 1
+    monkeypatch.setattr(trainer, "grpo_step", real_step)
+
+    result = train(_config(tiny_checkpoint, tmp_path, **keys))
+    records = _records(run_dir)
+    assert [(r["step"], "loss" in r) for r in records] == [(0, False), (1, True), (2, True), (2, False)]
+    assert _tensorboard_steps(run_dir, "loss") == [1, 2]
+    assert _tensorboard_steps(run_dir, "eval/accuracy") == [0, 2]
+    assert result["reward_history"] == [r["rewards/total/mean"] for r in records if "loss" in r]
+
+
+def test_resume_rerun_and_export_hf(tiny_checkpoint, tmp_path, caplog):
+    first = train(_config(tiny_checkpoint, tmp_path, num_batches=2, checkpoint_period=2))
+    run_dir = Path(first["run_dir"])
+    assert len(first["reward_history"]) == 2
+
+    # Fewer steps than the run already has: refused before the model loads, naming folder, step and key.
+    with pytest.raises(
+        ConfigError, match=r"run .*run already has a checkpoint at step 2, past num_batches=1"
+    ):
+        train(_config(tiny_checkpoint, tmp_path, num_batches=1))
+    with pytest.raises(ConfigError, match=r"seed=42 \(now 7\).*cannot change seed"):
+        train(_config(tiny_checkpoint, tmp_path, num_batches=3, seed=7))
+
+    # Continued with a changed learning rate and one more step; the actor is exported too.
+    hf = tmp_path / "hf"
+    with caplog.at_level(logging.WARNING, logger="grpax.train"):
+        resumed = train(
+            _config(tiny_checkpoint, tmp_path, num_batches=3, learning_rate=2e-3, export_hf=str(hf))
+        )
+    assert "learning_rate: 0.001 -> 0.002" in caplog.text and "num_batches: 2 -> 3" in caplog.text
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["num_batches"], saved["learning_rate"], saved["export_hf"]) == (3, 2e-3, str(hf))
+    (change,) = [json.loads(x) for x in (run_dir / "config_changes.jsonl").read_text().splitlines()]
+    assert change["step"] == 2 and change["changes"]["learning_rate"] == [1e-3, 2e-3]
+    assert resumed["reward_history"][:2] == first["reward_history"] and len(resumed["reward_history"]) == 3
+
+    # The export holds the step-3 actor, loadable by transformers.
+    from transformers import AutoModelForCausalLM
+
+    assert resumed["hf_path"] == str(hf.absolute())
+    hf_config = json.loads((hf / "config.json").read_text())
+    assert (hf_config["num_hidden_layers"], hf_config["hidden_size"]) == (2, 32)
+    assert resumed["actor_path"].endswith("actor/3/model_params")
+    actor = restore_params(resumed["actor_path"])
+    expected = dict(iter_hf_tensors(actor, from_hf_config(hf_config)))
+    assert hf_config["torch_dtype"] == "bfloat16"
+    loaded = {k: v.float().numpy() for k, v in AutoModelForCausalLM.from_pretrained(hf).state_dict().items()}
+    assert set(expected) <= set(loaded)
+    for name, w in expected.items():
+        bf16 = np.asarray(w, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(loaded[name], bf16, err_msg=name)
+
+    # The finished run evaluated again: the whole reward history; its step-3 evaluation replaces the old one.
+    again = train(_config(tiny_checkpoint, tmp_path, num_batches=3, learning_rate=2e-3))
+    assert again["reward_history"] == resumed["reward_history"]
+    assert [r["step"] for r in _records(run_dir) if "eval/accuracy" in r] == [2, 3]  # after 2 steps, after 3
+    assert json.loads((run_dir / "results.json").read_text())["reward_history"] == resumed["reward_history"]

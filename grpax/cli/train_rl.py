@@ -10,7 +10,9 @@ DESCRIPTION = (
     "the GSM8K rewards, update the policy with the clipped GRPO objective and a KL penalty to the frozen "
     "reference; evaluate before and after; checkpoint the actor under "
     "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "
-    "run_name resumes from the latest checkpoint. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
+    "run_name resumes from the latest checkpoint (a changed batch_size, num_generations, seed, model_name or "
+    "load_parameters_path is refused; other changes are logged in config_changes.jsonl); export_hf=FOLDER "
+    "also exports the actor in Hugging Face format. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
     "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
 )
 
@@ -23,8 +25,11 @@ def run(config: TrainConfig) -> int:
     print(
         f"metrics:           {results['run_dir']}/metrics.jsonl (TensorBoard: {results['run_dir']}/tensorboard)"
     )
-    print(
-        f"export with:       grpax to_huggingface model_name={config.model_name} "
-        f"load_parameters_path={results['actor_path']} base_output_directory=<folder>"
-    )
+    if results.get("hf_path"):
+        print(f"Hugging Face:      {results['hf_path']}")
+    else:
+        print(
+            f"export with:       grpax to_huggingface model_name={config.model_name} "
+            f"load_parameters_path={results['actor_path']} base_output_directory=<folder>"
+        )
     return 0

@@ -117,6 +117,10 @@ def validate(cfg: GRPOConfig) -> None:
         )
     if cfg.temperature <= 0:
         raise ConfigError(f"temperature={cfg.temperature}: expected > 0")
+    if not cfg.learning_rate > 0:  # also NaN
+        raise ConfigError(
+            f"learning_rate={cfg.learning_rate}: expected > 0 (the peak AdamW step size, e.g. 3e-6)"
+        )
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"warmup_ratio={cfg.warmup_ratio}: expected 0 <= warmup_ratio < 1")
 

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from grpax import distributed, sharding
+from grpax.checkpoint.convert import to_huggingface
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.config import ConfigError, field
@@ -121,7 +122,9 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
     log_period: int = field(1, "write metrics every N steps")
-    export_hf: str = field("", "after training, also export the actor to this folder in Hugging Face format")
+    export_hf: str = field(
+        "", "after training, also export the actor to this new folder in Hugging Face format (bfloat16)"
+    )
 
     @property
     def micro_batches(self) -> int:
@@ -166,8 +169,33 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"num_generations={cfg.num_generations}: GRPO needs at least 2 completions per prompt"
         )
-    if cfg.num_batches < 1 or cfg.batch_size < 1:
-        raise ConfigError(f"num_batches={cfg.num_batches} and batch_size={cfg.batch_size} must be >= 1")
+    at_least_one = {
+        "num_batches": "training steps",
+        "batch_size": "prompts per step",
+        "eval_batch_size": "questions per evaluation batch",
+        "num_eval_passes": "samples per evaluation question",
+        "checkpoint_period": "save every N steps; the last step is always saved",
+        "log_period": "write metrics every N steps; the last step is always written",
+        "max_num_checkpoints_to_keep": "step checkpoints kept; the last step's is one of them",
+    }
+    for key, meaning in at_least_one.items():
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
+    if cfg.num_test_batches < 1 and cfg.num_test_batches != -1:
+        raise ConfigError(
+            f"num_test_batches={cfg.num_test_batches}: expected >= 1 evaluation batches, or -1 for the "
+            f"whole {cfg.eval_split!r} split"
+        )
+    if cfg.eval_interval < 0:
+        raise ConfigError(
+            f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
+        )
+    export = Path(cfg.export_hf) if cfg.export_hf else None
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+        raise ConfigError(
+            f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
+            "overwrites: delete it or choose another folder"
+        )
     if cfg.eval_sampling_strategy not in EVAL_STRATEGIES:
         raise ConfigError(
             f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of "
@@ -198,6 +226,60 @@ class RunPaths:
     def of(cls, cfg: TrainConfig) -> RunPaths:
         run_dir = Path(cfg.base_output_directory) / cfg.run_name
         return cls(run_dir, run_dir / "checkpoints", run_dir / "eval")
+
+
+# Keys a resumed run cannot change: the saved data order, groups and weights follow from them.
+RESUME_FIXED_KEYS = ("batch_size", "num_generations", "seed", "model_name", "load_parameters_path")
+
+
+def _config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as ``config.json`` holds it (JSON types)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tuple[Any, Any]]:
+    """Checks that ``cfg`` can continue the run whose latest checkpoint is at step ``latest``.
+
+    Returns:
+      ``{key: (saved, current)}`` for each key that differs from the run's ``config.json`` (empty without one).
+
+    Raises:
+      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed.
+    """
+    if cfg.num_batches < latest:
+        raise ConfigError(
+            f"run {paths.run_dir} already has a checkpoint at step {latest}, past num_batches="
+            f"{cfg.num_batches}: raise num_batches to >= {latest} to continue (or re-evaluate) it, or pass a "
+            "new run_name"
+        )
+    saved_path = paths.run_dir / "config.json"
+    if not saved_path.exists():
+        return {}
+    saved, current = json.loads(saved_path.read_text()), _config_record(cfg)
+    unset = "<unset>"
+    changes = {
+        key: (saved.get(key, unset), current.get(key, unset))
+        for key in sorted({*saved, *current})
+        if saved.get(key, unset) != current.get(key, unset)
+    }
+    old_path = changes.get("load_parameters_path", ("", ""))[0]
+    if old_path and Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve():
+        del changes["load_parameters_path"]  # the same folder, spelled differently
+    fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
+    if fixed:
+        listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
+        raise ConfigError(
+            f"run {paths.run_dir} was started with {listed}; a resumed run cannot change "
+            f"{', '.join(fixed)}: pass the saved values to continue it, or pass a new run_name"
+        )
+    return changes
+
+
+def _write_config(paths: RunPaths, cfg: TrainConfig) -> None:
+    """Writes ``config.json`` atomically (other processes may read it to check a resume)."""
+    tmp = paths.run_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    tmp.replace(paths.run_dir / "config.json")
 
 
 def _write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> None:
@@ -353,8 +435,14 @@ def grpo_step(
 def train(cfg: TrainConfig) -> dict:
     """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
 
+    The same ``run_name`` resumes from the latest checkpoint (changed keys are logged, recorded in
+    ``config_changes.jsonl`` and ``config.json`` is rewritten); ``num_batches`` equal to that step evaluates the
+    finished run again. ``results`` also holds ``actor_path``, ``reward_history`` (``rewards/total/mean`` of
+    each logged step of the whole run) and, with ``export_hf``, ``hf_path``.
+
     Raises:
-      ConfigError: invalid keys or paths (message names the key).
+      ConfigError: invalid keys or paths (message names the key); a resume with ``num_batches`` below the
+        latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``.
       NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
     """
     validate(cfg)
@@ -364,6 +452,21 @@ def train(cfg: TrainConfig) -> dict:
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
         logging.getLogger("grpax").setLevel(logging.WARNING)
+
+    checkpointer = TrainCheckpointer(
+        paths.checkpoints,
+        cfg.max_num_checkpoints_to_keep,
+        cfg.checkpoint_storage_use_zarr3,
+        cfg.checkpoint_storage_use_ocdbt,
+    )
+    latest = checkpointer.latest_step()
+    changes = check_resume(cfg, paths, latest) if latest is not None else {}
+    if changes:
+        log.warning(
+            "resuming %s with changed keys (recorded in config_changes.jsonl): %s",
+            paths.run_dir,
+            "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()),
+        )
 
     params, model_cfg, tokenizer = load_model(
         cfg.load_parameters_path,
@@ -421,28 +524,29 @@ def train(cfg: TrainConfig) -> dict:
     )
     train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
-    checkpointer = TrainCheckpointer(
-        paths.checkpoints,
-        cfg.max_num_checkpoints_to_keep,
-        cfg.checkpoint_storage_use_zarr3,
-        cfg.checkpoint_storage_use_ocdbt,
-    )
     writer = MetricsWriter(paths.run_dir)
     results: dict[str, Any] = {"run_dir": str(paths.run_dir)}
     start_step = 0
-    latest = checkpointer.latest_step()
     if latest is not None:
         new_params, opt_state, meta = checkpointer.restore(latest, state.params, state.opt_state)
         state = TrainState(params=new_params, opt_state=opt_state, step=jnp.asarray(meta["optimizer_step"]))
         iterator.load_state_dict(meta["iterator"])
         start_step = meta["step"]
         results["before"] = meta.get("eval_before")
-        writer.truncate_after(start_step)
+        # A finished run (start_step == num_batches) is evaluated again: its old "after" line goes too.
+        writer.truncate_after(start_step, drop_eval_at_step=start_step == cfg.num_batches)
+        if changes and main_process:
+            record = {"step": start_step, "time": round(time.time(), 3), "changes": changes}
+            with (paths.run_dir / "config_changes.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            _write_config(paths, cfg)
         log.info("resumed %s from step %d", paths.checkpoints, start_step)
     else:
+        # A fresh start re-runs everything: lines of an attempt killed before its first checkpoint go.
+        writer.truncate_after(-1)
         if main_process:
             paths.run_dir.mkdir(parents=True, exist_ok=True)
-            (paths.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+            _write_config(paths, cfg)
         _write_model_files(paths.checkpoints, model_cfg, tokenizer)
 
     def run_eval(tag: str, step: int) -> dict:
@@ -551,9 +655,19 @@ def train(cfg: TrainConfig) -> dict:
     final_step = cfg.num_batches
     results["after"] = run_eval("after", final_step)
     results["actor_path"] = str(checkpointer.step_dir(final_step) / "model_params")
+    if writer.enabled:  # the whole run's, not only this invocation's steps
+        reward_history = [
+            r["rewards/total/mean"]
+            for r in writer.records()
+            if "rewards/total/mean" in r and r["step"] <= final_step
+        ]
     results["reward_history"] = reward_history
     checkpointer.close()
     writer.close()
+    if cfg.export_hf and main_process:
+        summary = to_huggingface(results["actor_path"], cfg.export_hf)  # bfloat16, as grpax to_huggingface
+        results["hf_path"] = summary["output_dir"]
+        log.info("exported the step-%d actor to %s (Hugging Face format)", final_step, results["hf_path"])
     if main_process:
         (paths.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results

@@ -1,0 +1,98 @@
+"""``grpax train_rl`` keys that cannot work are refused before any model is loaded, naming key, value and fix.
+
+Each bad key is passed to ``train`` with a ``load_parameters_path`` that does not exist: a ConfigError (rather than
+FileNotFoundError from the model load, or a crash after training) shows that the check runs up front.
+"""
+
+import json
+
+import pytest
+from conftest import tiny_run_keys
+
+from grpax.config import ConfigError, build_config
+from grpax.rl import trainer
+from grpax.rl.config import GRPOConfig
+from grpax.rl.trainer import RunPaths, TrainConfig, check_resume, train
+
+
+def _config(tmp_path, **overrides):
+    return TrainConfig(**tiny_run_keys(tmp_path / "no-such-checkpoint", tmp_path / "out", **overrides))
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("max_num_checkpoints_to_keep", 0, r"max_num_checkpoints_to_keep=0: expected >= 1"),
+        ("checkpoint_period", 0, r"checkpoint_period=0: expected >= 1"),
+        ("log_period", 0, r"log_period=0: expected >= 1"),
+        ("num_batches", 0, r"num_batches=0: expected >= 1"),
+        ("eval_interval", -1, r"eval_interval=-1: expected >= 0"),
+        ("num_test_batches", 0, r"num_test_batches=0: expected >= 1 evaluation batches, or -1 for the whole"),
+        ("num_test_batches", -2, r"num_test_batches=-2: expected >= 1"),
+        ("eval_batch_size", 0, r"eval_batch_size=0: expected >= 1"),
+        ("num_eval_passes", 0, r"num_eval_passes=0: expected >= 1"),
+    ],
+)
+def test_bad_counts_are_refused_before_the_model_loads(tmp_path, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        train(_config(tmp_path, **{key: value}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_whole_split_and_zero_eval_interval_are_accepted(tmp_path):
+    trainer.validate(_config(tmp_path, num_test_batches=-1, eval_interval=0))
+
+
+@pytest.mark.parametrize("value", ["0", "-1e-5", "0.0"])
+def test_learning_rate_must_be_positive(value):
+    with pytest.raises(ConfigError, match=rf"learning_rate={float(value)}: expected > 0"):
+        build_config(TrainConfig, [f"learning_rate={value}"])
+    with pytest.raises(ConfigError, match="learning_rate"):
+        GRPOConfig(learning_rate=float(value))
+    assert GRPOConfig(learning_rate=1e-6).learning_rate == 1e-6
+
+
+def test_export_hf_into_a_non_empty_folder_is_refused(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    trainer.validate(_config(tmp_path, export_hf=str(folder)))  # empty: fine
+    trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "new")))  # absent: fine
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"export_hf=.*hf' already exists and is not an empty folder"):
+        train(_config(tmp_path, export_hf=str(folder)))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="export_hf"):
+        trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "file")))
+
+
+def _saved_run(tmp_path, **overrides):
+    cfg = _config(tmp_path, **overrides)
+    paths = RunPaths.of(cfg)
+    paths.run_dir.mkdir(parents=True)
+    (paths.run_dir / "config.json").write_text(json.dumps(trainer._config_record(cfg)))
+    return paths
+
+
+def test_resume_below_the_latest_step_is_refused(tmp_path):
+    paths = _saved_run(tmp_path, num_batches=4)
+    with pytest.raises(ConfigError) as err:
+        check_resume(_config(tmp_path, num_batches=1), paths, latest=4)
+    message = str(err.value)
+    assert str(paths.run_dir) in message and "step 4" in message and "num_batches=1" in message
+    assert "raise num_batches" in message and "new run_name" in message
+    # Equal: the finished run is evaluated again.
+    assert check_resume(_config(tmp_path, num_batches=4), paths, latest=4) == {}
+
+
+def test_resume_reports_changed_keys_and_refuses_fixed_ones(tmp_path):
+    paths = _saved_run(tmp_path, num_batches=4)
+    changes = check_resume(_config(tmp_path, num_batches=6, learning_rate=2e-3), paths, latest=4)
+    assert changes == {"learning_rate": (1e-3, 2e-3), "num_batches": (4, 6)}
+    for key, value in [("batch_size", 4), ("num_generations", 4), ("seed", 7), ("model_name", "x")]:
+        with pytest.raises(ConfigError, match=rf"{key}=.* \(now {value!r}\).*cannot change {key}"):
+            check_resume(_config(tmp_path, **{key: value}), paths, latest=2)
+    with pytest.raises(ConfigError, match="cannot change load_parameters_path"):
+        check_resume(_config(tmp_path, load_parameters_path=str(tmp_path / "other")), paths, latest=2)
+    # The same folder spelled differently is not a change.
+    same = str(tmp_path / "x" / ".." / "no-such-checkpoint")
+    assert check_resume(_config(tmp_path, num_batches=4, load_parameters_path=same), paths, latest=2) == {}
