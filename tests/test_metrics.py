@@ -178,3 +178,16 @@ def test_load_completions_file(tmp_path):
     bad.write_text("\n\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl holds no completions"):
         load_completions_file(bad)
+
+
+def test_tensorboard_tags_are_cleaned_without_messages(tmp_path, caplog):
+    from grpax.rl.metrics_writer import MetricsWriter, tensorboard_tag
+
+    assert tensorboard_tag("eval/pass@k") == "eval/pass_k"
+    assert tensorboard_tag("rewards/total/mean") == "rewards/total/mean"
+    writer = MetricsWriter(tmp_path, enabled=True)
+    with caplog.at_level("INFO"):  # tensorboardX reports a renamed tag at INFO
+        writer.write(1, {"pass@k": 0.5, "maj@k": 0.25}, prefix="eval/")
+    writer.close()
+    assert not [r for r in caplog.records if "illegal" in r.getMessage()]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["eval/pass@k"] == 0.5

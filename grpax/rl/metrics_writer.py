@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,12 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def tensorboard_tag(key: str) -> str:
+    """``key`` as a TensorBoard tag: characters outside ``[-/\\w.]`` become ``_`` (``eval/pass@k`` ->
+    ``eval/pass_k``), as tensorboardX would do itself with a warning at every write."""
+    return re.sub(r"[^-/\w.]", "_", key)
 
 
 class MetricsWriter:
@@ -53,7 +60,7 @@ class MetricsWriter:
             if key in ("step", "time"):
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(key, value, record["step"], walltime=walltime)
+                self._tb.add_scalar(tensorboard_tag(key), value, record["step"], walltime=walltime)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:
