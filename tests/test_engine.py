@@ -164,7 +164,7 @@ def test_prompt_padding_and_truncation(params, caplog):
     np.testing.assert_array_equal(out.prompt_ids[0], PROMPTS[0][-6:])  # left truncation keeps the end
     np.testing.assert_array_equal(out.prompt_ids[1], [0, 0, 0, 0, 1, 2])
     np.testing.assert_array_equal(out.prompt_mask[1], [0, 0, 0, 0, 1, 1])
-    assert "longer than max_prompt_length=6" in caplog.text
+    assert "longer than max_prompt_length=6 (key max_prefill_predict_length)" in caplog.text
     kept, idx = prepare_prompts(PROMPTS, dataclasses.replace(sc, truncation="drop"))
     assert idx == [1, 2, 3] and kept == PROMPTS[1:]
 

@@ -660,7 +660,7 @@ def prepare_prompts(
     if num_long:
         action = "dropped" if sc.truncation == "drop" else "left-truncated (kept their last tokens)"
         logger.warning(
-            "%d of %d prompts are longer than max_prompt_length=%d and were %s",
+            "%d of %d prompts are longer than max_prompt_length=%d (key max_prefill_predict_length) and were %s",
             num_long,
             len(prompts),
             sc.max_prompt_length,
