@@ -360,3 +360,17 @@ def test_model_config_refuses_unknown_remat_policy():
     assert get_model_config("smollm2-135m", remat_policy="minimal").remat_policy == "minimal"
     with pytest.raises(ConfigError, match=r"remat_policy='ful': expected one of none, full, dots, minimal"):
         get_model_config("smollm2-135m", remat_policy="ful")
+
+
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("num_test_batches=-2", "num_test_batches=-2: expected >= 1 batches, or -1 for the whole split"),
+        ("num_test_batches=0", "num_test_batches=0: expected >= 1"),
+        ("eval_batch_size=0", "eval_batch_size=0: expected >= 1"),
+        ("num_eval_passes=0", "num_eval_passes=0: expected >= 1"),
+    ],
+)
+def test_evaluate_counts_are_checked_before_loading(tmp_path, capsys, arg, needle):
+    assert main(["evaluate", f"load_parameters_path={tmp_path}/none", arg]) == 2
+    _one_line_error(capsys, needle)

@@ -99,6 +99,13 @@ def run(config: EvaluateConfig) -> int:
             f"eval_sampling_strategy={config.eval_sampling_strategy!r}: expected one of "
             f"{', '.join(EVAL_STRATEGIES)}"
         )
+    if config.num_test_batches < 1 and config.num_test_batches != -1:
+        raise ConfigError(
+            f"num_test_batches={config.num_test_batches}: expected >= 1 batches, or -1 for the whole split"
+        )
+    for key in ("eval_batch_size", "num_eval_passes"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{key}={getattr(config, key)}: expected >= 1")
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,
@@ -107,7 +114,7 @@ def run(config: EvaluateConfig) -> int:
         dtype=config.dtype,
     )
     preset = get_prompt_preset(config.prompt_preset)
-    limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches >= 0 else -1
+    limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
         tokenizer, config.dataset_name, config.eval_split, preset, config.max_prefill_predict_length, limit
     )
