@@ -132,6 +132,13 @@ def test_restore_hints_at_items(tmp_path):
         restore_params(tmp_path)
 
 
+def test_restore_hints_at_model_params(tmp_path):
+    params, _ = _params(True)
+    save_params(params, tmp_path / "actor" / "2" / "model_params")
+    with pytest.raises(FileNotFoundError, match=r"did you mean .*actor/2/model_params\?"):
+        restore_params(tmp_path / "actor" / "2")
+
+
 def _model_folder(folder, tokenizer: bool = True):
     from test_convert import save_tiny_tokenizer
 

@@ -213,6 +213,8 @@ def _stored_tree(directory: Path) -> Any:
         hint = ""
         if (directory / "0" / "items" / _METADATA_FILE).exists():
             hint = f" (did you mean {directory / '0' / 'items'}?)"
+        elif (directory / "model_params" / _TREE_METADATA_FILE).exists():  # an actor step folder
+            hint = f" (did you mean {directory / 'model_params'}?)"
         elif directory.exists():
             hint = " (an interrupted or unfinished write, or not an Orbax checkpoint)"
         raise FileNotFoundError(
