@@ -301,12 +301,21 @@ def test_generate_and_export_errors_are_one_line(tiny_native, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
-def test_generate_float16_takes_xla_path(tiny_native, capsys):
-    """float16 params were handed to the CPU kernels, which take float32 / bfloat16 only, and failed."""
+def test_generate_float16_takes_xla_path(tiny_native, tmp_path, capsys):
+    """float16 params were handed to the CPU kernels, which take float32 / bfloat16 only, and failed; with
+    float32 weights and float16 activations, prompts sharing a prefix failed the same way."""
     capsys.readouterr()
-    args = ["generate", f"load_parameters_path={tiny_native}", "prompt=hi", "max_completion_length=4"]
-    assert main([*args, "weight_dtype=float16", "dtype=float16"]) == 0
-    assert "completion" in capsys.readouterr().out.lower()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "the same long start " * 30 + x}) + "\n" for x in "ab"))
+    args = [
+        "generate",
+        f"load_parameters_path={tiny_native}",
+        f"prompts_path={prompts}",
+        "max_completion_length=4",
+    ]
+    for weight_dtype in ("float16", "float32"):
+        assert main([*args, f"weight_dtype={weight_dtype}", "dtype=float16"]) == 0, weight_dtype
+        assert capsys.readouterr().out.count("--- completion") == 2
 
 
 @pytest.mark.parametrize(

@@ -714,7 +714,7 @@ def generate(
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
     packed_length, prefix = None, 0
     if sc.packed_prefill and len(_param_devices(params)) == 1:
-        if sc.share_prompt_prefix and resolve_decode_attention(sc, params).prefill_attention == "kernel":
+        if sc.share_prompt_prefix and resolve_decode_attention(sc, params, cfg).prefill_attention == "kernel":
             prefix = shared_prefix_length(kept)
         packed_length = sc.packed_length_for(int(lengths.sum()) - (B - 1) * prefix, B, P)
     out = distributed.fetch(
