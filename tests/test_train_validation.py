@@ -69,7 +69,7 @@ def _saved_run(tmp_path, **overrides):
     cfg = _config(tmp_path, **overrides)
     paths = RunPaths.of(cfg)
     paths.run_dir.mkdir(parents=True)
-    (paths.run_dir / "config.json").write_text(json.dumps(trainer._config_record(cfg)))
+    trainer._write_config(paths, cfg)
     return paths
 
 
@@ -96,3 +96,44 @@ def test_resume_reports_changed_keys_and_refuses_fixed_ones(tmp_path):
     # The same folder spelled differently is not a change.
     same = str(tmp_path / "x" / ".." / "no-such-checkpoint")
     assert check_resume(_config(tmp_path, num_batches=4, load_parameters_path=same), paths, latest=2) == {}
+
+
+def test_resume_refuses_a_changed_layer_layout(tmp_path):
+    paths = _saved_run(tmp_path, num_batches=4)
+    with pytest.raises(ConfigError, match=r"scan_layers=True \(now False\).*cannot change scan_layers"):
+        check_resume(_config(tmp_path, num_batches=4, scan_layers=False), paths, latest=2)
+
+
+def test_resume_compares_load_paths_as_absolute(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    paths = _saved_run(tmp_path, load_parameters_path="ckpt")  # relative: saved as <tmp>/a/ckpt
+    assert json.loads((paths.run_dir / "config.json").read_text())["load_parameters_path"] == str(
+        tmp_path / "a" / "ckpt"
+    )
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")  # the same relative spelling now names another folder
+    with pytest.raises(ConfigError, match="cannot change load_parameters_path"):
+        check_resume(_config(tmp_path, load_parameters_path="ckpt"), paths, latest=2)
+    assert (
+        check_resume(_config(tmp_path, load_parameters_path=str(tmp_path / "a" / "ckpt")), paths, latest=2)
+        == {}
+    )
+    # A relative path saved by an older grpax cannot be compared and is not held against the resume.
+    record = json.loads((paths.run_dir / "config.json").read_text())
+    (paths.run_dir / "config.json").write_text(json.dumps({**record, "load_parameters_path": "ckpt"}))
+    assert check_resume(_config(tmp_path, load_parameters_path="/elsewhere"), paths, latest=2) == {}
+
+
+def test_resume_with_a_corrupt_config_names_the_file(tmp_path):
+    paths = _saved_run(tmp_path)
+    (paths.run_dir / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON .*delete it to resume"):
+        check_resume(_config(tmp_path), paths, latest=2)
+
+
+def test_export_hf_is_refused_with_several_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="export_hf=.* single-process jobs only.*grpax to_huggingface"):
+        trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "hf")))
+    trainer.validate(_config(tmp_path))

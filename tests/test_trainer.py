@@ -232,3 +232,18 @@ def test_resume_rerun_and_export_hf(tiny_checkpoint, tmp_path, caplog):
     assert again["reward_history"] == resumed["reward_history"]
     assert [r["step"] for r in _records(run_dir) if "eval/accuracy" in r] == [2, 3]  # after 2 steps, after 3
     assert json.loads((run_dir / "results.json").read_text())["reward_history"] == resumed["reward_history"]
+
+
+def test_a_failed_export_keeps_results_json(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(trainer, "to_huggingface", full_disk)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # a killed attempt's line
+    with caplog.at_level(logging.WARNING, logger="grpax.train"), pytest.raises(OSError, match="No space"):
+        train(_config(tiny_checkpoint, tmp_path, num_batches=1, export_hf=str(tmp_path / "hf")))
+    assert "starting afresh, its 1 metrics lines" in caplog.text
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["actor_path"].endswith("actor/1/model_params") and "hf_path" not in results
+    assert Path(results["actor_path"]).exists()

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             select_backend(config.hardware)
         return int(module.run(config) or 0)
     except USER_ERRORS as e:
-        if os.environ.get("GRPAX_DEBUG"):
+        if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):
             raise
         # ConfigError is always the user's to fix; the others may come from a bug, so say how to see where.
         hint = "" if isinstance(e, ConfigError) else " (GRPAX_DEBUG=1 shows the traceback)"

@@ -84,10 +84,10 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
-    weight_dtype: str = field("float32", "parameter dtype (float32 | bfloat16)")
+    weight_dtype: str = field("float32", "parameter dtype (float32 | bfloat16 | float16)")
     dtype: str = field("float32", "activation / matmul dtype; float32 is faster than bfloat16 on CPU")
     remat_policy: str = field(
-        "none", "rematerialisation of each layer in the backward pass: none | full | dots"
+        "none", "rematerialisation of each layer in the backward pass: none | full | dots | minimal"
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field("", "dataset for evaluation (default: dataset_name)")
@@ -190,6 +190,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
         )
+    if cfg.export_hf and jax.process_count() > 1:
+        raise ConfigError(
+            f"export_hf={cfg.export_hf!r} runs in single-process jobs only (the export restores the checkpoint on "
+            "one process); export a multi-process run afterwards with grpax to_huggingface"
+        )
     export = Path(cfg.export_hf) if cfg.export_hf else None
     if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
         raise ConfigError(
@@ -228,13 +233,25 @@ class RunPaths:
         return cls(run_dir, run_dir / "checkpoints", run_dir / "eval")
 
 
-# Keys a resumed run cannot change: the saved data order, groups and weights follow from them.
-RESUME_FIXED_KEYS = ("batch_size", "num_generations", "seed", "model_name", "load_parameters_path")
+# Keys a resumed run cannot change: the saved data order, groups and weights (and their layout, scan_layers)
+# follow from them. The dataset keys may change (a new dataset continues at the saved position).
+RESUME_FIXED_KEYS = (
+    "batch_size",
+    "num_generations",
+    "seed",
+    "model_name",
+    "load_parameters_path",
+    "scan_layers",
+)
 
 
 def _config_record(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as ``config.json`` holds it (JSON types)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """The config as ``config.json`` holds it (JSON types; ``load_parameters_path`` made absolute, so that a
+    resume from another working folder compares the same folder)."""
+    record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if record["load_parameters_path"]:
+        record["load_parameters_path"] = str(Path(record["load_parameters_path"]).absolute())
+    return record
 
 
 def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tuple[Any, Any]]:
@@ -255,7 +272,13 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
     saved_path = paths.run_dir / "config.json"
     if not saved_path.exists():
         return {}
-    saved, current = json.loads(saved_path.read_text()), _config_record(cfg)
+    try:
+        saved = json.loads(saved_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{saved_path} is not valid JSON ({e}): restore it, or delete it to resume without the key check"
+        ) from None
+    current = _config_record(cfg)
     unset = "<unset>"
     changes = {
         key: (saved.get(key, unset), current.get(key, unset))
@@ -263,8 +286,13 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
         if saved.get(key, unset) != current.get(key, unset)
     }
     old_path = changes.get("load_parameters_path", ("", ""))[0]
-    if old_path and Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve():
-        del changes["load_parameters_path"]  # the same folder, spelled differently
+    # The same folder spelled differently is no change; a relative path saved by an older grpax cannot be
+    # compared (it was relative to the folder that run started in), so it is not held against the resume.
+    if old_path and (
+        not Path(old_path).is_absolute()
+        or Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve()
+    ):
+        del changes["load_parameters_path"]
     fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
     if fixed:
         listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
@@ -278,7 +306,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
 def _write_config(paths: RunPaths, cfg: TrainConfig) -> None:
     """Writes ``config.json`` atomically (other processes may read it to check a resume)."""
     tmp = paths.run_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    tmp.write_text(json.dumps(_config_record(cfg), indent=2) + "\n")
     tmp.replace(paths.run_dir / "config.json")
 
 
@@ -463,7 +491,7 @@ def train(cfg: TrainConfig) -> dict:
     changes = check_resume(cfg, paths, latest) if latest is not None else {}
     if changes:
         log.warning(
-            "resuming %s with changed keys (recorded in config_changes.jsonl): %s",
+            "resuming %s with changed keys (recorded in config_changes.jsonl once restored): %s",
             paths.run_dir,
             "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()),
         )
@@ -540,9 +568,17 @@ def train(cfg: TrainConfig) -> dict:
             with (paths.run_dir / "config_changes.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
             _write_config(paths, cfg)
+        elif main_process and not (paths.run_dir / "config.json").exists():  # so later resumes can be checked
+            _write_config(paths, cfg)
         log.info("resumed %s from step %d", paths.checkpoints, start_step)
     else:
         # A fresh start re-runs everything: lines of an attempt killed before its first checkpoint go.
+        if stale := len(writer.records()):
+            log.warning(
+                "%s has no checkpoint: starting afresh, its %d metrics lines (and TensorBoard points) are dropped",
+                paths.run_dir,
+                stale,
+            )
         writer.truncate_after(-1)
         if main_process:
             paths.run_dir.mkdir(parents=True, exist_ok=True)
@@ -664,12 +700,18 @@ def train(cfg: TrainConfig) -> dict:
     results["reward_history"] = reward_history
     checkpointer.close()
     writer.close()
-    if cfg.export_hf and main_process:
+    if not main_process:
+        return results
+
+    def write_results() -> None:
+        (paths.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    write_results()  # before the export, so that a failed export loses nothing
+    if cfg.export_hf:
         summary = to_huggingface(results["actor_path"], cfg.export_hf)  # bfloat16, as grpax to_huggingface
         results["hf_path"] = summary["output_dir"]
         log.info("exported the step-%d actor to %s (Hugging Face format)", final_step, results["hf_path"])
-    if main_process:
-        (paths.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_results()
     return results
 
 
