@@ -335,6 +335,7 @@ def test_generate_float16_takes_xla_path(tiny_native, tmp_path, capsys):
         ),
         (["max_prefill_predict_length=-5"], "max_prefill_predict_length=-5 and max_completion_length=64"),
         (["num_generations=0"], "num_generations=0 must be >= 1"),
+        (["max_completion_length=0"], "max_completion_length=0: expected >= 1 new tokens"),
     ],
 )
 def test_generate_sampling_errors_name_the_keys(tmp_path, capsys, args, needle):
@@ -383,3 +384,6 @@ def test_model_config_refuses_unknown_remat_policy():
 def test_evaluate_counts_are_checked_before_loading(tmp_path, capsys, arg, needle):
     assert main(["evaluate", f"load_parameters_path={tmp_path}/none", arg]) == 2
     _one_line_error(capsys, needle)
+    if arg.startswith("num_eval_passes"):  # scoring a completions file checks it too
+        assert main(["evaluate", f"completions_path={tmp_path}/none.jsonl", arg]) == 2
+        _one_line_error(capsys, needle)

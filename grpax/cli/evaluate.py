@@ -63,6 +63,8 @@ def _print_summary(summary: dict) -> None:
 
 def run(config: EvaluateConfig) -> int:
     reward_config = get_reward_config(config.reward_preset)
+    if config.num_eval_passes < 1:
+        raise ConfigError(f"num_eval_passes={config.num_eval_passes}: expected >= 1")
     if config.completions_path:
         from grpax.data.gsm8k import extract_gold
         from grpax.rl.metrics import load_completions_file, score_records, summarize
@@ -103,9 +105,8 @@ def run(config: EvaluateConfig) -> int:
         raise ConfigError(
             f"num_test_batches={config.num_test_batches}: expected >= 1 batches, or -1 for the whole split"
         )
-    for key in ("eval_batch_size", "num_eval_passes"):
-        if getattr(config, key) < 1:
-            raise ConfigError(f"{key}={getattr(config, key)}: expected >= 1")
+    if config.eval_batch_size < 1:
+        raise ConfigError(f"eval_batch_size={config.eval_batch_size}: expected >= 1")
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,

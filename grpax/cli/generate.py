@@ -157,6 +157,10 @@ def run(config: GenerateConfig) -> int:
     completion_length = config.max_completion_length
     if completion_length < 0:
         completion_length = config.max_target_length - config.max_prefill_predict_length
+    if config.max_completion_length == 0:
+        raise ConfigError(
+            "max_completion_length=0: expected >= 1 new tokens (or -1: max_target_length - prefill)"
+        )
     if completion_length < 1:
         raise ConfigError(
             f"max_target_length={config.max_target_length} leaves no completion tokens after "
