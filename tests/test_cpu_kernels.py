@@ -125,6 +125,8 @@ def test_kernels_take_float32_and_bfloat16_only():
     for dtype, matmul in (("float16", "xla"), ("float32", "kernel")):
         cfg = ModelConfig(**shape, dtype=dtype)
         assert engine.resolve_decode_attention(SamplerConfig(), single, cfg).decode_matmul == matmul
+    half_cache = SamplerConfig(cache_dtype="float16")
+    assert engine.resolve_decode_attention(half_cache, single, cfg).decode_attention == "xla"
 
 
 def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):

@@ -238,9 +238,9 @@ def resolve_decode_attention(
 
     The choices are ``decode_attention``, ``prefill_attention``, ``decode_matmul``, ``prefill_matmul`` and
     ``decode_sampling``. The CPU kernels (``grpax.models.cpu_kernels``) apply when every param is a concrete
-    array on one CPU device, params and activations are float32 or bfloat16 (float16 takes XLA's path) and the
-    kernels build; the matmul kernel also needs ``unroll_layers``, the
-    sampling kernel plain temperature sampling (no top-k, top-p or greedy). "auto" picks the matmul kernel for
+    array on one CPU device, params, activations and cache are float32 or bfloat16 (float16 takes XLA's
+    path) and the kernels build; the matmul kernel also needs ``unroll_layers``, the sampling kernel plain
+    temperature sampling (no top-k, top-p or greedy). "auto" picks the matmul kernel for
     the prefill only where it is faster than XLA's dots: the model config ``cfg`` given with dtype bfloat16,
     and AMX (``cpu_kernels.amx_enabled()``).
 
@@ -254,8 +254,10 @@ def resolve_decode_attention(
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
     kernel_dtypes = (jnp.float32, jnp.bfloat16)  # float16 params or activations take XLA's path
-    dtypes_ok = all(jnp.dtype(leaf.dtype) in kernel_dtypes for leaf in jax.tree.leaves(params)) and (
-        cfg is None or jnp.dtype(cfg.dtype) in kernel_dtypes
+    dtypes_ok = (
+        all(jnp.dtype(leaf.dtype) in kernel_dtypes for leaf in jax.tree.leaves(params))
+        and (cfg is None or jnp.dtype(cfg.dtype) in kernel_dtypes)
+        and (sc.cache_dtype is None or jnp.dtype(sc.cache_dtype) in kernel_dtypes)
     )
     choices = {}
     for key, value, needs in (
