@@ -375,7 +375,10 @@ def test_model_config_refuses_unknown_remat_policy():
 @pytest.mark.parametrize(
     "arg, needle",
     [
-        ("num_test_batches=-2", "num_test_batches=-2: expected >= 1 batches, or -1 for the whole split"),
+        (
+            "num_test_batches=-2",
+            "num_test_batches=-2: expected >= 1 evaluation batches, or -1 for the whole 'test' split",
+        ),
         ("num_test_batches=0", "num_test_batches=0: expected >= 1"),
         ("eval_batch_size=0", "eval_batch_size=0: expected >= 1"),
         ("num_eval_passes=0", "num_eval_passes=0: expected >= 1"),

@@ -62,9 +62,10 @@ def _print_summary(summary: dict) -> None:
 
 
 def run(config: EvaluateConfig) -> int:
+    from grpax.rl.trainer import validate_eval_keys
+
     reward_config = get_reward_config(config.reward_preset)
-    if config.num_eval_passes < 1:
-        raise ConfigError(f"num_eval_passes={config.num_eval_passes}: expected >= 1")
+    validate_eval_keys(config)
     if config.completions_path:
         from grpax.data.gsm8k import extract_gold
         from grpax.rl.metrics import load_completions_file, score_records, summarize
@@ -96,17 +97,6 @@ def run(config: EvaluateConfig) -> int:
     from grpax.rl.trainer import EVAL_STRATEGIES, prepare_rows
     from grpax.sampler.engine import SamplerConfig
 
-    if config.eval_sampling_strategy not in EVAL_STRATEGIES:
-        raise ConfigError(
-            f"eval_sampling_strategy={config.eval_sampling_strategy!r}: expected one of "
-            f"{', '.join(EVAL_STRATEGIES)}"
-        )
-    if config.num_test_batches < 1 and config.num_test_batches != -1:
-        raise ConfigError(
-            f"num_test_batches={config.num_test_batches}: expected >= 1 batches, or -1 for the whole split"
-        )
-    if config.eval_batch_size < 1:
-        raise ConfigError(f"eval_batch_size={config.eval_batch_size}: expected >= 1")
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpax.rl.trainer import TrainConfig, format_before_after, train
+from grpax.rl.trainer import RESUME_FIXED_KEYS, TrainConfig, format_before_after, train
 
 CONFIG = TrainConfig
 DESCRIPTION = (
@@ -10,8 +10,8 @@ DESCRIPTION = (
     "the GSM8K rewards, update the policy with the clipped GRPO objective and a KL penalty to the frozen "
     "reference; evaluate before and after; checkpoint the actor under "
     "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "
-    "run_name resumes from the latest checkpoint (a changed batch_size, num_generations, seed, model_name or "
-    "load_parameters_path is refused; other changes are logged in config_changes.jsonl); export_hf=FOLDER "
+    f"run_name resumes from the latest checkpoint (a changed {', '.join(RESUME_FIXED_KEYS)} is refused; other "
+    "changes are logged in config_changes.jsonl); export_hf=FOLDER "
     "also exports the actor in Hugging Face format. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
     "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
 )

@@ -153,6 +153,31 @@ EVAL_STRATEGIES = {  # MaxText rl.yml generation_configs
 }
 
 
+def validate_eval_keys(cfg: Any) -> None:
+    """Checks the evaluation keys that ``grpax train_rl`` and ``grpax evaluate`` share.
+
+    Raises:
+      ConfigError: num_test_batches not >= 1 or -1, eval_batch_size or num_eval_passes < 1, or an unknown
+        eval_sampling_strategy (the key, value and accepted values named).
+    """
+    if cfg.num_test_batches < 1 and cfg.num_test_batches != -1:
+        raise ConfigError(
+            f"num_test_batches={cfg.num_test_batches}: expected >= 1 evaluation batches, or -1 for the "
+            f"whole {cfg.eval_split!r} split"
+        )
+    for key, meaning in (
+        ("eval_batch_size", "questions per evaluation batch"),
+        ("num_eval_passes", "samples per evaluation question"),
+    ):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
+    if cfg.eval_sampling_strategy not in EVAL_STRATEGIES:
+        raise ConfigError(
+            f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of "
+            f"{', '.join(EVAL_STRATEGIES)}"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work."""
     if not cfg.load_parameters_path:
@@ -172,8 +197,6 @@ def validate(cfg: TrainConfig) -> None:
     at_least_one = {
         "num_batches": "training steps",
         "batch_size": "prompts per step",
-        "eval_batch_size": "questions per evaluation batch",
-        "num_eval_passes": "samples per evaluation question",
         "checkpoint_period": "save every N steps; the last step is always saved",
         "log_period": "write metrics every N steps; the last step is always written",
         "max_num_checkpoints_to_keep": "step checkpoints kept; the last step's is one of them",
@@ -181,11 +204,7 @@ def validate(cfg: TrainConfig) -> None:
     for key, meaning in at_least_one.items():
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
-    if cfg.num_test_batches < 1 and cfg.num_test_batches != -1:
-        raise ConfigError(
-            f"num_test_batches={cfg.num_test_batches}: expected >= 1 evaluation batches, or -1 for the "
-            f"whole {cfg.eval_split!r} split"
-        )
+    validate_eval_keys(cfg)
     if cfg.eval_interval < 0:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
@@ -200,11 +219,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
             "overwrites: delete it or choose another folder"
-        )
-    if cfg.eval_sampling_strategy not in EVAL_STRATEGIES:
-        raise ConfigError(
-            f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of "
-            f"{', '.join(EVAL_STRATEGIES)}"
         )
     rows = cfg.batch_size * cfg.num_generations
     if cfg.micro_batch_size > 0 and cfg.batch_size % cfg.micro_batch_size:

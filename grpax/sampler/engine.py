@@ -253,7 +253,7 @@ def resolve_decode_attention(
     if all(choice == "xla" for choice in (*kernel_choices, sc.decode_sampling)):
         return sc
     one_cpu = _on_cpu(params) and len(_param_devices(params)) == 1
-    kernel_dtypes = (jnp.float32, jnp.bfloat16)  # float16 params or activations take XLA's path
+    kernel_dtypes = (jnp.float32, jnp.bfloat16)  # float16 params, activations or cache take XLA's path
     dtypes_ok = (
         all(jnp.dtype(leaf.dtype) in kernel_dtypes for leaf in jax.tree.leaves(params))
         and (cfg is None or jnp.dtype(cfg.dtype) in kernel_dtypes)
@@ -281,7 +281,8 @@ def resolve_decode_attention(
                 raise ValueError(f"{key}='kernel' needs {needs}: set it or use {key}='auto' or 'xla'")
             if not dtypes_ok:
                 raise ValueError(
-                    f"{key}='kernel' takes float32 or bfloat16 params and activations; use {key}='auto' or 'xla'"
+                    f"{key}='kernel' takes float32 or bfloat16 params, activations and cache; use {key}='auto' "
+                    "or 'xla'"
                 )
             if not cpu_kernels.available():
                 raise ValueError(
