@@ -36,7 +36,7 @@ from grpax.models import cpu_kernels
 from grpax.models.registry import get_model_config
 
 
-def chain_weights(cfg, dtype: str, seed: int = 0) -> dict[str, np.ndarray]:
+def chain_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights of the decode step's products, float32 numpy (cast per library): qkv [L, D, (N+2K)H],
     o [L, NH, D], gate / up [L, D, F], down [L, F, D], embed [V, D] (the head multiplies by its transpose).
 
@@ -192,7 +192,7 @@ def main() -> None:
         f"memory bandwidth {bw / 1e9:.1f} GB/s; matmul peak (fastest [2048, 2048]^2): float32 "
         f"{peak['float32'] / 1e9:.0f} GFLOP/s, bfloat16 {peak['bfloat16'] / 1e9:.0f} GFLOP/s"
     )
-    weights = chain_weights(cfg, "float32")
+    weights = chain_weights(cfg)
     rows = []
     for dtype in dtypes:
         weight_bytes = sum(v.size for v in weights.values()) * jnp.dtype(dtype).itemsize
