@@ -264,15 +264,9 @@ def _layer(
             x, w["packed_qkv"], NH + 2 * KH, norm_weight=w["attn_norm"], eps=eps, out_dtype=out
         ).astype(dtype)
         q, k, v = (part.reshape(B, T, -1, cfg.head_dim) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
+        q, k = rotate(q, *rope), rotate(k, *rope)
     else:
-        h = rms_norm(x, w["attn_norm"], eps)
-        # Heads merged into one matrix dimension ([D, N, H] -> [D, N * H] is free in row-major order): with
-        # two contracting dims XLA:CPU transposed the output projection's weight at every decode step.
-        q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-        k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-        v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    q = rotate(q, *rope)
-    k = rotate(k, *rope)
+        q, k, v = _attention_inputs(x, w, rope, cfg)
     if (
         cache_k is not None
         and index is None
@@ -332,12 +326,29 @@ def _layer(
         down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=transposed, out_dtype=out)
         down = down.reshape(B, T, D)
         return x + down.astype(dtype), cache_k, cache_v
-    x = x + attn.reshape(B, T, -1) @ w["wo"].reshape(-1, D)
-    h = rms_norm(x, w["mlp_norm"], eps)
-    gate = jnp.einsum("BTD,DF->BTF", h, w["w_gate"])
-    up = jnp.einsum("BTD,DF->BTF", h, w["w_up"])
-    x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])
-    return x, cache_k, cache_v
+    return _attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
+
+
+def _attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """Pre-norm and q/k/v projections of x [B, T, D]: rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
+    B, T, D = x.shape
+    # Tokens flattened to one matrix dimension and heads merged into one ([D, N, H] -> [D, N * H] is free in
+    # row-major order): with two contracting or batch-like dims, XLA:CPU transposed weights in the decode and
+    # activations for the weight gradients of the backward pass at every layer.
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).reshape(B * T, D)
+    q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    return rotate(q, *rope), rotate(k, *rope), v
+
+
+def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
+    """The rest of the block: x + attn [B, T, N, H] @ wo, then the pre-normed SwiGLU MLP's residual."""
+    B, T, D = x.shape
+    x = x.reshape(B * T, D) + attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    return x.reshape(B, T, D)
 
 
 _REMAT_POLICIES = {
@@ -497,6 +508,79 @@ def forward(
     if return_hidden:
         return x, new_cache
     return logits_from_hidden(params, x, cfg), new_cache
+
+
+def forward_grouped(
+    params: Params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    completion_ids: jax.Array,
+    cfg: ModelConfig,
+) -> jax.Array:
+    """The hidden states that predict each completion token, each prompt run once for its whole group.
+
+    Row r of ``completion_ids`` continues prompt r // G (G = completion rows / prompt rows, a GRPO group). The
+    prompt tokens of a group are the same in its G rows and attend only to each other, so their keys, values
+    and hidden states are computed once per prompt and the G completions attend to them: the same hidden
+    states as ``forward`` on each row's concat(prompt, completion), for m * P + B * C tokens instead of
+    B * (P + C) (Prefix Grouper, Liu et al. 2025, "Efficient GRPO Training through Shared-Prefix Forward").
+    Gradients reach the shared prompt from all G completions.
+
+    Args:
+      params: the params tree, stacked or unstacked layers.
+      prompt_ids: int32 [m, P] left-padded prompts; prompt_mask: [m, P], 1 for real tokens (each row has one).
+      completion_ids: int32 [B, C], B a multiple of m; tokens after a row's end are never attended by its
+        real tokens (they come later), so no completion mask is needed.
+      cfg: model config.
+
+    Returns:
+      Final-normed hidden states [B, C, D] in ``cfg.dtype``: position t holds the state after prompt + the
+      completion's first t tokens (t = 0: the prompt's last token), the one that predicts completion token t.
+    """
+    m, P = prompt_ids.shape
+    B, C = completion_ids.shape
+    G = B // m
+    dtype = jnp.dtype(cfg.dtype)
+    inv_freq = rope_inv_freq(cfg)
+    key_valid = prompt_mask.astype(bool)  # [m, P]
+    positions_p = default_positions(prompt_ids, prompt_mask)
+    prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(axis=1), G)  # [B]
+    positions_c = prompt_lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    rope_p, rope_c = rope_tables(positions_p, inv_freq), rope_tables(positions_c, inv_freq)
+    causal_p = jnp.tril(jnp.ones((P, P), bool))
+    mask_p = causal_p[None] & key_valid[:, None, :]  # [m, P, P]
+    mask_c = jnp.concatenate(  # [B, C, P + C]: the row's prompt, then its own earlier completion tokens
+        [
+            jnp.broadcast_to(jnp.repeat(key_valid, G, axis=0)[:, None, :], (B, C, P)),
+            jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool))[None], (B, C, C)),
+        ],
+        axis=-1,
+    )
+
+    def layer_fn(xp, xc, layer):
+        w = {name: val.astype(dtype) for name, val in layer.items()}
+        qp, kp, vp = _attention_inputs(xp, w, rope_p, cfg)
+        qc, kc, vc = _attention_inputs(xc, w, rope_c, cfg)
+        attn_p = attention(qp, kp, vp, mask_p)
+        k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
+        v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
+        attn_c = attention(qc, k, v, mask_c)
+        xp = _attention_output_and_mlp(xp, attn_p, w, cfg)
+        xc = _attention_output_and_mlp(xc, attn_c, w, cfg)
+        return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)
+
+    layer_fn = _maybe_remat(layer_fn, cfg)
+    xp = constrain(params["embed"].astype(dtype)[prompt_ids], _RESIDUAL)
+    xc = constrain(params["embed"].astype(dtype)[completion_ids], _RESIDUAL)
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
+        (xp, xc), _ = jax.lax.scan(lambda carry, layer: (layer_fn(*carry, layer), None), (xp, xc), layers)
+    else:
+        for layer in layers:
+            xp, xc = layer_fn(xp, xc, layer)
+    last_prompt = jnp.repeat(xp[:, -1:], G, axis=0)  # [B, 1, D]: predicts completion token 0
+    hidden = jnp.concatenate([last_prompt, xc[:, :-1]], axis=1)
+    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
