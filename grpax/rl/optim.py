@@ -1,4 +1,5 @@
-"""The GRPO optimizer: global-norm gradient clipping, then AdamW on a warmup + decay learning-rate schedule.
+"""The GRPO optimizer: AdamW on a warmup + decay learning-rate schedule (the train step clips the gradients'
+global norm before it, ``grpax.rl.train_step``).
 
 As MaxText's RL optimizer (``utils_rl.get_optimizer``): linear warmup from 0 to the peak learning rate over
 ``warmup_ratio * num_train_steps`` steps, then a cosine decay to ``end_lr_ratio * peak`` at the last step.
@@ -85,11 +86,14 @@ def make_optimizer(
     b2: float = 0.99,
     weight_decay: float = 0.1,
     eps: float = 1e-8,
-    max_grad_norm: float = 0.1,
     schedule: str = "cosine",
     end_lr_ratio: float = 0.0,
 ) -> optax.GradientTransformation:
-    """clip_by_global_norm(max_grad_norm) -> AdamW(b1, b2, eps, weight_decay) on ``make_lr_schedule``.
+    """AdamW(b1, b2, eps, weight_decay) on ``make_lr_schedule``.
+
+    Gradient clipping is not part of it: ``grpax.rl.train_step`` clips the global norm (``max_grad_norm``)
+    before its guarded update, where the clipped gradients can overwrite the raw ones in place (a clip inside
+    the optimizer needed one more params-sized tree of temporaries).
 
     Args:
       learning_rate: peak learning rate, or a ready schedule (then the warmup/schedule arguments are unused).
@@ -97,7 +101,6 @@ def make_optimizer(
       warmup_ratio, warmup_steps, schedule, end_lr_ratio: see ``make_lr_schedule``.
       b1, b2, eps: AdamW moment decays and denominator epsilon.
       weight_decay: decoupled weight decay, applied to params with ndim >= 2.
-      max_grad_norm: global-norm clip threshold; <= 0 disables clipping.
 
     Returns:
       An optax GradientTransformation; its state counts applied updates, so the schedule advances only on
@@ -115,10 +118,7 @@ def make_optimizer(
             end_lr_ratio=end_lr_ratio,
         )
     )
-    adamw = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask)
-    if max_grad_norm and max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
-    return adamw
+    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask)
 
 
 def optimizer_from_config(grpo, num_train_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -137,7 +137,6 @@ def optimizer_from_config(grpo, num_train_steps: int) -> tuple[optax.GradientTra
         b2=grpo.b2,
         weight_decay=grpo.weight_decay,
         eps=grpo.adam_eps,
-        max_grad_norm=grpo.max_grad_norm,
     )
     return optimizer, schedule
 

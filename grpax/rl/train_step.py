@@ -2,24 +2,28 @@
 
 One call of the step function makes one optimizer update from a batch of B = num_prompts * G completions:
 
-1. the batch rows are split into ``num_micro_batches`` contiguous micro-batches, scanned with ``lax.scan``;
-2. for each, the policy runs on concat(prompt, completion) and only the completion's hidden states are projected
-   to vocabulary logits (the logits of completion token t come from position P - 1 + t);
+1. the batch is split into ``num_micro_batches`` micro-batches of whole prompts with their completions, scanned
+   with ``lax.scan``;
+2. for each, the policy runs each prompt once and its G completions on top of it (``forward_grouped``), and
+   only the hidden states that predict completion tokens are projected to the vocabulary, in chunks
+   (``completion_logprobs``);
 3. each micro-batch loss is normalised by the FULL batch's normaliser (``losses.loss_normalizer``), so the
    summed gradients equal the full-batch gradient for every ``loss_agg_mode``;
 4. a non-finite loss or gradient skips the update: params, optimizer state and step stay as they were and
    ``metrics["nonfinite"]`` is True, so the caller can stop and keep its last good checkpoint.
 
-The batch is a dict of arrays (numpy or jax):
-  prompt_ids int32 [B, P] left-padded, prompt_mask [B, P] (1 = real), completion_ids int32 [B, C],
-  completion_mask [B, C] (1 = real, EOS included), advantages float32 [B], old_logprobs float32 [B, C] or None
-  (on-policy, num_iterations == 1), ref_logprobs float32 [B, C] or None (required when beta > 0), and
-  truncated bool [B] when ``mask_truncated_completions`` is on.
+The batch is a dict of arrays (numpy or jax), one prompt row per group and one completion row per sample:
+  prompt_ids int32 [num_prompts, P] left-padded, prompt_mask [num_prompts, P] (1 = real); completion row r
+  answers prompt r // G (G = B / num_prompts): completion_ids int32 [B, C], completion_mask [B, C] (1 = real,
+  EOS included), advantages float32 [B], old_logprobs float32 [B, C] or None (on-policy, num_iterations == 1),
+  ref_logprobs float32 [B, C] or None (required when beta > 0), and truncated bool [B] when
+  ``mask_truncated_completions`` is on.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -27,15 +31,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpax.models.llama import default_positions, forward, logits_from_hidden
+from grpax.models.llama import forward_grouped, logits_from_hidden
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import (
     apply_truncation_mask,
     loss_normalizer,
-    per_token_logprobs,
     policy_loss,
-    token_entropy,
 )
 
 # Metrics averaged over tokens (weighted by each micro-batch's token count when accumulating).
@@ -57,40 +59,98 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
 
 
-def completion_logits(params, batch: dict, cfg: ModelConfig, temperature: float) -> jax.Array:
-    """Logits / temperature for each completion token: float32 [B, C, V].
+PROMPT_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+)  # one row per prompt; every other batch key has one per completion
 
-    Runs the model on concat(prompt_ids, completion_ids) with attention_mask = concat(prompt_mask,
-    completion_mask) and per-row positions (``default_positions``), and projects to the vocabulary only the
-    hidden states at positions P - 1 .. P + C - 2, the ones that predict the completion tokens.
+
+def completion_hidden(params, batch: dict, cfg: ModelConfig) -> jax.Array:
+    """The hidden states [B, C, D] that predict each completion token, each prompt run once (``forward_grouped``)."""
+    return forward_grouped(params, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], cfg)
+
+
+# Logits elements per chunk of ``completion_logprobs`` (16 MB in float32): the [B, C, V] logits of a
+# micro-batch are never materialised at once (SmolLM2 at B = 16, C = 256: 805 MB, with their softmax and
+# gradient several times that).
+_LOGITS_CHUNK_ELEMENTS = 2**22
+
+
+def completion_logprobs(
+    params,
+    hidden: jax.Array,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probabilities of ``tokens`` under softmax(logits / temperature), the vocabulary projected in chunks.
+
+    The completion axis is cut into chunks of at most ``_LOGITS_CHUNK_ELEMENTS`` logits; each chunk is
+    projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
+    pass (``jax.checkpoint``), so only one chunk's logits exist at a time, forward or backward ("fused linear
+    cross-entropy", as Liger-Kernel's, in plain JAX).
+
+    Args:
+      params: the params (the head: ``lm_head`` or tied ``embed``).
+      hidden: [B, C, D] final-normed hidden states (``completion_hidden``).
+      tokens: int [B, C] the tokens they predict.
+      cfg: model config.
+      temperature: tau > 0.
+      with_entropy: also return the entropy in nats of each position's distribution (no gradient).
+
+    Returns:
+      (logprobs float32 [B, C], entropy float32 [B, C] or None).
     """
-    P = batch["prompt_ids"].shape[1]
-    C = batch["completion_ids"].shape[1]
-    tokens = jnp.concatenate([batch["prompt_ids"], batch["completion_ids"]], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate([batch["prompt_mask"], batch["completion_mask"]], axis=1).astype(jnp.int32)
-    hidden, _ = forward(
-        params,
-        tokens,
-        cfg,
-        positions=default_positions(tokens, mask),
-        attention_mask=mask,
-        return_hidden=True,
-    )
-    hidden = hidden[:, P - 1 : P - 1 + C]  # [B, C, D]
-    return logits_from_hidden(params, hidden, cfg) / temperature
+    B, C, D = hidden.shape
+    num_chunks = -(-B * C * cfg.vocab_size // _LOGITS_CHUNK_ELEMENTS)
+    chunk = -(-C // num_chunks)
+    num_chunks = -(-C // chunk)
+    pad = num_chunks * chunk - C
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
+    t = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, num_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        h, t = args
+        logits = logits_from_hidden(params, h, cfg) / temperature  # [B, chunk, V] float32
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        logprobs = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - logz
+        if not with_entropy:
+            return logprobs, jnp.zeros_like(logprobs)
+        z = jax.lax.stop_gradient(logits)
+        probs = jnp.exp(z - jax.lax.stop_gradient(logz)[..., None])
+        return logprobs, jax.lax.stop_gradient(logz) - jnp.sum(probs * z, axis=-1)  # H = log Z - E_p[z]
+
+    logprobs, entropy = jax.lax.map(one, (h, t))  # [num_chunks, B, chunk]
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(B, -1)[:, :C]  # noqa: E731
+    return unchunk(logprobs), unchunk(entropy) if with_entropy else None
 
 
-def _split(tree, num_micro_batches: int):
-    """[B, ...] leaves -> [M, B / M, ...] (contiguous row blocks); None leaves stay None."""
+def micro_batches(batch: dict, num_micro_batches: int) -> dict:
+    """The batch cut into M micro-batches of whole prompts and their completions: leaves [M, rows / M, ...].
 
-    def split(x):
-        if x.shape[0] % num_micro_batches:
-            raise ValueError(
-                f"batch of {x.shape[0]} rows is not divisible by num_micro_batches={num_micro_batches}"
-            )
-        return x.reshape(num_micro_batches, x.shape[0] // num_micro_batches, *x.shape[1:])
+    When M is not a multiple of num_prompts' blocks (more micro-batches than prompts, e.g. one group too large
+    for memory), each prompt row is repeated so that every micro-batch holds whole sub-groups of G / r rows.
 
-    return jax.tree.map(split, tree)
+    Raises:
+      ValueError: the prompts and completions cannot be cut into M blocks of whole (sub-)groups.
+    """
+    M = num_micro_batches
+    num_prompts, num_rows = batch["prompt_ids"].shape[0], batch["completion_ids"].shape[0]
+    repeat = M // math.gcd(M, num_prompts)  # sub-groups per prompt
+    if num_rows % num_prompts or (num_rows // num_prompts) % repeat or num_rows % M:
+        raise ValueError(
+            f"a batch of {num_prompts} prompts x {num_rows // max(num_prompts, 1)} completions cannot be cut into "
+            f"num_micro_batches={M} blocks of whole prompt groups"
+        )
+
+    def split(key, x):
+        if key in PROMPT_KEYS and repeat > 1:
+            x = jnp.repeat(x, repeat, axis=0)
+        return x.reshape(M, x.shape[0] // M, *x.shape[1:])
+
+    return {key: split(key, x) for key, x in batch.items() if x is not None}
 
 
 def _check_batch(batch: dict, grpo: GRPOConfig) -> None:
@@ -104,8 +164,10 @@ def _check_batch(batch: dict, grpo: GRPOConfig) -> None:
 
 
 def _micro_loss(params, mb: dict, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig):
-    logits = completion_logits(params, mb, cfg, grpo.temperature)
-    logprobs = per_token_logprobs(logits, mb["completion_ids"])
+    hidden = completion_hidden(params, mb, cfg)
+    logprobs, entropy = completion_logprobs(
+        params, hidden, mb["completion_ids"], cfg, grpo.temperature, with_entropy=True
+    )
     loss, aux = policy_loss(
         logprobs,
         mb.get("old_logprobs"),
@@ -126,7 +188,6 @@ def _micro_loss(params, mb: dict, normalizer: jax.Array, cfg: ModelConfig, grpo:
     mask = mb["completion_mask"].astype(jnp.float32)
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, mb["truncated"])
-    entropy = token_entropy(jax.lax.stop_gradient(logits))
     aux["entropy"] = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
     # How far the sampler's logprobs are from the trainer's for the same params (num_iterations = 1): ~0 in
     # float32; a large value means the sampler and the trainer compute different distributions.
@@ -165,25 +226,25 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
     normalizer = loss_normalizer(mask, grpo.loss_agg_mode)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
+    def micro_step(mb):
+        (loss, aux), grads = grad_fn(params, mb, normalizer, cfg, grpo)
+        weights = {k: aux["num_tokens"] if k in _TOKEN_MEAN_METRICS else 1.0 for k in aux}
+        return grads, loss, {k: aux[k] * weights[k] for k in aux}
+
     def body(carry, mb):
         grads_sum, loss_sum, aux_sum = carry
-        (loss, aux), grads = grad_fn(params, mb, normalizer, cfg, grpo)
-        n = aux["num_tokens"]
+        grads, loss, aux = micro_step(mb)
         aux_sum = {
-            k: jnp.maximum(aux_sum[k], aux[k])
-            if k in _MAX_METRICS
-            else aux_sum[k] + (aux[k] * n if k in _TOKEN_MEAN_METRICS else aux[k])
-            for k in aux_sum
+            k: jnp.maximum(aux_sum[k], aux[k]) if k in _MAX_METRICS else aux_sum[k] + aux[k] for k in aux_sum
         }
         return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, aux_sum), None
 
-    keys = (*_TOKEN_MEAN_METRICS, *_MAX_METRICS, "policy_loss", "num_tokens")
-    init = (
-        jax.tree.map(jnp.zeros_like, params),
-        jnp.zeros((), jnp.float32),
-        {k: jnp.zeros((), jnp.float32) for k in keys},
-    )
-    (grads, loss, aux), _ = jax.lax.scan(body, init, _split(batch, num_micro_batches))
+    # The first micro-batch starts the sums (no zero-filled gradient tree); one micro-batch needs no loop.
+    blocks = micro_batches(batch, num_micro_batches)
+    carry = micro_step(jax.tree.map(lambda x: x[0], blocks))
+    if num_micro_batches > 1:
+        carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[1:], blocks))
+    grads, loss, aux = carry
     num_tokens = aux["num_tokens"]
     aux = {k: (aux[k] / jnp.maximum(num_tokens, 1.0) if k in _TOKEN_MEAN_METRICS else aux[k]) for k in aux}
     return loss, grads, aux
@@ -198,10 +259,14 @@ def make_train_step(
 ):
     """Builds the jitted update ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
 
+    The step: gradients of the GRPO loss, their global norm clipped, then the optimizer; a non-finite loss or
+    gradient norm skips the update (state unchanged, ``nonfinite`` True).
+
     Args:
       cfg: the policy's model config.
       grpo: algorithm config (epsilon, beta, kl_estimator, loss_agg_mode, temperature, ...).
-      optimizer: from ``grpax.rl.optim.make_optimizer``.
+      optimizer: from ``grpax.rl.optim.make_optimizer`` (AdamW); the step clips the gradients' global norm to
+        ``grpo.max_grad_norm`` (0: no clipping) before it with ``optax.clip_by_global_norm``.
       num_micro_batches: micro-batches per update (default ``grpo.num_micro_batches``); B must divide.
       lr_schedule: the optimizer's schedule, only to report ``learning_rate`` (NaN without it).
 
@@ -220,14 +285,17 @@ def make_train_step(
         loss, grads, metrics = accumulate_gradients(state.params, batch, cfg, grpo, M)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
-        new_state = TrainState(
-            params=keep(new_params, state.params),
-            opt_state=keep(new_opt_state, state.opt_state),
-            step=state.step + ok.astype(jnp.int32),
-        )
+        if grpo.max_grad_norm > 0:  # outside the branch: the clipped gradients overwrite the raw ones
+            grads, _ = optax.clip_by_global_norm(grpo.max_grad_norm).update(grads, optax.EmptyState())
+
+        def update(params, opt_state):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        # A branch, not a select of new and old values: the update runs in place on the donated state (a
+        # select kept both copies alive, one more params-sized tree of temporaries per optimizer leaf).
+        params, opt_state = jax.lax.cond(ok, update, lambda *state: state, state.params, state.opt_state)
+        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + ok.astype(jnp.int32))
         lr = lr_schedule(state.step) if lr_schedule is not None else jnp.nan
         metrics.update(
             loss=loss, grad_norm=grad_norm, learning_rate=jnp.asarray(lr, jnp.float32), nonfinite=~ok
@@ -244,16 +312,16 @@ def compute_logprobs(
     """Per-token log-probabilities of the completion tokens under ``params``: float32 [B, C], 0 at padding.
 
     Used for the frozen reference model (``ref_logprobs``) and, when num_iterations > 1, for the sampling
-    policy's ``old_logprobs`` before the first update. Needs prompt_ids, prompt_mask, completion_ids,
-    completion_mask; rows are processed ``num_micro_batches`` blocks at a time to bound the [b, C, V] logits.
+    policy's ``old_logprobs`` before the first update. Needs prompt_ids, prompt_mask (one row per prompt),
+    completion_ids, completion_mask (module docstring); the batch is processed in ``num_micro_batches`` blocks
+    (``micro_batches``) to bound memory.
     """
-    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    inputs = {k: batch[k] for k in keys}
+    keys = (*PROMPT_KEYS, "completion_ids", "completion_mask")
 
     def one(mb):
-        logits = completion_logits(params, mb, cfg, temperature)
-        logprobs = per_token_logprobs(logits, mb["completion_ids"])
+        hidden = completion_hidden(params, mb, cfg)
+        logprobs, _ = completion_logprobs(params, hidden, mb["completion_ids"], cfg, temperature)
         return jnp.where(mb["completion_mask"].astype(bool), logprobs, 0.0)
 
-    out = jax.lax.map(one, _split(inputs, num_micro_batches))  # [M, B / M, C]
+    out = jax.lax.map(one, micro_batches({k: batch[k] for k in keys}, num_micro_batches))  # [M, B / M, C]
     return out.reshape(-1, out.shape[-1])
