@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import gsm8k_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from grpax.checkpoint import gguf as gg
 from grpax.data.tokenizer import apply_chat_template, load_tokenizer, save_tokenizer, stop_token_ids
 from grpax.models.registry import get_model_config
-
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def smollm2():
 
 
 def _question() -> str:
-    with open(GSM8K_TEST) as f:
+    with open(gsm8k_dir() / "test.jsonl") as f:
         return json.loads(f.readline())["question"]
 
 

@@ -16,7 +16,8 @@ from grpax.rl.trainer import RunPaths, TrainConfig, check_resume, train
 
 
 def _config(tmp_path, **overrides):
-    return TrainConfig(**tiny_run_keys(tmp_path / "no-such-checkpoint", tmp_path / "out", **overrides))
+    keys = {"dataset_name": str(tmp_path / "gsm8k"), **overrides}  # never read: the checks come first
+    return TrainConfig(**tiny_run_keys(tmp_path / "no-such-checkpoint", tmp_path / "out", **keys))
 
 
 @pytest.mark.parametrize(
