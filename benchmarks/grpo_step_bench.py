@@ -22,6 +22,7 @@ weights and the filled KV cache and does 2 FLOPs per matmul weight per row, and 
 
 Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations 4] [--new_tokens 128]
        [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--json_out FILE]
+       [--gsm8k_dir DIR]
 """
 
 from __future__ import annotations
@@ -60,18 +61,18 @@ from grpax.rl.trainer import grpo_step
 from grpax.sampler.engine import SamplerConfig, decode, prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_bench import measure_bandwidth, measure_matmul  # noqa: E402
+from rollout_bench import add_gsm8k_dir_option, gsm8k_file, measure_bandwidth, measure_matmul  # noqa: E402
 
-GSM8K_TRAIN = "/work/shared/data/gsm8k/train.jsonl"
 PRESET = "smollm2_demo"
 MAX_PROMPT_LENGTH = 256
 TEMPERATURE, TOP_K, BETA, SEED = 0.9, 50, 0.08, 42
 
 
-def load_batches(tokenizer, num_prompts: int, num_steps: int) -> list[list[dict]]:
-    """``num_steps`` batches of ``num_prompts`` shuffled train rows, each with ``text`` and ``prompt_ids``."""
+def load_batches(tokenizer, num_prompts: int, num_steps: int, path: Path) -> list[list[dict]]:
+    """``num_steps`` batches of ``num_prompts`` shuffled rows of the GSM8K train file ``path``, each with ``text``
+    and ``prompt_ids``."""
     preset = get_prompt_preset(PRESET)
-    rows = load_dataset_rows(GSM8K_TRAIN, "train")
+    rows = load_dataset_rows(str(path), "train")
     rows = [
         rows[i] for i in np.random.default_rng(SEED).permutation(len(rows))[: 4 * num_prompts * num_steps]
     ]
@@ -349,7 +350,9 @@ def main() -> None:
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")
     ap.add_argument("--json_out", default="")
+    add_gsm8k_dir_option(ap)
     args = ap.parse_args()
+    train_file = gsm8k_file(args.gsm8k_dir, "train")
 
     print(
         f"load average {os.getloadavg()}, {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}, "
@@ -371,7 +374,7 @@ def main() -> None:
     tokenizer = source.tokenizer()
     load_s = time.perf_counter() - t0
     num_steps = args.warmup_steps + args.steady_steps
-    batches = load_batches(tokenizer, args.num_prompts, num_steps)
+    batches = load_batches(tokenizer, args.num_prompts, num_steps, train_file)
     prompt_len = float(np.mean([len(r["prompt_ids"]) for rows in batches for r in rows]))
     print(f"model load {load_s:.1f} s; mean prompt length {prompt_len:.1f} tokens", flush=True)
 

@@ -12,7 +12,7 @@ a numpy copy and matmul throughput with a jnp matmul in the run's dtype (bfloat1
 CPU matmul kernel's AMX path, where the CPU has one).
 
 Usage: python benchmarks/rollout_bench.py [--batch_sizes 16,64] [--dtypes float32,bfloat16]
-       [--new_tokens 256] [--hf_new_tokens 256] [--skip_transformers]
+       [--new_tokens 256] [--hf_new_tokens 256] [--skip_transformers] [--gsm8k_dir DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,25 @@ from grpax.models.params import cast_params
 from grpax.models.registry import from_hf_config
 from grpax.sampler.engine import SamplerConfig, generate
 
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
+GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+
+
+def add_gsm8k_dir_option(ap: argparse.ArgumentParser) -> None:
+    """Adds ``--gsm8k_dir``, the one setting of the benchmarks for their GSM8K copy."""
+    ap.add_argument(
+        "--gsm8k_dir",
+        type=Path,
+        default=GSM8K_DIR,
+        help="folder with GSM8K's train.jsonl and test.jsonl (default: <repo>/../shared/data/gsm8k)",
+    )
+
+
+def gsm8k_file(gsm8k_dir: Path, split: str) -> Path:
+    """``<gsm8k_dir>/<split>.jsonl``; exits with a one-line message naming the file and the option if absent."""
+    path = Path(gsm8k_dir) / f"{split}.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist: pass --gsm8k_dir=<folder with train.jsonl and test.jsonl>")
+    return path
 
 
 def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -89,8 +108,9 @@ def roofline_tokens_per_s(
     return batch / max(step_bytes / bw, step_flops / flops)
 
 
-def load_prompts(tokenizer, count: int) -> list[list[int]]:
-    with open(GSM8K_TEST) as f:
+def load_prompts(tokenizer, count: int, path: Path) -> list[list[int]]:
+    """The first ``count`` questions of the GSM8K file ``path`` as chat-template prompt ids."""
+    with open(path) as f:
         questions = [json.loads(line)["question"] for line, _ in zip(f, range(count), strict=False)]
     return [
         tokenizer.encode(
@@ -149,7 +169,9 @@ def main() -> None:
     ap.add_argument("--new_tokens", type=int, default=256)
     ap.add_argument("--hf_new_tokens", type=int, default=0, help="transformers run length (0: new_tokens)")
     ap.add_argument("--skip_transformers", action="store_true")
+    add_gsm8k_dir_option(ap)
     args = ap.parse_args()
+    test_file = gsm8k_file(args.gsm8k_dir, "test")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtypes = args.dtypes.split(",")
 
@@ -170,7 +192,7 @@ def main() -> None:
     base_cfg = from_hf_config(source.hf_config)
     params32 = jax.device_put(load_params_from_tensors(source.get_tensor, source.has_tensor, base_cfg))
     tokenizer = source.tokenizer()
-    all_prompts = load_prompts(tokenizer, max(batch_sizes))
+    all_prompts = load_prompts(tokenizer, max(batch_sizes), test_file)
     hf_tokens = args.hf_new_tokens or args.new_tokens
 
     rows = []

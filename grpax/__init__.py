@@ -4,4 +4,11 @@ Data flows checkpoint -> model -> sampler -> rewards -> rl update -> checkpoint;
 flow (see README.md).
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# grpax needs only transformers' torch-free tokenizers: drop its "PyTorch was not found" import banner alone.
+logging.getLogger("transformers").addFilter(
+    lambda record: not str(record.msg).startswith("PyTorch was not found")
+)

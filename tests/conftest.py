@@ -1,6 +1,8 @@
-"""Shared fixtures: a tiny random Llama with SmolLM2's real tokenizer, saved as a converted checkpoint."""
+"""Shared fixtures: a tiny random Llama with SmolLM2's real tokenizer, saved as a converted checkpoint; the
+one lookup of the GSM8K copy that tests read."""
 
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -12,17 +14,34 @@ from grpax.data.tokenizer import save_tokenizer
 from grpax.models.params import init_params
 from grpax.models.registry import get_model_config, to_hf_config
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+
+
+def gsm8k_dir() -> Path:
+    """The GSM8K copy (train.jsonl, test.jsonl): $GRPAX_GSM8K_DIR, else <repo>/../shared/data/gsm8k.
+
+    Fails the calling test (never skips it) when the files are not there, naming where it looked and the fix.
+    """
+    env = os.environ.get("GRPAX_GSM8K_DIR")
+    folder = Path(env) if env else GSM8K_DEFAULT
+    if not ((folder / "train.jsonl").is_file() and (folder / "test.jsonl").is_file()):
+        where = f"GRPAX_GSM8K_DIR={env}" if env else f"{folder} (<repo>/../shared/data/gsm8k)"
+        pytest.fail(
+            f"GSM8K data not found: no train.jsonl and test.jsonl in {where}; "
+            "set GRPAX_GSM8K_DIR=<folder holding them>",
+            pytrace=False,
+        )
+    return folder
 
 
 def tiny_run_keys(ckpt, out, **overrides) -> dict:
-    """train_rl keys of a seconds-long run of ``tiny_checkpoint`` on the real GSM8K files."""
+    """train_rl keys of a seconds-long run of ``tiny_checkpoint`` on the real GSM8K files (``gsm8k_dir``, looked
+    up only when ``dataset_name`` is not among ``overrides``)."""
     keys = dict(
         model_name="",
         load_parameters_path=str(ckpt),
         base_output_directory=str(out),
         run_name="run",
-        dataset_name=str(GSM8K),
         batch_size=2,
         num_generations=2,
         num_batches=3,
@@ -36,6 +55,8 @@ def tiny_run_keys(ckpt, out, **overrides) -> dict:
         beta=0.04,
     )
     keys.update(overrides)
+    if "dataset_name" not in keys:
+        keys["dataset_name"] = str(gsm8k_dir())
     return keys
 
 

@@ -96,6 +96,31 @@ def test_to_native_errors_are_one_line(tiny_src, tmp_path, capsys, args, needle)
     _one_line_error(capsys, needle)
 
 
+def test_to_native_converts_a_local_source_with_its_own_config(tiny_src, tmp_path, capsys):
+    """No model_name: the folder's or the GGUF's own config is converted (a registered one is still checked)."""
+    from test_gguf import V, _hf_state_dict, _write_gguf
+
+    assert main(["to_native", f"hf_model_path={tiny_src}", f"base_output_directory={tmp_path}/hf"]) == 0
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((tiny_src / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert [saved[k] for k in keys] == [source[k] for k in keys]
+    _write_gguf(tmp_path / "tiny.gguf", _hf_state_dict(tied=True), tokenizer=True)
+    capsys.readouterr()  # the GGUF writer's log lines
+    assert main(["to_native", f"gguf_path={tmp_path}/tiny.gguf", f"base_output_directory={tmp_path}/gg"]) == 0
+    assert json.loads((tmp_path / "gg" / "config.json").read_text())["vocab_size"] == V
+    args = ["to_native", "model_name=smollm2-135m", f"gguf_path={tmp_path}/tiny.gguf"]
+    assert main([*args, f"base_output_directory={tmp_path}/o"]) == 2
+    _one_line_error(capsys, "does not match model_name=smollm2-135m")
+
+
+def test_to_native_without_a_source_names_the_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the old default model_name went to the Hub
+    assert main(["to_native", f"base_output_directory={tmp_path}/o"]) == 2
+    err = _one_line_error(capsys, "no source to convert: pass hf_model_path=<folder with config.json")
+    assert "gguf_path=<file.gguf>" in err and "model_name=<registered name>" in err
+
+
 def test_missing_tensor_error_is_one_line(tiny_src, tmp_path, capsys):
     from safetensors.numpy import load_file, save_file
 

@@ -3,9 +3,9 @@
 import json
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import gsm8k_dir
 
 from grpax.data import gsm8k as D
 from grpax.data.gsm8k import (
@@ -27,10 +27,6 @@ from grpax.data.prompts import (
     PromptPreset,
 )
 
-GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
-if not GSM8K_DIR.is_dir():
-    GSM8K_DIR = Path("/work/shared/data/gsm8k")
-
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -40,10 +36,9 @@ def write_jsonl(path, rows):
 # ---------------------------------------------------------------------------------------------------- loading
 
 
-@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="shared GSM8K data not present")
 def test_all_real_rows_parse():
-    train = load_dataset_rows(str(GSM8K_DIR), "train")
-    test = load_dataset_rows(str(GSM8K_DIR / "test.jsonl"), "ignored-for-files")
+    train = load_dataset_rows(str(gsm8k_dir()), "train")
+    test = load_dataset_rows(str(gsm8k_dir() / "test.jsonl"), "ignored-for-files")
     assert (len(train), len(test)) == (7473, 1319)
     for row in train + test:
         float(row["gold"])  # every gold is a plain number
@@ -51,6 +46,17 @@ def test_all_real_rows_parse():
     assert train[0]["gold"] == "72" and train[0]["question"].startswith("Natalia sold clips")
     assert train[1]["gold"] == "10"
     assert test[0]["gold"] == "18"
+
+
+def test_missing_gsm8k_fails_the_test_naming_where_and_how(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPAX_GSM8K_DIR", str(tmp_path))
+    with pytest.raises(
+        pytest.fail.Exception, match=rf"no train.jsonl and test.jsonl in GRPAX_GSM8K_DIR={tmp_path};"
+    ):
+        gsm8k_dir()
+    write_jsonl(tmp_path / "train.jsonl", [])
+    write_jsonl(tmp_path / "test.jsonl", [])
+    assert gsm8k_dir() == tmp_path
 
 
 @pytest.mark.parametrize(

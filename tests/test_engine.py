@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gsm8k_dir
 
 from grpax.models import cpu_kernels
 from grpax.models.llama import forward
@@ -213,7 +214,7 @@ def test_smollm2_greedy_matches_transformers_generate():
     cfg = from_hf_config(source.hf_config)
     params = load_params_from_tensors(source.get_tensor, source.has_tensor, cfg)
     tokenizer = source.tokenizer()
-    with open("/work/shared/data/gsm8k/test.jsonl") as f:
+    with open(gsm8k_dir() / "test.jsonl") as f:
         questions = [json.loads(next(f))["question"] for _ in range(3)]
     prompts = [
         tokenizer.encode(

@@ -12,13 +12,13 @@ import sys
 import gguf
 import numpy as np
 import pytest
+from conftest import gsm8k_dir
 
 from grpax.checkpoint import gguf as gg
 from grpax.checkpoint.hf import expected_hf_names, load_params_from_tensors
 from grpax.models.registry import check_matches, from_hf_config
 
 V, D, N, K, H, F, L = 300, 24, 4, 2, 8, 40, 2  # head_dim 8 != D / N = 6 on purpose
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
@@ -282,7 +282,7 @@ def smollm2_path() -> str:
 
 
 def _gsm8k_prompt(tokenizer) -> str:
-    with open(GSM8K_TEST) as f:
+    with open(gsm8k_dir() / "test.jsonl") as f:
         question = json.loads(f.readline())["question"]
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import gsm8k_dir
 
 from grpax.cli.main import main
-
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
 def _grpax(*args: str) -> str:
@@ -47,7 +46,7 @@ def test_main_job_smollm2_gsm8k(tmp_path):
         f"load_parameters_path={tmp_path}/base/0/items",
         f"base_output_directory={tmp_path}",
         "run_name=smoke",
-        f"dataset_name={GSM8K}",
+        f"dataset_name={gsm8k_dir()}",
         "num_batches=2",
         "batch_size=2",
         "num_generations=2",

@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import gsm8k_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from grpax.checkpoint import gguf as gg
 from grpax.data.tokenizer import apply_chat_template, load_tokenizer, save_tokenizer, stop_token_ids
 from grpax.models.registry import get_model_config
-
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def smollm2():
 
 
 def _question() -> str:
-    with open(GSM8K_TEST) as f:
+    with open(gsm8k_dir() / "test.jsonl") as f:
         return json.loads(f.readline())["question"]
 
 
@@ -87,3 +86,27 @@ def test_llama3_style_stop_ids():
 def test_load_tokenizer_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_no_torch_banner_is_dropped_and_other_warnings_kept(tmp_path):
+    """Without torch, ``import transformers`` logs "PyTorch was not found..."; grpax drops that one message."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "<eos>": 1}, merges=[]))
+    save_tokenizer(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>"), tmp_path)
+    hide_torch = "import sys; sys.modules['torch'] = None; import logging; "
+
+    def stderr(code: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", hide_torch + code], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+
+    banner = "PyTorch was not found"
+    assert banner in stderr("import transformers")  # the control: torch is hidden from transformers
+    err = stderr(
+        f"from grpax.data.tokenizer import load_tokenizer; load_tokenizer({str(tmp_path)!r}); "
+        "logging.getLogger('transformers').warning('another warning')"
+    )
+    assert banner not in err and "another warning" in err, err

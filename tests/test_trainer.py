@@ -17,9 +17,11 @@ from conftest import tiny_run_keys
 
 from grpax.checkpoint.hf import iter_hf_tensors
 from grpax.checkpoint.orbax import restore_params
+from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import from_hf_config
 from grpax.rl import trainer
+from grpax.rl.compare import PAIRED_METRICS
 from grpax.rl.trainer import TrainConfig, train
 
 
@@ -183,6 +185,21 @@ def test_restart_before_the_first_checkpoint_starts_the_files_afresh(tiny_checkp
     assert _tensorboard_steps(run_dir, "loss") == [1, 2]
     assert _tensorboard_steps(run_dir, "eval/accuracy") == [0, 2]
     assert result["reward_history"] == [r["rewards/total/mean"] for r in records if "loss" in r]
+    paired = json.loads((run_dir / "results.json").read_text())[
+        "paired"
+    ]  # the same 2 questions before and after
+    assert paired["num_questions"] == 2 and set(paired["metrics"]) == set(PAIRED_METRICS)
+
+
+def test_zero_test_batches_means_no_evaluation(tiny_checkpoint, tmp_path, capsys):
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=2, num_test_batches=0, eval_before=True)
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items()), "eval_interval=1"]) == 0
+    assert "evaluation skipped (num_test_batches=0)" in capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    results = json.loads((run_dir / "results.json").read_text())
+    assert (results["before"], results["after"], results["paired"]) == (None, None, None)
+    assert results["actor_path"].endswith("actor/2/model_params") and len(results["reward_history"]) == 2
+    assert not (run_dir / "eval").exists() and _tensorboard_steps(run_dir, "eval/accuracy") == []
 
 
 def test_resume_rerun_and_export_hf(tiny_checkpoint, tmp_path, caplog):

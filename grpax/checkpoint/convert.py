@@ -385,8 +385,9 @@ def to_native(
     """Converts a Hugging Face checkpoint (local folder, Hub, or GGUF file) to a grpax Orbax checkpoint.
 
     Args:
-      model_name: a registered name (``grpax.models.registry.MODELS``); the source config must match its shapes.
-        Unregistered names are accepted with a local source (the source config.json is then authoritative).
+      model_name: a registered name (``grpax.models.registry.MODELS``): the source config must match its
+        shapes, and without a local source it names the Hub repository. Empty (or unregistered) with
+        ``hf_model_path`` or ``gguf_path``: the source's own config is converted as it is.
       base_output_directory: output root; receives ``config.json``, tokenizer files and ``0/items``.
       hf_model_path: local folder with ``config.json`` and ``*.safetensors`` (single or sharded).
       hf_access_token: Hub token for gated repositories (used only without a local source).
@@ -405,7 +406,8 @@ def to_native(
       ``bytes_read``, ``weight_dtype``, ``scan_layers``.
 
     Raises:
-      ConfigError: multimodal, a config that does not match ``model_name``, a bad dtype, an unreachable Hub.
+      ConfigError: no source (neither hf_model_path, gguf_path nor model_name), multimodal, a config that does
+        not match ``model_name``, a bad dtype, an unreachable Hub.
       FileNotFoundError: a missing source file or folder; FileExistsError: the output already holds a checkpoint.
       MissingTensorError: a tensor is absent (names it). ValueError: corrupt file or wrong tensor shape.
     """
@@ -413,6 +415,11 @@ def to_native(
         raise ConfigError(
             "use_multimodal=true is not supported: grpax converts text-only Llama models; "
             "set use_multimodal=false"
+        )
+    if not (hf_model_path or gguf_path or model_name):
+        raise ConfigError(
+            "no source to convert: pass hf_model_path=<folder with config.json and *.safetensors>, "
+            "gguf_path=<file.gguf>, or model_name=<registered name> to download it from the Hub"
         )
     dtype = _dtype(weight_dtype)
     target = Path(base_output_directory).absolute()

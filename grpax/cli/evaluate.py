@@ -65,7 +65,7 @@ def run(config: EvaluateConfig) -> int:
     from grpax.rl.trainer import validate_eval_keys
 
     reward_config = get_reward_config(config.reward_preset)
-    validate_eval_keys(config)
+    validate_eval_keys(config, allow_no_eval=False)
     if config.completions_path:
         from grpax.data.gsm8k import extract_gold
         from grpax.rl.metrics import load_completions_file, score_records, summarize

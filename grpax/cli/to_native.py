@@ -14,13 +14,16 @@ DESCRIPTION = (
     "Converts a Hugging Face LlamaForCausalLM checkpoint to a grpax Orbax checkpoint at "
     "<base_output_directory>/0/items, with config.json and the tokenizer at <base_output_directory>/. "
     "The source is hf_model_path (a local folder with config.json and *.safetensors), else gguf_path, "
-    "else the Hub repository of model_name (needs network; hf_access_token for gated models)."
+    "else the Hub repository of model_name (needs network; hf_access_token for gated models). A local source "
+    "is converted with its own config; a registered model_name, when given, is checked against it."
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class CONFIG:
-    model_name: str = field("smollm2-135m-Instruct", "registered model name; the source config must match it")
+    model_name: str = field(
+        "", "registered model name: the Hub source without a local one; a local source must match it"
+    )
     base_output_directory: str = field("", "output root: receives config.json, tokenizer files and 0/items")
     hf_model_path: str = field("", "local folder with config.json and *.safetensors (else Hub / gguf_path)")
     hf_access_token: str = field("", "Hugging Face token for gated Hub repositories")

@@ -8,7 +8,8 @@ CONFIG = TrainConfig
 DESCRIPTION = (
     "GRPO training: sample num_generations completions per prompt with the KV-cache sampler, score them with "
     "the GSM8K rewards, update the policy with the clipped GRPO objective and a KL penalty to the frozen "
-    "reference; evaluate before and after; checkpoint the actor under "
+    "reference; evaluate before and after (num_test_batches=0: no evaluation), with 95% intervals and a paired "
+    "sign test of the change; checkpoint the actor under "
     "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "
     f"run_name resumes from the latest checkpoint (a changed {', '.join(RESUME_FIXED_KEYS)} is refused; other "
     "changes are logged in config_changes.jsonl); export_hf=FOLDER "
@@ -19,7 +20,7 @@ DESCRIPTION = (
 
 def run(config: TrainConfig) -> int:
     results = train(config)
-    print("\n" + format_before_after(results.get("before"), results["after"]))
+    print("\n" + format_before_after(results["before"], results["after"], results.get("paired")))
     print(f"\nrun folder:        {results['run_dir']}")
     print(f"actor checkpoint:  {results['actor_path']}")
     print(

@@ -44,6 +44,7 @@ from grpax.data.tokenizer import save_tokenizer, stop_token_ids
 from grpax.models.registry import ModelConfig, check_matches, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.advantages import compute_advantages
+from grpax.rl.compare import compare_eval_folders
 from grpax.rl.config import GRPOConfig
 from grpax.rl.evaluate import decode_completions, evaluate
 from grpax.rl.metrics_writer import MetricsWriter
@@ -107,7 +108,9 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     )
     num_batches: int = field(20, "training steps")
     num_test_batches: int = field(
-        4, "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split"
+        4,
+        "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split; "
+        "0 = no evaluation",
     )
     eval_batch_size: int = field(16, "questions per evaluation batch")
     eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
@@ -155,17 +158,20 @@ EVAL_STRATEGIES = {  # MaxText rl.yml generation_configs
 }
 
 
-def validate_eval_keys(cfg: Any) -> None:
+def validate_eval_keys(cfg: Any, *, allow_no_eval: bool) -> None:
     """Checks the evaluation keys that ``grpax train_rl`` and ``grpax evaluate`` share.
 
+    Args:
+      allow_no_eval: accept num_test_batches=0, no evaluation (train_rl; evaluating nothing is no evaluate run).
+
     Raises:
-      ConfigError: num_test_batches not >= 1 or -1, eval_batch_size or num_eval_passes < 1, or an unknown
-        eval_sampling_strategy (the key, value and accepted values named).
+      ConfigError: num_test_batches not >= 1 or -1 (or 0 with allow_no_eval), eval_batch_size or
+        num_eval_passes < 1, or an unknown eval_sampling_strategy (the key, value and accepted values named).
     """
-    if cfg.num_test_batches < 1 and cfg.num_test_batches != -1:
+    if cfg.num_test_batches < (0 if allow_no_eval else 1) and cfg.num_test_batches != -1:
         raise ConfigError(
             f"num_test_batches={cfg.num_test_batches}: expected >= 1 evaluation batches, or -1 for the "
-            f"whole {cfg.eval_split!r} split"
+            f"whole {cfg.eval_split!r} split{', or 0 for no evaluation' if allow_no_eval else ''}"
         )
     for key, meaning in (
         ("eval_batch_size", "questions per evaluation batch"),
@@ -206,7 +212,7 @@ def validate(cfg: TrainConfig) -> None:
     for key, meaning in at_least_one.items():
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
-    validate_eval_keys(cfg)
+    validate_eval_keys(cfg, allow_no_eval=True)
     if cfg.eval_interval < 0:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
@@ -480,6 +486,9 @@ def grpo_step(
 def train(cfg: TrainConfig) -> dict:
     """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
 
+    A summary is None where that evaluation did not run (num_test_batches=0, or eval_before=false for
+    "before"); with both, ``paired`` holds their paired test (``grpax.rl.compare.compare``).
+
     The same ``run_name`` resumes from the latest checkpoint (changed keys are logged, recorded in
     ``config_changes.jsonl`` and ``config.json`` is rewritten); ``num_batches`` equal to that step evaluates the
     finished run again. ``results`` also holds ``actor_path``, ``reward_history`` (``rewards/total/mean`` of
@@ -535,13 +544,14 @@ def train(cfg: TrainConfig) -> dict:
         tokenizer, cfg.dataset_name, cfg.train_split, preset, cfg.max_prefill_predict_length
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
-    eval_rows = prepare_rows(
-        tokenizer,
-        cfg.eval_dataset_name or cfg.dataset_name,
-        cfg.eval_split,
-        preset,
-        cfg.max_prefill_predict_length,
-        eval_limit,
+    evaluating = cfg.num_test_batches != 0
+    eval_dataset = cfg.eval_dataset_name or cfg.dataset_name
+    eval_rows = (
+        prepare_rows(
+            tokenizer, eval_dataset, cfg.eval_split, preset, cfg.max_prefill_predict_length, eval_limit
+        )
+        if evaluating
+        else []
     )
     # Every process reads the same prompts in the same order (docs/scaling.md, "Several processes").
     iterator = PromptIterator(train_rows, cfg.batch_size, seed=cfg.seed)
@@ -570,7 +580,7 @@ def train(cfg: TrainConfig) -> dict:
     train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
     writer = MetricsWriter(paths.run_dir)
-    results: dict[str, Any] = {"run_dir": str(paths.run_dir)}
+    results: dict[str, Any] = {"run_dir": str(paths.run_dir), "before": None}
     start_step = 0
     if latest is not None:
         new_params, opt_state, meta = checkpointer.restore(latest, state.params, state.opt_state)
@@ -632,7 +642,7 @@ def train(cfg: TrainConfig) -> dict:
         )
         return summary
 
-    if start_step == 0 and cfg.eval_before:
+    if start_step == 0 and cfg.eval_before and evaluating:
         results["before"] = run_eval("before", 0)
 
     base_key = jax.random.key(cfg.seed)
@@ -693,7 +703,7 @@ def train(cfg: TrainConfig) -> dict:
         )
 
         done = step + 1
-        if cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
+        if evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
             run_eval(f"step_{done}", done)
         if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
             meta = {
@@ -706,7 +716,7 @@ def train(cfg: TrainConfig) -> dict:
             checkpointer.save(done, state.params, state.opt_state, meta)
     bar.close()
     final_step = cfg.num_batches
-    results["after"] = run_eval("after", final_step)
+    results["after"] = run_eval("after", final_step) if evaluating else None
     results["actor_path"] = str(checkpointer.step_dir(final_step) / "model_params")
     if writer.enabled:  # the whole run's, not only this invocation's steps
         reward_history = [
@@ -720,6 +730,11 @@ def train(cfg: TrainConfig) -> dict:
     if not main_process:
         return results
 
+    both = results["before"] and results["after"]
+    results["paired"] = (
+        compare_eval_folders(paths.eval_dir / "before", paths.eval_dir / "after") if both else None
+    )
+
     def write_results() -> None:
         (paths.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
@@ -732,17 +747,45 @@ def train(cfg: TrainConfig) -> dict:
     return results
 
 
-def format_before_after(before: dict | None, after: dict) -> str:
-    """A two-column table of the evaluation metrics before and after training."""
+def format_before_after(before: dict | None, after: dict | None, paired: dict | None = None) -> str:
+    """The evaluation metrics before and after training, each with its 95% interval, and the paired test.
+
+    Args:
+      before, after: ``summarize`` dicts (None: that evaluation did not run).
+      paired: ``grpax.rl.compare.compare`` of the two evaluations' records (None: no paired test). Its
+        sign-test p-values fill the last column, and a final line names the proportions whose change
+        (after - before) is larger than the noise (p < its alpha) and those within it.
+
+    Returns:
+      The table as text; one line when neither evaluation ran (num_test_batches=0).
+    """
+    if before is None and after is None:
+        return "evaluation skipped (num_test_batches=0): no before/after metrics"
     keys = ["accuracy", "partial_accuracy", "format_accuracy", "mean_reward"]
-    keys += [k for k in after if k.startswith(("pass@", "maj@")) and not k.endswith("ci95")]
-    lines = [f"{'metric':<20}{'before':>10}{'after':>10}"]
+    keys += [k for k in (after or before) if k.startswith(("pass@", "maj@")) and not k.endswith("ci95")]
+    tests = (paired or {}).get("metrics", {})
+
+    def cell(summary: dict | None, key: str) -> str:
+        value, ci = (summary or {}).get(key), (summary or {}).get(f"{key}_ci95")
+        if value is None:
+            return f"{'-':>22}"
+        return f"{value:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]".rjust(22) if ci else f"{value:>22.3f}"
+
+    lines = [f"{'metric':<18}{'before':>22}{'after':>24}{'change':>10}{'paired p':>10}"]
     for k in keys:
-        b = before.get(k) if before else None
-        a = after.get(k)
-        fmt = lambda v: f"{v:>10.3f}" if isinstance(v, (int, float)) else f"{'-':>10}"  # noqa: E731
-        lines.append(f"{k:<20}{fmt(b)}{fmt(a)}")
-    lines.append(
-        f"{'questions':<20}{(before or {}).get('num_questions', '-'):>10}{after.get('num_questions'):>10}"
-    )
+        change = f"{after[k] - before[k]:>+10.3f}" if before and after else f"{'-':>10}"
+        p = f"{tests[k]['p_value']:>10.3g}" if k in tests else f"{'-':>10}"
+        lines.append(f"{k:<18}{cell(before, k)}  {cell(after, k)}{change}{p}")
+    count = lambda s: (s or {}).get("num_questions", "-")  # noqa: E731
+    lines.append(f"{'questions':<18}{count(before):>22}  {count(after):>22}")
+    if paired and tests:
+        alpha = paired["alpha"]
+        larger = [k for k, t in tests.items() if t["p_value"] < alpha]
+        within = [k for k, t in tests.items() if t["p_value"] >= alpha]
+        lines.append(
+            f"change larger than the noise (exact sign test on the {paired['num_questions']} paired questions, "
+            f"p < {alpha}): {', '.join(larger) or 'none'}; within the noise: {', '.join(within) or 'none'}"
+        )
+    elif after is None:
+        lines.append("evaluation after training skipped (num_test_batches=0)")
     return "\n".join(lines)
