@@ -97,6 +97,28 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, N, H)
 
 
+# Queries per block of ``chunked_attention``: the [B, N, T, S] float32 scores of a long sequence are never
+# materialised at once, forward or backward.
+_QUERY_CHUNK = 128
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``attention`` computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the backward
+    pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
+    B, T, N, H = q.shape
+    if T <= _QUERY_CHUNK:
+        return attention(q, k, v, mask)
+    n = -(-T // _QUERY_CHUNK)
+    pad = n * _QUERY_CHUNK - T
+
+    def blocks(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, _QUERY_CHUNK, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(B, n, _QUERY_CHUNK, *x.shape[2:]).swapaxes(0, 1)
+
+    out = jax.lax.map(jax.checkpoint(lambda qm: attention(qm[0], k, v, qm[1])), (blocks(q), blocks(mask)))
+    return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
+
+
 def _decode_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
     """One query per row [B, 1, N, H] as the decode kernels take it: float32 [B, K, G, H] scaled by 1/sqrt(H)."""
     B, _, N, H = q.shape
@@ -561,10 +583,10 @@ def forward_grouped(
         w = {name: val.astype(dtype) for name, val in layer.items()}
         qp, kp, vp = _attention_inputs(xp, w, rope_p, cfg)
         qc, kc, vc = _attention_inputs(xc, w, rope_c, cfg)
-        attn_p = attention(qp, kp, vp, mask_p)
+        attn_p = chunked_attention(qp, kp, vp, mask_p)
         k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
         v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        attn_c = attention(qc, k, v, mask_c)
+        attn_c = chunked_attention(qc, k, v, mask_c)
         xp = _attention_output_and_mlp(xp, attn_p, w, cfg)
         xc = _attention_output_and_mlp(xc, attn_c, w, cfg)
         return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)

@@ -49,6 +49,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.evaluate import decode_completions, evaluate
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.optim import optimizer_from_config
+from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import (
     GenerateOutput,
@@ -102,9 +103,10 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(
-        1,
+        -1,
         "prompts per micro-batch of the reference and update passes (x num_generations rows; MaxText key); "
-        "bounds memory, the update equals the full-batch one; -1 = use num_micro_batches",
+        "the update equals the full-batch one; -1 = use num_micro_batches (default 1: the whole batch at once, "
+        "with remat the least memory: each micro-batch beyond one adds a gradient accumulator)",
     )
     num_batches: int = field(20, "training steps")
     num_test_batches: int = field(
@@ -396,7 +398,7 @@ def grpo_step(
 
     Args:
       state: the policy's TrainState (donated to ``train_step``).
-      ref_params: the frozen reference params, or None when beta == 0.
+      ref_params: the frozen reference params (a tree, or ``FrozenParams``), or None when beta == 0.
       prompts: P token-id lists; each is sampled G = ``grpo.num_generations`` times, rows grouped contiguously.
       reward_fn: ``GenerateOutput -> {name: [P * G] points}`` with a ``"total"`` entry (NaN = abstain).
       model_cfg, sampler_cfg, grpo: model, sampling and algorithm configs.
@@ -421,6 +423,7 @@ def grpo_step(
             rollout_params, prompts, model_cfg, sampler_cfg, key, num_generations=grpo.num_generations
         )
     del rollout_params
+    release_host_memory()
     t_rollout = time.perf_counter()
     scores = {name: np.asarray(values, np.float64) for name, values in reward_fn(out).items()}
     advantages = compute_advantages(
@@ -442,9 +445,11 @@ def grpo_step(
     t_scored = time.perf_counter()
     with _mesh_context(mesh):
         if ref_params is not None:
-            batch["ref_logprobs"] = jax.block_until_ready(
-                compute_logprobs(ref_params, batch, model_cfg, grpo.temperature, num_micro_batches)
+            reference = ref_params if isinstance(ref_params, FrozenParams) else FrozenParams(ref_params)
+            batch["ref_logprobs"] = reference.apply(  # mapped from files on a CPU host, unmapped after
+                compute_logprobs, batch, model_cfg, grpo.temperature, num_micro_batches
             )
+            release_host_memory()
         if grpo.num_iterations > 1:
             batch["old_logprobs"] = compute_logprobs(
                 state.params, batch, model_cfg, grpo.temperature, num_micro_batches
@@ -453,6 +458,7 @@ def grpo_step(
         for _ in range(grpo.num_iterations):
             state, step_metrics = train_step(state, batch)
     step_metrics = distributed.fetch(step_metrics)
+    release_host_memory()
     t_train = time.perf_counter()
 
     mask = np.asarray(out.completion_mask)
@@ -536,7 +542,10 @@ def train(cfg: TrainConfig) -> dict:
     rollout_mesh = sharding.create_rollout_mesh(mesh_cfg)
     params = sharding.shard_params(params, model_cfg, mesh)
     log.info("trainer mesh %s, sampler mesh %s", dict(mesh.shape), dict(rollout_mesh.shape))
-    ref_params = jax.tree.map(jnp.copy, params) if grpo.beta > 0 else None  # the state is donated: copy once
+    ref_params = None
+    if grpo.beta > 0:  # the state is donated: in device memory the reference is a copy
+        folder = offload_folder(paths.run_dir)
+        ref_params = FrozenParams(params if folder else jax.tree.map(jnp.copy, params), folder)
 
     preset = get_prompt_preset(cfg.prompt_preset)
     reward_config = get_reward_config(cfg.reward_preset)
@@ -629,6 +638,7 @@ def train(cfg: TrainConfig) -> dict:
                 output_path=paths.eval_dir / tag,
                 desc=f"eval {tag}",
             )
+        release_host_memory()
         writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")
         log.info(
             "eval %s (step %d, %.0f s): accuracy %.3f, format %.3f, mean reward %.3f over %d questions",
@@ -714,6 +724,7 @@ def train(cfg: TrainConfig) -> dict:
                 "eval_before": results.get("before"),
             }
             checkpointer.save(done, state.params, state.opt_state, meta)
+            release_host_memory()  # the serialisation's buffers
     bar.close()
     final_step = cfg.num_batches
     results["after"] = run_eval("after", final_step) if evaluating else None
@@ -727,6 +738,8 @@ def train(cfg: TrainConfig) -> dict:
     results["reward_history"] = reward_history
     checkpointer.close()
     writer.close()
+    if ref_params is not None:
+        ref_params.close()
     if not main_process:
         return results
 

@@ -1,0 +1,93 @@
+"""The frozen reference policy's params, and host memory handed back between the phases of a GRPO step.
+
+The reference model (beta > 0) is a second copy of the weights that only the reference pass reads. On a CPU
+host, where "device" memory is the process's own, ``FrozenParams`` writes it once to raw files and maps them
+at each use: the pages are read for the reference pass and unmapped after it, so the copy holds no memory
+while the sampler and the update run (a 135M-parameter float32 model: 0.54 GB of the 4 GB the CPU job fits
+in). On accelerators (or with several processes) the params simply stay on the devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import shutil
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class FrozenParams:
+    """Params that never change, held on the devices or memory-mapped from ``folder``.
+
+    Args:
+      params: the params tree (kept as it is in device memory: pass a copy if the caller donates its own).
+      folder: where to write the leaves (created, emptied first); None keeps them in device memory. Map them
+        only on a single CPU process: ``jax.device_put`` of a mapped file then reads it in place.
+    """
+
+    def __init__(self, params: Any, folder: Path | None = None):
+        self.folder = folder
+        if folder is None:
+            self._params = params
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        # Removed when this object goes, at exit, or by close(); a killed run's folder goes at its next start.
+        self._remove = weakref.finalize(self, shutil.rmtree, folder, True)
+        leaves, self._treedef = jax.tree.flatten(params)
+        self._leaves = []  # (file, shape, dtype, sharding)
+        for i, leaf in enumerate(leaves):
+            path = folder / f"{i}.npy"
+            # Raw bytes: np.load cannot map an extension dtype such as bfloat16.
+            np.save(path, np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
+            self._leaves.append((path, leaf.shape, leaf.dtype, leaf.sharding))
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(params, *args, **kwargs)``, waited for; mapped leaves are unmapped before it returns."""
+        if self.folder is None:
+            return fn(self._params, *args, **kwargs)
+        params = jax.tree.unflatten(
+            self._treedef,
+            [
+                jax.device_put(np.load(path, mmap_mode="r").view(dtype).reshape(shape), sharding)
+                for path, shape, dtype, sharding in self._leaves
+            ],
+        )
+        try:
+            return jax.block_until_ready(fn(params, *args, **kwargs))
+        finally:
+            del params
+            gc.collect()  # an array aliasing a mapped file is freed by the cycle collector, not at its last use
+
+    def close(self) -> None:
+        """Removes the mapped files (a no-op in device memory)."""
+        if self.folder is not None:
+            self._remove()
+
+
+def offload_folder(run_dir: Path) -> Path | None:
+    """Where to map the reference params: ``<run_dir>/.reference`` on a single CPU process, else None."""
+    if jax.process_count() == 1 and jax.default_backend() == "cpu":
+        return run_dir / ".reference"
+    return None
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+def release_host_memory() -> None:
+    """Hands freed heap memory back to the OS (glibc ``malloc_trim``), where the C library has it.
+
+    XLA:CPU allocates and frees buffers of every size at each phase; glibc keeps freed blocks below its mmap
+    threshold in its arenas, so without a trim the process's resident memory grows to the sum of the phases'
+    peaks instead of their maximum.
+    """
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
