@@ -39,7 +39,7 @@ import numpy as np
 
 from grpax.config import ConfigError
 from grpax.models.params import Params, convert_layout
-from grpax.models.registry import ModelConfig, from_hf_config
+from grpax.models.registry import ModelConfig, find_hf_config, from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -329,9 +329,9 @@ def find_model_folder(path: str | Path) -> Path:
       FileNotFoundError: if no folder from ``path`` up to the filesystem root has ``config.json``.
     """
     path = Path(path).absolute()
-    for folder in [path, *path.parents]:
-        if (folder / "config.json").is_file():
-            return folder
+    config = find_hf_config(path)
+    if config is not None:
+        return config.parent
     raise FileNotFoundError(
         f"no config.json at or above {path}: a converted checkpoint keeps it at <base>/ next "
         "to 0/items, a trained one at <base>/<run>/checkpoints/; re-run grpax to_native or "

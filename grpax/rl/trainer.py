@@ -74,7 +74,10 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
         "decode_sampling_temperature": "temperature",
     }
 
-    model_name: str = field("smollm2-135m-Instruct", "model registry name (checked against the checkpoint)")
+    model_name: str = field(
+        "smollm2-135m-Instruct",
+        "registered model name: picks the model preset, checked against the checkpoint; '' = no preset",
+    )
     load_parameters_path: str = field(
         "",
         "converted checkpoint <base>/0/items (from grpax to_native) or an actor "
