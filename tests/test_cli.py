@@ -14,7 +14,7 @@ import pytest
 
 from grpax.cli.common import maybe_initialize_distributed, select_hardware
 from grpax.cli.main import main
-from grpax.config import ConfigError
+from grpax.config import ConfigError, build_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -438,3 +438,32 @@ def test_unregistered_model_name_names_the_checkpoints_registered_model(tmp_path
         "(its preset grpax/configs/smollm2-135m-Instruct.yml: dtype=float32, prompt_preset=smollm2_demo, "
         "reward_preset=smollm2_demo), or model_name='' to run it without a preset",
     )
+
+
+def test_evaluate_and_generate_refuse_max_target_length_beyond_the_model(tmp_path, capsys):
+    from test_train_validation import _short_context_checkpoint
+
+    load = f"load_parameters_path={_short_context_checkpoint(tmp_path)}"
+    assert main(["evaluate", load, "max_target_length=300"]) == 2
+    _one_line_error(capsys, "max_target_length=300 exceeds the model's max_position_embeddings=256 (")
+    assert main(["generate", load, "prompt=hi", "max_target_length=300"]) == 2
+    _one_line_error(capsys, "max_target_length=300 exceeds the model's max_position_embeddings=256 (")
+    assert main(["generate", load, "prompt=hi", "max_completion_length=100"]) == 2
+    _one_line_error(capsys, "max_prefill_predict_length + max_completion_length = 356 exceeds the model's")
+
+
+def test_evaluate_defaults_are_train_rls():
+    """evaluate used to default to the whole test split (hours on a CPU); train_rl evaluates 4 x 16 questions."""
+    from grpax.cli.evaluate import EvaluateConfig
+    from grpax.rl.trainer import TrainConfig
+
+    evaluate, train = build_config(EvaluateConfig, []), build_config(TrainConfig, [])
+    for key in (
+        "dataset_name",
+        "eval_split",
+        "num_test_batches",
+        "eval_batch_size",
+        "eval_sampling_strategy",
+    ):
+        assert getattr(evaluate, key) == getattr(train, key), key
+    assert evaluate.num_test_batches == 4

@@ -31,6 +31,12 @@ def _config(tmp_path, **overrides):
         ("num_test_batches", -2, r"num_test_batches=-2: expected >= 1 .*, or -1 .*, or 0 for no evaluation"),
         ("eval_batch_size", 0, r"eval_batch_size=0: expected >= 1"),
         ("num_eval_passes", 0, r"num_eval_passes=0: expected >= 1"),
+        ("micro_batch_size", 0, r"micro_batch_size=0: expected >= 1 prompts per micro-batch, or -1 to use "),
+        (
+            "micro_batch_size",
+            -2,
+            r"micro_batch_size=-2: expected >= 1 prompts per micro-batch, or -1 to use ",
+        ),
     ],
 )
 def test_bad_counts_are_refused_before_the_model_loads(tmp_path, key, value, message):
@@ -223,4 +229,25 @@ def test_too_few_rows_after_the_length_filter_name_the_dataset_split_and_key(tmp
     )
     assert (
         len(trainer.prepare_rows(tokenizer, data, "train", preset, 256, need=("dataset_name", "x", 5))) == 5
+    )
+
+
+def _short_context_checkpoint(tmp_path, max_position_embeddings=256):
+    """Only a config.json (max_position_embeddings) above an empty params folder: the check reads no more."""
+    from grpax.models.registry import get_model_config, to_hf_config
+
+    cfg = get_model_config("smollm2-135m-Instruct", max_position_embeddings=max_position_embeddings)
+    (tmp_path / "ckpt" / "0" / "items").mkdir(parents=True)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    return tmp_path / "ckpt" / "0" / "items"
+
+
+def test_max_target_length_beyond_the_models_positions_is_refused(tmp_path):
+    ckpt = _short_context_checkpoint(tmp_path)
+    keys = tiny_run_keys(ckpt, tmp_path / "out", dataset_name=str(tmp_path / "never-read"))
+    with pytest.raises(ConfigError) as err:
+        train(TrainConfig(**keys))  # max_target_length=272
+    assert str(err.value) == (
+        f"max_target_length=272 exceeds the model's max_position_embeddings=256 ({tmp_path}/ckpt/config.json): "
+        "positions past it were never trained; pass at most 256 tokens"
     )

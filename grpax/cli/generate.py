@@ -149,7 +149,7 @@ def run(config: GenerateConfig) -> int:
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_matches
+    from grpax.models.registry import check_context_length, check_matches
     from grpax.sampler.engine import SamplerConfig, generate
 
     if not config.load_parameters_path:
@@ -176,6 +176,11 @@ def run(config: GenerateConfig) -> int:
             f"output_path={config.output_path} is a folder: pass a file name, e.g. FOLDER/out.jsonl"
         )
     texts = read_prompts(config)
+    total = config.max_prefill_predict_length + completion_length
+    what = f"max_target_length={config.max_target_length}"
+    if config.max_completion_length > 0:
+        what = f"max_prefill_predict_length + max_completion_length = {total}"
+    check_context_length(total, what, config.load_parameters_path)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,

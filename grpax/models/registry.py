@@ -400,3 +400,22 @@ def unregistered_name_error(model_name: str, checkpoint: str = "") -> ConfigErro
         f"{head}; closest registered names: {', '.join(close)} (all: grpax/models/registry.py MODELS); pass "
         "one of them, or model_name='' for a Llama checkpoint grpax does not register (no preset)"
     )
+
+
+def check_context_length(total: int, what: str, checkpoint: str) -> None:
+    """Refuses prompt + completion budgets beyond the checkpoint's ``max_position_embeddings`` (its config.json).
+
+    Args:
+      total: the longest sequence a run will form, in tokens.
+      what: the key(s) that set it, for the message (e.g. ``"max_target_length=9000"``).
+      checkpoint: the params folder; without a config.json above it nothing is checked (the load says so).
+    """
+    config = find_hf_config(checkpoint) if checkpoint else None
+    if config is None:
+        return
+    limit = load_hf_config(config).max_position_embeddings
+    if total > limit:
+        raise ConfigError(
+            f"{what} exceeds the model's max_position_embeddings={limit} ({config}): positions past it were "
+            f"never trained; pass at most {limit} tokens"
+        )

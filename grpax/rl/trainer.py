@@ -42,7 +42,7 @@ from grpax.data.gsm8k import (
 )
 from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import save_tokenizer, stop_token_ids
-from grpax.models.registry import ModelConfig, check_matches, to_hf_config
+from grpax.models.registry import ModelConfig, check_context_length, check_matches, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.advantages import compute_advantages
 from grpax.rl.compare import compare_eval_folders
@@ -237,6 +237,11 @@ def validate(cfg: TrainConfig) -> None:
             f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
             "overwrites: delete it or choose another folder"
         )
+    if cfg.micro_batch_size < 1 and cfg.micro_batch_size != -1:
+        raise ConfigError(
+            f"micro_batch_size={cfg.micro_batch_size}: expected >= 1 prompts per micro-batch, or -1 to use "
+            "num_micro_batches"
+        )
     rows = cfg.batch_size * cfg.num_generations
     if cfg.micro_batch_size > 0 and cfg.batch_size % cfg.micro_batch_size:
         raise ConfigError(
@@ -377,6 +382,9 @@ def check_inputs(cfg: TrainConfig) -> None:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
+    check_context_length(
+        cfg.max_target_length, f"max_target_length={cfg.max_target_length}", cfg.load_parameters_path
+    )
     rows = _load_rows("dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
