@@ -204,7 +204,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
 
     Args:
       cls: a dataclass type whose fields are the command's keys; an optional class attribute
-        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names.
+        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names, and
+        ``PRESET_IGNORES: ClassVar[tuple[str, ...]]`` names keys the model preset does not set for it.
       argv: ``key=value`` tokens (MaxText style).
       **explicit: values that win over everything (used by tests and library callers).
 
@@ -239,7 +240,13 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         _check_model_name(str(model_name), str(checkpoint))
     if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
         preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
-        layers.append((f"preset {model_name}.yml", {k: v for k, v in preset.items() if k in fields}))
+        ignored = getattr(cls, "PRESET_IGNORES", ())
+        layers.append(
+            (
+                f"preset {model_name}.yml",
+                {k: v for k, v in preset.items() if k in fields and k not in ignored},
+            )
+        )
     if user_yaml:
         user_data = _drop_maxtext_only(user_data, fields, str(user_yaml))
         for key in user_data:

@@ -467,3 +467,38 @@ def test_evaluate_defaults_are_train_rls():
     ):
         assert getattr(evaluate, key) == getattr(train, key), key
     assert evaluate.num_test_batches == 4
+
+
+def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
+    """generate could not sample with the training prompt; prompt_preset gives the trainer's exact tokens."""
+    from test_train_validation import _jsonl
+
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.cli.generate import GenerateConfig, render_prompts
+    from grpax.data.gsm8k import load_dataset_rows
+    from grpax.data.prompts import get_prompt_preset
+    from grpax.rl.trainer import prepare_rows
+
+    data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
+    questions = [row["question"] for row in load_dataset_rows(data, "train")]
+    for name in ("smollm2_demo", "maxtext"):
+        trained = prepare_rows(tokenizer, data, "train", get_prompt_preset(name), 1024)
+        rendered = render_prompts(
+            build_config(GenerateConfig, [f"prompt_preset={name}"]), tokenizer, questions
+        )
+        assert [tokenizer.encode(t, add_special_tokens=False) for t in rendered] == [
+            r["prompt_ids"] for r in trained
+        ]
+    assert rendered != render_prompts(GenerateConfig(), tokenizer, questions)  # '' = the bare user turn
+    # The model preset (prompt_preset: smollm2_demo) is train_rl's: generate's prompts stay bare unless asked.
+    assert build_config(GenerateConfig, ["model_name=smollm2-135m-Instruct"]).prompt_preset == ""
+    assert main(["generate", "--help"]) == 0 and "prompt_preset=  " in capsys.readouterr().out
+    for args, needle in [
+        (
+            ["prompt_preset=smollm"],
+            "prompt_preset='smollm': expected one of maxtext, smollm2_demo, or '' for none",
+        ),
+        (["prompt_preset=maxtext", "use_chat_template=false"], "prompt_preset=maxtext renders with the chat"),
+    ]:
+        assert main(["generate", f"load_parameters_path={tmp_path}/none", "prompt=hi", *args]) == 2
+        _one_line_error(capsys, needle)
