@@ -118,6 +118,10 @@ MAXTEXT_KEYS = frozenset(
 )
 
 
+# The keys that name a command's checkpoint (whose config.json can tell which model it is).
+_CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
+
+
 def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
     kept = {}
     for key, value in values.items():
@@ -134,21 +138,16 @@ def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
     return kept
 
 
-def _check_model_name(model_name: str) -> None:
-    """Rejects a near-miss of a registered model name (a typo would silently pick other presets)."""
-    from grpax.models.registry import MODELS
+def _check_model_name(model_name: str, checkpoint: str = "") -> None:
+    """Refuses a model_name that is not registered (it would silently run without the model's preset).
 
-    if model_name in MODELS:
-        return
-    lower = {name.lower(): name for name in MODELS}
-    close = lower.get(model_name.lower()) or next(
-        iter(difflib.get_close_matches(model_name, MODELS, n=1, cutoff=0.85)), None
-    )
-    if close:
-        raise ConfigError(
-            f"model_name={model_name!r} is not registered. Did you mean '{close}'? "
-            f"(known: {', '.join(MODELS)})"
-        )
+    ``checkpoint`` (the command's load_parameters_path or hf_model_path) lets the error name the registered
+    model whose shapes that checkpoint's config.json has.
+    """
+    from grpax.models.registry import MODELS, unregistered_name_error
+
+    if model_name not in MODELS:
+        raise unregistered_name_error(model_name, checkpoint)
 
 
 def suggest(key: str, valid: typing.Iterable[str]) -> str:
@@ -205,7 +204,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
 
     Args:
       cls: a dataclass type whose fields are the command's keys; an optional class attribute
-        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names.
+        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names, and
+        ``PRESET_IGNORES: ClassVar[tuple[str, ...]]`` names keys the model preset does not set for it.
       argv: ``key=value`` tokens (MaxText style).
       **explicit: values that win over everything (used by tests and library callers).
 
@@ -235,10 +235,18 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     if model_name is None and "model_name" in fields:
         model_name = fields["model_name"].default
     if model_name:
-        _check_model_name(str(model_name))
+        sources = (explicit, overrides, user_data)
+        checkpoint = next((s[k] for k in _CHECKPOINT_KEYS for s in sources if s.get(k)), "")
+        _check_model_name(str(model_name), str(checkpoint))
     if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
         preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
-        layers.append((f"preset {model_name}.yml", {k: v for k, v in preset.items() if k in fields}))
+        ignored = getattr(cls, "PRESET_IGNORES", ())
+        layers.append(
+            (
+                f"preset {model_name}.yml",
+                {k: v for k, v in preset.items() if k in fields and k not in ignored},
+            )
+        )
     if user_yaml:
         user_data = _drop_maxtext_only(user_data, fields, str(user_yaml))
         for key in user_data:

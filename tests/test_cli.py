@@ -14,7 +14,7 @@ import pytest
 
 from grpax.cli.common import maybe_initialize_distributed, select_hardware
 from grpax.cli.main import main
-from grpax.config import ConfigError
+from grpax.config import ConfigError, build_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +45,6 @@ def test_cli_round_trip_prints_summary(tiny_src, tmp_path, capsys):
     rc = main(
         [
             "to_native",
-            "model_name=tiny",
             f"hf_model_path={tiny_src}",
             f"base_output_directory={tmp_path}/n",
             "scan_layers=false",
@@ -63,7 +62,6 @@ def test_cli_round_trip_prints_summary(tiny_src, tmp_path, capsys):
     rc = main(
         [
             "to_huggingface",
-            "model_name=tiny",
             f"load_parameters_path={tmp_path}/n/0/items",
             f"base_output_directory={tmp_path}/hf",
             "max_shard_size=100000",
@@ -92,7 +90,7 @@ def test_to_native_errors_are_one_line(tiny_src, tmp_path, capsys, args, needle)
     args = [a.format(src=tiny_src, tmp=tmp_path) for a in args]
     if not any(a.startswith("base_output_directory") for a in args) and args:
         args.append(f"base_output_directory={tmp_path}/out")
-    assert main(["to_native", "model_name=tiny", *args]) == 2
+    assert main(["to_native", *args]) == 2
     _one_line_error(capsys, needle)
 
 
@@ -131,10 +129,7 @@ def test_missing_tensor_error_is_one_line(tiny_src, tmp_path, capsys):
     tensors = load_file(str(src / "model.safetensors"))
     del tensors["lm_head.weight"]
     save_file(tensors, str(src / "model.safetensors"))
-    assert (
-        main(["to_native", "model_name=tiny", f"hf_model_path={src}", f"base_output_directory={tmp_path}/o"])
-        == 2
-    )
+    assert main(["to_native", f"hf_model_path={src}", f"base_output_directory={tmp_path}/o"]) == 2
     _one_line_error(capsys, "'lm_head.weight' is missing")
 
 
@@ -283,7 +278,6 @@ def test_smollm2_gguf_end_to_end(tmp_path):
 def test_existing_output_is_one_line(tiny_src, tmp_path, capsys):
     args = [
         "to_native",
-        "model_name=tiny",
         f"hf_model_path={tiny_src}",
         f"base_output_directory={tmp_path}/n",
     ]
@@ -296,10 +290,7 @@ def test_existing_output_is_one_line(tiny_src, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_native(tiny_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("native")
-    assert (
-        main(["to_native", "model_name=tiny", f"hf_model_path={tiny_src}", f"base_output_directory={out}/n"])
-        == 0
-    )
+    assert main(["to_native", f"hf_model_path={tiny_src}", f"base_output_directory={out}/n"]) == 0
     return out / "n" / "0" / "items"
 
 
@@ -414,4 +405,100 @@ def test_evaluate_counts_are_checked_before_loading(tmp_path, capsys, arg, needl
     _one_line_error(capsys, needle)
     if arg.startswith("num_eval_passes"):  # scoring a completions file checks it too
         assert main(["evaluate", f"completions_path={tmp_path}/none.jsonl", arg]) == 2
+        _one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize(
+    "name, closest",
+    [
+        ("gpt2", "closest registered names: "),
+        ("smollm2", "closest registered names: smollm2-360m, smollm2-135m, smollm2-1.7b "),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "closest registered names: smollm2-135m-Instruct, "),
+    ],
+)
+@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate", "to_huggingface", "to_native"])
+def test_unregistered_model_name_is_refused_naming_the_closest(capsys, command, name, closest):
+    """An unregistered name used to run silently without the model's preset (prompt, rewards, dtypes)."""
+    assert main([command, f"model_name={name}"]) == 2
+    err = _one_line_error(
+        capsys, f"model_name={name!r} is not registered, so no model preset would apply; {closest}"
+    )
+    assert "or model_name='' for a Llama checkpoint grpax does not register" in err
+
+
+def test_unregistered_model_name_names_the_checkpoints_registered_model(tmp_path, capsys):
+    from grpax.models.registry import get_model_config, to_hf_config
+
+    (tmp_path / "0" / "items").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(get_model_config("smollm2-135m-Instruct"))))
+    assert main(["evaluate", "model_name=smollm2", f"load_parameters_path={tmp_path}/0/items"]) == 2
+    _one_line_error(
+        capsys,
+        f"the checkpoint's {tmp_path}/config.json is smollm2-135m-Instruct: pass model_name=smollm2-135m-Instruct "
+        "(its preset grpax/configs/smollm2-135m-Instruct.yml: dtype=float32, prompt_preset=smollm2_demo, "
+        "reward_preset=smollm2_demo), or model_name='' to run it without a preset",
+    )
+
+
+def test_evaluate_and_generate_refuse_max_target_length_beyond_the_model(tmp_path, capsys):
+    from test_train_validation import _short_context_checkpoint
+
+    load = f"load_parameters_path={_short_context_checkpoint(tmp_path)}"
+    assert main(["evaluate", load, "max_target_length=300"]) == 2
+    _one_line_error(capsys, "max_target_length=300 exceeds the model's max_position_embeddings=256 (")
+    assert main(["generate", load, "prompt=hi", "max_target_length=300"]) == 2
+    _one_line_error(capsys, "max_target_length=300 exceeds the model's max_position_embeddings=256 (")
+    assert main(["generate", load, "prompt=hi", "max_completion_length=100"]) == 2
+    _one_line_error(capsys, "max_prefill_predict_length + max_completion_length = 356 exceeds the model's")
+
+
+def test_evaluate_defaults_are_train_rls():
+    """evaluate used to default to the whole test split (hours on a CPU); train_rl evaluates 4 x 16 questions."""
+    from grpax.cli.evaluate import EvaluateConfig
+    from grpax.rl.trainer import TrainConfig
+
+    evaluate, train = build_config(EvaluateConfig, []), build_config(TrainConfig, [])
+    for key in (
+        "dataset_name",
+        "eval_split",
+        "num_test_batches",
+        "eval_batch_size",
+        "eval_sampling_strategy",
+    ):
+        assert getattr(evaluate, key) == getattr(train, key), key
+    assert evaluate.num_test_batches == 4
+
+
+def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
+    """generate could not sample with the training prompt; prompt_preset gives the trainer's exact tokens."""
+    from test_train_validation import _jsonl
+
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.cli.generate import GenerateConfig, render_prompts
+    from grpax.data.gsm8k import load_dataset_rows
+    from grpax.data.prompts import get_prompt_preset
+    from grpax.rl.trainer import prepare_rows
+
+    data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
+    questions = [row["question"] for row in load_dataset_rows(data, "train")]
+    for name in ("smollm2_demo", "maxtext"):
+        trained = prepare_rows(tokenizer, data, "train", get_prompt_preset(name), 1024)
+        rendered = render_prompts(
+            build_config(GenerateConfig, [f"prompt_preset={name}"]), tokenizer, questions
+        )
+        assert [tokenizer.encode(t, add_special_tokens=False) for t in rendered] == [
+            r["prompt_ids"] for r in trained
+        ]
+    assert rendered != render_prompts(GenerateConfig(), tokenizer, questions)  # '' = the bare user turn
+    # The model preset (prompt_preset: smollm2_demo) is train_rl's: generate's prompts stay bare unless asked.
+    assert build_config(GenerateConfig, ["model_name=smollm2-135m-Instruct"]).prompt_preset == ""
+    assert main(["generate", "--help"]) == 0 and "prompt_preset=  " in capsys.readouterr().out
+    for args, needle in [
+        (
+            ["prompt_preset=smollm"],
+            "prompt_preset='smollm': expected one of maxtext, smollm2_demo, or '' for none",
+        ),
+        (["prompt_preset=maxtext", "use_chat_template=false"], "prompt_preset=maxtext renders with the chat"),
+    ]:
+        assert main(["generate", f"load_parameters_path={tmp_path}/none", "prompt=hi", *args]) == 2
         _one_line_error(capsys, needle)

@@ -397,3 +397,24 @@ def test_lazy_conversion_checks_shapes_before_writing(untied, tmp_path):
     ):
         to_native("tiny", tmp_path / "out", hf_model_path=tmp_path / "src", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("max_shard_size", [None, 20_000], ids=["one-file", "sharded"])
+def test_exported_weights_get_an_ordinary_files_mode(untied, tmp_path, umask, max_shard_size):
+    """model.safetensors was written 0600 while every other file got 0644 (the umask's mode)."""
+    import os
+
+    src, _ = untied
+    native = to_native("tiny", tmp_path / "native", hf_model_path=src, progress=False)
+    old = os.umask(umask)
+    try:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        to_huggingface(native["params_path"], tmp_path / "hf", progress=False, **kwargs)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    written = {name: mode for name, mode in modes.items() if "safetensors" in name or name == "config.json"}
+    assert len(written) >= 2 and set(written.values()) == {0o666 & ~umask}, modes
+    if umask == 0o022:  # the tokenizer files are copied with their source's mode (0644 here)
+        assert set(modes.values()) == {0o644}, modes

@@ -239,3 +239,16 @@ def test_filter_by_length(caplog):
     assert "dropped 1 of 3" in caplog.text
     with pytest.raises(ValueError, match="same length"):
         filter_by_length(rows, [[1]], 5)
+
+
+@pytest.mark.parametrize("name", ["data/gsm8kk", "shared/data/gsm8k", "data/gsm8k/train.jsonl"])
+def test_mistyped_local_path_is_not_taken_for_a_hub_name(tmp_path, monkeypatch, name):
+    """A missing path used to be looked up on the Hub and reported as a missing ``datasets`` library."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        load_dataset_rows(name, "train")
+    assert str(err.value) == (
+        f"dataset path {name!r} does not exist (relative to {tmp_path}); pass a .jsonl/.parquet file, a folder "
+        "with train.jsonl or train.parquet, or a Hub name owner/name such as openai/gsm8k"
+    )

@@ -252,3 +252,59 @@ def test_failed_lazy_build_leaves_nothing(tmp_path):
         save_params(params, tmp_path / "0" / "items")
     assert not (tmp_path / "0" / "items").exists()
     assert list((tmp_path / "0").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A finished params checkpoint to copy and damage."""
+    folder = tmp_path_factory.mktemp("saved") / "0" / "items"
+    save_params(_params(True)[0], folder)
+    return folder
+
+
+def _damaged(saved, tmp_path, damage):
+    import shutil
+
+    folder = tmp_path / "0" / "items"
+    shutil.copytree(saved, folder)
+    damage(folder)
+    return folder
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: (f / "manifest.ocdbt").unlink(), "manifest.ocdbt is missing"),
+        (lambda f: _truncate(f / "_METADATA"), "_METADATA is truncated or not valid JSON"),
+        (
+            lambda f: _truncate(max(f.rglob("d/*"), key=lambda p: p.stat().st_size)),
+            r"reading layers\.\w+ failed with OUT_OF_RANGE \(a truncated or corrupt data file\)",
+        ),
+    ],
+    ids=["no-manifest", "truncated-metadata", "truncated-data"],
+)
+def test_damaged_checkpoint_is_named_with_the_fix(saved_checkpoint, tmp_path, damage, message):
+    folder = _damaged(saved_checkpoint, tmp_path, damage)
+    with pytest.raises(ValueError, match=rf"{folder} is damaged: {message}; re-convert the model") as err:
+        restore_params(folder)
+    assert "\n" not in str(err.value)
+
+
+def test_optimizer_state_folder_points_to_model_params(tmp_path):
+    from grpax.checkpoint.train_state import TrainCheckpointer
+
+    params, _ = _params(True)
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", 3, True, True)
+    checkpointer.save(2, params, [{"mu": params}, ()], {"step": 2})  # optax states are tuples/lists
+    checkpointer.close()
+    step = tmp_path / "checkpoints" / "actor" / "2"
+    with pytest.raises(
+        ValueError,
+        match=rf"{step}/opt_state is an Orbax checkpoint but not of model params.*: "
+        rf"pass {step}/model_params$",
+    ):
+        restore_params(step / "opt_state")

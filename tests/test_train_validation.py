@@ -31,6 +31,12 @@ def _config(tmp_path, **overrides):
         ("num_test_batches", -2, r"num_test_batches=-2: expected >= 1 .*, or -1 .*, or 0 for no evaluation"),
         ("eval_batch_size", 0, r"eval_batch_size=0: expected >= 1"),
         ("num_eval_passes", 0, r"num_eval_passes=0: expected >= 1"),
+        ("micro_batch_size", 0, r"micro_batch_size=0: expected >= 1 prompts per micro-batch, or -1 to use "),
+        (
+            "micro_batch_size",
+            -2,
+            r"micro_batch_size=-2: expected >= 1 prompts per micro-batch, or -1 to use ",
+        ),
     ],
 )
 def test_bad_counts_are_refused_before_the_model_loads(tmp_path, key, value, message):
@@ -138,3 +144,110 @@ def test_export_hf_is_refused_with_several_processes(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="export_hf=.* single-process jobs only.*grpax to_huggingface"):
         trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "hf")))
     trainer.validate(_config(tmp_path))
+
+
+def _jsonl(path, count):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _refused_before_loading(tmp_path, **keys) -> str:
+    """The ConfigError of ``train``: it comes before the model load (the checkpoint does not exist)."""
+    with pytest.raises(ConfigError) as err:
+        train(_config(tmp_path, **keys))
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    return str(err.value)
+
+
+def _passes_input_checks(tmp_path, **keys) -> None:
+    with pytest.raises(FileNotFoundError, match="no-such-checkpoint does not exist"):
+        train(_config(tmp_path, **keys))
+
+
+def test_evaluating_on_the_training_file_is_refused_naming_the_keys(tmp_path):
+    data = _jsonl(tmp_path / "rows.jsonl", 10)
+    assert _refused_before_loading(tmp_path, dataset_name=data) == (
+        f"dataset_name={data!r} (eval_split='test') holds the training rows (dataset_name={data!r}, "
+        "train_split='train'; a file has no splits): set eval_dataset_name=<held-out file or folder>, or "
+        "allow_eval_on_train_rows=true to evaluate on training rows anyway (num_test_batches=0: no evaluation)"
+    )
+    assert "eval_dataset_name=" in _refused_before_loading(
+        tmp_path, dataset_name=data, eval_dataset_name=data
+    )
+    _passes_input_checks(
+        tmp_path, dataset_name=data, eval_dataset_name=_jsonl(tmp_path / "held_out.jsonl", 3)
+    )
+    _passes_input_checks(tmp_path, dataset_name=data, allow_eval_on_train_rows=True)
+    _passes_input_checks(tmp_path, dataset_name=data, num_test_batches=0)
+
+
+def test_evaluating_on_the_training_split_is_refused(tmp_path):
+    _jsonl(tmp_path / "gsm8k" / "train.jsonl", 10)
+    _jsonl(tmp_path / "gsm8k" / "test.jsonl", 3)
+    assert "holds the training rows" in _refused_before_loading(tmp_path, eval_split="train")
+    _passes_input_checks(tmp_path)
+
+
+def test_empty_evaluation_split_is_refused_before_training(tmp_path):
+    """It used to train every step (eval_before=false) and fail only at the final evaluation: no results."""
+    _jsonl(tmp_path / "gsm8k" / "train.jsonl", 10)
+    _jsonl(tmp_path / "gsm8k" / "test.jsonl", 0)
+    assert _refused_before_loading(tmp_path, eval_before=False) == (
+        f"dataset_name='{tmp_path}/gsm8k' (eval_split='test') has 0 rows, fewer than 1 question: pass a "
+        "dataset with evaluation rows, or num_test_batches=0 for no evaluation"
+    )
+
+
+def test_too_few_training_rows_name_the_dataset_split_and_key(tmp_path):
+    _jsonl(tmp_path / "gsm8k" / "train.jsonl", 5)
+    _jsonl(tmp_path / "gsm8k" / "test.jsonl", 3)
+    assert _refused_before_loading(tmp_path, batch_size=8, num_generations=2) == (
+        f"dataset_name='{tmp_path}/gsm8k' (train_split='train') has 5 rows, fewer than batch_size=8 (prompts "
+        "per step): lower batch_size or pass a larger dataset"
+    )
+    missing = str(tmp_path / "gsm8kk")
+    assert _refused_before_loading(tmp_path, dataset_name=missing).startswith(
+        f"dataset_name={missing!r} (train_split='train'): dataset path {missing!r} does not exist"
+    )
+
+
+def test_too_few_rows_after_the_length_filter_name_the_dataset_split_and_key(tmp_path):
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.data.prompts import get_prompt_preset
+
+    data = _jsonl(tmp_path / "gsm8k" / "train.jsonl", 5)
+    tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("maxtext")
+    with pytest.raises(ConfigError) as err:
+        trainer.prepare_rows(tokenizer, data, "train", preset, 20, need=("dataset_name", "train_split", 4))
+    assert str(err.value) == (
+        f"dataset_name={data!r} (train_split='train') has 0 prompts of at most max_prefill_predict_length=20 "
+        "tokens (5 longer), fewer than the 4 needed: raise max_prefill_predict_length or pass a larger dataset"
+    )
+    assert (
+        len(trainer.prepare_rows(tokenizer, data, "train", preset, 256, need=("dataset_name", "x", 5))) == 5
+    )
+
+
+def _short_context_checkpoint(tmp_path, max_position_embeddings=256):
+    """Only a config.json (max_position_embeddings) above an empty params folder: the check reads no more."""
+    from grpax.models.registry import get_model_config, to_hf_config
+
+    cfg = get_model_config("smollm2-135m-Instruct", max_position_embeddings=max_position_embeddings)
+    (tmp_path / "ckpt" / "0" / "items").mkdir(parents=True)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    return tmp_path / "ckpt" / "0" / "items"
+
+
+def test_max_target_length_beyond_the_models_positions_is_refused(tmp_path):
+    ckpt = _short_context_checkpoint(tmp_path)
+    keys = tiny_run_keys(ckpt, tmp_path / "out", dataset_name=str(tmp_path / "never-read"))
+    with pytest.raises(ConfigError) as err:
+        train(TrainConfig(**keys))  # max_target_length=272
+    assert str(err.value) == (
+        f"max_target_length=272 exceeds the model's max_position_embeddings=256 ({tmp_path}/ckpt/config.json): "
+        "positions past it were never trained; pass at most 256 tokens"
+    )

@@ -595,7 +595,10 @@ def _write_safetensors(
     def flush(final: bool) -> None:
         idx = len(paths)
         name = f"model-{idx + 1:05d}.safetensors.part"
+        (folder / name).touch()  # the mode of an ordinary new file here (0666 less the umask)
+        mode = (folder / name).stat().st_mode & 0o777
         save_file(shards[-1], str(folder / name), metadata={"format": "pt"})
+        (folder / name).chmod(mode)  # safetensors writes 0600
         paths.append(name)
         if not final:
             shards.append({})

@@ -27,6 +27,7 @@ import ctypes
 import dataclasses
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ import numpy as np
 
 from grpax.config import ConfigError
 from grpax.models.params import Params, convert_layout
-from grpax.models.registry import ModelConfig, from_hf_config
+from grpax.models.registry import ModelConfig, find_hf_config, from_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 class OutputExistsError(FileExistsError, ValueError):
     """The output path already exists; nothing is overwritten (a ValueError too, so the CLI prints one line)."""
+
+
+class BrokenCheckpointError(ValueError):
+    """A checkpoint folder whose files are missing, truncated or of another kind; the message names the fix."""
+
+
+_RECONVERT = "re-convert the model (grpax to_native) or pass another step's .../actor/<step>/model_params"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +230,32 @@ def _stored_tree(directory: Path) -> Any:
             "holding _CHECKPOINT_METADATA, e.g. <base>/0/items"
         )
     meta = _checkpointer().metadata(directory)
-    return getattr(meta, "item_metadata", meta).tree
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    if tree is None:
+        raise BrokenCheckpointError(f"{directory} is damaged: {_damage(directory)}; {_RECONVERT}")
+    if not (isinstance(tree, dict) and {"embed", "layers"} <= set(tree)):
+        hint = directory.parent / "model_params"
+        fix = (
+            f"pass {hint}"
+            if (hint / _TREE_METADATA_FILE).exists()
+            else "pass <base>/0/items or .../model_params"
+        )
+        raise BrokenCheckpointError(
+            f"{directory} is an Orbax checkpoint but not of model params (no embed/layers; "
+            f"an optimizer state or train_meta?): {fix}"
+        )
+    return tree
+
+
+def _damage(directory: Path) -> str:
+    """Which of the checkpoint's metadata files is missing or unreadable (Orbax's metadata() returned None)."""
+    try:
+        stored = json.loads((directory / _TREE_METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return f"{_TREE_METADATA_FILE} is truncated or not valid JSON"
+    if stored.get("use_ocdbt", True) and not (directory / "manifest.ocdbt").exists():
+        return "manifest.ocdbt is missing"
+    return f"{_TREE_METADATA_FILE} or manifest.ocdbt cannot be read"
 
 
 def stored_dtype(directory: str | Path) -> str:
@@ -246,6 +279,8 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
 
     Raises:
       FileNotFoundError: the folder is missing or holds no finished checkpoint.
+      BrokenCheckpointError: a metadata or data file is missing or truncated, or the folder holds another tree
+        (e.g. ``.../actor/<step>/opt_state``); the message names the folder and the fix.
     """
     import orbax.checkpoint as ocp
 
@@ -265,7 +300,17 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
         )
     else:
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), tree)
-    params = _checkpointer().restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    try:
+        params = _checkpointer().restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    except ValueError as e:  # tensorstore: "OUT_OF_RANGE: Error reading ... in "layers.wo/c/0..." ..."
+        status = re.match(r"([A-Z_]+): ", str(e))
+        if status is None:
+            raise
+        leaf = re.search(r'in "([^"/]+)/', str(e))
+        raise BrokenCheckpointError(
+            f"{directory} is damaged: reading {leaf.group(1) if leaf else 'an array'} failed with "
+            f"{status.group(1)} (a truncated or corrupt data file); {_RECONVERT}"
+        ) from e
     if cfg is not None and not direct:
         params = convert_layout(params, cfg, cfg.scan_layers)
         if not cfg.scan_layers:
@@ -284,9 +329,9 @@ def find_model_folder(path: str | Path) -> Path:
       FileNotFoundError: if no folder from ``path`` up to the filesystem root has ``config.json``.
     """
     path = Path(path).absolute()
-    for folder in [path, *path.parents]:
-        if (folder / "config.json").is_file():
-            return folder
+    config = find_hf_config(path)
+    if config is not None:
+        return config.parent
     raise FileNotFoundError(
         f"no config.json at or above {path}: a converted checkpoint keeps it at <base>/ next "
         "to 0/items, a trained one at <base>/<run>/checkpoints/; re-run grpax to_native or "

@@ -10,7 +10,8 @@ from grpax.config import ConfigError, field
 from grpax.rewards.gsm8k import get_reward_config
 
 DESCRIPTION = (
-    "Evaluate a checkpoint on the GSM8K test split (all of it, or num_test_batches x eval_batch_size questions), "
+    "Evaluate a checkpoint on the GSM8K test split (num_test_batches x eval_batch_size questions, 4 x 16 as "
+    "train_rl by default; num_test_batches=-1: all of it), "
     "greedy or sampled with num_eval_passes samples per question; prints accuracy, partial_accuracy, "
     "format_accuracy, mean_reward, pass@k and maj@k with 95% intervals. With completions_path=FILE.jsonl "
     "(fields question, answer, completion) it scores completions made elsewhere, no model needed. "
@@ -27,7 +28,9 @@ class EvaluateConfig:
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with test.jsonl, or a file")
     eval_split: str = field("test", "split to evaluate")
-    num_test_batches: int = field(-1, "evaluate num_test_batches * eval_batch_size questions (-1: all)")
+    num_test_batches: int = field(
+        4, "evaluate num_test_batches * eval_batch_size questions, as train_rl (-1: the whole split)"
+    )
     eval_batch_size: int = field(16, "questions per generate call")
     num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
@@ -93,10 +96,13 @@ def run(config: EvaluateConfig) -> int:
     from grpax.checkpoint.orbax import load_model
     from grpax.data.prompts import get_prompt_preset
     from grpax.data.tokenizer import stop_token_ids
+    from grpax.models.registry import check_context_length
     from grpax.rl.evaluate import evaluate
     from grpax.rl.trainer import EVAL_STRATEGIES, prepare_rows
     from grpax.sampler.engine import SamplerConfig
 
+    what = f"max_target_length={config.max_target_length}"
+    check_context_length(config.max_target_length, what, config.load_parameters_path)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,
@@ -107,7 +113,13 @@ def run(config: EvaluateConfig) -> int:
     preset = get_prompt_preset(config.prompt_preset)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
-        tokenizer, config.dataset_name, config.eval_split, preset, config.max_prefill_predict_length, limit
+        tokenizer,
+        config.dataset_name,
+        config.eval_split,
+        preset,
+        config.max_prefill_predict_length,
+        limit,
+        need=("dataset_name", "eval_split", 1),
     )
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = SamplerConfig(

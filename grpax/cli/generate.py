@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import ClassVar
 
 from grpax.cli.common import select_hardware
 from grpax.config import ConfigError, field
@@ -21,6 +22,8 @@ DESCRIPTION = (
     "Sample completions from a grpax checkpoint (load_parameters_path=<base>/0/items or an actor checkpoint) "
     "for prompt=TEXT or prompts_path=FILE.jsonl (a 'prompt' field per line), num_generations per prompt, "
     "batch_size rows per compiled call. decode_sampling_strategy=greedy|weighted|nucleus|topk as in MaxText. "
+    "prompt_preset=maxtext|smollm2_demo renders each prompt as train_rl renders a question (the preset a run "
+    "trained with; model presets do not set it here). "
     "output_path=FILE.jsonl writes one record per completion (prompt, completion, completion_ids, "
     "finish_reason)."
 )
@@ -30,12 +33,20 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
+    # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
+    PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
+
     load_parameters_path: str = field("", "checkpoint (<base>/0/items or <run>/checkpoints/actor/<step>/...)")
     model_name: str = field("", "model registry name (optional: checks the checkpoint's shapes)")
     prompt: str = field("", "one prompt text")
     prompts_path: str = field("", "JSONL file with a 'prompt' field per line")
     use_chat_template: bool = field(
         True, "wrap each prompt as a user turn with the tokenizer's chat template"
+    )
+    prompt_preset: str = field(
+        "",
+        "render each prompt as a train_rl question with this preset (maxtext | smollm2_demo: system prompt, "
+        "template, response prefix), so the trained model is sampled as it was trained; '' = the bare user turn",
     )
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts keep their last tokens)")
     max_target_length: int = field(512, "max prompt + completion tokens")
@@ -141,6 +152,33 @@ def read_prompts(config: GenerateConfig) -> list[str]:
     return prompts
 
 
+def check_prompt_preset(config: GenerateConfig) -> None:
+    """Raises ConfigError for an unknown prompt_preset, or one without the chat template it renders with."""
+    from grpax.data.prompts import PROMPT_PRESETS
+
+    if config.prompt_preset and config.prompt_preset not in PROMPT_PRESETS:
+        raise ConfigError(
+            f"prompt_preset={config.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or '' for none"
+        )
+    if config.prompt_preset and not config.use_chat_template:
+        raise ConfigError(
+            f"prompt_preset={config.prompt_preset} renders with the chat template (as train_rl does): drop "
+            "use_chat_template=false, or prompt_preset"
+        )
+
+
+def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[str]:
+    """The prompt texts the model continues: train_rl's rendering with prompt_preset, else a bare user turn."""
+    from grpax.data.gsm8k import render_prompt
+
+    if config.prompt_preset:
+        return [render_prompt(tokenizer, t, config.prompt_preset) for t in texts]
+    if not config.use_chat_template:
+        return list(texts)
+    messages = [[{"role": "user", "content": t}] for t in texts]
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+
+
 def run(config: GenerateConfig) -> int:
     select_hardware(config.hardware)
     import jax
@@ -149,7 +187,7 @@ def run(config: GenerateConfig) -> int:
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_matches
+    from grpax.models.registry import check_context_length, check_matches
     from grpax.sampler.engine import SamplerConfig, generate
 
     if not config.load_parameters_path:
@@ -171,11 +209,17 @@ def run(config: GenerateConfig) -> int:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
     sampling = sampling_kwargs(config)
     check_sampling(config, completion_length, sampling)
+    check_prompt_preset(config)
     if config.output_path and Path(config.output_path).is_dir():
         raise ConfigError(
             f"output_path={config.output_path} is a folder: pass a file name, e.g. FOLDER/out.jsonl"
         )
     texts = read_prompts(config)
+    total = config.max_prefill_predict_length + completion_length
+    what = f"max_target_length={config.max_target_length}"
+    if config.max_completion_length > 0:
+        what = f"max_prefill_predict_length + max_completion_length = {total}"
+    check_context_length(total, what, config.load_parameters_path)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,
@@ -186,16 +230,9 @@ def run(config: GenerateConfig) -> int:
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
     params = jax.device_put(params)
-    if config.use_chat_template:
-        rendered = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
-            )
-            for t in texts
-        ]
-    else:
-        rendered = texts
-    token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in rendered]
+    token_ids = [
+        tokenizer.encode(t, add_special_tokens=False) for t in render_prompts(config, tokenizer, texts)
+    ]
     stops = stop_token_ids(tokenizer, model_cfg)
     pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else (stops[0] if stops else 0)
     sampler_cfg = SamplerConfig(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 _HUB_HOST = "huggingface.co"
 _HUB_TIMEOUT_S = 2.0
 _TRUE = ("1", "true", "yes", "on")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 class DatasetUnavailableError(ValueError):
@@ -142,6 +145,41 @@ def _load_from_hub(name: str, split: str) -> list[dict]:
         ) from e
 
 
+def _is_hub_name(name: str) -> bool:
+    """``owner/name`` as the Hub spells a dataset (not a path: no leading ./ ~, no suffix, no local owner)."""
+    owner = name.split("/", 1)[0]
+    return bool(_HUB_NAME.fullmatch(name)) and not Path(owner).exists() and not name.endswith(_SUFFIXES)
+
+
+def dataset_files(path_or_name: str, split: str) -> list[Path]:
+    """The local files holding ``split`` of a dataset file or folder; [] for a Hub name (``owner/name``).
+
+    Raises:
+        FileNotFoundError: a path (anything but ``owner/name``) that does not exist, or a folder without
+            the split; the message lists what the loader accepts.
+    """
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return _files_in_folder(path, split)
+    if path.is_file():
+        return [path]
+    if _is_hub_name(path_or_name):
+        return []
+    raise FileNotFoundError(
+        f"dataset path {path_or_name!r} does not exist (relative to {Path.cwd()}); pass a .jsonl/.parquet file, "
+        f"a folder with {split}.jsonl or {split}.parquet, or a Hub name owner/name such as openai/gsm8k"
+    )
+
+
+def dataset_source(path_or_name: str, split: str) -> str:
+    """What ``load_dataset_rows(path_or_name, split)`` reads: its resolved files, or the Hub name and split.
+
+    Two sources are equal exactly when they yield the same rows (a file has no splits).
+    """
+    files = dataset_files(path_or_name, split)
+    return ",".join(str(f.resolve()) for f in files) if files else f"hub:{path_or_name}:{split}"
+
+
 def load_dataset_rows(
     path_or_name: str,
     split: str,
@@ -152,7 +190,7 @@ def load_dataset_rows(
 
     Args:
         path_or_name: a ``.jsonl`` or ``.parquet`` file; a folder with ``{split}.jsonl``, ``{split}.parquet``,
-            ``{split}-*.parquet`` or ``main/{split}-*.parquet``; or a Hub name such as ``openai/gsm8k``
+            ``{split}-*.parquet`` or ``main/{split}-*.parquet``; or a Hub name ``owner/name`` such as ``openai/gsm8k``
             (config ``main``), which needs the ``datasets`` library and a network.
         split: ``"train"`` or ``"test"`` (used for folders and Hub names).
         question_field: the column holding the question.
@@ -173,22 +211,7 @@ def load_dataset_rows(
         >>> rows[0]["gold"]  # doctest: +SKIP
         '18'
     """
-    path = Path(path_or_name).expanduser()
-    looks_like_path = (
-        path_or_name.startswith((".", "/", "~"))
-        or path.suffix in (".jsonl", ".json", ".parquet")
-        or path.exists()
-    )
-    if path.is_dir():
-        files = _files_in_folder(path, split)
-    elif path.is_file():
-        files = [path]
-    elif looks_like_path:
-        raise FileNotFoundError(
-            f"dataset path {path_or_name!r} does not exist; pass a .jsonl/.parquet file or a folder"
-        )
-    else:
-        files = []
+    files = dataset_files(path_or_name, split)
     if files:
         source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
         raw = _read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])

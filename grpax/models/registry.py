@@ -8,11 +8,12 @@ The shapes are those of the Hugging Face ``LlamaForCausalLM`` configs published 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
-from grpax.config import ConfigError, suggest
+from grpax.config import CONFIG_DIR, ConfigError, suggest
 
 # The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -342,4 +343,79 @@ def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
         raise ConfigError(
             f"{source} does not match model_name={model_name} ({'; '.join(diffs)}); "
             "pass the model_name of that checkpoint"
+        )
+
+
+def find_hf_config(path: str | Path) -> Path | None:
+    """The nearest ``config.json`` at or above ``path`` (where a converted or trained checkpoint keeps it)."""
+    path = Path(path).absolute()
+    return next((f / "config.json" for f in [path, *path.parents] if (f / "config.json").is_file()), None)
+
+
+def registered_names_of(cfg: ModelConfig) -> list[str]:
+    """The registered names with ``cfg``'s shapes; those with its special tokens too when any has them."""
+    refs = {name: get_model_config(name) for name in MODELS}
+    same = [
+        name for name, ref in refs.items() if all(getattr(cfg, f) == getattr(ref, f) for f in ARCH_FIELDS)
+    ]
+    tokens = ("bos_token_id", "eos_token_ids")
+    exact = [name for name in same if all(getattr(cfg, f) == getattr(refs[name], f) for f in tokens)]
+    return exact or same
+
+
+def _preset_note(name: str) -> str:
+    preset = CONFIG_DIR / f"{name}.yml"
+    if not preset.exists():
+        return ""
+    lines = [line.strip() for line in preset.read_text().splitlines()]
+    keys = [line.replace(": ", "=") for line in lines if line and not line.startswith("#")]
+    return f" (its preset grpax/configs/{preset.name}: {', '.join(keys)})"
+
+
+def unregistered_name_error(model_name: str, checkpoint: str = "") -> ConfigError:
+    """The error for a ``model_name`` that is not in ``MODELS``: no preset (prompt, rewards, dtypes) would apply.
+
+    Args:
+      model_name: the unregistered name.
+      checkpoint: the command's checkpoint path, if any; when its ``config.json`` has a registered model's
+        shapes, the error names that model and its preset, else the closest registered names.
+    """
+    head = f"model_name={model_name!r} is not registered, so no model preset would apply"
+    config = find_hf_config(checkpoint) if checkpoint else None
+    try:
+        matches = registered_names_of(load_hf_config(config)) if config else []
+    except ConfigError:
+        matches = []
+    if matches:
+        return ConfigError(
+            f"{head}; the checkpoint's {config} is {' or '.join(matches)}: pass model_name={matches[0]}"
+            f"{_preset_note(matches[0])}, or model_name='' to run it without a preset"
+        )
+    repos = {repo.lower(): name for name, repo in HF_REPOS.items()}
+    lower = {name.lower(): name for name in MODELS}
+    close = [repos[model_name.lower()]] if model_name.lower() in repos else []
+    close += [lower[c] for c in difflib.get_close_matches(model_name.lower(), lower, n=3, cutoff=0.3)]
+    close = list(dict.fromkeys(close))[:3] or list(MODELS)[:3]
+    return ConfigError(
+        f"{head}; closest registered names: {', '.join(close)} (all: grpax/models/registry.py MODELS); pass "
+        "one of them, or model_name='' for a Llama checkpoint grpax does not register (no preset)"
+    )
+
+
+def check_context_length(total: int, what: str, checkpoint: str) -> None:
+    """Refuses prompt + completion budgets beyond the checkpoint's ``max_position_embeddings`` (its config.json).
+
+    Args:
+      total: the longest sequence a run will form, in tokens.
+      what: the key(s) that set it, for the message (e.g. ``"max_target_length=9000"``).
+      checkpoint: the params folder; without a config.json above it nothing is checked (the load says so).
+    """
+    config = find_hf_config(checkpoint) if checkpoint else None
+    if config is None:
+        return
+    limit = load_hf_config(config).max_position_embeddings
+    if total > limit:
+        raise ConfigError(
+            f"{what} exceeds the model's max_position_embeddings={limit} ({config}): positions past it were "
+            f"never trained; pass at most {limit} tokens"
         )

@@ -34,6 +34,7 @@ from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.config import ConfigError, field
 from grpax.data.gsm8k import (
     PromptIterator,
+    dataset_source,
     filter_by_length,
     load_dataset_rows,
     render_prompt,
@@ -41,7 +42,7 @@ from grpax.data.gsm8k import (
 )
 from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import save_tokenizer, stop_token_ids
-from grpax.models.registry import ModelConfig, check_matches, to_hf_config
+from grpax.models.registry import ModelConfig, check_context_length, check_matches, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.advantages import compute_advantages
 from grpax.rl.compare import compare_eval_folders
@@ -75,7 +76,10 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
         "decode_sampling_temperature": "temperature",
     }
 
-    model_name: str = field("smollm2-135m-Instruct", "model registry name (checked against the checkpoint)")
+    model_name: str = field(
+        "smollm2-135m-Instruct",
+        "registered model name: picks the model preset, checked against the checkpoint; '' = no preset",
+    )
     load_parameters_path: str = field(
         "",
         "converted checkpoint <base>/0/items (from grpax to_native) or an actor "
@@ -94,7 +98,12 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
         "least memory, and on CPU also the fastest)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
-    eval_dataset_name: str = field("", "dataset for evaluation (default: dataset_name)")
+    eval_dataset_name: str = field(
+        "", "dataset for evaluation (default: dataset_name; needed when dataset_name is one file)"
+    )
+    allow_eval_on_train_rows: bool = field(
+        False, "allow evaluating on the training rows (same file, or the same split as train_split)"
+    )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
     prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
@@ -230,6 +239,11 @@ def validate(cfg: TrainConfig) -> None:
             f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
             "overwrites: delete it or choose another folder"
         )
+    if cfg.micro_batch_size < 1 and cfg.micro_batch_size != -1:
+        raise ConfigError(
+            f"micro_batch_size={cfg.micro_batch_size}: expected >= 1 prompts per micro-batch, or -1 to use "
+            "num_micro_batches"
+        )
     rows = cfg.batch_size * cfg.num_generations
     if cfg.micro_batch_size > 0 and cfg.batch_size % cfg.micro_batch_size:
         raise ConfigError(
@@ -349,13 +363,73 @@ def _write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> 
     tmp.rmdir()
 
 
+def _load_rows(key: str, dataset: str, split: str, split_key: str) -> list[dict]:
+    """``load_dataset_rows`` with its errors naming the key that chose the dataset."""
+    try:
+        return load_dataset_rows(dataset, split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}={dataset!r} ({split_key}={split!r}): {e}") from None
+
+
+def _too_few(
+    key: str, dataset: str, split_key: str, split: str, got: str, need: str, fix: str
+) -> ConfigError:
+    return ConfigError(f"{key}={dataset!r} ({split_key}={split!r}) has {got}, fewer than {need}: {fix}")
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Reads the rows the run needs before any model is loaded, so that no run trains and then fails.
+
+    Raises:
+      ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
+        split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
+    """
+    check_context_length(
+        cfg.max_target_length, f"max_target_length={cfg.max_target_length}", cfg.load_parameters_path
+    )
+    rows = _load_rows("dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
+    if len(rows) < cfg.batch_size:
+        fix = "lower batch_size or pass a larger dataset"
+        got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
+        raise _too_few("dataset_name", cfg.dataset_name, "train_split", cfg.train_split, got, need, fix)
+    if cfg.num_test_batches == 0:
+        return
+    key, dataset = (
+        ("eval_dataset_name", cfg.eval_dataset_name)
+        if cfg.eval_dataset_name
+        else ("dataset_name", cfg.dataset_name)
+    )
+    train_source = dataset_source(cfg.dataset_name, cfg.train_split)
+    if dataset_source(dataset, cfg.eval_split) == train_source and not cfg.allow_eval_on_train_rows:
+        raise ConfigError(
+            f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds the training rows (dataset_name="
+            f"{cfg.dataset_name!r}, train_split={cfg.train_split!r}; a file has no splits): set "
+            "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
+            "training rows anyway (num_test_batches=0: no evaluation)"
+        )
+    if not _load_rows(key, dataset, cfg.eval_split, "eval_split"):
+        fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"
+        raise _too_few(key, dataset, "eval_split", cfg.eval_split, "0 rows", "1 question", fix)
+
+
 def prepare_rows(
-    tokenizer: Any, dataset: str, split: str, preset, max_prompt_length: int, limit: int = -1
+    tokenizer: Any,
+    dataset: str,
+    split: str,
+    preset,
+    max_prompt_length: int,
+    limit: int = -1,
+    *,
+    need: tuple[str, str, int] = ("dataset_name", "split", 0),
 ) -> list[dict]:
     """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
 
     Args:
       limit: keep the first ``limit`` rows after filtering (-1: all).
+      need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
+
+    Raises:
+      ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
     """
     rows = load_dataset_rows(dataset, split)
     texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
@@ -369,6 +443,11 @@ def prepare_rows(
         dropped,
         max_prompt_length,
     )
+    key, split_key, count = need
+    if len(rows) < count:
+        got = f"{len(rows)} prompts of at most max_prefill_predict_length={max_prompt_length} tokens ({dropped} longer)"
+        fix = "raise max_prefill_predict_length or pass a larger dataset"
+        raise _too_few(key, dataset, split_key, split, got, f"the {count} needed", fix)
     for row, row_ids in zip(rows, ids, strict=True):
         row["prompt_ids"] = row_ids
     return rows if limit < 0 else rows[:limit]
@@ -506,6 +585,7 @@ def train(cfg: TrainConfig) -> dict:
       NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
     """
     validate(cfg)
+    check_inputs(cfg)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
     paths = RunPaths.of(cfg)
     grpo = cfg.grpo()
@@ -550,14 +630,25 @@ def train(cfg: TrainConfig) -> dict:
     preset = get_prompt_preset(cfg.prompt_preset)
     reward_config = get_reward_config(cfg.reward_preset)
     train_rows = prepare_rows(
-        tokenizer, cfg.dataset_name, cfg.train_split, preset, cfg.max_prefill_predict_length
+        tokenizer,
+        cfg.dataset_name,
+        cfg.train_split,
+        preset,
+        cfg.max_prefill_predict_length,
+        need=("dataset_name", "train_split", cfg.batch_size),
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
     evaluating = cfg.num_test_batches != 0
     eval_dataset = cfg.eval_dataset_name or cfg.dataset_name
     eval_rows = (
         prepare_rows(
-            tokenizer, eval_dataset, cfg.eval_split, preset, cfg.max_prefill_predict_length, eval_limit
+            tokenizer,
+            eval_dataset,
+            cfg.eval_split,
+            preset,
+            cfg.max_prefill_predict_length,
+            eval_limit,
+            need=("eval_dataset_name" if cfg.eval_dataset_name else "dataset_name", "eval_split", 1),
         )
         if evaluating
         else []
