@@ -49,6 +49,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.evaluate import decode_completions, evaluate
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.optim import optimizer_from_config
+from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import (
     GenerateOutput,
@@ -496,17 +497,24 @@ def train(cfg: TrainConfig) -> dict:
 
     Raises:
       ConfigError: invalid keys or paths (message names the key); a resume with ``num_batches`` below the
-        latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``.
+        latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``; a run folder that another job
+        holds or that is not a grpax run (``grpax.rl.run_folder``).
       NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
     """
     validate(cfg)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
     paths = RunPaths.of(cfg)
-    grpo = cfg.grpo()
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
         logging.getLogger("grpax").setLevel(logging.WARNING)
+    # Before anything in the run folder is read or written: another job may be writing it (run_folder.py).
+    with claim_run_folder(paths.run_dir, main_process):
+        return _train(cfg, paths, main_process)
 
+
+def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool) -> dict:
+    """``train`` inside the claimed run folder."""
+    grpo = cfg.grpo()
     checkpointer = TrainCheckpointer(
         paths.checkpoints,
         cfg.max_num_checkpoints_to_keep,
