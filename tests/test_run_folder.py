@@ -7,16 +7,19 @@ past them fails on the load instead, with another message.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from conftest import tiny_run_keys
 
+from grpax.checkpoint.orbax import restore_params
 from grpax.cli.main import main
 from grpax.config import ConfigError
 from grpax.rl.run_folder import RunLock, check_run_folder
@@ -122,3 +125,122 @@ def test_what_marks_a_grpax_run_folder(tmp_path):
     check_run_folder(tmp_path)
     with pytest.raises(ConfigError, match=r"run folder .*notes\.txt is a file"):
         check_run_folder(tmp_path / "notes.txt")
+
+
+# Test-only: a step-2 checkpoint write that lasts 3 s (the signal lands while Orbax's temporary folder exists).
+SLOW_SAVE = """
+import sys, time
+import orbax.checkpoint as ocp
+from grpax.checkpoint.orbax import restore_params
+from grpax.cli.main import main
+real = ocp.PyTreeCheckpointHandler.async_save
+async def slow_save(self, directory, *args, **kwargs):
+    if str(directory).split("/")[-2].startswith("2.orbax-checkpoint-tmp"):
+        time.sleep(3)
+    return await real(self, directory, *args, **kwargs)
+ocp.PyTreeCheckpointHandler.async_save = slow_save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _start_train(tiny_checkpoint, tmp_path, *, slow_save: bool) -> subprocess.Popen:
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=3, checkpoint_period=1, num_test_batches=0)
+    args = ["train_rl", *(f"{k}={v}" for k, v in keys.items())]
+    entry = ["-c", SLOW_SAVE] if slow_save else ["-m", "grpax.cli.main"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, *entry, *args], stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    start = time.monotonic()
+    while not predicate():
+        assert proc.poll() is None, f"train_rl ended early ({proc.returncode}): {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() - start < timeout_s
+        time.sleep(0.005)
+
+
+def _message_lines(stderr: str) -> list[str]:
+    """stderr without log lines and progress bars (the bar redraws with carriage returns)."""
+    lines = [line.strip() for line in stderr.replace("\r", "\n").splitlines()]
+    return [line for line in lines if line and not re.match(r"\d\d:\d\d:\d\d |grpo:", line)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("where", ["step", "checkpoint"])
+def test_interrupt_is_one_line_and_the_run_resumes(tiny_checkpoint, tmp_path, signum, where):
+    actor = tmp_path / "run" / "checkpoints" / "actor"
+    proc = _start_train(tiny_checkpoint, tmp_path, slow_save=where == "checkpoint")
+    if where == "step":  # step 2 compiles for seconds after the step-1 checkpoint (a Ctrl-C there segfaulted)
+        _wait_for(lambda: (actor / "1").is_dir(), proc)
+        time.sleep(1)
+    else:
+        _wait_for(lambda: any(p.name.startswith("2.orbax-checkpoint-tmp") for p in actor.glob("*")), proc)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    assert "Traceback" not in stderr and "Fatal Python error" not in stderr, stderr[-3000:]
+    assert _message_lines(stderr) == [
+        f"grpax train_rl: interrupted ({signal.Signals(signum).name}); the checkpoints saved so far are kept: "
+        "the same command resumes from the last one"
+    ]
+    # An interrupted save is finished first; no temporary folder is left.
+    assert sorted(p.name for p in actor.iterdir()) == (["1"] if where == "step" else ["1", "2"])
+    last = 1 if where == "step" else 2
+    assert [
+        json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ] == list(range(1, last + 1))
+    restore_params(actor / str(last) / "model_params")
+
+    rerun = _start_train(
+        tiny_checkpoint, tmp_path, slow_save=False
+    )  # takes the lock the interrupted run held
+    _, stderr = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, stderr[-3000:]
+    assert f"from step {last}" in stderr
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+    ]
+    assert sorted(p.name for p in actor.iterdir()) == ["1", "2", "3"]
+
+
+def test_a_signal_during_a_save_waits_for_it_and_a_second_one_does_not():
+    from grpax import interrupts
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with interrupts.handled():
+        with pytest.raises(interrupts.Interrupted) as e:
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler runs here and only notes the signal
+                finished = True
+        assert finished and e.value.signum == signal.SIGTERM
+        with pytest.raises(interrupts.Interrupted) as e:
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGINT)  # pressed again: raises inside the block
+                time.sleep(0.01)
+                pytest.fail("the second signal did not interrupt the save")
+        assert e.value.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_temporary_folder_of_an_abandoned_save_is_removed(tmp_path):
+    import jax.numpy as jnp
+
+    from grpax.checkpoint.train_state import TrainCheckpointer
+
+    checkpointer = TrainCheckpointer(tmp_path)
+    checkpointer.save(1, {"w": jnp.ones(3)}, {"m": jnp.zeros(3)}, {"step": 1})
+    checkpointer.close()
+    abandoned = tmp_path / "actor" / "2.orbax-checkpoint-tmp-1764650000"  # a save killed half-way
+    (abandoned / "model_params").mkdir(parents=True)
+    checkpointer = TrainCheckpointer(tmp_path)
+    assert checkpointer.latest_step() == 1
+    checkpointer.save(2, {"w": jnp.ones(3)}, {"m": jnp.zeros(3)}, {"step": 2})
+    checkpointer.close()
+    assert sorted(p.name for p in (tmp_path / "actor").iterdir()) == ["1", "2"]

@@ -17,6 +17,8 @@ DESCRIPTION = (
     "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
 )
 
+INTERRUPT_HINT = "; the checkpoints saved so far are kept: the same command resumes from the last one"
+
 
 def run(config: TrainConfig) -> int:
     results = train(config)

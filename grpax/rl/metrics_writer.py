@@ -169,5 +169,7 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
+        """Flushes and closes the TensorBoard files; a second call does nothing."""
         if self._tb is not None:
             self._tb.close()
+            self._tb = None

@@ -508,12 +508,14 @@ def train(cfg: TrainConfig) -> dict:
     if not main_process:  # one process logs; the others only warn
         logging.getLogger("grpax").setLevel(logging.WARNING)
     # Before anything in the run folder is read or written: another job may be writing it (run_folder.py).
-    with claim_run_folder(paths.run_dir, main_process):
-        return _train(cfg, paths, main_process)
+    # The checkpointer and the metrics files are closed on any exit, a Ctrl-C included (closing waits for
+    # Orbax's writes), before the folder is released.
+    with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
+        return _train(cfg, paths, main_process, closing)
 
 
-def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool) -> dict:
-    """``train`` inside the claimed run folder."""
+def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool, closing: contextlib.ExitStack) -> dict:
+    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
     grpo = cfg.grpo()
     checkpointer = TrainCheckpointer(
         paths.checkpoints,
@@ -521,6 +523,7 @@ def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool) -> dict:
         cfg.checkpoint_storage_use_zarr3,
         cfg.checkpoint_storage_use_ocdbt,
     )
+    closing.callback(checkpointer.close)
     latest = checkpointer.latest_step()
     changes = check_resume(cfg, paths, latest) if latest is not None else {}
     if changes:
@@ -588,6 +591,7 @@ def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool) -> dict:
     train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
     writer = MetricsWriter(paths.run_dir)
+    closing.callback(writer.close)
     results: dict[str, Any] = {"run_dir": str(paths.run_dir), "before": None}
     start_step = 0
     if latest is not None:
