@@ -191,3 +191,76 @@ def test_tensorboard_tags_are_cleaned_without_messages(tmp_path, caplog):
     writer.close()
     assert not [r for r in caplog.records if "illegal" in r.getMessage()]
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["eval/pass@k"] == 0.5
+
+
+def _writer_with_lines(tmp_path, tail: str):
+    from grpax.rl.metrics_writer import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write(1, {"loss": 0.5})
+    writer.write(2, {"loss": 0.25})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(tail)
+    return writer
+
+
+def test_metrics_cut_off_last_line_is_dropped_with_a_warning(tmp_path, caplog):
+    writer = _writer_with_lines(tmp_path, '{"step": 3, "loss": 0.1')  # killed mid-append
+    with caplog.at_level("WARNING"):
+        assert [r["step"] for r in writer.records()] == [1, 2]
+    assert any(f"{tmp_path / 'metrics.jsonl'} line 3 is cut off" in r.getMessage() for r in caplog.records)
+    writer.truncate_after(2)  # the resume's bookkeeping removes the cut-off text, so the next line is whole
+    writer.write(3, {"loss": 0.125})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+
+
+def test_metrics_damaged_line_in_the_middle_is_one_line_error(tmp_path):
+    from grpax.config import ConfigError
+
+    writer = _writer_with_lines(tmp_path, '{"step": 3, "lo\n{"step": 4}\n')
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl line 3 is not valid JSON .*delete that line") as e:
+        writer.truncate_after(2)
+    assert "\n" not in str(e.value)
+    writer.close()
+
+
+def test_metrics_lines_are_appended_whole_and_synced(tmp_path, monkeypatch):
+    from grpax.rl import metrics_writer
+
+    writes, syncs = [], []
+    real_write, real_fsync = metrics_writer.os.write, metrics_writer.os.fsync
+
+    def ours(fd):  # TensorBoard writes its event files through os too
+        return metrics_writer.os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl")
+
+    monkeypatch.setattr(
+        metrics_writer.os, "write", lambda fd, b: (ours(fd) and writes.append(b)) or real_write(fd, b)
+    )
+    monkeypatch.setattr(
+        metrics_writer.os, "fsync", lambda fd: (ours(fd) and syncs.append(fd)) or real_fsync(fd)
+    )
+    writer = metrics_writer.MetricsWriter(tmp_path, enabled=True)
+    writer.write(1, {"loss": 0.5, "kl": 0.01})
+    writer.close()
+    assert writes == [(tmp_path / "metrics.jsonl").read_bytes()] and len(syncs) == 1
+
+
+def test_metrics_truncate_replaces_the_file_atomically(tmp_path, monkeypatch):
+    from grpax.rl import metrics_writer
+
+    writer = _writer_with_lines(tmp_path, "")
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # a kill before the rename: the old file must still be whole
+
+    monkeypatch.setattr(metrics_writer.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        writer.truncate_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    monkeypatch.undo()
+    writer.truncate_after(1)
+    writer.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]

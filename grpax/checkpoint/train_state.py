@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from grpax import interrupts
+
 ITEMS = ("model_params", "opt_state", "train_meta")
 
 
@@ -43,7 +45,10 @@ class TrainCheckpointer:
         registry.add("train_meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         registry.add("train_meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            max_to_keep=max_to_keep,
+            create=True,
+            enable_async_checkpointing=False,
+            cleanup_tmp_directories=True,  # the temporary folder of an abandoned save
         )
         self.manager = ocp.CheckpointManager(
             self.directory / "actor", options=options, handler_registry=registry
@@ -53,7 +58,15 @@ class TrainCheckpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
-        """Writes step ``step`` and waits until it is complete on disk."""
+        """Writes step ``step`` and waits until it is complete on disk.
+
+        A Ctrl-C or SIGTERM during the write takes effect once it is complete (``grpax.interrupts``); a second
+        one abandons it, and its temporary folder is removed when the run resumes.
+        """
+        with interrupts.deferred():
+            self._save(step, params, opt_state, meta)
+
+    def _save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         self.manager.save(
             step,
             args=ocp.args.Composite(

@@ -1,8 +1,9 @@
 """The ``grpax`` console command: ``grpax <command> key=value ...`` (MaxText-style keys).
 
 Each command lives in ``grpax/cli/<command>.py`` and exposes ``CONFIG`` (its frozen dataclass of keys),
-``DESCRIPTION`` (one paragraph) and ``run(config) -> int``. This module only dispatches, prints ``--help``
-and turns expected errors into one-line messages with a non-zero exit.
+``DESCRIPTION`` (one paragraph) and ``run(config) -> int`` (and may set ``INTERRUPT_HINT``, said after an
+interruption). This module only dispatches, prints ``--help``, turns expected errors into one-line messages with
+a non-zero exit, and ends an interrupted command (SIGINT, SIGTERM) with one line and exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
+from typing import NoReturn
 
+from grpax import interrupts
 from grpax.config import ConfigError, build_config, describe, suggest
 
 COMMANDS = {
@@ -96,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     # Orbax logs every file it writes, and its probes, at INFO / WARNING.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
-        config = build_config(module.CONFIG, rest)
-        if getattr(config, "hardware", None):
-            select_backend(config.hardware)
-        return int(module.run(config) or 0)
+        with interrupts.handled():
+            config = build_config(module.CONFIG, rest)
+            if getattr(config, "hardware", None):
+                select_backend(config.hardware)
+            return int(module.run(config) or 0)
     except USER_ERRORS as e:
         if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):
             raise
@@ -107,9 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if isinstance(e, ConfigError) else " (GRPAX_DEBUG=1 shows the traceback)"
         print(f"grpax {name}: error: {e}{hint}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"grpax {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        exit_interrupted(name, getattr(e, "signum", signal.SIGINT), getattr(module, "INTERRUPT_HINT", ""))
+
+
+def exit_interrupted(name: str, signum: int, hint: str) -> NoReturn:
+    """Prints one line and ends the process with 128 + ``signum`` (130 for SIGINT, 143 for SIGTERM).
+
+    ``os._exit`` skips the interpreter's teardown, which races native threads still running (an XLA compilation,
+    Orbax's writers) into a segmentation fault or thread tracebacks (``grpax.interrupts``); everything the
+    command had to finish (a checkpoint save) is finished or abandoned by now.
+    """
+    sys.stdout.flush()
+    # A new line first: a progress bar may hold the current one.
+    print(f"\ngrpax {name}: interrupted ({signal.Signals(signum).name}){hint}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":

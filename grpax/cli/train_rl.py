@@ -12,10 +12,13 @@ DESCRIPTION = (
     "sign test of the change; checkpoint the actor under "
     "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "
     f"run_name resumes from the latest checkpoint (a changed {', '.join(RESUME_FIXED_KEYS)} is refused; other "
-    "changes are logged in config_changes.jsonl); export_hf=FOLDER "
+    "changes are logged in config_changes.jsonl); one job at a time per run folder (run.lock), and a folder that "
+    "is not a grpax run is never written; export_hf=FOLDER "
     "also exports the actor in Hugging Face format. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
     "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
 )
+
+INTERRUPT_HINT = "; the checkpoints saved so far are kept: the same command resumes from the last one"
 
 
 def run(config: TrainConfig) -> int:

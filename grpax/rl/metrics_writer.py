@@ -4,12 +4,19 @@ Each ``write(step, metrics)`` appends one JSON line ``{"step": s, "time": t, **m
 ``<run_dir>/metrics.jsonl`` and one scalar per key to ``<run_dir>/tensorboard``. Non-finite and non-numeric
 values are kept in the JSONL (as null / strings) and skipped in TensorBoard. The JSONL is the record of the
 run: ``truncate_after`` (on a resume or a fresh restart) cuts it and rebuilds the event files from it.
+
+Crash safety: each line is appended with one ``os.write`` on an ``O_APPEND`` descriptor and fsynced, so lines
+never interleave and a kill can at worst cut off the last one; the reader drops a cut-off last line with a
+warning (and the next ``truncate_after`` removes it), while a damaged line elsewhere is a one-line
+``ConfigError``. ``truncate_after`` writes a temporary file and renames it over the old one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
 import shutil
 import time
@@ -18,6 +25,10 @@ from typing import Any
 
 import jax
 
+from grpax.config import ConfigError
+
+log = logging.getLogger(__name__)
+
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:
@@ -25,6 +36,53 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The records of a metrics JSONL file, and whether its last line was cut off (and dropped).
+
+    Raises:
+      ConfigError: a line other than the last is not JSON (names the file, the line and the fix).
+    """
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                log.warning("%s line %d is cut off (a kill while it was written): dropped", path, number)
+                return records, True
+            raise ConfigError(
+                f"{path} line {number} is not valid JSON (a damaged metrics file): delete that line, or the "
+                "file to drop the run's metrics history, and run again"
+            ) from None
+    return records, False
+
+
+def append_line(path: Path, text: str) -> None:
+    """Appends ``text`` (one line, newline included) with one write, then fsyncs: a kill never leaves half
+    a line in the middle of the file, and concurrent appends never interleave."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(f"{path}: short write (disk full?)")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def tensorboard_tag(key: str) -> str:
@@ -67,8 +125,7 @@ class MetricsWriter:
             return
         record = {"step": step, "time": round(time.time(), 3)}
         record.update({f"{prefix}{k}": _plain(v) for k, v in metrics.items()})
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record) + "\n")
         self._add_scalars(record)
         self._tb.flush()
 
@@ -76,13 +133,14 @@ class MetricsWriter:
         """The JSONL lines written so far, in order (empty on processes that do not write)."""
         if not self.enabled or not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return read_jsonl(self.path)[0]
 
     def truncate_after(self, step: int, drop_eval_at_step: bool = False) -> None:
         """Drops lines with ``step > step``, so the files match a run restored at ``step`` (-1: drop all).
 
         The TensorBoard event files cannot be cut in place: when lines were dropped they are deleted and
         rewritten from the kept lines (with their original wall times), so no stale point survives a restart.
+        A cut-off last line (``read_jsonl``) is removed too, so that the next line starts on a line of its own.
 
         Args:
           step: the last step kept.
@@ -90,7 +148,7 @@ class MetricsWriter:
         """
         if not self.enabled or not self.path.exists():
             return
-        records = self.records()
+        records, torn = read_jsonl(self.path)
 
         def keep(record: dict[str, Any]) -> bool:
             if record["step"] == step and drop_eval_at_step:
@@ -98,9 +156,11 @@ class MetricsWriter:
             return record["step"] <= step
 
         kept = [r for r in records if keep(r)]
-        if len(kept) == len(records):
+        if len(kept) == len(records) and not torn:
             return
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        if len(kept) == len(records):  # only the cut-off line went: the event files hold no point of it
+            return
         self._tb.close()
         shutil.rmtree(self.tb_dir, ignore_errors=True)
         self._tb = self._open_tb()
@@ -109,5 +169,7 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
+        """Flushes and closes the TensorBoard files; a second call does nothing."""
         if self._tb is not None:
             self._tb.close()
+            self._tb = None

@@ -51,6 +51,7 @@ from grpax.rl.evaluate import decode_completions, evaluate
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
+from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import (
     GenerateOutput,
@@ -581,24 +582,34 @@ def train(cfg: TrainConfig) -> dict:
 
     Raises:
       ConfigError: invalid keys or paths (message names the key); a resume with ``num_batches`` below the
-        latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``.
+        latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``; a run folder that another job
+        holds or that is not a grpax run (``grpax.rl.run_folder``).
       NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
     """
     validate(cfg)
     check_inputs(cfg)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
     paths = RunPaths.of(cfg)
-    grpo = cfg.grpo()
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
         logging.getLogger("grpax").setLevel(logging.WARNING)
+    # Before anything in the run folder is read or written: another job may be writing it (run_folder.py).
+    # The checkpointer and the metrics files are closed on any exit, a Ctrl-C included (closing waits for
+    # Orbax's writes), before the folder is released.
+    with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
+        return _train(cfg, paths, main_process, closing)
 
+
+def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool, closing: contextlib.ExitStack) -> dict:
+    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
+    grpo = cfg.grpo()
     checkpointer = TrainCheckpointer(
         paths.checkpoints,
         cfg.max_num_checkpoints_to_keep,
         cfg.checkpoint_storage_use_zarr3,
         cfg.checkpoint_storage_use_ocdbt,
     )
+    closing.callback(checkpointer.close)
     latest = checkpointer.latest_step()
     changes = check_resume(cfg, paths, latest) if latest is not None else {}
     if changes:
@@ -626,6 +637,7 @@ def train(cfg: TrainConfig) -> dict:
     if grpo.beta > 0:  # the state is donated: in device memory the reference is a copy
         folder = offload_folder(paths.run_dir)
         ref_params = FrozenParams(params if folder else jax.tree.map(jnp.copy, params), folder)
+        closing.callback(ref_params.close)  # its files go on any exit (an interrupt ends with os._exit)
 
     preset = get_prompt_preset(cfg.prompt_preset)
     reward_config = get_reward_config(cfg.reward_preset)
@@ -680,6 +692,7 @@ def train(cfg: TrainConfig) -> dict:
     train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
     writer = MetricsWriter(paths.run_dir)
+    closing.callback(writer.close)
     results: dict[str, Any] = {"run_dir": str(paths.run_dir), "before": None}
     start_step = 0
     if latest is not None:
@@ -829,8 +842,6 @@ def train(cfg: TrainConfig) -> dict:
     results["reward_history"] = reward_history
     checkpointer.close()
     writer.close()
-    if ref_params is not None:
-        ref_params.close()
     if not main_process:
         return results
 
