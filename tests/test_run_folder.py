@@ -1,8 +1,8 @@
 """The run folder ``<base_output_directory>/<run_name>``: one job at a time (``run.lock``), never a folder that is not
 a grpax run, no empty folder left by a failed start.
 
-The checks run before the model loads, so these runs point at a checkpoint that does not exist: a job that gets
-past them fails on the load instead, with another message.
+The checks run before the model loads (after the dataset checks, which touch no run folder), so these runs point
+at a checkpoint that does not exist: a job that gets past them fails on the load instead, with another message.
 """
 
 import json
@@ -28,9 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _args(tmp_path, **overrides) -> list[str]:
-    keys = tiny_run_keys(
-        tmp_path / "no-such-checkpoint", tmp_path / "out", dataset_name=str(tmp_path), **overrides
-    )
+    keys = tiny_run_keys(tmp_path / "no-such-checkpoint", tmp_path / "out", **overrides)  # the real GSM8K
     return ["train_rl", *(f"{k}={v}" for k, v in keys.items())]
 
 
