@@ -51,7 +51,7 @@ class FrozenParams:
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(params, *args, **kwargs)``, waited for; mapped leaves are unmapped before it returns."""
         if self.folder is None:
-            return fn(self._params, *args, **kwargs)
+            return jax.block_until_ready(fn(self._params, *args, **kwargs))
         params = jax.tree.unflatten(
             self._treedef,
             [
