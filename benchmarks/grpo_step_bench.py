@@ -344,9 +344,16 @@ def main() -> None:
     ap.add_argument("--steady_steps", type=int, default=3)
     ap.add_argument("--torch_threads", type=int, default=2)
     ap.add_argument(
-        "--num_micro_batches", type=int, default=4, help="grpax reference/update row blocks (peak memory)"
+        "--num_micro_batches",
+        type=int,
+        default=1,
+        help="grpax reference/update row blocks (train_rl's default: 1)",
     )
-    ap.add_argument("--remat_policy", default="none", help="grpax remat of each layer: none | dots | full")
+    ap.add_argument(
+        "--remat_policy",
+        default="full",
+        help="grpax remat of each layer: none | dots | minimal | full (train_rl's)",
+    )
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")
     ap.add_argument("--json_out", default="")
