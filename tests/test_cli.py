@@ -435,7 +435,7 @@ def test_unregistered_model_name_names_the_checkpoints_registered_model(tmp_path
     _one_line_error(
         capsys,
         f"the checkpoint's {tmp_path}/config.json is smollm2-135m-Instruct: pass model_name=smollm2-135m-Instruct "
-        "(its preset grpax/configs/smollm2-135m-Instruct.yml: dtype=float32, prompt_preset=smollm2_demo, "
+        "(its preset grpax/configs/smollm2.yml: dtype=float32, prompt_preset=smollm2_demo, "
         "reward_preset=smollm2_demo), or model_name='' to run it without a preset",
     )
 

@@ -49,7 +49,6 @@ from grpax.checkpoint.orbax import (
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
-    HF_REPOS,
     MODELS,
     ModelConfig,
     check_matches,
@@ -141,16 +140,16 @@ class SafetensorsSource:
 
 
 def _hub_download(model_name: str, hf_access_token: str | None) -> Path:
-    """Downloads config, safetensors and tokenizer files of ``HF_REPOS[model_name]``; fails at once offline."""
+    """Downloads config, safetensors and tokenizer files of ``MODELS[model_name].hf_repo``; fails at once offline."""
     import huggingface_hub
     from huggingface_hub import HfApi, snapshot_download
 
-    if model_name not in HF_REPOS:
+    if model_name not in MODELS:
         raise ConfigError(
             f"model_name={model_name!r} has no known Hub repository; pass hf_model_path=<folder with "
             "config.json and *.safetensors> or gguf_path=<file.gguf>"
         )
-    repo = HF_REPOS[model_name]
+    repo = MODELS[model_name].hf_repo
     how = (
         f"download it elsewhere (huggingface-cli download {repo}) and pass hf_model_path=<that folder>, "
         "or pass gguf_path=<file.gguf>"
@@ -439,7 +438,7 @@ def to_native(
         source_kind = f"GGUF file {Path(gguf_path).absolute()}"
     else:
         folder = _hub_download(model_name, hf_access_token)
-        source_kind = f"Hub {HF_REPOS[model_name]} ({folder})"
+        source_kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
 
     if folder is not None:
         from grpax.models.registry import load_hf_config
