@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpax.cli.common import maybe_initialize_distributed, select_hardware
+from grpax import distributed
+from grpax.cli.common import select_hardware
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 
@@ -199,10 +200,10 @@ def test_maybe_initialize_distributed(monkeypatch):
         "MEGASCALE_COORDINATOR_ADDRESS",
     ):
         monkeypatch.delenv(name, raising=False)
-    assert not maybe_initialize_distributed(skip=False) and not calls
+    assert not distributed.maybe_initialize(skip=False) and not calls
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
-    assert not maybe_initialize_distributed(skip=True) and not calls
-    assert maybe_initialize_distributed(skip=False) and calls == [1]
+    assert not distributed.maybe_initialize(skip=True) and not calls
+    assert distributed.maybe_initialize(skip=False) and calls == [1]
 
 
 def _default_gguf() -> str | None:
