@@ -456,7 +456,7 @@ def test_evaluate_and_generate_refuse_max_target_length_beyond_the_model(tmp_pat
 def test_evaluate_defaults_are_train_rls():
     """evaluate used to default to the whole test split (hours on a CPU); train_rl evaluates 4 x 16 questions."""
     from grpax.cli.evaluate import EvaluateConfig
-    from grpax.rl.trainer import TrainConfig
+    from grpax.rl.train_config import TrainConfig
 
     evaluate, train = build_config(EvaluateConfig, []), build_config(TrainConfig, [])
     for key in (
@@ -476,9 +476,8 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
 
     from grpax.checkpoint.gguf import read_gguf
     from grpax.cli.generate import GenerateConfig, render_prompts
-    from grpax.data.gsm8k import load_dataset_rows
+    from grpax.data.gsm8k import load_dataset_rows, prepare_rows
     from grpax.data.prompts import get_prompt_preset
-    from grpax.rl.trainer import prepare_rows
 
     data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
     questions = [row["question"] for row in load_dataset_rows(data, "train")]
