@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from grpax.config import ConfigError, field
 
+# The accepted values of the keys with a fixed set; the library modules use these tuples too.
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
