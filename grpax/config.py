@@ -5,7 +5,8 @@ Every command takes flat ``key=value`` arguments whose names match MaxText's whe
 switches by changing only the module name. Values are layered, later wins:
 
 1. the dataclass defaults;
-2. the model preset ``grpax/configs/<preset>.yml`` that ``model_name``'s row of ``MODELS`` names (only keys the command knows);
+2. the model preset ``grpax/configs/<preset>.yml`` named by ``model_name``'s row of ``MODELS`` (only keys the
+   command knows);
 3. a user YAML given as ``config=FILE.yml`` (or as a bare ``*.yml`` first argument, as MaxText does);
 4. ``key=value`` overrides on the command line.
 
