@@ -128,9 +128,24 @@ def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool, closing: conte
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(
-        cfg, grpo, paths, main_process, model_cfg, tokenizer, mesh, rollout_mesh, ref_params, preset,
-        reward_config, eval_rows, sampler_cfg, eval_sampler_cfg, train_step, checkpointer, writer,
-    )  # fmt: skip
+        cfg=cfg,
+        grpo=grpo,
+        paths=paths,
+        main_process=main_process,
+        model_cfg=model_cfg,
+        tokenizer=tokenizer,
+        mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        ref_params=ref_params,
+        preset=preset,
+        reward_config=reward_config,
+        eval_rows=eval_rows,
+        sampler_cfg=sampler_cfg,
+        eval_sampler_cfg=eval_sampler_cfg,
+        train_step=train_step,
+        checkpointer=checkpointer,
+        writer=writer,
+    )
     fresh = checkpointer.latest_step() is None
     state, start_step, before = restore_or_start(
         cfg, paths, main_process, checkpointer, writer, state, iterator, changes
