@@ -51,10 +51,10 @@ from grpax.data.gsm8k import (
     tokenize_prompts,
 )
 from grpax.data.prompts import get_prompt_preset
+from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.config import GRPOConfig
-from grpax.rl.evaluate import decode_completions
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.rl.trainer import grpo_step

@@ -5,7 +5,8 @@ Every command takes flat ``key=value`` arguments whose names match MaxText's whe
 switches by changing only the module name. Values are layered, later wins:
 
 1. the dataclass defaults;
-2. the model preset ``grpax/configs/<model_name>.yml`` when it exists (only keys the command knows);
+2. the model preset ``grpax/configs/<preset>.yml`` named by ``model_name``'s row of ``MODELS`` (only keys the
+   command knows);
 3. a user YAML given as ``config=FILE.yml`` (or as a bare ``*.yml`` first argument, as MaxText does);
 4. ``key=value`` overrides on the command line.
 
@@ -25,11 +26,10 @@ from typing import Any
 
 import yaml
 
+from grpax.errors import ConfigError, suggest  # noqa: F401 - re-exported: grpax.config.ConfigError
+from grpax.models.registry import MODELS, find_hf_config, load_hf_config, registered_names_of
+
 CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A bad key or value on the command line or in a YAML file; the message names the key and the fix."""
 
 
 def _parse_bool(key: str, text: str) -> bool:
@@ -138,22 +138,59 @@ def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
     return kept
 
 
+def preset_path(model_name: str) -> Path | None:
+    """The preset YAML of a registered ``model_name`` (its ``MODELS`` row names it), or None."""
+    row = MODELS.get(model_name)
+    return CONFIG_DIR / f"{row.preset}.yml" if row else None
+
+
+def _preset_note(name: str) -> str:
+    preset = preset_path(name)
+    if preset is None or not preset.exists():
+        return ""
+    lines = [line.strip() for line in preset.read_text().splitlines()]
+    keys = [line.replace(": ", "=") for line in lines if line and not line.startswith("#")]
+    return f" (its preset grpax/configs/{preset.name}: {', '.join(keys)})"
+
+
+def unregistered_name_error(model_name: str, checkpoint: str = "") -> ConfigError:
+    """The error for a ``model_name`` that is not in ``MODELS``: no preset (prompt, rewards, dtypes) would apply.
+
+    Args:
+      model_name: the unregistered name.
+      checkpoint: the command's checkpoint path, if any; when its ``config.json`` has a registered model's
+        shapes, the error names that model and its preset, else the closest registered names.
+    """
+    head = f"model_name={model_name!r} is not registered, so no model preset would apply"
+    config = find_hf_config(checkpoint) if checkpoint else None
+    try:
+        matches = registered_names_of(load_hf_config(config)) if config else []
+    except ConfigError:
+        matches = []
+    if matches:
+        return ConfigError(
+            f"{head}; the checkpoint's {config} is {' or '.join(matches)}: pass model_name={matches[0]}"
+            f"{_preset_note(matches[0])}, or model_name='' to run it without a preset"
+        )
+    repos = {row.hf_repo.lower(): name for name, row in MODELS.items()}
+    lower = {name.lower(): name for name in MODELS}
+    close = [repos[model_name.lower()]] if model_name.lower() in repos else []
+    close += [lower[c] for c in difflib.get_close_matches(model_name.lower(), lower, n=3, cutoff=0.3)]
+    close = list(dict.fromkeys(close))[:3] or list(MODELS)[:3]
+    return ConfigError(
+        f"{head}; closest registered names: {', '.join(close)} (all: grpax/models/registry.py MODELS); pass "
+        "one of them, or model_name='' for a Llama checkpoint grpax does not register (no preset)"
+    )
+
+
 def _check_model_name(model_name: str, checkpoint: str = "") -> None:
     """Refuses a model_name that is not registered (it would silently run without the model's preset).
 
     ``checkpoint`` (the command's load_parameters_path or hf_model_path) lets the error name the registered
     model whose shapes that checkpoint's config.json has.
     """
-    from grpax.models.registry import MODELS, unregistered_name_error
-
     if model_name not in MODELS:
         raise unregistered_name_error(model_name, checkpoint)
-
-
-def suggest(key: str, valid: typing.Iterable[str]) -> str:
-    """Returns ' Did you mean X?' for the closest valid key, or ''."""
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def _read_yaml(path: Path) -> dict:
@@ -238,12 +275,13 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         sources = (explicit, overrides, user_data)
         checkpoint = next((s[k] for k in _CHECKPOINT_KEYS for s in sources if s.get(k)), "")
         _check_model_name(str(model_name), str(checkpoint))
-    if model_name and (CONFIG_DIR / f"{model_name}.yml").exists():
-        preset = _read_yaml(CONFIG_DIR / f"{model_name}.yml")
+    preset_file = preset_path(str(model_name)) if model_name else None
+    if preset_file is not None and preset_file.exists():
+        preset = _read_yaml(preset_file)
         ignored = getattr(cls, "PRESET_IGNORES", ())
         layers.append(
             (
-                f"preset {model_name}.yml",
+                f"preset {preset_file.name}",
                 {k: v for k, v in preset.items() if k in fields and k not in ignored},
             )
         )

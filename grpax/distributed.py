@@ -68,8 +68,7 @@ def maybe_initialize(
 ) -> bool:
     """Starts JAX's multi-process runtime when the run spans several processes (the one implementation).
 
-    Every command calls this (directly or through ``grpax.cli.common.maybe_initialize_distributed``) before
-    anything touches a JAX device.
+    Every command calls this before anything touches a JAX device.
 
     Args:
       skip: ``skip_jax_distributed_system=true``: never initialise.
@@ -139,21 +138,6 @@ def fetch(tree: Any) -> Any:
         return np.asarray(x) if isinstance(x, np.ndarray) else x
 
     return jax.tree.map(one, tree)
-
-
-def process_index() -> int:
-    """This process's index, 0..process_count()-1."""
-    return jax.process_index()
-
-
-def process_count() -> int:
-    """Number of processes (hosts) in the run."""
-    return jax.process_count()
-
-
-def is_main_process() -> bool:
-    """True on process 0: the one that logs, writes metrics and prints summaries."""
-    return jax.process_index() == 0
 
 
 def local_rows(global_rows: int) -> slice:

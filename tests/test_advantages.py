@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
+from grpax.config import ConfigError
 from grpax.rl.advantages import compute_advantages
+from grpax.rl.config import GRPOConfig
 
 
 def test_group_scaling_hand_computed():
@@ -68,8 +70,8 @@ def test_all_nan_group_is_zero():
 def test_errors():
     with pytest.raises(ValueError, match="multiple of num_generations"):
         compute_advantages([1.0, 2.0, 3.0], 2)
-    with pytest.raises(ValueError, match="at least 2"):
-        compute_advantages([1.0, 2.0], 1)
+    with pytest.raises(ConfigError, match="num_generations=1: GRPO needs at least 2 completions per prompt"):
+        GRPOConfig(num_generations=1)  # checked once, where the value enters
     with pytest.raises(ValueError, match="1-D"):
         compute_advantages([[1.0, 2.0]], 2)
     with pytest.raises(ValueError, match="scale_rewards"):

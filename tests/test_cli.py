@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grpax.cli.common import maybe_initialize_distributed, select_hardware
+from grpax import distributed
+from grpax.cli.common import select_hardware
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 
@@ -199,10 +200,10 @@ def test_maybe_initialize_distributed(monkeypatch):
         "MEGASCALE_COORDINATOR_ADDRESS",
     ):
         monkeypatch.delenv(name, raising=False)
-    assert not maybe_initialize_distributed(skip=False) and not calls
+    assert not distributed.maybe_initialize(skip=False) and not calls
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
-    assert not maybe_initialize_distributed(skip=True) and not calls
-    assert maybe_initialize_distributed(skip=False) and calls == [1]
+    assert not distributed.maybe_initialize(skip=True) and not calls
+    assert distributed.maybe_initialize(skip=False) and calls == [1]
 
 
 def _default_gguf() -> str | None:
@@ -435,7 +436,7 @@ def test_unregistered_model_name_names_the_checkpoints_registered_model(tmp_path
     _one_line_error(
         capsys,
         f"the checkpoint's {tmp_path}/config.json is smollm2-135m-Instruct: pass model_name=smollm2-135m-Instruct "
-        "(its preset grpax/configs/smollm2-135m-Instruct.yml: dtype=float32, prompt_preset=smollm2_demo, "
+        "(its preset grpax/configs/smollm2.yml: dtype=float32, prompt_preset=smollm2_demo, "
         "reward_preset=smollm2_demo), or model_name='' to run it without a preset",
     )
 
@@ -455,7 +456,7 @@ def test_evaluate_and_generate_refuse_max_target_length_beyond_the_model(tmp_pat
 def test_evaluate_defaults_are_train_rls():
     """evaluate used to default to the whole test split (hours on a CPU); train_rl evaluates 4 x 16 questions."""
     from grpax.cli.evaluate import EvaluateConfig
-    from grpax.rl.trainer import TrainConfig
+    from grpax.rl.train_config import TrainConfig
 
     evaluate, train = build_config(EvaluateConfig, []), build_config(TrainConfig, [])
     for key in (
@@ -475,9 +476,8 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
 
     from grpax.checkpoint.gguf import read_gguf
     from grpax.cli.generate import GenerateConfig, render_prompts
-    from grpax.data.gsm8k import load_dataset_rows
+    from grpax.data.gsm8k import load_dataset_rows, prepare_rows
     from grpax.data.prompts import get_prompt_preset
-    from grpax.rl.trainer import prepare_rows
 
     data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
     questions = [row["question"] for row in load_dataset_rows(data, "train")]

@@ -4,8 +4,14 @@ import json
 
 import pytest
 
-from grpax.rl.compare import PAIRED_METRICS, compare, compare_eval_folders, question_values, sign_test_p_value
-from grpax.rl.trainer import format_before_after
+from grpax.eval.compare import (
+    PAIRED_METRICS,
+    compare,
+    compare_eval_folders,
+    question_values,
+    sign_test_p_value,
+)
+from grpax.rl.results import format_before_after
 
 
 def _record(question: str, answer: str, extracted: str | None, formatted: bool = False) -> dict:

@@ -55,11 +55,11 @@ CHILD = textwrap.dedent(
         out[name + "_shape"] = np.array([dict(mesh.shape)[a] for a in ("data", "fsdp", "tensor")])
         out[name + "_logits"] = multihost_utils.process_allgather(logits, tiled=True)
     mesh = sh.create_mesh(sh.MeshConfig())
-    per_device = sh.shard_batch(np.arange(2, dtype=np.float32) + 1 + 10 * distributed.process_index(), mesh)
+    per_device = sh.shard_batch(np.arange(2, dtype=np.float32) + 1 + 10 * jax.process_index(), mesh)
     total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, ("data", "fsdp")), mesh=mesh,
                                   in_specs=P(("data", "fsdp")), out_specs=P()))(per_device)
     out["psum"] = multihost_utils.process_allgather(total, tiled=True)
-    out["main"] = np.array(distributed.is_main_process())
+    out["main"] = np.array(jax.process_index() == 0)
     np.savez(sys.argv[3], **out)
     """
 )
@@ -125,7 +125,7 @@ def test_single_process_helpers(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
     assert distributed.maybe_initialize(skip=True) is False
     assert distributed.maybe_initialize() is False and not calls
-    assert distributed.process_count() == 1 and distributed.is_main_process()
+    assert jax.process_count() == 1 and jax.process_index() == 0
     assert distributed.local_rows(8) == slice(0, 8)
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     with pytest.raises(ValueError, match="needs coordinator_address, num_processes and process_id together"):

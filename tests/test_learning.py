@@ -7,13 +7,14 @@ the prompt.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
-from grpax.rl.train_step import init_train_state, make_train_step
+from grpax.rl.train_step import TrainState, make_train_step
 from grpax.rl.trainer import grpo_step
 from grpax.sampler.engine import SamplerConfig
 
@@ -50,7 +51,8 @@ def test_grpo_raises_reward_on_toy_task():
         temperature=1.0,
     )
     optimizer, schedule = optimizer_from_config(grpo, num_steps)
-    state = init_train_state(init_params(cfg, jax.random.key(0)), optimizer)
+    params = init_params(cfg, jax.random.key(0))
+    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
     train_step = make_train_step(cfg, grpo, optimizer, 1, schedule)
     sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from grpax.rl.metrics import (
+from grpax.eval.metrics import (
     load_completions_file,
     maj_at_k,
     majority_answer,

@@ -36,7 +36,8 @@ CHILD = textwrap.dedent(
         from grpax import distributed
         assert distributed.maybe_initialize(False, address, int(num_processes), int(process_id))
     import jax
-    from grpax.rl.trainer import TrainConfig, train
+    from grpax.rl.train_config import TrainConfig
+    from grpax.rl.trainer import train
     results = train(TrainConfig(**keys))
     if len(sys.argv) > 6:  # restore another run's checkpoint onto a tensor=4 mesh
         from grpax import sharding as sh

@@ -393,7 +393,8 @@ def test_sharded_grpo_train_step_equals_unsharded(name, params):
     optimizer = optax.sgd(0.5)
     step = train_step.make_train_step(CFG, grpo, optimizer, num_micro_batches=2)
     copy = jax.tree.map(jnp.array, params)
-    expected, expected_metrics = step(train_step.init_train_state(copy, optimizer), batch)
+    fresh = train_step.TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32))
+    expected, expected_metrics = step(fresh, batch)
 
     mesh = sh.create_mesh(MESHES[name])
     # A copy: device_put may alias the input buffers, and the step donates its state.

@@ -17,10 +17,10 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import per_token_logprobs, token_entropy
 from grpax.rl.optim import learning_rate_at, make_lr_schedule, make_optimizer, optimizer_from_config
 from grpax.rl.train_step import (
+    TrainState,
     accumulate_gradients,
     completion_logprobs,
     compute_logprobs,
-    init_train_state,
     make_train_step,
 )
 
@@ -195,7 +195,8 @@ def test_train_step_raises_logprobs_of_positive_rows(params, train_step):
     optimizer, step = train_step
     batch = _batch()
     batch["old_logprobs"] = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    copy = jax.tree.map(jnp.copy, params)
+    state = TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32))
     losses = []
     for _ in range(4):
         state, metrics = step(state, batch)
@@ -219,7 +220,8 @@ def test_nan_advantage_skips_the_step(params, train_step):
     batch = _batch()
     batch["old_logprobs"] = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
     batch["advantages"][3] = np.nan
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    copy = jax.tree.map(jnp.copy, params)
+    state = TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32))
     before = jax.tree.map(np.asarray, state.params)
     state, metrics = step(state, batch)
     assert bool(metrics["nonfinite"])

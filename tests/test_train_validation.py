@@ -10,9 +10,12 @@ import pytest
 from conftest import tiny_run_keys
 
 from grpax.config import ConfigError, build_config
-from grpax.rl import trainer
+from grpax.data import gsm8k
+from grpax.rl import resume, train_config
 from grpax.rl.config import GRPOConfig
-from grpax.rl.trainer import RunPaths, TrainConfig, check_resume, train
+from grpax.rl.resume import RunPaths, check_resume
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.trainer import train
 
 
 def _config(tmp_path, **overrides):
@@ -46,8 +49,8 @@ def test_bad_counts_are_refused_before_the_model_loads(tmp_path, key, value, mes
 
 
 def test_whole_split_no_evaluation_and_zero_eval_interval_are_accepted(tmp_path):
-    trainer.validate(_config(tmp_path, num_test_batches=-1, eval_interval=0))
-    trainer.validate(_config(tmp_path, num_test_batches=0, eval_interval=1))
+    train_config.validate(_config(tmp_path, num_test_batches=-1, eval_interval=0))
+    train_config.validate(_config(tmp_path, num_test_batches=0, eval_interval=1))
 
 
 @pytest.mark.parametrize("value", ["0", "-1e-5", "0.0"])
@@ -62,21 +65,21 @@ def test_learning_rate_must_be_positive(value):
 def test_export_hf_into_a_non_empty_folder_is_refused(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
-    trainer.validate(_config(tmp_path, export_hf=str(folder)))  # empty: fine
-    trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "new")))  # absent: fine
+    train_config.validate(_config(tmp_path, export_hf=str(folder)))  # empty: fine
+    train_config.validate(_config(tmp_path, export_hf=str(tmp_path / "new")))  # absent: fine
     (folder / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"export_hf=.*hf' already exists and is not an empty folder"):
         train(_config(tmp_path, export_hf=str(folder)))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="export_hf"):
-        trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "file")))
+        train_config.validate(_config(tmp_path, export_hf=str(tmp_path / "file")))
 
 
 def _saved_run(tmp_path, **overrides):
     cfg = _config(tmp_path, **overrides)
     paths = RunPaths.of(cfg)
     paths.run_dir.mkdir(parents=True)
-    trainer._write_config(paths, cfg)
+    resume.write_config(paths, cfg)
     return paths
 
 
@@ -140,10 +143,10 @@ def test_resume_with_a_corrupt_config_names_the_file(tmp_path):
 
 
 def test_export_hf_is_refused_with_several_processes(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(train_config.jax, "process_count", lambda: 2)
     with pytest.raises(ConfigError, match="export_hf=.* single-process jobs only.*grpax to_huggingface"):
-        trainer.validate(_config(tmp_path, export_hf=str(tmp_path / "hf")))
-    trainer.validate(_config(tmp_path))
+        train_config.validate(_config(tmp_path, export_hf=str(tmp_path / "hf")))
+    train_config.validate(_config(tmp_path))
 
 
 def _jsonl(path, count):
@@ -222,14 +225,12 @@ def test_too_few_rows_after_the_length_filter_name_the_dataset_split_and_key(tmp
     data = _jsonl(tmp_path / "gsm8k" / "train.jsonl", 5)
     tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("maxtext")
     with pytest.raises(ConfigError) as err:
-        trainer.prepare_rows(tokenizer, data, "train", preset, 20, need=("dataset_name", "train_split", 4))
+        gsm8k.prepare_rows(tokenizer, data, "train", preset, 20, need=("dataset_name", "train_split", 4))
     assert str(err.value) == (
         f"dataset_name={data!r} (train_split='train') has 0 prompts of at most max_prefill_predict_length=20 "
         "tokens (5 longer), fewer than the 4 needed: raise max_prefill_predict_length or pass a larger dataset"
     )
-    assert (
-        len(trainer.prepare_rows(tokenizer, data, "train", preset, 256, need=("dataset_name", "x", 5))) == 5
-    )
+    assert len(gsm8k.prepare_rows(tokenizer, data, "train", preset, 256, need=("dataset_name", "x", 5))) == 5
 
 
 def _short_context_checkpoint(tmp_path, max_position_embeddings=256):

@@ -19,10 +19,12 @@ from grpax.checkpoint.hf import iter_hf_tensors
 from grpax.checkpoint.orbax import restore_params
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
+from grpax.eval.compare import PAIRED_METRICS
 from grpax.models.registry import from_hf_config
+from grpax.rl import results as rl_results
 from grpax.rl import trainer
-from grpax.rl.compare import PAIRED_METRICS
-from grpax.rl.trainer import TrainConfig, train
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.trainer import train
 
 
 def _config(ckpt, out, **overrides):
@@ -255,7 +257,7 @@ def test_a_failed_export_keeps_results_json(tiny_checkpoint, tmp_path, monkeypat
     def full_disk(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(trainer, "to_huggingface", full_disk)
+    monkeypatch.setattr(rl_results, "to_huggingface", full_disk)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # a killed attempt's line
     with caplog.at_level(logging.WARNING, logger="grpax.train"), pytest.raises(OSError, match="No space"):

@@ -30,13 +30,9 @@ import ml_dtypes
 import numpy as np
 
 from grpax.checkpoint.hf import (
-    _TOP_HF,
     MissingTensorError,
-    hf_layer_name,
-    hf_to_native,
     iter_hf_tensors,
     load_params_from_tensors,
-    native_to_hf,
 )
 from grpax.checkpoint.orbax import (
     TOKENIZER_FILES,
@@ -49,7 +45,6 @@ from grpax.checkpoint.orbax import (
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
-    HF_REPOS,
     MODELS,
     ModelConfig,
     check_matches,
@@ -141,16 +136,16 @@ class SafetensorsSource:
 
 
 def _hub_download(model_name: str, hf_access_token: str | None) -> Path:
-    """Downloads config, safetensors and tokenizer files of ``HF_REPOS[model_name]``; fails at once offline."""
+    """Downloads config, safetensors and tokenizer files of ``MODELS[model_name].hf_repo``; fails at once offline."""
     import huggingface_hub
     from huggingface_hub import HfApi, snapshot_download
 
-    if model_name not in HF_REPOS:
+    if model_name not in MODELS:
         raise ConfigError(
             f"model_name={model_name!r} has no known Hub repository; pass hf_model_path=<folder with "
             "config.json and *.safetensors> or gguf_path=<file.gguf>"
         )
-    repo = HF_REPOS[model_name]
+    repo = MODELS[model_name].hf_repo
     how = (
         f"download it elsewhere (huggingface-cli download {repo}) and pass hf_model_path=<that folder>, "
         "or pass gguf_path=<file.gguf>"
@@ -245,41 +240,13 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------- streaming
 
 
-_ROWS_PER_COPY = (
-    16  # HF rows per block copy: keeps the transposed writes cache-resident (~10x numpy's w.T copy)
-)
-
-
-def _fill_native(dst: np.ndarray, w: np.ndarray, hf_name: str, name: str, cfg: ModelConfig) -> None:
-    """Copies HF tensor ``w`` ([out, in]) of weight ``name`` into ``dst`` (grpax layout), casting to its dtype.
-
-    The copy goes through ``native_to_hf(dst)``, a view of ``dst`` in HF layout, a few HF rows at a time: a
-    plain ``dst[...] = w.T`` on 2-byte elements is strided and runs at ~250 MB/s; blocks run at ~2.5 GB/s.
-
-    Raises:
-      ValueError: ``w`` does not have the HF shape of ``dst`` (names both).
-    """
-    view = native_to_hf(name, dst, cfg)
-    if view.shape != w.shape:
-        raise ValueError(
-            f"tensor {hf_name!r} has shape {tuple(w.shape)}, expected HF layout of {dst.shape} "
-            f"for this config; is model_name right?"
-        )
-    if view.ndim < 2 or view.flags.c_contiguous or not np.may_share_memory(view, dst):  # no transpose
-        dst[...] = hf_to_native(name, w, cfg)
-        return
-    for r in range(0, w.shape[0], _ROWS_PER_COPY):
-        view[r : r + _ROWS_PER_COPY] = w[r : r + _ROWS_PER_COPY]
-
-
 def lazy_params(
     source: Any, cfg: ModelConfig, dtype: np.dtype, on_tensor: Callable[[int], None] | None = None
 ) -> dict:
     """A params tree of ``LazyArray`` leaves that read their source tensors only when built.
 
-    A stacked leaf ``[L, ...]`` is filled layer by layer into one preallocated array, so building it holds that
-    array plus one source tensor. Every tensor name (and, where the source knows it without reading, its shape)
-    is checked here, before anything is written.
+    ``grpax.checkpoint.hf.load_params_from_tensors`` with leaves built later: every tensor name (and, where the
+    source knows it without reading, its size) is checked here, before anything is written.
 
     Args:
       source: has ``get_tensor(name) -> np.ndarray`` and ``has_tensor(name) -> bool`` (HF names), optionally
@@ -296,72 +263,15 @@ def lazy_params(
       ValueError: a tensor has the wrong number of elements for this config (names it, with both shapes); a
         wrong layout of the right size is raised when the leaf is built, which aborts the save.
     """
-    from grpax.models.params import layer_specs, top_specs
-
-    dtype = np.dtype(dtype)
-
-    def check(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-        if not source.has_tensor(hf_name):
-            hint = " (the config says tie_word_embeddings=false)" if name == "lm_head" else ""
-            raise MissingTensorError(f"tensor {hf_name!r} is missing from the checkpoint{hint}")
-        if hasattr(source, "tensor_shape"):
-            stored = source.tensor_shape(hf_name)
-            if int(np.prod(stored)) != int(np.prod(shape)):
-                raise ValueError(
-                    f"tensor {hf_name!r} has shape {stored}, expected HF layout of {shape} "
-                    f"for this config; is model_name right?"
-                )
-
-    def fill(dst: np.ndarray, hf_name: str, name: str) -> None:
-        w = np.asarray(source.get_tensor(hf_name))
-        _fill_native(dst, w, hf_name, name, cfg)
-        if on_tensor:
-            on_tensor(w.nbytes)
-
-    def build(hf_names: list[str], name: str, shape: tuple[int, ...]) -> np.ndarray:
-        out = np.empty((len(hf_names), *shape), dtype)
-        for i, hf_name in enumerate(hf_names):
-            fill(out[i], hf_name, name)
-        return out
-
-    def single(hf_name: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = np.asarray(source.get_tensor(hf_name))
-        native = hf_to_native(name, w, cfg)
-        if native.shape == shape and native.dtype == dtype and native.flags.c_contiguous:
-            if on_tensor:
-                on_tensor(w.nbytes)
-            return native  # already in place (the embedding): no second copy of the largest tensor
-        out = np.empty(shape, dtype)
-        _fill_native(out, w, hf_name, name, cfg)
-        if on_tensor:
-            on_tensor(w.nbytes)
-        return out
-
-    def leaf(hf_names: list[str], name: str, shape: tuple[int, ...], stack: bool) -> LazyArray:
-        for hf_name in hf_names:
-            check(hf_name, name, shape)
-        if stack:  # [L, ...]: filled layer by layer into one preallocated array
-            return LazyArray((len(hf_names), *shape), dtype, lambda: build(hf_names, name, shape))
-        return LazyArray(shape, dtype, lambda: single(hf_names[0], name, shape))
-
-    params: dict = {
-        name: leaf([_TOP_HF[name]], name, shape, stack=False) for name, (shape, _) in top_specs(cfg).items()
-    }
-    specs = layer_specs(cfg)
-    if cfg.scan_layers:
-        params["layers"] = {
-            name: leaf([hf_layer_name(i, name) for i in range(cfg.num_layers)], name, shape, stack=True)
-            for name, (shape, _) in specs.items()
-        }
-    else:
-        params["layers"] = [
-            {
-                name: leaf([hf_layer_name(i, name)], name, shape, stack=False)
-                for name, (shape, _) in specs.items()
-            }
-            for i in range(cfg.num_layers)
-        ]
-    return params
+    return load_params_from_tensors(
+        source.get_tensor,
+        source.has_tensor,
+        cfg,
+        dtype,
+        on_tensor,
+        tensor_shape=getattr(source, "tensor_shape", None),
+        lazy=LazyArray,
+    )
 
 
 # -------------------------------------------------------------------------------------------- to_native
@@ -439,7 +349,7 @@ def to_native(
         source_kind = f"GGUF file {Path(gguf_path).absolute()}"
     else:
         folder = _hub_download(model_name, hf_access_token)
-        source_kind = f"Hub {HF_REPOS[model_name]} ({folder})"
+        source_kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
 
     if folder is not None:
         from grpax.models.registry import load_hf_config
@@ -662,7 +572,6 @@ def to_huggingface(
       MissingTensorError / ValueError: the params lack a weight (e.g. ``lm_head`` of an untied model) or have
         the wrong shape.
     """
-    from grpax.checkpoint.hf import MissingTensorError
     from grpax.models.params import abstract_params
 
     dtype = _dtype(weight_dtype)

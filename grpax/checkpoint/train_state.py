@@ -21,8 +21,6 @@ import orbax.checkpoint as ocp
 
 from grpax import interrupts
 
-ITEMS = ("model_params", "opt_state", "train_meta")
-
 
 class TrainCheckpointer:
     """Saves and restores (params, opt_state, meta) per step, keeping the newest ``max_to_keep``.

@@ -1,4 +1,4 @@
-"""Helpers shared by the command-line modules: hardware selection and multi-host start-up."""
+"""Helpers shared by the command-line modules: hardware selection."""
 
 from __future__ import annotations
 
@@ -23,20 +23,3 @@ def select_hardware(hardware: str) -> None:
         os.environ["JAX_PLATFORMS"] = {"gpu_multiprocess": "cuda"}.get(
             hardware, "cuda" if hardware == "gpu" else hardware
         )
-
-
-def maybe_initialize_distributed(skip: bool) -> bool:
-    """Starts ``jax.distributed`` for a multi-process run: ``grpax.distributed.maybe_initialize(skip)``.
-
-    Every command initialises through ``grpax.distributed.maybe_initialize`` (the one implementation: JAX_*
-    variables, launcher auto-detection, Cloud TPU); this name stays for the CLI modules.
-
-    Args:
-      skip: MaxText's ``skip_jax_distributed_system``; True never initialises.
-
-    Returns:
-      Whether the distributed runtime is initialised.
-    """
-    from grpax import distributed
-
-    return distributed.maybe_initialize(skip)

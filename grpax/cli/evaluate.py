@@ -65,13 +65,13 @@ def _print_summary(summary: dict) -> None:
 
 
 def run(config: EvaluateConfig) -> int:
-    from grpax.rl.trainer import validate_eval_keys
+    from grpax.eval.keys import validate_eval_keys
 
     reward_config = get_reward_config(config.reward_preset)
     validate_eval_keys(config, allow_no_eval=False)
     if config.completions_path:
         from grpax.data.gsm8k import extract_gold
-        from grpax.rl.metrics import load_completions_file, score_records, summarize
+        from grpax.eval.metrics import load_completions_file, score_records, summarize
 
         records_in = load_completions_file(config.completions_path)
         golds = [extract_gold(r["answer"]) or r["answer"] for r in records_in]
@@ -94,11 +94,12 @@ def run(config: EvaluateConfig) -> int:
         raise ConfigError("pass load_parameters_path=<checkpoint> or completions_path=<file.jsonl>")
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
+    from grpax.data.gsm8k import prepare_rows
     from grpax.data.prompts import get_prompt_preset
     from grpax.data.tokenizer import stop_token_ids
+    from grpax.eval.evaluate import evaluate
+    from grpax.eval.keys import EVAL_STRATEGIES
     from grpax.models.registry import check_context_length
-    from grpax.rl.evaluate import evaluate
-    from grpax.rl.trainer import EVAL_STRATEGIES, prepare_rows
     from grpax.sampler.engine import SamplerConfig
 
     what = f"max_target_length={config.max_target_length}"

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in rest):
         try:  # show the values a run would use: defaults with the model's preset (and any given keys) applied
             shown = build_config(module.CONFIG, [a for a in rest if a not in ("-h", "--help")])
-            note = "keys (values with the preset of model_name applied, from grpax/configs/<model_name>.yml):"
+            note = "keys (values with the preset of model_name applied, from grpax/configs/<preset>.yml):"
         except ConfigError:
             shown, note = None, "keys:"
         print(

@@ -34,7 +34,7 @@ class CONFIG:
 
 
 def run(config: CONFIG) -> int:
-    from grpax.cli.common import maybe_initialize_distributed, select_hardware
+    from grpax.cli.common import select_hardware
     from grpax.config import ConfigError
 
     select_hardware(config.hardware)
@@ -43,7 +43,9 @@ def run(config: CONFIG) -> int:
     for key in ("load_parameters_path", "base_output_directory"):
         if not getattr(config, key):
             raise ConfigError(f"{key} is required")
-    maybe_initialize_distributed(config.skip_jax_distributed_system)
+    from grpax import distributed
+
+    distributed.maybe_initialize(config.skip_jax_distributed_system)
     from grpax.checkpoint.convert import to_huggingface
 
     summary = to_huggingface(

@@ -39,7 +39,7 @@ class CONFIG:
 
 
 def run(config: CONFIG) -> int:
-    from grpax.cli.common import maybe_initialize_distributed, select_hardware
+    from grpax.cli.common import select_hardware
     from grpax.config import ConfigError
 
     select_hardware(config.hardware)
@@ -47,7 +47,9 @@ def run(config: CONFIG) -> int:
         raise ConfigError(
             "base_output_directory is required (e.g. base_output_directory=checkpoints/smollm2)"
         )
-    maybe_initialize_distributed(config.skip_jax_distributed_system)
+    from grpax import distributed
+
+    distributed.maybe_initialize(config.skip_jax_distributed_system)
     from grpax.checkpoint.convert import to_native
 
     summary = to_native(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from grpax.rl.trainer import RESUME_FIXED_KEYS, TrainConfig, format_before_after, train
+from grpax.rl.results import format_before_after
+from grpax.rl.resume import RESUME_FIXED_KEYS
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.trainer import train
 
 CONFIG = TrainConfig
 DESCRIPTION = (

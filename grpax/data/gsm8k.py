@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from grpax.data.prompts import PromptPreset, get_prompt_preset
+from grpax.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+_train_log = logging.getLogger("grpax.train")  # the name prepare_rows has always logged under
 
 _HUB_HOST = "huggingface.co"
 _HUB_TIMEOUT_S = 2.0
@@ -415,3 +417,51 @@ def filter_by_length(
             "dropped %d of %d prompts longer than %d tokens", num_dropped, len(rows), max_prompt_length
         )
     return [r for r, _ in kept], [ids for _, ids in kept], num_dropped
+
+
+def too_few_rows(
+    key: str, dataset: str, split_key: str, split: str, got: str, need: str, fix: str
+) -> ConfigError:
+    """The error for a dataset with fewer rows than a run needs (the keys that chose it named)."""
+    return ConfigError(f"{key}={dataset!r} ({split_key}={split!r}) has {got}, fewer than {need}: {fix}")
+
+
+def prepare_rows(
+    tokenizer: Any,
+    dataset: str,
+    split: str,
+    preset: PromptPreset,
+    max_prompt_length: int,
+    limit: int = -1,
+    *,
+    need: tuple[str, str, int] = ("dataset_name", "split", 0),
+) -> list[dict]:
+    """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
+
+    Args:
+      limit: keep the first ``limit`` rows after filtering (-1: all).
+      need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
+
+    Raises:
+      ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
+    """
+    rows = load_dataset_rows(dataset, split)
+    texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    ids = tokenize_prompts(tokenizer, texts)
+    rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)
+    _train_log.info(
+        "%s/%s: %d prompts (%d longer than max_prefill_predict_length=%d dropped)",
+        dataset,
+        split,
+        len(rows),
+        dropped,
+        max_prompt_length,
+    )
+    key, split_key, count = need
+    if len(rows) < count:
+        got = f"{len(rows)} prompts of at most max_prefill_predict_length={max_prompt_length} tokens ({dropped} longer)"
+        fix = "raise max_prefill_predict_length or pass a larger dataset"
+        raise too_few_rows(key, dataset, split_key, split, got, f"the {count} needed", fix)
+    for row, row_ids in zip(rows, ids, strict=True):
+        row["prompt_ids"] = row_ids
+    return rows if limit < 0 else rows[:limit]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
 # End-of-turn tokens of the supported chat templates (ChatML, Llama 3 turn end and tool-call end).
@@ -90,30 +89,3 @@ def stop_token_ids(tokenizer: Any, config: Any = None) -> tuple[int, ...]:
     vocab = tokenizer.get_vocab()
     ids += [int(vocab[token]) for token in END_OF_TURN_TOKENS if token in vocab]
     return tuple(dict.fromkeys(ids))
-
-
-def apply_chat_template(
-    tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
-) -> str:
-    """Renders ``messages`` (``[{"role": "user", "content": ...}]``) with the tokenizer's chat template.
-
-    Args:
-      tokenizer: a transformers tokenizer with a ``chat_template``.
-      messages: the conversation, oldest first.
-      add_generation_prompt: end with the assistant turn's header, so the model writes the answer next.
-
-    Returns:
-      The prompt text; it holds the template's special tokens (BOS included where the template writes one),
-      so encode it with ``add_special_tokens=False`` to avoid a second BOS.
-
-    Raises:
-      ValueError: if the tokenizer has no chat template (a base model): use a plain-text prompt template.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template (a base "
-            "model?); use an instruct checkpoint or a plain-text prompt template"
-        )
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-    )

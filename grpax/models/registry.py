@@ -8,12 +8,11 @@ The shapes are those of the Hugging Face ``LlamaForCausalLM`` configs published 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
-from grpax.config import CONFIG_DIR, ConfigError, suggest
+from grpax.errors import ConfigError, suggest
 
 # The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -150,39 +149,48 @@ _SMOLLM2_17B = dict(
 _SMOL_INSTRUCT = dict(bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
 _LLAMA_INSTRUCT = dict(eos_token_ids=_LLAMA3_INSTRUCT_EOS)
 
-MODELS: dict[str, dict[str, Any]] = {
-    "llama3.1-8b": _LLAMA31_8B,
-    "llama3.1-8b-Instruct": dict(_LLAMA31_8B, **_LLAMA_INSTRUCT),
-    "llama3.1-70b": _LLAMA31_70B,
-    "llama3.1-70b-Instruct": dict(_LLAMA31_70B, **_LLAMA_INSTRUCT),
-    "llama3.2-1b": _LLAMA32_1B,
-    "llama3.2-1b-Instruct": dict(_LLAMA32_1B, **_LLAMA_INSTRUCT),
-    "llama3.2-3b": _LLAMA32_3B,
-    "llama3.2-3b-Instruct": dict(_LLAMA32_3B, **_LLAMA_INSTRUCT),
-    "smollm2-135m": _SMOLLM2_135M,
-    "smollm2-135m-Instruct": dict(_SMOLLM2_135M, **_SMOL_INSTRUCT),
-    "smollm2-360m": _SMOLLM2_360M,
-    "smollm2-360m-Instruct": dict(_SMOLLM2_360M, **_SMOL_INSTRUCT),
-    "smollm2-1.7b": _SMOLLM2_17B,
-    "smollm2-1.7b-Instruct": dict(_SMOLLM2_17B, **_SMOL_INSTRUCT),
-}
 
-# The Hub repositories of each model_name (used when downloading with hf_access_token).
-HF_REPOS = {
-    "llama3.1-8b": "meta-llama/Llama-3.1-8B",
-    "llama3.1-8b-Instruct": "meta-llama/Llama-3.1-8B-Instruct",
-    "llama3.1-70b": "meta-llama/Llama-3.1-70B",
-    "llama3.1-70b-Instruct": "meta-llama/Llama-3.1-70B-Instruct",
-    "llama3.2-1b": "meta-llama/Llama-3.2-1B",
-    "llama3.2-1b-Instruct": "meta-llama/Llama-3.2-1B-Instruct",
-    "llama3.2-3b": "meta-llama/Llama-3.2-3B",
-    "llama3.2-3b-Instruct": "meta-llama/Llama-3.2-3B-Instruct",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",
-    "smollm2-135m-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
-    "smollm2-360m-Instruct": "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
-    "smollm2-1.7b-Instruct": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+@dataclasses.dataclass(frozen=True)
+class RegisteredModel:
+    """One row of the model table: what ``model_name`` selects."""
+
+    shapes: dict[str, Any]  # ModelConfig fields of the published config.json
+    hf_repo: str  # the Hub repository (``grpax to_native model_name=...`` downloads it)
+    preset: str  # grpax/configs/<preset>.yml: the defaults of every command for this model
+
+
+_SMOL, _LLAMA = "smollm2", "llama3"  # presets: small CPU-friendly models, accelerator-sized models
+
+# The one table of registered models: shapes, Hub repository, preset.
+MODELS: dict[str, RegisteredModel] = {
+    "llama3.1-8b": RegisteredModel(_LLAMA31_8B, "meta-llama/Llama-3.1-8B", _LLAMA),
+    "llama3.1-8b-Instruct": RegisteredModel(
+        dict(_LLAMA31_8B, **_LLAMA_INSTRUCT), "meta-llama/Llama-3.1-8B-Instruct", _LLAMA
+    ),
+    "llama3.1-70b": RegisteredModel(_LLAMA31_70B, "meta-llama/Llama-3.1-70B", _LLAMA),
+    "llama3.1-70b-Instruct": RegisteredModel(
+        dict(_LLAMA31_70B, **_LLAMA_INSTRUCT), "meta-llama/Llama-3.1-70B-Instruct", _LLAMA
+    ),
+    "llama3.2-1b": RegisteredModel(_LLAMA32_1B, "meta-llama/Llama-3.2-1B", _LLAMA),
+    "llama3.2-1b-Instruct": RegisteredModel(
+        dict(_LLAMA32_1B, **_LLAMA_INSTRUCT), "meta-llama/Llama-3.2-1B-Instruct", _LLAMA
+    ),
+    "llama3.2-3b": RegisteredModel(_LLAMA32_3B, "meta-llama/Llama-3.2-3B", _LLAMA),
+    "llama3.2-3b-Instruct": RegisteredModel(
+        dict(_LLAMA32_3B, **_LLAMA_INSTRUCT), "meta-llama/Llama-3.2-3B-Instruct", _LLAMA
+    ),
+    "smollm2-135m": RegisteredModel(_SMOLLM2_135M, "HuggingFaceTB/SmolLM2-135M", _SMOL),
+    "smollm2-135m-Instruct": RegisteredModel(
+        dict(_SMOLLM2_135M, **_SMOL_INSTRUCT), "HuggingFaceTB/SmolLM2-135M-Instruct", _SMOL
+    ),
+    "smollm2-360m": RegisteredModel(_SMOLLM2_360M, "HuggingFaceTB/SmolLM2-360M", _SMOL),
+    "smollm2-360m-Instruct": RegisteredModel(
+        dict(_SMOLLM2_360M, **_SMOL_INSTRUCT), "HuggingFaceTB/SmolLM2-360M-Instruct", _SMOL
+    ),
+    "smollm2-1.7b": RegisteredModel(_SMOLLM2_17B, "HuggingFaceTB/SmolLM2-1.7B", _SMOL),
+    "smollm2-1.7b-Instruct": RegisteredModel(
+        dict(_SMOLLM2_17B, **_SMOL_INSTRUCT), "HuggingFaceTB/SmolLM2-1.7B-Instruct", _SMOL
+    ),
 }
 
 
@@ -197,7 +205,7 @@ def get_model_config(model_name: str, **overrides: Any) -> ModelConfig:
             f"model_name={model_name!r} is not registered.{suggest(model_name, MODELS)} "
             f"Known: {', '.join(MODELS)}; or pass a Hugging Face config.json via hf_model_path."
         )
-    return ModelConfig(**{**MODELS[model_name], **overrides})
+    return ModelConfig(**{**MODELS[model_name].shapes, **overrides})
 
 
 def _as_tuple(x: Any) -> tuple[int, ...]:
@@ -361,45 +369,6 @@ def registered_names_of(cfg: ModelConfig) -> list[str]:
     tokens = ("bos_token_id", "eos_token_ids")
     exact = [name for name in same if all(getattr(cfg, f) == getattr(refs[name], f) for f in tokens)]
     return exact or same
-
-
-def _preset_note(name: str) -> str:
-    preset = CONFIG_DIR / f"{name}.yml"
-    if not preset.exists():
-        return ""
-    lines = [line.strip() for line in preset.read_text().splitlines()]
-    keys = [line.replace(": ", "=") for line in lines if line and not line.startswith("#")]
-    return f" (its preset grpax/configs/{preset.name}: {', '.join(keys)})"
-
-
-def unregistered_name_error(model_name: str, checkpoint: str = "") -> ConfigError:
-    """The error for a ``model_name`` that is not in ``MODELS``: no preset (prompt, rewards, dtypes) would apply.
-
-    Args:
-      model_name: the unregistered name.
-      checkpoint: the command's checkpoint path, if any; when its ``config.json`` has a registered model's
-        shapes, the error names that model and its preset, else the closest registered names.
-    """
-    head = f"model_name={model_name!r} is not registered, so no model preset would apply"
-    config = find_hf_config(checkpoint) if checkpoint else None
-    try:
-        matches = registered_names_of(load_hf_config(config)) if config else []
-    except ConfigError:
-        matches = []
-    if matches:
-        return ConfigError(
-            f"{head}; the checkpoint's {config} is {' or '.join(matches)}: pass model_name={matches[0]}"
-            f"{_preset_note(matches[0])}, or model_name='' to run it without a preset"
-        )
-    repos = {repo.lower(): name for name, repo in HF_REPOS.items()}
-    lower = {name.lower(): name for name in MODELS}
-    close = [repos[model_name.lower()]] if model_name.lower() in repos else []
-    close += [lower[c] for c in difflib.get_close_matches(model_name.lower(), lower, n=3, cutoff=0.3)]
-    close = list(dict.fromkeys(close))[:3] or list(MODELS)[:3]
-    return ConfigError(
-        f"{head}; closest registered names: {', '.join(close)} (all: grpax/models/registry.py MODELS); pass "
-        "one of them, or model_name='' for a Llama checkpoint grpax does not register (no preset)"
-    )
 
 
 def check_context_length(total: int, what: str, checkpoint: str) -> None:

@@ -97,7 +97,7 @@ class RewardConfig:
     math_verify_timeout_s: float = 5.0
 
 
-# MaxText configs/rl.yml and the Tunix GRPO demo use the same values, so both presets are RewardConfig().
+# MaxText configs/rl.yml and the Tunix GRPO demo use the same values: "tunix" is another name of "maxtext".
 _SIMPLE = RewardConfig(
     format_exact=0.1,
     answer_exact=1.0,
@@ -120,10 +120,10 @@ _SMOLLM2_DEMO = RewardConfig(
 )
 REWARD_PRESETS: dict[str, RewardConfig] = {
     "maxtext": RewardConfig(),
-    "tunix": RewardConfig(),
     "simple": _SIMPLE,
     "smollm2_demo": _SMOLLM2_DEMO,
 }
+REWARD_PRESET_ALIASES = {"tunix": "maxtext"}
 
 
 def get_reward_config(name: str, **overrides) -> RewardConfig:
@@ -143,8 +143,10 @@ def get_reward_config(name: str, **overrides) -> RewardConfig:
         >>> get_reward_config("tunix", answer_wrong=0.0).answer_wrong
         0.0
     """
+    name = REWARD_PRESET_ALIASES.get(name, name)
     if name not in REWARD_PRESETS:
-        raise ValueError(f"unknown reward preset {name!r}; known presets: {sorted(REWARD_PRESETS)}")
+        known = sorted([*REWARD_PRESETS, *REWARD_PRESET_ALIASES])
+        raise ValueError(f"unknown reward preset {name!r}; known presets: {known}")
     unknown = set(overrides) - set(RewardConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown RewardConfig fields {sorted(unknown)}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCALE_REWARDS = ("group", "batch", "none")
+from grpax.rl.config import SCALE_REWARDS
 
 
 def compute_advantages(
@@ -52,8 +52,8 @@ def compute_advantages(
       reporting), ``group_std_mean`` (mean over groups of the ddof=1 std).
 
     Raises:
-      ValueError: if rewards is not 1-D, num_generations < 2, B is not a multiple of num_generations, or
-        scale_rewards is unknown.
+      ValueError: if rewards is not 1-D, B is not a multiple of num_generations, or scale_rewards is unknown
+        (num_generations >= 2 is checked where it enters, ``GRPOConfig``).
 
     Example:
       >>> compute_advantages([1.0, 0.0, 2.0, 2.0], num_generations=2)
@@ -64,8 +64,6 @@ def compute_advantages(
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ValueError(f"rewards must be 1-D [B], got shape {r.shape}")
-    if num_generations < 2:
-        raise ValueError(f"num_generations={num_generations}: GRPO needs at least 2 completions per prompt")
     if r.shape[0] % num_generations != 0:
         raise ValueError(
             f"batch of {r.shape[0]} rewards is not a multiple of num_generations={num_generations}"

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from grpax.config import ConfigError, field
 
+# The accepted values of the keys with a fixed set; the library modules use these tuples too.
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -123,30 +124,3 @@ def validate(cfg: GRPOConfig) -> None:
         )
     if not 0 <= cfg.warmup_ratio < 1:
         raise ConfigError(f"warmup_ratio={cfg.warmup_ratio}: expected 0 <= warmup_ratio < 1")
-
-
-# MaxText ``src/MaxText/configs/rl.yml`` (and ``base.yml`` for the keys rl.yml inherits), in our key names.
-# rl.yml: num_generations 2, num_iterations 1, grpo_beta 0.08, grpo_epsilon 0.2, learning_rate 3e-6,
-# adam_b1 0.9, adam_b2 0.99, gradient_clipping_threshold 0.1, decode_sampling_temperature 0.9;
-# base.yml: adam_weight_decay 0.1, adam_eps 1e-8, warmup_steps_fraction 0.1; the RL optimizer
-# (utils_rl.get_optimizer) decays with a cosine to 0. MaxText's default loss is Tunix's GRPO loss, whose
-# aggregation is sequence-mean-token-mean.
-MAXTEXT_RL_DEFAULTS = {
-    "num_generations": 2,
-    "num_iterations": 1,
-    "beta": 0.08,
-    "epsilon": 0.2,
-    "learning_rate": 3e-6,
-    "b1": 0.9,
-    "b2": 0.99,
-    "weight_decay": 0.1,
-    "adam_eps": 1e-8,
-    "max_grad_norm": 0.1,
-    "warmup_ratio": 0.1,
-    "lr_schedule": "cosine",
-    "end_lr_ratio": 0.0,
-    "temperature": 0.9,
-    "loss_agg_mode": "sequence-mean-token-mean",
-}
-# Sampler keys of rl.yml (decode_sampling_*): they belong to the sampler config, listed here for reference.
-MAXTEXT_RL_SAMPLING_DEFAULTS = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}

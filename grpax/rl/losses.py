@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm")
+from grpax.rl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGG_MODES
 
 # log rho is clamped here for k3 only, so one token with an absurd ratio gives a large (e^20 ~ 5e8) but finite
 # penalty instead of inf; inside [-20, 20] the estimator and its gradient are exact.
@@ -196,7 +196,7 @@ def policy_loss(
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator={kl_estimator!r}: expected one of {', '.join(KL_ESTIMATORS)}")
-    if importance_sampling_level not in ("token", "sequence"):
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r}: expected token or sequence"
         )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-LR_SCHEDULES = ("cosine", "linear", "constant")
+from grpax.rl.config import LR_SCHEDULES
 
 
 def num_warmup_steps(num_train_steps: int, warmup_ratio: float = 0.0, warmup_steps: int | None = None) -> int:

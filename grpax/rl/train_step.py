@@ -54,11 +54,6 @@ class TrainState:
     step: jax.Array
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
-    """A fresh TrainState at step 0."""
-    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
-
-
 PROMPT_KEYS = (
     "prompt_ids",
     "prompt_mask",

@@ -18,8 +18,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from grpax.eval.metrics import majority_answer
 from grpax.rewards.gsm8k import is_correct
-from grpax.rl.metrics import majority_answer
 
 PAIRED_METRICS = ("accuracy", "partial_accuracy", "format_accuracy", "pass@k", "maj@k")
 ALPHA = 0.05  # a change with p < ALPHA is called larger than the noise
@@ -48,7 +48,7 @@ def question_values(records: Sequence[dict]) -> dict[str, dict[str, float]]:
     """Each question's value of the ``PAIRED_METRICS``, from its records (all samples of it, in any order).
 
     Args:
-      records: scored completions (``grpax.rl.metrics.score_records``; ``eval/<tag>/results.jsonl`` lines).
+      records: scored completions (``grpax.eval.metrics.score_records``; ``eval/<tag>/results.jsonl`` lines).
 
     Returns:
       ``{question: {metric: value}}``: the fraction of its samples correct / close / formatted, pass@k (any

@@ -2,7 +2,7 @@
 
 The same function serves ``grpax evaluate`` and the GRPO trainer (before, during and after training), so
 numbers are comparable across both. Metrics: accuracy, partial_accuracy, format_accuracy, mean_reward,
-pass@k and maj@k (``grpax.rl.metrics``).
+pass@k and maj@k (``grpax.eval.metrics``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from grpax.data.gsm8k import render_prompt, tokenize_prompts
 from grpax.data.prompts import PromptPreset
+from grpax.eval.metrics import score_records, summarize
 from grpax.models.registry import ModelConfig
 from grpax.rewards.gsm8k import RewardConfig
-from grpax.rl.metrics import score_records, summarize
 from grpax.sampler.engine import SamplerConfig, generate
 
 log = logging.getLogger("grpax.evaluate")
@@ -68,7 +68,7 @@ def evaluate(
       desc: progress-bar label.
 
     Returns:
-      The summary dict of ``grpax.rl.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
+      The summary dict of ``grpax.eval.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
       format_accuracy, mean_reward, pass@k, maj@k, with 95% intervals).
 
     Raises:

@@ -1,0 +1,187 @@
+"""Resume bookkeeping of a run folder: its paths, the recorded config, and restore or fresh start.
+
+A run's ``config.json`` records the keys it was started with; a resume (the same ``run_name``) is refused when
+a key of ``RESUME_FIXED_KEYS`` changed, and other changes are logged and appended to ``config_changes.jsonl``.
+Who may write the folder at all is ``grpax.rl.run_folder``'s job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from grpax.checkpoint.train_state import TrainCheckpointer
+from grpax.config import ConfigError
+from grpax.data.gsm8k import PromptIterator
+from grpax.data.tokenizer import save_tokenizer
+from grpax.models.registry import ModelConfig, to_hf_config
+from grpax.rl.metrics_writer import MetricsWriter
+from grpax.rl.train_step import TrainState
+
+if TYPE_CHECKING:
+    from grpax.rl.train_config import TrainConfig
+
+log = logging.getLogger("grpax.train")
+
+
+@dataclasses.dataclass
+class RunPaths:
+    """The folders of a run: ``<base_output_directory>/<run_name>``, its checkpoints and evaluations."""
+
+    run_dir: Path
+    checkpoints: Path
+    eval_dir: Path
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> RunPaths:
+        run_dir = Path(cfg.base_output_directory) / cfg.run_name
+        return cls(run_dir, run_dir / "checkpoints", run_dir / "eval")
+
+
+# Keys a resumed run cannot change: the saved data order, groups and weights (and their layout, scan_layers)
+# follow from them. The dataset keys may change (a new dataset continues at the saved position).
+RESUME_FIXED_KEYS = (
+    "batch_size",
+    "num_generations",
+    "seed",
+    "model_name",
+    "load_parameters_path",
+    "scan_layers",
+)
+
+
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as ``config.json`` holds it (JSON types; ``load_parameters_path`` made absolute, so that a
+    resume from another working folder compares the same folder)."""
+    record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if record["load_parameters_path"]:
+        record["load_parameters_path"] = str(Path(record["load_parameters_path"]).absolute())
+    return record
+
+
+def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tuple[Any, Any]]:
+    """Checks that ``cfg`` can continue the run whose latest checkpoint is at step ``latest``.
+
+    Returns:
+      ``{key: (saved, current)}`` for each key that differs from the run's ``config.json`` (empty without one).
+
+    Raises:
+      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed.
+    """
+    if cfg.num_batches < latest:
+        raise ConfigError(
+            f"run {paths.run_dir} already has a checkpoint at step {latest}, past num_batches="
+            f"{cfg.num_batches}: raise num_batches to >= {latest} to continue (or re-evaluate) it, or pass a "
+            "new run_name"
+        )
+    saved_path = paths.run_dir / "config.json"
+    if not saved_path.exists():
+        return {}
+    try:
+        saved = json.loads(saved_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{saved_path} is not valid JSON ({e}): restore it, or delete it to resume without the key check"
+        ) from None
+    current = config_record(cfg)
+    unset = "<unset>"
+    changes = {
+        key: (saved.get(key, unset), current.get(key, unset))
+        for key in sorted({*saved, *current})
+        if saved.get(key, unset) != current.get(key, unset)
+    }
+    old_path = changes.get("load_parameters_path", ("", ""))[0]
+    # The same folder spelled differently is no change; a relative path saved by an older grpax cannot be
+    # compared (it was relative to the folder that run started in), so it is not held against the resume.
+    if old_path and (
+        not Path(old_path).is_absolute()
+        or Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve()
+    ):
+        del changes["load_parameters_path"]
+    fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
+    if fixed:
+        listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
+        raise ConfigError(
+            f"run {paths.run_dir} was started with {listed}; a resumed run cannot change "
+            f"{', '.join(fixed)}: pass the saved values to continue it, or pass a new run_name"
+        )
+    return changes
+
+
+def write_config(paths: RunPaths, cfg: TrainConfig) -> None:
+    """Writes ``config.json`` atomically (other processes may read it to check a resume)."""
+    tmp = paths.run_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(config_record(cfg), indent=2) + "\n")
+    tmp.replace(paths.run_dir / "config.json")
+
+
+def write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> None:
+    """config.json and tokenizer beside the actor checkpoints, so ``load_model`` finds them."""
+    if jax.process_index() != 0 or (folder / "config.json").exists():
+        return
+    tmp = folder.with_name(folder.name + ".tmp-model-files")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2))
+    save_tokenizer(tokenizer, tmp)
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in tmp.iterdir():
+        item.rename(folder / item.name)
+    tmp.rmdir()
+
+
+def restore_or_start(
+    cfg: TrainConfig,
+    paths: RunPaths,
+    main_process: bool,
+    checkpointer: TrainCheckpointer,
+    writer: MetricsWriter,
+    state: TrainState,
+    iterator: PromptIterator,
+    changes: dict[str, tuple[Any, Any]],
+) -> tuple[TrainState, int, dict | None]:
+    """Restores the latest checkpoint into ``state`` and ``iterator``, or prepares a fresh start.
+
+    Args:
+      changes: ``check_resume``'s changed keys (recorded in ``config_changes.jsonl`` once restored).
+
+    Returns:
+      (state, the step to start from, the saved "before" evaluation summary or None).
+    """
+    latest = checkpointer.latest_step()
+    if latest is None:
+        # A fresh start re-runs everything: lines of an attempt killed before its first checkpoint go.
+        if stale := len(writer.records()):
+            log.warning(
+                "%s has no checkpoint: starting afresh, its %d metrics lines (and TensorBoard points) are dropped",
+                paths.run_dir,
+                stale,
+            )
+        writer.truncate_after(-1)
+        if main_process:
+            paths.run_dir.mkdir(parents=True, exist_ok=True)
+            write_config(paths, cfg)
+        return state, 0, None
+    new_params, opt_state, meta = checkpointer.restore(latest, state.params, state.opt_state)
+    state = TrainState(params=new_params, opt_state=opt_state, step=jnp.asarray(meta["optimizer_step"]))
+    iterator.load_state_dict(meta["iterator"])
+    start_step = meta["step"]
+    # A finished run (start_step == num_batches) is evaluated again: its old "after" line goes too.
+    writer.truncate_after(start_step, drop_eval_at_step=start_step == cfg.num_batches)
+    if changes and main_process:
+        record = {"step": start_step, "time": round(time.time(), 3), "changes": changes}
+        with (paths.run_dir / "config_changes.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        write_config(paths, cfg)
+    elif main_process and not (paths.run_dir / "config.json").exists():  # so later resumes can be checked
+        write_config(paths, cfg)
+    log.info("resumed %s from step %d", paths.checkpoints, start_step)
+    return state, start_step, meta.get("eval_before")

@@ -1,0 +1,218 @@
+"""The keys of ``grpax train_rl`` (``TrainConfig``) and their checks, made before any model is loaded.
+
+``validate`` checks the values (the GRPO keys are checked by ``GRPOConfig`` itself, the evaluation keys by
+``grpax.eval.keys``); ``check_inputs`` reads the datasets the run needs, so that no run trains and then fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import ClassVar
+
+import jax
+
+from grpax import sharding
+from grpax.config import ConfigError, field
+from grpax.data.gsm8k import dataset_source, load_dataset_rows, too_few_rows
+from grpax.eval.keys import validate_eval_keys
+from grpax.models.registry import check_context_length
+from grpax.rl.config import GRPOConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(GRPOConfig, sharding.MeshConfig):
+    """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
+
+    ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
+        **getattr(GRPOConfig, "ALIASES", {}),
+        "data_shuffle_seed": "seed",
+        "grpo_beta": "beta",
+        "grpo_epsilon": "epsilon",
+        "adam_b1": "b1",
+        "adam_b2": "b2",
+        "gradient_clipping_threshold": "max_grad_norm",
+        "decode_sampling_temperature": "temperature",
+    }
+
+    model_name: str = field(
+        "smollm2-135m-Instruct",
+        "registered model name: picks the model preset, checked against the checkpoint; '' = no preset",
+    )
+    load_parameters_path: str = field(
+        "",
+        "converted checkpoint <base>/0/items (from grpax to_native) or an actor "
+        "checkpoint .../actor/<step>/model_params",
+    )
+    base_output_directory: str = field("outputs", "root folder of all runs")
+    run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
+    scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
+    weight_dtype: str = field("float32", "parameter dtype (float32 | bfloat16 | float16)")
+    dtype: str = field("float32", "activation / matmul dtype; float32 is faster than bfloat16 on CPU")
+    remat_policy: str = field(
+        "full",
+        "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
+        "least memory, and on CPU also the fastest)",
+    )
+    dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
+    eval_dataset_name: str = field(
+        "", "dataset for evaluation (default: dataset_name; needed when dataset_name is one file)"
+    )
+    allow_eval_on_train_rows: bool = field(
+        False, "allow evaluating on the training rows (same file, or the same split as train_split)"
+    )
+    train_split: str = field("train", "split used for training")
+    eval_split: str = field("test", "split used for evaluation")
+    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
+    reward_preset: str = field(
+        "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+    )
+    batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
+    micro_batch_size: int = field(
+        -1,
+        "prompts per micro-batch of the reference and update passes (x num_generations rows; MaxText key); "
+        "the update equals the full-batch one; -1 = use num_micro_batches (default 1: the whole batch at once, "
+        "with remat the least memory: each micro-batch beyond one adds a gradient accumulator)",
+    )
+    num_batches: int = field(20, "training steps")
+    num_test_batches: int = field(
+        4,
+        "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split; "
+        "0 = no evaluation",
+    )
+    eval_batch_size: int = field(16, "questions per evaluation batch")
+    eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
+    eval_before: bool = field(True, "evaluate before the first step")
+    num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
+    eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
+    max_prefill_predict_length: int = field(256, "max prompt tokens; longer prompts are dropped (counted)")
+    max_target_length: int = field(512, "max prompt + completion tokens")
+    decode_sampling_top_k: int = field(50, "top-k of rollout sampling (0 = off)")
+    decode_sampling_nucleus_p: float = field(1.0, "top-p of rollout sampling (1.0 = off)")
+    seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
+    checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
+    max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
+    checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
+    checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
+    log_period: int = field(1, "write metrics every N steps")
+    export_hf: str = field(
+        "", "after training, also export the actor to this new folder in Hugging Face format (bfloat16)"
+    )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of the reference and update passes: from micro_batch_size, else num_micro_batches."""
+        if self.micro_batch_size > 0:
+            return self.batch_size // self.micro_batch_size
+        return self.num_micro_batches
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.max_target_length - self.max_prefill_predict_length
+
+    def grpo(self) -> GRPOConfig:
+        return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
+
+    def mesh(self) -> sharding.MeshConfig:
+        return sharding.MeshConfig(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(sharding.MeshConfig)}
+        )
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raises ConfigError naming the key for settings that cannot work."""
+    if not cfg.load_parameters_path:
+        raise ConfigError(
+            "load_parameters_path is required: convert a model first with "
+            "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items"
+        )
+    if cfg.max_completion_length < 1:
+        raise ConfigError(
+            f"max_target_length={cfg.max_target_length} must exceed "
+            f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
+        )
+    at_least_one = {
+        "num_batches": "training steps",
+        "batch_size": "prompts per step",
+        "checkpoint_period": "save every N steps; the last step is always saved",
+        "log_period": "write metrics every N steps; the last step is always written",
+        "max_num_checkpoints_to_keep": "step checkpoints kept; the last step's is one of them",
+    }
+    for key, meaning in at_least_one.items():
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
+    validate_eval_keys(cfg, allow_no_eval=True)
+    if cfg.eval_interval < 0:
+        raise ConfigError(
+            f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
+        )
+    if cfg.export_hf and jax.process_count() > 1:
+        raise ConfigError(
+            f"export_hf={cfg.export_hf!r} runs in single-process jobs only (the export restores the checkpoint on "
+            "one process); export a multi-process run afterwards with grpax to_huggingface"
+        )
+    export = Path(cfg.export_hf) if cfg.export_hf else None
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+        raise ConfigError(
+            f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
+            "overwrites: delete it or choose another folder"
+        )
+    if cfg.micro_batch_size < 1 and cfg.micro_batch_size != -1:
+        raise ConfigError(
+            f"micro_batch_size={cfg.micro_batch_size}: expected >= 1 prompts per micro-batch, or -1 to use "
+            "num_micro_batches"
+        )
+    rows = cfg.batch_size * cfg.num_generations
+    if cfg.micro_batch_size > 0 and cfg.batch_size % cfg.micro_batch_size:
+        raise ConfigError(
+            f"micro_batch_size={cfg.micro_batch_size} must divide batch_size={cfg.batch_size} (prompts per step)"
+        )
+    if rows % cfg.micro_batches:
+        raise ConfigError(
+            f"num_micro_batches={cfg.num_micro_batches} must divide batch_size * num_generations = {rows}"
+        )
+
+
+def _load_rows(key: str, dataset: str, split: str, split_key: str) -> list[dict]:
+    """``load_dataset_rows`` with its errors naming the key that chose the dataset."""
+    try:
+        return load_dataset_rows(dataset, split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{key}={dataset!r} ({split_key}={split!r}): {e}") from None
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """Reads the rows the run needs before any model is loaded, so that no run trains and then fails.
+
+    Raises:
+      ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
+        split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
+    """
+    check_context_length(
+        cfg.max_target_length, f"max_target_length={cfg.max_target_length}", cfg.load_parameters_path
+    )
+    rows = _load_rows("dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
+    if len(rows) < cfg.batch_size:
+        fix = "lower batch_size or pass a larger dataset"
+        got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
+        raise too_few_rows("dataset_name", cfg.dataset_name, "train_split", cfg.train_split, got, need, fix)
+    if cfg.num_test_batches == 0:
+        return
+    key, dataset = (
+        ("eval_dataset_name", cfg.eval_dataset_name)
+        if cfg.eval_dataset_name
+        else ("dataset_name", cfg.dataset_name)
+    )
+    train_source = dataset_source(cfg.dataset_name, cfg.train_split)
+    if dataset_source(dataset, cfg.eval_split) == train_source and not cfg.allow_eval_on_train_rows:
+        raise ConfigError(
+            f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds the training rows (dataset_name="
+            f"{cfg.dataset_name!r}, train_split={cfg.train_split!r}; a file has no splits): set "
+            "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
+            "training rows anyway (num_test_batches=0: no evaluation)"
+        )
+    if not _load_rows(key, dataset, cfg.eval_split, "eval_split"):
+        fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"
+        raise too_few_rows(key, dataset, "eval_split", cfg.eval_split, "0 rows", "1 question", fix)
