@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from grpax.models import cpu_kernels
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sharding import constrain
+from grpax.models.sharding_rules import constrain
 
 # A large finite negative keeps fully-masked (padding) query rows finite instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
