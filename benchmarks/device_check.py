@@ -12,12 +12,12 @@ llama3.1-8b in bfloat16 on the device (no download, no network) and measures:
 Peak bandwidth and bf16 dense FLOP/s come from ``PEAKS`` by ``device_kind``; an unknown device is measured
 (a device-side copy for bandwidth, a bf16 4096^3 matmul for FLOP/s). Compile time is reported apart from run
 time. With ``DEVICE_CHECK_TINY=1``, or automatically on CPU, a tiny Llama replaces the 8B model so the whole
-script runs in seconds. Every figure is per the devices used (all local devices, tensor parallel).
+script runs in seconds. ``DEVICE_CHECK_BACKEND`` sets the sampler's backend (``SamplerConfig.backend``: auto,
+the default, xla or cpu). Every figure is per the devices used (all local devices, tensor parallel).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -112,10 +112,13 @@ def decode_roofline(cfg: ModelConfig, B: int, P: int, C: int, bw: float, flops: 
 
 def bench_decode(params, cfg: ModelConfig, B: int, P: int, C: int, mesh) -> dict:
     sc = SamplerConfig(
-        max_prompt_length=P, max_completion_length=C, greedy=True, stop_token_ids=(), pad_token_id=0
+        max_prompt_length=P,
+        max_completion_length=C,
+        greedy=True,
+        stop_token_ids=(),
+        pad_token_id=0,
+        backend=os.environ.get("DEVICE_CHECK_BACKEND", "auto"),
     )
-    if os.environ.get("DEVICE_CHECK_UNROLL") and "unroll_layers" in {f.name for f in dataclasses.fields(sc)}:
-        sc = dataclasses.replace(sc, unroll_layers=os.environ["DEVICE_CHECK_UNROLL"] == "1")
     rng = np.random.default_rng(B)
     tokens = rng.integers(1, cfg.vocab_size, (B, P), dtype=np.int32)
     lengths = np.full((B,), P, np.int32)

@@ -5,9 +5,8 @@ at B = 64 these products are most of a step (SmolLM2-135M: 2 * 64 * 134.5M = 17.
 chain, per layer the fused q/k/v projection, the output projection, gate and up with SwiGLU, the down
 projection, then the LM head, with the residual adds between, in each library on the same machine:
 
-- grpax: ``cpu_kernels.matmul`` on packed panels (the sampler's decode path; AMX tiles for bfloat16 where
-  the CPU has them);
-- XLA: the same chain as ``jnp`` dots under ``jax.jit`` (the sampler's path without the kernels);
+- grpax: ``grpax.backends.cpu.ops.matmul`` on packed panels (the CPU backend's decode step);
+- XLA: the same chain as ``jnp`` dots under ``jax.jit`` (the XLA backend's decode step);
 - torch: ``x @ W`` (oneDNN / MKL; for bfloat16 oneDNN uses AMX where the CPU has it);
 - numpy: ``x @ W`` (its BLAS, OpenBLAS in the PyPI wheels; float32 only).
 
@@ -30,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from rollout_bench import _timed, measure_amx_matmul, measure_bandwidth, measure_matmul
+from rollout_bench import _timed, measure_bandwidth, measure_matmul
 
-from grpax.models import cpu_kernels
+from grpax.backends.cpu import build, ops
 from grpax.models.registry import get_model_config
 
 
@@ -72,21 +71,21 @@ def make_runs(cfg, weights: dict[str, np.ndarray], batch: int, dtype: str) -> di
     x0 = np.random.default_rng(1).standard_normal((batch, D), np.float32)
     runs = {}
 
-    if cpu_kernels.available():
+    if build.available():
         j = {k: jnp.asarray(v, dtype) for k, v in weights.items()}
         packed = {
-            "qkv": cpu_kernels.pack([j["qkv"]]),
-            "o": cpu_kernels.pack([j["o"]]),
-            "gate_up": cpu_kernels.pack([j["gate"], j["up"]], swiglu=True),
-            "down": cpu_kernels.pack([j["down"]]),
-            "head": cpu_kernels.pack([j["embed"][None]], transposed=True)[0],
+            "qkv": ops.pack([j["qkv"]]),
+            "o": ops.pack([j["o"]]),
+            "gate_up": ops.pack([j["gate"], j["up"]], swiglu=True),
+            "down": ops.pack([j["down"]]),
+            "head": ops.pack([j["embed"][None]], transposed=True)[0],
         }
         del j
         n_qkv = weights["qkv"].shape[-1]
 
         @jax.jit
         def kernel_chain(x, p):
-            mm = cpu_kernels.matmul
+            mm = ops.matmul
             for layer in range(L):
                 x = x + mm(x, p["qkv"][layer], n_qkv, out_dtype=x.dtype)[:, :D]
                 x = x + mm(x, p["o"][layer], D, out_dtype=x.dtype)
@@ -176,8 +175,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     print(
         f"load average {os.getloadavg()}, {os.cpu_count()} cpus, jax {jax.__version__}, torch {torch.__version__}"
-        f" ({torch.get_num_threads()} threads), grpax kernels {'on' if cpu_kernels.available() else 'UNAVAILABLE'}"
-        f", AMX {'on' if cpu_kernels.available() and cpu_kernels.amx_enabled() else 'off'}"
+        f" ({torch.get_num_threads()} threads), grpax kernels {'on' if build.available() else 'UNAVAILABLE'}"
     )
     bw = measure_bandwidth()
     peak = {
@@ -185,7 +183,6 @@ def main() -> None:
         "bfloat16": max(
             measure_matmul(2048, 5, "bfloat16"),
             measure_torch_matmul(dtype=torch.bfloat16),
-            measure_amx_matmul(2048, 5),
         ),
     }
     print(

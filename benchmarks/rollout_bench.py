@@ -8,11 +8,11 @@ size and dtype. Prints compile time apart from steady-state time, new tokens/s, 
     step time >= max(bytes read per decode step / memory bandwidth, FLOPs per step / matmul throughput)
 
 with bytes = all weights + the filled part of the KV cache (average over the rollout), bandwidth measured with
-a numpy copy and matmul throughput with a jnp matmul in the run's dtype (bfloat16: the faster of that and the
-CPU matmul kernel's AMX path, where the CPU has one).
+a numpy copy and matmul throughput with a jnp matmul in the run's dtype. ``--backend`` picks the sampler's
+backend (``SamplerConfig.backend``: auto, xla or cpu).
 
 Usage: python benchmarks/rollout_bench.py [--batch_sizes 16,64] [--dtypes float32,bfloat16]
-       [--new_tokens 256] [--hf_new_tokens 256] [--skip_transformers] [--gsm8k_dir DIR]
+       [--new_tokens 256] [--hf_new_tokens 256] [--skip_transformers] [--backend auto] [--gsm8k_dir DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import load_params_from_tensors
-from grpax.models import cpu_kernels
 from grpax.models.params import cast_params
 from grpax.models.registry import from_hf_config
 from grpax.sampler.engine import SamplerConfig, generate
@@ -73,19 +72,6 @@ def measure_matmul(n: int = 1024, repeats: int = 10, dtype: str = "float32") -> 
     return 2 * n**3 / best
 
 
-def measure_amx_matmul(n: int = 1024, repeats: int = 10) -> float:
-    """bfloat16 throughput in FLOP/s of the CPU matmul kernel's AMX path, [n, n] x [n, n]; 0 without AMX (or
-    with it turned off, ``GRPAX_CPU_AMX=0``)."""
-    if not (cpu_kernels.available() and cpu_kernels.amx_enabled()):
-        return 0.0
-    x = jnp.ones((n, n), jnp.bfloat16)
-    (w,) = cpu_kernels.pack([x[None]])
-    f = jax.jit(lambda x, w: cpu_kernels.matmul(x, w, n))
-    f(x, w).block_until_ready()
-    best = min(_timed(lambda: f(x, w).block_until_ready()) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -123,10 +109,14 @@ def load_prompts(tokenizer, count: int, path: Path) -> list[list[int]]:
     ]
 
 
-def bench_grpax(params, cfg, prompts, new_tokens: int) -> tuple[float, float]:
+def bench_grpax(params, cfg, prompts, new_tokens: int, backend: str = "auto") -> tuple[float, float]:
     """(compile seconds, steady-state tokens/s) of one ``generate`` over ``prompts`` (no early stop)."""
     sc = SamplerConfig(
-        max_prompt_length=256, max_completion_length=new_tokens, temperature=1.0, pad_token_id=2
+        max_prompt_length=256,
+        max_completion_length=new_tokens,
+        temperature=1.0,
+        pad_token_id=2,
+        backend=backend,
     )
     first = _timed(lambda: generate(params, prompts, cfg, sc, jax.random.key(0)))
     steady = _timed(lambda: generate(params, prompts, cfg, sc, jax.random.key(1)))
@@ -169,6 +159,7 @@ def main() -> None:
     ap.add_argument("--new_tokens", type=int, default=256)
     ap.add_argument("--hf_new_tokens", type=int, default=0, help="transformers run length (0: new_tokens)")
     ap.add_argument("--skip_transformers", action="store_true")
+    ap.add_argument("--backend", default="auto", choices=("auto", "xla", "cpu"), help="the sampler's backend")
     add_gsm8k_dir_option(ap)
     args = ap.parse_args()
     test_file = gsm8k_file(args.gsm8k_dir, "test")
@@ -179,12 +170,10 @@ def main() -> None:
         f"load average {os.getloadavg()}, {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}"
     )
     bw, flops = measure_bandwidth(), {"float32": measure_matmul()}
-    xla_bf16, amx = measure_matmul(dtype="bfloat16"), measure_amx_matmul()
-    flops["bfloat16"] = max(xla_bf16, amx)
+    flops["bfloat16"] = measure_matmul(dtype="bfloat16")
     print(
         f"measured: memory bandwidth {bw / 1e9:.1f} GB/s (numpy copy), matmul {flops['float32'] / 1e9:.0f} "
-        f"GFLOP/s (jnp float32), bfloat16 {xla_bf16 / 1e9:.0f} (jnp) / {amx / 1e9:.0f} (AMX kernel"
-        f"{'' if amx else ': unavailable'})"
+        f"GFLOP/s (jnp float32), bfloat16 {flops['bfloat16'] / 1e9:.0f} (jnp)"
     )
 
     path = default_gguf_path()
@@ -206,7 +195,7 @@ def main() -> None:
         for dtype in dtypes:
             cfg = base_cfg.replace(dtype=dtype, weight_dtype=dtype)
             params = params32 if dtype == "float32" else cast_params(params32, dtype)
-            compile_s, tok_s = bench_grpax(params, cfg, prompts, args.new_tokens)
+            compile_s, tok_s = bench_grpax(params, cfg, prompts, args.new_tokens, args.backend)
             roof = roofline_tokens_per_s(
                 cfg, batch, mean_len, args.new_tokens, bw, flops.get(dtype, flops["float32"])
             )

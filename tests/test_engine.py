@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 from conftest import gsm8k_dir
 
-from grpax.models import cpu_kernels
-from grpax.models.llama import forward
+from grpax.backends.cpu import build
+from grpax.models.llama import forward, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
-from grpax.sampler import engine
-from grpax.sampler.engine import SamplerConfig, generate, generate_padded, prepare_prompts
+from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -36,24 +35,14 @@ def params():
     return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)
 
 
-# The sampler on the CPU kernels (prefill and decode attention, and the decode matmuls where the layers are
-# unrolled; where they build) and on XLA's ops must both match the full forward.
-ATTENTIONS = [
-    pytest.param(
-        "kernel",
-        marks=pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable"),
-    ),
-    "xla",
-]
+# The sampler on the CPU backend (its kernels, where they build and JAX runs on CPU) and on the XLA backend must
+# both match the full forward.
+CPU_BACKEND = jax.default_backend() == "cpu" and build.available()
+BACKENDS = [pytest.param("cpu", marks=pytest.mark.skipif(not CPU_BACKEND, reason="no CPU backend")), "xla"]
 
 
 def _sc(**kw):
     base = dict(max_prompt_length=16, max_completion_length=C, greedy=True, pad_token_id=0)
-    if kw.get("decode_attention") == "xla":  # all of XLA's path: its dots and prefill attention too
-        kw.setdefault("decode_matmul", "xla")
-        kw.setdefault("prefill_attention", "xla")
-        kw.setdefault("prefill_matmul", "xla")
-        kw.setdefault("decode_sampling", "xla")
     return SamplerConfig(**{**base, **kw})
 
 
@@ -69,9 +58,9 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_greedy_cached_decode_equals_full_forward(params, attention):
-    out = generate(params, PROMPTS, CFG, _sc(decode_attention=attention), jax.random.key(0))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_cached_decode_equals_full_forward(params, backend):
+    out = generate(params, PROMPTS, CFG, _sc(backend=backend), jax.random.key(0))
     assert out.completion_ids.shape == (4, C) and out.completion_ids.dtype == np.int32
     np.testing.assert_array_equal(out.completion_mask, 1)
     assert out.finish_reason == ["length"] * 4
@@ -81,17 +70,34 @@ def test_greedy_cached_decode_equals_full_forward(params, attention):
         expected = np.take_along_axis(_log_softmax(ref), out.completion_ids[i][:, None], -1)[:, 0]
         np.testing.assert_allclose(out.logprobs[i], expected, atol=1e-4)
     assert len(set(map(tuple, out.completion_ids.tolist()))) > 1  # the rows really differ
-    # the scanned-layers decode (stacked cache) gives the same rollouts
-    scanned = generate(
-        params, PROMPTS, CFG, _sc(unroll_layers=False, decode_attention=attention), jax.random.key(0)
-    )
-    np.testing.assert_array_equal(scanned.completion_ids, out.completion_ids)
-    np.testing.assert_allclose(scanned.logprobs, out.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_sampled_logprobs_equal_full_forward_at_temperature(params, attention):
-    sc = _sc(greedy=False, temperature=0.7, decode_attention=attention)
+def test_stacked_cache_decode_equals_full_forward(params):
+    # The model's scanned layers over a stacked cache [L, B, ...] (the sampler unrolls them): token by token,
+    # each row at its own position, the logits of one uncached forward.
+    prompts, steps = [[5, 9, 11], [1]], 6
+    cache = init_cache(CFG, 2, 3 + steps)
+    tokens = np.zeros((2, 3), np.int32)
+    tokens[0], tokens[1, :1] = prompts[0], prompts[1]
+    positions = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    logits, cache = forward(params, jnp.asarray(tokens), CFG, positions=positions, cache=cache)
+    lengths = np.array([3, 1])
+    nxt = np.asarray(logits)[np.arange(2), lengths - 1].argmax(-1)
+    seqs = [list(p) for p in prompts]
+    for step in range(steps):
+        for b in range(2):
+            seqs[b].append(int(nxt[b]))
+        pos = jnp.asarray(lengths + step)[:, None]
+        logits, cache = forward(params, jnp.asarray(nxt, jnp.int32)[:, None], CFG, positions=pos, cache=cache)
+        for b in range(2):
+            ref = _full_logits(params, prompts[b], seqs[b][len(prompts[b]) :] + [0])[-1]
+            np.testing.assert_allclose(np.asarray(logits[b, 0]), ref, atol=1e-4, rtol=1e-5)
+        nxt = np.asarray(logits[:, 0]).argmax(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_logprobs_equal_full_forward_at_temperature(params, backend):
+    sc = _sc(greedy=False, temperature=0.7, backend=backend)
     out = generate(params, PROMPTS, CFG, sc, jax.random.key(4))
     for i, prompt in enumerate(PROMPTS):
         ref = _log_softmax(_full_logits(params, prompt, out.completion_ids[i]) / 0.7)
@@ -102,9 +108,9 @@ def test_sampled_logprobs_equal_full_forward_at_temperature(params, attention):
     assert (out.completion_ids != greedy.completion_ids).any()
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
-def test_rows_do_not_depend_on_the_batch(params, attention):
-    sc = _sc(greedy=False, temperature=1.0, decode_attention=attention)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_do_not_depend_on_the_batch(params, backend):
+    sc = _sc(greedy=False, temperature=1.0, backend=backend)
     full = generate(params, PROMPTS, CFG, sc, jax.random.key(7))
     # row 0 alone and with companions of other lengths
     alone = generate(params, PROMPTS[:1], CFG, sc, jax.random.key(7))
@@ -113,8 +119,8 @@ def test_rows_do_not_depend_on_the_batch(params, attention):
     np.testing.assert_array_equal(other.completion_ids[0], full.completion_ids[0])
     np.testing.assert_allclose(other.logprobs[0], full.logprobs[0], atol=1e-5)
     # greedy rows are independent of their row index too
-    g = generate(params, PROMPTS, CFG, _sc(decode_attention=attention), jax.random.key(0))
-    g_rev = generate(params, PROMPTS[::-1], CFG, _sc(decode_attention=attention), jax.random.key(0))
+    g = generate(params, PROMPTS, CFG, _sc(backend=backend), jax.random.key(0))
+    g_rev = generate(params, PROMPTS[::-1], CFG, _sc(backend=backend), jax.random.key(0))
     np.testing.assert_array_equal(g.completion_ids, g_rev.completion_ids[::-1])
 
 
@@ -247,11 +253,11 @@ def test_smollm2_greedy_matches_transformers_generate():
     assert max(out.lengths) >= 32  # the comparison covers real text, not an immediate stop
 
 
-@pytest.mark.parametrize("unroll", [True, False])
-def test_num_generations_equals_repeated_prompts(params, unroll):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_generations_equals_repeated_prompts(params, backend):
     # One prefill per prompt, its cache copied to G rows, must sample exactly what G copies of the prompt do.
     G = 3
-    sc = dataclasses.replace(_sc(greedy=False, temperature=0.8, top_k=20), unroll_layers=unroll)
+    sc = _sc(greedy=False, temperature=0.8, top_k=20, backend=backend)
     grouped = generate(params, PROMPTS, CFG, sc, jax.random.key(7), num_generations=G)
     repeated = generate(params, [p for p in PROMPTS for _ in range(G)], CFG, sc, jax.random.key(7))
     np.testing.assert_array_equal(grouped.completion_ids, repeated.completion_ids)
@@ -263,96 +269,11 @@ def test_num_generations_equals_repeated_prompts(params, unroll):
     assert len({tuple(r) for r in grouped.completion_ids[:G]}) > 1  # the G samples of a prompt differ
 
 
-@pytest.mark.parametrize(
-    "packed_kernel",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels")),
-    ],
-)
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_packed_prefill_equals_each_prompt_alone(scan_layers, packed_kernel):
-    # Prompts packed back to back (crossing the 32-token attention chunks, with a padding tail) give each
-    # prompt's own logits and write the cache a padded prefill writes. Plain init (not the x15 fixture,
-    # whose sharp softmax amplifies the float32 rounding of the two summation orders to ~1e-3 at values ~90).
-    from grpax.models.llama import init_cache
-    from grpax.models.params import convert_layout
-
-    p = convert_layout(init_params(CFG, jax.random.key(0)), CFG, scan_layers=scan_layers)
-    rng = np.random.RandomState(3)
-    lengths, B, P, T = [45, 1, 30, 7, 20], 5, 48, 112
-    prompts = [rng.randint(0, CFG.vocab_size, n) for n in lengths]
-    rows = np.concatenate([np.full(n, b) for b, n in enumerate(lengths)] + [np.full(T - sum(lengths), B)])
-    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(T - sum(lengths), int)])
-    packed = np.concatenate(prompts + [np.zeros(T - sum(lengths), int)])
-    cache = init_cache(CFG, B, P, stacked=scan_layers)
-    logits, cache = forward(
-        p,
-        jnp.asarray(packed)[None],
-        CFG,
-        positions=jnp.asarray(positions)[None],
-        cache=cache,
-        packed_rows=jnp.asarray(rows),
-        packed_window=P,
-        packed_kernel=packed_kernel,  # the CPU kernel (cpu_kernels.packed_attention) or XLA's windows
-    )
-    right = np.zeros((B, P), np.int32)
-    for b, prompt in enumerate(prompts):
-        right[b, : len(prompt)] = prompt
-    padded_cache = init_cache(CFG, B, P, stacked=scan_layers)
-    _, padded_cache = forward(
-        p, jnp.asarray(right), CFG, positions=jnp.broadcast_to(jnp.arange(P), (B, P)), cache=padded_cache
-    )
-    start = 0
-    for b, prompt in enumerate(prompts):
-        alone, _ = forward(p, jnp.asarray(prompt)[None], CFG)
-        np.testing.assert_allclose(logits[0, start : start + len(prompt)], alone[0], atol=1e-5, rtol=0)
-        start += len(prompt)
-        for name, slots in (("k", np.s_[..., : len(prompt)]), ("v", np.s_[..., : len(prompt), :])):
-            for ours, theirs in zip(
-                jax.tree.leaves(cache[name]), jax.tree.leaves(padded_cache[name]), strict=True
-            ):
-                row = (slice(None), b) if scan_layers else (b,)
-                np.testing.assert_allclose(
-                    np.asarray(ours)[row][slots], np.asarray(theirs)[row][slots], atol=1e-5, rtol=0
-                )
-
-
-def test_packed_and_padded_prefill_sample_the_same(params):
-    rng = np.random.RandomState(5)
-    prompts = [rng.randint(1, CFG.vocab_size, n).tolist() for n in (40, 3, 33, 17, 1, 29)]
-    for sc in (
-        _sc(max_prompt_length=48),
-        _sc(max_prompt_length=48, greedy=False, temperature=0.9, top_p=0.9),
-    ):
-        packed = generate(params, prompts, CFG, sc, jax.random.key(2), num_generations=2)
-        padded = generate(
-            params,
-            prompts,
-            CFG,
-            dataclasses.replace(sc, packed_prefill=False),
-            jax.random.key(2),
-            num_generations=2,
-        )
-        np.testing.assert_array_equal(packed.completion_ids, padded.completion_ids)
-        np.testing.assert_array_equal(packed.completion_mask, padded.completion_mask)
-        np.testing.assert_allclose(packed.logprobs, padded.logprobs, atol=1e-5, rtol=0)
-    assert sc.packed_length_for(123, 6, 48) == 144 and sc.packed_length_for(288, 6, 48) == 288
-    with pytest.raises(ValueError, match="packed_length=12 is less than the 13 prompt tokens"):
-        generate_padded(
-            params, np.ones((2, 8), np.int32), np.array([8, 5]), jax.random.key(0), CFG, sc, 1, 12
-        )
-
-
-@pytest.mark.parametrize("attention", ATTENTIONS)
-@pytest.mark.parametrize("unroll", [True, False])
-def test_decode_phases_give_the_same_rollouts(params, unroll, attention):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_phases_give_the_same_rollouts(params, backend):
     # Phases of 5 steps (caches of P + 5, + 10, + 12 slots, grown between) against one phase on P + C slots;
     # P = 7 = the longest prompt, so that row fills the last slot of each phase's cache.
-    base = dataclasses.replace(
-        _sc(greedy=False, temperature=0.9, max_prompt_length=7, decode_attention=attention),
-        unroll_layers=unroll,
-    )
+    base = _sc(greedy=False, temperature=0.9, max_prompt_length=7, backend=backend)
     phased = generate(
         params, PROMPTS, CFG, dataclasses.replace(base, decode_phase_length=5), jax.random.key(3), 2
     )
@@ -366,7 +287,7 @@ def test_decode_phases_give_the_same_rollouts(params, unroll, attention):
         params,
         PROMPTS,
         CFG,
-        _sc(decode_phase_length=5, max_prompt_length=7, decode_attention=attention),
+        _sc(decode_phase_length=5, max_prompt_length=7, backend=backend),
         jax.random.key(0),
     )
     for i, prompt in enumerate(PROMPTS):  # the phased decode is exact
@@ -374,85 +295,20 @@ def test_decode_phases_give_the_same_rollouts(params, unroll, attention):
         np.testing.assert_array_equal(greedy.completion_ids[i], ref.argmax(-1))
 
 
-@pytest.mark.parametrize("cache_dtype, unroll", [(None, True), ("float32", False), ("bfloat16", True)])
-def test_bfloat16_model_and_cache_dtypes_run_on_the_padded_prefill(cache_dtype, unroll):
-    # Regressions: a bf16 x bf16 -> f32 batched dot XLA:CPU rejects, and a float32 cache turning a bf16
-    # model's residual stream to float32 (the stacked-layer scan then fails on its carry type).
+@pytest.mark.skipif(not CPU_BACKEND, reason="no CPU backend")
+@pytest.mark.parametrize("cache_dtype", [None, "float32", "bfloat16"])
+def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
+    # Regressions: a bf16 x bf16 -> f32 batched dot XLA:CPU rejects (the padded prefill), and a float32 cache
+    # turning a bf16 model's residual stream to float32 (the stacked-layer scan then fails on its carry type).
     cfg = CFG.replace(dtype="bfloat16")
     p = init_params(cfg, jax.random.key(0))
-    sc = dataclasses.replace(_sc(), cache_dtype=cache_dtype, unroll_layers=unroll, packed_prefill=False)
+    sc = _sc(cache_dtype=cache_dtype, backend="xla")
     padded = generate(p, PROMPTS, cfg, sc, jax.random.key(0))
-    packed = generate(p, PROMPTS, cfg, dataclasses.replace(sc, packed_prefill=True), jax.random.key(0))
+    packed = generate(p, PROMPTS, cfg, dataclasses.replace(sc, backend="cpu"), jax.random.key(0))
     assert np.isfinite(padded.logprobs).all() and (padded.logprobs <= 0).all()
     np.testing.assert_array_equal(padded.completion_mask, 1)
     # the first token comes from the prefill alone: both prefills agree on it
     np.testing.assert_array_equal(padded.completion_ids[:, 0], packed.completion_ids[:, 0])
-
-
-def test_shared_prefix_length():
-    from grpax.sampler.engine import shared_prefix_length
-
-    system = list(range(1, 20))  # 19 shared tokens
-    assert shared_prefix_length([system + [40, 41], system + [50]]) == 16  # rounded down to a multiple of 8
-    assert shared_prefix_length([system + [40, 41], system + [50]], multiple=1) == 19
-    assert shared_prefix_length([system, system + [50]], multiple=1) == 18  # each prompt keeps one token
-    assert shared_prefix_length([system + [40]]) == 0  # nothing to share with one prompt
-    assert shared_prefix_length([[1, 2, 3], [4, 5, 6]]) == 0
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
-@pytest.mark.parametrize("greedy", [True, False])
-def test_shared_prompt_prefix_prefilled_once_gives_the_same_rollouts(params, greedy, monkeypatch):
-    # A 17-token "system prompt" before each question: prefilled once (16 tokens shared) or per prompt, the
-    # completions and logprobs agree (the unshared path is held to the full forward by the tests above).
-    system = [(7 * i + 3) % CFG.vocab_size for i in range(17)]
-    prompts = [system + p for p in PROMPTS]
-    kw = dict(max_prompt_length=32, greedy=greedy, temperature=0.8)
-    used = []  # the prefix lengths generate passed on
-    monkeypatch.setattr(
-        engine, "generate_padded", lambda *a, **k: used.append(k["prefix_length"]) or generate_padded(*a, **k)
-    )
-    shared = generate(params, prompts, CFG, _sc(**kw), jax.random.key(3), num_generations=2)
-    alone = generate(params, prompts, CFG, _sc(share_prompt_prefix=False, **kw), jax.random.key(3), 2)
-    np.testing.assert_array_equal(shared.completion_ids, alone.completion_ids)
-    np.testing.assert_array_equal(shared.completion_mask, alone.completion_mask)
-    np.testing.assert_allclose(shared.logprobs, alone.logprobs, atol=1e-5, rtol=0)
-    assert shared.finish_reason == alone.finish_reason
-    assert used == [16, 0]  # 17 shared tokens rounded down to 16; none without share_prompt_prefix
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
-def test_shared_prefix_errors_name_the_fix(params):
-    right = np.array([[1, 2, 3, 4], [1, 2, 5, 0]], np.int32)
-    lengths = np.array([4, 3], np.int32)
-    with pytest.raises(ValueError, match="needs the packed prefill"):
-        generate_padded(params, right, lengths, jax.random.key(0), CFG, _sc(), prefix_length=2)
-    with pytest.raises(ValueError, match="longer than the shared prefix"):
-        generate_padded(
-            params, right, lengths, jax.random.key(0), CFG, _sc(), packed_length=8, prefix_length=3
-        )
-    with pytest.raises(ValueError, match="prompt 1 does not start with prompt 0's first 3 tokens"):
-        bad = np.array([[1, 2, 3, 4], [1, 9, 3, 5]], np.int32)
-        generate_padded(
-            params,
-            bad,
-            np.array([4, 4], np.int32),
-            jax.random.key(0),
-            CFG,
-            _sc(),
-            packed_length=8,
-            prefix_length=3,
-        )
-    with pytest.raises(ValueError, match="prefill-attention kernel"):
-        generate_padded(
-            params,
-            right,
-            lengths,
-            jax.random.key(0),
-            CFG,
-            _sc(decode_attention="xla"),
-            packed_length=8,
-            prefix_length=2,
-        )
-    with pytest.raises(ValueError, match="packed_kernel=True"):
-        forward(params, jnp.asarray(right[:1]), CFG, packed_prefix=2)
+    cache = init_cache(cfg, 2, 8, cache_dtype)  # stacked: the scanned layers' carry keeps bfloat16
+    hidden, _ = forward(p, jnp.ones((2, 3), jnp.int32), cfg, cache=cache, return_hidden=True)
+    assert hidden.dtype == jnp.bfloat16

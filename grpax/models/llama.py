@@ -17,10 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from grpax.models import cpu_kernels
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sharding import constrain
+from grpax.models.sharding_rules import constrain
 
 # A large finite negative keeps fully-masked (padding) query rows finite instead of NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -51,13 +50,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) float32 [B, T, 1, H/2] of the RoPE angles ``positions`` int [B, T] x ``inv_freq`` [H/2].
-
-    A loop (the decode) can compute them for every position once, ``rope_tables(arange(S)[None], ..)``, and
-    pass the tables to ``forward(rope_table=...)``: computed inside the step, XLA:CPU fuses cos and sin into
-    each layer's rotation and evaluates them once per rotated element (every head of q and k, every layer),
-    ~8 ms of a 64-row decode step.
-    """
+    """(cos, sin) float32 [B, T, 1, H/2] of the RoPE angles ``positions`` int [B, T] x ``inv_freq`` [H/2]."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
@@ -119,31 +112,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
 
 
-def _decode_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
-    """One query per row [B, 1, N, H] as the decode kernels take it: float32 [B, K, G, H] scaled by 1/sqrt(H)."""
-    B, _, N, H = q.shape
-    return q.reshape(B, num_kv_heads, N // num_kv_heads, H).astype(jnp.float32) / math.sqrt(H)
-
-
-def _kernel_applies(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
-    """Whether the CPU decode-attention kernel takes this step: one query per row, G <= 8, a f32/bf16 cache."""
-    kernel_dtypes = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    return (
-        q.shape[1] == 1
-        and q.shape[2] // cache_k.shape[1] <= cpu_kernels.MAX_GROUP
-        and cache_k.dtype == cache_v.dtype
-        and cache_k.dtype in kernel_dtypes
-    )
-
-
-def cached_attention(
-    q: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
-    mask: jax.Array,
-    positions: jax.Array | None = None,
-    kernel: bool = False,
-) -> jax.Array:
+def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache in the decode layout.
 
     The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]. For one query per row (decode, T == 1)
@@ -151,20 +120,13 @@ def cached_attention(
     the slots, and the weighted sum a batched matmul over contiguous [S, H] rows. At batch 64 on CPU that is a
     256 ms decode step against 349 ms for a multiply-reduce over a [B, S, K, H] cache, and far faster than an
     einsum over that layout, which made XLA transpose the whole cache of every layer at every step
-    (docs/benchmarks.md). With ``kernel=True`` (and ``positions``) the decode attention is instead the CPU
-    kernel of ``grpax.models.cpu_kernels``, which reads only the filled slots, once (float32 or bfloat16
-    caches, G <= 8; other cases keep XLA's path). Several queries per row (a padded prefill, once per
-    rollout) use ``attention`` on the cache transposed to [B, S, K, H], in float32.
+    (docs/benchmarks.md). Several queries per row (a padded prefill, once per rollout) use ``attention`` on
+    the cache transposed to [B, S, K, H], in float32.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
       cache_k: [B, K, H, S] cached keys; cache_v: [B, K, S, H] cached values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to slot s.
-      positions: int32 [B, T] query positions (slot <= position is visible); needed with ``kernel``.
-      kernel: use the CPU decode-attention kernel for T == 1 (it must be built: ``cpu_kernels.available()``).
-
-    Raises:
-      ValueError: ``kernel`` without ``positions``.
 
     Returns:
       [B, T, N, H] in q's dtype; scores and softmax in float32.
@@ -172,12 +134,7 @@ def cached_attention(
     B, T, N, H = q.shape
     K = cache_k.shape[1]
     if T == 1:
-        q1 = _decode_queries(q, K)  # [B, K, G, H]
-        if kernel and positions is None:
-            raise ValueError("cached_attention(kernel=True) needs the query positions [B, 1]")
-        if kernel and _kernel_applies(q, cache_k, cache_v):
-            out = cpu_kernels.decode_attention(q1, cache_k, cache_v, positions[:, 0])
-            return out.reshape(B, 1, N, H).astype(q.dtype)
+        q1 = q.reshape(B, K, N // K, H).astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H]
         scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
         scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
@@ -192,166 +149,35 @@ def cached_attention(
     return out.astype(q.dtype)
 
 
-def packed_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, rows: jax.Array, window: int, chunk: int = 32
-) -> jax.Array:
-    """Causal attention inside each row of a packed sequence (several prompts back to back, no padding).
-
-    Each token attends to the earlier tokens of its own row. Rows are contiguous and at most ``window``
-    tokens long, so the queries are cut into chunks of ``chunk`` tokens and each chunk attends only to the
-    ``window + chunk`` keys that end with it: work grows with T * (window + chunk), not T^2, and no FLOP is
-    spent on padding (the prefill of a right-padded batch computes every row at the longest row's length).
-
-    Args:
-      q: [T, N, H] queries (already rotated); k, v: [T, K, H]; N must be a multiple of K.
-      rows: int32 [T] row of each token (tokens of a row contiguous and in order; padding gets its own id).
-      window: static, >= the longest row in tokens.
-      chunk: static query chunk size.
-
-    Returns:
-      [T, N, H] in q's dtype; scores and softmax in float32.
-    """
-    T, N, H = q.shape
-    K = k.shape[1]
-    G = N // K
-    nc = -(-T // chunk)
-    m = -(-window // chunk)  # chunks of history each query chunk may reach back to
-    pad = nc * chunk - T
-    # Heads lead so that both products are plain batched matmuls over (K, chunk): [G * chunk, H] x [H, W].
-    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(nc, chunk, K, G, H)
-    q = q.transpose(2, 0, 3, 1, 4).reshape(K, nc, G * chunk, H)
-    rows_q = jnp.pad(rows, (0, pad), constant_values=-1)  # padding queries match no key row
-    k, v = (jnp.pad(x, ((m * chunk, pad), (0, 0), (0, 0))).transpose(1, 0, 2) for x in (k, v))  # [K, T', H]
-    rows_k = jnp.pad(rows, (m * chunk, pad), constant_values=-2)
-
-    def windows(x, axis):  # [.., (m + nc) * chunk, ..] -> [.., nc, (m + 1) * chunk, ..]: chunk c's keys
-        x = x.reshape(*x.shape[:axis], nc + m, chunk, *x.shape[axis + 1 :])
-        sl = lambda j: jax.lax.slice_in_dim(x, j, j + nc, axis=axis)  # noqa: E731
-        return jnp.concatenate([sl(j) for j in range(m + 1)], axis=axis + 1)
-
-    kw, vw = windows(k, 1), windows(v, 1)  # [K, nc, W, H]
-    key_index = windows(jnp.arange((m + nc) * chunk) - m * chunk, 0)  # pack index of each key [nc, W]
-    query_index = jnp.arange(nc * chunk).reshape(nc, chunk)
-    mask = (windows(rows_k, 0)[:, None, :] == rows_q.reshape(nc, chunk)[:, :, None]) & (
-        key_index[:, None, :] <= query_index[:, :, None]
-    )  # [nc, chunk, W]
-    scores = jnp.einsum("KcMH,KcwH->KcMw", q, kw, preferred_element_type=jnp.float32) / math.sqrt(H)
-    scores = scores.reshape(K, nc, G, chunk, -1)
-    scores = jnp.where(mask[None, :, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vw.dtype).reshape(K, nc, G * chunk, -1)
-    out = jnp.einsum("KcMw,KcwH->KcMH", probs, vw, preferred_element_type=jnp.float32)
-    out = out.reshape(K, nc, G, chunk, H).transpose(1, 3, 0, 2, 4)  # [nc, chunk, K, G, H]
-    return out.reshape(nc * chunk, N, H)[:T].astype(q.dtype)
-
-
-def _layer(
-    x,
-    layer,
-    positions,
-    mask,
-    rope,
-    cfg: ModelConfig,
-    cache_k=None,
-    cache_v=None,
-    index=None,
-    packed=None,
-    decode_kernel=False,
-    packed_kernel=False,
-):
+def _layer(x, layer, positions, mask, rope, cfg: ModelConfig, cache_k=None, cache_v=None, index=None):
     """One decoder block; returns (x, cache_k, cache_v).
 
     With a cache (the decode layout of ``init_cache``: keys [.., B, K, H, S], values [.., B, K, S, H]),
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
     ``positions[b, t]`` of row b (the caches are loop carries, so XLA updates them without copying) and the
-    queries attend over the cache. With ``packed=(rows, window, prefix)`` x is one packed sequence [1, T, D] of
-    several rows' prompts (``rows`` [T] each token's cache row; the first ``prefix`` tokens shared by every row,
-    written to each row's first slots): tokens are written at (rows[t], positions[0, t]) and attend within
-    their row (``packed_attention``, or with ``packed_kernel`` the CPU kernel ``cpu_kernels.packed_attention``).
-    ``decode_kernel`` selects the CPU decode-attention kernel for one query per row: into per-layer buffers it
-    also writes the new key/value in place (``cpu_kernels.decode_attention_update``), into stacked ones XLA
-    scatters them (``cached_attention``). A layer with packed weights (``pack_decode_params``) runs its projections and
-    MLP on the CPU matmul kernel (``cpu_kernels.matmul``, the pre-norms applied inside it).
+    queries attend over the cache.
     """
     dtype = jnp.dtype(cfg.dtype)
-    packed_weights = "packed_qkv" in layer  # the CPU decode layout of pack_decode_params
-    w = {name: val if name.startswith("packed_") else val.astype(dtype) for name, val in layer.items()}
-    B, T, D = x.shape
-    eps = cfg.rms_norm_eps
-    if packed_weights:  # the kernel applies the pre-norm as it lays x out
-        NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # the kernel writes bfloat16 itself (rounded as .astype does): one pass and one XLA op less per matmul
-        out = dtype if dtype == jnp.bfloat16 else jnp.float32
-        qkv = cpu_kernels.matmul(
-            x, w["packed_qkv"], NH + 2 * KH, norm_weight=w["attn_norm"], eps=eps, out_dtype=out
-        ).astype(dtype)
-        q, k, v = (part.reshape(B, T, -1, cfg.head_dim) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
-        q, k = rotate(q, *rope), rotate(k, *rope)
-    else:
-        q, k, v = _attention_inputs(x, w, rope, cfg)
-    if (
-        cache_k is not None
-        and index is None
-        and packed is None
-        and decode_kernel
-        and _kernel_applies(q, cache_k, cache_v)
-    ):
-        # one query per row into per-layer buffers: the kernel writes the new key/value in place and attends
-        attn, cache_k, cache_v = cpu_kernels.decode_attention_update(
-            _decode_queries(q, cache_k.shape[1]), k[:, 0], v[:, 0], cache_k, cache_v, positions[:, 0]
-        )
-        attn = attn.reshape(B, 1, -1, cfg.head_dim).astype(q.dtype)
-    elif cache_k is not None:
-        rows = jnp.arange(B)[:, None] if packed is None else packed[0][None, :]
+    w = {name: val.astype(dtype) for name, val in layer.items()}
+    q, k, v = attention_inputs(x, w, rope, cfg)
+    if cache_k is not None:
+        rows = jnp.arange(x.shape[0])[:, None]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
         if index is None:
             cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+            attn = cached_attention(q, cache_k, cache_v, mask)
         else:
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-        prefix = 0 if packed is None else packed[2]
-        num_rows = cache_k.shape[0 if index is None else 1]
-        if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
-            pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
-            pv = jnp.broadcast_to(
-                v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3])
-            )
-            at_k = cache_k.at[:, :, :, :prefix] if index is None else cache_k.at[index, :, :, :, :prefix]
-            at_v = cache_v.at[:, :, :prefix, :] if index is None else cache_v.at[index, :, :, :prefix, :]
-            cache_k, cache_v = at_k.set(pk.astype(cache_k.dtype)), at_v.set(pv.astype(cache_v.dtype))
-        if packed is not None and packed_kernel:
-            attn = cpu_kernels.packed_attention(q[0], k[0], v[0], packed[0], num_rows, prefix)[None]
-        elif packed is not None:
-            attn = packed_attention(q[0], k[0], v[0], packed[0], packed[1])[None]
-        elif index is None:
-            attn = cached_attention(q, cache_k, cache_v, mask, positions, decode_kernel)
-        else:
-            attn = cached_attention(q, cache_k[index], cache_v[index], mask, positions, decode_kernel)
+            attn = cached_attention(q, cache_k[index], cache_v[index], mask)
     else:
         attn = attention(q, k, v, mask)
-    if packed_weights:
-        x = x + cpu_kernels.matmul(attn.reshape(B, T, -1), w["packed_wo"], D, out_dtype=out).astype(dtype)
-        # The activation goes from one kernel to the next transposed ([F, B * T]), as the vector tiles read it;
-        # AMX tiles (bfloat16, F a multiple of 32) read rows, so for them it stays [B * T, F].
-        transposed = not (dtype == jnp.bfloat16 and cfg.mlp_dim % 32 == 0 and cpu_kernels.amx_enabled())
-        act = cpu_kernels.matmul(
-            x.reshape(B * T, D),
-            w["packed_gate_up"],
-            cfg.mlp_dim,
-            swiglu=True,
-            transpose_out=transposed,
-            norm_weight=w["mlp_norm"],
-            eps=eps,
-            out_dtype=out,
-        ).astype(dtype)
-        down = cpu_kernels.matmul(act, w["packed_down"], D, x_transposed=transposed, out_dtype=out)
-        down = down.reshape(B, T, D)
-        return x + down.astype(dtype), cache_k, cache_v
-    return _attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
+    return attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
 
 
-def _attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax.Array, ...]:
     """Pre-norm and q/k/v projections of x [B, T, D]: rotated q [B, T, N, H], rotated k and v [B, T, K, H]."""
     B, T, D = x.shape
     # Tokens flattened to one matrix dimension and heads merged into one ([D, N, H] -> [D, N * H] is free in
@@ -364,7 +190,7 @@ def _attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[ja
     return rotate(q, *rope), rotate(k, *rope), v
 
 
-def _attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
+def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
     """The rest of the block: x + attn [B, T, N, H] @ wo, then the pre-normed SwiGLU MLP's residual."""
     B, T, D = x.shape
     x = x.reshape(B * T, D) + attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
@@ -423,12 +249,6 @@ def forward(
     attention_mask: jax.Array | None = None,
     cache: dict | None = None,
     return_hidden: bool = False,
-    packed_rows: jax.Array | None = None,
-    packed_window: int = 0,
-    decode_kernel: bool = False,
-    packed_kernel: bool = False,
-    packed_prefix: int = 0,
-    rope_table: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Runs the decoder.
 
@@ -444,22 +264,6 @@ def forward(
         With per-layer params (a list) the cache may also be lists of L per-layer buffers
         (``init_cache(..., stacked=False)``, fastest decode on CPU); it comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
-      packed_rows: int32 [T] for a packed prefill: ``tokens`` [1, T] holds several prompts back to back
-        (no padding between them) and token t belongs to cache row ``packed_rows[t]`` at position
-        ``positions[0, t]``; a ``cache`` is required and rows out of its range (padding) are not written.
-        Each token attends to the earlier tokens of its own row only (``packed_attention``).
-      packed_window: static, with ``packed_rows``: the longest packed row in tokens (or more).
-      decode_kernel: static; with a cache and one token per row, attend with the CPU decode-attention kernel
-        (``grpax.models.cpu_kernels``; the caller checks ``available()`` and that the arrays live on one CPU
-        device: the kernel has no sharding rule).
-      packed_kernel: static; with ``packed_rows``, attend with the CPU packed-attention kernel
-        (``cpu_kernels.packed_attention``; the same conditions as ``decode_kernel``).
-      packed_prefix: static, with ``packed_rows`` and ``packed_kernel``: the first A tokens are a prefix every
-        row shares (e.g. a system prompt, prefilled once): written to slots 0..A-1 of every cache row and
-        attended by every later token, whose positions continue from A.
-      rope_table: optional (cos, sin) float32 [S, H/2] for positions 0..S-1 (``rope_tables`` of
-        ``arange(S)``, squeezed), looked up at ``positions`` instead of computing the angles; every position
-        must be < S.
 
     Returns:
       (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
@@ -470,40 +274,17 @@ def forward(
     positions = positions.astype(jnp.int32)
     dtype = jnp.dtype(cfg.dtype)
     x = constrain(params["embed"].astype(dtype)[tokens], _RESIDUAL)
-    if rope_table is None:
-        rope = rope_tables(positions, rope_inv_freq(cfg))  # (cos, sin), shared by every layer
-    else:
-        rope = tuple(table[positions][:, :, None, :] for table in rope_table)
-    if packed_rows is not None and cache is None:
-        raise ValueError("forward(packed_rows=...) writes a KV cache: pass cache=init_cache(...)")
+    rope = rope_tables(positions, rope_inv_freq(cfg))  # (cos, sin), shared by every layer
     if cache is None:
         idx = jnp.arange(T)
         mask = (positions[:, None, :] <= positions[:, :, None]) & (idx[None, :] <= idx[:, None])[None]
         if attention_mask is not None:
             mask = mask & attention_mask.astype(bool)[:, None, :]
-    elif packed_rows is not None:
-        if B != 1 or packed_window < 1:
-            raise ValueError(
-                f"a packed prefill takes tokens [1, T] and packed_window >= 1, got {tokens.shape}"
-                f" and packed_window={packed_window}"
-            )
-        mask = None
     else:
         S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
 
-    if packed_prefix and not (packed_rows is not None and packed_kernel):
-        raise ValueError(
-            f"forward(packed_prefix={packed_prefix}) shares a prefix in a packed prefill on the CPU kernel: pass "
-            "packed_rows and packed_kernel=True (XLA's packed attention has no shared prefix), or packed_prefix=0"
-        )
-    packed = None if packed_rows is None else (packed_rows.astype(jnp.int32), packed_window, packed_prefix)
-    layer_fn = _maybe_remat(
-        functools.partial(
-            _layer, cfg=cfg, packed=packed, decode_kernel=decode_kernel, packed_kernel=packed_kernel
-        ),
-        cfg,
-    )
+    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg), cfg)
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
     cv = cache["v"] if cache is not None else None
@@ -581,14 +362,14 @@ def forward_grouped(
 
     def layer_fn(xp, xc, layer):
         w = {name: val.astype(dtype) for name, val in layer.items()}
-        qp, kp, vp = _attention_inputs(xp, w, rope_p, cfg)
-        qc, kc, vc = _attention_inputs(xc, w, rope_c, cfg)
+        qp, kp, vp = attention_inputs(xp, w, rope_p, cfg)
+        qc, kc, vc = attention_inputs(xc, w, rope_c, cfg)
         attn_p = chunked_attention(qp, kp, vp, mask_p)
         k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
         v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
         attn_c = chunked_attention(qc, k, v, mask_c)
-        xp = _attention_output_and_mlp(xp, attn_p, w, cfg)
-        xc = _attention_output_and_mlp(xc, attn_c, w, cfg)
+        xp = attention_output_and_mlp(xp, attn_p, w, cfg)
+        xc = attention_output_and_mlp(xc, attn_c, w, cfg)
         return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)
 
     layer_fn = _maybe_remat(layer_fn, cfg)
@@ -608,8 +389,6 @@ def forward_grouped(
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head)."""
     dtype = jnp.dtype(cfg.dtype)
-    if "packed_lm_head" in params:
-        return cpu_kernels.matmul(hidden, params["packed_lm_head"], cfg.vocab_size)
     if "lm_head" in params:
         return jnp.einsum(
             "...D,DV->...V", hidden, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
@@ -617,50 +396,3 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> j
     return jnp.einsum(
         "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
     )
-
-
-def pack_decode_params(params: Params, cfg: ModelConfig) -> Params:
-    """Params repacked for the CPU decode matmuls (``cpu_kernels.matmul``), per-layer weights unrolled.
-
-    Each layer's q/k/v projections become one packed [D, (N + 2K) H] matrix (``packed_qkv``), the output
-    projection ``packed_wo``, gate and up one SwiGLU matrix (``packed_gate_up``), the down projection
-    ``packed_down``; the LM head (tied embeddings transposed, or ``lm_head``) ``packed_lm_head``. Weights are
-    stored in ``cfg.dtype`` (the dtype XLA's path casts them to) and copied once, straight from stacked
-    layers (``cpu_kernels.pack``). ``forward`` and ``logits_from_hidden`` use the packed weights wherever
-    they find them; ``embed`` stays for the token lookup.
-
-    Args:
-      params: the params tree, layers stacked [L, ...] or a list.
-
-    Returns:
-      a new params tree with ``layers`` a list of L dicts.
-    """
-    dtype = jnp.dtype(cfg.dtype)
-    layers = params["layers"]
-    # groups of layers stacked [L, ...]: all of them, or each of a list on its own (a free reshape)
-    groups = [layers] if isinstance(layers, dict) else [jax.tree.map(lambda x: x[None], la) for la in layers]
-    out_layers = []
-    for group in groups:
-        L, D = group["wq"].shape[:2]
-        qkv = cpu_kernels.pack([group[name].reshape(L, D, -1) for name in ("wq", "wk", "wv")], dtype)
-        wo = cpu_kernels.pack([group["wo"].reshape(L, -1, D)], dtype)
-        gate_up = cpu_kernels.pack([group["w_gate"], group["w_up"]], dtype, swiglu=True)
-        down = cpu_kernels.pack([group["w_down"]], dtype)
-        for i in range(L):
-            out_layers.append(
-                {
-                    "attn_norm": group["attn_norm"][i],
-                    "mlp_norm": group["mlp_norm"][i],
-                    "packed_qkv": qkv[i],
-                    "packed_wo": wo[i],
-                    "packed_gate_up": gate_up[i],
-                    "packed_down": down[i],
-                }
-            )
-    out = {name: val for name, val in params.items() if name not in ("layers", "lm_head")}
-    out["layers"] = out_layers
-    if "lm_head" in params:
-        (out["packed_lm_head"],) = cpu_kernels.pack([params["lm_head"][None]], dtype)
-    else:
-        (out["packed_lm_head"],) = cpu_kernels.pack([params["embed"][None]], dtype, transposed=True)
-    return out

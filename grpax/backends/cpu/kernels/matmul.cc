@@ -2,15 +2,12 @@
 //
 // A decode step multiplies a few rows (M = batch) by every weight matrix, so its cost is streaming the
 // weights from memory, not arithmetic. W comes packed as [P, K, 16] (P = ceil(N / 16) panels of 16 columns,
-// zero padded; grpax.models.cpu_kernels.pack): each panel is one contiguous run of memory, read once
+// zero padded; grpax.backends.cpu.ops.pack): each panel is one contiguous run of memory, read once
 // per call and shared out over XLA's intra-op thread pool. Register tiles of up to 12 rows x 2 panels with
 // AVX-512 (24 of its 32 vector registers), else 6 rows x 1 panel (12 of AVX2's 16, the BLIS-style tile), run
 // over K while the panels' next rows are prefetched; x is read from its transpose, so the broadcasts of one k
 // are one run of memory. Float32 or bfloat16 weights (widened to float32 in registers: bf16 halves the bytes
 // read), x and y float32 or bfloat16; the accumulation is float32.
-//
-// bfloat16 panels hold their rows in pairs; with a bfloat16 x on a CPU with AMX, the tile unit multiplies
-// them instead (amx_product), which also makes the prefill's many-row products faster than XLA's dots.
 //
 // Options for the decode layer: the pre-norm (RMSNorm) applied to x as it is transposed; x given already
 // transposed; y written transposed (the SwiGLU output feeds the down projection that way).
@@ -18,18 +15,12 @@
 // With `swiglu` the panels of two matrices come interleaved (gate panel p at 2p, up panel p at 2p + 1) and
 // y = silu(x @ W_gate) * (x @ W_up): the MLP's gate, up and activation in one pass (Llama's SwiGLU).
 //
-// Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
+// Built at first use by grpax.backends.cpu.build (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include "parallel.h"
 #include "simd.h"
@@ -184,117 +175,6 @@ inline void emit(float* a, int64_t stride, int64_t up, int64_t rows, int64_t m0,
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// AMX (Intel's tile unit, Sapphire Rapids and later): TDPBF16PS multiplies a 16 x 32 bfloat16 tile of x by a
-// 32 x 16 one of W, in the row-pair layout of the bfloat16 panels, into a 16 x 16 float32 accumulator tile:
-// 16 K of multiply-adds per instruction where an AVX-512 FMA does 16. Linux lends the tile registers to a
-// process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, once); without them the vector tiles are used.
-constexpr bool kAmxBuilt = true;
-constexpr int64_t kAmxAhead = 4096;  // bytes of a panel prefetched ahead
-
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 accumulate [16, 16] float32, 4-5 hold x [16 rows, 32 k] and 6-7 W [16 row pairs, 16 columns x 2].
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-// c[16 R, 16 NP] (row stride 32 floats) = xb[16 R rows, K] (bfloat16, row stride ldx) @ NP pair panels from
-// `first` (K a multiple of 32): each W tile (1 KB, contiguous) feeds R products, each x tile NP.
-template <int R, int NP>
-void amx_tile(const uint16_t* xb, int64_t ldx, const uint16_t* first, int64_t K, float* c, bool fetch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const uint16_t* second = first + K * kPanel;
-  for (int64_t k = 0; k < K; k += 32) {
-    if (fetch)  // the panels' rows kAmxAhead bytes on (past the last: the panels multiplied next)
-      for (int j = 0; j < NP; ++j)
-        for (int line = 0; line < 16; ++line)
-          __builtin_prefetch(first + j * K * kPanel + k * kPanel + line * 32 + kAmxAhead / 2);
-    _tile_loadd(6, first + k * kPanel, 64);
-    _tile_loadd(4, xb + k, ldx * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NP == 2) {
-      _tile_loadd(7, second + k * kPanel, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (R == 2) {
-      _tile_loadd(5, xb + 16 * ldx + k, ldx * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NP == 2) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, c, 128);
-  if constexpr (NP == 2) _tile_stored(1, c + 16, 128);
-  if constexpr (R == 2) {
-    _tile_stored(2, c + 16 * 32, 128);
-    if constexpr (NP == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
-  }
-}
-
-// y = x @ W on AMX for bfloat16 pair panels, x given as bfloat16 rows xb [M rounded up to 16, K] (zero rows
-// past M): work items (a chunk of up to 256 rows, a run of blocks of two input panels) go to the thread pool;
-// each runs 32-row x 2-panel tiles over K.
-void amx_product(ffi::ThreadPool& pool, const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp,
-                 int64_t panels, bool gated, bool transpose_out, int64_t N, const Out& yp) {
-  const int64_t per_block = gated ? 1 : 2, in_per_out = gated ? 2 : 1;  // output panels per block; inputs per output
-  const int64_t blocks = (panels + per_block - 1) / per_block;
-  const int64_t run = std::max<int64_t>(1, blocks / (8 * std::max<int64_t>(1, pool.num_threads())));
-  const int64_t runs = (blocks + run - 1) / run;
-  constexpr int64_t kChunk = 256;  // rows of x a work item multiplies: 256 x K bfloat16 stays in L2
-  const int64_t chunks = (M + kChunk - 1) / kChunk;
-  parallel_for(pool, chunks * runs, [&](int64_t item) {
-    alignas(64) float c[32 * 32];
-    configure_tiles();
-    const int64_t chunk = item / runs, r = item % runs;
-    const int64_t m_end = std::min(M, (chunk + 1) * kChunk), end = std::min(blocks, (r + 1) * run);
-    for (int64_t blk = r * run; blk < end; ++blk) {
-      const int64_t p0 = blk * per_block, count = std::min(per_block, panels - p0);
-      const uint16_t* first = wp + in_per_out * p0 * K * kPanel;
-      const bool two_panels = count * in_per_out == 2;
-      const int64_t width = std::min<int64_t>(count * kPanel, N - p0 * kPanel);
-      for (int64_t m = chunk * kChunk; m < m_end; m += 32) {
-        const int64_t rows = std::min<int64_t>(32, m_end - m);
-        const uint16_t* xm = xb + m * K;
-        const bool fetch = m == chunk * kChunk;  // the first rows read the panels from memory
-        if (rows > 16) {
-          two_panels ? amx_tile<2, 2>(xm, K, first, K, c, fetch) : amx_tile<2, 1>(xm, K, first, K, c, fetch);
-        } else {
-          two_panels ? amx_tile<1, 2>(xm, K, first, K, c, fetch) : amx_tile<1, 1>(xm, K, first, K, c, fetch);
-        }
-        emit(c, 32, kPanel, rows, m, gated, transpose_out, p0 * kPanel, width, M, N, yp);
-      }
-    }
-    _tile_release();
-  });
-}
-#else
-constexpr bool kAmxBuilt = false;
-bool amx_permitted() { return false; }
-void amx_product(ffi::ThreadPool&, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, bool, bool,
-                 int64_t, const Out&) {}
-#endif
-
 // Per-thread scratch is kept from call to call, but released after a call that needed more than this (a
 // prefill's thousands of rows), so that no thread holds its largest buffer for life.
 constexpr size_t kKeepBytes = size_t{4} << 20;
@@ -305,8 +185,7 @@ void trim(V& buffer) {
 
 template <typename T>
 ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, int64_t N, bool gated,
-                       bool x_transposed, bool transpose_out, const Norm& norm, bool amx,
-                       ffi::Result<ffi::AnyBuffer>& y) {
+                       bool x_transposed, bool transpose_out, const Norm& norm, ffi::Result<ffi::AnyBuffer>& y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
@@ -340,33 +219,6 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer&
   const T* wp = reinterpret_cast<const T*>(w.untyped_data());
   const Out yp = y->element_type() == ffi::DataType::BF16 ? Out{nullptr, static_cast<uint16_t*>(y->untyped_data())}
                                                           : Out{static_cast<float*>(y->untyped_data()), nullptr};
-  if constexpr (sizeof(T) == 2) {
-    // AMX takes x as bfloat16 rows: a bfloat16 x as it is (the fused norm rounds to bfloat16 too, so exact)
-    if (amx && x_bf16 && K % 32 == 0 && amx_permitted()) {
-      const int64_t Mp = (M + 15) / 16 * 16;
-      thread_local std::vector<uint16_t> xb_buf;
-      xb_buf.resize(Mp * K);
-      uint16_t* xb = xb_buf.data();
-      parallel_for(pool, Mp / 16, [&](int64_t block) {  // 16 rows of xb
-        for (int64_t m = block * 16; m < block * 16 + 16; ++m) {
-          uint16_t* row = xb + m * K;
-          if (m >= M) {
-            std::fill(row, row + K, uint16_t{0});
-          } else if (x_transposed) {
-            for (int64_t k = 0; k < K; ++k) row[k] = xh[k * M + m];
-          } else if (!norm.on) {
-            std::memcpy(row, xh + m * K, K * sizeof(uint16_t));
-          } else {
-            for (int64_t k = 0; k < K; ++k) row[k] = to_bf16(normed(m, k));
-          }
-        }
-      });
-      amx_product(pool, xb, M, K, wp, panels, gated, transpose_out, N, yp);
-      trim(xb_buf);
-      trim(scale);
-      return ffi::Error::Success();
-    }
-  }
   // Tiles broadcast x[r, k] from its transpose, so that the rows of one k are one run: xt[k * M + r]. Blocks
   // of 64 k keep the 64 output lines in L1 while the rows advance (3x the naive loop order).
   const float* xt = xf;
@@ -432,7 +284,7 @@ ffi::Error matmul_impl(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer&
 }
 
 ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> norm_weight,
-                  int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps, bool amx,
+                  int64_t n, bool swiglu, bool x_transposed, bool transpose_out, bool normalize, float eps,
                   ffi::Result<ffi::AnyBuffer> y) {
   const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
   const auto is_float = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
@@ -447,16 +299,16 @@ ffi::Error matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   }
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, false, y);
+      return matmul_impl<float>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
     case ffi::DataType::BF16:
-      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, amx, y);
+      return matmul_impl<uint16_t>(pool, x, w, n, swiglu, x_transposed, transpose_out, norm, y);
     default:
       return ffi::Error::InvalidArgument("matmul: packed weights must be float32 or bfloat16");
   }
 }
 
 // Where weight (k, j) of a panel goes: row k (float32), or for bfloat16 the pair of rows (k - k % 2, k - k % 2
-// + 1) interleaved per column, [K / 2, 16, 2] (the layout AMX's and AVX-512 BF16's dot products take).
+// + 1) interleaved per column, [K / 2, 16, 2] (the layout of AVX-512 BF16's pair dot products).
 template <typename T>
 inline int64_t slot(int64_t k, int64_t j) {
   if constexpr (sizeof(T) == 4) {
@@ -587,8 +439,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GrpaxMatmul, matmul,
                                   .Attr<bool>("transpose_out")
                                   .Attr<bool>("normalize")
                                   .Attr<float>("eps")
-                                  .Attr<bool>("amx")
                                   .Ret<ffi::AnyBuffer>());
-
-// 1 when matmul can take its AMX path (built for a CPU with AMX-BF16 and the tile registers granted), else 0.
-extern "C" int GrpaxAmxAvailable() { return kAmxBuilt && amx_permitted() ? 1 : 0; }

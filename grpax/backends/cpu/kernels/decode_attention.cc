@@ -8,7 +8,7 @@
 // Only the filled slots are read, once each, and the (b, k) blocks are shared out over XLA's intra-op
 // thread pool: the cost is the bytes of the filled cache, not XLA's reductions over every slot.
 //
-// Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
+// Built at first use by grpax.backends.cpu.build (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -1,5 +1,5 @@
 // Prefill attention on CPU for packed prompts: several prompts back to back in one sequence, each token
-// attending causally to the earlier tokens of its own prompt (grpax.models.llama.packed_attention).
+// attending causally to the earlier tokens of its own prompt (grpax.backends.cpu.backend, the packed prefill).
 //
 // out[t, n, :] = softmax_j(scale q[t, n, :] . k[j, n / G, :]) @ v[j, n / G, :] over the tokens j of t's row
 // with j <= t (rows[j] == rows[t]; the tokens of a row are contiguous). Tokens whose row is outside
@@ -16,7 +16,7 @@
 // computed beyond the tile's last token. Float32 throughout; with `probs_bf16` the normalised probabilities
 // are rounded to bfloat16 before the product with the values, as the jnp version does in bfloat16.
 //
-// Built at first use by grpax.models.cpu_kernels (g++ -O3 -march=native) and called through the XLA FFI.
+// Built at first use by grpax.backends.cpu.build (g++ -O3 -march=native) and called through the XLA FFI.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,0 +1,285 @@
+"""The CPU backend: the sampler's prefill and decode step for one CPU device, on the kernels of ``ops``.
+
+What it runs, chosen for the default job (float32 SmolLM2 on a few CPU cores; timings in docs/benchmarks.md):
+
+- Prefill: the prompts packed back to back in one sequence (no FLOPs on padding), each token attending within
+  its own prompt on the packed-attention kernel; the tokens every prompt starts with (a system prompt, a chat
+  template's header; ``shared_prefix_length``) are prefilled once and their keys/values written to every row.
+  The projections and MLP are XLA's dots (as fast as the matmul kernel at many rows in float32).
+- Decode step: weights repacked once per decode call into the matmul kernel's column panels (``pack_params``),
+  the pre-norms fused into the matmuls, attention on the decode-attention kernel, which writes each new
+  key/value into the per-layer cache buffer in place and reads only each row's filled slots; RoPE cos/sin
+  looked up in tables computed once per call.
+
+The results equal the model's own ``forward`` (``grpax.models.llama``) to float32 rounding: the sums run in
+another order (tests/backends/test_cpu.py holds each kernel and the whole backend to XLA's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.backends.cpu import build, ops
+from grpax.models.llama import (
+    attention_inputs,
+    attention_output_and_mlp,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+    rotate,
+)
+from grpax.models.params import Params, convert_layout
+from grpax.models.registry import ModelConfig
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def unavailable_reason(params: Params, cfg: ModelConfig, cache_dtype: str | None) -> str | None:
+    """Why the CPU backend cannot run these params (None: it can). The caller checks the device (one CPU).
+
+    The kernels take float32 or bfloat16 params, activations and cache, at most ``ops.MAX_GROUP`` query heads
+    per KV head, and must build (``build.available()``).
+    """
+    dtypes = [leaf.dtype for leaf in jax.tree.leaves(params)] + [cfg.dtype, cache_dtype or cfg.dtype]
+    if any(jnp.dtype(d) not in _KERNEL_DTYPES for d in dtypes):
+        return "it takes float32 or bfloat16 params, activations and cache"
+    if cfg.num_heads // cfg.num_kv_heads > ops.MAX_GROUP:
+        return f"its decode attention takes at most {ops.MAX_GROUP} query heads per KV head"
+    if not build.available():
+        return "the CPU kernels could not be built (see the warning above)"
+    return None
+
+
+def shared_prefix_length(prompts: list[list[int]], multiple: int = 8) -> int:
+    """Tokens every prompt starts with, rounded down to a ``multiple`` and leaving each prompt one token.
+
+    The rounding keeps the number of compiled prefills small when batches share different numbers of tokens
+    by chance. Returns 0 for fewer than two prompts.
+    """
+    if len(prompts) < 2:
+        return 0
+    first = prompts[0]
+    common = min(len(p) for p in prompts) - 1  # each prompt keeps one token of its own
+    for p in prompts[1:]:
+        common = min(
+            common, next((i for i, (a, b) in enumerate(zip(first, p, strict=False)) if a != b), common)
+        )
+    return max(common, 0) // multiple * multiple
+
+
+def packed_length_for(total: int, batch_size: int, prompt_bucket: int) -> int:
+    """Packed prefill length for ``total`` prompt tokens: a multiple of 1/8 of the padded ``B * P``.
+
+    At most 8 lengths (compiled shapes) per batch size and prompt bucket, at most B * P / 8 tokens of padding.
+    """
+    step = -(-batch_size * prompt_bucket // 8)
+    return min(-(-total // step) * step, batch_size * prompt_bucket)
+
+
+def pack_params(params: Params, cfg: ModelConfig) -> Params:
+    """Params repacked for the matmul kernel (``ops.matmul``), per-layer weights unrolled.
+
+    Each layer's q/k/v projections become one packed [D, (N + 2K) H] matrix (``qkv``), the output projection
+    ``wo``, gate and up one SwiGLU matrix (``gate_up``), the down projection ``down``; the LM head (tied
+    embeddings transposed, or ``lm_head``) ``lm_head``. Weights are stored in ``cfg.dtype`` (the dtype XLA's
+    path casts them to) and copied once, straight from stacked layers (``ops.pack``); ``embed`` and
+    ``final_norm`` stay as they are.
+
+    Args:
+      params: the params tree, layers stacked [L, ...] or a list.
+
+    Returns:
+      a new tree: ``embed``, ``final_norm``, ``lm_head`` and ``layers``, a list of L dicts.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    layers = params["layers"]
+    # groups of layers stacked [L, ...]: all of them, or each of a list on its own (a free reshape)
+    groups = [layers] if isinstance(layers, dict) else [jax.tree.map(lambda x: x[None], la) for la in layers]
+    out_layers = []
+    for group in groups:
+        L, D = group["wq"].shape[:2]
+        qkv = ops.pack([group[name].reshape(L, D, -1) for name in ("wq", "wk", "wv")], dtype)
+        wo = ops.pack([group["wo"].reshape(L, -1, D)], dtype)
+        gate_up = ops.pack([group["w_gate"], group["w_up"]], dtype, swiglu=True)
+        down = ops.pack([group["w_down"]], dtype)
+        for i in range(L):
+            out_layers.append(
+                {
+                    "attn_norm": group["attn_norm"][i],
+                    "mlp_norm": group["mlp_norm"][i],
+                    "qkv": qkv[i],
+                    "wo": wo[i],
+                    "gate_up": gate_up[i],
+                    "down": down[i],
+                }
+            )
+    out = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": out_layers}
+    if "lm_head" in params:
+        (out["lm_head"],) = ops.pack([params["lm_head"][None]], dtype)
+    else:
+        (out["lm_head"],) = ops.pack([params["embed"][None]], dtype, transposed=True)
+    return out
+
+
+def packed_prefill_forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    rows: jax.Array,
+    cache: dict,
+    cfg: ModelConfig,
+    prefix: int = 0,
+) -> tuple[jax.Array, dict]:
+    """The decoder over one packed sequence of several rows' prompts, writing each row's KV cache.
+
+    Args:
+      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``).
+      tokens: int32 [T] the prompts back to back (no padding between them), after an optional shared prefix.
+      positions: int32 [T] each token's position in its row.
+      rows: int32 [T] each token's cache row; tokens of a row contiguous and in order; rows out of the cache's
+        range (padding, the shared prefix) are not written by the scatter.
+      cache: per-layer buffers (``init_cache(..., stacked=False)``): keys L x [B, K, H, S], values
+        L x [B, K, S, H]; token t goes to slot ``positions[t]`` of row ``rows[t]``.
+      cfg: model config.
+      prefix: static A; the first A tokens are a prefix every row shares, written to slots 0..A-1 of every row
+        and attended by every later token, whose positions continue from A.
+
+    Returns:
+      (final-normed hidden states [1, T, D] in ``cfg.dtype``, the updated cache).
+    """
+    dtype = jnp.dtype(cfg.dtype)
+    positions = positions.astype(jnp.int32)[None]  # [1, T]
+    rows = rows.astype(jnp.int32)
+    x = params["embed"].astype(dtype)[tokens[None]]
+    rope = rope_tables(positions, rope_inv_freq(cfg))
+    ck, cv = list(cache["k"]), list(cache["v"])
+    for i, layer in enumerate(params["layers"]):
+        w = {name: val.astype(dtype) for name, val in layer.items()}
+        q, k, v = attention_inputs(x, w, rope, cfg)
+        # Advanced indices split by slices: the indexed view is [1, T, K, H], the layout of k and v.
+        cache_k = ck[i].at[rows[None, :], :, :, positions].set(k.astype(ck[i].dtype), mode="drop")
+        cache_v = cv[i].at[rows[None, :], :, positions, :].set(v.astype(cv[i].dtype), mode="drop")
+        num_rows = cache_k.shape[0]
+        if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
+            pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
+            pv = jnp.broadcast_to(
+                v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3])
+            )
+            cache_k = cache_k.at[:, :, :, :prefix].set(pk.astype(cache_k.dtype))
+            cache_v = cache_v.at[:, :, :prefix, :].set(pv.astype(cache_v.dtype))
+        ck[i], cv[i] = cache_k, cache_v
+        attn = ops.packed_attention(q[0], k[0], v[0], rows, num_rows, prefix)[None]
+        x = attention_output_and_mlp(x, attn, w, cfg)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), {"k": ck, "v": cv}
+
+
+def _decode_layer(x, layer, positions, rope, cache_k, cache_v, cfg: ModelConfig):
+    """One decoder block on packed weights for one token per row; writes the cache buffers in place."""
+    dtype = jnp.dtype(cfg.dtype)
+    B, T, D = x.shape
+    H, eps = cfg.head_dim, cfg.rms_norm_eps
+    NH, KH = cfg.num_heads * H, cfg.num_kv_heads * H
+    attn_norm, mlp_norm = layer["attn_norm"].astype(dtype), layer["mlp_norm"].astype(dtype)
+    # the kernel writes bfloat16 itself (rounded as .astype does): one pass and one XLA op less per matmul
+    out = dtype if dtype == jnp.bfloat16 else jnp.float32
+    qkv = ops.matmul(x, layer["qkv"], NH + 2 * KH, norm_weight=attn_norm, eps=eps, out_dtype=out).astype(
+        dtype
+    )
+    q, k, v = (part.reshape(B, T, -1, H) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
+    q, k = rotate(q, *rope), rotate(k, *rope)
+    K = cache_k.shape[1]
+    q1 = q.reshape(B, K, -1, H).astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H], scaled
+    attn, cache_k, cache_v = ops.decode_attention_update(
+        q1, k[:, 0], v[:, 0], cache_k, cache_v, positions[:, 0]
+    )
+    attn = attn.reshape(B, 1, -1, H).astype(q.dtype)
+    x = x + ops.matmul(attn.reshape(B, T, -1), layer["wo"], D, out_dtype=out).astype(dtype)
+    # The activation goes from one kernel to the next transposed ([F, B * T]), as the vector tiles read it.
+    act = ops.matmul(
+        x.reshape(B * T, D),
+        layer["gate_up"],
+        cfg.mlp_dim,
+        swiglu=True,
+        transpose_out=True,
+        norm_weight=mlp_norm,
+        eps=eps,
+        out_dtype=out,
+    ).astype(dtype)
+    down = ops.matmul(act, layer["down"], D, x_transposed=True, out_dtype=out).reshape(B, T, D)
+    return x + down.astype(dtype), cache_k, cache_v
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBackend:
+    """The sampler's seam (``grpax.sampler.backend.XlaBackend`` documents each method) on the CPU kernels.
+
+    Hashable: a static argument of the sampler's compiled prefill and decode.
+    """
+
+    name: str = "cpu"
+    compiler_options: tuple[tuple[str, str], ...] = ()
+
+    def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> tuple[int, int]:
+        """(packed length, shared prefix length A) for right-padded prompts [B, P] of these lengths."""
+        prompt_tokens, prompt_lengths = np.asarray(prompt_tokens), np.asarray(prompt_lengths)
+        B, P = prompt_tokens.shape
+        prompts = [row[:n].tolist() for row, n in zip(prompt_tokens, prompt_lengths, strict=True)]
+        prefix = shared_prefix_length(prompts)
+        return packed_length_for(int(np.sum(prompt_lengths)) - (B - 1) * prefix, B, P), prefix
+
+    def prefill(
+        self,
+        params: Params,
+        prompt_tokens: jax.Array,
+        prompt_lengths: jax.Array,
+        cache: dict,
+        cfg: ModelConfig,
+        plan: tuple[int, int],
+    ) -> tuple[jax.Array, dict]:
+        packed_length, A = plan
+        B, P = prompt_tokens.shape
+        params = convert_layout(params, cfg, scan_layers=False)
+        # The shared prefix (A tokens, taken from row 0) first, then token t >= A of prompt b at packed index
+        # offsets[b] + t - A. The prefix and the padding get row B, which the scatter drops; the prefix is
+        # written to every row by packed_prefill_forward itself.
+        suffix = prompt_lengths - A
+        offsets = A + jnp.cumsum(suffix) - suffix
+        t = jnp.arange(P, dtype=jnp.int32)[None, :]
+        index = jnp.where((t >= A) & (t < prompt_lengths[:, None]), offsets[:, None] + t - A, packed_length)
+        index = index.at[0, :A].set(jnp.arange(A, dtype=jnp.int32))
+        packed = jnp.zeros((packed_length,), jnp.int32).at[index].set(prompt_tokens, mode="drop")
+        rows = (
+            jnp.full((packed_length,), B, jnp.int32)
+            .at[index]
+            .set(jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, P)), mode="drop")
+            .at[:A]
+            .set(B)
+        )
+        positions = (
+            jnp.zeros((packed_length,), jnp.int32).at[index].set(jnp.broadcast_to(t, (B, P)), mode="drop")
+        )
+        hidden, cache = packed_prefill_forward(params, packed, positions, rows, cache, cfg, prefix=A)
+        return hidden[0, offsets + suffix - 1], cache  # [B, D]
+
+    def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int):
+        # RoPE cos/sin of every position the loop reaches, computed once: computed inside the step, XLA:CPU
+        # re-derived them in every layer's fusions (~8 ms of a 64-row step).
+        cos, sin = rope_tables(jnp.arange(num_slots, dtype=jnp.int32)[None], rope_inv_freq(cfg))
+        return pack_params(params, cfg), (cos[0, :, 0], sin[0, :, 0])
+
+    def decode_step(
+        self, prepared, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
+    ) -> tuple[jax.Array, dict]:
+        params, (cos, sin) = prepared
+        x = params["embed"].astype(jnp.dtype(cfg.dtype))[tokens[:, None]]  # [B, 1, D]
+        rope = (cos[positions][:, :, None, :], sin[positions][:, :, None, :])
+        ck, cv = list(cache["k"]), list(cache["v"])
+        for i, layer in enumerate(params["layers"]):
+            x, ck[i], cv[i] = _decode_layer(x, layer, positions, rope, ck[i], cv[i], cfg)
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        return ops.matmul(x[:, 0], params["lm_head"], cfg.vocab_size), {"k": ck, "v": cv}

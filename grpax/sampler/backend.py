@@ -1,0 +1,164 @@
+"""The sampler's one seam: how a backend runs the model's prefill and decode step.
+
+The sampler (``grpax.sampler.engine``) keeps the algorithm: buckets, the KV cache and its growth between decode
+phases, the on-device loop with early exit, per-row positions and noise, stop bookkeeping. A backend supplies
+the weight layout, the prefill and the decode step. ``XlaBackend`` is the model's own ``forward`` in XLA's ops
+(any device, any mesh); ``grpax.backends.cpu.CpuBackend`` runs them on C++ kernels on one CPU device.
+``select_backend`` chooses one per ``generate`` call (``SamplerConfig.backend``), the only place that imports a
+backend, so that GPU and TPU runs never import the CPU kernels. The shape follows MaxText's ``attention=`` key:
+one choice, no switch per op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from grpax.models.llama import forward, logits_from_hidden
+from grpax.models.params import Params, convert_layout
+from grpax.models.registry import ModelConfig
+
+BACKENDS = ("auto", "xla", "cpu")
+
+# XLA:CPU options of the sampler's jits (both backends, on CPU devices). Its YNNPACK fusions made the decode's
+# small-batch matmuls (weights streamed from memory at every step) slower: at batch 16 on a 2-core AVX2 machine
+# 81-93 ms per decode step without them against 112-117 with them; no clear change at batch 64
+# (docs/benchmarks.md).
+XLA_CPU_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+    """The model's own ``forward``: a padded prefill, and a decode step of one token per row.
+
+    Every backend has these fields and methods (hashable: a static argument of the compiled prefill and decode).
+
+    Attributes:
+      name: "xla" or "cpu".
+      compiler_options: XLA compiler options of the sampler's jits, as (key, value) pairs.
+    """
+
+    name: str = "xla"
+    compiler_options: tuple[tuple[str, str], ...] = ()
+
+    def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """Static prefill choices made on the host from the concrete prompts (hashable; None: nothing to choose).
+
+        Args:
+          prompt_tokens: int32 [B, P] right-padded prompts; prompt_lengths: int32 [B] their lengths in tokens
+            (arrays of any sharding: this backend does not read them).
+        """
+        return None
+
+    def prefill(
+        self,
+        params: Params,
+        prompt_tokens: jax.Array,
+        prompt_lengths: jax.Array,
+        cache: dict,
+        cfg: ModelConfig,
+        plan: Any,
+    ) -> tuple[jax.Array, dict]:
+        """Prefills right-padded prompts into the cache (traced inside the sampler's jit).
+
+        Args:
+          params: the model's params as the sampler got them.
+          prompt_tokens: int32 [B, P] right-padded prompts; prompt_lengths: int32 [B], each in 1..P.
+          cache: per-layer KV buffers of P slots (``init_cache(..., stacked=False)``); token t of row b goes to
+            slot t.
+          cfg: model config.
+          plan: what ``plan`` returned for these prompts.
+
+        Returns:
+          (final-normed hidden state of each prompt's last token [B, D] in ``cfg.dtype``, the filled cache).
+        """
+        B, P = prompt_tokens.shape
+        params = convert_layout(params, cfg, scan_layers=False)
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        hidden, cache = forward(
+            params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True
+        )
+        return hidden[jnp.arange(B), prompt_lengths - 1], cache
+
+    def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int) -> Any:
+        """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
+
+        Layers unrolled with per-layer weights and cache buffers: scanning stacked layers copies each layer's
+        weights and cache slice at every step (~2x slower on CPU), at the cost of a longer compile.
+
+        Args:
+          num_slots: the most cache slots the loop reaches (P + C).
+        """
+        return convert_layout(params, cfg, scan_layers=False)
+
+    def decode_step(
+        self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
+    ) -> tuple[jax.Array, dict]:
+        """One token per row: writes its key/value at slot ``positions[b]`` and returns the next logits.
+
+        Args:
+          prepared: what ``prepare_decode`` returned.
+          tokens: int32 [B] the previous token of each row; positions: int32 [B, 1] its position.
+          cache: per-layer KV buffers (keys L x [B, K, H, S], values L x [B, K, S, H]).
+
+        Returns:
+          (float32 logits [B, V], the updated cache).
+        """
+        hidden, cache = forward(
+            prepared, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
+        )
+        return logits_from_hidden(prepared, hidden[:, 0], cfg), cache
+
+
+def _param_devices(params: Params) -> set | None:
+    """The devices holding the params (numpy leaves: the default device); None while they are traced."""
+    leaves = jax.tree.leaves(params)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    return set().union(
+        *(x.sharding.device_set if hasattr(x, "sharding") else {jax.devices()[0]} for x in leaves)
+    )
+
+
+def select_backend(
+    name: str, params: Params, cfg: ModelConfig, cache_dtype: str | None = None, concrete: bool = True
+) -> Any:
+    """The backend that runs one ``generate`` call: the one place that chooses (and imports) a backend.
+
+    "cpu" runs where every param is a concrete array on one CPU device, the prompts are concrete (``concrete``)
+    and ``grpax.backends.cpu.unavailable_reason`` finds nothing against it (dtypes, group size, the kernels
+    build); "auto" picks it there and "xla" anywhere else.
+
+    Args:
+      name: "auto", "xla" or "cpu" (``SamplerConfig.backend``).
+      params: the params the call samples with.
+      cfg: model config.
+      cache_dtype: the KV cache dtype (None: ``cfg.dtype``).
+      concrete: whether the prompts are concrete arrays (not traced).
+
+    Raises:
+      ValueError: "cpu" where it cannot run (the reason in the message).
+    """
+    devices = _param_devices(params)
+    on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
+    options = XLA_CPU_OPTIONS if on_cpu else ()
+    if name == "xla":
+        return XlaBackend(compiler_options=options)
+    if not (on_cpu and len(devices) == 1 and concrete):
+        if name == "cpu":
+            raise ValueError(
+                "backend='cpu' runs on one CPU device with concrete params and prompts; these are sharded, on an "
+                "accelerator or traced: use backend='auto' or 'xla'"
+            )
+        return XlaBackend(compiler_options=options)
+    from grpax.backends import cpu  # only here, and only for params on one CPU device
+
+    reason = cpu.unavailable_reason(params, cfg, cache_dtype)
+    if reason is None:
+        return cpu.CpuBackend(compiler_options=options)
+    if name == "cpu":
+        raise ValueError(f"backend='cpu' cannot run here: {reason}; use backend='auto' or 'xla'")
+    return XlaBackend(compiler_options=options)
