@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -32,10 +33,25 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _on_signal(signum: int, frame) -> None:
-    if _state["deferring"] and _state["pending"] is None:
+    first = _state["pending"] is None
+    if first:
         _state["pending"] = signum
+    if _state["deferring"] and first:
         return
+    # Python runs this handler at the main thread's next bytecode, which may be inside a garbage-collector
+    # callback (jax's _xla_gc_callback), where the exception is dropped (``handled`` keeps it from printing):
+    # the signal stays pending and ``raise_pending`` raises it again at the caller's next safe point.
     raise Interrupted(signum)
+
+
+def raise_pending() -> None:
+    """Raises ``Interrupted`` for a signal that arrived and whose exception was lost (see ``_on_signal``).
+
+    Call it at safe points of a long loop (the trainer: after each step, before its metrics and checkpoint).
+    """
+    if _state["pending"] is not None and not _state["deferring"]:
+        signum, _state["pending"] = _state["pending"], None
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager
@@ -45,9 +61,18 @@ def handled() -> Iterator[None]:
         yield
         return
     previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def quiet_lost_interrupt(unraisable) -> None:  # raise_pending raises it again: no traceback for it here
+        if not isinstance(unraisable.exc_value, Interrupted):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = quiet_lost_interrupt
     try:
         yield
     finally:
+        _state["pending"] = None
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -227,6 +227,30 @@ def test_a_signal_during_a_save_waits_for_it_and_a_second_one_does_not():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_signal_lost_in_a_gc_callback_is_raised_at_the_next_safe_point(capsys):
+    """The handler's exception is dropped when it fires inside a gc callback (as inside jax's _xla_gc_callback)."""
+    import gc
+
+    from grpax import interrupts
+
+    def callback(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs here; its Interrupted is printed and ignored by gc
+
+    with interrupts.handled():
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+        with pytest.raises(interrupts.Interrupted) as e:
+            interrupts.raise_pending()
+        assert e.value.signum == signal.SIGINT
+        interrupts.raise_pending()  # raised once
+    assert "Traceback" not in capsys.readouterr().err  # the dropped exception is not printed either
+
+
 def test_temporary_folder_of_an_abandoned_save_is_removed(tmp_path):
     import jax.numpy as jnp
 

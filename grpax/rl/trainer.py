@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from grpax import distributed, sharding
+from grpax import distributed, interrupts, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.data.gsm8k import PromptIterator, prepare_rows
@@ -326,6 +326,7 @@ def _loop(
     history: list[float] = []
     for step in bar:
         state, metrics = _one_step(run, state, next(iterator), step, jax.random.fold_in(base_key, step))
+        interrupts.raise_pending()  # a Ctrl-C whose exception was lost mid-step: this step is not recorded
         history.append(metrics["rewards/total/mean"])
         done = step + 1
         if done % cfg.log_period == 0 or done == cfg.num_batches:
