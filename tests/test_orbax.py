@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
@@ -308,3 +309,28 @@ def test_optimizer_state_folder_points_to_model_params(tmp_path):
         rf"pass {step}/model_params$",
     ):
         restore_params(step / "opt_state")
+
+
+def test_train_checkpoints_are_written_uncompressed_and_compressed_ones_still_restore(tmp_path):
+    """zstd holds every encoded chunk in host memory until the save ends; the trainer's checkpoints skip it."""
+    from grpax.checkpoint.train_state import TrainCheckpointer
+
+    params = {"w": jnp.zeros((512, 1024), jnp.float32), "b": jnp.arange(1024, dtype=jnp.float32)}
+    opt_state = {"mu": jax.tree.map(jnp.zeros_like, params)}
+    raw = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+
+    def saved_bytes(name, **kwargs):
+        checkpointer = TrainCheckpointer(tmp_path / name, **kwargs)
+        checkpointer.save(1, params, opt_state, {"step": 1})
+        restored = checkpointer.restore(1, params, opt_state)
+        checkpointer.close()
+        np.testing.assert_array_equal(restored[0]["b"], params["b"])
+        return sum(f.stat().st_size for f in (tmp_path / name).rglob("*") if f.is_file())
+
+    assert saved_bytes("default") >= raw  # zeros stored as they are: no compression
+    assert saved_bytes("zstd", use_compression=True) < raw / 10  # the same zeros, zstd-compressed
+    reader = TrainCheckpointer(tmp_path / "zstd")  # the default reads a compressed checkpoint
+    restored_params, restored_opt, meta = reader.restore(1, params, opt_state)
+    reader.close()
+    np.testing.assert_array_equal(restored_params["b"], params["b"])
+    assert meta == {"step": 1} and float(jnp.abs(restored_opt["mu"]["w"]).sum()) == 0.0

@@ -29,14 +29,25 @@ class TrainCheckpointer:
       directory: ``<run>/checkpoints``; steps go to ``directory/actor/<step>``.
       max_to_keep: number of step checkpoints kept (MaxText ``max_num_checkpoints_to_keep``).
       use_zarr3, use_ocdbt: Orbax storage options (MaxText ``checkpoint_storage_use_*``).
+      use_compression: zstd-compress the chunks (Orbax's default is True). Off here: trained float32 weights
+        and optimizer moments shrink by under a tenth, while compressing holds every encoded chunk in host
+        memory until the save ends (about the state's size again, measured in docs/benchmarks.md). Reading
+        either kind of checkpoint needs no setting.
     """
 
     def __init__(
-        self, directory: str | Path, max_to_keep: int = 3, use_zarr3: bool = True, use_ocdbt: bool = True
+        self,
+        directory: str | Path,
+        max_to_keep: int = 3,
+        use_zarr3: bool = True,
+        use_ocdbt: bool = True,
+        use_compression: bool = False,
     ):
         self.directory = Path(directory).absolute()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        tree_handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+        tree_handler = ocp.PyTreeCheckpointHandler(
+            use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression
+        )
         for item in ("model_params", "opt_state"):
             registry.add(item, ocp.args.PyTreeSave, tree_handler)
             registry.add(item, ocp.args.PyTreeRestore, tree_handler)
