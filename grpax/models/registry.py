@@ -612,6 +612,11 @@ def _hf_rope(theta: float, scaling: dict[str, float] | None) -> dict[str, Any] |
     }
 
 
+def _int_if_whole(x: float | None) -> float | int | None:
+    """transformers' strict Gemma configs take an int ``query_pre_attn_scalar``."""
+    return int(x) if x is not None and float(x).is_integer() else x
+
+
 def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers 4-form ``config.json`` dict for ``cfg`` (loads in transformers 4 and 5, and vLLM)."""
     eos = list(cfg.eos_token_ids)
@@ -658,7 +663,7 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
     else:  # Gemma 2 / 3
         out.update(
             hidden_activation=out["hidden_act"],
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
             attn_logit_softcapping=cfg.attn_logit_softcap,
             final_logit_softcapping=cfg.final_logit_softcap,
             sliding_window=cfg.sliding_window,

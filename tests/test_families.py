@@ -1,0 +1,280 @@
+"""Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text) and Mistral against transformers (torch, CPU, float32).
+
+Each family is a tiny random model built with transformers' own config and ``*ForCausalLM`` class, tied and
+untied, with GQA, head_dim != hidden / heads, Qwen2's biases, Gemma 2's soft-capping, and sequences longer than
+the sliding window: logits parity, HF -> native -> HF bit-exact, left-padding invariance, the CPU backend's
+fallback, and the parameter counts of the registered names on transformers' meta device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
+from grpax.config import ConfigError
+from grpax.models.llama import forward, forward_grouped, logits_from_hidden
+from grpax.models.params import count_params
+from grpax.models.registry import ARCH_FIELDS, from_hf_config, get_model_config, to_hf_config
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_BASE = dict(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=12,  # != 48 / 6
+    max_position_embeddings=512,
+    bos_token_id=96,
+    eos_token_id=98,
+    pad_token_id=99,
+)
+_GEMMA = dict(num_attention_heads=4, head_dim=16)  # 48 / 4 = 12 != 16
+# family -> (config class, model class, config overrides). Windows of 8-16 tokens against 70-token sequences.
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(_GEMMA, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=0.5, final_logit_softcapping=1.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _GEMMA,
+            num_hidden_layers=6,  # 5 local : 1 global
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),
+}  # fmt: skip
+
+
+def hf_model(family: str, tie: bool):
+    """A random tiny transformers model of ``family``; norms and biases perturbed (so they are checked) and
+    projections scaled x5 (so the scores reach Gemma 2's soft caps)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**_BASE, **extra, "tie_word_embeddings": tie})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif "proj" in name:
+                p.mul_(5.0)
+    return model
+
+
+def to_grpax(model, scan_layers: bool = True):
+    cfg = from_hf_config(model.config.to_dict(), scan_layers=scan_layers)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    return load_params_from_tensors(state.__getitem__, state.__contains__, cfg), cfg
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl(ref: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Per-token KL(ref || out) of logits [..., V], in float64."""
+    lp, lq = _log_softmax(ref), _log_softmax(out)
+    return np.sum(np.exp(lp) * (lp - lq), axis=-1)
+
+
+CASES = [(f, tie) for f in FAMILIES for tie in (False, True)]
+
+
+@pytest.mark.parametrize("family, tie", CASES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in CASES])
+def test_logits_match_transformers(family, tie):
+    model = hf_model(family, tie)
+    params, cfg = to_grpax(model, scan_layers=not tie)  # scanned and unrolled layers both covered
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 70))
+    ref = hf_logits(model, tokens)
+    out = np.asarray(forward(params, tokens, cfg)[0])
+    assert out.shape == ref.shape == (2, 70, cfg.vocab_size)
+    assert np.abs(out - ref).max() <= 1e-4
+    assert kl(ref, out).max() <= 1e-6
+    assert ("lm_head" in params) == (not tie) and cfg.family == family
+    if family in ("qwen2", "mistral", "gemma2", "gemma3"):
+        assert "local" in cfg.layer_types and 70 > cfg.sliding_window
+
+
+def test_family_features_change_the_logits():
+    """The tiny configs exercise what they claim: without the window, the soft caps, Gemma 3's local RoPE
+    base or Qwen2's biases the logits move by far more than the parity tolerance."""
+    tokens = np.random.RandomState(0).randint(0, 101, (1, 70))
+    for family, change in [
+        ("gemma2", dict(layer_types=(), sliding_window=None)),
+        ("gemma2", dict(attn_logit_softcap=None)),
+        ("gemma2", dict(final_logit_softcap=None)),
+        ("gemma3", dict(rope_local_theta=None)),
+        ("mistral", dict(layer_types=(), sliding_window=None)),
+    ]:
+        params, cfg = to_grpax(hf_model(family, tie=False))
+        base = np.asarray(forward(params, tokens, cfg)[0])
+        other = np.asarray(forward(params, tokens, cfg.replace(**change))[0])
+        assert np.abs(base - other).max() > 1e-2, (family, change)
+    params, cfg = to_grpax(hf_model("qwen2", tie=False))
+    no_bias = jax.tree.map(jnp.zeros_like, params["layers"]["q_bias"])
+    other = forward({**params, "layers": {**params["layers"], "q_bias": no_bias}}, tokens, cfg)[0]
+    assert np.abs(np.asarray(forward(params, tokens, cfg)[0]) - np.asarray(other)).max() > 1e-2
+
+
+@pytest.mark.parametrize("family, tie", CASES[::3], ids=[f for f, _ in CASES[::3]])
+def test_hf_native_hf_is_bit_exact(family, tie):
+    model = hf_model(family, tie)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    for scan_layers in (True, False):
+        params, cfg = to_grpax(model, scan_layers)
+        back = dict(iter_hf_tensors(params, cfg))
+        expected = {k for k in state if not (tie and k == "lm_head.weight")}
+        assert set(back) == expected
+        for name, w in back.items():
+            assert w.dtype == np.float32 and np.array_equal(w, state[name]), name
+    # The exported config.json re-imports to the same config, and transformers builds the same model from it.
+    assert from_hf_config(to_hf_config(cfg), scan_layers=False) == cfg
+    exported = transformers.AutoConfig.for_model(**to_hf_config(cfg, "float32"))
+    again = type(model)(exported).eval()
+    again.load_state_dict(model.state_dict())
+    tokens = np.random.RandomState(2).randint(0, 101, (1, 40))
+    assert np.array_equal(hf_logits(again, tokens), hf_logits(model, tokens))
+
+
+def _logprobs(params, cfg, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    logits = forward(params, tokens, cfg, attention_mask=mask)[0]
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    return np.asarray(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_left_padding_invariance(family):
+    """A 40-token sequence scored after 0, 7 and 300 pad tokens gives the same log-probabilities."""
+    params, cfg = to_grpax(hf_model(family, tie=False))
+    seq = np.random.RandomState(3).randint(0, 99, 40)
+    got = []
+    for pad in (0, 7, 300):
+        tokens = np.concatenate([np.full(pad, 99), seq])[None]
+        mask = (np.arange(pad + 40) >= pad).astype(np.int32)[None]
+        got.append(_logprobs(params, cfg, tokens, mask)[0, pad:])
+    ref = np.asarray(jax.nn.log_softmax(hf_logits(hf_model(family, tie=False), seq[None])[0, :-1], axis=-1))
+    ref = ref[np.arange(39), seq[1:]]
+    for lp in got:
+        assert np.abs(lp - got[0]).max() <= 1e-5
+        assert np.abs(lp - ref).max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2"])
+def test_grouped_forward_equals_forward(family):
+    """The trainer's shared-prompt forward scores completions as ``forward`` on prompt + completion, the
+    window counted in positions across the prompt/completion seam."""
+    params, cfg = to_grpax(hf_model(family, tie=False))
+    rng = np.random.RandomState(4)
+    P, C, G = 12, 20, 2
+    prompt_ids = np.full((2, P), 99, np.int32)
+    prompt_mask = np.zeros((2, P), np.int32)
+    for i, n in enumerate((12, 5)):  # one full prompt, one left-padded
+        prompt_ids[i, P - n :], prompt_mask[i, P - n :] = rng.randint(0, 99, n), 1
+    completions = rng.randint(0, 99, (2 * G, C)).astype(np.int32)
+    hidden = forward_grouped(params, prompt_ids, prompt_mask, completions, cfg)
+    grouped = np.asarray(logits_from_hidden(params, hidden, cfg))
+    rows = np.repeat(prompt_ids, G, 0), np.repeat(prompt_mask, G, 0)
+    tokens = np.concatenate([rows[0], completions], 1)
+    mask = np.concatenate([rows[1], np.ones_like(completions)], 1)
+    full = np.asarray(forward(params, tokens, cfg, attention_mask=mask)[0])[:, P - 1 : -1]
+    assert np.abs(grouped - full).max() <= 1e-4
+
+
+def test_cpu_backend_is_for_llama_only():
+    from grpax.sampler.backend import XlaBackend, select_backend
+
+    params, cfg = to_grpax(hf_model("qwen3", tie=True))
+    assert isinstance(select_backend("auto", params, cfg), XlaBackend)
+    with pytest.raises(ValueError, match="backend='cpu' runs Llama-family models only; this is a qwen3"):
+        select_backend("cpu", params, cfg)
+
+
+# The public config.json of each registered name (its architecture keys; Gemma 3 4b/12b: the text_config of
+# Gemma3ForConditionalGeneration, the keys it leaves out at Gemma3TextConfig's defaults).
+_QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, head_dim=128)
+PUBLIC = {
+    "qwen2.5-1.5b": ("Qwen2ForCausalLM", dict(_QWEN, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=131072, eos_token_id=151643)),
+    "qwen2.5-7b": ("Qwen2ForCausalLM", dict(_QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=131072, eos_token_id=151643)),
+    "qwen3-0.6b": ("Qwen3ForCausalLM", dict(_QWEN, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True, max_position_embeddings=40960, eos_token_id=151645)),
+    "qwen3-4b": ("Qwen3ForCausalLM", dict(_QWEN, vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, max_position_embeddings=40960, eos_token_id=151645)),
+    "qwen3-8b": ("Qwen3ForCausalLM", dict(_QWEN, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=40960, eos_token_id=151645)),
+    "qwen3-14b": ("Qwen3ForCausalLM", dict(_QWEN, vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=40960, eos_token_id=151645)),
+    "gemma2-2b": ("Gemma2ForCausalLM", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh", eos_token_id=1)),
+    "gemma2-9b": ("Gemma2ForCausalLM", dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh", eos_token_id=1)),
+    "gemma3-1b": ("Gemma3ForCausalLM", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None, max_position_embeddings=32768, eos_token_id=1)),
+    "gemma3-4b": ("Gemma3ForConditionalGeneration", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)),
+    "gemma3-12b": ("Gemma3ForConditionalGeneration", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)),
+    "mistral-7b": ("MistralForCausalLM", dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, sliding_window=None, max_position_embeddings=32768, bos_token_id=1, eos_token_id=2)),
+}  # fmt: skip
+_MODEL_TYPES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MistralForCausalLM": "mistral",
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLIC))
+def test_registered_shapes_and_counts_match_transformers_on_meta(name):
+    arch, keys = PUBLIC[name]
+    if arch == "Gemma3ForConditionalGeneration":
+        hf = dict(architectures=[arch], model_type="gemma3", eos_token_id=[1, 106], text_config=keys)
+        text = transformers.Gemma3TextConfig(**keys)
+    else:
+        hf = dict(keys, architectures=[arch], model_type=_MODEL_TYPES[arch])
+        text = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    cfg = get_model_config(name)
+    imported = from_hf_config(hf)
+    for field in (
+        *ARCH_FIELDS,
+        "rope_theta",
+        "rope_scaling",
+        "rope_local_theta",
+        "sliding_window",
+        "layer_types",
+    ):
+        assert getattr(imported, field) == getattr(cfg, field), field
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(text)
+    expected = sum(p.numel() for p in model.parameters())
+    assert count_params(cfg) == cfg.num_params() == expected
+
+
+def test_unsupported_architectures_are_one_line_errors():
+    for arch, model_type in [
+        ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        ("LlavaForConditionalGeneration", "llava"),
+    ]:
+        with pytest.raises(ConfigError, match="grpax supports LlamaForCausalLM, MistralForCausalLM") as e:
+            from_hf_config(dict(PUBLIC["qwen3-8b"][1], architectures=[arch], model_type=model_type))
+        assert "\n" not in str(e.value) and arch in str(e.value)
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        from_hf_config(
+            dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        )  # fmt: skip
