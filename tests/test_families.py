@@ -278,3 +278,28 @@ def test_unsupported_architectures_are_one_line_errors():
             dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                  rope_scaling={"rope_type": "yarn", "factor": 4.0})
         )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_matches_transformers_across_the_window(family):
+    """48 greedy tokens after prompts of 10 and 6 tokens, past every sliding window (8-16 tokens), equal
+    transformers' ``generate``: the sampler's prefill and decode keep to each local layer's window (on a
+    full-length cache, masked)."""
+    from grpax.sampler.engine import SamplerConfig, generate
+
+    model = hf_model(family, tie=False)
+    model.generation_config.eos_token_id = None  # no stop: all 48 tokens are compared
+    params, cfg = to_grpax(model, scan_layers=False)
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(0, 96, n).tolist() for n in (10, 6)]
+    sc = SamplerConfig(max_prompt_length=16, max_completion_length=48, greedy=True, pad_token_id=99)
+    out = generate(params, prompts, cfg, sc, jax.random.key(0))
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, pad_token_id=99)
+        assert out.completion_ids[i].tolist() == ref[0, len(prompt) :].tolist(), i
+        assert out.lengths[i] == 48
+        # The sampler's logprobs are those of transformers' (soft-capped, for Gemma 2) logits.
+        logp = _log_softmax(hf_logits(model, ref.numpy())[0, len(prompt) - 1 : -1])
+        assert np.abs(out.logprobs[i] - logp[np.arange(48), out.completion_ids[i]]).max() <= 1e-4
