@@ -303,3 +303,70 @@ def test_greedy_generation_matches_transformers_across_the_window(family):
         # The sampler's logprobs are those of transformers' (soft-capped, for Gemma 2) logits.
         logp = _log_softmax(hf_logits(model, ref.numpy())[0, len(prompt) - 1 : -1])
         assert np.abs(out.logprobs[i] - logp[np.arange(48), out.completion_ids[i]]).max() <= 1e-4
+
+
+def _write_qwen_gguf(path, model) -> None:
+    """Writes a transformers Qwen2/Qwen3 model as llama.cpp's converter does (F32, llama.cpp names, Q/K rows as
+    stored: Qwen runs on llama.cpp's NeoX rope, so its converter does not permute them)."""
+    import gguf
+
+    c = model.config
+    arch = c.model_type
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+    }
+    names |= {"mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.o_proj": "attn_output"}
+    names |= {f"self_attn.{x}_proj": f"attn_{x}" for x in "qkv"} | {
+        f"self_attn.{x}_norm": f"attn_{x}_norm" for x in "qk"
+    }
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = "output.weight"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name not in top:
+            _, _, i, *module, leaf = name.split(".")
+            name = f"blk.{i}.{names['.'.join(module)]}.{leaf}"
+        w.add_tensor(top.get(name, name), np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family, tie", [("qwen2", False), ("qwen3", True)])
+def test_qwen_gguf_imports_exactly(tmp_path, family, tie):
+    """A tiny Qwen2 (biases) / Qwen3 (q/k norms) written with gguf's GGUFWriter reads back as the same tensors
+    and the same logits as the transformers model."""
+    from grpax.checkpoint.gguf import read_gguf
+
+    model = hf_model(family, tie)
+    model.config.use_sliding_window, model.config.sliding_window = False, None  # GGUF metadata has no window
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    _write_qwen_gguf(tmp_path / "tiny.gguf", model)
+    source = read_gguf(tmp_path / "tiny.gguf")
+    cfg = from_hf_config(source.hf_config)
+    expected = from_hf_config(model.config.to_dict())
+    assert cfg.replace(bos_token_id=96, eos_token_ids=(98,), pad_token_id=99) == expected
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    for name in source.tensor_names:
+        assert np.array_equal(source.get_tensor(name), state[name]), name
+    params = load_params_from_tensors(source.get_tensor, source.has_tensor, cfg)
+    tokens = np.random.RandomState(6).randint(0, 101, (1, 30))
+    model = type(model)(model.config).eval()  # the window change applies to a freshly built model
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+    assert np.abs(np.asarray(forward(params, tokens, cfg)[0]) - hf_logits(model, tokens)).max() <= 1e-4
