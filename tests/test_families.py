@@ -370,3 +370,58 @@ def test_qwen_gguf_imports_exactly(tmp_path, family, tie):
     model = type(model)(model.config).eval()  # the window change applies to a freshly built model
     model.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
     assert np.abs(np.asarray(forward(params, tokens, cfg)[0]) - hf_logits(model, tokens)).max() <= 1e-4
+
+
+def _save_tokenizer(folder, end_of_turn: str) -> str:
+    """A word-level tokenizer over w0..w94 plus <unk> <bos> <eos> ``end_of_turn`` <pad> <x> (ids 95..100), with
+    a chat template; returns the template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(95)}
+    vocab |= {"<unk>": 95, "<bos>": 96, "<eos>": 97, end_of_turn: 98, "<pad>": 99, "<x>": 100}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}" + end_of_turn + "{% endfor %}"
+    fast.save_pretrained(str(folder))
+    return fast.chat_template
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, end_of_turn", [("gemma3", "<end_of_turn>"), ("qwen2", "<|im_end|>")])
+def test_export_round_trip_generation_config_and_bfloat16(tmp_path, family, end_of_turn):
+    """HF folder -> to_native -> to_huggingface: float32 tensors bit-exact, bfloat16 export equal to torch's
+    rounding, the same logits in transformers, the chat template kept and every end-of-turn id in
+    generation_config.json."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from grpax.checkpoint.convert import to_huggingface, to_native
+
+    model = hf_model(family, tie=True)
+    model.config.eos_token_id = 97
+    model.save_pretrained(str(tmp_path / "src"))
+    template = _save_tokenizer(tmp_path / "src", end_of_turn)
+    native = to_native("", tmp_path / "native", hf_model_path=tmp_path / "src", progress=False)
+    source = load_file(str(tmp_path / "src" / "model.safetensors"))
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"hf_{dtype}"
+        to_huggingface(native["params_path"], out, weight_dtype=dtype, progress=False)
+        got = {}
+        for f in out.glob("*.safetensors"):
+            got |= load_file(str(f))
+        assert sorted(got) == sorted(source)
+        for name, w in source.items():
+            ref = w if dtype == "float32" else torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+            assert np.array_equal(np.asarray(got[name], np.float32), ref), (dtype, name)
+    gen = json.loads((tmp_path / "hf_float32" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [97, 98]  # the config's <eos> and the tokenizer's end-of-turn token
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf_float32"))
+    assert reloaded.chat_template == template and reloaded.convert_tokens_to_ids(end_of_turn) == 98
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_float32")).eval()
+    assert type(again) is type(model)
+    tokens = np.random.RandomState(7).randint(0, 101, (1, 40))
+    assert np.array_equal(hf_logits(again, tokens), hf_logits(model, tokens))
