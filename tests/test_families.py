@@ -425,3 +425,45 @@ def test_export_round_trip_generation_config_and_bfloat16(tmp_path, family, end_
     assert type(again) is type(model)
     tokens = np.random.RandomState(7).randint(0, 101, (1, 40))
     assert np.array_equal(hf_logits(again, tokens), hf_logits(model, tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_grpo_step_scores_capped_logits_and_changes_every_weight(family):
+    """One GRPO update on a tiny Qwen3 / Gemma 2: the trainer's logprobs are transformers' (soft-capped)
+    ones, the update is finite, changes every weight and raises the positive-advantage completions."""
+    from grpax.rl.config import GRPOConfig
+    from grpax.rl.optim import make_lr_schedule, make_optimizer
+    from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+
+    model = hf_model(family, tie=False)
+    params, cfg = to_grpax(model)
+    rng = np.random.RandomState(8)
+    P, C = 6, 12  # 18 tokens: past gemma2's 8-token window
+    prompt_mask = (np.arange(P)[None] >= np.array([[0], [2]])).astype(np.int32)
+    batch = {
+        "prompt_ids": (rng.randint(1, 99, (2, P)) * prompt_mask).astype(np.int32),
+        "prompt_mask": prompt_mask,
+        "completion_ids": rng.randint(1, 99, (4, C)).astype(np.int32),
+        "completion_mask": np.ones((4, C), np.int32),
+        "advantages": np.array([1.0, -1.0, -1.0, 1.0], np.float32),
+    }
+    old = np.asarray(compute_logprobs(params, batch, cfg, 1.0, 1))
+    for b in range(4):
+        prompt = batch["prompt_ids"][b // 2][prompt_mask[b // 2] == 1]
+        seq = np.concatenate([prompt, batch["completion_ids"][b]])
+        logp = _log_softmax(hf_logits(model, seq[None])[0, len(prompt) - 1 : -1])
+        assert np.abs(old[b] - logp[np.arange(C), batch["completion_ids"][b]]).max() <= 1e-4
+    batch["old_logprobs"] = old
+    grpo = GRPOConfig(num_generations=2, beta=0.0, temperature=1.0, max_grad_norm=0.0, weight_decay=0.0)
+    schedule = make_lr_schedule(1e-3, 1, schedule="constant")
+    optimizer = make_optimizer(schedule, 1, weight_decay=0.0)
+    step = make_train_step(cfg, grpo, optimizer, num_micro_batches=1)
+    start = jax.tree.map(np.array, params)
+    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    state, metrics = step(state, batch)
+    assert not bool(metrics["nonfinite"]) and np.isfinite(float(metrics["loss"]))
+    changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), state.params, start)
+    assert all(jax.tree.leaves(changed)), changed
+    delta = (np.asarray(compute_logprobs(state.params, batch, cfg, 1.0, 1)) - old).sum(1)
+    assert (delta[batch["advantages"] > 0] > 0).all() and (delta[batch["advantages"] < 0] < 0).all()
