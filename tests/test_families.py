@@ -467,3 +467,38 @@ def test_grpo_step_scores_capped_logits_and_changes_every_weight(family):
     assert all(jax.tree.leaves(changed)), changed
     delta = (np.asarray(compute_logprobs(state.params, batch, cfg, 1.0, 1)) - old).sum(1)
     assert (delta[batch["advantages"] > 0] > 0).all() and (delta[batch["advantages"] < 0] < 0).all()
+
+
+@pytest.mark.slow
+def test_gemma3_conditional_generation_converts_its_text_model(tmp_path):
+    """A tiny Gemma3ForConditionalGeneration folder: to_native reads its text_config and text model (the vision
+    tower left out), with the same text logits and the top level's eos ids; the export is a Gemma3ForCausalLM."""
+    import json
+
+    from grpax.checkpoint.convert import to_huggingface, to_native
+    from grpax.checkpoint.orbax import restore_params
+
+    text = dict(_BASE, **FAMILIES["gemma3"][2])
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28
+    )
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**text),
+        vision_config=transformers.SiglipVisionConfig(**vision, patch_size=14), mm_tokens_per_image=4, image_token_index=100,
+        boi_token_index=97, eoi_token_index=98, eos_token_id=[98, 97],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(str(tmp_path / "src"))
+    native = to_native("", tmp_path / "native", hf_model_path=tmp_path / "src", progress=False)
+    cfg = from_hf_config(json.loads((tmp_path / "native" / "config.json").read_text()))
+    assert cfg.family == "gemma3" and cfg.eos_token_ids == (98, 97) and cfg.layer_types[-1] == "global"
+    params = restore_params(native["params_path"], cfg)
+    tokens = np.random.RandomState(9).randint(0, 96, (1, 40))
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    assert np.abs(np.asarray(forward(params, tokens, cfg)[0]) - ref).max() <= 1e-4
+    to_huggingface(native["params_path"], tmp_path / "hf", weight_dtype="float32", progress=False)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    assert np.abs(hf_logits(exported, tokens) - ref).max() <= 1e-5

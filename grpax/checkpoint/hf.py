@@ -129,6 +129,27 @@ def fill_native(dst: np.ndarray, w: np.ndarray, hf_name: str, name: str, cfg: Mo
         view[r : r + _ROWS_PER_COPY] = w[r : r + _ROWS_PER_COPY]
 
 
+# Where Gemma3ForConditionalGeneration keeps its text model: the published checkpoints' names (transformers 5
+# writes them too) and transformers 5's in-memory ones. The vision tower's tensors are never read.
+_TEXT_MODEL_PREFIXES = (
+    {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
+    {"model.": "model.language_model.", "lm_head.": "lm_head."},
+)
+
+
+def text_model_names(has_tensor: Callable[[str], bool]) -> Callable[[str], str]:
+    """Maps a causal LM's tensor name to the checkpoint's: itself, or the text model's name inside a
+    ``Gemma3ForConditionalGeneration`` checkpoint (``model.layers.0...`` -> ``language_model.model.layers.0...``)."""
+    if has_tensor(_TOP_HF["embed"]):
+        return lambda name: name
+    for prefixes in _TEXT_MODEL_PREFIXES:
+        if has_tensor(prefixes["model."] + _TOP_HF["embed"][len("model.") :]):
+            return lambda name, p=prefixes: next(
+                (p[k] + name[len(k) :] for k in p if name.startswith(k)), name
+            )
+    return lambda name: name
+
+
 def load_params_from_tensors(
     get_tensor: Callable[[str], np.ndarray],
     has_tensor: Callable[[str], bool],
@@ -166,6 +187,11 @@ def load_params_from_tensors(
     from grpax.models.params import top_specs
 
     dtype = np.dtype(dtype)
+    rename = text_model_names(has_tensor)
+    if rename("model.x") != "model.x":  # a Gemma3ForConditionalGeneration checkpoint: read its text model
+        get, has, shape = get_tensor, has_tensor, tensor_shape
+        get_tensor, has_tensor = (lambda n: get(rename(n))), (lambda n: has(rename(n)))
+        tensor_shape = (lambda n: shape(rename(n))) if shape else None
 
     def check(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
         if not has_tensor(hf_name):

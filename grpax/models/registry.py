@@ -558,7 +558,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if model_type == "gemma3" and "Gemma3ForConditionalGeneration" in archs:
         text = dict(hf.get("text_config") or {})
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-            text.setdefault(key, hf.get(key))
+            if hf.get(key) is not None:  # the top level's (eos: <eos> and <end_of_turn>) over text_config's
+                text[key] = hf[key]
         # Gemma3TextConfig's defaults, which published text_configs leave out.
         defaults = dict(
             vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
