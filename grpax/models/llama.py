@@ -204,7 +204,7 @@ def cached_attention(
 
 def _pick(local, global_value, local_value):
     """The local layer's value where ``local`` (a Python or traced bool; None: no local layers) holds."""
-    if local is None or local is False:
+    if local is None or local is False or global_value is local_value:
         return global_value
     if local is True:
         return local_value
