@@ -300,9 +300,9 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def window_mask(mask: jax.Array, query_positions: jax.Array, key_positions: jax.Array, cfg: ModelConfig):
-    """(mask, the local layers' mask): ``mask`` bool [B, T, S] and it where the key is within the window,
-    ``query - key < sliding_window`` in positions (transformers' ``sliding_window_overlay``); the local one is
-    ``mask`` itself when no layer is local.
+    """The (global, local) layers' masks: ``mask`` bool [B, T, S], and ``mask`` where the key is within the
+    window, ``query - key < sliding_window`` in positions (transformers' ``sliding_window_overlay``). The local
+    mask is ``mask`` itself when no layer is local.
 
     Args:
       query_positions: int [B, T]; key_positions: int [B, S] (or [1, S]).
@@ -387,7 +387,8 @@ def forward(
       attention_mask: [B, T], 1 for real tokens, 0 for padding (keys that must not be attended). Only used
         without a cache; with a cache, visibility is ``slot <= position``.
       cache: optional KV cache from ``init_cache`` (keys [L, B, K, H, S], values [L, B, K, S, H]); each
-        token is written at slot ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``.
+        token is written at slot ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``
+        (on a local layer, only the last ``cfg.sliding_window`` of them: ``window_mask``).
         With per-layer params (a list) the cache may also be lists of L per-layer buffers
         (``init_cache(..., stacked=False)``, fastest decode on CPU); it comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
