@@ -87,7 +87,7 @@ def write_synthetic(folder: Path, model_name: str = "llama3.2-1b", shard_bytes: 
     for i, layer in enumerate(tree["layers"]):
         for name, leaf in layer.items():
             hf_shape = native_to_hf(name, np.empty(leaf.shape, np.int8), cfg).shape
-            shapes[hf_layer_name(i, name)] = hf_shape
+            shapes[hf_layer_name(i, name, cfg)] = hf_shape
     assert sorted(shapes) == sorted(expected_hf_names(cfg))
     rng = np.random.default_rng(0)
     shards, current, size = [], {}, 0

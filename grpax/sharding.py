@@ -295,9 +295,10 @@ def logical_to_sharding(
 
 def _axes_by_name() -> dict[str, tuple[str, ...]]:
     """Weight name -> logical axes of one unstacked weight; the axes do not depend on sizes."""
-    tiny = ModelConfig(
-        vocab_size=1, hidden_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, mlp_dim=1
-    )
+    tiny = ModelConfig(  # every family weight switched on
+        vocab_size=1, hidden_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, mlp_dim=1,
+        attention_bias=True, qk_norm=True, post_norms=True,
+    )  # fmt: skip
     out = {name: axes for name, (_, axes) in layer_specs(tiny).items()}
     out.update({name: axes for name, (_, axes) in top_specs(tiny).items()})
     out["lm_head"] = ("embed", "vocab")

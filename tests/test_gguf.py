@@ -246,9 +246,9 @@ def test_bad_files_raise_one_line_errors(tmp_path):
     (tmp_path / "cut.gguf").write_bytes((tmp_path / "ok.gguf").read_bytes()[:200])
     with pytest.raises(ValueError, match=r"cut.gguf is not a readable GGUF file"):
         gg.read_gguf(tmp_path / "cut.gguf")
-    _write_gguf(tmp_path / "qwen.gguf", _hf_state_dict(True), arch="qwen2")
-    with pytest.raises(ValueError, match=r"qwen.gguf holds a 'qwen2' model.*Llama-architecture"):
-        gg.read_gguf(tmp_path / "qwen.gguf")
+    _write_gguf(tmp_path / "phi.gguf", _hf_state_dict(True), arch="phi3")
+    with pytest.raises(ValueError, match=r"phi.gguf holds a 'phi3' model.*llama, qwen2, qwen3 GGUF files"):
+        gg.read_gguf(tmp_path / "phi.gguf")
     bias = {"blk.0.attn_q.bias": np.zeros(N * H, np.float32)}
     _write_gguf(tmp_path / "bias.gguf", _hf_state_dict(True), extra=bias)
     with pytest.raises(ValueError, match=r"blk.0.attn_q.bias"):

@@ -225,6 +225,44 @@ def test_sharded_forward_equals_unsharded(name, params, tokens):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
 
 
+# Every family feature at once (Qwen2 biases, q/k norms, Gemma norms, GeGLU, soft caps, a 3-token window on
+# alternating layers with its own RoPE base): the family weights shard by the Llama weights' logical axes.
+CFG_FAMILY = CFG.replace(
+    family="gemma3",
+    attention_bias=True,
+    qk_norm=True,
+    norm_offset=1.0,
+    post_norms=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+    query_pre_attn_scalar=24.0,
+    attn_logit_softcap=0.5,
+    final_logit_softcap=2.0,
+    sliding_window=3,
+    layer_types=("local", "global"),
+    rope_local_theta=100.0,
+)
+
+
+@on_8_devices
+@pytest.mark.parametrize("name", list(MESHES))
+def test_sharded_family_forward_equals_unsharded(name, tokens):
+    leaves, tree = jax.tree.flatten(init_params(CFG_FAMILY, jax.random.key(2)))
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    params = tree.unflatten(
+        [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    )
+    mesh = sh.create_mesh(MESHES[name])
+    expected, _ = forward(params, tokens, CFG_FAMILY)
+    with jax.set_mesh(mesh):
+        logits, _ = jax.jit(functools.partial(forward, cfg=CFG_FAMILY))(
+            sh.shard_params(params, CFG_FAMILY, mesh), sh.shard_batch(tokens, mesh)
+        )
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+    no_window, _ = forward(params, tokens, CFG_FAMILY.replace(sliding_window=None, layer_types=()))
+    assert np.abs(np.asarray(expected) - np.asarray(no_window)).max() > 1e-3  # the window does cut keys
+
+
 @on_8_devices
 def test_sharded_forward_unstacked_layers(params, tokens):
     cfg = CFG.replace(scan_layers=False)

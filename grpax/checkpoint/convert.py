@@ -224,6 +224,15 @@ def _progress(total: int, desc: str, enabled: bool) -> tuple[Callable[[int], Non
     return bar.update, bar.close
 
 
+def _extra_keys(source: dict, ours: dict) -> dict:
+    """The source config.json's keys to keep under ``ours`` (``to_hf_config``'s): all but the rope and dtype
+    forms ours replaces, or only ``transformers_version`` when the source is another class (the text model of a
+    Gemma3ForConditionalGeneration is exported as a Gemma3ForCausalLM, without the vision keys)."""
+    if source.get("architectures", ours["architectures"]) != ours["architectures"]:
+        return {k: v for k, v in source.items() if k == "transformers_version"}
+    return {k: v for k, v in source.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -402,12 +411,7 @@ def to_native(
     try:
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
-            out_cfg = {
-                **{
-                    k: v for k, v in hf_config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")
-                },
-                **out_cfg,
-            }
+            out_cfg = {**_extra_keys(hf_config, out_cfg), **out_cfg}
         _write_json(staging / "config.json", out_cfg)
         if tokenizer_obj is not None:
             from grpax.data.tokenizer import save_tokenizer
@@ -643,10 +647,7 @@ def to_huggingface(
             log.warning("no tokenizer to export: the output has weights and config only")
         _write_json(staging / "generation_config.json", generation_config(cfg, tokenizer))
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
-        keep = {
-            k: v for k, v in hf_config.items() if k not in out_cfg and k not in ("rope_parameters", "dtype")
-        }
-        _write_json(staging / "config.json", {**keep, **out_cfg})
+        _write_json(staging / "config.json", {**_extra_keys(hf_config, out_cfg), **out_cfg})
         _publish(staging, target, last="config.json")
     except BaseException:
         close()

@@ -1,4 +1,4 @@
-"""Llama-architecture GGUF files (llama.cpp's format) -> Hugging Face config, tensors and tokenizer, torch-free.
+"""Llama, Qwen2 and Qwen3 GGUF files (llama.cpp's format) -> Hugging Face config, tensors and tokenizer, torch-free.
 
 A GGUF file holds the model's hyper-parameters and tokenizer as metadata and its weights as (often quantized)
 tensors under llama.cpp names (``blk.0.attn_q.weight``). ``read_gguf`` memory-maps the file with
@@ -10,6 +10,8 @@ llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows
 rotate-half layout to the interleaved-pairs layout its rope kernel uses; ``reverse_permute`` undoes it, exactly
 as transformers' ``LlamaTensorProcessor._reverse_permute_weights`` does. Llama 3 rope scaling travels as a
 ``rope_freqs.weight`` tensor of per-frequency factors; ``hf_config`` turns it back into the ``llama3`` dict.
+Qwen2 (q/k/v biases) and Qwen3 (``attn_q_norm``/``attn_k_norm``) files keep the rotate-half rows (llama.cpp runs
+them with its NeoX rope), so their Q and K are read as stored (llama.cpp ``Qwen2Model``/``Qwen3Model``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# general.architecture -> (Hugging Face model_type and class, the tensors only that family has).
+_ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM", ()),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", ("attn_q_norm.weight", "attn_k_norm.weight")),
+}
+_FAMILY_TENSORS = {name for _, _, names in _ARCHS.values() for name in names}
 # Tensors that carry configuration, not weights (Llama 3 rope factors; read into ``hf_config``).
 _CONFIG_TENSORS = ("rope_freqs.weight",)
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,12 +77,14 @@ def default_gguf_path() -> str:
     )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of llama.cpp tensor ``gguf_name`` (``None`` if it is not a Llama weight)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of llama.cpp tensor ``gguf_name`` (``None`` if it is not a weight of ``arch``)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
+    if suffix in _FAMILY_TENSORS and suffix not in _ARCHS[arch][2]:
+        return None
     if prefix == "blk" and layer.isdigit() and suffix in _LAYER_NAMES:
         return f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
     return None
@@ -155,7 +171,8 @@ def _llama3_rope_scaling(
 
 
 class GGUFModel:
-    """A memory-mapped Llama GGUF file seen as a Hugging Face checkpoint (config, tensors, tokenizer).
+    """A memory-mapped Llama, Qwen2 or Qwen3 GGUF file seen as a Hugging Face checkpoint (config, tensors,
+    tokenizer).
 
     Attributes:
       path: the file.
@@ -185,16 +202,17 @@ class GGUFModel:
             if not name.startswith("GGUF.")
         }
         arch = self.metadata.get("general.architecture")
-        if arch != "llama":
+        if arch not in _ARCHS:
             raise ValueError(
                 f"{self.path} holds a {arch!r} model (general.architecture); grpax reads "
-                "Llama-architecture GGUF files only: convert a LlamaForCausalLM checkpoint"
+                f"{', '.join(_ARCHS)} GGUF files: convert a {', '.join(v[1] for v in _ARCHS.values())} checkpoint"
             )
+        self.arch = arch
         self._tensors: dict[str, Any] = {}
         self._config_tensors: dict[str, Any] = {}
         unknown = []
         for tensor in self._reader.tensors:
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, arch)
             if hf_name is not None:
                 self._tensors[hf_name] = tensor
             elif tensor.name in _CONFIG_TENSORS:
@@ -203,26 +221,26 @@ class GGUFModel:
                 unknown.append(tensor.name)
         if unknown:
             raise ValueError(
-                f"{self.path} has tensors a bias-free Llama does not have ({', '.join(unknown[:5])}); "
-                "grpax reads plain LlamaForCausalLM GGUF files only"
+                f"{self.path} has tensors a {_ARCHS[arch][1]} does not have ({', '.join(unknown[:5])}); "
+                f"grpax reads plain {_ARCHS[arch][1]} GGUF files only"
             )
         self.tensor_names = list(self._tensors)
 
     def _meta(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(f"llama.{key}", default)
+        return self.metadata.get(f"{self.arch}.{key}", default)
 
     def _require(self, key: str) -> Any:
         value = self._meta(key)
         if value is None:
             raise ValueError(
-                f"{self.path} lacks the metadata key 'llama.{key}' that a Llama GGUF needs; "
+                f"{self.path} lacks the metadata key '{self.arch}.{key}' that a {self.arch} GGUF needs; "
                 "re-convert it with llama.cpp's convert_hf_to_gguf.py"
             )
         return value
 
     @cached_property
     def hf_config(self) -> dict[str, Any]:
-        """The ``LlamaForCausalLM`` config.json dict (transformers 4 form) described by the metadata.
+        """The config.json dict (transformers 4 form) described by the metadata (Llama, Qwen2 or Qwen3).
 
         Raises:
           ValueError: if a required key is missing or the rope factors are not Llama 3 scaling.
@@ -259,9 +277,10 @@ class GGUFModel:
             value = self.metadata.get(f"tokenizer.ggml.{key}")
             return None if value is None else int(value)
 
+        model_type, architecture, _ = _ARCHS[self.arch]
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [architecture],
+            "model_type": model_type,
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(self._require("feed_forward_length")),
@@ -275,7 +294,7 @@ class GGUFModel:
             "rope_theta": theta,
             "rope_scaling": scaling,
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "attention_bias": False,
+            "attention_bias": self.arch == "qwen2",
             "mlp_bias": False,
             "bos_token_id": token_id("bos_token_id"),
             "eos_token_id": token_id("eos_token_id"),
@@ -310,6 +329,8 @@ class GGUFModel:
         if not w.flags.writeable:  # an F32 tensor is a view of the read-only memory map: hand out a copy
             w = w.copy()
         cfg = self.hf_config
+        if self.arch != "llama":  # Qwen: stored in rotate-half order (NeoX rope)
+            return w
         if name.endswith("self_attn.q_proj.weight"):
             w = reverse_permute(w, cfg["num_attention_heads"])
         elif name.endswith("self_attn.k_proj.weight"):
@@ -368,13 +389,13 @@ class GGUFModel:
 
 
 def read_gguf(path: str | os.PathLike | None = None) -> GGUFModel:
-    """Opens a Llama GGUF file (memory-mapped; nothing is dequantized yet).
+    """Opens a Llama, Qwen2 or Qwen3 GGUF file (memory-mapped; nothing is dequantized yet).
 
     Args:
       path: the .gguf file; None for ``default_gguf_path()`` (SmolLM2-135M-Instruct).
 
     Raises:
       FileNotFoundError: if the file does not exist.
-      ValueError: if it is not a GGUF file, not a Llama model, or lacks required metadata.
+      ValueError: if it is not a GGUF file, not a Llama/Qwen2/Qwen3 model, or lacks required metadata.
     """
     return GGUFModel(default_gguf_path() if path is None else Path(path))

@@ -1,6 +1,8 @@
-"""Hugging Face ``LlamaForCausalLM`` tensor names and layouts <-> grpax params.
+"""Hugging Face tensor names and layouts <-> grpax params, for every supported family.
 
-The only module that knows Hugging Face weight names. HF stores linear weights as ``[out, in]``; grpax stores
+The only module that knows Hugging Face weight names (``LlamaForCausalLM`` and the Mistral, Qwen2, Qwen3,
+Gemma2 and Gemma3 ones: the same names, plus q/k/v biases, ``q_norm``/``k_norm``, and Gemma's four norms per
+layer, where ``post_attention_layernorm`` is the attention output's norm rather than the MLP's pre-norm). HF stores linear weights as ``[out, in]``; grpax stores
 them ``[in, out]`` with heads split (``wq`` [D, N, H]). Q and K keep HF's rotate-half row order, which is the
 layout ``grpax.models.llama.rotate`` uses, so no permutation is needed here (GGUF files differ: see
 ``grpax.checkpoint.gguf``).
@@ -13,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from grpax.models.params import LAYER_WEIGHTS
+from grpax.models.params import layer_specs
 from grpax.models.registry import ModelConfig
 
 _LAYER_HF = {
@@ -26,6 +28,17 @@ _LAYER_HF = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+# Gemma 2/3: a norm before and after both attention and MLP.
+_GEMMA_NORMS_HF = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "attn_post_norm": "post_attention_layernorm.weight",
+    "mlp_post_norm": "post_feedforward_layernorm.weight",
 }
 _TOP_HF = {
     "embed": "model.embed_tokens.weight",
@@ -41,8 +54,12 @@ class MissingTensorError(KeyError):
         return str(self.args[0])
 
 
-def hf_layer_name(i: int, name: str) -> str:
-    return f"model.layers.{i}.{_LAYER_HF[name]}"
+def hf_layer_name(i: int, name: str, cfg: ModelConfig | None = None) -> str:
+    """The HF name of layer ``i``'s weight ``name`` (``cfg`` picks the family's names; None: Llama's)."""
+    table = _LAYER_HF
+    if cfg is not None and cfg.post_norms:
+        table = {**_LAYER_HF, **_GEMMA_NORMS_HF}
+    return f"model.layers.{i}.{table[name]}"
 
 
 def hf_to_native(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -52,6 +69,10 @@ def hf_to_native(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return w.T.reshape(D, N, H)
     if name in ("wk", "wv"):
         return w.T.reshape(D, K, H)
+    if name == "q_bias":
+        return w.reshape(N, H)
+    if name in ("k_bias", "v_bias"):
+        return w.reshape(K, H)
     if name == "wo":
         return w.T.reshape(N, H, D)
     if name in ("w_gate", "w_up", "w_down", "lm_head"):
@@ -64,6 +85,8 @@ def native_to_hf(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     D = cfg.hidden_dim
     if name in ("wq", "wk", "wv"):
         return w.reshape(D, -1).T
+    if name in ("q_bias", "k_bias", "v_bias"):
+        return w.reshape(-1)
     if name == "wo":
         return w.reshape(-1, D).T
     if name in ("w_gate", "w_up", "w_down", "lm_head"):
@@ -75,7 +98,7 @@ def expected_hf_names(cfg: ModelConfig) -> list[str]:
     names = [_TOP_HF["embed"], _TOP_HF["final_norm"]]
     if not cfg.tie_word_embeddings:
         names.append(_TOP_HF["lm_head"])
-    names += [hf_layer_name(i, n) for i in range(cfg.num_layers) for n in LAYER_WEIGHTS]
+    names += [hf_layer_name(i, n, cfg) for i in range(cfg.num_layers) for n in layer_specs(cfg)]
     return names
 
 
@@ -104,6 +127,27 @@ def fill_native(dst: np.ndarray, w: np.ndarray, hf_name: str, name: str, cfg: Mo
         return
     for r in range(0, w.shape[0], _ROWS_PER_COPY):
         view[r : r + _ROWS_PER_COPY] = w[r : r + _ROWS_PER_COPY]
+
+
+# Where Gemma3ForConditionalGeneration keeps its text model: the published checkpoints' names (transformers 5
+# writes them too) and transformers 5's in-memory ones. The vision tower's tensors are never read.
+_TEXT_MODEL_PREFIXES = (
+    {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
+    {"model.": "model.language_model.", "lm_head.": "lm_head."},
+)
+
+
+def text_model_names(has_tensor: Callable[[str], bool]) -> Callable[[str], str]:
+    """Maps a causal LM's tensor name to the checkpoint's: itself, or the text model's name inside a
+    ``Gemma3ForConditionalGeneration`` checkpoint (``model.layers.0...`` -> ``language_model.model.layers.0...``)."""
+    if has_tensor(_TOP_HF["embed"]):
+        return lambda name: name
+    for prefixes in _TEXT_MODEL_PREFIXES:
+        if has_tensor(prefixes["model."] + _TOP_HF["embed"][len("model.") :]):
+            return lambda name, p=prefixes: next(
+                (p[k] + name[len(k) :] for k in p if name.startswith(k)), name
+            )
+    return lambda name: name
 
 
 def load_params_from_tensors(
@@ -140,9 +184,14 @@ def load_params_from_tensors(
       ValueError: a tensor has the wrong shape for this config (names it, with both shapes); with ``lazy``, a
         wrong layout of the right size is raised when the leaf is built.
     """
-    from grpax.models.params import layer_specs, top_specs
+    from grpax.models.params import top_specs
 
     dtype = np.dtype(dtype)
+    rename = text_model_names(has_tensor)
+    if rename("model.x") != "model.x":  # a Gemma3ForConditionalGeneration checkpoint: read its text model
+        get, has, shape = get_tensor, has_tensor, tensor_shape
+        get_tensor, has_tensor = (lambda n: get(rename(n))), (lambda n: has(rename(n)))
+        tensor_shape = (lambda n: shape(rename(n))) if shape else None
 
     def check(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
         if not has_tensor(hf_name):
@@ -194,13 +243,13 @@ def load_params_from_tensors(
     specs = layer_specs(cfg)
     if cfg.scan_layers:
         params["layers"] = {
-            name: leaf([hf_layer_name(i, name) for i in range(cfg.num_layers)], name, shape, stack=True)
+            name: leaf([hf_layer_name(i, name, cfg) for i in range(cfg.num_layers)], name, shape, stack=True)
             for name, (shape, _) in specs.items()
         }
     else:
         params["layers"] = [
             {
-                name: leaf([hf_layer_name(i, name)], name, shape, stack=False)
+                name: leaf([hf_layer_name(i, name, cfg)], name, shape, stack=False)
                 for name, (shape, _) in specs.items()
             }
             for i in range(cfg.num_layers)
@@ -225,5 +274,5 @@ def iter_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.nd
     layers = params["layers"]
     for i in range(cfg.num_layers):
         layer = {n: w[i] for n, w in layers.items()} if isinstance(layers, dict) else layers[i]
-        for name in LAYER_WEIGHTS:
-            yield hf_layer_name(i, name), native_to_hf(name, np.asarray(layer[name]), cfg)
+        for name in layer_specs(cfg):
+            yield hf_layer_name(i, name, cfg), native_to_hf(name, np.asarray(layer[name]), cfg)

@@ -39,7 +39,7 @@ def run(config: CONFIG) -> int:
 
     select_hardware(config.hardware)
     if config.use_multimodal:
-        raise ConfigError("use_multimodal=true is not supported: grpax exports text-only Llama models")
+        raise ConfigError("use_multimodal=true is not supported: grpax exports text-only causal LMs")
     for key in ("load_parameters_path", "base_output_directory"):
         if not getattr(config, key):
             raise ConfigError(f"{key} is required")

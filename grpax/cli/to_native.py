@@ -11,7 +11,8 @@ import dataclasses
 from grpax.config import field
 
 DESCRIPTION = (
-    "Converts a Hugging Face LlamaForCausalLM checkpoint to a grpax Orbax checkpoint at "
+    "Converts a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3 causal LMs, or the text "
+    "model of Gemma3ForConditionalGeneration) to a grpax Orbax checkpoint at "
     "<base_output_directory>/0/items, with config.json and the tokenizer at <base_output_directory>/. "
     "The source is hf_model_path (a local folder with config.json and *.safetensors), else gguf_path, "
     "else the Hub repository of model_name (needs network; hf_access_token for gated models). A local source "
@@ -27,7 +28,9 @@ class CONFIG:
     base_output_directory: str = field("", "output root: receives config.json, tokenizer files and 0/items")
     hf_model_path: str = field("", "local folder with config.json and *.safetensors (else Hub / gguf_path)")
     hf_access_token: str = field("", "Hugging Face token for gated Hub repositories")
-    gguf_path: str = field("", "a GGUF file to convert instead (dequantised to weight_dtype)")
+    gguf_path: str = field(
+        "", "a Llama, Qwen2 or Qwen3 GGUF file to convert instead (dequantised to weight_dtype)"
+    )
     scan_layers: bool = field(True, "store layers stacked [L, ...] (scanned) or as a per-layer list")
     lazy_load_tensors: bool = field(True, "stream one tensor at a time (low memory); false reads whole files")
     weight_dtype: str = field("float32", "stored parameter dtype: float32 | bfloat16 | float16")

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 # End-of-turn tokens of the supported chat templates (ChatML, Llama 3 turn end and tool-call end).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 
 
 def load_tokenizer(folder: str | os.PathLike):

@@ -1,8 +1,13 @@
-"""The Llama-family decoder as a pure function: ``forward(params, tokens, cfg, ...) -> (logits, cache)``.
+"""The decoder of every supported family as one pure function: ``forward(params, tokens, cfg) -> (logits, cache)``.
 
 Matches Hugging Face ``LlamaForCausalLM`` (transformers ``modeling_llama.py``): RMSNorm computed in float32,
 rotary embeddings in the rotate-half layout with optional Llama 3 frequency scaling, grouped-query attention,
-SwiGLU MLP, optional tied embeddings, and a ``head_dim`` that need not equal hidden_dim / num_heads.
+SwiGLU MLP, optional tied embeddings, and a ``head_dim`` that need not equal hidden_dim / num_heads. The
+family fields of ``ModelConfig`` add what the others change (transformers ``modeling_mistral``,
+``modeling_qwen2``, ``modeling_qwen3``, ``modeling_gemma2``, ``modeling_gemma3``): q/k/v biases, per-head
+q/k RMSNorm before RoPE, Gemma's (1 + w) RMSNorm in float32, norms after attention and MLP, GeGLU, embeddings
+scaled by sqrt(D), ``query_pre_attn_scalar``, attention and final logit soft-capping (Gemma 2 report), and
+sliding-window attention on the local layers, with Gemma 3's local RoPE base (Gemma 3 report).
 
 Positions are per row, so left-padded, right-padded and packed-by-mask batches give the same logits for their
 real tokens as unpadded rows. The KV cache layout keeps the token of position p at cache slot p of its row:
@@ -27,16 +32,21 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _RESIDUAL = ("batch", "length", "act_embed")
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies float32 [H/2], with Llama 3 scaling when ``cfg.rope_scaling`` is set.
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse RoPE frequencies float32 [H/2] of the global layers (``local``: of the local layers).
 
-    Source: transformers ``_compute_llama3_parameters`` (Llama 3 herd paper, section 3.2 long context).
+    Global layers scale them by ``cfg.rope_scaling``: Llama 3's (transformers ``_compute_llama3_parameters``,
+    Llama 3 herd paper, section 3.2 long context) or linear (``inv_freq / factor``, Gemma 3). Local layers use
+    ``cfg.rope_local_theta`` unscaled when it is set (Gemma 3), else the global frequencies.
     """
     H = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
     scaling = cfg.rope_scaling_dict
-    if not scaling:
+    if not scaling or (local and cfg.rope_local_theta):
         return inv_freq
+    if "low_freq_factor" not in scaling:  # linear
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -62,20 +72,44 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019) in float32, cast back to ``x.dtype`` before the weight, as HF does."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis in float32.
+
+    Llama (``offset`` 0): cast back to ``x.dtype`` before the weight, as HF ``LlamaRMSNorm``. Gemma (``offset``
+    1): scaled by ``1 + weight`` in float32, then cast, as HF ``Gemma2RMSNorm``.
+    """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma 2's attention and final logit soft-capping); ``x`` when ``cap`` is None."""
+    return x if not cap else cap * jnp.tanh(x / cap)
+
+
+def _scale(cfg: ModelConfig) -> float | None:
+    """The scores' factor when it is not 1 / sqrt(H) (``query_pre_attn_scalar``), else None."""
+    return None if cfg.query_pre_attn_scalar is None else cfg.attention_scale
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    cap: float | None = None,
+) -> jax.Array:
     """Grouped-query attention.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
       k, v: [B, S, K, H] keys and values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to key s.
+      scale: the scores' factor (None: 1 / sqrt(H)); cap: soft-capping of the scores (``softcap``), or None.
 
     Returns:
       [B, T, N, H] in q's dtype; softmax in float32.
@@ -83,7 +117,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / math.sqrt(H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = softcap(scores / math.sqrt(H) if scale is None else scores * scale, cap)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
@@ -95,12 +130,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 _QUERY_CHUNK = 128
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def chunked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    cap: float | None = None,
+) -> jax.Array:
     """``attention`` computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the backward
     pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
     B, T, N, H = q.shape
     if T <= _QUERY_CHUNK:
-        return attention(q, k, v, mask)
+        return attention(q, k, v, mask, scale, cap)
     n = -(-T // _QUERY_CHUNK)
     pad = n * _QUERY_CHUNK - T
 
@@ -108,11 +150,19 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(B, n, _QUERY_CHUNK, *x.shape[2:]).swapaxes(0, 1)
 
-    out = jax.lax.map(jax.checkpoint(lambda qm: attention(qm[0], k, v, qm[1])), (blocks(q), blocks(mask)))
+    block = jax.checkpoint(lambda qm: attention(qm[0], k, v, qm[1], scale, cap))
+    out = jax.lax.map(block, (blocks(q), blocks(mask)))
     return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
 
 
-def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask: jax.Array) -> jax.Array:
+def cached_attention(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    cap: float | None = None,
+) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache in the decode layout.
 
     The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]. For one query per row (decode, T == 1)
@@ -127,6 +177,7 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
       q: [B, T, N, H] queries (already rotated).
       cache_k: [B, K, H, S] cached keys; cache_v: [B, K, S, H] cached values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to slot s.
+      scale, cap: as in ``attention``.
 
     Returns:
       [B, T, N, H] in q's dtype; scores and softmax in float32.
@@ -134,8 +185,10 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     B, T, N, H = q.shape
     K = cache_k.shape[1]
     if T == 1:
-        q1 = q.reshape(B, K, N // K, H).astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H]
+        q1 = q.reshape(B, K, N // K, H).astype(jnp.float32)  # [B, K, G, H]
+        q1 = q1 / math.sqrt(H) if scale is None else q1 * scale
         scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
+        scores = softcap(scores, cap)
         scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
         out = jnp.einsum("BKGS,BKSH->BKGH", probs, cache_v, preferred_element_type=jnp.float32)
@@ -145,13 +198,25 @@ def cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, mask:
     # to [B, S, K, H], in float32 (XLA:CPU rejects some bf16 x bf16 -> f32 batched dots of this layout).
     k = cache_k.transpose(0, 3, 1, 2).astype(jnp.float32)  # [B, S, K, H]
     v = cache_v.transpose(0, 2, 1, 3).astype(jnp.float32)
-    out = attention(q.reshape(B, T, N, H).astype(jnp.float32), k, v, mask)
+    out = attention(q.reshape(B, T, N, H).astype(jnp.float32), k, v, mask, scale, cap)
     return out.astype(q.dtype)
 
 
-def _layer(x, layer, positions, mask, rope, cfg: ModelConfig, cache_k=None, cache_v=None, index=None):
+def _pick(local, global_value, local_value):
+    """The local layer's value where ``local`` (a Python or traced bool; None: no local layers) holds."""
+    if local is None or local is False or global_value is local_value:
+        return global_value
+    if local is True:
+        return local_value
+    return jax.tree.map(lambda g, lv: jnp.where(local, lv, g), global_value, local_value)
+
+
+def _layer(
+    x, layer, positions, mask, rope, cfg: ModelConfig, cache_k=None, cache_v=None, index=None, local=None
+):
     """One decoder block; returns (x, cache_k, cache_v).
 
+    ``mask`` and ``rope`` are (global, local) pairs; ``local`` says which this layer takes (None: global).
     With a cache (the decode layout of ``init_cache``: keys [.., B, K, H, S], values [.., B, K, S, H]),
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
@@ -160,21 +225,34 @@ def _layer(x, layer, positions, mask, rope, cfg: ModelConfig, cache_k=None, cach
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
+    mask, rope = _pick(local, *mask), _pick(local, *rope)
     q, k, v = attention_inputs(x, w, rope, cfg)
+    scale, cap = _scale(cfg), cfg.attn_logit_softcap
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
         if index is None:
             cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-            attn = cached_attention(q, cache_k, cache_v, mask)
+            attn = cached_attention(q, cache_k, cache_v, mask, scale, cap)
         else:
             cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-            attn = cached_attention(q, cache_k[index], cache_v[index], mask)
+            attn = cached_attention(q, cache_k[index], cache_v[index], mask, scale, cap)
     else:
-        attn = attention(q, k, v, mask)
+        attn = attention(q, k, v, mask, scale, cap)
     return attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
+
+
+def _project(h: jax.Array, w: dict, name: str, cfg: ModelConfig) -> jax.Array:
+    """h [B * T, D] @ w[name] [D, heads, H] (+ its bias, + its per-head RMSNorm) -> [B * T, heads, H]."""
+    out = h @ w[name].reshape(h.shape[-1], -1)
+    if cfg.attention_bias:
+        out = out + w[f"{name[1]}_bias"].reshape(-1)
+    out = out.reshape(h.shape[0], -1, cfg.head_dim)
+    if cfg.qk_norm and name in ("wq", "wk"):
+        out = rms_norm(out, w[f"{name[1]}_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return out
 
 
 def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax.Array, ...]:
@@ -183,20 +261,69 @@ def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax
     # Tokens flattened to one matrix dimension and heads merged into one ([D, N, H] -> [D, N * H] is free in
     # row-major order): with two contracting or batch-like dims, XLA:CPU transposed weights in the decode and
     # activations for the weight gradients of the backward pass at every layer.
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).reshape(B * T, D)
-    q = (h @ w["wq"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    k = (h @ w["wk"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
-    v = (h @ w["wv"].reshape(D, -1)).reshape(B, T, -1, cfg.head_dim)
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset).reshape(B * T, D)
+    q, k, v = (_project(h, w, name, cfg).reshape(B, T, -1, cfg.head_dim) for name in ("wq", "wk", "wv"))
     return rotate(q, *rope), rotate(k, *rope), v
 
 
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+}
+
+
 def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
-    """The rest of the block: x + attn [B, T, N, H] @ wo, then the pre-normed SwiGLU MLP's residual."""
+    """The rest of the block: x + attn [B, T, N, H] @ wo, then the pre-normed gated MLP's residual (each
+    output RMS-normed before its residual add when ``cfg.post_norms``)."""
     B, T, D = x.shape
-    x = x.reshape(B * T, D) + attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-    return x.reshape(B, T, D)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    out = attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
+    if cfg.post_norms:
+        out = rms_norm(out, w["attn_post_norm"], eps, offset)
+    x = x.reshape(B * T, D) + out
+    h = rms_norm(x, w["mlp_norm"], eps, offset)
+    out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+    if cfg.post_norms:
+        out = rms_norm(out, w["mlp_post_norm"], eps, offset)
+    return (x + out).reshape(B, T, D)
+
+
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Token embeddings [B, T, D] in ``cfg.dtype``, times sqrt(D) rounded to that dtype when
+    ``cfg.scale_embeddings`` (Gemma's normaliser)."""
+    dtype = jnp.dtype(cfg.dtype)
+    x = params["embed"].astype(dtype)[tokens]
+    if cfg.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_dim), dtype)
+    return constrain(x, _RESIDUAL)
+
+
+def window_mask(mask: jax.Array, query_positions: jax.Array, key_positions: jax.Array, cfg: ModelConfig):
+    """The (global, local) layers' masks: ``mask`` bool [B, T, S], and ``mask`` where the key is within the
+    window, ``query - key < sliding_window`` in positions (transformers' ``sliding_window_overlay``). The local
+    mask is ``mask`` itself when no layer is local.
+
+    Args:
+      query_positions: int [B, T]; key_positions: int [B, S] (or [1, S]).
+    """
+    if not any(cfg.local_layers):
+        return mask, mask
+    near = query_positions[:, :, None] - key_positions[:, None, :] < cfg.sliding_window
+    return mask, mask & near
+
+
+def rope_pair(positions: jax.Array, cfg: ModelConfig) -> tuple:
+    """(global, local) RoPE tables of ``positions`` int [B, T] (``rope_tables``); one pair object when equal."""
+    glob = rope_tables(positions, rope_inv_freq(cfg))
+    if cfg.rope_local_theta is None or not any(cfg.local_layers):
+        return glob, glob
+    return glob, rope_tables(positions, rope_inv_freq(cfg, local=True))
+
+
+def _local_flags(cfg: ModelConfig):
+    """Per layer, a Python bool for the local layers (None for all when no layer is local)."""
+    return cfg.local_layers if any(cfg.local_layers) else (None,) * cfg.num_layers
 
 
 _REMAT_POLICIES = {
@@ -260,7 +387,8 @@ def forward(
       attention_mask: [B, T], 1 for real tokens, 0 for padding (keys that must not be attended). Only used
         without a cache; with a cache, visibility is ``slot <= position``.
       cache: optional KV cache from ``init_cache`` (keys [L, B, K, H, S], values [L, B, K, S, H]); each
-        token is written at slot ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``.
+        token is written at slot ``positions[b, t]`` of its row and attends to slots ``0..positions[b, t]``
+        (on a local layer, only the last ``cfg.sliding_window`` of them: ``window_mask``).
         With per-layer params (a list) the cache may also be lists of L per-layer buffers
         (``init_cache(..., stacked=False)``, fastest decode on CPU); it comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
@@ -272,42 +400,51 @@ def forward(
     if positions is None:
         positions = default_positions(tokens, attention_mask)
     positions = positions.astype(jnp.int32)
-    dtype = jnp.dtype(cfg.dtype)
-    x = constrain(params["embed"].astype(dtype)[tokens], _RESIDUAL)
-    rope = rope_tables(positions, rope_inv_freq(cfg))  # (cos, sin), shared by every layer
+    x = embed(params, tokens, cfg)
+    rope = rope_pair(positions, cfg)  # (cos, sin) of the global and the local layers, shared by every layer
     if cache is None:
         idx = jnp.arange(T)
         mask = (positions[:, None, :] <= positions[:, :, None]) & (idx[None, :] <= idx[:, None])[None]
         if attention_mask is not None:
             mask = mask & attention_mask.astype(bool)[:, None, :]
-    else:
+        mask = window_mask(mask, positions, positions, cfg)
+    else:  # slot s holds position s of its row: the full-length cache needs no ring-buffer bookkeeping
         S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
-        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
+        slots = jnp.arange(S, dtype=jnp.int32)[None]
+        mask = window_mask(slots[:, None, :] <= positions[:, :, None], positions, slots, cfg)
 
     layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg), cfg)
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
     cv = cache["v"] if cache is not None else None
+    flags = _local_flags(cfg)
     if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned; the cache in the carry
 
         def body(carry, xs):
             x, ck, cv = carry
-            layer, i = xs
-            x, ck, cv = layer_fn(x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i)
+            layer, i, local = xs
+            x, ck, cv = layer_fn(
+                x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i, local=local
+            )
             return (constrain(x, _RESIDUAL), ck, cv), None
 
         num_layers = jax.tree.leaves(layers)[0].shape[0]
-        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (layers, jnp.arange(num_layers)))
+        local = None if flags[0] is None else jnp.asarray(flags)
+        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (layers, jnp.arange(num_layers), local))
     elif isinstance(ck, (list, tuple)):  # per-layer cache buffers: each updated in place on its own
         ck, cv = list(ck), list(cv)
         for i, layer in enumerate(layers):
-            x, ck[i], cv[i] = layer_fn(x, layer, positions, mask, rope, cache_k=ck[i], cache_v=cv[i])
+            x, ck[i], cv[i] = layer_fn(
+                x, layer, positions, mask, rope, cache_k=ck[i], cache_v=cv[i], local=flags[i]
+            )
     else:
         for i, layer in enumerate(layers):
-            x, ck, cv = layer_fn(x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i)
+            x, ck, cv = layer_fn(
+                x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i, local=flags[i]
+            )
             x = constrain(x, _RESIDUAL)
     new_cache = {"k": ck, "v": cv} if cache is not None else None
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
     if return_hidden:
         return x, new_cache
     return logits_from_hidden(params, x, cfg), new_cache
@@ -344,14 +481,13 @@ def forward_grouped(
     B, C = completion_ids.shape
     G = B // m
     dtype = jnp.dtype(cfg.dtype)
-    inv_freq = rope_inv_freq(cfg)
     key_valid = prompt_mask.astype(bool)  # [m, P]
     positions_p = default_positions(prompt_ids, prompt_mask)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(axis=1), G)  # [B]
     positions_c = prompt_lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
-    rope_p, rope_c = rope_tables(positions_p, inv_freq), rope_tables(positions_c, inv_freq)
+    rope_p, rope_c = rope_pair(positions_p, cfg), rope_pair(positions_c, cfg)
     causal_p = jnp.tril(jnp.ones((P, P), bool))
-    mask_p = causal_p[None] & key_valid[:, None, :]  # [m, P, P]
+    mask_p = window_mask(causal_p[None] & key_valid[:, None, :], positions_p, positions_p, cfg)  # [m, P, P]
     mask_c = jnp.concatenate(  # [B, C, P + C]: the row's prompt, then its own earlier completion tokens
         [
             jnp.broadcast_to(jnp.repeat(key_valid, G, axis=0)[:, None, :], (B, C, P)),
@@ -359,40 +495,47 @@ def forward_grouped(
         ],
         axis=-1,
     )
+    key_positions_c = jnp.concatenate([jnp.repeat(positions_p, G, axis=0), positions_c], axis=1)
+    mask_c = window_mask(mask_c, positions_c, key_positions_c, cfg)
+    scale, cap = _scale(cfg), cfg.attn_logit_softcap
 
-    def layer_fn(xp, xc, layer):
+    def layer_fn(xp, xc, layer, local):
         w = {name: val.astype(dtype) for name, val in layer.items()}
-        qp, kp, vp = attention_inputs(xp, w, rope_p, cfg)
-        qc, kc, vc = attention_inputs(xc, w, rope_c, cfg)
-        attn_p = chunked_attention(qp, kp, vp, mask_p)
+        qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
+        qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
+        attn_p = chunked_attention(qp, kp, vp, _pick(local, *mask_p), scale, cap)
         k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
         v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        attn_c = chunked_attention(qc, k, v, mask_c)
+        attn_c = chunked_attention(qc, k, v, _pick(local, *mask_c), scale, cap)
         xp = attention_output_and_mlp(xp, attn_p, w, cfg)
         xc = attention_output_and_mlp(xc, attn_c, w, cfg)
         return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)
 
     layer_fn = _maybe_remat(layer_fn, cfg)
-    xp = constrain(params["embed"].astype(dtype)[prompt_ids], _RESIDUAL)
-    xc = constrain(params["embed"].astype(dtype)[completion_ids], _RESIDUAL)
+    xp, xc = embed(params, prompt_ids, cfg), embed(params, completion_ids, cfg)
     layers = params["layers"]
+    flags = _local_flags(cfg)
     if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
-        (xp, xc), _ = jax.lax.scan(lambda carry, layer: (layer_fn(*carry, layer), None), (xp, xc), layers)
+        local = None if flags[0] is None else jnp.asarray(flags)
+        (xp, xc), _ = jax.lax.scan(lambda carry, xs: (layer_fn(*carry, *xs), None), (xp, xc), (layers, local))
     else:
-        for layer in layers:
-            xp, xc = layer_fn(xp, xc, layer)
+        for layer, local in zip(layers, flags, strict=True):
+            xp, xc = layer_fn(xp, xc, layer, local)
     last_prompt = jnp.repeat(xp[:, -1:], G, axis=0)  # [B, 1, D]: predicts completion token 0
     hidden = jnp.concatenate([last_prompt, xc[:, :-1]], axis=1)
-    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head)."""
+    """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head),
+    soft-capped by ``cfg.final_logit_softcap`` (Gemma 2): the logits the sampler samples and the trainer scores."""
     dtype = jnp.dtype(cfg.dtype)
     if "lm_head" in params:
-        return jnp.einsum(
+        logits = jnp.einsum(
             "...D,DV->...V", hidden, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
         )
-    return jnp.einsum(
-        "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
-    )
+    else:
+        logits = jnp.einsum(
+            "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
+        )
+    return softcap(logits, cfg.final_logit_softcap)

@@ -12,8 +12,16 @@ Parameters are a plain nested dict (a pytree), so optax, orbax and ``jax.tree`` 
       w_gate     [L, D, F]       ("layers", "embed", "mlp")
       w_up       [L, D, F]       ("layers", "embed", "mlp")
       w_down     [L, F, D]       ("layers", "mlp", "embed")
+      q_bias     [L, N, H]       ("layers", "q_heads", "head_dim")     attention_bias (Qwen2)
+      k_bias, v_bias [L, K, H]   ("layers", "kv_heads", "head_dim")    attention_bias (Qwen2)
+      q_norm, k_norm [L, H]      ("layers", "head_dim")                qk_norm (Qwen3, Gemma 3)
+      attn_post_norm [L, D]      ("layers", "norm")                    post_norms (Gemma 2/3)
+      mlp_post_norm  [L, D]      ("layers", "norm")                    post_norms (Gemma 2/3)
     final_norm   [D]             ("norm",)
     lm_head      [D, V]          ("embed", "vocab")      absent when tie_word_embeddings
+
+The family weights reuse the logical axes of the Llama ones, so the sharding rules need no new entry: biases
+shard with their projection's heads, the per-head norms are replicated like ``head_dim``.
 
 With ``scan_layers=True`` the layer weights are stacked on a leading L axis (one compiled layer, scanned);
 with ``scan_layers=False`` ``layers`` is a list of L dicts without that axis. ``grpax.sharding`` maps the
@@ -36,9 +44,9 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_u
 
 
 def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Shape and logical axes of one (unstacked) layer's weights."""
+    """Shape and logical axes of one (unstacked) layer's weights (``LAYER_WEIGHTS`` and the family's own)."""
     D, N, K, H, F = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    return {
+    specs = {
         "attn_norm": ((D,), ("norm",)),
         "wq": ((D, N, H), ("embed", "q_heads", "head_dim")),
         "wk": ((D, K, H), ("embed", "kv_heads", "head_dim")),
@@ -49,6 +57,17 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         "w_up": ((D, F), ("embed", "mlp")),
         "w_down": ((F, D), ("mlp", "embed")),
     }
+    if cfg.attention_bias:
+        specs["q_bias"] = ((N, H), ("q_heads", "head_dim"))
+        specs["k_bias"] = ((K, H), ("kv_heads", "head_dim"))
+        specs["v_bias"] = ((K, H), ("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+        specs["q_norm"] = ((H,), ("head_dim",))
+        specs["k_norm"] = ((H,), ("head_dim",))
+    if cfg.post_norms:
+        specs["attn_post_norm"] = ((D,), ("norm",))
+        specs["mlp_post_norm"] = ((D,), ("norm",))
+    return specs
 
 
 def top_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -96,7 +115,8 @@ def count_params(cfg: ModelConfig) -> int:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters: normal(0, 0.02) matrices (as HF ``initializer_range``), ones for norms.
+    """Random parameters: normal(0, 0.02) matrices (as HF ``initializer_range``), zero biases, norms that
+    scale by 1 (ones, or zeros when ``cfg.norm_offset`` is 1).
 
     Args:
       cfg: the model config; leaves are created in ``cfg.weight_dtype``.
@@ -110,7 +130,9 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
 
     def leaf(name, shape, axes):
         if name.endswith("norm"):
-            return jnp.ones(shape, dtype)
+            return jnp.full(shape, 1.0 - cfg.norm_offset, dtype)
+        if name.endswith("bias"):
+            return jnp.zeros(shape, dtype)
         k = jax.random.fold_in(key, next(counter))
         return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
 

@@ -1,8 +1,9 @@
 """Model configurations: the ``model_name`` registry and the Hugging Face ``config.json`` importer/exporter.
 
-The shapes are those of the Hugging Face ``LlamaForCausalLM`` configs published with each model. Any
-``LlamaForCausalLM`` config.json is accepted too, in the transformers 4 form (``rope_theta`` +
-``rope_scaling``) and the transformers 5 form (``rope_parameters``).
+The shapes are those of the Hugging Face configs published with each model (Llama 3, SmolLM2, Qwen2.5, Qwen3,
+Gemma 2, Gemma 3, Mistral). Any config.json of a supported architecture (``SUPPORTED_ARCHITECTURES``) is
+accepted too, in the transformers 4 form (``rope_theta`` + ``rope_scaling``) and the transformers 5 form
+(``rope_parameters``, ``layer_types``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,21 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "minimal")
 
 
+# The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+LAYER_TYPES = ("global", "local")  # full causal attention | sliding-window attention
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-architecture hyper-parameters (Touvron et al. 2023; Llama 3 herd paper for rope scaling).
+    """Decoder hyper-parameters of every supported family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3).
+
+    Llama (Touvron et al. 2023; Llama 3 herd paper for rope scaling) is the base; the family fields switch on
+    what each adds: q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3), Gemma's
+    (1 + w) RMSNorm, norms after attention and MLP, GeGLU, sqrt(D)-scaled embeddings, logit soft-capping and
+    ``query_pre_attn_scalar`` (Gemma 2/3 reports), sliding-window attention on the ``local`` layers
+    (Mistral, Gemma 2/3) with Gemma 3's own local RoPE base.
 
     Shape letters: D hidden_dim, N num_heads, K num_kv_heads, H head_dim, F mlp_dim, V vocab_size, L num_layers.
     """
@@ -36,8 +49,8 @@ class ModelConfig:
     mlp_dim: int  # F
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama 3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}, or None for plain RoPE.
+    # RoPE frequency scaling of the global layers: Llama 3's {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}, linear {"factor"} (positions / factor, Gemma 3), or None.
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
@@ -49,7 +62,20 @@ class ModelConfig:
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
     remat_policy: str = "none"  # none | full | dots | minimal (jax.checkpoint policies on each layer)
-    attention_bias: bool = False
+    # Architecture of the family (defaults: Llama).
+    family: str = "llama"  # one of FAMILIES: Hugging Face names and config.json form
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o has none
+    qk_norm: bool = False  # RMSNorm over H of each query and key head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): 1.0 for Gemma, 0.0 for the others
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add (Gemma 2/3)
+    mlp_activation: str = "silu"  # of the gate: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma) | gelu
+    scale_embeddings: bool = False  # embeddings times sqrt(D), rounded to the compute dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma); None: H ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2): sampled and scored
+    sliding_window: int | None = None  # a local layer's query at p sees keys at p - window < q <= p (tokens)
+    layer_types: tuple[str, ...] = ()  # "global" | "local" per layer; () = every layer global
+    rope_local_theta: float | None = None  # RoPE base of the local layers, unscaled (Gemma 3); None: global's
 
     def __post_init__(self) -> None:
         for key in ("dtype", "weight_dtype"):
@@ -64,10 +90,35 @@ class ModelConfig:
                 f"remat_policy={self.remat_policy!r}: expected one of {', '.join(REMAT_POLICIES)}"
                 f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
             )
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILIES)}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ConfigError(
+                f"mlp_activation={self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}"
+            )
+        if self.layer_types and (
+            len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES)
+        ):
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries {sorted(set(self.layer_types))}: expected "
+                f"num_layers={self.num_layers} entries of {', '.join(LAYER_TYPES)}"
+            )
+        if "local" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ConfigError(f"local layers need a positive sliding_window (got {self.sliding_window})")
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within ``sliding_window`` only."""
+        return tuple(t == "local" for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the query-key scores: ``query_pre_attn_scalar ** -0.5``, else ``head_dim ** -0.5``."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         return dataclasses.replace(self, **kwargs)
@@ -83,6 +134,9 @@ class ModelConfig:
             self.vocab_size,
         )
         per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+        per_layer += (N + 2 * K) * H if self.attention_bias else 0
+        per_layer += 2 * H if self.qk_norm else 0
+        per_layer += 2 * D if self.post_norms else 0
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
 
 
@@ -150,6 +204,152 @@ _SMOL_INSTRUCT = dict(bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
 _LLAMA_INSTRUCT = dict(eos_token_ids=_LLAMA3_INSTRUCT_EOS)
 
 
+def _every_nth_global(num_layers: int, n: int) -> tuple[str, ...]:
+    """Layer i is global when (i + 1) % n == 0, local otherwise (Gemma 2: n = 2; Gemma 3: n = 6)."""
+    return tuple("global" if (i + 1) % n == 0 else "local" for i in range(num_layers))
+
+
+# Qwen2.5 and Qwen3 (config.json of Qwen/Qwen2.5-*, Qwen/Qwen3-*): <|endoftext|> 151643, <|im_end|> 151645.
+_QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151643,))
+_QWEN_CHAT = dict(eos_token_ids=(151645,), pad_token_id=151643)
+_QWEN25_15B = dict(
+    _QWEN,
+    family="qwen2",
+    attention_bias=True,
+    vocab_size=151936,
+    hidden_dim=1536,
+    num_layers=28,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    mlp_dim=8960,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+)
+_QWEN25_7B = dict(
+    _QWEN25_15B,
+    vocab_size=152064,
+    hidden_dim=3584,
+    num_heads=28,
+    num_kv_heads=4,
+    mlp_dim=18944,
+    tie_word_embeddings=False,
+)
+_QWEN25_INSTRUCT = dict(_QWEN_CHAT, max_position_embeddings=32768)
+_QWEN3_06B = dict(
+    _QWEN,
+    **_QWEN_CHAT,
+    family="qwen3",
+    qk_norm=True,
+    vocab_size=151936,
+    hidden_dim=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=3072,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+)
+_QWEN3_4B = dict(_QWEN3_06B, hidden_dim=2560, num_layers=36, num_heads=32, mlp_dim=9728)
+_QWEN3_8B = dict(_QWEN3_4B, hidden_dim=4096, mlp_dim=12288, tie_word_embeddings=False)
+_QWEN3_14B = dict(_QWEN3_8B, hidden_dim=5120, num_layers=40, num_heads=40, mlp_dim=17408)
+# Gemma 2 (google/gemma-2-*): <eos> 1, <bos> 2, <pad> 0; the -it models also stop at <end_of_turn> 107.
+_GEMMA = dict(
+    norm_offset=1.0,
+    post_norms=True,
+    mlp_activation="gelu_tanh",
+    scale_embeddings=True,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_ids=(1,),
+    pad_token_id=0,
+    head_dim=256,
+    query_pre_attn_scalar=256.0,
+)
+_GEMMA2_2B = dict(
+    _GEMMA,
+    family="gemma2",
+    vocab_size=256000,
+    hidden_dim=2304,
+    num_layers=26,
+    num_heads=8,
+    num_kv_heads=4,
+    mlp_dim=9216,
+    max_position_embeddings=8192,
+    attn_logit_softcap=50.0,
+    final_logit_softcap=30.0,
+    sliding_window=4096,
+    layer_types=_every_nth_global(26, 2),
+)
+_GEMMA2_9B = dict(
+    _GEMMA2_2B,
+    hidden_dim=3584,
+    num_layers=42,
+    num_heads=16,
+    num_kv_heads=8,
+    mlp_dim=14336,
+    layer_types=_every_nth_global(42, 2),
+)
+# Gemma 3 text (google/gemma-3-1b-*: Gemma3ForCausalLM; 4b/12b: the text_config of
+# Gemma3ForConditionalGeneration, whose unset keys take Gemma3TextConfig's defaults); <end_of_turn> is 106.
+_GEMMA3_1B = dict(
+    _GEMMA,
+    family="gemma3",
+    qk_norm=True,
+    vocab_size=262144,
+    hidden_dim=1152,
+    num_layers=26,
+    num_heads=4,
+    num_kv_heads=1,
+    mlp_dim=6912,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rope_local_theta=10000.0,
+    sliding_window=512,
+    layer_types=_every_nth_global(26, 6),
+)
+_GEMMA3_4B = dict(
+    _GEMMA3_1B,
+    vocab_size=262208,
+    hidden_dim=2560,
+    num_layers=34,
+    num_heads=8,
+    num_kv_heads=4,
+    mlp_dim=10240,
+    max_position_embeddings=131072,
+    rope_scaling=(("factor", 8.0),),
+    sliding_window=1024,
+    layer_types=_every_nth_global(34, 6),
+)
+_GEMMA3_12B = dict(
+    _GEMMA3_4B,
+    hidden_dim=3840,
+    num_layers=48,
+    num_heads=16,
+    num_kv_heads=8,
+    mlp_dim=15360,
+    layer_types=_every_nth_global(48, 6),
+)
+_GEMMA2_IT, _GEMMA3_IT = dict(eos_token_ids=(1, 107)), dict(eos_token_ids=(1, 106))
+# Mistral 7B v0.3 (mistralai/Mistral-7B-v0.3): full attention (v0.1's sliding_window=4096 was dropped in v0.2).
+_MISTRAL_7B = dict(
+    family="mistral",
+    vocab_size=32768,
+    hidden_dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=14336,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisteredModel:
     """One row of the model table: what ``model_name`` selects."""
@@ -191,6 +391,35 @@ MODELS: dict[str, RegisteredModel] = {
     "smollm2-1.7b-Instruct": RegisteredModel(
         dict(_SMOLLM2_17B, **_SMOL_INSTRUCT), "HuggingFaceTB/SmolLM2-1.7B-Instruct", _SMOL
     ),
+    "qwen2.5-1.5b": RegisteredModel(_QWEN25_15B, "Qwen/Qwen2.5-1.5B", _LLAMA),
+    "qwen2.5-1.5b-Instruct": RegisteredModel(
+        dict(_QWEN25_15B, **_QWEN25_INSTRUCT), "Qwen/Qwen2.5-1.5B-Instruct", _LLAMA
+    ),
+    "qwen2.5-7b": RegisteredModel(_QWEN25_7B, "Qwen/Qwen2.5-7B", _LLAMA),
+    "qwen2.5-7b-Instruct": RegisteredModel(
+        dict(_QWEN25_7B, **_QWEN25_INSTRUCT), "Qwen/Qwen2.5-7B-Instruct", _LLAMA
+    ),
+    # Qwen3's released names are its chat models (thinking and non-thinking in one); -Base: pre-trained only.
+    "qwen3-0.6b": RegisteredModel(_QWEN3_06B, "Qwen/Qwen3-0.6B", _LLAMA),
+    "qwen3-0.6b-Base": RegisteredModel(dict(_QWEN3_06B, **_QWEN), "Qwen/Qwen3-0.6B-Base", _LLAMA),
+    "qwen3-4b": RegisteredModel(_QWEN3_4B, "Qwen/Qwen3-4B", _LLAMA),
+    "qwen3-4b-Base": RegisteredModel(dict(_QWEN3_4B, **_QWEN), "Qwen/Qwen3-4B-Base", _LLAMA),
+    "qwen3-8b": RegisteredModel(_QWEN3_8B, "Qwen/Qwen3-8B", _LLAMA),
+    "qwen3-8b-Base": RegisteredModel(dict(_QWEN3_8B, **_QWEN), "Qwen/Qwen3-8B-Base", _LLAMA),
+    "qwen3-14b": RegisteredModel(_QWEN3_14B, "Qwen/Qwen3-14B", _LLAMA),
+    "qwen3-14b-Base": RegisteredModel(dict(_QWEN3_14B, **_QWEN), "Qwen/Qwen3-14B-Base", _LLAMA),
+    "gemma2-2b": RegisteredModel(_GEMMA2_2B, "google/gemma-2-2b", _LLAMA),
+    "gemma2-2b-it": RegisteredModel(dict(_GEMMA2_2B, **_GEMMA2_IT), "google/gemma-2-2b-it", _LLAMA),
+    "gemma2-9b": RegisteredModel(_GEMMA2_9B, "google/gemma-2-9b", _LLAMA),
+    "gemma2-9b-it": RegisteredModel(dict(_GEMMA2_9B, **_GEMMA2_IT), "google/gemma-2-9b-it", _LLAMA),
+    "gemma3-1b": RegisteredModel(_GEMMA3_1B, "google/gemma-3-1b-pt", _LLAMA),
+    "gemma3-1b-it": RegisteredModel(dict(_GEMMA3_1B, **_GEMMA3_IT), "google/gemma-3-1b-it", _LLAMA),
+    "gemma3-4b": RegisteredModel(_GEMMA3_4B, "google/gemma-3-4b-pt", _LLAMA),
+    "gemma3-4b-it": RegisteredModel(dict(_GEMMA3_4B, **_GEMMA3_IT), "google/gemma-3-4b-it", _LLAMA),
+    "gemma3-12b": RegisteredModel(_GEMMA3_12B, "google/gemma-3-12b-pt", _LLAMA),
+    "gemma3-12b-it": RegisteredModel(dict(_GEMMA3_12B, **_GEMMA3_IT), "google/gemma-3-12b-it", _LLAMA),
+    "mistral-7b": RegisteredModel(_MISTRAL_7B, "mistralai/Mistral-7B-v0.3", _LLAMA),
+    "mistral-7b-Instruct": RegisteredModel(_MISTRAL_7B, "mistralai/Mistral-7B-Instruct-v0.3", _LLAMA),
 }
 
 
@@ -214,32 +443,144 @@ def _as_tuple(x: Any) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
+# model_type of a config.json -> family; Gemma3ForConditionalGeneration ("gemma3") is read from its text_config.
+_HF_FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+_HF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
+    "Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"
+)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
+_HF_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
+
+
+def _rope(rope: dict[str, Any], theta: float) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+    """(theta, scaling) of one rope dict (``rope_scaling`` or ``rope_parameters``: default, llama3, linear)."""
+    theta = float(rope.get("rope_theta") or theta)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, tuple(sorted((k, float(rope[k])) for k in keys))
+    if rope_type == "linear":
+        return theta, (("factor", float(rope["factor"])),)
+    if rope_type not in ("default", None):
+        raise ConfigError(
+            f"config.json rope type {rope_type!r} is not supported (default, llama3, linear are)"
+        )
+    return theta, None
+
+
+def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The family fields of ``ModelConfig`` from a config.json dict of ``family``."""
+    n = hf["num_hidden_layers"]
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"config.json hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
+    values: dict[str, Any] = dict(family=family, mlp_activation=_ACTIVATIONS[act])
+    window = hf.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    types = hf.get("layer_types")
+    if types is not None:
+        layer_types = tuple(_HF_LAYER_TYPES[t] for t in types)
+    elif family == "mistral":
+        layer_types = ("local",) * n
+    elif family in ("qwen2", "qwen3"):
+        first = int(hf.get("max_window_layers", n))
+        layer_types = tuple("local" if i >= first else "global" for i in range(n))
+    elif family in ("gemma2", "gemma3"):
+        layer_types = _every_nth_global(
+            n, 2 if family == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+        )
+    else:
+        layer_types = ()
+    if not window:
+        layer_types, window = (), None
+    values.update(sliding_window=window, layer_types=() if "local" not in layer_types else layer_types)
+    if family == "qwen2":
+        values["attention_bias"] = True
+    if family in ("qwen3", "gemma3"):
+        values["qk_norm"] = True
+    if family in ("gemma2", "gemma3"):
+        values.update(
+            norm_offset=1.0,
+            post_norms=True,
+            scale_embeddings=True,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
+            final_logit_softcap=hf.get("final_logit_softcapping", 30.0 if family == "gemma2" else None),
+        )
+    return values
+
+
+def _rope_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling (and Gemma 3's rope_local_theta) of a config.json, transformers 4 or 5 form."""
+    params = hf.get("rope_parameters") or {}
+    if family != "gemma3":
+        theta, scaling = _rope(params or hf.get("rope_scaling") or {}, hf.get("rope_theta") or 10000.0)
+        return dict(rope_theta=theta, rope_scaling=scaling)
+    # Gemma 3: global layers at rope_theta (1e6) with optional linear scaling; local ones at rope_local_base_freq.
+    glob = params.get("full_attention") or hf.get("rope_scaling") or {}
+    theta, scaling = _rope(glob, hf.get("rope_theta") or 1000000.0)
+    local = params.get("sliding_attention") or {}
+    local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
+
+
 def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-    """Builds a ``ModelConfig`` from a ``LlamaForCausalLM`` config.json dict (transformers 4 or 5 form).
+    """Builds a ``ModelConfig`` from a config.json dict of a supported architecture (transformers 4 or 5 form).
+
+    Supported: ``SUPPORTED_ARCHITECTURES`` (Gemma3ForConditionalGeneration: its ``text_config``, the vision
+    tower ignored).
 
     Raises:
-      ConfigError: for a non-Llama architecture or an unsupported rope type.
+      ConfigError: for another architecture (MoE, multimodal towers, ...), biases Llama or Qwen3 do not have,
+        or an unsupported rope type or activation.
     """
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
+    model_type = hf.get("model_type", "llama")
+    family = _HF_FAMILIES.get(model_type)
+    default_arch = "Gemma3ForConditionalGeneration" if model_type == "gemma3" else _HF_ARCHS.get(family, "?")
+    archs = hf.get("architectures") or [default_arch]  # transformers' own to_dict() leaves them out
+    if model_type == "gemma3" and "Gemma3ForConditionalGeneration" in archs:
+        text = dict(hf.get("text_config") or {})
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if hf.get(key) is not None:  # the top level's (eos: <eos> and <end_of_turn>) over text_config's
+                text[key] = hf[key]
+        # Gemma3TextConfig's defaults, which published text_configs leave out.
+        defaults = dict(
+            vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+            max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+            sliding_window=4096, hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        )  # fmt: skip
+        hf = {**defaults, **{k: v for k, v in text.items() if v is not None}}
+        hf.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
+        model_type, archs, family = "gemma3_text", hf["architectures"], "gemma3"
+    if family is None or _HF_ARCHS[family] not in archs:
         raise ConfigError(
-            f"config.json describes {archs} (model_type={hf.get('model_type')!r}); "
-            "grpax supports LlamaForCausalLM only"
+            f"config.json describes {archs} (model_type={model_type!r}); grpax supports "
+            f"{SUPPORTED_ARCHITECTURES}"
         )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None
-    if rope_type == "llama3":
-        scaling = tuple(
-            sorted(
-                (k, float(rope[k]))
-                for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            )
+    if (family != "qwen2" and hf.get("attention_bias")) or hf.get("mlp_bias"):
+        raise ConfigError(
+            f"config.json has attention_bias/mlp_bias=true; grpax supports {_HF_ARCHS[family]} without them"
         )
-    elif rope_type not in ("default", None):
-        raise ConfigError(f"config.json rope type {rope_type!r} is not supported (default and llama3 are)")
     num_heads = hf["num_attention_heads"]
+    gemma = family in ("gemma2", "gemma3")
     values = dict(
         vocab_size=hf["vocab_size"],
         hidden_dim=hf["hidden_size"],
@@ -249,33 +590,40 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         mlp_dim=hf["intermediate_size"],
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
-        attention_bias=bool(hf.get("attention_bias", False)),
+        **_rope_values(hf, family),
+        **_family_values(hf, family),
     )
-    if values["attention_bias"] or hf.get("mlp_bias"):
-        raise ConfigError("config.json has attention_bias/mlp_bias=true; grpax supports bias-free Llama only")
     values.update(overrides)
     return ModelConfig(**values)
+
+
+def _hf_rope(theta: float, scaling: dict[str, float] | None) -> dict[str, Any] | None:
+    if not scaling:
+        return None
+    if "low_freq_factor" not in scaling:
+        return {"rope_type": "linear", "factor": scaling["factor"]}
+    return {
+        "rope_type": "llama3",
+        **{k: (int(v) if k == "original_max_position_embeddings" else v) for k, v in scaling.items()},
+    }
+
+
+def _int_if_whole(x: float | None) -> float | int | None:
+    """transformers' strict Gemma configs take an int ``query_pre_attn_scalar``."""
+    return int(x) if x is not None and float(x).is_integer() else x
 
 
 def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers 4-form ``config.json`` dict for ``cfg`` (loads in transformers 4 and 5, and vLLM)."""
     eos = list(cfg.eos_token_ids)
-    scaling = cfg.rope_scaling_dict
-    if scaling:
-        scaling = {
-            "rope_type": "llama3",
-            **{k: (int(v) if k == "original_max_position_embeddings" else v) for k, v in scaling.items()},
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    out = {
+        "architectures": [_HF_ARCHS[cfg.family]],
+        "model_type": "gemma3_text" if cfg.family == "gemma3" else cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -283,30 +631,58 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp_activation, cfg.mlp_activation),
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
+        "rope_scaling": _hf_rope(cfg.rope_theta, cfg.rope_scaling_dict),
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "pad_token_id": cfg.pad_token_id,
         "torch_dtype": torch_dtype,
     }
+    if cfg.family == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if cfg.family in ("qwen3", "gemma2", "gemma3"):
+        out["attention_bias"] = False
+    hf_types = [{"global": "full_attention", "local": "sliding_attention"}[t] for t in cfg.layer_types]
+    if cfg.family == "mistral":
+        out["sliding_window"] = cfg.sliding_window  # every layer (Mistral has no layer_types)
+    elif cfg.family in ("qwen2", "qwen3"):
+        local = [i for i, t in enumerate(cfg.layer_types) if t == "local"]
+        out.update(
+            use_sliding_window=bool(local),
+            sliding_window=cfg.sliding_window,
+            max_window_layers=local[0] if local else cfg.num_layers,
+        )
+        if local:
+            out["layer_types"] = hf_types
+    else:  # Gemma 2 / 3
+        out.update(
+            hidden_activation=out["hidden_act"],
+            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            sliding_window=cfg.sliding_window,
+            layer_types=hf_types or ["full_attention"] * cfg.num_layers,
+            cache_implementation="hybrid",
+        )
+        if cfg.family == "gemma3":
+            out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
+    if cfg.family in ("gemma2", "mistral", "qwen2", "qwen3") and out["rope_scaling"] is None:
+        del out["rope_scaling"]
+    return out
 
 
 def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
     """Reads ``config.json`` (a file or the folder holding it).
 
     Raises:
-      ConfigError: if the file is missing, not JSON, or not a Llama config.
+      ConfigError: if the file is missing, not JSON, or not a supported architecture.
     """
     path = Path(path)
     if path.is_dir():
@@ -321,11 +697,12 @@ def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
         return from_hf_config(hf, **overrides)
     except KeyError as e:
         raise ConfigError(
-            f"{path} lacks the key {e.args[0]!r} that a LlamaForCausalLM config needs"
+            f"{path} lacks the key {e.args[0]!r} that a config of its architecture needs"
         ) from None
 
 
 ARCH_FIELDS = (
+    "family",
     "vocab_size",
     "hidden_dim",
     "num_layers",

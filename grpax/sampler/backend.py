@@ -128,8 +128,9 @@ def select_backend(
 ) -> Any:
     """The backend that runs one ``generate`` call: the one place that chooses (and imports) a backend.
 
-    "cpu" runs where every param is a concrete array on one CPU device, the prompts are concrete (``concrete``)
-    and ``grpax.backends.cpu.unavailable_reason`` finds nothing against it (dtypes, group size, the kernels
+    "cpu" runs a Llama-family model (``cfg.family == "llama"``: its kernels implement that block only) where
+    every param is a concrete array on one CPU device, the prompts are concrete (``concrete``) and
+    ``grpax.backends.cpu.unavailable_reason`` finds nothing against it (dtypes, group size, the kernels
     build); "auto" picks it there and "xla" anywhere else.
 
     Args:
@@ -140,12 +141,19 @@ def select_backend(
       concrete: whether the prompts are concrete arrays (not traced).
 
     Raises:
-      ValueError: "cpu" where it cannot run (the reason in the message).
+      ValueError: "cpu" where it cannot run (the reason in the message), e.g. on a Qwen or Gemma model.
     """
     devices = _param_devices(params)
     on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
     options = XLA_CPU_OPTIONS if on_cpu else ()
     if name == "xla":
+        return XlaBackend(compiler_options=options)
+    if cfg.family != "llama":  # the kernels implement the plain Llama block only
+        if name == "cpu":
+            raise ValueError(
+                f"backend='cpu' runs Llama-family models only; this is a {cfg.family} model: "
+                "use backend='auto' or 'xla'"
+            )
         return XlaBackend(compiler_options=options)
     if not (on_cpu and len(devices) == 1 and concrete):
         if name == "cpu":

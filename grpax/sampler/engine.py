@@ -11,6 +11,15 @@ outputs of the same shape). Layers run unrolled, with per-layer weight and cache
 layers copies each layer's weights and cache slice every step. Compiled functions are cached per shape
 (batch size, prompt bucket) and config: a new prompt length inside the same bucket reuses the compiled decode.
 
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``) keep the same full-length cache
+and attend through a mask, ``position - slot < sliding_window``, in prefill and decode alike. A ring buffer of
+``sliding_window`` slots would save memory only for rollouts longer than the window (4096 tokens for Gemma 2,
+1024 for Gemma 3 4b/12b: longer than most GRPO completions), would need a second cache layout beside the global
+layers' (Gemma keeps one global layer in 2 or 6) and its own slot bookkeeping in every backend; one layout with
+slot == position keeps the decode loop, the phase growth and the per-row positions unchanged.
+The logits sampled from are ``grpax.models.llama.logits_from_hidden``'s, soft-capped where the model caps them
+(Gemma 2), the same function the trainer scores with.
+
 Who runs the model's prefill and decode step is one choice per call, ``SamplerConfig.backend``, made by
 ``grpax.sampler.backend.select_backend``; the algorithm here is the same whichever backend runs the block.
 
