@@ -70,14 +70,16 @@ PROMPT_PRESETS: dict[str, PromptPreset] = {
         system_prompt=_SMOLLM2_SYSTEM, user_template=_SMOLLM2_TEMPLATE, response_prefix=f"{REASONING_START}\n"
     ),
     "math": PromptPreset(system_prompt=_MATH_SYSTEM),
+    "plain": PromptPreset(system_prompt=""),  # the prompt column alone as the user turn
 }
+GSM8K_PRESETS = ("maxtext", "smollm2_demo")  # they ask for a number between <answer> tags
 
 
 def get_prompt_preset(name: str) -> PromptPreset:
     """Looks up a prompt preset by name.
 
     Args:
-        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"math"``).
+        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"math"``, ``"plain"``).
 
     Returns:
         The preset.

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from grpax.config import field
-from grpax.data.prompts import PROMPT_PRESETS, get_prompt_preset
+from grpax.data.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
 from grpax.errors import ConfigError
 from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.base import RewardFunctionError, Task, UserRewards
@@ -71,7 +71,8 @@ def validate_task_keys(cfg: Any) -> None:
     Raises:
       ConfigError: an unknown task, task=math without math-verify, task=custom without reward functions,
         reward_functions without reward_functions_path (or the reverse), weights without functions, an
-        accuracy_reward not among reward_functions, an unknown prompt_preset.
+        accuracy_reward not among reward_functions, an unknown prompt_preset, or a GSM8K prompt preset for
+        another task (a model preset sets one; the GSM8K wording would be a silent surprise).
     """
     if cfg.task not in TASKS:
         raise ConfigError(f"task={cfg.task!r}: expected one of {', '.join(TASKS)}")
@@ -99,6 +100,12 @@ def validate_task_keys(cfg: Any) -> None:
         raise ConfigError(
             f"prompt_preset={cfg.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or "
             "prompt_template_path=<file>"
+        )
+    if cfg.task != "gsm8k" and not cfg.prompt_template_path and cfg.prompt_preset in GSM8K_PRESETS:
+        suggested = "math" if cfg.task == "math" else "plain"
+        raise ConfigError(
+            f"task={cfg.task} with prompt_preset={cfg.prompt_preset} (a GSM8K prompt; model presets set it): "
+            f"pass prompt_preset={suggested} or prompt_template_path=<file>"
         )
 
 

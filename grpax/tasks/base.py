@@ -122,8 +122,9 @@ def call_reward_function(
         failing = _first_failing_row(fn, prompts, completions, columns, extra)
         row, err = failing if failing is not None else (None, e)
         where = f"on row {row} (completion {completions[row][:60]!r})" if row is not None else "on the batch"
+        message = " ".join(str(err).split())  # one line
         raise RewardFunctionError(
-            f"reward function {name!r} ({source}) raised {type(err).__name__}: {err} {where}"
+            f"reward function {name!r} ({source}) raised {type(err).__name__}: {message} {where}"
         ) from e
     if len(values) != len(completions):
         raise RewardFunctionError(
