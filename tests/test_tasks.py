@@ -247,3 +247,30 @@ def test_evaluate_scores_a_completions_file_with_the_user_rewards(tmp_path, caps
     records = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert records[1]["rewards"] == {"matches_target": 0.0, "length_bonus": 0.0, "total": 0.0}
     assert "accuracy" in capsys.readouterr().out
+
+
+def test_the_readme_reward_file_runs_as_documented(tmp_path):
+    """README's "Bring your own task" example file, run as train_rl runs it (hand-computed values)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("# my_rewards.py", 1)[1].split("```", 1)[0]
+    path = _write(tmp_path / "my_rewards.py", "# my_rewards.py" + code)
+    task = build_task(
+        _custom_cfg(
+            tmp_path,
+            reward_functions_path=path,
+            reward_functions="[exact_answer,brevity]",
+            reward_weights="[1.0,0.2]",
+            prompt_field="question_text",
+            answer_field="label",
+            max_target_length=356,  # budget 4 * (356 - 256) = 400 characters
+        )
+    )
+    rows = task.rows_from([{"question_text": "2+2?", "label": 4}, {"question_text": "?", "label": None}], "r")
+    completions = ["<answer> 4 </answer>", "x" * 100 + "<answer>5</answer>", "<answer>4</answer>"]
+    scores = task.score([rows[0], rows[0], rows[1]], completions)
+    assert scores["exact_answer"][:2] == [1.0, 0.0] and math.isnan(scores["exact_answer"][2])
+    # brevity: 0.5 * (1 - 2 * len / 400) for lengths 20, 118, 18
+    assert scores["brevity"] == pytest.approx([0.45, 0.205, 0.455])
+    assert scores["total"] == pytest.approx([1.09, 0.041, 0.091])
