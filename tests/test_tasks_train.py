@@ -157,8 +157,42 @@ def test_a_bad_reward_function_stops_before_the_update(tiny_checkpoint, tmp_path
     )
     assert main(["train_rl", *keys]) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # one line
-    assert err.startswith("grpax train_rl: error: step 2: reward function 'flaky' (") and "no update was" in err
+    assert (
+        err.startswith("grpax train_rl: error: step 2: reward function 'flaky' (") and "no update was" in err
+    )
     assert re.search(message, err), err
     actor = tmp_path / "out" / "run" / "checkpoints" / "actor"
     assert sorted(p.name for p in actor.iterdir()) == ["1"]
     restore_params(str(Path(actor / "1" / "model_params")))  # intact: it restores
+
+
+@pytest.mark.slow
+def test_math_task_trains_a_step(tiny_checkpoint, tmp_path):
+    pytest.importorskip("math_verify")
+    problems = [
+        {"problem": f"What is {a}/{b}?", "answer": f"\\frac{{{a}}}{{{b}}}"}
+        for a, b in [(1, 2), (2, 3), (3, 4)]
+    ]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in problems))
+    keys = tiny_run_keys(
+        tiny_checkpoint,
+        tmp_path / "out",
+        dataset_name=str(data),
+        allow_eval_on_train_rows=True,
+        task="math",
+        prompt_preset="math",
+        num_batches=1,
+        filter_zero_std_groups=True,
+        overlong_buffer_length=8,
+    )
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
+    run = tmp_path / "out" / "run"
+    step = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][0]
+    # A random model writes no \boxed{}: no answer, no format points; 16 tokens = max_completion_length, so
+    # every completion gets the full overlong punishment -1: all groups are zero-std, and the batch is filled
+    assert step["rewards/answer_correct/mean"] == 0.0 and step["rewards/answer_format/mean"] == 0.0
+    assert step["rewards/overlong/mean"] == -1.0 and step["zero_std_fraction"] == 1.0
+    assert step["dynamic_sampling/batches"] == 3 and step["dynamic_sampling/filled_groups"] == 2
+    summary = json.loads((run / "eval" / "after" / "summary.json").read_text())
+    assert summary["accuracy"] == 0.0 and summary["num_questions"] == 2
