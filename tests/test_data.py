@@ -83,7 +83,9 @@ def test_jsonl_custom_fields_and_folder(tmp_path):
 
 def test_missing_field_names_file_field_and_fix(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
-    with pytest.raises(ValueError, match=r"x\.jsonl: row 1 has no column 'answer' \(answer_field='answer'\); its columns are"):
+    with pytest.raises(
+        ValueError, match=r"x\.jsonl: row 1 has no column 'answer' \(answer_field='answer'\); its columns are"
+    ):
         load_dataset_rows(str(path), "train")
     bad = write_jsonl(tmp_path / "y.jsonl", [{"question": "q", "answer": "no marker"}])
     with pytest.raises(ValueError, match=r"y\.jsonl: row 0 .*####"):

@@ -37,9 +37,12 @@ class EvaluateConfig(TaskConfig):
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)")
+    prompt_preset: str = field(
+        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+    )
     reward_preset: str = field(
-        "maxtext", "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+        "maxtext",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
     response_prefix: str = field("", "with completions_path: text the completions continue from")
     seed: int = field(0, "sampling seed")

@@ -66,9 +66,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
-    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)")
+    prompt_preset: str = field(
+        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+    )
     reward_preset: str = field(
-        "maxtext", "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+        "maxtext",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(

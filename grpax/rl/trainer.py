@@ -3,7 +3,8 @@
 Each step takes ``batch_size`` prompts of the task (``grpax.tasks``: GSM8K by default, math, or the user's own
 data and reward functions), samples ``num_generations`` (G) completions of each with the KV-cache sampler on the
 trainer's own parameters (no copy), scores them with the task's reward functions (DAPO's dynamic sampling and
-overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the completions under the frozen reference model (when beta > 0) and
+overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the
+completions under the frozen reference model (when beta > 0) and
 applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
 eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
 steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
@@ -301,7 +302,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
         step,
         time.perf_counter() - t0,
         summary["accuracy"],
-        summary.get("format_accuracy", math.nan),
+        summary["format_accuracy"],
         summary["mean_reward"],
         summary["num_questions"],
     )
