@@ -426,7 +426,9 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
     run.checkpointer.close()
     run.writer.close()
     if run.main_process:
-        publish(results, run.paths.run_dir, run.paths.eval_dir, run.cfg.export_hf, final_step)
+        publish(
+            results, run.paths.run_dir, run.paths.eval_dir, run.cfg.export_hf, final_step, run.task.is_correct
+        )
     return results
 
 
