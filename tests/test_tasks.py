@@ -5,6 +5,7 @@ import json
 import math
 import textwrap
 
+import numpy as np
 import pytest
 
 from grpax.cli.main import main
@@ -112,6 +113,79 @@ def test_bad_reward_function_is_one_line_naming_function_row_and_value(bad, mess
     with pytest.raises(RewardFunctionError, match=message) as e:
         call_reward_function("bad", bad, ["p"] * 3, ["ab", "abc", "abcde"], {}, source="f.py")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            lambda prompts, completions, **kw: 1.0,
+            r"returned 1\.0 \(a float\): expected a list of 3 numbers, one per",
+        ),
+        (
+            lambda prompts, completions, **kw: None,
+            r"returned None \(a NoneType\): expected a list of 3 numbers",
+        ),
+        (lambda prompts, completions, **kw: "abc", r"returned 'abc' \(a str\): expected a list of 3 numbers"),
+        (
+            lambda prompts, completions, **kw: {"a": 1.0},
+            r"returned \{'a': 1\.0\} \(a dict\): expected a list",
+        ),
+        (
+            lambda prompts, completions, **kw: np.ones((3, 1)),
+            r"returned an array of shape \(3, 1\): expected a list",
+        ),
+        (lambda prompts, completions, **kw: np.ones(2), r"returned 2 values for 3 completions"),
+        (
+            lambda prompts, completions, **kw: np.array([True, False, True]),
+            r"returned True for row 0: .* \(a bool: ",
+        ),
+        (
+            lambda prompts, completions: [1.0] * 3,
+            r"cannot take this call's keywords \['prompts', 'completions', "
+            r"'label'\]: got an unexpected keyword argument 'label'; name only these as parameters and end the list "
+            r"with \*\*kwargs$",
+        ),
+        (
+            lambda prompts, completions, lbl, **kw: [1.0] * 3,
+            r"cannot take .*missing a required argument: 'lbl'",
+        ),
+    ],
+    ids=[
+        "float",
+        "none",
+        "str",
+        "dict",
+        "2d_array",
+        "short_array",
+        "bool_array",
+        "no_kwargs",
+        "no_such_column",
+    ],
+)
+def test_bad_return_types_and_signatures_are_named(bad, message):
+    """Before, a float / None returned read 'raised TypeError ... on the batch', a str or dict was split into
+    its characters or keys, a missing **kwargs read as a crash of the function."""
+    with pytest.raises(
+        RewardFunctionError, match=r"^reward function 'bad' \(f\.py\) " + "(.*)" + message
+    ) as e:
+        call_reward_function(
+            "bad", bad, ["p"] * 3, ["a", "b", "c"], {"label": ["x", "y", "z"]}, source="f.py"
+        )
+    assert "\n" not in str(e.value)
+
+
+def test_numpy_and_jax_numbers_and_ints_count_as_points():
+    import jax.numpy as jnp
+
+    for good in (
+        lambda prompts, completions, **kw: np.array([1, 2, 3]),
+        lambda prompts, completions, **kw: jnp.array([1.0, 2.0, 3.0]),
+        lambda prompts, completions, **kw: [np.float32(1.0), jnp.float32(2.0), 3],
+        lambda prompts, completions, **kw: (float(len(c)) for c in completions),  # a generator
+    ):
+        values = call_reward_function("good", good, ["p"] * 3, ["a", "bb", "ccc"], {})
+        assert values == [1.0, 2.0, 3.0] and all(type(v) is float for v in values)
 
 
 def test_none_and_nan_abstain():

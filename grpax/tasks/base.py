@@ -18,11 +18,14 @@ the update, so that a broken reward file never trains a policy on garbage.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
@@ -51,18 +54,72 @@ class UserRewards:
     extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _short(value: Any) -> str:
+    """``repr(value)`` on one line, at most 80 characters (a returned array can be long)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _to_points(name: str, source: str, row: int, value: Any) -> float:
-    """One returned value as float points; None and NaN abstain (NaN)."""
+    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX number counts too."""
     if value is None:
         return math.nan
+    if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in "fiu":
+        value = value.item()  # np.float32(1.0), jnp.array(1.0): a number (a 0-d bool array stays a bool)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         points = float(value)
         if math.isnan(points) or math.isfinite(points):
             return points
+    hint = " (a bool: return float(flag))" if isinstance(value, (bool, np.bool_)) else ""
     raise RewardFunctionError(
-        f"reward function {name!r} ({source}) returned {value!r} for row {row}: expected a finite number, "
-        "or None / NaN to abstain"
+        f"reward function {name!r} ({source}) returned {_short(value)} for row {row}: expected a finite number, "
+        f"or None / NaN to abstain{hint}"
     )
+
+
+def _as_values(name: str, source: str, raw: Any, n: int) -> list[Any]:
+    """What a function returned as a list of N values: a list, tuple, iterator or 1-d array (numpy, JAX).
+
+    Raises:
+      RewardFunctionError: a single value, a string, a mapping, an array not 1-d, or other than N values.
+    """
+    shape = getattr(raw, "shape", None)
+    if (
+        (shape is not None and len(shape) != 1)
+        or isinstance(raw, (str, bytes, Mapping))
+        or not hasattr(raw, "__iter__")
+    ):
+        what = (
+            f"an array of shape {tuple(shape)}"
+            if shape is not None
+            else f"{_short(raw)} (a {type(raw).__name__})"
+        )
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) returned {what}: expected a list of {n} numbers, one per completion"
+        )
+    values = np.asarray(raw).tolist() if shape is not None else list(raw)
+    if len(values) != n:
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) returned {len(values)} values for {n} "
+            "completions: expected one per completion"
+        )
+    return values
+
+
+def _check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str]) -> None:
+    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a call,
+    so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a crash)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: let the call tell
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as e:
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}: {e}; name only "
+            "these as parameters and end the list with **kwargs"
+        ) from None
 
 
 def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tuple[int, Exception] | None:
@@ -105,8 +162,10 @@ def call_reward_function(
       Points [N]; NaN where the function abstained (None or NaN).
 
     Raises:
-      RewardFunctionError: the function raised (the first row that raises alone is named), returned other
-        than N values, or a value that is neither a finite number nor None / NaN (row and value named).
+      RewardFunctionError: the function's parameters cannot take the call's keywords (no ``**kwargs``, or one
+        named after no column), it raised (the first row that raises alone is named), returned other than a
+        list / 1-d array of N values, or a value that is neither a finite number nor None / NaN (row and value
+        named).
 
     Example:
       >>> call_reward_function("short", lambda prompts, completions, **kw: [len(c) < 5 for c in completions],
@@ -115,9 +174,9 @@ def call_reward_function(
       RewardFunctionError: reward function 'short' () returned True for row 0: expected a finite number, ...
     """
     extra = dict(extra_kwargs or {})
+    _check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
     try:
         raw = fn(prompts=prompts, completions=completions, **extra, **columns)
-        values = list(raw)
     except Exception as e:  # noqa: BLE001 - one line naming the function and the row
         failing = _first_failing_row(fn, prompts, completions, columns, extra)
         row, err = failing if failing is not None else (None, e)
@@ -126,11 +185,7 @@ def call_reward_function(
         raise RewardFunctionError(
             f"reward function {name!r} ({source}) raised {type(err).__name__}: {message} {where}"
         ) from e
-    if len(values) != len(completions):
-        raise RewardFunctionError(
-            f"reward function {name!r} ({source}) returned {len(values)} values for {len(completions)} "
-            "completions: expected one per completion"
-        )
+    values = _as_values(name, source, raw, len(completions))
     return [_to_points(name, source, i, v) for i, v in enumerate(values)]
 
 
