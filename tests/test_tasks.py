@@ -249,6 +249,33 @@ def test_prompt_template_files(tmp_path):
     assert task.preset.response_prefix == "A:"
 
 
+def test_broken_template_and_reward_files_are_one_line_errors(tmp_path):
+    """Before: a YAML syntax error was a yaml traceback, a list read 'unknown fields ['(not a mapping)']', a
+    folder 'does not exist', a non-function name 'has no function'."""
+    with pytest.raises(
+        ConfigError, match=r"prompt_template_path='.*bad\.yml' is not valid YAML/JSON at line 2, column 1 "
+    ) as e:
+        load_prompt_template(_write(tmp_path / "bad.yml", 'system_prompt: "unclosed\n'))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"holds a list: expected a mapping with any of \['system_prompt'"):
+        load_prompt_template(_write(tmp_path / "list.yml", "- a\n- b\n"))
+    with pytest.raises(ConfigError, match=r"prompt_template_path='.*' is a folder, not a file"):
+        load_prompt_template(str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"reward_functions_path='.*' is a folder, not a file .*: pass the \.py"
+    ):
+        load_reward_functions(str(tmp_path), ["f"])
+    path = _write(tmp_path / "r2.py", "SCALE = 3\ndef f(prompts, completions, **kw):\n    return [1.0]\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward_functions: 'SCALE' in .*r2\.py is not a function \(type int\); its functions are \['f'\]",
+    ):
+        load_reward_functions(path, ["SCALE"])
+    raising = _write(tmp_path / "r3.py", "raise ValueError('two\\nlines')\n")
+    with pytest.raises(ConfigError, match=r"importing it raised ValueError: two lines$"):
+        load_reward_functions(raising, ["f"])
+
+
 # Hand-written completions and math-verify's verdict on each (gold answer, completion, correct).
 MATH_CASES = [
     (r"\frac{1}{2}", r"Half of it: \boxed{\frac{1}{2}}", True),

@@ -38,7 +38,7 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's file: one line naming it
         raise ConfigError(
-            f"reward_functions_path={str(path)!r}: importing it raised {type(e).__name__}: {e}"
+            f"reward_functions_path={str(path)!r}: importing it raised {type(e).__name__}: {' '.join(str(e).split())}"
         ) from e
     sys.modules[name] = module
     return module
@@ -59,12 +59,15 @@ def load_reward_functions(
       UserRewards.
 
     Raises:
-      ConfigError: the file does not exist or fails to import, a name is missing from it or not callable, no
-        names, or a weight count that differs from the name count (key, value and fix named).
+      ConfigError: the file does not exist (or is a folder) or fails to import, a name is missing from it or
+        not a function, no names, or a weight count that differs from the name count (key, value and fix named).
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"reward_functions_path={path!r} does not exist (relative to {Path.cwd()})")
+        what = "is a folder, not a file" if file.is_dir() else "does not exist"
+        raise ConfigError(
+            f"reward_functions_path={path!r} {what} (relative to {Path.cwd()}): pass the .py file of the functions"
+        )
     if not names:
         raise ConfigError(
             f"reward_functions_path={path!r} needs reward_functions=[fn_a,fn_b]: the functions to use from it"
@@ -79,7 +82,12 @@ def load_reward_functions(
     fns: dict[str, RewardFn] = {}
     for name in names:
         fn = getattr(module, name, None)
-        if not callable(fn):
+        if fn is not None and not callable(fn):
+            raise ConfigError(
+                f"reward_functions: {name!r} in {path} is not a function (type {type(fn).__name__}); its "
+                f"functions are {defined}"
+            )
+        if fn is None:
             raise ConfigError(
                 f"reward_functions: {path} has no function {name!r}; it defines {defined}.{suggest(name, defined)}"
             )
@@ -100,16 +108,31 @@ def load_prompt_template(path: str) -> PromptPreset:
         ``response_prefix``; any other file is the user turn's template (no system prompt, no prefix).
 
     Raises:
-      ConfigError: the file does not exist, holds unknown fields, or its user template lacks ``{question}`` /
-        ``{prompt}``.
+      ConfigError: the file does not exist, is not valid YAML / JSON (a ``.yml`` / ``.yaml`` / ``.json``) or not
+        a mapping, holds unknown fields, or its user template lacks ``{question}`` / ``{prompt}``.
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"prompt_template_path={path!r} does not exist (relative to {Path.cwd()})")
+        what = "is a folder, not a file" if file.is_dir() else "does not exist"
+        raise ConfigError(f"prompt_template_path={path!r} {what} (relative to {Path.cwd()})")
     text = file.read_text(encoding="utf-8")
     if file.suffix in (".yml", ".yaml", ".json"):
-        data = yaml.safe_load(text) or {}
-        unknown = sorted(set(data) - set(_PRESET_FIELDS)) if isinstance(data, dict) else ["(not a mapping)"]
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(
+                f"prompt_template_path={path!r} is not valid YAML/JSON{where} ({problem}): fix the file, or use a "
+                "plain text file (the user turn alone)"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"prompt_template_path={path!r} holds a {type(data).__name__}: expected a mapping with any of "
+                f"{list(_PRESET_FIELDS)}"
+            )
+        unknown = sorted(set(data) - set(_PRESET_FIELDS))
         if unknown:
             raise ConfigError(
                 f"prompt_template_path={path!r}: unknown fields {unknown}; expected {list(_PRESET_FIELDS)}"
