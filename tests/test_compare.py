@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from grpax.data.prompts import get_prompt_preset
 from grpax.eval.compare import (
     PAIRED_METRICS,
     compare,
@@ -11,7 +12,11 @@ from grpax.eval.compare import (
     question_values,
     sign_test_p_value,
 )
-from grpax.rl.results import format_before_after
+from grpax.rewards.gsm8k import is_correct
+from grpax.rl.results import format_before_after, publish
+from grpax.tasks.base import UserRewards
+from grpax.tasks.custom import CustomTask
+from grpax.tasks.math import MathTask
 
 
 def _record(question: str, answer: str, extracted: str | None, formatted: bool = False) -> dict:
@@ -43,7 +48,7 @@ def test_sign_test_p_value(up, down, p):
 
 def test_question_values_with_two_samples():
     records = [_record("q", "4", "4", formatted=True), _record("q", "4", "5")]
-    assert question_values(records) == {
+    assert question_values(records, is_correct) == {
         "q": {"accuracy": 0.5, "partial_accuracy": 0.5, "format_accuracy": 0.5, "pass@k": 1.0, "maj@k": 1.0}
     }  # maj@k: the 4-vs-5 tie goes to the first seen, "4"
 
@@ -53,7 +58,7 @@ def test_compare_counts_the_questions_that_moved():
     before = [_record(f"q{i}", "1", "1" if i == 0 else "2") for i in range(10)]
     after = [_record(f"q{i}", "1", "1" if i < 9 else "2", formatted=i == 0) for i in range(10)]
     after.append(_record("only after", "1", "1"))  # not paired: left out
-    result = compare(before, after)
+    result = compare(before, after, is_correct)
     assert result["num_questions"] == 10 and result["alpha"] == 0.05
     assert set(result["metrics"]) == set(PAIRED_METRICS)
     acc = result["metrics"]["accuracy"]
@@ -68,9 +73,46 @@ def test_compare_eval_folders(tmp_path):
         (tmp_path / tag).mkdir()
         lines = [json.dumps(_record(f"q{i}", "1", extracted)) for i in range(3)]
         (tmp_path / tag / "results.jsonl").write_text("\n".join(lines) + "\n")
-    result = compare_eval_folders(tmp_path / "before", tmp_path / "after")
+    result = compare_eval_folders(tmp_path / "before", tmp_path / "after", is_correct)
     assert result["metrics"]["accuracy"]["up"] == 3 and result["num_questions"] == 3
-    assert compare_eval_folders(tmp_path / "before", tmp_path / "missing") is None
+    assert compare_eval_folders(tmp_path / "before", tmp_path / "missing", is_correct) is None
+
+
+def _paired_maj_at_k(tmp_path, task, rows, before, after) -> dict:
+    """The paired maj@k that ``publish`` writes for a task's before/after completions of one question each."""
+    for tag, completions in (("before", before), ("after", after)):
+        records = task.records([r for r in rows for _ in range(3)], completions)
+        (tmp_path / "eval" / tag).mkdir(parents=True)
+        (tmp_path / "eval" / tag / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = {"before": {"accuracy": 0.0}, "after": {"accuracy": 0.0}}  # summaries: both evaluations ran
+    publish(results, tmp_path, tmp_path / "eval", "", 1, task.is_correct)
+    assert json.loads((tmp_path / "results.json").read_text())["paired"] == results["paired"]
+    return results["paired"]["metrics"]["maj@k"]
+
+
+def test_paired_maj_at_k_uses_the_math_tasks_check(tmp_path):
+    # The majority answer after is \frac{1}{2}: math-verify equals it to the gold 0.5, GSM8K's check does not.
+    task = MathTask(get_prompt_preset("math"))
+    rows = task.rows_from([{"problem": "Half of 1?", "answer": "0.5"}], "test")
+    before = [r"\boxed{3}", r"\boxed{3}", r"\boxed{\frac{1}{2}}"]
+    after = [r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{2}}", r"\boxed{3}"]
+    assert not is_correct(r"\frac{1}{2}", "0.5") and task.is_correct(r"\frac{1}{2}", "0.5")
+    maj = _paired_maj_at_k(tmp_path, task, rows, before, after)
+    assert (maj["up"], maj["down"], maj["change"]) == (1, 0, 1.0)
+
+
+def test_paired_maj_at_k_uses_the_custom_tasks_check(tmp_path):
+    # The majority answer before is "$1,000": GSM8K's check equals it to 1000 by value, the custom task's
+    # check (the answer column, spelled the same) does not; after, "1000" is right for both.
+    rewards = UserRewards({"any": lambda prompts, completions, **kw: [1.0] * len(completions)}, {"any": 1.0})
+    task = CustomTask(get_prompt_preset("plain"), rewards)
+    rows = task.rows_from([{"prompt": "Ten hundreds?", "answer": "1000"}], "test")
+    tagged = "<answer>{}</answer>".format
+    before = [tagged("$1,000"), tagged("$1,000"), tagged("7")]
+    after = [tagged("1000"), tagged("1000"), tagged("7")]
+    assert is_correct("$1,000", "1000") and not task.is_correct("$1,000", "1000")
+    maj = _paired_maj_at_k(tmp_path, task, rows, before, after)
+    assert (maj["up"], maj["down"], maj["change"]) == (1, 0, 1.0)
 
 
 def _summary(accuracy, ci, reward, questions=32):

@@ -4,12 +4,16 @@ Task: count on from the prompt. After a prompt of random tokens, each completion
 token plus one (mod V): prompt ``[.., 7]`` -> completion ``8 9 10 11``. The reward is the fraction of tokens that
 follow this rule, so a random policy scores about 1/V and a learned one 1.0; the right first token depends on
 the prompt.
+
+The task runs through the task seam as a user's task (``task=custom``): its reward function lives in a file
+written here, reads the prompt's last token from a dataset column by keyword, and scores completion texts.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpax.data.prompts import PromptPreset
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
@@ -17,18 +21,39 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.train_step import TrainState, make_train_step
 from grpax.rl.trainer import grpo_step
 from grpax.sampler.engine import SamplerConfig
+from grpax.tasks.custom import CustomTask
+from grpax.tasks.user import load_reward_functions
 
 V = 16
 
 
-def toy_rewards(prompts, out, G):
-    completions = np.asarray(out.completion_ids)
-    last = np.asarray([p[-1] for p in prompts for _ in range(G)])
-    previous = np.concatenate([last[:, None], completions[:, :-1]], axis=1)
-    return {"total": (completions == (previous + 1) % V).mean(axis=1)}
+REWARD_FILE = """
+def count_on(prompts, completions, last_token, **kwargs):
+    scores = []
+    for text, last in zip(completions, last_token):
+        tokens = [int(t) for t in text.split()]
+        previous = [last] + tokens[:-1]
+        scores.append(sum(t == (p + 1) % 16 for t, p in zip(tokens, previous)) / len(tokens))
+    return scores
+"""
 
 
-def test_grpo_raises_reward_on_toy_task():
+def toy_task(tmp_path):
+    path = tmp_path / "toy_rewards.py"
+    path.write_text(REWARD_FILE)
+    return CustomTask(PromptPreset(system_prompt=""), load_reward_functions(str(path), ["count_on"]))
+
+
+def toy_rewards(task, prompts, out, G):
+    rows = [
+        {"question": " ".join(map(str, p)), "gold": "", "columns": {"last_token": p[-1]}} for p in prompts
+    ]
+    texts = [" ".join(map(str, ids)) for ids in np.asarray(out.completion_ids)]
+    return task.score([row for row in rows for _ in range(G)], texts)
+
+
+def test_grpo_raises_reward_on_toy_task(tmp_path):
+    task = toy_task(tmp_path)
     cfg = ModelConfig(
         vocab_size=V,
         hidden_dim=32,
@@ -63,7 +88,7 @@ def test_grpo_raises_reward_on_toy_task():
             state,
             None,
             prompts,
-            lambda out, prompts=prompts: toy_rewards(prompts, out, grpo.num_generations),
+            lambda out, prompts=prompts: toy_rewards(task, prompts, out, grpo.num_generations),
             model_cfg=cfg,
             sampler_cfg=sampler_cfg,
             grpo=grpo,
@@ -72,6 +97,7 @@ def test_grpo_raises_reward_on_toy_task():
             key=jax.random.key(step),
         )
         assert not metrics["nonfinite"]
+        assert metrics["rewards/count_on/mean"] == metrics["rewards/total/mean"]  # one function, weight 1
         curve.append(metrics["rewards/total/mean"])
     first, last = np.mean(curve[:5]), np.mean(curve[-5:])
     print(f"toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}")

@@ -1,4 +1,4 @@
-"""``grpax evaluate``: GSM8K accuracy of a checkpoint, or of completions made elsewhere (e.g. vLLM)."""
+"""``grpax evaluate``: a task's accuracy (GSM8K by default) of a checkpoint, or of completions made elsewhere."""
 
 from __future__ import annotations
 
@@ -7,20 +7,21 @@ import json
 from pathlib import Path
 
 from grpax.config import ConfigError, field
-from grpax.rewards.gsm8k import get_reward_config
+from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
 DESCRIPTION = (
-    "Evaluate a checkpoint on the GSM8K test split (num_test_batches x eval_batch_size questions, 4 x 16 as "
+    "Evaluate a checkpoint on a task's test split (task=gsm8k by default; math, or custom with your own "
+    "reward functions, as train_rl takes them; num_test_batches x eval_batch_size questions, 4 x 16 as "
     "train_rl by default; num_test_batches=-1: all of it), "
     "greedy or sampled with num_eval_passes samples per question; prints accuracy, partial_accuracy, "
     "format_accuracy, mean_reward, pass@k and maj@k with 95% intervals. With completions_path=FILE.jsonl "
-    "(fields question, answer, completion) it scores completions made elsewhere, no model needed. "
-    "output_path=DIR writes DIR/results.jsonl and DIR/summary.json."
+    "(fields completion plus the task's columns: question, answer for gsm8k) it scores completions made "
+    "elsewhere, no model needed. output_path=DIR writes DIR/results.jsonl and DIR/summary.json."
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig:
+class EvaluateConfig(TaskConfig):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field("", "score this JSONL of completions instead of sampling a model")
     model_name: str = field(
@@ -36,9 +37,12 @@ class EvaluateConfig:
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
+    prompt_preset: str = field(
+        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+    )
     reward_preset: str = field(
-        "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+        "maxtext",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
     response_prefix: str = field("", "with completions_path: text the completions continue from")
     seed: int = field(0, "sampling seed")
@@ -64,30 +68,42 @@ def _print_summary(summary: dict) -> None:
         print(f"{key:<20} {text}")
 
 
+def _write(output_path: str, records: list[dict], summary: dict) -> None:
+    out = Path(output_path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
+    """Scores completions_path with the task (its rewards, its check); returns records and summary."""
+    from grpax.data.gsm8k import read_rows
+    from grpax.eval.metrics import load_completions_file, summarize
+
+    task.preset = dataclasses.replace(task.preset, response_prefix=config.response_prefix)
+    if config.task == "gsm8k":
+        lines = load_completions_file(config.completions_path)
+        rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
+    else:
+        lines, source = read_rows(config.completions_path, "")
+        for i, line in enumerate(lines):
+            if not isinstance(line, dict) or "completion" not in line:
+                raise ValueError(f"{source}: line {i + 1} has no field 'completion'")
+        rows = task.rows_from([{k: v for k, v in r.items() if k != "completion"} for r in lines], source)
+    records = task.records(rows, [str(r["completion"]) for r in lines])
+    return records, summarize(records, config.num_eval_passes, task.is_correct)
+
+
 def run(config: EvaluateConfig) -> int:
     from grpax.eval.keys import validate_eval_keys
 
-    reward_config = get_reward_config(config.reward_preset)
     validate_eval_keys(config, allow_no_eval=False)
+    validate_task_keys(config)
+    task = build_task(config)
     if config.completions_path:
-        from grpax.data.gsm8k import extract_gold
-        from grpax.eval.metrics import load_completions_file, score_records, summarize
-
-        records_in = load_completions_file(config.completions_path)
-        golds = [extract_gold(r["answer"]) or r["answer"] for r in records_in]
-        records = score_records(
-            [r["question"] for r in records_in],
-            golds,
-            [r["completion"] for r in records_in],
-            reward_config,
-            response_prefix=config.response_prefix,
-        )
-        summary = summarize(records, config.num_eval_passes)
+        records, summary = _score_file(config, task)
         if config.output_path:
-            out = Path(config.output_path)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            _write(config.output_path, records, summary)
         _print_summary(summary)
         return 0
     if not config.load_parameters_path:
@@ -95,7 +111,6 @@ def run(config: EvaluateConfig) -> int:
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.gsm8k import prepare_rows
-    from grpax.data.prompts import get_prompt_preset
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
@@ -111,16 +126,16 @@ def run(config: EvaluateConfig) -> int:
         weight_dtype=config.weight_dtype,
         dtype=config.dtype,
     )
-    preset = get_prompt_preset(config.prompt_preset)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
         tokenizer,
         config.dataset_name,
         config.eval_split,
-        preset,
+        task.preset,
         config.max_prefill_predict_length,
         limit,
         need=("dataset_name", "eval_split", 1),
+        load=task.load_rows,
     )
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = SamplerConfig(
@@ -135,8 +150,7 @@ def run(config: EvaluateConfig) -> int:
         model_cfg,
         tokenizer,
         rows,
-        prompt_preset=preset,
-        reward_config=reward_config,
+        task=task,
         sampler_cfg=sampler_cfg,
         batch_size=config.eval_batch_size,
         num_eval_passes=config.num_eval_passes,

@@ -22,8 +22,8 @@ COMMANDS = {
     "to_native": "convert a Hugging Face checkpoint (folder, Hub or GGUF) to a grpax Orbax checkpoint",
     "to_huggingface": "export a grpax checkpoint to Hugging Face format (config, tokenizer, safetensors)",
     "generate": "sample completions from a checkpoint with the KV-cache sampler",
-    "evaluate": "score a checkpoint (or a completions file) on the GSM8K test split",
-    "train_rl": "GRPO training on GSM8K (the main job)",
+    "evaluate": "score a checkpoint (or a completions file) on a task's test split (GSM8K by default)",
+    "train_rl": "GRPO training on GSM8K (the main job) or your own task",
 }
 
 # Errors a user can fix; anything else is a bug and keeps its traceback.

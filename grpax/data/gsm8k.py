@@ -19,7 +19,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,44 @@ def dataset_source(path_or_name: str, split: str) -> str:
     return ",".join(str(f.resolve()) for f in files) if files else f"hub:{path_or_name}:{split}"
 
 
+def read_rows(path_or_name: str, split: str) -> tuple[list[dict], str]:
+    """The raw rows (every column) of ``split`` of a file, a folder or a Hub dataset, and where they came from.
+
+    Args:
+        path_or_name: as ``load_dataset_rows`` takes it.
+        split: used for folders and Hub names (a file has no splits).
+
+    Returns:
+        ``(rows, source)``: one dict per row, and the file (or ``Hub dataset NAME``) for error messages.
+
+    Raises:
+        FileNotFoundError, DatasetUnavailableError, ImportError: as ``load_dataset_rows``.
+    """
+    files = dataset_files(path_or_name, split)
+    if files:
+        source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
+        return (_read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])), source
+    return _load_from_hub(path_or_name, split), f"Hub dataset {path_or_name}"
+
+
+def require_columns(row: Any, source: str, index: int, columns: dict[str, str]) -> None:
+    """Raises ValueError naming the key, the missing column and the columns the row has.
+
+    Args:
+        row: one raw row.
+        source: its file, for the message.
+        index: its row number.
+        columns: key -> the column that key names, e.g. ``{"prompt_field": "question"}``.
+    """
+    have = sorted(row) if isinstance(row, dict) else []
+    for key, name in columns.items():
+        if name not in have:
+            raise ValueError(
+                f"{source}: row {index} has no column {name!r} ({key}={name!r}); its columns are {have}: "
+                f"set {key}=<one of them>"
+            )
+
+
 def load_dataset_rows(
     path_or_name: str,
     split: str,
@@ -213,22 +251,10 @@ def load_dataset_rows(
         >>> rows[0]["gold"]  # doctest: +SKIP
         '18'
     """
-    files = dataset_files(path_or_name, split)
-    if files:
-        source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
-        raw = _read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])
-    else:
-        source = f"Hub dataset {path_or_name}"
-        raw = _load_from_hub(path_or_name, split)
-
+    raw, source = read_rows(path_or_name, split)
     rows = []
     for i, r in enumerate(raw):
-        for name, arg in ((question_field, "question_field"), (answer_field, "answer_field")):
-            if name not in r:
-                raise ValueError(
-                    f"{source}: row {i} has no field {name!r} (fields: {sorted(r)}); rename the column to "
-                    f"{name!r} (GSM8K's names), or from Python pass load_dataset_rows({arg}=<column name>)"
-                )
+        require_columns(r, source, i, {"prompt_field": question_field, "answer_field": answer_field})
         answer = str(r[answer_field])
         gold = extract_gold(answer)
         if gold is None:
@@ -435,17 +461,19 @@ def prepare_rows(
     limit: int = -1,
     *,
     need: tuple[str, str, int] = ("dataset_name", "split", 0),
+    load: Callable[[str, str], list[dict]] = load_dataset_rows,
 ) -> list[dict]:
     """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
 
     Args:
       limit: keep the first ``limit`` rows after filtering (-1: all).
       need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
+      load: ``(dataset, split) -> rows`` with a ``question`` each (a task's ``load_rows``; GSM8K's by default).
 
     Raises:
       ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
     """
-    rows = load_dataset_rows(dataset, split)
+    rows = load(dataset, split)
     texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
     ids = tokenize_prompts(tokenizer, texts)
     rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)

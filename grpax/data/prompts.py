@@ -1,4 +1,4 @@
-"""Named prompt presets for GSM8K-style reasoning with tagged output.
+"""Named prompt presets: GSM8K-style reasoning with tagged output (maxtext, smollm2_demo) and math (boxed).
 
 A preset fixes three strings: the system prompt, the user-turn template (with a ``{question}`` slot) and an
 optional ``response_prefix`` that is pre-filled after the chat template's generation prompt, so the model
@@ -58,19 +58,28 @@ _SMOLLM2_TEMPLATE = (
     "Problem: {question}"
 )
 
+# task=math: competition problems whose answers are expressions, judged by math-verify on the last \boxed{}.
+_MATH_SYSTEM = (
+    "You will be given a math problem. Reason step by step, then write the final answer in LaTeX inside "
+    "\\boxed{}, e.g. \\boxed{\\frac{1}{2}}."
+)
+
 PROMPT_PRESETS: dict[str, PromptPreset] = {
     "maxtext": PromptPreset(system_prompt=_MAXTEXT_SYSTEM, user_template="{question}", response_prefix=""),
     "smollm2_demo": PromptPreset(
         system_prompt=_SMOLLM2_SYSTEM, user_template=_SMOLLM2_TEMPLATE, response_prefix=f"{REASONING_START}\n"
     ),
+    "math": PromptPreset(system_prompt=_MATH_SYSTEM),
+    "plain": PromptPreset(system_prompt=""),  # the prompt column alone as the user turn
 }
+GSM8K_PRESETS = ("maxtext", "smollm2_demo")  # they ask for a number between <answer> tags
 
 
 def get_prompt_preset(name: str) -> PromptPreset:
     """Looks up a prompt preset by name.
 
     Args:
-        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``).
+        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"math"``, ``"plain"``).
 
     Returns:
         The preset.

@@ -9,17 +9,22 @@ with probability 1/2. With one sample per question (greedy evaluation) the value
 exact form of McNemar's test (McNemar 1947) on the discordant questions. It assumes no distribution and is
 exact at any size, at the price of ignoring how large each question's change is (which matters only with
 several samples per question).
+
+maj@k is judged with the task's own answer check (``Task.is_correct``: GSM8K's numbers, math-verify for
+``task=math``, the answer column for ``task=custom``), the same one ``grpax.eval.metrics.summarize`` uses, so the
+paired test and the summary agree.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from grpax.eval.metrics import majority_answer
-from grpax.rewards.gsm8k import is_correct
+
+AnswerCheck = Callable[[str | None, str], bool]
 
 PAIRED_METRICS = ("accuracy", "partial_accuracy", "format_accuracy", "pass@k", "maj@k")
 ALPHA = 0.05  # a change with p < ALPHA is called larger than the noise
@@ -44,11 +49,12 @@ def sign_test_p_value(up: int, down: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def question_values(records: Sequence[dict]) -> dict[str, dict[str, float]]:
+def question_values(records: Sequence[dict], check: AnswerCheck) -> dict[str, dict[str, float]]:
     """Each question's value of the ``PAIRED_METRICS``, from its records (all samples of it, in any order).
 
     Args:
       records: scored completions (``grpax.eval.metrics.score_records``; ``eval/<tag>/results.jsonl`` lines).
+      check: whether a majority answer equals the gold one, ``check(answer, gold)`` (the task's ``is_correct``).
 
     Returns:
       ``{question: {metric: value}}``: the fraction of its samples correct / close / formatted, pass@k (any
@@ -69,23 +75,24 @@ def question_values(records: Sequence[dict]) -> dict[str, dict[str, float]]:
             "partial_accuracy": mean([bool(r["close"]) for r in rs]),
             "format_accuracy": mean([bool(r["formatted"]) for r in rs]),
             "pass@k": float(any(correct)),
-            "maj@k": float(is_correct(majority_answer([r["extracted_answer"] for r in rs]), rs[0]["answer"])),
+            "maj@k": float(check(majority_answer([r["extracted_answer"] for r in rs]), rs[0]["answer"])),
         }
     return out
 
 
-def compare(before: Sequence[dict], after: Sequence[dict]) -> dict:
+def compare(before: Sequence[dict], after: Sequence[dict], check: AnswerCheck) -> dict:
     """Paired comparison of two evaluations' records on the questions they share.
 
     Args:
       before, after: scored completion records of the two evaluations.
+      check: maj@k's answer check, ``check(answer, gold)`` (the task's ``is_correct``).
 
     Returns:
       ``{"num_questions": Q paired, "alpha": ALPHA, "metrics": {name: {"change", "up", "down", "p_value"}}}``:
       ``change`` is the mean over the Q questions of after - before (in the metric's units, a proportion),
       ``up`` / ``down`` count the questions that rose / fell, ``p_value`` is ``sign_test_p_value(up, down)``.
     """
-    b, a = question_values(before), question_values(after)
+    b, a = question_values(before, check), question_values(after, check)
     shared = [q for q in b if q in a]
     metrics = {}
     for name in PAIRED_METRICS:
@@ -96,10 +103,11 @@ def compare(before: Sequence[dict], after: Sequence[dict]) -> dict:
     return {"num_questions": len(shared), "alpha": ALPHA, "metrics": metrics}
 
 
-def compare_eval_folders(before_dir: str | Path, after_dir: str | Path) -> dict | None:
-    """``compare`` of the ``results.jsonl`` in two evaluation folders; None when either file is absent."""
+def compare_eval_folders(before_dir: str | Path, after_dir: str | Path, check: AnswerCheck) -> dict | None:
+    """``compare`` (maj@k judged by ``check``) of the ``results.jsonl`` in two evaluation folders; None when
+    either file is absent."""
     files = [Path(before_dir) / "results.jsonl", Path(after_dir) / "results.jsonl"]
     if not all(f.is_file() for f in files):
         return None
     before, after = ([json.loads(line) for line in f.read_text().splitlines() if line] for f in files)
-    return compare(before, after)
+    return compare(before, after, check)

@@ -1,8 +1,9 @@
-"""Evaluation of a policy on GSM8K: sample, score with the reward functions, summarise with CIs.
+"""Evaluation of a policy on a task: sample, score with the task's rewards and check, summarise with CIs.
 
 The same function serves ``grpax evaluate`` and the GRPO trainer (before, during and after training), so
 numbers are comparable across both. Metrics: accuracy, partial_accuracy, format_accuracy, mean_reward,
-pass@k and maj@k (``grpax.eval.metrics``).
+pass@k and maj@k (``grpax.eval.metrics``); what counts as correct, close and formatted is the task's
+(``grpax.tasks``).
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from grpax.data.gsm8k import render_prompt, tokenize_prompts
-from grpax.data.prompts import PromptPreset
-from grpax.eval.metrics import score_records, summarize
+from grpax.eval.metrics import summarize
 from grpax.models.registry import ModelConfig
-from grpax.rewards.gsm8k import RewardConfig
 from grpax.sampler.engine import SamplerConfig, generate
+
+if TYPE_CHECKING:
+    from grpax.tasks.base import Task
 
 log = logging.getLogger("grpax.evaluate")
 
@@ -42,8 +44,7 @@ def evaluate(
     tokenizer: Any,
     rows: Sequence[dict],
     *,
-    prompt_preset: PromptPreset,
-    reward_config: RewardConfig,
+    task: Task,
     sampler_cfg: SamplerConfig,
     batch_size: int,
     num_eval_passes: int = 1,
@@ -57,9 +58,8 @@ def evaluate(
       params: model params (any sharding).
       model_cfg: the model's config.
       tokenizer: HF tokenizer with the chat template.
-      rows: dataset rows with ``question`` and ``gold`` (``grpax.data.gsm8k.load_dataset_rows``).
-      prompt_preset: how questions become prompts (system prompt, template, response prefix).
-      reward_config: reward values and weights.
+      rows: the task's rows (``Task.load_rows``: ``question``, ``gold``, its columns).
+      task: renders the prompts (``task.preset``), scores and judges the completions (``Task.records``).
       sampler_cfg: sampling settings (greedy for the usual accuracy).
       batch_size: questions per generate call (rows per call = batch_size * num_eval_passes).
       num_eval_passes: samples per question (k of pass@k and maj@k).
@@ -73,6 +73,7 @@ def evaluate(
 
     Raises:
       ValueError: if ``rows`` is empty or ``batch_size`` / ``num_eval_passes`` < 1.
+      RewardFunctionError: a user reward function misbehaved (``grpax.tasks.base``).
     """
     if not rows:
         raise ValueError("evaluate: no questions to evaluate (num_test_batches or the eval split is empty)")
@@ -80,7 +81,7 @@ def evaluate(
         raise ValueError(
             f"evaluate: batch_size={batch_size} and num_eval_passes={num_eval_passes} must be >= 1"
         )
-    texts = [render_prompt(tokenizer, row["question"], prompt_preset) for row in rows]
+    texts = [render_prompt(tokenizer, row["question"], task.preset) for row in rows]
     prompt_ids = tokenize_prompts(tokenizer, texts)
     key = jax.random.key(seed)
     records: list[dict] = []
@@ -98,15 +99,11 @@ def evaluate(
             num_generations=num_eval_passes,
         )
         completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
-        questions = [row["question"] for row in batch_rows for _ in range(num_eval_passes)]
-        golds = [row["gold"] for row in batch_rows for _ in range(num_eval_passes)]
-        batch_records = score_records(
-            questions, golds, completions, reward_config, response_prefix=prompt_preset.response_prefix
-        )
+        batch_records = task.records([row for row in batch_rows for _ in range(num_eval_passes)], completions)
         for record, reason in zip(batch_records, out.finish_reason, strict=True):
             record["finish_reason"] = reason
         records.extend(batch_records)
-    summary = summarize(records, num_eval_passes)
+    summary = summarize(records, num_eval_passes, task.is_correct)
     if output_path is not None and jax.process_index() == 0:
         out_dir = Path(output_path)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,13 +205,19 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return first[winner]
 
 
-def maj_at_k(answers: Sequence[Sequence[str | None]], golds: Sequence[str], k: int | None = None) -> Estimate:
+def maj_at_k(
+    answers: Sequence[Sequence[str | None]],
+    golds: Sequence[str],
+    k: int | None = None,
+    check: Callable[[str | None, str], bool] = is_correct,
+) -> Estimate:
     """Fraction of questions whose majority answer over the first k samples is correct.
 
     Args:
         answers: per question, per sample extracted answers [Q][n] (None = no answer).
         golds: gold answers [Q].
         k: samples used per question; defaults to all.
+        check: whether the majority answer equals the gold one (a task's ``is_correct``; GSM8K's by default).
 
     Returns:
         Estimate with n = number of questions and a Wilson interval.
@@ -225,9 +231,7 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], golds: Sequence[str], k: i
     """
     if len(answers) != len(golds):
         raise ValueError(f"answers ({len(answers)}) and golds ({len(golds)}) must have the same length")
-    flags = [
-        is_correct(majority_answer(list(a)[: k or len(a)]), g) for a, g in zip(answers, golds, strict=True)
-    ]
+    flags = [check(majority_answer(list(a)[: k or len(a)]), g) for a, g in zip(answers, golds, strict=True)]
     q = len(flags)
     s = float(sum(flags))
     return Estimate(s / q if q else math.nan, q, wilson_interval(s, q))
@@ -343,7 +347,9 @@ def score_records(
     return records
 
 
-def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | int | list[float]]:
+def summarize(
+    records: Sequence[dict], num_samples: int, check: Callable[[str | None, str], bool] = is_correct
+) -> dict[str, float | int | list[float]]:
     """Summary metrics of scored records, ``num_samples`` consecutive records per question.
 
     Args:
@@ -351,6 +357,7 @@ def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | in
             ``extracted_answer``, ``correct`` and ``rewards``; ``close`` / ``formatted`` are recomputed if
             absent, and ``rewards["total"]`` is used for the mean reward when present).
         num_samples: completions per question (the k of pass@k and maj@k).
+        check: maj@k's answer check (a task's ``is_correct``; GSM8K's by default).
 
     Returns:
         ``num_questions``, ``num_completions``, ``accuracy``, ``partial_accuracy``, ``format_accuracy``,
@@ -396,7 +403,9 @@ def summarize(records: Sequence[dict], num_samples: int) -> dict[str, float | in
         "mean_reward": mean_reward([[total(r) for r in g] for g in groups]),
         "pass@k": pass_at_k([[bool(r["correct"]) for r in g] for g in groups], num_samples),
         "maj@k": maj_at_k(
-            [[r["extracted_answer"] for r in g] for g in groups], [g[0]["answer"] for g in groups]
+            [[r["extracted_answer"] for r in g] for g in groups],
+            [g[0]["answer"] for g in groups],
+            check=check,
         ),
     }
     summary: dict[str, float | int | list[float]] = {

@@ -62,6 +62,23 @@ class GRPOConfig:
     mask_truncated_completions: bool = field(
         False, "drop completions that hit max_completion_length from the loss (DAPO overlong filtering)"
     )
+    filter_zero_std_groups: bool = field(
+        False,
+        "DAPO dynamic sampling: drop groups whose G rewards are all equal (no signal) and sample more prompts "
+        "until the batch holds batch_size groups with signal",
+    )
+    dynamic_sampling_max_batches: int = field(
+        3,
+        "with filter_zero_std_groups: prompt batches sampled per step at most (the first included); a batch "
+        "still short after them is filled with zero-std groups (zero advantages, counted in "
+        "dynamic_sampling/filled_groups)",
+    )
+    overlong_buffer_length: int = field(
+        0,
+        "L_cache of DAPO's soft overlong punishment (eq. 13), in tokens: completions longer than "
+        "max_completion_length - L_cache lose up to overlong_penalty_factor points; 0 = off",
+    )
+    overlong_penalty_factor: float = field(1.0, "points of the overlong punishment at max_completion_length")
     temperature: float = field(0.9, "tau: sampling temperature; logprobs are of logits / tau")
     learning_rate: float = field(3e-6, "eta: peak AdamW learning rate")
     b1: float = field(0.9, "AdamW beta_1 (first-moment decay)")
@@ -115,6 +132,16 @@ def validate(cfg: GRPOConfig) -> None:
     if not 0 <= cfg.epsilon < 1 or cfg.clip_high < 0:
         raise ConfigError(
             f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, eps_high >= 0"
+        )
+    if cfg.dynamic_sampling_max_batches < (2 if cfg.filter_zero_std_groups else 1):
+        raise ConfigError(
+            f"dynamic_sampling_max_batches={cfg.dynamic_sampling_max_batches}: expected >= 2 with "
+            "filter_zero_std_groups=true (the first batch and at least one more to refill dropped groups)"
+        )
+    if cfg.overlong_buffer_length < 0 or not cfg.overlong_penalty_factor >= 0:
+        raise ConfigError(
+            f"overlong_buffer_length={cfg.overlong_buffer_length}, overlong_penalty_factor="
+            f"{cfg.overlong_penalty_factor}: expected >= 0 tokens and >= 0 points"
         )
     if cfg.temperature <= 0:
         raise ConfigError(f"temperature={cfg.temperature}: expected > 0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,23 @@ def write_results(run_dir: Path, results: dict[str, Any]) -> None:
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
-def publish(results: dict[str, Any], run_dir: Path, eval_dir: Path, export_hf: str, final_step: int) -> None:
+def publish(
+    results: dict[str, Any],
+    run_dir: Path,
+    eval_dir: Path,
+    export_hf: str,
+    final_step: int,
+    check: Callable[[str | None, str], bool],
+) -> None:
     """Adds the paired before/after test to ``results``, writes ``results.json`` and exports with ``export_hf``.
+
+    ``check`` is the task's answer check (``Task.is_correct``) that judges the paired test's maj@k.
 
     Runs on the main process only. With ``export_hf``, ``results["hf_path"]`` is the exported folder and
     ``results.json`` is written again.
     """
     both = results["before"] and results["after"]
-    results["paired"] = compare_eval_folders(eval_dir / "before", eval_dir / "after") if both else None
+    results["paired"] = compare_eval_folders(eval_dir / "before", eval_dir / "after", check) if both else None
     write_results(run_dir, results)  # before the export, so that a failed export loses nothing
     if export_hf:
         summary = to_huggingface(results["actor_path"], export_hf)  # bfloat16, as grpax to_huggingface

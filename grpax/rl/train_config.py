@@ -14,14 +14,15 @@ import jax
 
 from grpax import sharding
 from grpax.config import ConfigError, field
-from grpax.data.gsm8k import dataset_source, load_dataset_rows, too_few_rows
+from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.registry import check_context_length
 from grpax.rl.config import GRPOConfig
+from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, sharding.MeshConfig):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -65,9 +66,12 @@ class TrainConfig(GRPOConfig, sharding.MeshConfig):
     )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
-    prompt_preset: str = field("maxtext", "prompt wording: maxtext | smollm2_demo (model presets pick one)")
+    prompt_preset: str = field(
+        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+    )
     reward_preset: str = field(
-        "maxtext", "reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)"
+        "maxtext",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(
@@ -133,6 +137,11 @@ def validate(cfg: TrainConfig) -> None:
             f"max_target_length={cfg.max_target_length} must exceed "
             f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
         )
+    if cfg.overlong_buffer_length > cfg.max_completion_length:
+        raise ConfigError(
+            f"overlong_buffer_length={cfg.overlong_buffer_length} exceeds max_completion_length="
+            f"{cfg.max_completion_length} (max_target_length - max_prefill_predict_length): lower it"
+        )
     at_least_one = {
         "num_batches": "training steps",
         "batch_size": "prompts per step",
@@ -144,6 +153,7 @@ def validate(cfg: TrainConfig) -> None:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
     validate_eval_keys(cfg, allow_no_eval=True)
+    validate_task_keys(cfg)
     if cfg.eval_interval < 0:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
@@ -175,16 +185,16 @@ def validate(cfg: TrainConfig) -> None:
         )
 
 
-def _load_rows(key: str, dataset: str, split: str, split_key: str) -> list[dict]:
-    """``load_dataset_rows`` with its errors naming the key that chose the dataset."""
+def _load_rows(task: Task, key: str, dataset: str, split: str, split_key: str) -> list[dict]:
+    """``task.load_rows`` with its errors naming the key that chose the dataset."""
     try:
-        return load_dataset_rows(dataset, split)
+        return task.load_rows(dataset, split)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{key}={dataset!r} ({split_key}={split!r}): {e}") from None
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """Reads the rows the run needs before any model is loaded, so that no run trains and then fails.
+def check_inputs(cfg: TrainConfig, task: Task) -> None:
+    """Reads the rows the run needs with ``task`` before any model loads: no run trains and then fails.
 
     Raises:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
@@ -193,7 +203,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     check_context_length(
         cfg.max_target_length, f"max_target_length={cfg.max_target_length}", cfg.load_parameters_path
     )
-    rows = _load_rows("dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
+    rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
         got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
@@ -213,6 +223,6 @@ def check_inputs(cfg: TrainConfig) -> None:
             "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
             "training rows anyway (num_test_batches=0: no evaluation)"
         )
-    if not _load_rows(key, dataset, cfg.eval_split, "eval_split"):
+    if not _load_rows(task, key, dataset, cfg.eval_split, "eval_split"):
         fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"
         raise too_few_rows(key, dataset, "eval_split", cfg.eval_split, "0 rows", "1 question", fix)

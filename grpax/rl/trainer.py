@@ -1,8 +1,10 @@
 """The GRPO training loop (``grpax train_rl``): rollout -> rewards -> advantages -> clipped update, repeated.
 
-Each step takes ``batch_size`` GSM8K prompts, samples ``num_generations`` (G) completions of each with the
-KV-cache sampler on the trainer's own parameters (no copy), scores them with the reward functions, turns rewards
-into group-relative advantages, scores the completions under the frozen reference model (when beta > 0) and
+Each step takes ``batch_size`` prompts of the task (``grpax.tasks``: GSM8K by default, math, or the user's own
+data and reward functions), samples ``num_generations`` (G) completions of each with the KV-cache sampler on the
+trainer's own parameters (no copy), scores them with the task's reward functions (DAPO's dynamic sampling and
+overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the
+completions under the frozen reference model (when beta > 0) and
 applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
 eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
 steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
@@ -31,12 +33,11 @@ from grpax import distributed, interrupts, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.data.gsm8k import PromptIterator, prepare_rows
-from grpax.data.prompts import PromptPreset, get_prompt_preset
 from grpax.data.tokenizer import stop_token_ids
 from grpax.eval.evaluate import decode_completions, evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
 from grpax.models.registry import ModelConfig, check_matches
-from grpax.rewards.gsm8k import RewardConfig, get_reward_config, score_completions
+from grpax.rl import dapo
 from grpax.rl.advantages import compute_advantages
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
@@ -48,6 +49,7 @@ from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+from grpax.tasks import RewardFunctionError, Task, build_task
 
 log = logging.getLogger("grpax.train")
 
@@ -72,9 +74,12 @@ def train(cfg: TrainConfig) -> dict:
         latest checkpoint's step or a changed key of ``RESUME_FIXED_KEYS``; a run folder that another job
         holds or that is not a grpax run (``grpax.rl.run_folder``).
       NonFiniteError: NaN/inf loss or gradients (the last good checkpoint is kept).
+      RewardFunctionError: a user reward function raised or returned a bad value (before that step's update;
+        the last checkpoint is kept).
     """
     validate(cfg)
-    check_inputs(cfg)
+    task = build_task(cfg)
+    check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
@@ -84,7 +89,7 @@ def train(cfg: TrainConfig) -> dict:
     # The checkpointer and the metrics files are closed on any exit, a Ctrl-C included (closing waits for
     # Orbax's writes), before the folder is released.
     with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
-        return _train(cfg, paths, main_process, closing)
+        return _train(cfg, task, paths, main_process, closing)
 
 
 @dataclasses.dataclass
@@ -100,8 +105,7 @@ class _Run:
     mesh: jax.sharding.Mesh
     rollout_mesh: jax.sharding.Mesh
     ref_params: Any
-    preset: PromptPreset
-    reward_config: RewardConfig
+    task: Task
     eval_rows: list[dict]
     sampler_cfg: SamplerConfig
     eval_sampler_cfg: SamplerConfig
@@ -114,15 +118,15 @@ class _Run:
         return self.cfg.num_test_batches != 0
 
 
-def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool, closing: contextlib.ExitStack) -> dict:
+def _train(
+    cfg: TrainConfig, task: Task, paths: RunPaths, main_process: bool, closing: contextlib.ExitStack
+) -> dict:
     """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg)
     ref_params = _reference(params, grpo, paths, closing)
-    preset = get_prompt_preset(cfg.prompt_preset)
-    reward_config = get_reward_config(cfg.reward_preset)
-    iterator, eval_rows = _load_rows(cfg, tokenizer, preset)
+    iterator, eval_rows = _load_rows(cfg, tokenizer, task)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     state, train_step = _init_state(cfg, grpo, params, model_cfg, mesh)
     writer = MetricsWriter(paths.run_dir)
@@ -137,8 +141,7 @@ def _train(cfg: TrainConfig, paths: RunPaths, main_process: bool, closing: conte
         mesh=mesh,
         rollout_mesh=rollout_mesh,
         ref_params=ref_params,
-        preset=preset,
-        reward_config=reward_config,
+        task=task,
         eval_rows=eval_rows,
         sampler_cfg=sampler_cfg,
         eval_sampler_cfg=eval_sampler_cfg,
@@ -211,15 +214,16 @@ def _reference(params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextl
     return ref_params
 
 
-def _load_rows(cfg: TrainConfig, tokenizer: Any, preset: PromptPreset) -> tuple[PromptIterator, list[dict]]:
+def _load_rows(cfg: TrainConfig, tokenizer: Any, task: Task) -> tuple[PromptIterator, list[dict]]:
     """The training prompt iterator and the evaluation rows (none with num_test_batches=0)."""
     train_rows = prepare_rows(
         tokenizer,
         cfg.dataset_name,
         cfg.train_split,
-        preset,
+        task.preset,
         cfg.max_prefill_predict_length,
         need=("dataset_name", "train_split", cfg.batch_size),
+        load=task.load_rows,
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
     eval_rows = (
@@ -227,10 +231,11 @@ def _load_rows(cfg: TrainConfig, tokenizer: Any, preset: PromptPreset) -> tuple[
             tokenizer,
             cfg.eval_dataset_name or cfg.dataset_name,
             cfg.eval_split,
-            preset,
+            task.preset,
             cfg.max_prefill_predict_length,
             eval_limit,
             need=("eval_dataset_name" if cfg.eval_dataset_name else "dataset_name", "eval_split", 1),
+            load=task.load_rows,
         )
         if cfg.num_test_batches != 0
         else []
@@ -281,8 +286,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
             run.model_cfg,
             run.tokenizer,
             run.eval_rows,
-            prompt_preset=run.preset,
-            reward_config=run.reward_config,
+            task=run.task,
             sampler_cfg=run.eval_sampler_cfg,
             batch_size=cfg.eval_batch_size,
             num_eval_passes=cfg.num_eval_passes,
@@ -325,7 +329,7 @@ def _loop(
     )
     history: list[float] = []
     for step in bar:
-        state, metrics = _one_step(run, state, next(iterator), step, jax.random.fold_in(base_key, step))
+        state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
         interrupts.raise_pending()  # a Ctrl-C whose exception was lost mid-step: this step is not recorded
         history.append(metrics["rewards/total/mean"])
         done = step + 1
@@ -347,45 +351,56 @@ def _loop(
 
 
 def _one_step(
-    run: _Run, state: TrainState, rows: list[dict], step: int, key: jax.Array
+    run: _Run, state: TrainState, iterator: PromptIterator, step: int, key: jax.Array
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One ``grpo_step`` on ``rows`` scored with the GSM8K rewards; adds ``accuracy`` to its metrics.
+    """One ``grpo_step`` on the iterator's next batch, scored by the task; adds ``accuracy`` to its metrics.
 
     Raises:
       NonFiniteError: the update's loss or gradients are NaN/inf.
+      RewardFunctionError: a user reward function misbehaved; no update was applied.
     """
     grpo = run.grpo
 
-    def rewards(out: GenerateOutput) -> dict[str, Any]:
-        completions = decode_completions(run.tokenizer, out.completion_ids, out.completion_mask)
-        golds = [row["gold"] for row in rows for _ in range(grpo.num_generations)]
-        questions = [row["question"] for row in rows for _ in range(grpo.num_generations)]
-        prefix = run.preset.response_prefix
-        return score_completions(questions, completions, golds, run.reward_config, response_prefix=prefix)
+    def batch() -> tuple[list[list[int]], Callable[[GenerateOutput], dict[str, Any]]]:
+        rows = [row for row in next(iterator) for _ in range(grpo.num_generations)]
 
-    state, _, scores, metrics = grpo_step(
-        state,
-        run.ref_params,
-        [row["prompt_ids"] for row in rows],
-        rewards,
-        model_cfg=run.model_cfg,
-        sampler_cfg=run.sampler_cfg,
-        grpo=grpo,
-        train_step=run.train_step,
-        num_micro_batches=run.cfg.micro_batches,
-        key=key,
-        mesh=run.mesh,
-        rollout_mesh=run.rollout_mesh,
-    )
+        def rewards(out: GenerateOutput) -> dict[str, Any]:
+            completions = decode_completions(run.tokenizer, out.completion_ids, out.completion_mask)
+            scores = run.task.score(rows, completions)
+            correct = run.task.step_correct(rows, completions, scores)
+            return {**scores, "_correct": [float(c) for c in correct]}
+
+        return [row["prompt_ids"] for row in rows[:: grpo.num_generations]], rewards
+
+    prompts, rewards = batch()
+    try:
+        state, _, scores, metrics = grpo_step(
+            state,
+            run.ref_params,
+            prompts,
+            rewards,
+            model_cfg=run.model_cfg,
+            sampler_cfg=run.sampler_cfg,
+            grpo=grpo,
+            train_step=run.train_step,
+            num_micro_batches=run.cfg.micro_batches,
+            key=key,
+            mesh=run.mesh,
+            rollout_mesh=run.rollout_mesh,
+            refill=batch,
+        )
+    except RewardFunctionError as e:
+        raise RewardFunctionError(
+            f"step {step + 1}: {e}; no update was applied and the last checkpoint in {run.paths.checkpoints} "
+            "is kept: fix the function and run the same command again to resume"
+        ) from None
     if metrics["nonfinite"]:
         raise NonFiniteError(
             f"step {step + 1}: loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was "
             f"skipped and the last good checkpoint in {run.paths.checkpoints} is kept. Lower learning_rate or "
             "check the rewards."
         )
-    if "answer_correct" in scores:
-        correct = np.asarray(scores["answer_correct"]) >= run.reward_config.answer_exact
-        metrics["accuracy"] = float(np.mean(correct))
+    metrics["accuracy"] = float(np.mean(scores["_correct"]))
     return state, metrics
 
 
@@ -411,7 +426,9 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
     run.checkpointer.close()
     run.writer.close()
     if run.main_process:
-        publish(results, run.paths.run_dir, run.paths.eval_dir, run.cfg.export_hf, final_step)
+        publish(
+            results, run.paths.run_dir, run.paths.eval_dir, run.cfg.export_hf, final_step, run.task.is_correct
+        )
     return results
 
 
@@ -434,6 +451,7 @@ def grpo_step(
     key: jax.Array,
     mesh: jax.sharding.Mesh | None = None,
     rollout_mesh: jax.sharding.Mesh | None = None,
+    refill: Callable[[], tuple[list[list[int]], Callable]] | None = None,
 ) -> tuple[TrainState, GenerateOutput, dict[str, np.ndarray], dict[str, float]]:
     """One GRPO iteration: rollout, rewards, advantages, reference logprobs, ``num_iterations`` updates.
 
@@ -441,7 +459,8 @@ def grpo_step(
       state: the policy's TrainState (donated to ``train_step``).
       ref_params: the frozen reference params (a tree, or ``FrozenParams``), or None when beta == 0.
       prompts: P token-id lists; each is sampled G = ``grpo.num_generations`` times, rows grouped contiguously.
-      reward_fn: ``GenerateOutput -> {name: [P * G] points}`` with a ``"total"`` entry (NaN = abstain).
+      reward_fn: ``GenerateOutput -> {name: [P * G] points}`` with a ``"total"`` entry (NaN = abstain); names
+        starting with ``_`` are carried along (selected with their rows) but are not rewards.
       model_cfg, sampler_cfg, grpo: model, sampling and algorithm configs.
       train_step: from ``make_train_step``.
       num_micro_batches: gradient-accumulation blocks for the reference / old logprob passes.
@@ -449,16 +468,22 @@ def grpo_step(
       mesh: the trainer's mesh (the batch is sharded over its data/fsdp axes); None = default placement.
       rollout_mesh: the sampler's mesh; when its layout differs from the trainer's the weights are resharded
         once per step (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
+      refill: ``() -> (prompts, reward_fn)`` of the next P prompts, for ``grpo.filter_zero_std_groups``
+        (DAPO dynamic sampling, ``grpax.rl.dapo``); without it zero-std groups are kept.
 
     Returns:
       (new state, the rollout, the reward dict as numpy arrays, host metrics: everything ``train_step``
-      reports plus rewards per function, advantage stats, completion lengths, truncated fraction,
-      ``time/{rollout,reference,train,step}_s`` and ``tokens_per_s``).
+      reports plus rewards per function (``overlong`` with ``grpo.overlong_buffer_length``), advantage stats,
+      ``zero_std_fraction`` (of the first rollout's groups), ``dynamic_sampling/*``, completion lengths,
+      truncated fraction, ``time/{rollout,reference,train,step}_s`` and ``tokens_per_s``).
     """
     t_start = time.perf_counter()
-    out, reshard_s = _rollout(state.params, prompts, model_cfg, sampler_cfg, grpo, key, mesh, rollout_mesh)
-    t_rollout = time.perf_counter()
-    scores = {name: np.asarray(values, np.float64) for name, values in reward_fn(out).items()}
+    sample = _Sampler(state.params, model_cfg, sampler_cfg, grpo, mesh, rollout_mesh)
+    out, scores = sample(prompts, reward_fn, key)
+    zero_std = dapo.zero_std_groups(scores["total"], grpo.num_generations)
+    dynamic = {"zero_std_fraction": float(zero_std.mean())}
+    if grpo.filter_zero_std_groups and refill is not None:
+        out, scores, dynamic = _dynamic_sampling(sample, out, scores, zero_std, refill, key, dynamic)
     advantages = compute_advantages(
         scores["total"].astype(np.float32), grpo.num_generations, scale_rewards=grpo.scale_rewards
     )
@@ -482,14 +507,91 @@ def grpo_step(
     release_host_memory()
     t_train = time.perf_counter()
     times = {
-        "time/rollout_s": t_rollout - t_start,
-        "time/reshard_s": reshard_s,
-        "time/rewards_s": t_scored - t_rollout,
+        "time/rollout_s": sample.rollout_s,
+        "time/reshard_s": sample.reshard_s,
+        "time/rewards_s": t_scored - t_start - sample.rollout_s,
         "time/reference_s": t_ref - t_scored,
         "time/train_s": t_train - t_ref,
         "time/step_s": t_train - t_start,
     }
-    return state, out, scores, _host_metrics(step_metrics, scores, advantages, out, times)
+    metrics = _host_metrics(step_metrics, scores, advantages, out, times)
+    return state, out, scores, {**metrics, **dynamic}
+
+
+class _Sampler:
+    """Rollouts of one step on the current params: sample, score (plus DAPO's overlong punishment), time."""
+
+    def __init__(self, params, model_cfg, sampler_cfg, grpo, mesh, rollout_mesh):
+        self.params, self.model_cfg, self.sampler_cfg, self.grpo = params, model_cfg, sampler_cfg, grpo
+        self.mesh, self.rollout_mesh = mesh, rollout_mesh
+        self.rollout_s = self.reshard_s = 0.0
+
+    def __call__(
+        self, prompts: list[list[int]], reward_fn: Callable, key: jax.Array
+    ) -> tuple[GenerateOutput, dict[str, np.ndarray]]:
+        t0 = time.perf_counter()
+        out, reshard_s = _rollout(
+            self.params,
+            prompts,
+            self.model_cfg,
+            self.sampler_cfg,
+            self.grpo,
+            key,
+            self.mesh,
+            self.rollout_mesh,
+        )
+        self.rollout_s += time.perf_counter() - t0
+        self.reshard_s += reshard_s
+        scores = {name: np.asarray(values, np.float64) for name, values in reward_fn(out).items()}
+        if self.grpo.overlong_buffer_length > 0:
+            scores["overlong"] = dapo.overlong_penalty(
+                np.asarray(out.completion_mask).sum(axis=1),
+                self.sampler_cfg.max_completion_length,
+                self.grpo.overlong_buffer_length,
+                self.grpo.overlong_penalty_factor,
+            )
+            scores["total"] = scores["total"] + scores["overlong"]  # an abstained row stays NaN
+        return out, scores
+
+
+def _dynamic_sampling(
+    sample: _Sampler,
+    out: GenerateOutput,
+    scores: dict[str, np.ndarray],
+    zero_std: np.ndarray,
+    refill: Callable[[], tuple[list[list[int]], Callable]],
+    key: jax.Array,
+    metrics: dict[str, float],
+) -> tuple[GenerateOutput, dict[str, np.ndarray], dict[str, float]]:
+    """DAPO dynamic sampling: more prompt batches until P groups have signal (``grpax.rl.dapo``).
+
+    Returns:
+      The batch of P groups (those with signal first, in sampling order), its scores, and ``metrics`` plus
+      ``dynamic_sampling/{batches,dropped_groups,filled_groups}``.
+    """
+    grpo = sample.grpo
+    num_groups = len(zero_std)
+    outs, all_scores, flags = [out], [scores], [zero_std]
+    while int((~np.concatenate(flags)).sum()) < num_groups and len(outs) < grpo.dynamic_sampling_max_batches:
+        prompts, reward_fn = refill()
+        more, more_scores = sample(prompts, reward_fn, jax.random.fold_in(key, len(outs)))
+        outs.append(more)
+        all_scores.append(more_scores)
+        flags.append(dapo.zero_std_groups(more_scores["total"], grpo.num_generations))
+    groups, filled = dapo.pick_groups(np.concatenate(flags), num_groups)
+    rows = (groups[:, None] * grpo.num_generations + np.arange(grpo.num_generations)).reshape(-1)
+    picked = {name: np.concatenate([s[name] for s in all_scores])[rows] for name in scores}
+    metrics = {
+        **metrics,
+        "dynamic_sampling/batches": float(len(outs)),
+        "dynamic_sampling/dropped_groups": float(np.concatenate(flags).sum() - filled),
+        "dynamic_sampling/filled_groups": float(filled),
+    }
+    return (
+        dapo.take_groups(outs, groups, grpo.num_generations, sample.sampler_cfg.pad_token_id),
+        picked,
+        metrics,
+    )
 
 
 def _rollout(
@@ -548,6 +650,8 @@ def _host_metrics(
     metrics: dict[str, Any] = {k: float(v) for k, v in step_metrics.items() if np.ndim(v) == 0}
     metrics["nonfinite"] = bool(step_metrics.get("nonfinite", False))
     for name, values in scores.items():
+        if name.startswith("_"):  # carried along with the rows, not a reward
+            continue
         finite = values[np.isfinite(values)]
         metrics[f"rewards/{name}/mean"] = float(finite.mean()) if finite.size else math.nan
         metrics[f"rewards/{name}/std"] = float(finite.std()) if finite.size else math.nan

@@ -1,0 +1,155 @@
+"""Tasks: what is trained and evaluated (rows, prompt, rewards, correctness); one module per task.
+
+``TaskConfig`` holds the keys that choose and shape a task (shared by ``grpax train_rl`` and ``grpax evaluate``),
+``validate_task_keys`` checks them where they enter, and ``build_task`` makes the ``Task`` (``grpax.tasks.base``)
+they describe: ``gsm8k`` (the default), ``math`` (math-verify) or ``custom`` (the user's data and rewards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from grpax.config import field
+from grpax.data.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
+from grpax.errors import ConfigError
+from grpax.rewards.gsm8k import get_reward_config
+from grpax.tasks.base import RewardFunctionError, Task, UserRewards
+from grpax.tasks.custom import CustomTask
+from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.math import MathTask, check_math_verify
+from grpax.tasks.user import load_prompt_template, load_reward_functions
+
+TASKS = ("gsm8k", "math", "custom")
+# The columns each task reads by default (prompt_field, answer_field).
+DEFAULT_FIELDS = {
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "answer"),
+    "custom": ("prompt", "answer"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """The keys of the task: which one, its columns, its prompt and the user's reward functions."""
+
+    task: str = field(
+        "gsm8k", "gsm8k | math (math-verify; pip install 'grpax[math]') | custom (your data and rewards)"
+    )
+    prompt_field: str = field(
+        "", "dataset column holding the prompt ('' = the task's: question | problem | prompt)"
+    )
+    answer_field: str = field(
+        "",
+        "dataset column holding the reference answer ('' = the task's: answer; task=custom: 'none' for no column)",
+    )
+    prompt_template_path: str = field(
+        "",
+        "prompt from a file instead of prompt_preset: YAML/JSON with system_prompt, user_template "
+        "({question} slot), response_prefix; or a text file holding the user turn",
+    )
+    reward_functions_path: str = field(
+        "", "Python file of reward functions (MaxText key); they replace the task's built-in rewards"
+    )
+    reward_functions: tuple[str, ...] = field(
+        (),
+        "names of the functions in reward_functions_path, e.g. [fn_a,fn_b]; each is called as "
+        "fn(prompts=, completions=, tmvp_config=<run config>, **dataset columns) -> list of float (None/NaN abstains)",
+    )
+    reward_weights: tuple[float, ...] = field(
+        (), "weight of each of reward_functions in the total (default 1.0 each)"
+    )
+    accuracy_reward: str = field(
+        "",
+        "task=custom: the reward function whose points > 0 count a completion as correct (default: the first)",
+    )
+
+
+def validate_task_keys(cfg: Any) -> None:
+    """Raises ConfigError naming the key for task keys that cannot work (before any file is read).
+
+    Raises:
+      ConfigError: an unknown task, task=math without math-verify, task=custom without reward functions,
+        reward_functions without reward_functions_path (or the reverse), weights without functions, an
+        accuracy_reward not among reward_functions, an unknown prompt_preset, or a GSM8K prompt preset for
+        another task (a model preset sets one; the GSM8K wording would be a silent surprise).
+    """
+    if cfg.task not in TASKS:
+        raise ConfigError(f"task={cfg.task!r}: expected one of {', '.join(TASKS)}")
+    if cfg.task == "math":
+        check_math_verify()
+    if bool(cfg.reward_functions_path) != bool(cfg.reward_functions):
+        raise ConfigError(
+            f"reward_functions_path={cfg.reward_functions_path!r}, reward_functions={list(cfg.reward_functions)}: "
+            "give both (the file and the names of its functions to use), or neither"
+        )
+    if cfg.task == "custom" and not cfg.reward_functions:
+        raise ConfigError(
+            "task=custom needs reward_functions_path=<file.py> reward_functions=[fn_a,...]: it has no built-in rewards"
+        )
+    if cfg.reward_weights and len(cfg.reward_weights) != len(cfg.reward_functions):
+        raise ConfigError(
+            f"reward_weights={list(cfg.reward_weights)}: {len(cfg.reward_weights)} weights for "
+            f"{len(cfg.reward_functions)} reward_functions; give one per function, or none (1.0 each)"
+        )
+    if cfg.accuracy_reward and cfg.accuracy_reward not in cfg.reward_functions:
+        raise ConfigError(
+            f"accuracy_reward={cfg.accuracy_reward!r}: expected one of reward_functions {list(cfg.reward_functions)}"
+        )
+    if not cfg.prompt_template_path and cfg.prompt_preset not in PROMPT_PRESETS:
+        raise ConfigError(
+            f"prompt_preset={cfg.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or "
+            "prompt_template_path=<file>"
+        )
+    if cfg.task != "gsm8k" and not cfg.prompt_template_path and cfg.prompt_preset in GSM8K_PRESETS:
+        suggested = "math" if cfg.task == "math" else "plain"
+        raise ConfigError(
+            f"task={cfg.task} with prompt_preset={cfg.prompt_preset} (a GSM8K prompt; model presets set it): "
+            f"pass prompt_preset={suggested} or prompt_template_path=<file>"
+        )
+
+
+def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
+    """The task the keys describe (``validate_task_keys`` has passed); loads the user's reward file.
+
+    Args:
+      cfg: a config with the ``TaskConfig`` keys, ``prompt_preset`` and ``reward_preset``.
+      tmvp_config: what user reward functions get as ``tmvp_config`` (default: ``cfg``).
+
+    Raises:
+      ConfigError: the reward file or template file cannot be read or lacks a named function.
+    """
+    preset = (
+        load_prompt_template(cfg.prompt_template_path)
+        if cfg.prompt_template_path
+        else get_prompt_preset(cfg.prompt_preset)
+    )
+    user = None
+    if cfg.reward_functions_path:
+        user = load_reward_functions(
+            cfg.reward_functions_path,
+            cfg.reward_functions,
+            cfg.reward_weights,
+            {"tmvp_config": cfg if tmvp_config is None else tmvp_config},
+        )
+    prompt_default, answer_default = DEFAULT_FIELDS[cfg.task]
+    prompt_field = cfg.prompt_field or prompt_default
+    answer_field = cfg.answer_field or answer_default
+    if cfg.task == "gsm8k":
+        return GSM8KTask(preset, get_reward_config(cfg.reward_preset), user, prompt_field, answer_field)
+    if cfg.task == "math":
+        return MathTask(preset, user, prompt_field, answer_field)
+    answer = "" if answer_field == "none" else answer_field
+    return CustomTask(preset, user, prompt_field, answer, cfg.accuracy_reward)
+
+
+__all__ = [
+    "DEFAULT_FIELDS",
+    "TASKS",
+    "RewardFunctionError",
+    "Task",
+    "TaskConfig",
+    "UserRewards",
+    "build_task",
+    "validate_task_keys",
+]

@@ -1,0 +1,315 @@
+"""The task seam: what every task provides, and how reward functions are run and checked.
+
+A task (``grpax.tasks.gsm8k``, ``grpax.tasks.math``, ``grpax.tasks.custom``) provides four things: its rows
+(``load_rows``: the dataset's columns, the prompt text and the gold answer of each), the prompt it renders
+(the prompt preset or template in ``self.preset``), its reward functions (``score``) and the correctness check
+that evaluation counts (``records``). The trainer and ``grpax evaluate`` only talk to this interface.
+
+User reward functions follow MaxText's RL trainer (``reward_functions_path`` / ``reward_functions``) and TRL's
+GRPOTrainer (every dataset column as a keyword argument)::
+
+    fn(prompts=[...], completions=[...], tmvp_config=<the run's config>, **columns) -> list[float]
+
+with one value per completion; None or NaN abstains (adds nothing to the weighted total). Built-in rewards that
+fail abstain with a warning (``grpax.rewards.gsm8k.score_completions``); a user's function that raises, returns
+the wrong number of values or a value that is not a number stops the run with ``RewardFunctionError`` before
+the update, so that a broken reward file never trains a policy on garbage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from grpax.data.prompts import PromptPreset
+from grpax.errors import ConfigError
+
+RewardFn = Callable[..., Sequence[Any]]
+
+
+class RewardFunctionError(ConfigError):
+    """A user reward function raised, returned the wrong number of values or a value that is not a number."""
+
+
+@dataclass(frozen=True)
+class UserRewards:
+    """User reward functions, their weights, and the keywords every call gets besides prompts and completions.
+
+    Attributes:
+      fns: name -> function, in the order of ``reward_functions``.
+      weights: name -> weight of its points in the total (``reward_weights``; 1.0 each by default).
+      source: where the functions come from (the file), for error messages.
+      extra_kwargs: passed to every call, e.g. ``{"tmvp_config": cfg}``.
+    """
+
+    fns: Mapping[str, RewardFn]
+    weights: Mapping[str, float]
+    source: str = ""
+    extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` on one line, at most 80 characters (a returned array can be long)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _to_points(name: str, source: str, row: int, value: Any) -> float:
+    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX number counts too."""
+    if value is None:
+        return math.nan
+    if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in "fiu":
+        value = value.item()  # np.float32(1.0), jnp.array(1.0): a number (a 0-d bool array stays a bool)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        points = float(value)
+        if math.isnan(points) or math.isfinite(points):
+            return points
+    hint = " (a bool: return float(flag))" if isinstance(value, (bool, np.bool_)) else ""
+    raise RewardFunctionError(
+        f"reward function {name!r} ({source}) returned {_short(value)} for row {row}: expected a finite number, "
+        f"or None / NaN to abstain{hint}"
+    )
+
+
+def _as_values(name: str, source: str, raw: Any, n: int) -> list[Any]:
+    """What a function returned as a list of N values: a list, tuple, iterator or 1-d array (numpy, JAX).
+
+    Raises:
+      RewardFunctionError: a single value, a string, a mapping, an array not 1-d, or other than N values.
+    """
+    shape = getattr(raw, "shape", None)
+    if (
+        (shape is not None and len(shape) != 1)
+        or isinstance(raw, (str, bytes, Mapping))
+        or not hasattr(raw, "__iter__")
+    ):
+        what = (
+            f"an array of shape {tuple(shape)}"
+            if shape is not None
+            else f"{_short(raw)} (a {type(raw).__name__})"
+        )
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) returned {what}: expected a list of {n} numbers, one per completion"
+        )
+    values = np.asarray(raw).tolist() if shape is not None else list(raw)
+    if len(values) != n:
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) returned {len(values)} values for {n} "
+            "completions: expected one per completion"
+        )
+    return values
+
+
+def _check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str]) -> None:
+    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a call,
+    so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a crash)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: let the call tell
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as e:
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}: {e}; name only "
+            "these as parameters and end the list with **kwargs"
+        ) from None
+
+
+def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tuple[int, Exception] | None:
+    """The first row whose call alone raises too (a batch-level failure pinned to a row), or None."""
+    for i in range(len(completions)):
+        try:
+            fn(
+                prompts=prompts[i : i + 1],
+                completions=completions[i : i + 1],
+                **extra,
+                **{k: v[i : i + 1] for k, v in columns.items()},
+            )
+        except Exception as e:  # noqa: BLE001 - reported, with its row
+            return i, e
+    return None
+
+
+def call_reward_function(
+    name: str,
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    columns: Mapping[str, list[Any]],
+    *,
+    source: str = "",
+    extra_kwargs: Mapping[str, Any] | None = None,
+) -> list[float]:
+    """Calls one user reward function on a batch and checks what it returns.
+
+    Args:
+      name: the function's name (as in ``reward_functions``).
+      fn: the function, called as ``fn(prompts=, completions=, **extra_kwargs, **columns)``.
+      prompts: prompt texts [N] (the dataset's prompt column, before the chat template).
+      completions: completion texts [N] (the response prefix, if any, prepended).
+      columns: column name -> its values [N], one per completion (every dataset column, TRL's convention).
+      source: the file, named in errors.
+      extra_kwargs: e.g. ``{"tmvp_config": cfg}`` (MaxText's reward signature).
+
+    Returns:
+      Points [N]; NaN where the function abstained (None or NaN).
+
+    Raises:
+      RewardFunctionError: the function's parameters cannot take the call's keywords (no ``**kwargs``, or one
+        named after no column), it raised (the first row that raises alone is named), returned other than a
+        list / 1-d array of N values, or a value that is neither a finite number nor None / NaN (row and value
+        named).
+
+    Example:
+      >>> call_reward_function("short", lambda prompts, completions, **kw: [len(c) < 5 for c in completions],
+      ...                      ["q"], ["abc"], {})  # doctest: +IGNORE_EXCEPTION_DETAIL
+      Traceback (most recent call last):
+      RewardFunctionError: reward function 'short' () returned True for row 0: expected a finite number, ...
+    """
+    extra = dict(extra_kwargs or {})
+    _check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
+    try:
+        raw = fn(prompts=prompts, completions=completions, **extra, **columns)
+    except Exception as e:  # noqa: BLE001 - one line naming the function and the row
+        failing = _first_failing_row(fn, prompts, completions, columns, extra)
+        row, err = failing if failing is not None else (None, e)
+        where = f"on row {row} (completion {completions[row][:60]!r})" if row is not None else "on the batch"
+        message = " ".join(str(err).split())  # one line
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) raised {type(err).__name__}: {message} {where}"
+        ) from e
+    values = _as_values(name, source, raw, len(completions))
+    return [_to_points(name, source, i, v) for i, v in enumerate(values)]
+
+
+def weighted_total(scores: Mapping[str, Sequence[float]], weights: Mapping[str, float]) -> list[float]:
+    """Sum over functions of weight * points, abstentions (NaN) skipped; NaN where every function abstained.
+
+    Example:
+      >>> weighted_total({"a": [1.0, float("nan")], "b": [2.0, float("nan")]}, {"a": 1.0, "b": 0.5})
+      [2.0, nan]
+    """
+    n = len(next(iter(scores.values()))) if scores else 0
+    totals = []
+    for i in range(n):
+        terms = [weights[k] * v[i] for k, v in scores.items() if not math.isnan(v[i])]
+        totals.append(sum(terms) if terms else math.nan)
+    return totals
+
+
+def run_user_rewards(
+    rewards: UserRewards, prompts: list[str], completions: list[str], columns: Mapping[str, list[Any]]
+) -> dict[str, list[float]]:
+    """Every user function's points [N] by name, plus their weighted ``"total"`` [N] (see ``call_reward_function``)."""
+    scores = {
+        name: call_reward_function(
+            name, fn, prompts, completions, columns, source=rewards.source, extra_kwargs=rewards.extra_kwargs
+        )
+        for name, fn in rewards.fns.items()
+    }
+    return {**scores, "total": weighted_total(scores, rewards.weights)}
+
+
+class Task:
+    """A task: its rows, its prompt, its rewards and its correctness check (subclasses fill them in).
+
+    Rows are dicts with ``question`` (the prompt column's text, what the template's ``{question}`` slot holds),
+    ``gold`` (the reference answer as text) and whatever the task keeps; ``columns(row)`` is what reward
+    functions receive as keyword arguments.
+
+    Attributes:
+      name: the ``task`` key's value.
+      preset: how a row's question becomes a chat prompt (system prompt, user template, response prefix).
+      user_rewards: the user's reward functions, replacing the built-in ones (MaxText), or None.
+    """
+
+    name = "task"
+
+    def __init__(self, preset: PromptPreset, user_rewards: UserRewards | None = None):
+        self.preset = preset
+        self.user_rewards = user_rewards
+
+    def load_rows(self, dataset: str, split: str) -> list[dict]:
+        """The rows of ``split`` of ``dataset`` (a file, a folder or a Hub name)."""
+        raise NotImplementedError
+
+    def rows_from(self, raw: list[dict], source: str) -> list[dict]:
+        """Task rows from raw rows (every column) read from ``source`` (e.g. a completions file's lines).
+
+        Raises:
+          ValueError: a row lacks a column the task needs (the columns it has named).
+        """
+        raise NotImplementedError
+
+    def columns(self, row: dict) -> dict[str, Any]:
+        """The keyword arguments a reward function gets for this row (its dataset columns)."""
+        raise NotImplementedError
+
+    def builtin_scores(self, rows: list[dict], completions: list[str]) -> dict[str, list[float]]:
+        """The task's own reward functions' points [N] and ``"total"``, completions without the prefix."""
+        raise NotImplementedError
+
+    def judge(self, row: dict, text: str, scores: Mapping[str, float]) -> dict[str, Any]:
+        """``extracted_answer``, ``correct``, ``close`` and ``formatted`` of one completion (prefix included)."""
+        raise NotImplementedError
+
+    def score(self, rows: list[dict], completions: list[str]) -> dict[str, list[float]]:
+        """Points of each reward function and their weighted ``"total"``, one per completion.
+
+        Args:
+          rows: the row each completion answers [N] (repeated G times for a group).
+          completions: generated texts [N], without the response prefix.
+
+        Raises:
+          RewardFunctionError: a user function misbehaved (``call_reward_function``).
+        """
+        if self.user_rewards is None:
+            return self.builtin_scores(rows, completions)
+        prefix = self.preset.response_prefix
+        per_row = [self.columns(r) for r in rows]
+        names = list(per_row[0]) if per_row else []
+        columns = {k: [c[k] for c in per_row] for k in names if k not in ("prompts", "completions")}
+        prompts = [r["question"] for r in rows]
+        return run_user_rewards(self.user_rewards, prompts, [prefix + c for c in completions], columns)
+
+    def step_correct(self, rows: list[dict], completions: list[str], scores: Mapping[str, Any]) -> list[bool]:
+        """Which completions of a training step count as correct (the step's ``accuracy``)."""
+        texts = [self.preset.response_prefix + c for c in completions]
+        return [
+            bool(self.judge(r, t, {k: v[i] for k, v in scores.items()})["correct"])
+            for i, (r, t) in enumerate(zip(rows, texts, strict=True))
+        ]
+
+    def records(self, rows: list[dict], completions: list[str]) -> list[dict]:
+        """Scored evaluation records, one per completion (``grpax.eval.metrics.summarize`` reads them).
+
+        Returns:
+          ``{"question", "answer", "completion", "extracted_answer", "correct", "close", "formatted",
+          "rewards"}`` per completion; ``rewards`` maps each reward name (and ``"total"``) to its points.
+        """
+        scores = self.score(rows, completions)
+        out = []
+        for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
+            points = {name: values[i] for name, values in scores.items()}
+            judged = self.judge(row, self.preset.response_prefix + completion, points)
+            out.append(
+                {
+                    "question": row["question"],
+                    "answer": row["gold"],
+                    "completion": completion,
+                    **judged,
+                    "rewards": points,
+                }
+            )
+        return out
+
+    def is_correct(self, answer: str | None, gold: str) -> bool:
+        """Whether an extracted answer equals the gold one (majority voting's check, maj@k)."""
+        raise NotImplementedError

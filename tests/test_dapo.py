@@ -1,0 +1,151 @@
+"""DAPO's data-side tools: dynamic sampling drops exactly the zero-std groups and refills the batch, and the
+soft overlong punishment (eq. 13) at the edges of its ramp; both inside ``grpo_step`` on a tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpax.config import ConfigError
+from grpax.models.params import init_params
+from grpax.models.registry import ModelConfig
+from grpax.rl.config import GRPOConfig
+from grpax.rl.dapo import overlong_penalty, pick_groups, zero_std_groups
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.train_step import TrainState, make_train_step
+from grpax.rl.trainer import grpo_step
+from grpax.sampler.engine import SamplerConfig
+
+G = 2
+C = 6  # max_completion_length
+
+
+def test_overlong_penalty_at_the_edges():
+    # L_max = 6, L_cache = 4: free up to 2 tokens, then -(|y| - 2) / 4 points, -1 past 6; times the factor 0.5
+    lengths = [0, 2, 3, 5, 6, 7]
+    expected = [0.0, 0.0, -0.125, -0.375, -0.5, -0.5]
+    np.testing.assert_array_equal(overlong_penalty(lengths, 6, 4, 0.5), expected)
+    # L_cache = L_max: the ramp starts at 0 tokens; 1 token costs 1/6
+    assert overlong_penalty([1], 6, 6)[0] == pytest.approx(-1 / 6)
+
+
+def test_zero_std_groups_and_pick():
+    nan = float("nan")
+    flags = zero_std_groups([1, 1, 0, 2, nan, 3, nan, nan, 5, 5.0000001], G)
+    assert flags.tolist() == [True, False, True, True, False]  # one valid value, or none, is no signal
+    groups, filled = pick_groups(np.array([True, False, True, False, True, True, False]), 3)
+    assert groups.tolist() == [1, 3, 6] and filled == 0
+    groups, filled = pick_groups(np.array([True, False, True]), 3)
+    assert groups.tolist() == [1, 0, 2] and filled == 2
+
+
+def test_dynamic_sampling_needs_a_second_batch():
+    with pytest.raises(ConfigError, match="dynamic_sampling_max_batches=1: expected >= 2 with filter_zero"):
+        GRPOConfig(filter_zero_std_groups=True, dynamic_sampling_max_batches=1)
+
+
+def _setup(**grpo_keys):
+    cfg = ModelConfig(
+        vocab_size=16,
+        hidden_dim=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        mlp_dim=64,
+        tie_word_embeddings=False,
+    )
+    grpo = GRPOConfig(num_generations=G, beta=0.0, learning_rate=1e-3, warmup_ratio=0.0, **grpo_keys)
+    optimizer, schedule = optimizer_from_config(grpo, 4)
+    params = init_params(cfg, jax.random.key(0))
+    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=C, temperature=1.0, pad_token_id=0)
+    return cfg, grpo, state, make_train_step(cfg, grpo, optimizer, 1, schedule), sampler_cfg
+
+
+def _rewards(prompts):
+    """A prompt starting with an even token gets 1.0 for each completion (zero std); an odd one 0, 1 (signal)."""
+
+    def reward_fn(out):
+        first = np.asarray([p[0] for p in prompts for _ in range(G)])
+        varied = np.tile(np.arange(G, dtype=np.float64), len(prompts))
+        return {"total": np.where(first % 2 == 0, 1.0, varied), "_first": first.astype(np.float64)}
+
+    return reward_fn
+
+
+def _step(batches, max_batches, **keys):
+    cfg, grpo, state, train_step, sampler_cfg = _setup(
+        filter_zero_std_groups=True, dynamic_sampling_max_batches=max_batches, **keys
+    )
+    queue = list(batches[1:])
+
+    def refill():
+        prompts = queue.pop(0)
+        return prompts, _rewards(prompts)
+
+    return grpo_step(
+        state,
+        None,
+        batches[0],
+        _rewards(batches[0]),
+        model_cfg=cfg,
+        sampler_cfg=sampler_cfg,
+        grpo=grpo,
+        train_step=train_step,
+        num_micro_batches=1,
+        key=jax.random.key(1),
+        refill=refill,
+    ), queue
+
+
+def _prompt_rows(out):
+    return [
+        ids[mask.astype(bool)].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)
+    ][::G]
+
+
+def test_dynamic_sampling_drops_exactly_the_zero_std_groups_and_refills():
+    # 4 prompts per batch: 2 zero-std groups (even first token) in the first, 1 in the second.
+    first = [[2, 5], [3, 4, 4], [4, 1], [5]]
+    second = [[7, 1, 1, 1], [6, 2], [9, 9], [11]]
+    (state, out, scores, metrics), left = _step([first, second, [[13]] * 4], max_batches=3)
+    assert left == [[[13]] * 4]  # the batch was full after two: the third was never sampled
+    # The kept groups, in sampling order: the odd prompts of batch 1, then the first two odd ones of batch 2
+    assert _prompt_rows(out) == [[3, 4, 4], [5], [7, 1, 1, 1], [9, 9]]
+    assert scores["_first"].tolist() == [3, 3, 5, 5, 7, 7, 9, 9] and scores["total"].tolist() == [0, 1] * 4
+    assert metrics["zero_std_fraction"] == 0.5  # of the first batch, logged every step
+    assert metrics["dynamic_sampling/batches"] == 2
+    assert metrics["dynamic_sampling/dropped_groups"] == 3
+    assert metrics["dynamic_sampling/filled_groups"] == 0
+    assert metrics["advantages/abs_max"] > 0 and not metrics["nonfinite"]
+
+
+def test_dynamic_sampling_cap_fills_with_zero_std_groups():
+    first = [[2], [3], [4], [6]]  # 1 group with signal
+    second = [[8], [10], [5], [12]]  # 1 more
+    (state, out, scores, metrics), _ = _step([first, second], max_batches=2)
+    assert _prompt_rows(out) == [[3], [5], [2], [4]]  # 2 with signal, then the first zero-std ones
+    assert metrics["dynamic_sampling/filled_groups"] == 2 and metrics["dynamic_sampling/dropped_groups"] == 4
+
+
+def test_overlong_penalty_is_added_to_the_rewards_in_grpo_step():
+    cfg, grpo, state, train_step, sampler_cfg = _setup(overlong_buffer_length=4, overlong_penalty_factor=2.0)
+    prompts = [[1, 2], [3]]
+    _, out, scores, metrics = grpo_step(
+        state,
+        None,
+        prompts,
+        _rewards(prompts),
+        model_cfg=cfg,
+        sampler_cfg=sampler_cfg,
+        grpo=grpo,
+        train_step=train_step,
+        num_micro_batches=1,
+        key=jax.random.key(2),
+    )
+    lengths = np.asarray(out.completion_mask).sum(axis=1)
+    expected = np.where(lengths <= 2, 0.0, -(lengths - 2) / 4 * 2.0)  # no stop tokens: |y| <= L_max = 6
+    np.testing.assert_allclose(scores["overlong"], expected)
+    np.testing.assert_allclose(scores["total"], np.array([0.0, 1.0, 0.0, 1.0]) + expected)
+    assert metrics["rewards/overlong/mean"] == pytest.approx(expected.mean())
