@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from grpax.errors import ConfigError
 from grpax.models import llama
 from grpax.models.llama import forward, logits_from_hidden
 from grpax.models.params import init_params
@@ -264,3 +265,23 @@ def test_lr_schedule_warmup_then_cosine():
         make_lr_schedule(1e-3, 0)
     with pytest.raises(ValueError, match="no room"):
         make_lr_schedule(1e-3, 10, warmup_steps=10)
+
+
+def test_mu_dtype_bfloat16_stores_the_first_moment_in_bfloat16():
+    """mu_dtype=bfloat16 (MaxText's key) halves m's memory; the update is computed from float32 values."""
+    params = {"w": jnp.full((4, 4), 0.5, jnp.float32)}
+    grads = {"w": jnp.linspace(-1.0, 1.0, 16, dtype=jnp.float32).reshape(4, 4) / 3}  # not bf16-exact
+    optimizers = {
+        dtype: optimizer_from_config(GRPOConfig(learning_rate=1e-2, warmup_ratio=0.0, mu_dtype=dtype), 10)[0]
+        for dtype in ("", "bfloat16")
+    }
+    full_state, half_state = (optimizers[d].init(params) for d in ("", "bfloat16"))
+    mu = lambda state: state[0].mu["w"]  # noqa: E731  (adamw's ScaleByAdamState comes first)
+    assert mu(full_state).dtype == jnp.float32 and mu(half_state).dtype == jnp.bfloat16
+    full_updates, full_state = optimizers[""].update(grads, full_state, params)
+    half_updates, half_state = optimizers["bfloat16"].update(grads, half_state, params)
+    # The first update reads m = 0 either way: equal; the stored m is the float32 one rounded to bfloat16.
+    np.testing.assert_array_equal(half_updates["w"], full_updates["w"])
+    np.testing.assert_array_equal(mu(half_state), mu(full_state).astype(jnp.bfloat16))
+    with pytest.raises(ConfigError, match=r"mu_dtype='float16': expected '' \(the params' dtype\), float32"):
+        GRPOConfig(mu_dtype="float16")

@@ -24,6 +24,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 LR_SCHEDULES = ("cosine", "linear", "constant")
+MU_DTYPES = ("", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,11 @@ class GRPOConfig:
     b2: float = field(0.99, "AdamW beta_2 (second-moment decay)")
     weight_decay: float = field(0.1, "AdamW decoupled weight decay lambda (matrices only, not norms)")
     adam_eps: float = field(1e-8, "AdamW epsilon added to sqrt(v)")
+    mu_dtype: str = field(
+        "",
+        "dtype of AdamW's first moment m (MaxText mu_dtype): '' = the params' dtype, or bfloat16 (half its "
+        "memory; v and the update stay float32)",
+    )
     max_grad_norm: float = field(0.1, "clip the global gradient norm to this value; 0 disables clipping")
     warmup_ratio: float = field(0.1, "fraction of the training steps spent in linear warmup from 0")
     lr_schedule: str = field("cosine", "after warmup: cosine (to end_lr_ratio * eta), linear, or constant")
@@ -116,6 +122,8 @@ def validate(cfg: GRPOConfig) -> None:
         "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
         "lr_schedule": LR_SCHEDULES,
     }
+    if cfg.mu_dtype not in MU_DTYPES:
+        raise ConfigError(f"mu_dtype={cfg.mu_dtype!r}: expected '' (the params' dtype), float32 or bfloat16")
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(valid)}")

@@ -88,6 +88,7 @@ def make_optimizer(
     eps: float = 1e-8,
     schedule: str = "cosine",
     end_lr_ratio: float = 0.0,
+    mu_dtype: str = "",
 ) -> optax.GradientTransformation:
     """AdamW(b1, b2, eps, weight_decay) on ``make_lr_schedule``.
 
@@ -101,6 +102,7 @@ def make_optimizer(
       warmup_ratio, warmup_steps, schedule, end_lr_ratio: see ``make_lr_schedule``.
       b1, b2, eps: AdamW moment decays and denominator epsilon.
       weight_decay: decoupled weight decay, applied to params with ndim >= 2.
+      mu_dtype: the dtype m is stored in ('' = the params'); each update computes in float32 (optax).
 
     Returns:
       An optax GradientTransformation; its state counts applied updates, so the schedule advances only on
@@ -118,7 +120,9 @@ def make_optimizer(
             end_lr_ratio=end_lr_ratio,
         )
     )
-    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask)
+    return optax.adamw(
+        lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_decay_mask, mu_dtype=mu_dtype or None
+    )
 
 
 def optimizer_from_config(grpo, num_train_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -137,6 +141,7 @@ def optimizer_from_config(grpo, num_train_steps: int) -> tuple[optax.GradientTra
         b2=grpo.b2,
         weight_decay=grpo.weight_decay,
         eps=grpo.adam_eps,
+        mu_dtype=grpo.mu_dtype,
     )
     return optimizer, schedule
 
