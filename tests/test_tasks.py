@@ -3,6 +3,7 @@ custom columns and templates, task=math against math-verify, and ``grpax evaluat
 
 import json
 import math
+import re
 import textwrap
 
 import numpy as np
@@ -348,6 +349,42 @@ def test_evaluate_scores_a_completions_file_with_the_user_rewards(tmp_path, caps
     records = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert records[1]["rewards"] == {"matches_target": 0.0, "length_bonus": 0.0, "total": 0.0}
     assert "accuracy" in capsys.readouterr().out
+
+
+def test_evaluate_of_a_bad_completions_file_names_the_key_and_the_fix(tmp_path, capsys):
+    """Before: a missing file named 'dataset path' and the Hub, an empty file crashed the reward function, a
+    count not a multiple of num_eval_passes (or interleaved questions) named no key."""
+    rewards = _write(tmp_path / "rewards.py", REWARDS)
+    keys = [
+        "task=custom",
+        f"reward_functions_path={rewards}",
+        "reward_functions=[matches_target]",
+        "prompt_field=instruction",
+        "answer_field=target",
+        "prompt_preset=plain",
+    ]
+    line = {"instruction": "say hi", "target": "hi", "completion": "hi"}
+    other = {**line, "instruction": "say yo"}
+    cases = [
+        (
+            "missing.jsonl",
+            [],
+            r"completions_path='missing\.jsonl' does not exist \(relative to .*\): pass a ",
+        ),
+        ("empty.jsonl", [], r"completions_path='.*empty\.jsonl' holds no completions"),
+        (
+            "three.jsonl",
+            [line] * 3,
+            r"holds 3 completions, not a multiple of num_eval_passes=2: set num_eval_passes",
+        ),
+        ("mixed.jsonl", [line, other, line, other], r"lines 1-2 mix questions, but num_eval_passes=2 reads"),
+        ("list.jsonl", [[1, 2]], r"line 1 is a JSON list, not an object; each line needs completion"),
+    ]
+    for name, lines, message in cases:
+        arg = name if name == "missing.jsonl" else _jsonl(tmp_path / name, lines)
+        assert main(["evaluate", *keys, f"completions_path={arg}", "num_eval_passes=2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert re.search(message, err) and "\n" not in err, (name, err)
 
 
 def test_the_readme_reward_file_runs_as_documented(tmp_path):
