@@ -236,6 +236,24 @@ def test_missing_column_names_the_columns_the_file_has(tmp_path):
         task.load_rows(data, "train")
 
 
+def test_null_cells_are_named_or_have_no_answer(tmp_path):
+    """Before: a null prompt trained on the text 'None', and a null answer was the gold answer 'None' (so a
+    majority '<answer>None</answer>' counted in maj@k)."""
+    task = build_task(_custom_cfg(tmp_path))
+    rows = [{"instruction": "q", "target": None}, {"instruction": "r", "target": float("nan")}]
+    assert [r["gold"] for r in task.rows_from(rows, "d.jsonl")] == ["", ""]
+    assert not task.is_correct("None", "") and not task.is_correct("", "") and task.is_correct(" hi ", "hi")
+    with pytest.raises(
+        ValueError,
+        match=r"^d\.jsonl: row 1 has no value in column 'instruction' \(prompt_field='instruction'\): it is null; "
+        r"fill it in or drop the row$",
+    ):
+        task.rows_from([{"instruction": "q", "target": "a"}, {"instruction": None, "target": "a"}], "d.jsonl")
+    math_task = build_task(build_config(TrainConfig, ["task=math", "prompt_preset=math", "model_name="]))
+    with pytest.raises(ValueError, match=r"row 0 has no value in column 'answer' \(answer_field='answer'\)"):
+        math_task.rows_from([{"problem": "1+1?", "answer": None}], "m.jsonl")
+
+
 def test_prompt_template_files(tmp_path):
     text = load_prompt_template(_write(tmp_path / "t.txt", "Translate: {prompt}\n"))
     assert text == PromptPreset(system_prompt="", user_template="Translate: {question}")

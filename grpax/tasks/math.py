@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns
+from grpax.data.gsm8k import read_rows, require_columns, require_values
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 from grpax.rewards.gsm8k import extract_answer
@@ -119,6 +119,7 @@ class MathTask(Task):
         rows = []
         for i, r in enumerate(raw):
             require_columns(r, source, i, keys)
+            require_values(r, source, i, keys)
             gold = str(r[self.answer_field])
             rows.append(
                 {"question": str(r[self.prompt_field]), "gold": last_boxed(gold) or gold, "columns": r}
