@@ -405,6 +405,13 @@ def test_evaluate_of_a_bad_completions_file_names_the_key_and_the_fix(tmp_path, 
         assert re.search(message, err) and "\n" not in err, (name, err)
 
 
+def test_train_rl_help_names_the_tasks_and_the_reward_keys(capsys):
+    assert main(["train_rl", "--help"]) == 0
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert "task's reward functions (task=gsm8k by default, math, or custom" in description
+    assert "GSM8K rewards" not in description  # before: the only rewards it named
+
+
 def test_the_readme_reward_file_runs_as_documented(tmp_path):
     """README's "Bring your own task" example file, run as train_rl runs it (hand-computed values)."""
     from pathlib import Path
