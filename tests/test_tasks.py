@@ -225,6 +225,39 @@ def test_reward_file_errors_name_the_key_and_what_exists(tmp_path):
         validate_task_keys(build_config(TrainConfig, ["task=gsm9k"]))
 
 
+def test_keys_that_would_train_on_nan_or_be_ignored_are_refused(tmp_path):
+    """Before: reward_weights=[nan] trained with a NaN total (zero advantages, exit 0), accuracy_reward was
+    ignored outside task=custom, and a function without **kwargs failed only at step 1, after model load."""
+    path = _write(tmp_path / "r.py", REWARDS)
+    keys = [
+        "task=custom",
+        f"reward_functions_path={path}",
+        "reward_functions=[length_bonus]",
+        "prompt_preset=plain",
+    ]
+    for weight in ("nan", "inf"):
+        with pytest.raises(
+            ConfigError, match=rf"reward_weights=\[{weight}\]: {weight} is not a finite number"
+        ):
+            validate_task_keys(build_config(TrainConfig, [*keys, f"reward_weights=[{weight}]"]))
+    validate_task_keys(build_config(TrainConfig, [*keys, "reward_weights=[-0.5]"]))  # negative: fine
+    gsm8k = ["task=gsm8k", f"reward_functions_path={path}", "reward_functions=[length_bonus]"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^accuracy_reward='length_bonus' is for task=custom; task=gsm8k counts accuracy with",
+    ):
+        validate_task_keys(build_config(TrainConfig, [*gsm8k, "accuracy_reward=length_bonus"]))
+    nokw = _write(tmp_path / "nokw.py", "def f(prompts, completions):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward function 'f' \(.*nokw\.py\) cannot take this call's keywords \['prompts', 'completions', "
+        r"'tmvp_config'\] and every dataset column: got an unexpected keyword argument 'tmvp_config'; name only",
+    ):
+        load_reward_functions(nokw, ["f"], extra_kwargs={"tmvp_config": None})
+    # A column named as a parameter is fine at load time (the columns are known at the call).
+    load_reward_functions(path, ["matches_target"], extra_kwargs={"tmvp_config": None})
+
+
 def test_missing_column_names_the_columns_the_file_has(tmp_path):
     task = build_task(_custom_cfg(tmp_path))
     data = _jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "label": "a"}])

@@ -106,18 +106,20 @@ def _as_values(name: str, source: str, raw: Any, n: int) -> list[Any]:
     return values
 
 
-def _check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str]) -> None:
-    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a call,
-    so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a crash)."""
+def check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str], partial: bool = False) -> None:
+    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a
+    call, so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a
+    crash). ``partial``: only that these keywords are accepted (the columns are not known yet)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: let the call tell
         return
     try:
-        signature.bind(**dict.fromkeys(keywords))
+        (signature.bind_partial if partial else signature.bind)(**dict.fromkeys(keywords))
     except TypeError as e:
+        more = " and every dataset column" if partial else ""
         raise RewardFunctionError(
-            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}: {e}; name only "
+            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}{more}: {e}; name only "
             "these as parameters and end the list with **kwargs"
         ) from None
 
@@ -174,7 +176,7 @@ def call_reward_function(
       RewardFunctionError: reward function 'short' () returned True for row 0: expected a finite number, ...
     """
     extra = dict(extra_kwargs or {})
-    _check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
+    check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
     try:
         raw = fn(prompts=prompts, completions=completions, **extra, **columns)
     except Exception as e:  # noqa: BLE001 - one line naming the function and the row
