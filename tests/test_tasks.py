@@ -241,6 +241,13 @@ def test_keys_that_would_train_on_nan_or_be_ignored_are_refused(tmp_path):
         ):
             validate_task_keys(build_config(TrainConfig, [*keys, f"reward_weights=[{weight}]"]))
     validate_task_keys(build_config(TrainConfig, [*keys, "reward_weights=[-0.5]"]))  # negative: fine
+    # Before: [length_bonus,length_bonus] with weights [1,2] silently ran it once with weight 2, and a function
+    # named 'total' had its points overwritten by the weighted total.
+    twice = [*keys[:2], "reward_functions=[length_bonus,length_bonus]", keys[3], "reward_weights=[1,2]"]
+    with pytest.raises(ConfigError, match=r"names 'length_bonus' twice: name each function once"):
+        validate_task_keys(build_config(TrainConfig, twice))
+    with pytest.raises(ConfigError, match=r"'total' is the name of grpax's own reward entry .*: rename"):
+        validate_task_keys(build_config(TrainConfig, [*keys[:2], "reward_functions=[total]", keys[3]]))
     gsm8k = ["task=gsm8k", f"reward_functions_path={path}", "reward_functions=[length_bonus]"]
     with pytest.raises(
         ConfigError,
