@@ -285,10 +285,23 @@ def test_null_cells_are_named_or_have_no_answer(tmp_path):
     assert not task.is_correct("None", "") and not task.is_correct("", "") and task.is_correct(" hi ", "hi")
     with pytest.raises(
         ValueError,
-        match=r"^d\.jsonl: row 1 has no value in column 'instruction' \(prompt_field='instruction'\): it is null; "
-        r"fill it in or drop the row$",
+        match=r"^d\.jsonl: row 1 has no value in column 'instruction' \(prompt_field='instruction'\): it is null or "
+        r"absent; fill it in or drop the row$",
     ):
         task.rows_from([{"instruction": "q", "target": "a"}, {"instruction": None, "target": "a"}], "d.jsonl")
+    # Ragged JSONL: a row without a column some row has gets None there (before: a KeyError traceback in the
+    # reward call, or 'set answer_field' although the column exists), so every batch passes the same keywords.
+    ragged = task.rows_from(
+        [{"instruction": "q", "target": "a"}, {"instruction": "r", "hint": "h"}], "d.jsonl"
+    )
+    assert [r["gold"] for r in ragged] == ["a", ""]
+    assert task.columns(ragged[0]) == {"instruction": "q", "target": "a", "hint": None}
+    scores = task.score(ragged, ["a", "b"])
+    assert scores["matches_target"] == [1.0, 0.0]
+    with pytest.raises(
+        ValueError, match=r"row 1 has no value in column 'instruction' .*: it is null or absent"
+    ):
+        task.rows_from([{"instruction": "q", "target": "a"}, {"target": "b"}], "d.jsonl")
     math_task = build_task(build_config(TrainConfig, ["task=math", "prompt_preset=math", "model_name="]))
     with pytest.raises(ValueError, match=r"row 0 has no value in column 'answer' \(answer_field='answer'\)"):
         math_task.rows_from([{"problem": "1+1?", "answer": None}], "m.jsonl")

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import is_missing, read_rows, require_columns, require_values
+from grpax.data.gsm8k import is_missing, read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.rewards.gsm8k import extract_answer
 from grpax.tasks.base import Task, UserRewards
@@ -47,7 +47,7 @@ class CustomTask(Task):
         if self.answer_field:
             keys["answer_field"] = self.answer_field
         rows = []
-        for i, r in enumerate(raw):
+        for i, r in enumerate(with_all_columns(raw)):
             require_columns(r, source, i, keys)
             require_values(r, source, i, {"prompt_field": self.prompt_field})
             has_gold = self.answer_field and not is_missing(r[self.answer_field])
