@@ -31,7 +31,9 @@ class EvaluateConfig(TaskConfig):
     model_name: str = field(
         "smollm2-135m-Instruct", "model registry name: picks the model preset (prompt, rewards, dtypes)"
     )
-    dataset_name: str = field("openai/gsm8k", "Hub name, a folder with test.jsonl, or a file")
+    dataset_name: str = field(
+        "openai/gsm8k", "Hub name, a folder with test.jsonl or test.parquet, or a .jsonl / .parquet file"
+    )
     eval_split: str = field("test", "split to evaluate")
     num_test_batches: int = field(
         4, "evaluate num_test_batches * eval_batch_size questions, as train_rl (-1: the whole split)"
@@ -48,7 +50,11 @@ class EvaluateConfig(TaskConfig):
         "maxtext",
         "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
-    response_prefix: str = field("", "with completions_path: text the completions continue from")
+    response_prefix: str = field(
+        "",
+        "with completions_path: text the completions continue from (the prompt preset's or template's own "
+        "response_prefix is not applied to a file)",
+    )
     seed: int = field(0, "sampling seed")
     scan_layers: bool = field(True, "stacked layers")
     weight_dtype: str = field("float32", "parameter dtype")
