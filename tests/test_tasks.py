@@ -458,6 +458,32 @@ def test_evaluate_of_a_bad_completions_file_names_the_key_and_the_fix(tmp_path, 
         assert re.search(message, err) and "\n" not in err, (name, err)
 
 
+def test_evaluate_names_a_bad_dataset_before_loading_the_model(tmp_path, capsys):
+    """Before: the model loaded first (here a missing checkpoint was the error), and a missing split or column
+    then named no key."""
+    rewards = _write(tmp_path / "rewards.py", REWARDS)
+    (tmp_path / "data").mkdir()  # no test split yet
+    keys = [
+        "task=custom",
+        f"reward_functions_path={rewards}",
+        "reward_functions=[matches_target]",
+        "prompt_field=instruction",
+        "answer_field=target",
+        "prompt_preset=plain",
+        "model_name=",
+        f"load_parameters_path={tmp_path / 'no_checkpoint'}",
+    ]
+    assert main(["evaluate", *keys, f"dataset_name={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r"^grpax evaluate: error: dataset_name='.*data' \(eval_split='test'\): no 'test' split", err
+    ), err
+    _jsonl(tmp_path / "data" / "test.jsonl", [{"instruction": "q", "label": "a"}])
+    assert main(["evaluate", *keys, f"dataset_name={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert "(eval_split='test'): " in err and "has no column 'target' (answer_field='target')" in err, err
+
+
 def test_train_rl_help_names_the_tasks_and_the_reward_keys(capsys):
     assert main(["train_rl", "--help"]) == 0
     description = capsys.readouterr().out.split("\n\n")[1]

@@ -165,6 +165,12 @@ def run(config: EvaluateConfig) -> int:
     from grpax.models.registry import check_context_length
     from grpax.sampler.engine import SamplerConfig
 
+    try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
+        task_rows = task.load_rows(config.dataset_name, config.eval_split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
+        ) from None
     what = f"max_target_length={config.max_target_length}"
     check_context_length(config.max_target_length, what, config.load_parameters_path)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
@@ -183,7 +189,7 @@ def run(config: EvaluateConfig) -> int:
         config.max_prefill_predict_length,
         limit,
         need=("dataset_name", "eval_split", 1),
-        load=task.load_rows,
+        load=lambda dataset, split: task_rows,
     )
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = SamplerConfig(
