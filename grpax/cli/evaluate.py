@@ -165,14 +165,14 @@ def run(config: EvaluateConfig) -> int:
     from grpax.models.registry import check_context_length
     from grpax.sampler.engine import SamplerConfig
 
+    what = f"max_target_length={config.max_target_length}"
+    check_context_length(config.max_target_length, what, config.load_parameters_path)
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
         task_rows = task.load_rows(config.dataset_name, config.eval_split)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(
             f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
         ) from None
-    what = f"max_target_length={config.max_target_length}"
-    check_context_length(config.max_target_length, what, config.load_parameters_path)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,
