@@ -178,11 +178,14 @@ def test_bad_return_types_and_signatures_are_named(bad, message):
 
 def test_numpy_and_jax_numbers_and_ints_count_as_points():
     import jax.numpy as jnp
+    import torch
 
     for good in (
         lambda prompts, completions, **kw: np.array([1, 2, 3]),
         lambda prompts, completions, **kw: jnp.array([1.0, 2.0, 3.0]),
         lambda prompts, completions, **kw: [np.float32(1.0), jnp.float32(2.0), 3],
+        lambda prompts, completions, **kw: [torch.tensor(1.0), torch.tensor(2), np.array(3.0)],
+        lambda prompts, completions, **kw: torch.tensor([1.0, 2.0, 3.0]),
         lambda prompts, completions, **kw: (float(len(c)) for c in completions),  # a generator
     ):
         values = call_reward_function("good", good, ["p"] * 3, ["a", "bb", "ccc"], {})

@@ -61,11 +61,11 @@ def _short(value: Any) -> str:
 
 
 def _to_points(name: str, source: str, row: int, value: Any) -> float:
-    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX number counts too."""
+    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX / torch number counts."""
     if value is None:
         return math.nan
-    if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in "fiu":
-        value = value.item()  # np.float32(1.0), jnp.array(1.0): a number (a 0-d bool array stays a bool)
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # a 0-d numpy / JAX / torch value: its Python value (a bool stays a bool)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         points = float(value)
         if math.isnan(points) or math.isfinite(points):
