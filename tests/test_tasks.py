@@ -107,8 +107,12 @@ def test_weighted_total_abstains_only_when_every_function_does():
             r"returned inf for row 1: expected a finite",
         ),
         (lambda prompts, completions, **kw: [True, 1, 0], r"returned True for row 0"),
+        (
+            lambda prompts, completions, **kw: (1.0 / (len(c) - 3) for c in completions),
+            r"raised ZeroDivisionError: float division by zero on row 1 \(completion 'abc'\)$",
+        ),
     ],
-    ids=["raises", "wrong_length", "string", "inf", "bool"],
+    ids=["raises", "wrong_length", "string", "inf", "bool", "generator_raises"],
 )
 def test_bad_reward_function_is_one_line_naming_function_row_and_value(bad, message):
     with pytest.raises(RewardFunctionError, match=message) as e:

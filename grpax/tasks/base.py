@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,12 +128,14 @@ def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tu
     """The first row whose call alone raises too (a batch-level failure pinned to a row), or None."""
     for i in range(len(completions)):
         try:
-            fn(
+            raw = fn(
                 prompts=prompts[i : i + 1],
                 completions=completions[i : i + 1],
                 **extra,
                 **{k: v[i : i + 1] for k, v in columns.items()},
             )
+            if isinstance(raw, Iterator):  # a generator raises as it is read
+                list(raw)
         except Exception as e:  # noqa: BLE001 - reported, with its row
             return i, e
     return None
@@ -179,6 +181,8 @@ def call_reward_function(
     check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
     try:
         raw = fn(prompts=prompts, completions=completions, **extra, **columns)
+        if isinstance(raw, Iterator):  # a generator runs the function's code as it is read
+            raw = list(raw)
     except Exception as e:  # noqa: BLE001 - one line naming the function and the row
         failing = _first_failing_row(fn, prompts, completions, columns, extra)
         row, err = failing if failing is not None else (None, e)
