@@ -365,11 +365,13 @@ def test_generate_sampling_errors_name_the_keys(tmp_path, capsys, args, needle):
 
 
 def test_grpax_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
-    args = ["evaluate", f"completions_path={tmp_path}/missing.jsonl"]
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    args = ["evaluate", f"completions_path={tmp_path}/broken.jsonl"]
     assert main(args) == 2
-    _one_line_error(capsys, "missing.jsonl does not exist (GRPAX_DEBUG=1 shows the traceback)")
+    err = _one_line_error(capsys, "broken.jsonl: line 1 is not valid JSON (")
+    assert err.endswith("(GRPAX_DEBUG=1 shows the traceback)")  # not a ConfigError: it may be a bug
     monkeypatch.setenv("GRPAX_DEBUG", "1")
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(ValueError, match="broken.jsonl: line 1 is not valid JSON"):
         main(args)
 
 

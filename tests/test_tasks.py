@@ -3,6 +3,7 @@ custom columns and templates, task=math against math-verify, and ``grpax evaluat
 
 import json
 import math
+import re
 import textwrap
 
 import numpy as np
@@ -106,8 +107,12 @@ def test_weighted_total_abstains_only_when_every_function_does():
             r"returned inf for row 1: expected a finite",
         ),
         (lambda prompts, completions, **kw: [True, 1, 0], r"returned True for row 0"),
+        (
+            lambda prompts, completions, **kw: (1.0 / (len(c) - 3) for c in completions),
+            r"raised ZeroDivisionError: float division by zero on row 1 \(completion 'abc'\)$",
+        ),
     ],
-    ids=["raises", "wrong_length", "string", "inf", "bool"],
+    ids=["raises", "wrong_length", "string", "inf", "bool", "generator_raises"],
 )
 def test_bad_reward_function_is_one_line_naming_function_row_and_value(bad, message):
     with pytest.raises(RewardFunctionError, match=message) as e:
@@ -177,11 +182,14 @@ def test_bad_return_types_and_signatures_are_named(bad, message):
 
 def test_numpy_and_jax_numbers_and_ints_count_as_points():
     import jax.numpy as jnp
+    import torch
 
     for good in (
         lambda prompts, completions, **kw: np.array([1, 2, 3]),
         lambda prompts, completions, **kw: jnp.array([1.0, 2.0, 3.0]),
         lambda prompts, completions, **kw: [np.float32(1.0), jnp.float32(2.0), 3],
+        lambda prompts, completions, **kw: [torch.tensor(1.0), torch.tensor(2), np.array(3.0)],
+        lambda prompts, completions, **kw: torch.tensor([1.0, 2.0, 3.0]),
         lambda prompts, completions, **kw: (float(len(c)) for c in completions),  # a generator
     ):
         values = call_reward_function("good", good, ["p"] * 3, ["a", "bb", "ccc"], {})
@@ -224,6 +232,46 @@ def test_reward_file_errors_name_the_key_and_what_exists(tmp_path):
         validate_task_keys(build_config(TrainConfig, ["task=gsm9k"]))
 
 
+def test_keys_that_would_train_on_nan_or_be_ignored_are_refused(tmp_path):
+    """Before: reward_weights=[nan] trained with a NaN total (zero advantages, exit 0), accuracy_reward was
+    ignored outside task=custom, and a function without **kwargs failed only at step 1, after model load."""
+    path = _write(tmp_path / "r.py", REWARDS)
+    keys = [
+        "task=custom",
+        f"reward_functions_path={path}",
+        "reward_functions=[length_bonus]",
+        "prompt_preset=plain",
+    ]
+    for weight in ("nan", "inf"):
+        with pytest.raises(
+            ConfigError, match=rf"reward_weights=\[{weight}\]: {weight} is not a finite number"
+        ):
+            validate_task_keys(build_config(TrainConfig, [*keys, f"reward_weights=[{weight}]"]))
+    validate_task_keys(build_config(TrainConfig, [*keys, "reward_weights=[-0.5]"]))  # negative: fine
+    # Before: [length_bonus,length_bonus] with weights [1,2] silently ran it once with weight 2, and a function
+    # named 'total' had its points overwritten by the weighted total.
+    twice = [*keys[:2], "reward_functions=[length_bonus,length_bonus]", keys[3], "reward_weights=[1,2]"]
+    with pytest.raises(ConfigError, match=r"names 'length_bonus' twice: name each function once"):
+        validate_task_keys(build_config(TrainConfig, twice))
+    with pytest.raises(ConfigError, match=r"'total' is the name of grpax's own reward entry .*: rename"):
+        validate_task_keys(build_config(TrainConfig, [*keys[:2], "reward_functions=[total]", keys[3]]))
+    gsm8k = ["task=gsm8k", f"reward_functions_path={path}", "reward_functions=[length_bonus]"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^accuracy_reward='length_bonus' is for task=custom; task=gsm8k counts accuracy with",
+    ):
+        validate_task_keys(build_config(TrainConfig, [*gsm8k, "accuracy_reward=length_bonus"]))
+    nokw = _write(tmp_path / "nokw.py", "def f(prompts, completions):\n    return [1.0] * len(completions)\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^reward function 'f' \(.*nokw\.py\) cannot take this call's keywords \['prompts', 'completions', "
+        r"'tmvp_config'\] and every dataset column: got an unexpected keyword argument 'tmvp_config'; name only",
+    ):
+        load_reward_functions(nokw, ["f"], extra_kwargs={"tmvp_config": None})
+    # A column named as a parameter is fine at load time (the columns are known at the call).
+    load_reward_functions(path, ["matches_target"], extra_kwargs={"tmvp_config": None})
+
+
 def test_missing_column_names_the_columns_the_file_has(tmp_path):
     task = build_task(_custom_cfg(tmp_path))
     data = _jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "label": "a"}])
@@ -233,6 +281,37 @@ def test_missing_column_names_the_columns_the_file_has(tmp_path):
         r"\['instruction', 'label'\]: set answer_field=<one of them>",
     ):
         task.load_rows(data, "train")
+
+
+def test_null_cells_are_named_or_have_no_answer(tmp_path):
+    """Before: a null prompt trained on the text 'None', and a null answer was the gold answer 'None' (so a
+    majority '<answer>None</answer>' counted in maj@k)."""
+    task = build_task(_custom_cfg(tmp_path))
+    rows = [{"instruction": "q", "target": None}, {"instruction": "r", "target": float("nan")}]
+    assert [r["gold"] for r in task.rows_from(rows, "d.jsonl")] == ["", ""]
+    assert not task.is_correct("None", "") and not task.is_correct("", "") and task.is_correct(" hi ", "hi")
+    with pytest.raises(
+        ValueError,
+        match=r"^d\.jsonl: row 1 has no value in column 'instruction' \(prompt_field='instruction'\): it is null or "
+        r"absent; fill it in or drop the row$",
+    ):
+        task.rows_from([{"instruction": "q", "target": "a"}, {"instruction": None, "target": "a"}], "d.jsonl")
+    # Ragged JSONL: a row without a column some row has gets None there (before: a KeyError traceback in the
+    # reward call, or 'set answer_field' although the column exists), so every batch passes the same keywords.
+    ragged = task.rows_from(
+        [{"instruction": "q", "target": "a"}, {"instruction": "r", "hint": "h"}], "d.jsonl"
+    )
+    assert [r["gold"] for r in ragged] == ["a", ""]
+    assert task.columns(ragged[0]) == {"instruction": "q", "target": "a", "hint": None}
+    scores = task.score(ragged, ["a", "b"])
+    assert scores["matches_target"] == [1.0, 0.0]
+    with pytest.raises(
+        ValueError, match=r"row 1 has no value in column 'instruction' .*: it is null or absent"
+    ):
+        task.rows_from([{"instruction": "q", "target": "a"}, {"target": "b"}], "d.jsonl")
+    math_task = build_task(build_config(TrainConfig, ["task=math", "prompt_preset=math", "model_name="]))
+    with pytest.raises(ValueError, match=r"row 0 has no value in column 'answer' \(answer_field='answer'\)"):
+        math_task.rows_from([{"problem": "1+1?", "answer": None}], "m.jsonl")
 
 
 def test_prompt_template_files(tmp_path):
@@ -348,6 +427,75 @@ def test_evaluate_scores_a_completions_file_with_the_user_rewards(tmp_path, caps
     records = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert records[1]["rewards"] == {"matches_target": 0.0, "length_bonus": 0.0, "total": 0.0}
     assert "accuracy" in capsys.readouterr().out
+
+
+def test_evaluate_of_a_bad_completions_file_names_the_key_and_the_fix(tmp_path, capsys):
+    """Before: a missing file named 'dataset path' and the Hub, an empty file crashed the reward function, a
+    count not a multiple of num_eval_passes (or interleaved questions) named no key."""
+    rewards = _write(tmp_path / "rewards.py", REWARDS)
+    keys = [
+        "task=custom",
+        f"reward_functions_path={rewards}",
+        "reward_functions=[matches_target]",
+        "prompt_field=instruction",
+        "answer_field=target",
+        "prompt_preset=plain",
+    ]
+    line = {"instruction": "say hi", "target": "hi", "completion": "hi"}
+    other = {**line, "instruction": "say yo"}
+    cases = [
+        (
+            "missing.jsonl",
+            [],
+            r"completions_path='missing\.jsonl' does not exist \(relative to .*\): pass a ",
+        ),
+        ("empty.jsonl", [], r"completions_path='.*empty\.jsonl' holds no completions"),
+        (
+            "three.jsonl",
+            [line] * 3,
+            r"holds 3 completions, not a multiple of num_eval_passes=2: set num_eval_passes",
+        ),
+        ("mixed.jsonl", [line, other, line, other], r"lines 1-2 mix questions, but num_eval_passes=2 reads"),
+        ("list.jsonl", [[1, 2]], r"line 1 is a JSON list, not an object; each line needs completion"),
+    ]
+    for name, lines, message in cases:
+        arg = name if name == "missing.jsonl" else _jsonl(tmp_path / name, lines)
+        assert main(["evaluate", *keys, f"completions_path={arg}", "num_eval_passes=2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert re.search(message, err) and "\n" not in err, (name, err)
+
+
+def test_evaluate_names_a_bad_dataset_before_loading_the_model(tmp_path, capsys):
+    """Before: the model loaded first (here a missing checkpoint was the error), and a missing split or column
+    then named no key."""
+    rewards = _write(tmp_path / "rewards.py", REWARDS)
+    (tmp_path / "data").mkdir()  # no test split yet
+    keys = [
+        "task=custom",
+        f"reward_functions_path={rewards}",
+        "reward_functions=[matches_target]",
+        "prompt_field=instruction",
+        "answer_field=target",
+        "prompt_preset=plain",
+        "model_name=",
+        f"load_parameters_path={tmp_path / 'no_checkpoint'}",
+    ]
+    assert main(["evaluate", *keys, f"dataset_name={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r"^grpax evaluate: error: dataset_name='.*data' \(eval_split='test'\): no 'test' split", err
+    ), err
+    _jsonl(tmp_path / "data" / "test.jsonl", [{"instruction": "q", "label": "a"}])
+    assert main(["evaluate", *keys, f"dataset_name={tmp_path / 'data'}"]) == 2
+    err = capsys.readouterr().err
+    assert "(eval_split='test'): " in err and "has no column 'target' (answer_field='target')" in err, err
+
+
+def test_train_rl_help_names_the_tasks_and_the_reward_keys(capsys):
+    assert main(["train_rl", "--help"]) == 0
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert "task's reward functions (task=gsm8k by default, math, or custom" in description
+    assert "GSM8K rewards" not in description  # before: the only rewards it named
 
 
 def test_the_readme_reward_file_runs_as_documented(tmp_path):

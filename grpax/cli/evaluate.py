@@ -23,11 +23,17 @@ DESCRIPTION = (
 @dataclasses.dataclass(frozen=True)
 class EvaluateConfig(TaskConfig):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
-    completions_path: str = field("", "score this JSONL of completions instead of sampling a model")
+    completions_path: str = field(
+        "",
+        "score this file of completions instead of sampling a model (JSONL; Parquet too for task=math|custom), "
+        "each question's num_eval_passes samples on consecutive lines",
+    )
     model_name: str = field(
         "smollm2-135m-Instruct", "model registry name: picks the model preset (prompt, rewards, dtypes)"
     )
-    dataset_name: str = field("openai/gsm8k", "Hub name, a folder with test.jsonl, or a file")
+    dataset_name: str = field(
+        "openai/gsm8k", "Hub name, a folder with test.jsonl or test.parquet, or a .jsonl / .parquet file"
+    )
     eval_split: str = field("test", "split to evaluate")
     num_test_batches: int = field(
         4, "evaluate num_test_batches * eval_batch_size questions, as train_rl (-1: the whole split)"
@@ -44,7 +50,11 @@ class EvaluateConfig(TaskConfig):
         "maxtext",
         "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
     )
-    response_prefix: str = field("", "with completions_path: text the completions continue from")
+    response_prefix: str = field(
+        "",
+        "with completions_path: text the completions continue from (the prompt preset's or template's own "
+        "response_prefix is not applied to a file)",
+    )
     seed: int = field(0, "sampling seed")
     scan_layers: bool = field(True, "stacked layers")
     weight_dtype: str = field("float32", "parameter dtype")
@@ -75,21 +85,59 @@ def _write(output_path: str, records: list[dict], summary: dict) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def _check_groups(config: EvaluateConfig, questions: list[str]) -> None:
+    """Raises ConfigError unless the file splits into runs of num_eval_passes lines of one question each."""
+    k, path = config.num_eval_passes, config.completions_path
+    if not questions:
+        raise ConfigError(f"completions_path={path!r} holds no completions: one JSON object per line")
+    if len(questions) % k:
+        raise ConfigError(
+            f"completions_path={path!r} holds {len(questions)} completions, not a multiple of num_eval_passes={k}: "
+            "set num_eval_passes to the samples per question"
+        )
+    for start in range(0, len(questions), k):
+        if len(set(questions[start : start + k])) != 1:
+            raise ConfigError(
+                f"completions_path={path!r}: lines {start + 1}-{start + k} mix questions, but num_eval_passes={k} "
+                "reads each question's samples from consecutive lines: reorder the file or set num_eval_passes"
+            )
+
+
 def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
-    """Scores completions_path with the task (its rewards, its check); returns records and summary."""
+    """Scores completions_path with the task (its rewards, its check); returns records and summary.
+
+    Raises:
+      ConfigError: the file is missing, empty, has a line without ``completion`` or not an object, or does not
+        split into groups of num_eval_passes consecutive lines of one question.
+    """
     from grpax.data.gsm8k import read_rows
     from grpax.eval.metrics import load_completions_file, summarize
 
+    path = Path(config.completions_path).expanduser()
+    if not path.is_file():
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        kind = (
+            "a .jsonl file of question, answer" if config.task == "gsm8k" else "a .jsonl / .parquet file of"
+        )
+        raise ConfigError(
+            f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass {kind} "
+            "completion and the task's columns"
+        )
     task.preset = dataclasses.replace(task.preset, response_prefix=config.response_prefix)
     if config.task == "gsm8k":
-        lines = load_completions_file(config.completions_path)
+        lines = load_completions_file(path)
         rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
     else:
-        lines, source = read_rows(config.completions_path, "")
+        lines, source = read_rows(str(path), "")
         for i, line in enumerate(lines):
             if not isinstance(line, dict) or "completion" not in line:
-                raise ValueError(f"{source}: line {i + 1} has no field 'completion'")
+                what = f"is a JSON {type(line).__name__}, not an object" if not isinstance(line, dict) else ""
+                raise ConfigError(
+                    f"completions_path={config.completions_path!r}: line {i + 1} {what or 'has no field completion'}; "
+                    "each line needs completion and the task's columns"
+                )
         rows = task.rows_from([{k: v for k, v in r.items() if k != "completion"} for r in lines], source)
+    _check_groups(config, [r["question"] for r in rows])
     records = task.records(rows, [str(r["completion"]) for r in lines])
     return records, summarize(records, config.num_eval_passes, task.is_correct)
 
@@ -119,6 +167,12 @@ def run(config: EvaluateConfig) -> int:
 
     what = f"max_target_length={config.max_target_length}"
     check_context_length(config.max_target_length, what, config.load_parameters_path)
+    try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
+        task_rows = task.load_rows(config.dataset_name, config.eval_split)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(
+            f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
+        ) from None
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(
         config.load_parameters_path,
@@ -135,7 +189,7 @@ def run(config: EvaluateConfig) -> int:
         config.max_prefill_predict_length,
         limit,
         need=("dataset_name", "eval_split", 1),
-        load=task.load_rows,
+        load=lambda dataset, split: task_rows,
     )
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = SamplerConfig(

@@ -1,4 +1,4 @@
-"""``grpax train_rl``: GRPO on GSM8K (the main job). Thin wrapper over ``grpax.rl.trainer.train``."""
+"""``grpax train_rl``: GRPO on a task (GSM8K by default: the main job). Thin wrapper over ``grpax.rl.trainer.train``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from grpax.rl.trainer import train
 CONFIG = TrainConfig
 DESCRIPTION = (
     "GRPO training: sample num_generations completions per prompt with the KV-cache sampler, score them with "
-    "the GSM8K rewards, update the policy with the clipped GRPO objective and a KL penalty to the frozen "
+    "the task's reward functions (task=gsm8k by default, math, or custom: your data and reward_functions_path), "
+    "update the policy with the clipped GRPO objective and a KL penalty to the frozen "
     "reference; evaluate before and after (num_test_batches=0: no evaluation), with 95% intervals and a paired "
     "sign test of the change; checkpoint the actor under "
     "<base_output_directory>/<run_name>/checkpoints/actor/<step>/model_params. Running again with the same "

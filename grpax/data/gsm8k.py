@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -217,6 +218,40 @@ def require_columns(row: Any, source: str, index: int, columns: dict[str, str]) 
             raise ValueError(
                 f"{source}: row {index} has no column {name!r} ({key}={name!r}); its columns are {have}: "
                 f"set {key}=<one of them>"
+            )
+
+
+def is_missing(value: Any) -> bool:
+    """Whether a cell holds no value: None (JSON null) or a float NaN (how Parquet / pandas spell a null)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def with_all_columns(rows: list[Any]) -> list[Any]:
+    """Rows with every column some row has, None where a row lacks it (as a Parquet / ``datasets`` table reads
+    ragged JSONL), in first-seen order; so a reward function gets the same keywords for every batch.
+
+    Example:
+        >>> with_all_columns([{"q": "a"}, {"q": "b", "hint": "h"}])
+        [{'q': 'a', 'hint': None}, {'q': 'b', 'hint': 'h'}]
+    """
+    names = dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r)
+    return [{k: r.get(k) for k in names} if isinstance(r, dict) else r for r in rows]
+
+
+def require_values(row: dict, source: str, index: int, columns: dict[str, str]) -> None:
+    """Raises ValueError naming the key and the column when a cell the task needs is null (``is_missing``).
+
+    Args:
+        row: one raw row (``require_columns`` has passed).
+        source: its file, for the message.
+        index: its row number.
+        columns: key -> the column that key names, e.g. ``{"prompt_field": "problem"}``.
+    """
+    for key, name in columns.items():
+        if is_missing(row[name]):
+            raise ValueError(
+                f"{source}: row {index} has no value in column {name!r} ({key}={name!r}): it is null or absent; fill "
+                "it in or drop the row"
             )
 
 

@@ -8,6 +8,7 @@ they describe: ``gsm8k`` (the default), ``math`` (math-verify) or ``custom`` (th
 from __future__ import annotations
 
 import dataclasses
+from math import isfinite  # not "import math": the submodule grpax.tasks.math would shadow it
 from typing import Any
 
 from grpax.config import field
@@ -21,6 +22,8 @@ from grpax.tasks.math import MathTask, check_math_verify
 from grpax.tasks.user import load_prompt_template, load_reward_functions
 
 TASKS = ("gsm8k", "math", "custom")
+# Names of the score entries grpax adds next to the reward functions' (the weighted total, DAPO's penalty).
+RESERVED_REWARD_NAMES = ("total", "overlong")
 # The columns each task reads by default (prompt_field, answer_field).
 DEFAULT_FIELDS = {
     "gsm8k": ("question", "answer"),
@@ -70,8 +73,9 @@ def validate_task_keys(cfg: Any) -> None:
 
     Raises:
       ConfigError: an unknown task, task=math without math-verify, task=custom without reward functions,
-        reward_functions without reward_functions_path (or the reverse), weights without functions, an
-        accuracy_reward not among reward_functions, an unknown prompt_preset, or a GSM8K prompt preset for
+        reward_functions without reward_functions_path (or the reverse), a function named twice or named like an
+        entry grpax adds (``RESERVED_REWARD_NAMES``), weights without functions or not finite,
+        an accuracy_reward outside task=custom or not among reward_functions, an unknown prompt_preset, or a GSM8K prompt preset for
         another task (a model preset sets one; the GSM8K wording would be a silent surprise).
     """
     if cfg.task not in TASKS:
@@ -91,6 +95,30 @@ def validate_task_keys(cfg: Any) -> None:
         raise ConfigError(
             f"reward_weights={list(cfg.reward_weights)}: {len(cfg.reward_weights)} weights for "
             f"{len(cfg.reward_functions)} reward_functions; give one per function, or none (1.0 each)"
+        )
+    names = list(cfg.reward_functions)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"reward_functions={names} names {twice[0]!r} twice: name each function once (weight it with "
+            "reward_weights)"
+        )
+    reserved = [n for n in names if n in RESERVED_REWARD_NAMES]
+    if reserved:
+        raise ConfigError(
+            f"reward_functions={names}: {reserved[0]!r} is the name of grpax's own reward entry (the weighted "
+            "total, or DAPO's overlong penalty): rename that function in the file"
+        )
+    bad_weights = [w for w in cfg.reward_weights if not isfinite(w)]
+    if bad_weights:
+        raise ConfigError(
+            f"reward_weights={list(cfg.reward_weights)}: {bad_weights[0]} is not a finite number; give each of "
+            "reward_functions a finite weight (negative ones subtract)"
+        )
+    if cfg.accuracy_reward and cfg.task != "custom":
+        raise ConfigError(
+            f"accuracy_reward={cfg.accuracy_reward!r} is for task=custom; task={cfg.task} counts accuracy with its "
+            "own answer check: drop accuracy_reward"
         )
     if cfg.accuracy_reward and cfg.accuracy_reward not in cfg.reward_functions:
         raise ConfigError(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +61,11 @@ def _short(value: Any) -> str:
 
 
 def _to_points(name: str, source: str, row: int, value: Any) -> float:
-    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX number counts too."""
+    """One returned value as float points; None and NaN abstain (NaN). A 0-d numpy / JAX / torch number counts."""
     if value is None:
         return math.nan
-    if getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in "fiu":
-        value = value.item()  # np.float32(1.0), jnp.array(1.0): a number (a 0-d bool array stays a bool)
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # a 0-d numpy / JAX / torch value: its Python value (a bool stays a bool)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         points = float(value)
         if math.isnan(points) or math.isfinite(points):
@@ -106,18 +106,20 @@ def _as_values(name: str, source: str, raw: Any, n: int) -> list[Any]:
     return values
 
 
-def _check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str]) -> None:
-    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a call,
-    so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a crash)."""
+def check_keywords(name: str, fn: RewardFn, source: str, keywords: list[str], partial: bool = False) -> None:
+    """Raises RewardFunctionError when ``fn``'s parameters cannot take the call's keywords (checked before a
+    call, so that a missing ``**kwargs`` or a parameter named after no column is reported as such, not as a
+    crash). ``partial``: only that these keywords are accepted (the columns are not known yet)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: let the call tell
         return
     try:
-        signature.bind(**dict.fromkeys(keywords))
+        (signature.bind_partial if partial else signature.bind)(**dict.fromkeys(keywords))
     except TypeError as e:
+        more = " and every dataset column" if partial else ""
         raise RewardFunctionError(
-            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}: {e}; name only "
+            f"reward function {name!r} ({source}) cannot take this call's keywords {keywords}{more}: {e}; name only "
             "these as parameters and end the list with **kwargs"
         ) from None
 
@@ -126,12 +128,14 @@ def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tu
     """The first row whose call alone raises too (a batch-level failure pinned to a row), or None."""
     for i in range(len(completions)):
         try:
-            fn(
+            raw = fn(
                 prompts=prompts[i : i + 1],
                 completions=completions[i : i + 1],
                 **extra,
                 **{k: v[i : i + 1] for k, v in columns.items()},
             )
+            if isinstance(raw, Iterator):  # a generator raises as it is read
+                list(raw)
         except Exception as e:  # noqa: BLE001 - reported, with its row
             return i, e
     return None
@@ -174,9 +178,11 @@ def call_reward_function(
       RewardFunctionError: reward function 'short' () returned True for row 0: expected a finite number, ...
     """
     extra = dict(extra_kwargs or {})
-    _check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
+    check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
     try:
         raw = fn(prompts=prompts, completions=completions, **extra, **columns)
+        if isinstance(raw, Iterator):  # a generator runs the function's code as it is read
+            raw = list(raw)
     except Exception as e:  # noqa: BLE001 - one line naming the function and the row
         failing = _first_failing_row(fn, prompts, completions, columns, extra)
         row, err = failing if failing is not None else (None, e)

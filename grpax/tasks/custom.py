@@ -1,12 +1,12 @@
 """A user's own task: any JSONL / Parquet / Hub dataset, the user's prompt and the user's reward functions.
 
 Rows come from ``dataset_name`` with the prompt in ``prompt_field`` (default ``prompt``) and, optionally, a
-reference answer in ``answer_field`` (default ``answer``; '' for none). Every column of the row reaches the
-reward functions as a keyword argument (TRL's convention); there are no built-in rewards, so
-``reward_functions_path`` is required. Evaluation counts a completion as correct when the reward function
+reference answer in ``answer_field`` (default ``answer``; ``answer_field=none`` for no such column; a null
+cell is a row without one). Every column of the row reaches the reward functions as a keyword argument (TRL's
+convention); there are no built-in rewards, so ``reward_functions_path`` is required. Evaluation counts a completion as correct when the reward function
 ``accuracy_reward`` (default: the first of ``reward_functions``) gives it more than 0 points; its extracted
 answer is the last ``<answer>`` block (``formatted``: there is one), which majority voting (maj@k) compares
-with the answer column after stripping whitespace.
+with the answer column after stripping whitespace (a row without an answer counts as not correct there).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns
+from grpax.data.gsm8k import is_missing, read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.rewards.gsm8k import extract_answer
 from grpax.tasks.base import Task, UserRewards
@@ -47,9 +47,11 @@ class CustomTask(Task):
         if self.answer_field:
             keys["answer_field"] = self.answer_field
         rows = []
-        for i, r in enumerate(raw):
+        for i, r in enumerate(with_all_columns(raw)):
             require_columns(r, source, i, keys)
-            gold = str(r[self.answer_field]) if self.answer_field else ""
+            require_values(r, source, i, {"prompt_field": self.prompt_field})
+            has_gold = self.answer_field and not is_missing(r[self.answer_field])
+            gold = str(r[self.answer_field]) if has_gold else ""  # null: no reference answer for this row
             rows.append({"question": str(r[self.prompt_field]), "gold": gold, "columns": r})
         return rows
 
@@ -67,4 +69,5 @@ class CustomTask(Task):
         }
 
     def is_correct(self, answer: str | None, gold: str) -> bool:
-        return answer is not None and answer.strip() == gold.strip()
+        # A row without a reference answer ("") has no majority answer that can be right.
+        return answer is not None and gold.strip() != "" and answer.strip() == gold.strip()

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns
+from grpax.data.gsm8k import read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 from grpax.rewards.gsm8k import extract_answer
@@ -117,8 +117,9 @@ class MathTask(Task):
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}
         rows = []
-        for i, r in enumerate(raw):
+        for i, r in enumerate(with_all_columns(raw)):
             require_columns(r, source, i, keys)
+            require_values(r, source, i, keys)
             gold = str(r[self.answer_field])
             rows.append(
                 {"question": str(r[self.prompt_field]), "gold": last_boxed(gold) or gold, "columns": r}

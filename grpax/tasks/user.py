@@ -20,7 +20,7 @@ import yaml
 
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError, suggest
-from grpax.tasks.base import RewardFn, UserRewards
+from grpax.tasks.base import RewardFn, UserRewards, check_keywords
 
 _PRESET_FIELDS = ("system_prompt", "user_template", "response_prefix")
 
@@ -60,7 +60,7 @@ def load_reward_functions(
 
     Raises:
       ConfigError: the file does not exist (or is a folder) or fails to import, a name is missing from it or
-        not a function, no names, or a weight count that differs from the name count (key, value and fix named).
+        not a function or cannot take ``prompts``, ``completions`` and ``extra_kwargs`` by keyword, no names, or a weight count that differs from the name count (key, value and fix named).
     """
     file = Path(path).expanduser()
     if not file.is_file():
@@ -91,6 +91,7 @@ def load_reward_functions(
             raise ConfigError(
                 f"reward_functions: {path} has no function {name!r}; it defines {defined}.{suggest(name, defined)}"
             )
+        check_keywords(name, fn, str(path), ["prompts", "completions", *(extra_kwargs or {})], partial=True)
         fns[name] = fn
     return UserRewards(
         fns=fns,
