@@ -1,0 +1,382 @@
+"""Compile a whole GRPO job for its devices, or for a TPU slice that is not here, and say whether it fits.
+
+``grpax train_rl <keys> compile_topology=v6e-8`` builds every array of the run abstractly (``ShapeDtypeStruct``s:
+no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
+devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
+(``make_train_step`` as the trainer builds it: micro-batches, remat), the reference logprobs
+(``compute_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
+function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
+adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
+before a real run on an accelerator (``check_before_run``), against the device's memory limit. MaxText's
+``train_compile.py`` does this for pre-training; this follows its keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpax import sharding
+from grpax.config import ConfigError
+from grpax.models.params import abstract_params
+from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+from grpax.sampler import engine
+from grpax.sampler.backend import select_backend
+
+log = logging.getLogger("grpax.compile_check")
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One compiled function: its per-chip memory (bytes) and compile seconds."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    seconds: float
+    over_hbm: bool = False  # the compiler refused it: its temporaries alone exceed the chip's HBM
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-chip bytes of the resident arrays and of each compiled function, and the fit against ``hbm``."""
+
+    target: str  # e.g. "v6e-8 (8 x TPU v6e)"
+    hbm: int
+    resident: dict[str, int]  # params, optimizer state, reference params
+    kv_cache: int  # the full-length cache (P + C slots), per chip
+    rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
+    functions: dict[str, Compiled]
+    phases: dict[str, int]  # phase -> bytes beyond the resident arrays
+    flops: list  # step_cost.Phase
+
+    @property
+    def peak(self) -> int:
+        return sum(self.resident.values()) + max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hbm and not any(c.over_hbm for c in self.functions.values())
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The run's model: the checkpoint's config.json when there is one, else the registered ``model_name``."""
+    runtime = dict(
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        scan_layers=cfg.scan_layers,
+        remat_policy=cfg.remat_policy,
+    )
+    found = find_hf_config(cfg.load_parameters_path) if cfg.load_parameters_path else None
+    if found is not None:
+        return load_hf_config(found, **runtime)
+    if not cfg.model_name:
+        raise ConfigError(
+            "compile_topology needs model_name=<a registered model> (or load_parameters_path with a config.json)"
+        )
+    return get_model_config(cfg.model_name, **runtime)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes of the largest shard of each leaf (``ShapeDtypeStruct``s with a sharding), summed: one chip's."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> dict:
+    """The update's batch as ``trainer._update_batch`` builds it, at the longest prompt bucket."""
+    rows, P, C = (
+        cfg.batch_size * cfg.num_generations,
+        cfg.max_prefill_predict_length,
+        cfg.max_completion_length,
+    )
+    shapes = {
+        "prompt_ids": ((cfg.batch_size, P), jnp.int32),
+        "prompt_mask": ((cfg.batch_size, P), jnp.int32),
+        "completion_ids": ((rows, C), jnp.int32),
+        "completion_mask": ((rows, C), jnp.int32),
+        "advantages": ((rows,), jnp.float32),
+        "old_logprobs": ((rows, C), jnp.float32),
+        "truncated": ((rows,), jnp.bool_),
+    }
+    if with_ref:
+        shapes["ref_logprobs"] = ((rows, C), jnp.float32)
+    return {
+        k: jax.ShapeDtypeStruct(
+            shape, dtype, sharding=sharding.batch_sharding(np.empty(shape, np.int8), mesh)
+        )
+        for k, (shape, dtype) in shapes.items()
+    }
+
+
+# The TPU compiler refuses a program whose temporaries exceed HBM: "... HLO temporaries (202.67G) exceeds ...".
+_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def _compile(name: str, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
+    """Lowers and compiles ``fn`` for its abstract arguments; (its memory, the executable or None if refused)."""
+    log.info("compiling %s ...", name)
+    start = time.perf_counter()
+    try:
+        compiled = fn.lower(*args, **kwargs).compile()
+    except jax.errors.JaxRuntimeError as e:
+        match = _OVER_HBM.search(str(e))
+        if match is None:
+            raise
+        temporaries = int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
+        arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+        log.warning("%s does not compile: %s", name, str(e).splitlines()[0])
+        seconds = time.perf_counter() - start
+        return Compiled(name, per_chip_bytes(arrays), 0, 0, temporaries, seconds, over_hbm=True), None
+    seconds = time.perf_counter() - start
+    log.info("compiled %s in %.1f s", name, seconds)
+    memory = compiled.memory_analysis()
+    sizes = (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes)
+    return Compiled(name, *(int(x) for x in sizes), int(memory.temp_size_in_bytes), seconds), compiled
+
+
+def _extra(c: Compiled, counted: int) -> int:
+    """Bytes a function adds beyond arguments already counted: other arguments, temporaries, new outputs."""
+    return c.arguments - counted + c.temporaries + c.outputs - c.aliased
+
+
+def compile_job(
+    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float, bandwidth: float
+) -> Report:
+    """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
+
+    Args:
+      cfg: the run's keys.
+      devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
+      target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip.
+
+    Raises:
+      ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
+    """
+    model_cfg = model_config(cfg)
+    grpo = cfg.grpo()
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
+    mesh = sharding.create_mesh(mesh_cfg, devices)
+    rollout_mesh = sharding.create_rollout_mesh(mesh_cfg, devices)
+    shapes = abstract_params(model_cfg)
+    params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
+    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    state = TrainState(params=params, opt_state=opt_state, step=step)
+    with_ref = grpo.beta > 0
+    resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+    if with_ref:
+        resident["reference params"] = resident["params"]
+    batch = _batch(cfg, mesh, with_ref)
+    functions: dict[str, Compiled] = {}
+    phases: dict[str, int] = {}
+    with jax.set_mesh(mesh):
+        train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
+        functions["update"], _ = _compile("the GRPO update", train_step, state, batch)
+        phases["update"] = _extra(functions["update"], per_chip_bytes(state))
+        if with_ref or grpo.num_iterations > 1:
+            ref_batch = {k: v for k, v in batch.items() if k != "ref_logprobs"}
+            c, _ = _compile(
+                "the reference logprobs", compute_logprobs, params, ref_batch, model_cfg, grpo.temperature,
+                cfg.micro_batches,
+            )  # fmt: skip
+            functions["reference logprobs"] = c
+            phases["reference logprobs"] = _extra(c, resident["params"])
+    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
+    same = all(
+        a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
+    )
+    rollout_copy = 0 if same else per_chip_bytes(rollout_params)
+    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
+    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
+    replicated = NamedSharding(rollout_mesh, P())
+    prompts = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
+    )
+    lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
+    backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
+    G = grpo.num_generations
+    with jax.set_mesh(rollout_mesh):
+        prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
+        functions["prefill"], compiled = _compile("the sampler's prefill", engine.prefill, *prefill_args)
+        if compiled is not None:  # the decode starts from the prefill's cache and logits
+            cache, logits = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
+            )
+            row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)
+            key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
+            decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
+            functions["decode"], _ = _compile("the sampler's decode loop", engine.decode, *decode_args)
+    rollout_resident = per_chip_bytes(rollout_params)
+    phases["rollout"] = rollout_copy + max(
+        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    )
+    rows = cfg.batch_size * G
+    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
+    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
+    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
+    kv_cache = per_chip_bytes(
+        {
+            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
+            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
+        }
+    )
+    shape = StepShape(
+        cfg.batch_size, G, cfg.max_prefill_predict_length, cfg.max_completion_length, cfg.micro_batches,
+        grpo.num_iterations, with_ref, sc.decode_phase_length,
+    )  # fmt: skip
+    flops = step_phases(
+        model_cfg, shape, len(devices), mesh.shape["tensor"], rollout_mesh.shape["tensor"],
+        rollout_mesh.shape["data"], peak_flops, bandwidth,
+    )  # fmt: skip
+    return Report(target, hbm, resident, kv_cache, rollout_copy, functions, phases, flops)
+
+
+def _divisor_at_most(n: int, limit: float) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (at least 1)."""
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
+
+
+def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
+    """Keys that shrink the largest part of the peak, with values to try (scaled to the room left)."""
+    out = []
+    phase = max(report.phases, key=report.phases.get)
+    resident = sum(report.resident.values())
+    room = max(report.hbm - resident, 0) / max(
+        report.phases[phase], 1
+    )  # < 1: the phase must shrink this much
+    if resident > report.hbm / 2:
+        if cfg.weight_dtype == "float32":
+            out.append("weight_dtype=bfloat16 dtype=bfloat16 (halves params, optimizer state and reference)")
+        if cfg.beta > 0:
+            out.append("beta=0 (no reference copy of the params)")
+        out.append(
+            f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
+        )
+    if phase in ("update", "reference logprobs"):
+        prompts = cfg.batch_size // cfg.micro_batches
+        if prompts > 1:
+            fit = _divisor_at_most(cfg.batch_size, prompts * room)
+            out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
+        if cfg.remat_policy != "full":
+            out.append(f"remat_policy=full (now {cfg.remat_policy})")
+    if phase == "rollout":
+        if report.rollout_copy:
+            out.append(
+                "rollout_data_parallelism / rollout_tensor_parallelism matching the trainer's layout "
+                "(no copy of the params for the sampler)"
+            )
+        fit = _divisor_at_most(cfg.batch_size, cfg.batch_size * room)
+        out.append(
+            f"batch_size={min(fit, cfg.batch_size // 2) or 1} or fewer num_generations (KV-cache rows)"
+        )
+    out.append(
+        f"max_target_length={cfg.max_target_length // 2} / max_prefill_predict_length (shorter rows and cache)"
+    )
+    return out
+
+
+def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
+    """The per-chip table, the verdict, the step's FLOPs and bytes, the compile times."""
+    rows = [(name, b) for name, b in report.resident.items()]
+    rows.append(("KV cache (P + C slots, by the rules)", report.kv_cache))
+    if report.rollout_copy:
+        rows.append(("params copied to the sampler's layout", report.rollout_copy))
+    rows += [
+        (f"{name} temporaries" + (" (refused: > HBM)" if c.over_hbm else ""), c.temporaries)
+        for name, c in report.functions.items()
+    ]
+    rows += [(f"{name} phase, beyond the resident arrays", b) for name, b in report.phases.items()]
+    rows += [("peak, all colocated", report.peak), ("chip HBM", report.hbm)]
+    lines = [f"per-chip memory of train_rl on {report.target}, model {cfg.model_name or '(checkpoint)'}:"]
+    lines += [f"  {name:<54}{b / GIB:>9.2f} GiB {b:>16,d} bytes" for name, b in rows]
+    verdict = "fits" if report.fits else "does not fit"
+    lines.append(f"{verdict}: peak {report.peak / GIB:.2f} GiB of {report.hbm / GIB:.2f} GiB per chip "
+                 f"({100 * report.peak / report.hbm:.0f}%)")  # fmt: skip
+    if not report.fits:
+        lines.append("to make it fit, try: " + "; ".join(suggestions(cfg, report, num_chips)))
+    total = sum(p.seconds for p in report.flops)
+    lines.append(
+        "one GRPO step, counted from the shapes (the compiler's cost analysis counts a loop body once: layers, "
+        "micro-batches and decode steps are loops):"
+    )
+    for p in report.flops:
+        lines.append(f"  {p.name:<20}{p.flops / 1e12:>11.1f} TFLOP {p.bytes_per_chip / GIB:>9.1f} GiB/chip "
+                     f"{p.seconds:>9.3f} s")  # fmt: skip
+    flops = sum(p.flops for p in report.flops)
+    lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
+                 "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
+    lines.append(
+        "compile time: " + ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
+    )
+    return "\n".join(lines)
+
+
+def run(cfg: TrainConfig) -> int:
+    """``grpax train_rl ... compile_topology=NAME``: compiles the job for that slice; 0 if it fits, else 1."""
+    from grpax.topology import get_topology
+
+    topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
+    chip = topology.chip
+    target = (
+        f"{cfg.compile_topology}"
+        + (f" x {topology.num_slices} slices" if topology.num_slices > 1 else "")
+        + f" ({topology.num_chips} x {chip.name})"
+    )
+    start = time.perf_counter()
+    report = compile_job(cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth)
+    print(format_report(cfg, report, topology.num_chips))
+    print(f"total compile time {time.perf_counter() - start:.1f} s")
+    return 0 if report.fits else 1
+
+
+def check_before_run(cfg: TrainConfig) -> None:
+    """Compiles the job for this machine's devices and stops a run that cannot fit (accelerators only).
+
+    Raises:
+      ConfigError: the peak exceeds the device's memory limit; the message holds the table and what to change.
+    """
+    devices = jax.devices()
+    if not cfg.check_fit or devices[0].platform == "cpu":
+        return
+    stats = devices[0].memory_stats() or {}
+    limit = int(stats.get("bytes_limit", 0))
+    if not limit:
+        log.warning("the device reports no memory limit: the fit check is skipped")
+        return
+    report = compile_job(
+        cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, math.inf, math.inf
+    )
+    log.info("%s", format_report(cfg, report, len(devices)))
+    if not report.fits:
+        raise ConfigError(
+            f"this run does not fit: peak {report.peak / GIB:.2f} GiB per device > {limit / GIB:.2f} GiB; try: "
+            + "; ".join(suggestions(cfg, report, len(devices)))
+            + " (check_fit=false skips this check)"
+        )
