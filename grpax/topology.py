@@ -48,6 +48,17 @@ TOPOLOGIES: dict[str, tuple[str, str]] = {
 SINGLE_HOST_MAX = 8  # v5e / v6e slices of up to 8 chips are one VM (ct5lp-/ct6e-standard-8t)
 
 
+# jax's device_kind of each generation's chips.
+_DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                 "TPU v6 lite": "v6e", "TPU v6e": "v6e"}  # fmt: skip
+
+
+def chip_of(device_kind: str) -> Chip | None:
+    """The ``Chip`` of a JAX device's ``device_kind`` (e.g. "TPU v6 lite"), or None for any other device."""
+    generation = _DEVICE_KINDS.get(device_kind)
+    return CHIPS[generation] if generation else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """A named TPU slice (or several): its devices for compilation, its chip and its shape."""

@@ -12,8 +12,12 @@ import sys
 import pytest
 
 from grpax.cli.main import main
+from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
+from grpax.rl.compile_check import check_before_run
 from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.train_config import TrainConfig
+from grpax.topology import get_topology
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
 
@@ -116,3 +120,14 @@ def test_step_flops_equal_a_hand_count():
     grouped = per_token * (4 + 4) + attention(4, 4) + attention(4, 6) + 2 * D * V * 4
     layers_and_head = grouped - 2 * D * V * 4
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
+
+
+def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
+    # The check an accelerator run makes before reading weights, here on a v5e:2x2 slice's devices with a
+    # memory limit of 1 MiB (the tiny job's params, moments and reference alone take 0.54 MiB per chip).
+    cfg = build_config(TrainConfig, _keys(config_only, compile_topology="")[1:])
+    devices = get_topology("v5e:2x2").devices
+    with pytest.raises(ConfigError, match=r"this run does not fit: peak .* GiB per device > 0.00 GiB; try: .*"
+                                          r"max_target_length=32.*check_fit=false skips"):  # fmt: skip
+        check_before_run(cfg, devices, limit=2**20)
+    check_before_run(build_config(TrainConfig, [*_keys(config_only)[1:], "check_fit=false"]), devices, 1)

@@ -35,6 +35,7 @@ from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
+from grpax.topology import chip_of, get_topology
 
 log = logging.getLogger("grpax.compile_check")
 GIB = 2**30
@@ -163,14 +164,15 @@ def _extra(c: Compiled, counted: int) -> int:
 
 
 def compile_job(
-    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float, bandwidth: float
+    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float | None, bandwidth: float | None
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
     Args:
       cfg: the run's keys.
       devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
-      target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip.
+      target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
+        no step count).
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
@@ -251,7 +253,7 @@ def compile_job(
         cfg.batch_size, G, cfg.max_prefill_predict_length, cfg.max_completion_length, cfg.micro_batches,
         grpo.num_iterations, with_ref, sc.decode_phase_length,
     )  # fmt: skip
-    flops = step_phases(
+    flops = [] if peak_flops is None else step_phases(
         model_cfg, shape, len(devices), mesh.shape["tensor"], rollout_mesh.shape["tensor"],
         rollout_mesh.shape["data"], peak_flops, bandwidth,
     )  # fmt: skip
@@ -321,17 +323,18 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
                  f"({100 * report.peak / report.hbm:.0f}%)")  # fmt: skip
     if not report.fits:
         lines.append("to make it fit, try: " + "; ".join(suggestions(cfg, report, num_chips)))
-    total = sum(p.seconds for p in report.flops)
-    lines.append(
-        "one GRPO step, counted from the shapes (the compiler's cost analysis counts a loop body once: layers, "
-        "micro-batches and decode steps are loops):"
-    )
-    for p in report.flops:
-        lines.append(f"  {p.name:<20}{p.flops / 1e12:>11.1f} TFLOP {p.bytes_per_chip / GIB:>9.1f} GiB/chip "
-                     f"{p.seconds:>9.3f} s")  # fmt: skip
-    flops = sum(p.flops for p in report.flops)
-    lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
-                 "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
+    if report.flops:
+        total = sum(p.seconds for p in report.flops)
+        lines.append(
+            "one GRPO step, counted from the shapes (the compiler's cost analysis counts a loop body once: layers, "
+            "micro-batches and decode steps are loops):"
+        )
+        for p in report.flops:
+            lines.append(f"  {p.name:<20}{p.flops / 1e12:>11.1f} TFLOP {p.bytes_per_chip / GIB:>9.1f} GiB/chip "
+                         f"{p.seconds:>9.3f} s")  # fmt: skip
+        flops = sum(p.flops for p in report.flops)
+        lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
+                     "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
     lines.append(
         "compile time: " + ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
     )
@@ -340,8 +343,6 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
 
 def run(cfg: TrainConfig) -> int:
     """``grpax train_rl ... compile_topology=NAME``: compiles the job for that slice; 0 if it fits, else 1."""
-    from grpax.topology import get_topology
-
     topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
     chip = topology.chip
     target = (
@@ -356,23 +357,27 @@ def run(cfg: TrainConfig) -> int:
     return 0 if report.fits else 1
 
 
-def check_before_run(cfg: TrainConfig) -> None:
+def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -> None:
     """Compiles the job for this machine's devices and stops a run that cannot fit (accelerators only).
 
+    Args:
+      cfg: the run's keys (``check_fit=false``: no check).
+      devices: default ``jax.devices()``; CPU devices are not checked.
+      limit: bytes per device; default the first device's ``memory_stats()["bytes_limit"]``.
+
     Raises:
-      ConfigError: the peak exceeds the device's memory limit; the message holds the table and what to change.
+      ConfigError: the peak exceeds the memory limit; the message names what to change.
     """
-    devices = jax.devices()
+    devices = list(devices or jax.devices())
     if not cfg.check_fit or devices[0].platform == "cpu":
         return
-    stats = devices[0].memory_stats() or {}
-    limit = int(stats.get("bytes_limit", 0))
+    limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
     if not limit:
         log.warning("the device reports no memory limit: the fit check is skipped")
         return
-    report = compile_job(
-        cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, math.inf, math.inf
-    )
+    chip = chip_of(devices[0].device_kind)
+    peaks = (chip.peak_flops, chip.hbm_bandwidth) if chip else (None, None)
+    report = compile_job(cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks)
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:
         raise ConfigError(
