@@ -131,3 +131,16 @@ def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
                                           r"max_target_length=32.*check_fit=false skips"):  # fmt: skip
         check_before_run(cfg, devices, limit=2**20)
     check_before_run(build_config(TrainConfig, [*_keys(config_only)[1:], "check_fit=false"]), devices, 1)
+
+
+def test_nvidia_target_is_an_estimate_with_exact_shards(config_only, capsys):
+    # No compiler for an absent GPU: the table is labelled an estimate; its resident rows are still exact.
+    assert main(_keys(config_only, compile_topology="h100-8")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ESTIMATE (analytical; this JAX cannot compile for an absent GPU)")
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    params = 4 * (matrices // 8 + L * 2 * D + D)  # fsdp=8 over 8 GPUs, float32
+    assert _row(out, "params") == params and _row(out, "optimizer state") == 2 * params + 3 * 4
+    assert _row(out, "chip HBM") == 81559 * 2**20
+    assert "compile time" not in out

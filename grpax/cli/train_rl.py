@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpax.rl import compile_check
+from grpax.rl import compile_check, memory_estimate
 from grpax.rl.results import format_before_after
 from grpax.rl.resume import RESUME_FIXED_KEYS
 from grpax.rl.train_config import TrainConfig, validate
@@ -30,6 +30,8 @@ INTERRUPT_HINT = "; the checkpoints saved so far are kept: the same command resu
 def run(config: TrainConfig) -> int:
     if config.compile_topology:  # compile the job for a TPU slice, print its per-chip memory, train nothing
         validate(config)
+        if memory_estimate.gpu_target(config.compile_topology):  # no GPU compiler here: an estimate
+            return memory_estimate.run(config)
         return compile_check.run(config)
     results = train(config)
     print("\n" + format_before_after(results["before"], results["after"], results.get("paired")))

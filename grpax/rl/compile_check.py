@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ class Report:
     functions: dict[str, Compiled]
     phases: dict[str, int]  # phase -> bytes beyond the resident arrays
     flops: list  # step_cost.Phase
+    estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
 
     @property
     def peak(self) -> int:
@@ -163,6 +165,90 @@ def _extra(c: Compiled, counted: int) -> int:
     return c.arguments - counted + c.temporaries + c.outputs - c.aliased
 
 
+@dataclasses.dataclass
+class Job:
+    """The run's arrays, abstract and placed on its meshes: what ``compile_job`` compiles and
+    ``grpax.rl.memory_estimate`` sizes by formula."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    mesh: Any
+    rollout_mesh: Any
+    optimizer: Any
+    lr_schedule: Any
+    state: TrainState
+    batch: dict
+    rollout_params: Any
+    sampler_cfg: Any
+    resident: dict[str, int]  # params, optimizer state (and the step), reference params: bytes per chip
+    rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
+    kv_cache: int  # the full-length cache (P + C slots), per chip
+    shape: StepShape
+
+
+def _same_layout(a, b) -> bool:
+    if isinstance(a.sharding.mesh, jax.sharding.AbstractMesh):
+        return (
+            dict(a.sharding.mesh.shape) == dict(b.sharding.mesh.shape) and a.sharding.spec == b.sharding.spec
+        )
+    return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+
+
+def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
+    """Every array of the run as a ``ShapeDtypeStruct`` placed by the rules table on the trainer's and the
+    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es)."""
+    model_cfg = model_config(cfg)
+    grpo = cfg.grpo()
+    shapes = abstract_params(model_cfg)
+    params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
+    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    with_ref = grpo.beta > 0
+    resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+    if with_ref:
+        resident["reference params"] = resident["params"]
+    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
+    same = all(
+        _same_layout(a, b)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
+    )
+    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
+    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
+    rows = cfg.batch_size * grpo.num_generations
+    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
+    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
+    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
+    kv_cache = per_chip_bytes(
+        {
+            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
+            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
+        }
+    )
+    shape = StepShape(
+        cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
+        cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length,
+    )  # fmt: skip
+    return Job(
+        cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
+        TrainState(params=params, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
+        sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
+    )  # fmt: skip
+
+
+def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None) -> list:
+    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks."""
+    if peak_flops is None:
+        return []
+    mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
+    return step_phases(
+        job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
+        bandwidth,
+    )  # fmt: skip
+
+
 def compile_job(
     cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float | None, bandwidth: float | None
 ) -> Report:
@@ -177,53 +263,34 @@ def compile_job(
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
-    model_cfg = model_config(cfg)
-    grpo = cfg.grpo()
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
-    mesh = sharding.create_mesh(mesh_cfg, devices)
-    rollout_mesh = sharding.create_rollout_mesh(mesh_cfg, devices)
-    shapes = abstract_params(model_cfg)
-    params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
-    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
-    opt_shapes = jax.eval_shape(optimizer.init, params)
-    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    state = TrainState(params=params, opt_state=opt_state, step=step)
-    with_ref = grpo.beta > 0
-    resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
-    if with_ref:
-        resident["reference params"] = resident["params"]
-    batch = _batch(cfg, mesh, with_ref)
+    job = build_job(
+        cfg, sharding.create_mesh(mesh_cfg, devices), sharding.create_rollout_mesh(mesh_cfg, devices)
+    )
+    model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
-    with jax.set_mesh(mesh):
-        train_step = make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
-        functions["update"], _ = _compile("the GRPO update", train_step, state, batch)
-        phases["update"] = _extra(functions["update"], per_chip_bytes(state))
-        if with_ref or grpo.num_iterations > 1:
-            ref_batch = {k: v for k, v in batch.items() if k != "ref_logprobs"}
+    with jax.set_mesh(job.mesh):
+        train_step = make_train_step(model_cfg, grpo, job.optimizer, cfg.micro_batches, job.lr_schedule)
+        functions["update"], _ = _compile("the GRPO update", train_step, job.state, job.batch)
+        phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        if grpo.beta > 0 or grpo.num_iterations > 1:
+            ref_batch = {k: v for k, v in job.batch.items() if k != "ref_logprobs"}
             c, _ = _compile(
                 "the reference logprobs", compute_logprobs, params, ref_batch, model_cfg, grpo.temperature,
                 cfg.micro_batches,
             )  # fmt: skip
             functions["reference logprobs"] = c
-            phases["reference logprobs"] = _extra(c, resident["params"])
-    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
-    same = all(
-        a.sharding.is_equivalent_to(b.sharding, len(a.shape))
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
-    )
-    rollout_copy = 0 if same else per_chip_bytes(rollout_params)
-    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
-    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
-    replicated = NamedSharding(rollout_mesh, P())
+            phases["reference logprobs"] = _extra(c, job.resident["params"])
+    sc, rollout_params = job.sampler_cfg, job.rollout_params
+    replicated = NamedSharding(job.rollout_mesh, P())
     prompts = jax.ShapeDtypeStruct(
         (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
     )
     lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
     G = grpo.num_generations
-    with jax.set_mesh(rollout_mesh):
+    with jax.set_mesh(job.rollout_mesh):
         prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
         functions["prefill"], compiled = _compile("the sampler's prefill", engine.prefill, *prefill_args)
         if compiled is not None:  # the decode starts from the prefill's cache and logits
@@ -235,29 +302,11 @@ def compile_job(
             decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
             functions["decode"], _ = _compile("the sampler's decode loop", engine.decode, *decode_args)
     rollout_resident = per_chip_bytes(rollout_params)
-    phases["rollout"] = rollout_copy + max(
+    phases["rollout"] = job.rollout_copy + max(
         _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
     )
-    rows = cfg.batch_size * G
-    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
-    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
-    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
-    kv_cache = per_chip_bytes(
-        {
-            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
-            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
-        }
-    )
-    shape = StepShape(
-        cfg.batch_size, G, cfg.max_prefill_predict_length, cfg.max_completion_length, cfg.micro_batches,
-        grpo.num_iterations, with_ref, sc.decode_phase_length,
-    )  # fmt: skip
-    flops = [] if peak_flops is None else step_phases(
-        model_cfg, shape, len(devices), mesh.shape["tensor"], rollout_mesh.shape["tensor"],
-        rollout_mesh.shape["data"], peak_flops, bandwidth,
-    )  # fmt: skip
-    return Report(target, hbm, resident, kv_cache, rollout_copy, functions, phases, flops)
+    flops = step_count(job, len(devices), peak_flops, bandwidth)
+    return Report(target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops)
 
 
 def _divisor_at_most(n: int, limit: float) -> int:
@@ -317,6 +366,8 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
     rows += [(f"{name} phase, beyond the resident arrays", b) for name, b in report.phases.items()]
     rows += [("peak, all colocated", report.peak), ("chip HBM", report.hbm)]
     lines = [f"per-chip memory of train_rl on {report.target}, model {cfg.model_name or '(checkpoint)'}:"]
+    if report.estimated:
+        lines[0] = "ESTIMATE (analytical; this JAX cannot compile for an absent GPU): " + lines[0]
     lines += [f"  {name:<54}{b / GIB:>9.2f} GiB {b:>16,d} bytes" for name, b in rows]
     verdict = "fits" if report.fits else "does not fit"
     lines.append(f"{verdict}: peak {report.peak / GIB:.2f} GiB of {report.hbm / GIB:.2f} GiB per chip "
@@ -335,9 +386,9 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
         flops = sum(p.flops for p in report.flops)
         lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
                      "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
-    lines.append(
-        "compile time: " + ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
-    )
+    if not report.estimated:
+        times = ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
+        lines.append(f"compile time: {times}")
     return "\n".join(lines)
 
 
