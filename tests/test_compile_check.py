@@ -122,6 +122,7 @@ def test_step_flops_equal_a_hand_count():
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
 
 
+@pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command
 def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
     # The check an accelerator run makes before reading weights, here on a v5e:2x2 slice's devices with a
     # memory limit of 1 MiB (the tiny job's params, moments and reference alone take 0.54 MiB per chip).

@@ -110,27 +110,25 @@ def per_chip_bytes(tree) -> int:
 
 def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> dict:
     """The update's batch as ``trainer._update_batch`` builds it, at the longest prompt bucket."""
-    rows, P, C = (
+    rows, prompt, completion = (
         cfg.batch_size * cfg.num_generations,
         cfg.max_prefill_predict_length,
         cfg.max_completion_length,
     )
     shapes = {
-        "prompt_ids": ((cfg.batch_size, P), jnp.int32),
-        "prompt_mask": ((cfg.batch_size, P), jnp.int32),
-        "completion_ids": ((rows, C), jnp.int32),
-        "completion_mask": ((rows, C), jnp.int32),
+        "prompt_ids": ((cfg.batch_size, prompt), jnp.int32),
+        "prompt_mask": ((cfg.batch_size, prompt), jnp.int32),
+        "completion_ids": ((rows, completion), jnp.int32),
+        "completion_mask": ((rows, completion), jnp.int32),
         "advantages": ((rows,), jnp.float32),
-        "old_logprobs": ((rows, C), jnp.float32),
+        "old_logprobs": ((rows, completion), jnp.float32),
         "truncated": ((rows,), jnp.bool_),
     }
     if with_ref:
-        shapes["ref_logprobs"] = ((rows, C), jnp.float32)
+        shapes["ref_logprobs"] = ((rows, completion), jnp.float32)
+    placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
     return {
-        k: jax.ShapeDtypeStruct(
-            shape, dtype, sharding=sharding.batch_sharding(np.empty(shape, np.int8), mesh)
-        )
-        for k, (shape, dtype) in shapes.items()
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=placed(shape)) for k, (shape, dtype) in shapes.items()
     }
 
 
@@ -319,9 +317,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
     out = []
     phase = max(report.phases, key=report.phases.get)
     resident = sum(report.resident.values())
-    room = max(report.hbm - resident, 0) / max(
-        report.phases[phase], 1
-    )  # < 1: the phase must shrink this much
+    # < 1: the largest phase must shrink by this factor to fit beside the resident arrays.
+    room = max(report.hbm - resident, 0) / max(report.phases[phase], 1)
     if resident > report.hbm / 2:
         if cfg.weight_dtype == "float32":
             out.append("weight_dtype=bfloat16 dtype=bfloat16 (halves params, optimizer state and reference)")
