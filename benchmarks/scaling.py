@@ -121,7 +121,15 @@ def table(results: list[dict]) -> str:
         "| model | slice | settings beyond the seed's | peak / chip | HBM / chip | fits | step lower bound | compile |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    models, slices = list(SETTINGS), [*TOPOLOGIES, *(t for _, t, _ in ESTIMATE_ROWS)]
+
+    def order(r):
+        return (
+            models.index(r["model"]),
+            slices.index(r["topology"]) if r["topology"] in slices else 99,
+        )
+
+    for r in sorted(results, key=order):
         settings = r["settings"] or "(defaults)"
         gib = lambda b: f"{b / 2**30:.1f} GiB" if b else "-"  # noqa: E731
         fits = "yes" if r["fits"] else ("no" if r["exit"] == 1 else f"error: {r['error'][:60]}")
