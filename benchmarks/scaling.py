@@ -56,7 +56,7 @@ def rows(models: list[str], topologies: list[str]) -> list[tuple[str, str, str]]
 def estimate_one(model: str, topology: str, settings: str) -> dict:
     """A row from ``grpax.rl.memory_estimate`` with the slice's chip figures (no compile)."""
     from grpax.config import build_config
-    from grpax.rl.compile_check import format_report
+    from grpax.rl.fit_report import format_report
     from grpax.rl.memory_estimate import estimate_job
     from grpax.rl.train_config import TrainConfig
     from grpax.topology import CHIPS, TOPOLOGIES

@@ -26,7 +26,8 @@ from jax.sharding import AbstractMesh
 
 from grpax import sharding
 from grpax.rl import compile_check
-from grpax.rl.compile_check import Compiled, Report, build_job, step_count
+from grpax.rl.compile_check import build_job, step_count
+from grpax.rl.fit_report import Compiled, Report, format_report
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import _LOGITS_CHUNK_ELEMENTS
 from grpax.topology import Chip
@@ -117,5 +118,5 @@ def run(cfg: TrainConfig) -> int:
     """``grpax train_rl ... compile_topology=h100-8``: the estimated table; 0 if it fits, else 1."""
     chip, count = gpu_target(cfg.compile_topology)
     report = estimate_job(cfg, chip, count, f"{cfg.compile_topology} ({count} x {chip.name})")
-    print(compile_check.format_report(cfg, report, count))
+    print(format_report(cfg, report, count))
     return 0 if report.fits else 1
