@@ -39,6 +39,7 @@ TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8")
 # replica per host (tensor parallelism stays within a host).
 MULTI_HOST = "dcn_data_parallelism=1 dcn_fsdp_parallelism=-1"
 ESTIMATE_ROWS = (
+    ("llama3.1-70b-Instruct", "v5e-8", ""),
     ("llama3.1-70b-Instruct", "v5p-8", ""),
     ("llama3.1-70b-Instruct", "v6e-8", ""),
     ("llama3.1-70b-Instruct", "v5p-32", f"{MULTI_HOST} rollout_data_parallelism=4"),
