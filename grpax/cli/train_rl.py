@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from grpax.rl import compile_check, memory_estimate
 from grpax.rl.results import format_before_after
 from grpax.rl.resume import RESUME_FIXED_KEYS
-from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_config import TrainConfig, validate
 from grpax.rl.trainer import train
 
 CONFIG = TrainConfig
@@ -19,13 +20,20 @@ DESCRIPTION = (
     "changes are logged in config_changes.jsonl); one job at a time per run folder (run.lock), and a folder that "
     "is not a grpax run is never written; export_hf=FOLDER "
     "also exports the actor in Hugging Face format. MaxText aliases: grpo_beta, grpo_epsilon, adam_b1, adam_b2, "
-    "gradient_clipping_threshold, data_shuffle_seed, rl.<key>."
+    "gradient_clipping_threshold, data_shuffle_seed, rl.<key>. compile_topology=v6e-8 (any TPU slice; the tpu "
+    "extra) compiles the whole job for that slice without a TPU or the weights, prints each chip's memory and "
+    "whether it fits, and trains nothing."
 )
 
 INTERRUPT_HINT = "; the checkpoints saved so far are kept: the same command resumes from the last one"
 
 
 def run(config: TrainConfig) -> int:
+    if config.compile_topology:  # compile the job for a TPU slice, print its per-chip memory, train nothing
+        validate(config)
+        if memory_estimate.gpu_target(config.compile_topology):  # no GPU compiler here: an estimate
+            return memory_estimate.run(config)
+        return compile_check.run(config)
     results = train(config)
     print("\n" + format_before_after(results["before"], results["after"], results.get("paired")))
     print(f"\nrun folder:        {results['run_dir']}")

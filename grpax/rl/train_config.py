@@ -18,6 +18,7 @@ from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.registry import check_context_length
 from grpax.rl.config import GRPOConfig
+from grpax.sampler.engine import SamplerConfig
 from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 
@@ -104,6 +105,15 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     export_hf: str = field(
         "", "after training, also export the actor to this new folder in Hugging Face format (bfloat16)"
     )
+    compile_topology: str = field(
+        "",
+        "compile the whole job for this TPU slice (v6e-8, v5e-8, v5p-8, v6e:2x4, ...; needs the tpu extra, no "
+        "TPU, no weights) and print its per-chip memory instead of training; exit 1 if it does not fit",
+    )
+    compile_topology_num_slices: int = field(1, "slices of compile_topology joined over DCN (multislice)")
+    check_fit: bool = field(
+        True, "on an accelerator, compile the job first and stop if it cannot fit in device memory"
+    )
 
     @property
     def micro_batches(self) -> int:
@@ -124,10 +134,23 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(sharding.MeshConfig)}
         )
 
+    def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int) -> SamplerConfig:
+        """The rollout sampler's config (the tokenizer gives the stop and pad ids)."""
+        return SamplerConfig(
+            max_prompt_length=self.max_prefill_predict_length,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            top_k=self.decode_sampling_top_k,
+            top_p=self.decode_sampling_nucleus_p,
+            greedy=False,
+            stop_token_ids=tuple(stop_token_ids),
+            pad_token_id=pad_token_id,
+        )
+
 
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work."""
-    if not cfg.load_parameters_path:
+    if not cfg.load_parameters_path and not cfg.compile_topology:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
             "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items"

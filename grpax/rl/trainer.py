@@ -39,6 +39,7 @@ from grpax.eval.keys import EVAL_STRATEGIES
 from grpax.models.registry import ModelConfig, check_matches
 from grpax.rl import dapo
 from grpax.rl.advantages import compute_advantages
+from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.optim import optimizer_from_config
@@ -81,6 +82,7 @@ def train(cfg: TrainConfig) -> dict:
     task = build_task(cfg)
     check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
+    check_before_run(cfg)  # an accelerator run that cannot fit stops here, before any weight is read
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
@@ -250,16 +252,7 @@ def _sampler_configs(
     """The rollout sampler's config and the evaluation sampler's (``eval_sampling_strategy``)."""
     stops = stop_token_ids(tokenizer, model_cfg)
     pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0]
-    sampler_cfg = SamplerConfig(
-        max_prompt_length=cfg.max_prefill_predict_length,
-        max_completion_length=cfg.max_completion_length,
-        temperature=grpo.temperature,
-        top_k=cfg.decode_sampling_top_k,
-        top_p=cfg.decode_sampling_nucleus_p,
-        greedy=False,
-        stop_token_ids=stops,
-        pad_token_id=pad_id,
-    )
+    sampler_cfg = cfg.sampler_config(stops, pad_id)
     return sampler_cfg, dataclasses.replace(sampler_cfg, **EVAL_STRATEGIES[cfg.eval_sampling_strategy])
 
 

@@ -1,0 +1,317 @@
+"""Compile a whole GRPO job for its devices, or for a TPU slice that is not here, and say whether it fits.
+
+``grpax train_rl <keys> compile_topology=v6e-8`` builds every array of the run abstractly (``ShapeDtypeStruct``s:
+no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
+devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
+(``make_train_step`` as the trainer builds it: micro-batches, remat), the reference logprobs
+(``compute_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
+function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
+adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
+before a real run on an accelerator (``check_before_run``), against the device's memory limit. MaxText's
+``train_compile.py`` does this for pre-training; this follows its keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpax import sharding
+from grpax.config import ConfigError
+from grpax.models.params import abstract_params
+from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+from grpax.sampler import engine
+from grpax.sampler.backend import select_backend
+from grpax.topology import chip_of, get_topology
+
+log = logging.getLogger("grpax.compile_check")
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The run's model: the checkpoint's config.json when there is one, else the registered ``model_name``."""
+    runtime = dict(
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        scan_layers=cfg.scan_layers,
+        remat_policy=cfg.remat_policy,
+    )
+    found = find_hf_config(cfg.load_parameters_path) if cfg.load_parameters_path else None
+    if found is not None:
+        return load_hf_config(found, **runtime)
+    if not cfg.model_name:
+        raise ConfigError(
+            "compile_topology needs model_name=<a registered model> (or load_parameters_path with a config.json)"
+        )
+    return get_model_config(cfg.model_name, **runtime)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes of the largest shard of each leaf (``ShapeDtypeStruct``s with a sharding), summed: one chip's."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> dict:
+    """The update's batch as ``trainer._update_batch`` builds it, at the longest prompt bucket."""
+    rows, prompt, completion = (
+        cfg.batch_size * cfg.num_generations,
+        cfg.max_prefill_predict_length,
+        cfg.max_completion_length,
+    )
+    shapes = {
+        "prompt_ids": ((cfg.batch_size, prompt), jnp.int32),
+        "prompt_mask": ((cfg.batch_size, prompt), jnp.int32),
+        "completion_ids": ((rows, completion), jnp.int32),
+        "completion_mask": ((rows, completion), jnp.int32),
+        "advantages": ((rows,), jnp.float32),
+        "old_logprobs": ((rows, completion), jnp.float32),
+        "truncated": ((rows,), jnp.bool_),
+    }
+    if with_ref:
+        shapes["ref_logprobs"] = ((rows, completion), jnp.float32)
+    placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
+    return {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=placed(shape)) for k, (shape, dtype) in shapes.items()
+    }
+
+
+# The TPU compiler refuses a program whose temporaries exceed HBM: "... HLO temporaries (202.67G) exceeds ...".
+_OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def _compile(name: str, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
+    """Lowers and compiles ``fn`` for its abstract arguments; (its memory, the executable or None if refused)."""
+    log.info("compiling %s ...", name)
+    start = time.perf_counter()
+    try:
+        compiled = fn.lower(*args, **kwargs).compile()
+    except jax.errors.JaxRuntimeError as e:
+        match = _OVER_HBM.search(str(e))
+        if match is None:
+            raise
+        temporaries = int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
+        arrays = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+        log.warning("%s does not compile: %s", name, str(e).splitlines()[0])
+        seconds = time.perf_counter() - start
+        return Compiled(name, per_chip_bytes(arrays), 0, 0, temporaries, seconds, over_hbm=True), None
+    seconds = time.perf_counter() - start
+    log.info("compiled %s in %.1f s", name, seconds)
+    memory = compiled.memory_analysis()
+    sizes = (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes)
+    return Compiled(name, *(int(x) for x in sizes), int(memory.temp_size_in_bytes), seconds), compiled
+
+
+def _extra(c: Compiled, counted: int) -> int:
+    """Bytes a function adds beyond arguments already counted: other arguments, temporaries, new outputs."""
+    return c.arguments - counted + c.temporaries + c.outputs - c.aliased
+
+
+@dataclasses.dataclass
+class Job:
+    """The run's arrays, abstract and placed on its meshes: what ``compile_job`` compiles and
+    ``grpax.rl.memory_estimate`` sizes by formula."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    mesh: Any
+    rollout_mesh: Any
+    optimizer: Any
+    lr_schedule: Any
+    state: TrainState
+    batch: dict
+    rollout_params: Any
+    sampler_cfg: Any
+    resident: dict[str, int]  # params, optimizer state (and the step), reference params: bytes per chip
+    rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
+    kv_cache: int  # the full-length cache (P + C slots), per chip
+    shape: StepShape
+
+
+def _same_layout(a, b) -> bool:
+    if isinstance(a.sharding.mesh, jax.sharding.AbstractMesh):
+        return (
+            dict(a.sharding.mesh.shape) == dict(b.sharding.mesh.shape) and a.sharding.spec == b.sharding.spec
+        )
+    return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+
+
+def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
+    """Every array of the run as a ``ShapeDtypeStruct`` placed by the rules table on the trainer's and the
+    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es)."""
+    model_cfg = model_config(cfg)
+    grpo = cfg.grpo()
+    shapes = abstract_params(model_cfg)
+    params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
+    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
+    opt_shapes = jax.eval_shape(optimizer.init, params)
+    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    with_ref = grpo.beta > 0
+    resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+    if with_ref:
+        resident["reference params"] = resident["params"]
+    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
+    same = all(
+        _same_layout(a, b)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
+    )
+    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
+    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
+    rows = cfg.batch_size * grpo.num_generations
+    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
+    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
+    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
+    kv_cache = per_chip_bytes(
+        {
+            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
+            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
+        }
+    )
+    shape = StepShape(
+        cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
+        cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length,
+    )  # fmt: skip
+    return Job(
+        cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
+        TrainState(params=params, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
+        sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
+    )  # fmt: skip
+
+
+def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None) -> list:
+    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks."""
+    if peak_flops is None:
+        return []
+    mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
+    return step_phases(
+        job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
+        bandwidth,
+    )  # fmt: skip
+
+
+def compile_job(
+    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float | None, bandwidth: float | None
+) -> Report:
+    """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
+
+    Args:
+      cfg: the run's keys.
+      devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
+      target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
+        no step count).
+
+    Raises:
+      ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
+    """
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
+    job = build_job(
+        cfg, sharding.create_mesh(mesh_cfg, devices), sharding.create_rollout_mesh(mesh_cfg, devices)
+    )
+    model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
+    functions: dict[str, Compiled] = {}
+    phases: dict[str, int] = {}
+    with jax.set_mesh(job.mesh):
+        train_step = make_train_step(model_cfg, grpo, job.optimizer, cfg.micro_batches, job.lr_schedule)
+        functions["update"], _ = _compile("the GRPO update", train_step, job.state, job.batch)
+        phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        if grpo.beta > 0 or grpo.num_iterations > 1:
+            ref_batch = {k: v for k, v in job.batch.items() if k != "ref_logprobs"}
+            c, _ = _compile(
+                "the reference logprobs", compute_logprobs, params, ref_batch, model_cfg, grpo.temperature,
+                cfg.micro_batches,
+            )  # fmt: skip
+            functions["reference logprobs"] = c
+            phases["reference logprobs"] = _extra(c, job.resident["params"])
+    sc, rollout_params = job.sampler_cfg, job.rollout_params
+    replicated = NamedSharding(job.rollout_mesh, P())
+    prompts = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
+    )
+    lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
+    backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
+    G = grpo.num_generations
+    with jax.set_mesh(job.rollout_mesh):
+        prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
+        functions["prefill"], compiled = _compile("the sampler's prefill", engine.prefill, *prefill_args)
+        if compiled is not None:  # the decode starts from the prefill's cache and logits
+            cache, logits = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
+            )
+            row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)
+            key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
+            decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
+            functions["decode"], _ = _compile("the sampler's decode loop", engine.decode, *decode_args)
+    rollout_resident = per_chip_bytes(rollout_params)
+    phases["rollout"] = job.rollout_copy + max(
+        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    )
+    flops = step_count(job, len(devices), peak_flops, bandwidth)
+    return Report(target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops)
+
+
+def run(cfg: TrainConfig) -> int:
+    """``grpax train_rl ... compile_topology=NAME``: compiles the job for that slice; 0 if it fits, else 1."""
+    topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
+    chip = topology.chip
+    target = (
+        f"{cfg.compile_topology}"
+        + (f" x {topology.num_slices} slices" if topology.num_slices > 1 else "")
+        + f" ({topology.num_chips} x {chip.name})"
+    )
+    start = time.perf_counter()
+    report = compile_job(cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth)
+    print(format_report(cfg, report, topology.num_chips))
+    print(f"total compile time {time.perf_counter() - start:.1f} s")
+    return 0 if report.fits else 1
+
+
+def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -> None:
+    """Compiles the job for this machine's devices and stops a run that cannot fit (accelerators only).
+
+    Args:
+      cfg: the run's keys (``check_fit=false``: no check).
+      devices: default ``jax.devices()``; CPU devices are not checked.
+      limit: bytes per device; default the first device's ``memory_stats()["bytes_limit"]``.
+
+    Raises:
+      ConfigError: the peak exceeds the memory limit; the message names what to change.
+    """
+    devices = list(devices or jax.devices())
+    if not cfg.check_fit or devices[0].platform == "cpu":
+        return
+    limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
+    if not limit:
+        log.warning("the device reports no memory limit: the fit check is skipped")
+        return
+    chip = chip_of(devices[0].device_kind)
+    peaks = (chip.peak_flops, chip.hbm_bandwidth) if chip else (None, None)
+    report = compile_job(cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks)
+    log.info("%s", format_report(cfg, report, len(devices)))
+    if not report.fits:
+        raise ConfigError(
+            f"this run does not fit: peak {report.peak / GIB:.2f} GiB per device > {limit / GIB:.2f} GiB; try: "
+            + "; ".join(suggestions(cfg, report, len(devices)))
+            + " (check_fit=false skips this check)"
+        )

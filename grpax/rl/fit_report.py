@@ -1,0 +1,133 @@
+"""The per-chip memory table of a GRPO job (``grpax.rl.compile_check``, ``grpax.rl.memory_estimate``): its
+data, the verdict against the chip's HBM, the keys to change when it does not fit, and its printed form.
+
+The peak is what is resident for the whole step (params, optimizer state, reference params) plus the largest of
+the phases (rollout, reference logprobs, update), each counted as the bytes its function adds beyond what is
+already counted: its other arguments, its temporaries and its new (not aliased) outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpax.rl.train_config import TrainConfig
+
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One compiled function: its per-chip memory (bytes) and compile seconds."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    seconds: float
+    over_hbm: bool = False  # the compiler refused it: its temporaries alone exceed the chip's HBM
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-chip bytes of the resident arrays and of each compiled function, and the fit against ``hbm``."""
+
+    target: str  # e.g. "v6e-8 (8 x TPU v6e)"
+    hbm: int
+    resident: dict[str, int]  # params, optimizer state, reference params
+    kv_cache: int  # the full-length cache (P + C slots), per chip
+    rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
+    functions: dict[str, Compiled]
+    phases: dict[str, int]  # phase -> bytes beyond the resident arrays
+    flops: list  # step_cost.Phase
+    estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
+
+    @property
+    def peak(self) -> int:
+        return sum(self.resident.values()) + max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hbm and not any(c.over_hbm for c in self.functions.values())
+
+
+def _divisor_at_most(n: int, limit: float) -> int:
+    """The largest divisor of ``n`` that is at most ``limit`` (at least 1)."""
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
+
+
+def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
+    """Keys that shrink the largest part of the peak, with values to try (scaled to the room left)."""
+    out = []
+    phase = max(report.phases, key=report.phases.get)
+    resident = sum(report.resident.values())
+    # < 1: the largest phase must shrink by this factor to fit beside the resident arrays.
+    room = max(report.hbm - resident, 0) / max(report.phases[phase], 1)
+    if resident > report.hbm / 2:
+        if cfg.weight_dtype == "float32":
+            out.append("weight_dtype=bfloat16 dtype=bfloat16 (halves params, optimizer state and reference)")
+        if cfg.beta > 0:
+            out.append("beta=0 (no reference copy of the params)")
+        out.append(
+            f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
+        )
+    if phase in ("update", "reference logprobs"):
+        prompts = cfg.batch_size // cfg.micro_batches
+        if prompts > 1:
+            fit = _divisor_at_most(cfg.batch_size, prompts * room)
+            out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
+        if cfg.remat_policy != "full":
+            out.append(f"remat_policy=full (now {cfg.remat_policy})")
+    if phase == "rollout":
+        if report.rollout_copy:
+            out.append(
+                "rollout_data_parallelism / rollout_tensor_parallelism matching the trainer's layout "
+                "(no copy of the params for the sampler)"
+            )
+        fit = _divisor_at_most(cfg.batch_size, cfg.batch_size * room)
+        out.append(
+            f"batch_size={min(fit, cfg.batch_size // 2) or 1} or fewer num_generations (KV-cache rows)"
+        )
+    out.append(
+        f"max_target_length={cfg.max_target_length // 2} / max_prefill_predict_length (shorter rows and cache)"
+    )
+    return out
+
+
+def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
+    """The per-chip table, the verdict, the step's FLOPs and bytes, the compile times."""
+    rows = [(name, b) for name, b in report.resident.items()]
+    rows.append(("KV cache (P + C slots, by the rules)", report.kv_cache))
+    if report.rollout_copy:
+        rows.append(("params copied to the sampler's layout", report.rollout_copy))
+    rows += [
+        (f"{name} temporaries" + (" (refused: > HBM)" if c.over_hbm else ""), c.temporaries)
+        for name, c in report.functions.items()
+    ]
+    rows += [(f"{name} phase, beyond the resident arrays", b) for name, b in report.phases.items()]
+    rows += [("peak, all colocated", report.peak), ("chip HBM", report.hbm)]
+    lines = [f"per-chip memory of train_rl on {report.target}, model {cfg.model_name or '(checkpoint)'}:"]
+    if report.estimated:
+        lines[0] = "ESTIMATE (analytical; this JAX cannot compile for an absent GPU): " + lines[0]
+    lines += [f"  {name:<54}{b / GIB:>9.2f} GiB {b:>16,d} bytes" for name, b in rows]
+    verdict = "fits" if report.fits else "does not fit"
+    lines.append(f"{verdict}: peak {report.peak / GIB:.2f} GiB of {report.hbm / GIB:.2f} GiB per chip "
+                 f"({100 * report.peak / report.hbm:.0f}%)")  # fmt: skip
+    if not report.fits:
+        lines.append("to make it fit, try: " + "; ".join(suggestions(cfg, report, num_chips)))
+    if report.flops:
+        total = sum(p.seconds for p in report.flops)
+        lines.append(
+            "one GRPO step, counted from the shapes (the compiler's cost analysis counts a loop body once: layers, "
+            "micro-batches and decode steps are loops):"
+        )
+        for p in report.flops:
+            lines.append(f"  {p.name:<20}{p.flops / 1e12:>11.1f} TFLOP {p.bytes_per_chip / GIB:>9.1f} GiB/chip "
+                         f"{p.seconds:>9.3f} s")  # fmt: skip
+        flops = sum(p.flops for p in report.flops)
+        lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
+                     "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
+    if not report.estimated:
+        times = ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
+        lines.append(f"compile time: {times}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""An analytical estimate of a GRPO job's per-GPU memory, for NVIDIA targets that JAX cannot compile for here.
+
+JAX compiles for a TPU slice without the TPU (``grpax.rl.compile_check``), but this JAX has no way to compile
+for an absent GPU, so ``compile_topology=h100-8`` (``GPUS``) gets the same table as an ESTIMATE. What is exact:
+the resident arrays (params, optimizer state, reference), the params copied for the sampler and the KV cache,
+all placed by the rules table on an ``AbstractMesh`` of the run's mesh keys. What is estimated are the
+temporaries of each function, from the shapes of what it holds at its largest:
+
+* update: the gradients (params-sized), two layers' gathered weights (FSDP: one in use, one prefetched), the
+  residual stream saved at each layer boundary (remat), one layer's recomputed activations (attention
+  inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
+  micro-batches, a second gradient tree (the running sum);
+* reference logprobs: one layer's gathered weights, its activations, three chunks of logits, the output;
+* prefill: the cache of the prompts and one layer's activations; decode: the per-layer copy of the weights
+  (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
+
+Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
+update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import AbstractMesh
+
+from grpax import sharding
+from grpax.rl import compile_check
+from grpax.rl.compile_check import build_job, step_count
+from grpax.rl.fit_report import Compiled, Report, format_report
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_step import _LOGITS_CHUNK_ELEMENTS
+from grpax.topology import Chip
+
+# Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
+_MIB = 2**20
+GPUS: dict[str, Chip] = {
+    "a100": Chip("NVIDIA A100 80GB", 81920 * _MIB, 312e12, 2.039e12, 8),
+    "h100": Chip("NVIDIA H100 SXM", 81559 * _MIB, 989e12, 3.35e12, 8),
+    "h200": Chip("NVIDIA H200 SXM", 143771 * _MIB, 989e12, 4.8e12, 8),
+}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def gpu_target(name: str) -> tuple[Chip, int] | None:
+    """(the GPU, how many) for names like ``h100-8``; None for any other name."""
+    kind, _, count = name.partition("-")
+    if kind in GPUS and count.isdigit() and int(count) > 0:
+        return GPUS[kind], int(count)
+    return None
+
+
+def _share(n: int, ways: int) -> float:
+    """Rows per device: split ``ways`` ways when they divide, else replicated (the rules table's policy)."""
+    return n / ways if n % ways == 0 else n
+
+
+def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Report:
+    """The per-GPU table of ``compile_check`` with estimated temporaries (module docstring).
+
+    Raises:
+      ConfigError: mesh keys that do not fit ``num_gpus`` one-host devices (``grpax.sharding``).
+    """
+    mesh_cfg = cfg.mesh()
+    ici = sharding._fill(
+        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
+        num_gpus,
+        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+        "the number of GPUs",
+    )
+    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
+    mesh = AbstractMesh(ici, sharding.MESH_AXES)
+    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
+    m, s = job.model_cfg, job.shape
+    act, w = _BYTES[m.dtype], _BYTES[m.weight_dtype]
+    data, tensor = ici[0] * ici[1], ici[2]
+    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
+    gathered = layer * w / tensor
+    M = s.num_micro_batches
+    prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
+    tokens = prompts * s.prompt_length + rows * s.completion_length
+    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    activations = tokens * widest * act
+    logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
+    params = job.resident["params"]
+    update = params * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
+    update += activations + logits
+    outputs = rows * M * s.completion_length * 4
+    reference = gathered + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
+    rollout_rows = _share(s.num_prompts * s.num_generations, dp)
+    prefill = job.kv_cache * s.prompt_length / (s.prompt_length + s.completion_length)
+    prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
+    decode = compile_check.per_chip_bytes(job.rollout_params) + job.kv_cache
+    decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
+    functions = {
+        name: Compiled(name, 0, 0, 0, int(b), 0.0)
+        for name, b in (
+            ("update", update),
+            ("reference logprobs", reference),
+            ("prefill", prefill),
+            ("decode", decode),
+        )  # fmt: skip
+        if name != "reference logprobs" or s.with_reference or s.num_iterations > 1
+    }
+    batch = compile_check.per_chip_bytes(job.batch)
+    phases = {"update": int(update + batch), "rollout": int(job.rollout_copy + max(prefill, decode))}
+    if "reference logprobs" in functions:
+        phases["reference logprobs"] = int(reference + batch)
+    flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth)
+    report = Report(
+        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops
+    )
+    report.estimated = True
+    return report
+
+
+def run(cfg: TrainConfig) -> int:
+    """``grpax train_rl ... compile_topology=h100-8``: the estimated table; 0 if it fits, else 1."""
+    chip, count = gpu_target(cfg.compile_topology)
+    report = estimate_job(cfg, chip, count, f"{cfg.compile_topology} ({count} x {chip.name})")
+    print(format_report(cfg, report, count))
+    return 0 if report.fits else 1

@@ -1,0 +1,137 @@
+"""FLOPs and HBM bytes of one GRPO step, counted from the shapes, and the step time they imply at a chip's peak.
+
+Why a count and not the compiler's ``cost_analysis()``: XLA counts the body of a loop once, and every phase of a
+GRPO step is a loop (the layers are scanned, the micro-batches are scanned, the decode is a ``while_loop`` of
+up to C steps), so its figures are low by factors of L, M and C. The count follows the code as it runs:
+
+* prefill: each prompt's P tokens through the layers (attention over the full P x P square, as computed);
+* decode: C steps of one token per row; attention reads each decode phase's whole cache (P + phase end);
+* reference / old logprobs: ``forward_grouped`` (each prompt once, its G completions on top) + the vocabulary
+  projection of the completion tokens;
+* update: forward + backward (2x forward) of the same, + one more forward of the layers with
+  ``remat_policy=full`` and of the vocabulary projection (it is always rematerialised).
+
+A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
+(whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
+optimizer's read and write of params, gradients and both moments; activations are left out, so the time is
+a lower bound: ``sum over phases of max(FLOPs / (chips * peak), bytes per chip / bandwidth)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from grpax.models.registry import ModelConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One phase of a GRPO step: FLOPs over the whole slice, HBM bytes per chip, and its roofline seconds."""
+
+    name: str
+    flops: float
+    bytes_per_chip: float
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The sizes of one step: prompts, G, prompt and completion tokens, micro-batches, iterations, beta > 0."""
+
+    num_prompts: int
+    num_generations: int
+    prompt_length: int  # P (the longest prompt bucket)
+    completion_length: int  # C
+    num_micro_batches: int
+    num_iterations: int
+    with_reference: bool
+    decode_phase_length: int  # SamplerConfig.decode_phase_length
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    D, N, K, H, F = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
+
+
+def _attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
+    """QK^T and PV of ``queries`` x ``keys`` pairs over all layers and heads."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
+
+
+def grouped_forward_flops(cfg: ModelConfig, s: StepShape) -> tuple[float, float]:
+    """(layers, vocabulary projection) FLOPs of one ``forward_grouped`` + completion logprobs of the batch."""
+    rows = s.num_prompts * s.num_generations
+    P, C = s.prompt_length, s.completion_length
+    tokens = s.num_prompts * P + rows * C
+    layers = 2.0 * _layer_matmul_params(cfg) * tokens
+    layers += _attention_flops(cfg, s.num_prompts * P, P) + _attention_flops(cfg, rows * C, P + C)
+    return layers, 2.0 * cfg.hidden_dim * cfg.vocab_size * rows * C
+
+
+def step_phases(
+    cfg: ModelConfig,
+    s: StepShape,
+    num_chips: int,
+    trainer_tensor: int,
+    rollout_tensor: int,
+    rollout_data: int,
+    peak_flops: float,
+    hbm_bandwidth: float,
+) -> list[Phase]:
+    """The phases of one GRPO step (rollout, reference, old logprobs, update) with their roofline seconds.
+
+    Args:
+      cfg: the model (``weight_dtype`` sizes the weights, ``dtype`` the KV cache, ``remat_policy`` the update).
+      s: the step's sizes.
+      num_chips: chips of the slice(s); trainer_tensor: the trainer mesh's tensor axis; rollout_tensor,
+        rollout_data: the sampler mesh's tensor and data axes.
+      peak_flops: FLOP/s per chip; hbm_bandwidth: bytes/s per chip.
+    """
+    w = _BYTES[cfg.weight_dtype]
+    weights = cfg.num_params() * w
+    head = 2.0 * cfg.hidden_dim * cfg.vocab_size
+    layer_params = _layer_matmul_params(cfg)
+    rows = s.num_prompts * s.num_generations
+    P, C = s.prompt_length, s.completion_length
+    kv_row_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _BYTES[cfg.dtype]
+
+    def phase(name: str, flops: float, bytes_per_chip: float) -> Phase:
+        seconds = max(flops / (num_chips * peak_flops), bytes_per_chip / hbm_bandwidth)
+        return Phase(name, flops, bytes_per_chip, seconds)
+
+    prefill = 2.0 * layer_params * s.num_prompts * P + _attention_flops(cfg, s.num_prompts * P, P)
+    prefill += head * s.num_prompts
+    phases = [phase("prefill", prefill, weights / rollout_tensor)]
+    # Decode, phase by phase: each step reads the weights and the phase's whole cache (P + phase end slots).
+    rows_per_chip = rows / rollout_data / min(rollout_tensor, cfg.num_kv_heads)
+    step_length = s.decode_phase_length or C
+    ends = [*range(step_length, C, step_length), C]
+    decode_flops = decode_seconds = decode_bytes = 0.0
+    start = 0
+    for end in ends:
+        steps = end - start
+        flops = steps * (rows * (2.0 * layer_params + head) + _attention_flops(cfg, rows, P + end))
+        per_chip = steps * (weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
+        decode_flops += flops
+        decode_bytes += per_chip
+        decode_seconds += max(flops / (num_chips * peak_flops), per_chip / hbm_bandwidth)
+        start = end
+    phases.append(Phase("decode", decode_flops, decode_bytes, decode_seconds))
+    layers, vocab = grouped_forward_flops(cfg, s)
+    forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
+    if s.with_reference:
+        phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes))
+    if s.num_iterations > 1:
+        phases.append(phase("old logprobs", layers + vocab, forward_pass_bytes))
+    passes = 4 if cfg.remat_policy == "full" else 3  # forward, (recomputed forward,) backward = 2 forwards
+    update_flops = passes * layers + 4 * vocab
+    shard = cfg.num_params() / num_chips  # params, grads and moments are split over every chip
+    optimizer_bytes = shard * 7 * w  # read + write params, read grads, read + write mu and nu (params' dtype)
+    update_bytes = (passes - 1) * forward_pass_bytes + optimizer_bytes
+    for i in range(s.num_iterations):
+        phases.append(
+            phase("update" if s.num_iterations == 1 else f"update {i + 1}", update_flops, update_bytes)
+        )
+    return phases

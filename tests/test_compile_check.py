@@ -1,0 +1,147 @@
+"""``grpax train_rl ... compile_topology=...``: the whole job compiled for a TPU slice with no TPU and no weights.
+
+A tiny Llama (only its config.json exists: no weight is read) is compiled for a v5e:2x2 slice through the
+command; the table's parameter and optimizer bytes are checked against per-chip shard sizes counted by hand,
+a job that cannot fit exits 1 naming keys to change, and an unknown slice or a missing libtpu is one line.
+"""
+
+import json
+import re
+import sys
+
+import pytest
+
+from grpax.cli.main import main
+from grpax.config import ConfigError, build_config
+from grpax.models.registry import ModelConfig, to_hf_config
+from grpax.rl.compile_check import check_before_run
+from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.train_config import TrainConfig
+from grpax.topology import get_topology
+
+pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
+
+# V=512, D=64, L=2, N=4, K=2, H=16, F=128, untied head.
+TINY = ModelConfig(
+    vocab_size=512, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+    eos_token_ids=(1,),
+)  # fmt: skip
+
+
+@pytest.fixture
+def config_only(tmp_path, monkeypatch):
+    """A folder holding only config.json (a load_parameters_path with no weights in it)."""
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(TINY, "float32")))
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # restored after the test
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    return tmp_path
+
+
+def _keys(folder, **extra):
+    keys = dict(
+        model_name="",
+        load_parameters_path=str(folder),
+        compile_topology="v5e:2x2",
+        batch_size=4,
+        num_generations=2,
+        max_prefill_predict_length=32,
+        max_target_length=64,
+    )
+    keys.update(extra)
+    return ["train_rl", *(f"{k}={v}" for k, v in keys.items())]
+
+
+def _row(out: str, name: str) -> int:
+    match = re.search(rf"^  {re.escape(name)}\s+[\d.]+ GiB\s+([\d,]+) bytes$", out, re.M)
+    assert match, f"no row {name!r} in:\n{out}"
+    return int(match.group(1).replace(",", ""))
+
+
+def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, capsys):
+    assert main(_keys(config_only)) == 0
+    out = capsys.readouterr().out
+    assert "v5e:2x2 (4 x TPU v5e)" in out and "fits: peak" in out
+    # Trainer mesh fsdp=4: every matrix is split 4 ways on its D (embed) side, the norms are replicated.
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    norms = L * 2 * D + D
+    params = 4 * (matrices // 4 + norms)  # float32
+    assert params == 140544
+    assert _row(out, "params") == params
+    assert _row(out, "reference params") == params  # beta = 0.04 > 0: a copy for the reference pass
+    # AdamW's mu and nu are params-shaped and sharded like them; + its two int32 counts (adam, schedule) and
+    # the TrainState's int32 step.
+    assert _row(out, "optimizer state") == 2 * params + 3 * 4
+    # KV cache on the sampler mesh tensor=4: K=2 heads do not split 4 ways, so each chip holds all of it.
+    rows, slots = 4 * 2, 64
+    assert _row(out, "KV cache (P + C slots, by the rules)") == 2 * L * rows * K * H * slots * 4
+    peak = _row(out, "peak, all colocated")
+    assert peak > _row(out, "params") + _row(out, "optimizer state") + _row(out, "reference params")
+    assert _row(out, "chip HBM") == 16 * 2**30
+    assert re.search(r"compile time: the GRPO update [\d.]+ s", out)
+
+
+def test_a_job_that_cannot_fit_exits_1_naming_the_keys(config_only, capsys):
+    # 512 prompts x 16 completions of 8192 tokens: the KV cache alone is 2 (k, v) x 2 layers x 8192 rows x 2 x
+    # 16 x 8192 slots x 4 bytes = 32 GiB per chip (K=2 heads do not split over tensor=4), above v5e's 16 GiB.
+    args = _keys(config_only, batch_size=512, num_generations=16, max_prefill_predict_length=4096,
+                 max_target_length=8192)  # fmt: skip
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: peak" in out
+    assert "to make it fit, try:" in out and "max_target_length=4096" in out
+
+
+def test_unknown_topology_names_the_known_ones(config_only, capsys):
+    assert main(_keys(config_only, compile_topology="v9z-8")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "compile_topology='v9z-8' is not a known TPU slice" in err and "v6e-8" in err and "v5p-8" in err
+
+
+def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now raises ImportError
+    assert main(_keys(config_only)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'pip install -e ".[tpu]"' in err
+
+
+def test_step_flops_equal_a_hand_count():
+    # One prompt of P=4 tokens, G=2 completions of C=2 tokens, one decode phase, no reference, remat none.
+    cfg = TINY.replace(remat_policy="none")
+    s = StepShape(1, 2, 4, 2, 1, 1, False, 0)
+    phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)  # 2 x layer matmul params
+    attention = lambda q, k: 4 * L * N * H * q * k  # noqa: E731
+    assert phases["prefill"].flops == per_token * 4 + attention(4, 4) + 2 * D * V
+    # Two decode steps x two rows, each attending the whole cache of P + C = 6 slots.
+    assert phases["decode"].flops == 2 * (2 * (per_token + 2 * D * V) + attention(2, 6))
+    grouped = per_token * (4 + 4) + attention(4, 4) + attention(4, 6) + 2 * D * V * 4
+    layers_and_head = grouped - 2 * D * V * 4
+    assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
+
+
+@pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command
+def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
+    # The check an accelerator run makes before reading weights, here on a v5e:2x2 slice's devices with a
+    # memory limit of 1 MiB (the tiny job's params, moments and reference alone take 0.54 MiB per chip).
+    cfg = build_config(TrainConfig, _keys(config_only, compile_topology="")[1:])
+    devices = get_topology("v5e:2x2").devices
+    with pytest.raises(ConfigError, match=r"this run does not fit: peak .* GiB per device > 0.00 GiB; try: .*"
+                                          r"max_target_length=32.*check_fit=false skips"):  # fmt: skip
+        check_before_run(cfg, devices, limit=2**20)
+    check_before_run(build_config(TrainConfig, [*_keys(config_only)[1:], "check_fit=false"]), devices, 1)
+
+
+def test_nvidia_target_is_an_estimate_with_exact_shards(config_only, capsys):
+    # No compiler for an absent GPU: the table is labelled an estimate; its resident rows are still exact.
+    assert main(_keys(config_only, compile_topology="h100-8")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ESTIMATE (analytical; this JAX cannot compile for an absent GPU)")
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    params = 4 * (matrices // 8 + L * 2 * D + D)  # fsdp=8 over 8 GPUs, float32
+    assert _row(out, "params") == params and _row(out, "optimizer state") == 2 * params + 3 * 4
+    assert _row(out, "chip HBM") == 81559 * 2**20
+    assert "compile time" not in out
