@@ -58,7 +58,8 @@ def _row(out: str, name: str) -> int:
 
 
 def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, capsys):
-    assert main(_keys(config_only)) == 0
+    # hardware=tpu, as the run's own command on the slice says: compiling needs no TPU on this host.
+    assert main(_keys(config_only, hardware="tpu")) == 0
     out = capsys.readouterr().out
     assert "v5e:2x2 (4 x TPU v5e)" in out and "fits: peak" in out
     # Trainer mesh fsdp=4: every matrix is split 4 ways on its D (embed) side, the norms are replicated.

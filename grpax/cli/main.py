@@ -102,8 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts.handled():
             config = build_config(module.CONFIG, rest)
-            if getattr(config, "hardware", None):
-                select_backend(config.hardware)
+            hardware = getattr(config, "hardware", None)
+            if getattr(config, "compile_topology", ""):
+                # Compile-only (MaxText's train_compile): the slice's devices come from libtpu, so the host
+                # needs no accelerator, whatever `hardware` the run's own command names.
+                hardware = "cpu"
+            if hardware:
+                select_backend(hardware)
             return int(module.run(config) or 0)
     except USER_ERRORS as e:
         if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):
