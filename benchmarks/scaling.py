@@ -31,6 +31,8 @@ SETTINGS = {
     "llama3.2-3b-Instruct": "",
     "llama3.1-8b-Instruct": "",
     "llama3.1-70b-Instruct": "",
+    "qwen3-8b": "",
+    "gemma3-12b-it": "",
 }
 TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8")
 # 70B: its sampler unrolls 80 layers, a compile too long for this table, so its rows are the analytical
