@@ -1,6 +1,7 @@
 """The paired before/after test and the before/after table, against hand-computed values."""
 
 import json
+import math
 
 import pytest
 
@@ -48,9 +49,16 @@ def test_sign_test_p_value(up, down, p):
 
 def test_question_values_with_two_samples():
     records = [_record("q", "4", "4", formatted=True), _record("q", "4", "5")]
-    assert question_values(records, is_correct) == {
-        "q": {"accuracy": 0.5, "partial_accuracy": 0.5, "format_accuracy": 0.5, "pass@k": 1.0, "maj@k": 1.0}
-    }  # maj@k: the 4-vs-5 tie goes to the first seen, "4"
+    values = question_values(records, is_correct)["q"]
+    assert math.isnan(values.pop("mean_reward"))  # no rewards in these records: nothing to average
+    # maj@k: the 4-vs-5 tie goes to the first seen, "4"
+    assert values == {
+        "accuracy": 0.5,
+        "partial_accuracy": 0.5,
+        "format_accuracy": 0.5,
+        "pass@k": 1.0,
+        "maj@k": 1.0,
+    }
 
 
 def test_compare_counts_the_questions_that_moved():
@@ -152,12 +160,12 @@ def test_format_before_after_with_intervals_and_the_paired_test():
         "[1.05,",
         "1.55]",
         "+0.950",
-        "-",
+        "0.000488",  # the sign test on each question's mean reward
     ]
     assert lines[7].split() == ["questions", "32", "32"]
     assert lines[8] == (
         "change larger than the noise (exact sign test on the 32 paired questions, p < 0.05): accuracy, "
-        "partial_accuracy, pass@k, maj@k; within the noise: format_accuracy"
+        "partial_accuracy, mean_reward, pass@k, maj@k; within the noise: format_accuracy"
     )
 
 
@@ -170,3 +178,27 @@ def test_format_before_after_without_evaluations():
     assert len(only_after) == 8  # no paired test without a "before"
     only_before = format_before_after(_summary(0.5, [0.3363, 0.6637], 1.3), None).splitlines()
     assert only_before[-1] == "evaluation after training skipped (num_test_batches=0)"
+
+
+def test_paired_mean_reward_counts_questions_by_their_mean_points():
+    """Per question, the mean total reward of its samples (abstentions skipped); the sign test on the changes."""
+
+    def scored(question, *totals):
+        return [dict(_record(question, "1", "2"), rewards={"total": t}) for t in totals]
+
+    before = (
+        scored("a", 0.0, 1.0) + scored("b", 0.5, 0.5) + scored("c", 2.0, 2.0) + scored("d", math.nan, 1.0)
+    )
+    after = (
+        scored("a", 1.0, 2.0)
+        + scored("b", 1.0, 1.0)
+        + scored("c", 1.0, 2.0)
+        + scored("d", math.nan, math.nan)
+    )
+    # a: 0.5 -> 1.5 (up), b: 0.5 -> 1.0 (up), c: 2.0 -> 1.5 (down), d: 1.0 -> every sample abstained (left out)
+    result = compare(before, after, is_correct)["metrics"]["mean_reward"]
+    assert (result["up"], result["down"]) == (2, 1)
+    assert result["change"] == pytest.approx((1.0 + 0.5 - 0.5) / 3)
+    assert result["p_value"] == pytest.approx(sign_test_p_value(2, 1)) and result["p_value"] == 1.0
+    totals = compare(before, after, is_correct)["metrics"]
+    assert totals["accuracy"]["change"] == 0.0  # the other metrics keep all four questions

@@ -1,7 +1,8 @@
 """Is the before/after change of an evaluation larger than the noise? A paired test on the same questions.
 
 ``grpax train_rl`` evaluates the same test questions before and after training, so the two evaluations are
-paired: each question's value before and after (its fraction of correct samples, say) are compared directly,
+paired: each question's value before and after (its fraction of correct samples, or its mean reward) are
+compared directly,
 which removes the question-to-question spread that makes the two separate 95% intervals overlap even for a
 real gain. The test is the two-sided exact sign test on the per-question differences: questions that went up
 ("up") against those that went down ("down"), ties dropped, under H0 each changed question goes either way
@@ -22,11 +23,11 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from grpax.eval.metrics import majority_answer
+from grpax.eval.metrics import majority_answer, total_reward
 
 AnswerCheck = Callable[[str | None, str], bool]
 
-PAIRED_METRICS = ("accuracy", "partial_accuracy", "format_accuracy", "pass@k", "maj@k")
+PAIRED_METRICS = ("accuracy", "partial_accuracy", "format_accuracy", "mean_reward", "pass@k", "maj@k")
 ALPHA = 0.05  # a change with p < ALPHA is called larger than the noise
 
 
@@ -58,7 +59,8 @@ def question_values(records: Sequence[dict], check: AnswerCheck) -> dict[str, di
 
     Returns:
       ``{question: {metric: value}}``: the fraction of its samples correct / close / formatted, pass@k (any
-      sample correct) and maj@k (the majority answer correct), each in [0, 1].
+      sample correct) and maj@k (the majority answer correct), each in [0, 1]; mean_reward, the mean total
+      reward of its samples in points (NaN when every sample abstained).
     """
     groups: dict[str, list[dict]] = {}
     for r in records:
@@ -67,6 +69,10 @@ def question_values(records: Sequence[dict], check: AnswerCheck) -> dict[str, di
     def mean(flags: list[bool]) -> float:
         return sum(flags) / len(flags)
 
+    def mean_points(rs: list[dict]) -> float:
+        points = [x for x in (total_reward(r) for r in rs) if not math.isnan(x)]
+        return sum(points) / len(points) if points else math.nan
+
     out = {}
     for question, rs in groups.items():
         correct = [bool(r["correct"]) for r in rs]
@@ -74,6 +80,7 @@ def question_values(records: Sequence[dict], check: AnswerCheck) -> dict[str, di
             "accuracy": mean(correct),
             "partial_accuracy": mean([bool(r["close"]) for r in rs]),
             "format_accuracy": mean([bool(r["formatted"]) for r in rs]),
+            "mean_reward": mean_points(rs),
             "pass@k": float(any(correct)),
             "maj@k": float(check(majority_answer([r["extracted_answer"] for r in rs]), rs[0]["answer"])),
         }
@@ -89,14 +96,15 @@ def compare(before: Sequence[dict], after: Sequence[dict], check: AnswerCheck) -
 
     Returns:
       ``{"num_questions": Q paired, "alpha": ALPHA, "metrics": {name: {"change", "up", "down", "p_value"}}}``:
-      ``change`` is the mean over the Q questions of after - before (in the metric's units, a proportion),
-      ``up`` / ``down`` count the questions that rose / fell, ``p_value`` is ``sign_test_p_value(up, down)``.
+      ``change`` is the mean over the Q questions of after - before (in the metric's units: a proportion, or
+      points; questions without a mean reward on either side are left out), ``up`` / ``down`` count the
+      questions that rose / fell, ``p_value`` is ``sign_test_p_value(up, down)``.
     """
     b, a = question_values(before, check), question_values(after, check)
     shared = [q for q in b if q in a]
     metrics = {}
     for name in PAIRED_METRICS:
-        diffs = [a[q][name] - b[q][name] for q in shared]
+        diffs = [a[q][name] - b[q][name] for q in shared if not math.isnan(a[q][name] - b[q][name])]
         up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
         change = sum(diffs) / len(diffs) if diffs else math.nan
         metrics[name] = {"change": change, "up": up, "down": down, "p_value": sign_test_p_value(up, down)}

@@ -100,6 +100,16 @@ def proportion(flags: Sequence[Sequence[bool]]) -> Estimate:
     return Estimate(s / n if n else math.nan, n, wilson_interval(s, n))
 
 
+def total_reward(record: dict) -> float:
+    """A scored record's total reward in points: its ``rewards["total"]``, else the sum of its non-NaN rewards;
+    NaN when every function abstained."""
+    rewards = record.get("rewards") or {}
+    if "total" in rewards:
+        return float(rewards["total"])
+    values = [float(v) for v in rewards.values() if not math.isnan(float(v))]
+    return sum(values) if values else math.nan
+
+
 def mean_reward(rewards: Sequence[Sequence[float]]) -> Estimate:
     """Mean total reward over completions, NaN (abstained) values skipped.
 
@@ -389,18 +399,11 @@ def summarize(
             return is_close(r["extracted_answer"], r["answer"])
         return is_format_exact(r["completion"])
 
-    def total(r: dict) -> float:
-        rewards = r.get("rewards") or {}
-        if "total" in rewards:
-            return float(rewards["total"])
-        values = [float(v) for v in rewards.values() if not math.isnan(float(v))]
-        return sum(values) if values else math.nan
-
     metrics = {
         "accuracy": proportion([[bool(r["correct"]) for r in g] for g in groups]),
         "partial_accuracy": proportion([[field(r, "close") for r in g] for g in groups]),
         "format_accuracy": proportion([[field(r, "formatted") for r in g] for g in groups]),
-        "mean_reward": mean_reward([[total(r) for r in g] for g in groups]),
+        "mean_reward": mean_reward([[total_reward(r) for r in g] for g in groups]),
         "pass@k": pass_at_k([[bool(r["correct"]) for r in g] for g in groups], num_samples),
         "maj@k": maj_at_k(
             [[r["extracted_answer"] for r in g] for g in groups],
