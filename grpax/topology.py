@@ -131,7 +131,9 @@ def get_topology(name: str, num_slices: int = 1, chips_per_vm: int = 0):
     desc = topologies.get_topology_desc(
         topology_name=tpu_name,
         platform="tpu",
-        chip_config_name="default",
+        # v4's "default" is one device per TensorCore (2 per chip), which jax's mesh builder refuses; "megacore"
+        # is one per chip, as v5p's "default" already is (MaxText's train_compile uses megacore for v4 too).
+        chip_config_name="megacore" if generation == "v4" else "default",
         chips_per_host_bounds=host_bounds,
         num_slices=num_slices,
         wrap=(False, False, False),

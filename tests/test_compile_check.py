@@ -123,6 +123,15 @@ def test_step_flops_equal_a_hand_count():
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
 
 
+def test_v4_and_v5p_slices_are_one_device_per_chip():
+    """``v4-8`` and ``v5p-8`` name 8 TensorCores: 4 chips (2x2x1), one JAX device each (jax's TPU mesh builder
+    refuses one device per core)."""
+    for name, chips in (("v4-8", 4), ("v5p-8", 4), ("v4-16", 8)):
+        devices = get_topology(name).devices
+        assert len(devices) == chips, name
+        assert {d.core_on_chip for d in devices} == {0}, name
+
+
 @pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command
 def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
     # The check an accelerator run makes before reading weights, here on a v5e:2x2 slice's devices with a
