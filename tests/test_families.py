@@ -17,7 +17,7 @@ from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
 from grpax.config import ConfigError
 from grpax.models.llama import forward, forward_grouped, logits_from_hidden
 from grpax.models.params import count_params
-from grpax.models.registry import ARCH_FIELDS, from_hf_config, get_model_config, to_hf_config
+from grpax.models.registry import ARCH_FIELDS, from_hf_config, get_model_config, load_hf_config, to_hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -268,7 +268,7 @@ def test_registered_shapes_and_counts_match_transformers_on_meta(name):
     assert count_params(cfg) == cfg.num_params() == expected
 
 
-def test_unsupported_architectures_are_one_line_errors():
+def test_unsupported_architectures_are_one_line_errors(tmp_path):
     for arch, model_type in [
         ("Qwen3MoeForCausalLM", "qwen3_moe"),
         ("LlavaForConditionalGeneration", "llava"),
@@ -276,7 +276,18 @@ def test_unsupported_architectures_are_one_line_errors():
         with pytest.raises(ConfigError, match="grpax supports LlamaForCausalLM, MistralForCausalLM") as e:
             from_hf_config(dict(PUBLIC["qwen3-8b"][1], architectures=[arch], model_type=model_type))
         assert "\n" not in str(e.value) and arch in str(e.value)
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    # Read from a folder (as to_native reads hf_model_path), the error names the file; transformers' own
+    # save_pretrained writes no ``architectures`` for a bare config, so the message names the model_type.
+    folder = tmp_path / "phi"
+    transformers.PhiConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(folder)
+    with pytest.raises(ConfigError) as e:
+        load_hf_config(folder)
+    message = str(e.value)
+    assert message.startswith(f"{folder / 'config.json'}: ") and "model_type='phi'" in message, message
+    assert "'?'" not in message and "grpax supports LlamaForCausalLM" in message, message
+    with pytest.raises(ConfigError, match="^config.json: rope type 'yarn' is not supported"):
         from_hf_config(
             dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                  rope_scaling={"rope_type": "yarn", "factor": 4.0})
