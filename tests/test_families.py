@@ -17,7 +17,14 @@ from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
 from grpax.config import ConfigError
 from grpax.models.llama import forward, forward_grouped, logits_from_hidden
 from grpax.models.params import count_params
-from grpax.models.registry import ARCH_FIELDS, from_hf_config, get_model_config, load_hf_config, to_hf_config
+from grpax.models.registry import (
+    ARCH_FIELDS,
+    check_matches,
+    from_hf_config,
+    get_model_config,
+    load_hf_config,
+    to_hf_config,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -292,6 +299,20 @@ def test_unsupported_architectures_are_one_line_errors(tmp_path):
             dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                  rope_scaling={"rope_type": "yarn", "factor": 4.0})
         )  # fmt: skip
+
+
+def test_a_mismatched_model_name_names_the_fix():
+    """train_rl's default model_name (smollm2-135m-Instruct) against a converted Qwen3 checkpoint: the error
+    names the fix, model_name='' (the checkpoint's own config.json) or the checkpoint's registered name."""
+    tiny = from_hf_config(hf_model("qwen3", tie=True).config.to_dict())
+    with pytest.raises(ConfigError) as e:
+        check_matches(tiny, "smollm2-135m-Instruct", "ckpt/config.json")
+    message = str(e.value)
+    assert "family: qwen3 vs llama" in message, message
+    assert message.endswith("; pass model_name='' to use the checkpoint's own config.json"), message
+    with pytest.raises(ConfigError) as e:
+        check_matches(get_model_config("qwen3-0.6b"), "qwen3-4b", "ckpt/config.json")
+    assert "pass model_name=qwen3-0.6b (its registered name) or model_name=''" in str(e.value), str(e.value)
 
 
 @pytest.mark.slow

@@ -728,9 +728,11 @@ def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
         if getattr(cfg, f) != getattr(ref, f)
     ]
     if diffs:
+        names = registered_names_of(cfg)
+        own = f"model_name={' or model_name='.join(names)} (its registered name) or " if names else ""
         raise ConfigError(
             f"{source} does not match model_name={model_name} ({'; '.join(diffs)}); "
-            "pass the model_name of that checkpoint"
+            f"pass {own}model_name='' to use the checkpoint's own config.json"
         )
 
 
