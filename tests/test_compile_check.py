@@ -17,6 +17,7 @@ from grpax.models.registry import ModelConfig, to_hf_config
 from grpax.rl.compile_check import check_before_run
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
+from grpax.sharding import MeshConfig, create_rollout_mesh
 from grpax.topology import get_topology
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
@@ -130,6 +131,19 @@ def test_v4_and_v5p_slices_are_one_device_per_chip():
         devices = get_topology(name).devices
         assert len(devices) == chips, name
         assert {d.core_on_chip for d in devices} == {0}, name
+
+
+def test_two_slices_with_the_default_rollout_keys_name_the_fix():
+    """The sampler's tensor parallelism stays within a slice: 2 v5e-4 slices with rollout_data_parallelism=1
+    (the default) are refused naming the value that works, which then builds a (2, 1, 4) rollout mesh."""
+    devices = get_topology("v5e-4", num_slices=2).devices
+    with pytest.raises(ConfigError) as e:
+        create_rollout_mesh(MeshConfig(), devices)
+    assert str(e.value).endswith(
+        "pass rollout_data_parallelism=2 (with rollout_tensor_parallelism=-1: 4-way within each)"
+    ), str(e.value)
+    mesh = create_rollout_mesh(MeshConfig(rollout_data_parallelism=2), devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
 
 
 @pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command
