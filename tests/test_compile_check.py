@@ -133,6 +133,18 @@ def test_v4_and_v5p_slices_are_one_device_per_chip():
         assert {d.core_on_chip for d in devices} == {0}, name
 
 
+def test_a_grid_no_host_tiles_names_compile_topology():
+    """v6e:2x3 (6 chips) is no whole number of 1-, 4- or 8-chip hosts: the error names compile_topology and a
+    working name, not chips_per_vm=6 (which fails the same way)."""
+    with pytest.raises(ConfigError) as e:
+        get_topology("v6e:2x3")
+    message = str(e.value)
+    assert message.startswith("compile_topology='v6e:2x3': v6e hosts hold 1, 4 or 8 chips"), message
+    assert "chips_per_vm" not in message and "use a slice name such as v6e-8" in message, message
+    with pytest.raises(ConfigError, match="^chips_per_vm=8: a v6e-4 slice"):
+        get_topology("v6e-4", chips_per_vm=8)
+
+
 def test_two_slices_with_the_default_rollout_keys_name_the_fix():
     """The sampler's tensor parallelism stays within a slice: 2 v5e-4 slices with rollout_data_parallelism=1
     (the default) are refused naming the value that works, which then builds a (2, 1, 4) rollout mesh."""
