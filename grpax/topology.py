@@ -75,9 +75,13 @@ class Topology:
 
 
 def _grid(name: str) -> tuple[str, str]:
-    """(generation, libtpu topology name "v6e:2x4") of a slice name; raises naming the known ones."""
-    if name in TOPOLOGIES:
-        return TOPOLOGIES[name]
+    """(generation, libtpu topology name "v6e:2x4") of a slice name; raises naming the known ones.
+
+    Case is ignored, and Google Cloud's accelerator type for v5e (``v5litepod-8``) is its ``v5e-8``.
+    """
+    key = name.lower().replace("v5litepod-", "v5e-")
+    if key in TOPOLOGIES:
+        return TOPOLOGIES[key]
     generation, _, grid = name.partition(":")
     dims = grid.split("x")
     if generation in CHIPS and grid and all(d.isdigit() and int(d) > 0 for d in dims) and len(dims) in (2, 3):

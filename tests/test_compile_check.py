@@ -133,6 +133,13 @@ def test_v4_and_v5p_slices_are_one_device_per_chip():
         assert {d.core_on_chip for d in devices} == {0}, name
 
 
+def test_cloud_accelerator_type_names_are_slices():
+    """``gcloud``'s --accelerator-type for v5e is v5litepod-N; names are read without case."""
+    for name in ("v5litepod-8", "V5E-8"):
+        topology = get_topology(name)
+        assert (topology.chip.name, topology.num_chips) == ("TPU v5e", 8), name
+
+
 def test_a_grid_no_host_tiles_names_compile_topology():
     """v6e:2x3 (6 chips) is no whole number of 1-, 4- or 8-chip hosts: the error names compile_topology and a
     working name, not chips_per_vm=6 (which fails the same way)."""
