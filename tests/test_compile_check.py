@@ -101,6 +101,16 @@ def test_unknown_topology_names_the_known_ones(config_only, capsys):
     assert "compile_topology='v9z-8' is not a known TPU slice" in err and "v6e-8" in err and "v5p-8" in err
 
 
+def test_a_checkpoint_path_without_config_names_the_path(tmp_path, capsys):
+    """A mistyped load_parameters_path (no config.json at or above it) and no model_name: the error names it."""
+    missing = tmp_path / "typo" / "0" / "items"
+    assert main(_keys(missing)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the meshes' log lines
+    assert err.startswith("grpax train_rl: error: compile_topology needs the model's shapes"), err
+    assert f"load_parameters_path={missing} has no config.json at or above it" in err, err
+    assert "pass model_name=<a registered model>" in err, err
+
+
 def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now raises ImportError
     assert main(_keys(config_only)) == 2

@@ -54,8 +54,14 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     if found is not None:
         return load_hf_config(found, **runtime)
     if not cfg.model_name:
+        where = (
+            f"load_parameters_path={cfg.load_parameters_path} has no config.json at or above it"
+            if cfg.load_parameters_path
+            else "no load_parameters_path"
+        )
         raise ConfigError(
-            "compile_topology needs model_name=<a registered model> (or load_parameters_path with a config.json)"
+            f"compile_topology needs the model's shapes and {where}: pass model_name=<a registered model> "
+            "or the load_parameters_path of a converted checkpoint (<base>/0/items, config.json in <base>)"
         )
     return get_model_config(cfg.model_name, **runtime)
 
