@@ -109,6 +109,13 @@ def test_a_checkpoint_path_without_config_names_the_path(tmp_path, capsys):
     assert err.startswith("grpax train_rl: error: compile_topology needs the model's shapes"), err
     assert f"load_parameters_path={missing} has no config.json at or above it" in err, err
     assert "pass model_name=<a registered model>" in err, err
+    # With a registered model_name (train_rl's default is one) the typo would compile that model: refused.
+    assert main(_keys(missing, model_name="smollm2-135m")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(
+        f"load_parameters_path={missing} does not exist; fix the path, or leave it out to "
+        "compile the registered model_name's shapes"
+    ), err
 
 
 def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):

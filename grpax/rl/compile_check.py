@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -63,6 +64,14 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
             f"compile_topology needs the model's shapes and {where}: pass model_name=<a registered model> "
             "or the load_parameters_path of a converted checkpoint (<base>/0/items, config.json in <base>)"
         )
+    path = cfg.load_parameters_path
+    if path and "://" not in path and not Path(path).exists():  # a typo would compile model_name's shapes
+        raise ConfigError(
+            f"load_parameters_path={path} does not exist; fix the path, or leave it out to compile the "
+            "registered model_name's shapes"
+        )
+    if path:
+        log.warning("no config.json at or above %s: compiling model_name=%s's shapes", path, cfg.model_name)
     return get_model_config(cfg.model_name, **runtime)
 
 
