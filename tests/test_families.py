@@ -301,6 +301,23 @@ def test_unsupported_architectures_are_one_line_errors(tmp_path):
         )  # fmt: skip
 
 
+def test_weights_that_do_not_match_config_json_name_the_file(tmp_path, capsys):
+    """A config.json edited after save_pretrained (head_dim 16 -> 8): the error names the tensor, both shapes
+    and config.json as the thing to fix (there is no model_name to blame)."""
+    from grpax.cli.main import main
+
+    hf_model("qwen3", tie=True).save_pretrained(tmp_path / "src")
+    config = tmp_path / "src" / "config.json"
+    config.write_text(config.read_text().replace('"head_dim": 16', '"head_dim": 8'))
+    assert (
+        main(["to_native", f"hf_model_path={tmp_path / 'src'}", f"base_output_directory={tmp_path / 'out'}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "tensor 'model.layers.0.self_attn.q_proj.weight' has shape (64, 48)" in err, err
+    assert "config.json (or model_name) does not describe these weights" in err, err
+
+
 def test_a_mismatched_model_name_names_the_fix():
     """train_rl's default model_name (smollm2-135m-Instruct) against a converted Qwen3 checkpoint: the error
     names the fix, model_name='' (the checkpoint's own config.json) or the checkpoint's registered name."""
