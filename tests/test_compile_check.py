@@ -14,7 +14,7 @@ import pytest
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.compile_check import check_before_run
+from grpax.rl.compile_check import check_before_run, per_chip_bytes
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.sharding import MeshConfig, create_rollout_mesh
@@ -167,6 +167,18 @@ def test_a_grid_no_host_tiles_names_compile_topology():
     assert "chips_per_vm" not in message and "use a slice name such as v6e-8" in message, message
     with pytest.raises(ConfigError, match="^chips_per_vm=8: a v6e-4 slice"):
         get_topology("v6e-4", chips_per_vm=8)
+
+
+def test_per_chip_bytes_counts_prng_keys():
+    """The sampler's decode key is among the arrays a job over HBM reports (``_compile``'s refused path): a
+    key<fry> is 2 uint32, 8 bytes (was: TypeError 'Cannot interpret key<fry> as a data type')."""
+    import jax
+    import jax.numpy as jnp
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=one)
+    logits = jax.ShapeDtypeStruct((4, 10), jnp.bfloat16, sharding=one)
+    assert per_chip_bytes([key, logits]) == 8 + 4 * 10 * 2
 
 
 def test_two_slices_with_the_default_rollout_keys_name_the_fix():

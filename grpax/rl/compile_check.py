@@ -82,7 +82,7 @@ def _abstract(tree, shardings):
 def per_chip_bytes(tree) -> int:
     """Bytes of the largest shard of each leaf (``ShapeDtypeStruct``s with a sharding), summed: one chip's."""
     return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # PRNG keys too (key<fry>: 8)
         for x in jax.tree.leaves(tree)
     )
 
