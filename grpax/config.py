@@ -179,7 +179,7 @@ def unregistered_name_error(model_name: str, checkpoint: str = "") -> ConfigErro
     close = list(dict.fromkeys(close))[:3] or list(MODELS)[:3]
     return ConfigError(
         f"{head}; closest registered names: {', '.join(close)} (all: grpax/models/registry.py MODELS); pass "
-        "one of them, or model_name='' for a Llama checkpoint grpax does not register (no preset)"
+        "one of them, or model_name='' for a checkpoint grpax does not register (its own config.json, no preset)"
     )
 
 

@@ -240,8 +240,9 @@ def create_rollout_mesh(
     num_granules, _ = _granules(devices)
     if dp % num_granules:
         raise ConfigError(
-            f"rollout_data_parallelism ({dp}) must be a multiple of the number of slices/hosts "
-            f"({num_granules}): tensor parallelism does not cross hosts"
+            f"rollout_data_parallelism={dp} must be a multiple of the number of slices/hosts "
+            f"({num_granules}): tensor parallelism does not cross hosts; pass rollout_data_parallelism="
+            f"{num_granules} (with rollout_tensor_parallelism=-1: {len(devices) // num_granules}-way within each)"
         )
     mesh = _build(
         (dp // num_granules, 1, tp),

@@ -75,9 +75,13 @@ class Topology:
 
 
 def _grid(name: str) -> tuple[str, str]:
-    """(generation, libtpu topology name "v6e:2x4") of a slice name; raises naming the known ones."""
-    if name in TOPOLOGIES:
-        return TOPOLOGIES[name]
+    """(generation, libtpu topology name "v6e:2x4") of a slice name; raises naming the known ones.
+
+    Case is ignored, and Google Cloud's accelerator type for v5e (``v5litepod-8``) is its ``v5e-8``.
+    """
+    key = name.lower().replace("v5litepod-", "v5e-")
+    if key in TOPOLOGIES:
+        return TOPOLOGIES[key]
     generation, _, grid = name.partition(":")
     dims = grid.split("x")
     if generation in CHIPS and grid and all(d.isdigit() and int(d) > 0 for d in dims) and len(dims) in (2, 3):
@@ -111,7 +115,15 @@ def get_topology(name: str, num_slices: int = 1, chips_per_vm: int = 0):
     default = chips if generation in ("v5e", "v6e") and chips <= SINGLE_HOST_MAX else min(chips, 4)
     per_host = chips_per_vm or default
     host_bounds = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}.get(per_host)
-    if host_bounds is None or chips % per_host or any(d % b for d, b in zip(dims, host_bounds, strict=False)):
+    tiles = host_bounds is not None and not chips % per_host
+    tiles = tiles and all(d % b == 0 for d, b in zip(dims, host_bounds, strict=False))
+    if not tiles and not chips_per_vm:
+        raise ConfigError(
+            f"compile_topology={name!r}: {generation} hosts hold "
+            f"{'1, 4 or 8 chips (1x1, 2x2, 2x4)' if generation in ('v5e', 'v6e') else '4 chips (2x2x1)'}, "
+            f"which do not tile {tpu_name}; use a slice name such as {generation}-8 or a grid of whole hosts"
+        )
+    if not tiles:
         raise ConfigError(
             f"chips_per_vm={chips_per_vm}: a {name} slice ({tpu_name}) has hosts of "
             f"{'1, 4 or 8' if generation in ('v5e', 'v6e') else '4'} chips; pass chips_per_vm={default} or 0"
@@ -131,7 +143,9 @@ def get_topology(name: str, num_slices: int = 1, chips_per_vm: int = 0):
     desc = topologies.get_topology_desc(
         topology_name=tpu_name,
         platform="tpu",
-        chip_config_name="default",
+        # v4's "default" is one device per TensorCore (2 per chip), which jax's mesh builder refuses; "megacore"
+        # is one per chip, as v5p's "default" already is (MaxText's train_compile uses megacore for v4 too).
+        chip_config_name="megacore" if generation == "v4" else "default",
         chips_per_host_bounds=host_bounds,
         num_slices=num_slices,
         wrap=(False, False, False),

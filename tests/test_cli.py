@@ -426,7 +426,7 @@ def test_unregistered_model_name_is_refused_naming_the_closest(capsys, command, 
     err = _one_line_error(
         capsys, f"model_name={name!r} is not registered, so no model preset would apply; {closest}"
     )
-    assert "or model_name='' for a Llama checkpoint grpax does not register" in err
+    assert "or model_name='' for a checkpoint grpax does not register" in err
 
 
 def test_unregistered_model_name_names_the_checkpoints_registered_model(tmp_path, capsys):

@@ -14,9 +14,10 @@ import pytest
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.compile_check import check_before_run
+from grpax.rl.compile_check import check_before_run, per_chip_bytes
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
+from grpax.sharding import MeshConfig, create_rollout_mesh
 from grpax.topology import get_topology
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
@@ -100,6 +101,23 @@ def test_unknown_topology_names_the_known_ones(config_only, capsys):
     assert "compile_topology='v9z-8' is not a known TPU slice" in err and "v6e-8" in err and "v5p-8" in err
 
 
+def test_a_checkpoint_path_without_config_names_the_path(tmp_path, capsys):
+    """A mistyped load_parameters_path (no config.json at or above it) and no model_name: the error names it."""
+    missing = tmp_path / "typo" / "0" / "items"
+    assert main(_keys(missing)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the meshes' log lines
+    assert err.startswith("grpax train_rl: error: compile_topology needs the model's shapes"), err
+    assert f"load_parameters_path={missing} has no config.json at or above it" in err, err
+    assert "pass model_name=<a registered model>" in err, err
+    # With a registered model_name (train_rl's default is one) the typo would compile that model: refused.
+    assert main(_keys(missing, model_name="smollm2-135m")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(
+        f"load_parameters_path={missing} does not exist; fix the path, or leave it out to "
+        "compile the registered model_name's shapes"
+    ), err
+
+
 def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now raises ImportError
     assert main(_keys(config_only)) == 2
@@ -121,6 +139,59 @@ def test_step_flops_equal_a_hand_count():
     grouped = per_token * (4 + 4) + attention(4, 4) + attention(4, 6) + 2 * D * V * 4
     layers_and_head = grouped - 2 * D * V * 4
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
+
+
+def test_v4_and_v5p_slices_are_one_device_per_chip():
+    """``v4-8`` and ``v5p-8`` name 8 TensorCores: 4 chips (2x2x1), one JAX device each (jax's TPU mesh builder
+    refuses one device per core)."""
+    for name, chips in (("v4-8", 4), ("v5p-8", 4), ("v4-16", 8)):
+        devices = get_topology(name).devices
+        assert len(devices) == chips, name
+        assert {d.core_on_chip for d in devices} == {0}, name
+
+
+def test_cloud_accelerator_type_names_are_slices():
+    """``gcloud``'s --accelerator-type for v5e is v5litepod-N; names are read without case."""
+    for name in ("v5litepod-8", "V5E-8"):
+        topology = get_topology(name)
+        assert (topology.chip.name, topology.num_chips) == ("TPU v5e", 8), name
+
+
+def test_a_grid_no_host_tiles_names_compile_topology():
+    """v6e:2x3 (6 chips) is no whole number of 1-, 4- or 8-chip hosts: the error names compile_topology and a
+    working name, not chips_per_vm=6 (which fails the same way)."""
+    with pytest.raises(ConfigError) as e:
+        get_topology("v6e:2x3")
+    message = str(e.value)
+    assert message.startswith("compile_topology='v6e:2x3': v6e hosts hold 1, 4 or 8 chips"), message
+    assert "chips_per_vm" not in message and "use a slice name such as v6e-8" in message, message
+    with pytest.raises(ConfigError, match="^chips_per_vm=8: a v6e-4 slice"):
+        get_topology("v6e-4", chips_per_vm=8)
+
+
+def test_per_chip_bytes_counts_prng_keys():
+    """The sampler's decode key is among the arrays a job over HBM reports (``_compile``'s refused path): a
+    key<fry> is 2 uint32, 8 bytes (was: TypeError 'Cannot interpret key<fry> as a data type')."""
+    import jax
+    import jax.numpy as jnp
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=one)
+    logits = jax.ShapeDtypeStruct((4, 10), jnp.bfloat16, sharding=one)
+    assert per_chip_bytes([key, logits]) == 8 + 4 * 10 * 2
+
+
+def test_two_slices_with_the_default_rollout_keys_name_the_fix():
+    """The sampler's tensor parallelism stays within a slice: 2 v5e-4 slices with rollout_data_parallelism=1
+    (the default) are refused naming the value that works, which then builds a (2, 1, 4) rollout mesh."""
+    devices = get_topology("v5e-4", num_slices=2).devices
+    with pytest.raises(ConfigError) as e:
+        create_rollout_mesh(MeshConfig(), devices)
+    assert str(e.value).endswith(
+        "pass rollout_data_parallelism=2 (with rollout_tensor_parallelism=-1: 4-way within each)"
+    ), str(e.value)
+    mesh = create_rollout_mesh(MeshConfig(rollout_data_parallelism=2), devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
 
 
 @pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command

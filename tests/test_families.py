@@ -17,7 +17,14 @@ from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
 from grpax.config import ConfigError
 from grpax.models.llama import forward, forward_grouped, logits_from_hidden
 from grpax.models.params import count_params
-from grpax.models.registry import ARCH_FIELDS, from_hf_config, get_model_config, to_hf_config
+from grpax.models.registry import (
+    ARCH_FIELDS,
+    check_matches,
+    from_hf_config,
+    get_model_config,
+    load_hf_config,
+    to_hf_config,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -268,7 +275,7 @@ def test_registered_shapes_and_counts_match_transformers_on_meta(name):
     assert count_params(cfg) == cfg.num_params() == expected
 
 
-def test_unsupported_architectures_are_one_line_errors():
+def test_unsupported_architectures_are_one_line_errors(tmp_path):
     for arch, model_type in [
         ("Qwen3MoeForCausalLM", "qwen3_moe"),
         ("LlavaForConditionalGeneration", "llava"),
@@ -276,11 +283,53 @@ def test_unsupported_architectures_are_one_line_errors():
         with pytest.raises(ConfigError, match="grpax supports LlamaForCausalLM, MistralForCausalLM") as e:
             from_hf_config(dict(PUBLIC["qwen3-8b"][1], architectures=[arch], model_type=model_type))
         assert "\n" not in str(e.value) and arch in str(e.value)
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+    # Read from a folder (as to_native reads hf_model_path), the error names the file; transformers' own
+    # save_pretrained writes no ``architectures`` for a bare config, so the message names the model_type.
+    folder = tmp_path / "phi"
+    transformers.PhiConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(folder)
+    with pytest.raises(ConfigError) as e:
+        load_hf_config(folder)
+    message = str(e.value)
+    assert message.startswith(f"{folder / 'config.json'}: ") and "model_type='phi'" in message, message
+    assert "'?'" not in message and "grpax supports LlamaForCausalLM" in message, message
+    with pytest.raises(ConfigError, match="^config.json: rope type 'yarn' is not supported"):
         from_hf_config(
             dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                  rope_scaling={"rope_type": "yarn", "factor": 4.0})
         )  # fmt: skip
+
+
+def test_weights_that_do_not_match_config_json_name_the_file(tmp_path, capsys):
+    """A config.json edited after save_pretrained (head_dim 16 -> 8): the error names the tensor, both shapes
+    and config.json as the thing to fix (there is no model_name to blame)."""
+    from grpax.cli.main import main
+
+    hf_model("qwen3", tie=True).save_pretrained(tmp_path / "src")
+    config = tmp_path / "src" / "config.json"
+    config.write_text(config.read_text().replace('"head_dim": 16', '"head_dim": 8'))
+    assert (
+        main(["to_native", f"hf_model_path={tmp_path / 'src'}", f"base_output_directory={tmp_path / 'out'}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "tensor 'model.layers.0.self_attn.q_proj.weight' has shape (64, 48)" in err, err
+    assert "config.json (or model_name) does not describe these weights" in err, err
+
+
+def test_a_mismatched_model_name_names_the_fix():
+    """train_rl's default model_name (smollm2-135m-Instruct) against a converted Qwen3 checkpoint: the error
+    names the fix, model_name='' (the checkpoint's own config.json) or the checkpoint's registered name."""
+    tiny = from_hf_config(hf_model("qwen3", tie=True).config.to_dict())
+    with pytest.raises(ConfigError) as e:
+        check_matches(tiny, "smollm2-135m-Instruct", "ckpt/config.json")
+    message = str(e.value)
+    assert "family: qwen3 vs llama" in message, message
+    assert message.endswith("; pass model_name='' to use the checkpoint's own config.json"), message
+    with pytest.raises(ConfigError) as e:
+        check_matches(get_model_config("qwen3-0.6b"), "qwen3-4b", "ckpt/config.json")
+    assert "pass model_name=qwen3-0.6b (its registered name) or model_name=''" in str(e.value), str(e.value)
 
 
 @pytest.mark.slow

@@ -377,7 +377,9 @@ def to_native(
             raise FileNotFoundError(f"gguf_path={gguf_file} does not exist")
         source = read_gguf(gguf_file)
         hf_config = source.hf_config
-        cfg = from_hf_config(hf_config, scan_layers=scan_layers, weight_dtype=weight_dtype)
+        cfg = from_hf_config(
+            hf_config, f"GGUF {gguf_file}", scan_layers=scan_layers, weight_dtype=weight_dtype
+        )
         check_matches(cfg, model_name, f"GGUF {gguf_file}")
         if model_name in MODELS:  # GGUF metadata lacks some ids (pad); the registry knows them
             ref = get_model_config(model_name)
@@ -599,7 +601,7 @@ def to_huggingface(
         folder = None
     if folder is not None:
         hf_config = json.loads((folder / "config.json").read_text())
-        cfg = from_hf_config(hf_config)
+        cfg = from_hf_config(hf_config, source=str(folder / "config.json"))
         if model_name:
             check_matches(cfg, model_name, str(folder / "config.json"))
     else:

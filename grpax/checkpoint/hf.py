@@ -120,7 +120,8 @@ def fill_native(dst: np.ndarray, w: np.ndarray, hf_name: str, name: str, cfg: Mo
     if view.shape != w.shape:
         raise ValueError(
             f"tensor {hf_name!r} has shape {tuple(w.shape)}, expected HF layout of {dst.shape} "
-            f"for this config; is model_name right?"
+            "for this config: config.json (or model_name) does not describe these weights; use the config.json "
+            "saved with them"
         )
     if view.ndim < 2 or view.flags.c_contiguous or not np.may_share_memory(view, dst):  # no transpose
         dst[...] = hf_to_native(name, w, cfg)
@@ -201,7 +202,8 @@ def load_params_from_tensors(
         if stored is not None and int(np.prod(stored)) != int(np.prod(shape)):
             raise ValueError(
                 f"tensor {hf_name!r} has shape {stored}, expected HF layout of {shape} "
-                f"for this config; is model_name right?"
+                "for this config: config.json (or model_name) does not describe these weights; use the config.json "
+                "saved with them"
             )
 
     def read(hf_name: str) -> np.ndarray:

@@ -375,7 +375,7 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
         raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
     overrides = dict(model_overrides)
     overrides.setdefault("weight_dtype", stored_dtype(path))
-    cfg = from_hf_config(hf, **overrides)
+    cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "

@@ -478,9 +478,7 @@ def _rope(rope: dict[str, Any], theta: float) -> tuple[float, tuple[tuple[str, f
     if rope_type == "linear":
         return theta, (("factor", float(rope["factor"])),)
     if rope_type not in ("default", None):
-        raise ConfigError(
-            f"config.json rope type {rope_type!r} is not supported (default, llama3, linear are)"
-        )
+        raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear are)")
     return theta, None
 
 
@@ -489,7 +487,7 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
     n = hf["num_hidden_layers"]
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
     if act not in _ACTIVATIONS:
-        raise ConfigError(f"config.json hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
+        raise ConfigError(f"hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
     values: dict[str, Any] = dict(family=family, mlp_activation=_ACTIVATIONS[act])
     window = hf.get("sliding_window")
     if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
@@ -541,11 +539,11 @@ def _rope_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
 
 
-def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides: Any) -> ModelConfig:
     """Builds a ``ModelConfig`` from a config.json dict of a supported architecture (transformers 4 or 5 form).
 
     Supported: ``SUPPORTED_ARCHITECTURES`` (Gemma3ForConditionalGeneration: its ``text_config``, the vision
-    tower ignored).
+    tower ignored). ``source`` (the file's path) opens every error message.
 
     Raises:
       ConfigError: for another architecture (MoE, multimodal towers, ...), biases Llama or Qwen3 do not have,
@@ -554,7 +552,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     family = _HF_FAMILIES.get(model_type)
     default_arch = "Gemma3ForConditionalGeneration" if model_type == "gemma3" else _HF_ARCHS.get(family, "?")
-    archs = hf.get("architectures") or [default_arch]  # transformers' own to_dict() leaves them out
+    given = hf.get("architectures")
+    archs = given or [default_arch]  # transformers' own to_dict() leaves them out
     if model_type == "gemma3" and "Gemma3ForConditionalGeneration" in archs:
         text = dict(hf.get("text_config") or {})
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
@@ -572,13 +571,17 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         model_type, archs, family = "gemma3_text", hf["architectures"], "gemma3"
     if family is None or _HF_ARCHS[family] not in archs:
         raise ConfigError(
-            f"config.json describes {archs} (model_type={model_type!r}); grpax supports "
-            f"{SUPPORTED_ARCHITECTURES}"
+            f"{source}: architectures={given or '(none)'}, model_type={model_type!r} is not supported; "
+            f"grpax supports {SUPPORTED_ARCHITECTURES}: convert a checkpoint of one of them"
         )
     if (family != "qwen2" and hf.get("attention_bias")) or hf.get("mlp_bias"):
         raise ConfigError(
-            f"config.json has attention_bias/mlp_bias=true; grpax supports {_HF_ARCHS[family]} without them"
+            f"{source}: attention_bias/mlp_bias=true is not supported; grpax runs {_HF_ARCHS[family]} without them"
         )
+    try:
+        rope, family_values = _rope_values(hf, family), _family_values(hf, family)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     num_heads = hf["num_attention_heads"]
     gemma = family in ("gemma2", "gemma3")
     values = dict(
@@ -595,8 +598,8 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
-        **_rope_values(hf, family),
-        **_family_values(hf, family),
+        **rope,
+        **family_values,
     )
     values.update(overrides)
     return ModelConfig(**values)
@@ -694,7 +697,7 @@ def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
     try:
-        return from_hf_config(hf, **overrides)
+        return from_hf_config(hf, source=str(path), **overrides)
     except KeyError as e:
         raise ConfigError(
             f"{path} lacks the key {e.args[0]!r} that a config of its architecture needs"
@@ -725,9 +728,11 @@ def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
         if getattr(cfg, f) != getattr(ref, f)
     ]
     if diffs:
+        names = registered_names_of(cfg)
+        own = f"model_name={' or model_name='.join(names)} (its registered name) or " if names else ""
         raise ConfigError(
             f"{source} does not match model_name={model_name} ({'; '.join(diffs)}); "
-            "pass the model_name of that checkpoint"
+            f"pass {own}model_name='' to use the checkpoint's own config.json"
         )
 
 

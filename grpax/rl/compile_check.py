@@ -18,6 +18,7 @@ import logging
 import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,9 +55,23 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     if found is not None:
         return load_hf_config(found, **runtime)
     if not cfg.model_name:
-        raise ConfigError(
-            "compile_topology needs model_name=<a registered model> (or load_parameters_path with a config.json)"
+        where = (
+            f"load_parameters_path={cfg.load_parameters_path} has no config.json at or above it"
+            if cfg.load_parameters_path
+            else "no load_parameters_path"
         )
+        raise ConfigError(
+            f"compile_topology needs the model's shapes and {where}: pass model_name=<a registered model> "
+            "or the load_parameters_path of a converted checkpoint (<base>/0/items, config.json in <base>)"
+        )
+    path = cfg.load_parameters_path
+    if path and "://" not in path and not Path(path).exists():  # a typo would compile model_name's shapes
+        raise ConfigError(
+            f"load_parameters_path={path} does not exist; fix the path, or leave it out to compile the "
+            "registered model_name's shapes"
+        )
+    if path:
+        log.warning("no config.json at or above %s: compiling model_name=%s's shapes", path, cfg.model_name)
     return get_model_config(cfg.model_name, **runtime)
 
 
@@ -67,7 +82,7 @@ def _abstract(tree, shardings):
 def per_chip_bytes(tree) -> int:
     """Bytes of the largest shard of each leaf (``ShapeDtypeStruct``s with a sharding), summed: one chip's."""
     return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # PRNG keys too (key<fry>: 8)
         for x in jax.tree.leaves(tree)
     )
 
