@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 # The seed's keys (README, "The 8B workflow"); everything else is grpax's default (4 prompts x 4 completions,
-# 256 prompt + 256 completion tokens, full remat, one micro-batch, beta 0.04), bfloat16 from the llama3 preset.
-SEED = "chips_per_vm=8 num_batches=50 rollout_data_parallelism=1 rollout_tensor_parallelism=-1 weight_dtype=bfloat16"
+# 256 prompt + 256 completion tokens, full remat, one micro-batch, beta 0.04); the llama3 preset's dtypes:
+# float32 weights (the master copy AdamW updates), bfloat16 compute.
+SEED = "chips_per_vm=8 num_batches=50 rollout_data_parallelism=1 rollout_tensor_parallelism=-1"
 # Per model: the settings that make it fit, beyond the seed's keys ("" = the defaults fit).
 SETTINGS = {
     "llama3.2-1b-Instruct": "",

@@ -141,6 +141,22 @@ def test_step_flops_equal_a_hand_count():
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
 
 
+def test_sampler_reads_the_weights_in_the_compute_dtype():
+    """float32 master weights with bfloat16 compute: the decode reads the bfloat16 rounding (prepare_decode), the
+    update reads float32 weights plus a float32 optimizer state, a bfloat16 one a float32 master copy too."""
+    s = StepShape(1, 2, 4, 2, 1, 1, False, 0)
+    count = lambda **kw: {p.name: p for p in step_phases(TINY.replace(**kw), s, 1, 1, 1, 1, 1.0, 1.0)}  # noqa: E731
+    master, half = (
+        count(weight_dtype="float32", dtype="bfloat16"),
+        count(weight_dtype="bfloat16", dtype="bfloat16"),
+    )
+    assert master["decode"].bytes_per_chip == half["decode"].bytes_per_chip
+    n = TINY.num_params()
+    weights = lambda w: 2 * n * w  # remat none: the forward and the backward read them  # noqa: E731
+    assert master["update"].bytes_per_chip == weights(4) + n * (2 * 4 + 20)
+    assert half["update"].bytes_per_chip == weights(2) + n * (2 * 2 + 20 + 8)
+
+
 def test_v4_and_v5p_slices_are_one_device_per_chip():
     """``v4-8`` and ``v5p-8`` name 8 TensorCores: 4 chips (2x2x1), one JAX device each (jax's TPU mesh builder
     refuses one device per core)."""

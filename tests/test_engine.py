@@ -109,6 +109,33 @@ def test_sampled_logprobs_equal_full_forward_at_temperature(params, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.6)])
+def test_filtered_sampling_reports_the_filtered_distributions_logprobs(params, backend, top_k, top_p):
+    """With top-k / top-p the sampler's logprobs are the behaviour policy's: log_softmax over the kept tokens
+    (each draw is one of them), larger than the unfiltered ones by -log(kept mass)."""
+    sc = _sc(greedy=False, temperature=1.2, top_k=top_k, top_p=top_p, backend=backend)
+    out = generate(params, PROMPTS, CFG, sc, jax.random.key(7))
+    gaps = []
+    for i, prompt in enumerate(PROMPTS):
+        n = int(out.lengths[i])
+        scaled = _full_logits(params, prompt, out.completion_ids[i][:n]) / 1.2  # [n, V]
+        order = np.sort(scaled, axis=-1)[:, ::-1]
+        if top_k:
+            kept = scaled >= order[:, top_k - 1 : top_k]
+        else:  # the nucleus: tokens whose strictly-more-likely mass is < top_p
+            probs = np.exp(_log_softmax(scaled))
+            kept = np.array([[probs[t][probs[t] > p].sum() < top_p for p in probs[t]] for t in range(n)])
+        filtered = np.where(kept, scaled, -np.inf)
+        chosen = out.completion_ids[i][:n]
+        assert kept[np.arange(n), chosen].all()  # every draw is a kept token
+        expected = np.take_along_axis(_log_softmax(filtered), chosen[:, None], -1)[:, 0]
+        np.testing.assert_allclose(out.logprobs[i, :n], expected, atol=1e-4)
+        unfiltered = np.take_along_axis(_log_softmax(scaled), chosen[:, None], -1)[:, 0]
+        gaps += list(out.logprobs[i, :n] - unfiltered)
+    assert min(gaps) >= -1e-5 and max(gaps) > 1e-2  # -log(kept mass) >= 0, and the filter did drop mass
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_do_not_depend_on_the_batch(params, backend):
     sc = _sc(greedy=False, temperature=1.0, backend=backend)
     full = generate(params, PROMPTS, CFG, sc, jax.random.key(7))

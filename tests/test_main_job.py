@@ -72,7 +72,9 @@ def test_main_job_smollm2_gsm8k(tmp_path):
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_steps = [s for s in steps if "loss" in s]
     assert [s["step"] for s in train_steps] == [1, 2]
-    assert all(s["logprob_diff_max"] < 1e-3 for s in train_steps)  # sampler and trainer agree (float32)
+    assert all(
+        s["mismatch/logprob_diff_max"] < 1e-3 for s in train_steps
+    )  # sampler and trainer agree (float32)
     tb = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert tb and tb[0].stat().st_size > 0
 

@@ -285,3 +285,133 @@ def test_mu_dtype_bfloat16_stores_the_first_moment_in_bfloat16():
     np.testing.assert_array_equal(mu(half_state), mu(full_state).astype(jnp.bfloat16))
     with pytest.raises(ConfigError, match=r"mu_dtype='float16': expected '' \(the params' dtype\), float32"):
         GRPOConfig(mu_dtype="float16")
+
+
+def _fraction_changed(before, after) -> float:
+    a = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(before)])
+    b = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(after)])
+    return float(np.mean(a != b))
+
+
+def _preset_dtypes() -> dict:
+    """weight_dtype and dtype of an accelerator model's train_rl run, read through the real config loader."""
+    from grpax.config import build_config
+    from grpax.rl.train_config import TrainConfig
+
+    cfg = build_config(TrainConfig, ["model_name=llama3.1-8b-Instruct"])
+    return {"weight_dtype": cfg.weight_dtype, "dtype": cfg.dtype}
+
+
+def _one_update(cfg, params, lr=3e-6, batch=None):
+    grpo = GRPOConfig(
+        beta=0.0, temperature=TEMPERATURE, learning_rate=lr, warmup_ratio=0.0, lr_schedule="constant"
+    )
+    optimizer, schedule = optimizer_from_config(grpo, 10, cfg.weight_dtype)
+    state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
+    step = make_train_step(cfg, grpo, optimizer, num_micro_batches=2, lr_schedule=schedule)
+    return step(state, _batch() if batch is None else batch)
+
+
+def test_accelerator_preset_trains_float32_weights_with_bfloat16_compute(params):
+    """One AdamW step at the seed's lr 3e-6 with the run's own preset dtypes moves >= 90% of the weights (with
+    bfloat16 weights and no master copy it moved 0.57% of SmolLM2's: the rest rounded away)."""
+    dtypes = _preset_dtypes()
+    assert dtypes == {"weight_dtype": "float32", "dtype": "bfloat16"}
+    cfg = CFG.replace(**dtypes)
+    before = jax.tree.map(np.asarray, params)
+    state, metrics = _one_update(cfg, jax.tree.map(jnp.copy, params))
+    assert not bool(metrics["nonfinite"]) and not bool(metrics["nonfinite_params"])
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    assert _fraction_changed(before, state.params) >= 0.9
+
+
+def test_bfloat16_weights_train_through_a_float32_master_copy(params):
+    """weight_dtype=bfloat16: the optimizer keeps float32 weights; the params are their rounding."""
+    from grpax.rl.optim import MasterWeightsState
+
+    cfg = CFG.replace(weight_dtype="bfloat16", dtype="bfloat16")
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    before = jax.tree.map(lambda x: np.asarray(x, np.float32), half)
+    state, _ = _one_update(cfg, jax.tree.map(jnp.copy, half))
+    assert isinstance(state.opt_state, MasterWeightsState)
+    master = state.opt_state.master
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(master))
+    assert _fraction_changed(before, master) >= 0.9  # no update lost to rounding
+    adam = state.opt_state.inner[0]  # the moments are float32 too (mu_dtype '' = the master's)
+    assert adam.mu["embed"].dtype == jnp.float32 and adam.nu["embed"].dtype == jnp.float32
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(master), strict=True):
+        assert p.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+    # Most bfloat16 weights did not move in one step: the master holds what they could not.
+    assert _fraction_changed(before, state.params) < 0.5
+
+
+def test_gradients_accumulate_in_float32_with_bfloat16_params(params):
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    cfg = CFG.replace(weight_dtype="bfloat16", dtype="bfloat16")
+    grpo = GRPOConfig(num_generations=2, beta=0.0, temperature=TEMPERATURE)
+    _, grads, _ = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))(
+        half, _grouped_batch(), cfg, grpo, 3
+    )
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+def test_weight_decay_spares_norms_and_biases_by_name():
+    """A zero gradient leaves only the decay: matrices and embeddings shrink by lr * wd; stacked [L, D] norm
+    scales, q/k norms and q/k/v biases do not move (the old ndim >= 2 mask decayed the stacked norms)."""
+    cfg = CFG.replace(attention_bias=True, qk_norm=True)
+    p = jax.tree.map(lambda x: x + 1.0, init_params(cfg, jax.random.key(1)))  # no zero to hide a decay
+    lr, wd = 0.1, 0.5
+    optimizer = make_optimizer(make_lr_schedule(lr, 10, schedule="constant"), 10, weight_decay=wd)
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, p), optimizer.init(p), p)
+    decayed = {"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    seen = set()
+    for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        name = path[-1].key
+        seen.add(name)
+        x = p[name] if len(path) == 1 else p["layers"][name]
+        expected = -lr * wd * np.asarray(x) if name in decayed else np.zeros_like(x)
+        np.testing.assert_allclose(np.asarray(u), expected, rtol=1e-6, err_msg=name)
+    assert {"attn_norm", "q_norm", "k_bias", "final_norm", "wq", "embed"} <= seen
+
+
+@pytest.mark.parametrize(
+    "steps, ratio, warmup", [(9, 0.1, 1), (30, 0.1, 3), (50, 0.1, 5), (1, 0.1, 0), (2, 0.9, 1)]
+)
+def test_warmup_rounds_up_as_hugging_face(steps, ratio, warmup):
+    from grpax.rl.optim import num_warmup_steps
+
+    assert num_warmup_steps(steps, ratio) == warmup
+
+
+def test_on_policy_ratio_is_one_whatever_the_sampler_logprobs(params):
+    """num_iterations=1: the ratio is exp(logp - stop_gradient(logp)) = 1, not against the sampler's logprobs.
+
+    The sampler's logprobs here carry bfloat16-sized noise (~0.03 nats): with GSPO's clip range they used to
+    put every sequence outside the band and remove its gradient. Now they only move the mismatch metrics,
+    which equal their hand-computed values."""
+    grpo = GRPOConfig(
+        beta=0.0,
+        temperature=TEMPERATURE,
+        epsilon=3e-4,
+        epsilon_high=4e-4,
+        importance_sampling_level="sequence",
+    )
+    batch = _batch()
+    exact = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    noise = np.random.default_rng(0).normal(0, 0.03, exact.shape).astype(np.float32)
+    mask = batch["completion_mask"]
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
+    _, clean, aux_clean = fn(params, batch, CFG, grpo, 1)
+    batch["rollout_logprobs"] = (exact + noise) * mask
+    _, grads, aux = fn(params, batch, CFG, grpo, 1)
+    assert float(aux["ratio_mean"]) == 1.0
+    assert float(aux["clip_region_frac"]) == 0.0
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    log_rho = -noise[mask > 0]  # trainer - sampler, up to the trainer's own float32 rounding
+    n = mask.sum()
+    assert float(aux["mismatch/logprob_diff_mean"]) == pytest.approx(np.abs(log_rho).sum() / n, rel=1e-3)
+    assert float(aux["mismatch/logprob_diff_max"]) == pytest.approx(np.abs(log_rho).max(), rel=1e-3)
+    assert float(aux["mismatch/kl"]) == pytest.approx((np.expm1(log_rho) - log_rho).sum() / n, rel=1e-2)
+    assert float(aux_clean["mismatch/kl"]) == 0.0  # no sampler logprobs: nothing to compare

@@ -55,11 +55,51 @@ def test_whole_split_no_evaluation_and_zero_eval_interval_are_accepted(tmp_path)
 
 @pytest.mark.parametrize("value", ["0", "-1e-5", "0.0"])
 def test_learning_rate_must_be_positive(value):
-    with pytest.raises(ConfigError, match=rf"learning_rate={float(value)}: expected > 0"):
+    with pytest.raises(ConfigError, match=rf"learning_rate={float(value)}: expected a finite value > 0"):
         build_config(TrainConfig, [f"learning_rate={value}"])
     with pytest.raises(ConfigError, match="learning_rate"):
         GRPOConfig(learning_rate=float(value))
     assert GRPOConfig(learning_rate=1e-6).learning_rate == 1e-6
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("adam_eps", "0", r"adam_eps=0.0: expected a finite value > 0"),  # Adam's 0 / 0 on a zero gradient
+        ("learning_rate", "inf", r"learning_rate=inf: expected a finite value > 0"),
+        ("learning_rate", "nan", r"learning_rate=nan: expected a finite value > 0"),
+        ("temperature", "nan", r"temperature=nan: expected a finite value > 0"),
+        ("decode_sampling_temperature", "inf", r"temperature=inf: expected a finite value > 0"),
+        ("beta", "nan", r"beta=nan: expected a finite KL coefficient >= 0"),
+        ("adam_b1", "5", r"b1=5.0: expected a finite value in \[0, 1\)"),
+        ("b2", "-1", r"b2=-1.0: expected a finite value in \[0, 1\)"),
+        ("weight_decay", "-3", r"weight_decay=-3.0: expected a finite value >= 0"),
+        ("max_grad_norm", "nan", r"max_grad_norm=nan: expected a finite value >= 0"),
+        ("epsilon_high", "inf", r"epsilon_high=inf: expected 0 <= eps < 1, finite eps_high >= 0"),
+        ("decode_sampling_nucleus_p", "0", r"decode_sampling_nucleus_p=0.0: expected a mass in \(0, 1\]"),
+        ("decode_sampling_nucleus_p", "nan", r"decode_sampling_nucleus_p=nan: expected a mass in \(0, 1\]"),
+        ("decode_sampling_top_k", "-5", r"decode_sampling_top_k=-5: expected >= 0 tokens"),
+    ],
+)
+def test_non_finite_and_out_of_range_optimizer_and_sampling_keys_are_refused(tmp_path, key, value, message):
+    """Through the command line's parser, before any model loads (the checkpoint path does not exist)."""
+    args = [f"load_parameters_path={tmp_path / 'no-such-checkpoint'}", f"{key}={value}"]
+    with pytest.raises(ConfigError, match=message):
+        train(build_config(TrainConfig, args))
+
+
+def test_biased_settings_warn_with_the_fix(tmp_path, caplog):
+    train_config.validate(_config(tmp_path))  # the defaults: no filter, token ratios
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    train_config.validate(_config(tmp_path, decode_sampling_top_k=50, temperature=1.0))
+    assert "set decode_sampling_top_k=0 decode_sampling_nucleus_p=1 for unbiased rollouts" in caplog.text
+    caplog.clear()
+    train_config.validate(
+        _config(tmp_path, decode_sampling_top_k=50, temperature=0.7)
+    )  # T < 1: allowed quietly
+    assert not caplog.text
+    train_config.validate(_config(tmp_path, importance_sampling_level="sequence"))
+    assert "set loss_agg_mode=sequence-mean-token-mean" in caplog.text
 
 
 def test_export_hf_into_a_non_empty_folder_is_refused(tmp_path):

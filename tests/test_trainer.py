@@ -120,9 +120,12 @@ def test_metrics_and_sampler_trainer_agreement(tiny_checkpoint, tmp_path):
         "truncated_fraction",
     ):
         assert key in step, key
-    # num_iterations=1: the ratio is exactly pi/pi_old of the same params, so sampler and trainer agree.
-    assert step["logprob_diff_max"] < 1e-4
-    assert step["learning_rate"] == pytest.approx(1e-3)  # warmup 0.25 * 2 steps rounds to 0 warmup steps
+    # num_iterations=1: on-policy, the ratio is exactly 1; the sampler's logprobs (same params, float32, no
+    # filter) agree with the trainer's, so the mismatch metrics are ~0 and the alarm stays quiet.
+    assert step["ratio_mean"] == 1.0 and step["clip_region_frac"] == 0.0
+    assert step["mismatch/logprob_diff_max"] < 1e-4 and 0 <= step["mismatch/kl"] < 1e-8
+    assert step["learning_rate"] == 0.0  # warmup 0.25 * 2 steps rounds up to 1 warmup step (as HF)
+    assert [r["learning_rate"] for r in records if "loss" in r][1] == pytest.approx(1e-3)
 
 
 def test_nan_stops_the_run_and_keeps_the_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):
@@ -266,3 +269,21 @@ def test_a_failed_export_keeps_results_json(tiny_checkpoint, tmp_path, monkeypat
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["actor_path"].endswith("actor/1/model_params") and "hf_path" not in results
     assert Path(results["actor_path"]).exists()
+
+
+def test_mismatch_alarm_names_the_causes_once_above_the_dtype_threshold(caplog):
+    from grpax.sampler.engine import SamplerConfig
+
+    plain, filtered = SamplerConfig(), SamplerConfig(top_k=50)
+    quiet = {"mismatch/logprob_diff_mean": 5e-3, "mismatch/logprob_diff_max": 0.02}
+    assert not trainer.warn_on_mismatch(quiet, "float32", plain)
+    assert not trainer.warn_on_mismatch({"mismatch/logprob_diff_mean": 0.05}, "bfloat16", plain)  # bf16 noise
+    assert not caplog.text
+    loud = {"mismatch/logprob_diff_mean": 0.8, "mismatch/logprob_diff_max": 25.8}
+    assert trainer.warn_on_mismatch(loud, "float32", filtered)
+    line = caplog.records[-1].getMessage()
+    assert (
+        "0.8 nats per token" in line and "max 25.8" in line and "alarm above 0.01 for dtype=float32" in line
+    )
+    assert "the top-k / top-p filter" in line and "miscompiled decode" in line
+    assert "\n" not in line

@@ -100,9 +100,11 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> dict:
         "completion_ids": ((rows, completion), jnp.int32),
         "completion_mask": ((rows, completion), jnp.int32),
         "advantages": ((rows,), jnp.float32),
-        "old_logprobs": ((rows, completion), jnp.float32),
+        "rollout_logprobs": ((rows, completion), jnp.float32),
         "truncated": ((rows,), jnp.bool_),
     }
+    if cfg.num_iterations > 1:
+        shapes["old_logprobs"] = ((rows, completion), jnp.float32)
     if with_ref:
         shapes["ref_logprobs"] = ((rows, completion), jnp.float32)
     placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
@@ -178,7 +180,9 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
     grpo = cfg.grpo()
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
-    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
+    optimizer, lr_schedule = optimizer_from_config(
+        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype
+    )
     opt_shapes = jax.eval_shape(optimizer.init, params)
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
@@ -252,7 +256,7 @@ def compile_job(
         functions["update"], _ = _compile("the GRPO update", train_step, job.state, job.batch)
         phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
         if grpo.beta > 0 or grpo.num_iterations > 1:
-            ref_batch = {k: v for k, v in job.batch.items() if k != "ref_logprobs"}
+            ref_batch = {k: v for k, v in job.batch.items() if k not in ("ref_logprobs", "old_logprobs")}
             c, _ = _compile(
                 "the reference logprobs", compute_logprobs, params, ref_batch, model_cfg, grpo.temperature,
                 cfg.micro_batches,

@@ -14,6 +14,7 @@ Variants are selected by keys rather than classes: DAPO (Yu et al. 2025) clip-hi
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from grpax.config import ConfigError, field
@@ -84,12 +85,14 @@ class GRPOConfig:
     learning_rate: float = field(3e-6, "eta: peak AdamW learning rate")
     b1: float = field(0.9, "AdamW beta_1 (first-moment decay)")
     b2: float = field(0.99, "AdamW beta_2 (second-moment decay)")
-    weight_decay: float = field(0.1, "AdamW decoupled weight decay lambda (matrices only, not norms)")
+    weight_decay: float = field(
+        0.1, "AdamW decoupled weight decay lambda (weight matrices and embeddings; not norms or biases)"
+    )
     adam_eps: float = field(1e-8, "AdamW epsilon added to sqrt(v)")
     mu_dtype: str = field(
         "",
-        "dtype of AdamW's first moment m (MaxText mu_dtype): '' = the params' dtype, or bfloat16 (half its "
-        "memory; v and the update stay float32)",
+        "dtype of AdamW's first moment m (MaxText mu_dtype): '' = float32 (the params' or their master "
+        "copy's), or bfloat16 (half its memory; v and the update stay float32)",
     )
     max_grad_norm: float = field(0.1, "clip the global gradient norm to this value; 0 disables clipping")
     warmup_ratio: float = field(0.1, "fraction of the training steps spent in linear warmup from 0")
@@ -135,27 +138,42 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(f"num_iterations={cfg.num_iterations}: expected >= 1")
     if cfg.num_micro_batches < 1:
         raise ConfigError(f"num_micro_batches={cfg.num_micro_batches}: expected >= 1")
-    if cfg.beta < 0:
-        raise ConfigError(f"beta={cfg.beta}: expected >= 0")
-    if not 0 <= cfg.epsilon < 1 or cfg.clip_high < 0:
+    if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):  # NaN fails every comparison
         raise ConfigError(
-            f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, eps_high >= 0"
+            f"beta={cfg.beta}: expected a finite KL coefficient >= 0 (e.g. 0.04; 0 = no reference)"
+        )
+    if not (0 <= cfg.epsilon < 1 and 0 <= cfg.clip_high and math.isfinite(cfg.clip_high)):
+        raise ConfigError(
+            f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, finite eps_high >= 0"
         )
     if cfg.dynamic_sampling_max_batches < (2 if cfg.filter_zero_std_groups else 1):
         raise ConfigError(
             f"dynamic_sampling_max_batches={cfg.dynamic_sampling_max_batches}: expected >= 2 with "
             "filter_zero_std_groups=true (the first batch and at least one more to refill dropped groups)"
         )
-    if cfg.overlong_buffer_length < 0 or not cfg.overlong_penalty_factor >= 0:
+    if cfg.overlong_buffer_length < 0 or not 0 <= cfg.overlong_penalty_factor < math.inf:
         raise ConfigError(
             f"overlong_buffer_length={cfg.overlong_buffer_length}, overlong_penalty_factor="
-            f"{cfg.overlong_penalty_factor}: expected >= 0 tokens and >= 0 points"
+            f"{cfg.overlong_penalty_factor}: expected >= 0 tokens and finite >= 0 points"
         )
-    if cfg.temperature <= 0:
-        raise ConfigError(f"temperature={cfg.temperature}: expected > 0")
-    if not cfg.learning_rate > 0:  # also NaN
-        raise ConfigError(
-            f"learning_rate={cfg.learning_rate}: expected > 0 (the peak AdamW step size, e.g. 3e-6)"
-        )
-    if not 0 <= cfg.warmup_ratio < 1:
-        raise ConfigError(f"warmup_ratio={cfg.warmup_ratio}: expected 0 <= warmup_ratio < 1")
+    # The optimizer's and the sampler's numbers: NaN or inf here would make every weight NaN (issue: Adam's
+    # 0 / 0 with adam_eps=0 on a zero gradient, an infinite step), so each must be finite and in range.
+    ranges = {
+        "temperature": (cfg.temperature, "> 0", lambda x: x > 0, "the sampling temperature, e.g. 0.9"),
+        "learning_rate": (cfg.learning_rate, "> 0", lambda x: x > 0, "the peak AdamW step size, e.g. 3e-6"),
+        "adam_eps": (cfg.adam_eps, "> 0", lambda x: x > 0, "Adam's denominator epsilon, e.g. 1e-8"),
+        "b1": (cfg.b1, "in [0, 1)", lambda x: 0 <= x < 1, "Adam's first-moment decay, e.g. 0.9"),
+        "b2": (cfg.b2, "in [0, 1)", lambda x: 0 <= x < 1, "Adam's second-moment decay, e.g. 0.99"),
+        "weight_decay": (cfg.weight_decay, ">= 0", lambda x: x >= 0, "AdamW's decay, e.g. 0.1; 0 = none"),
+        "max_grad_norm": (
+            cfg.max_grad_norm,
+            ">= 0",
+            lambda x: x >= 0,
+            "the gradient clip, e.g. 0.1; 0 = off",
+        ),
+        "end_lr_ratio": (cfg.end_lr_ratio, ">= 0", lambda x: x >= 0, "the final learning rate's fraction"),
+        "warmup_ratio": (cfg.warmup_ratio, "in [0, 1)", lambda x: 0 <= x < 1, "e.g. 0.1"),
+    }
+    for key, (value, expected, ok, meaning) in ranges.items():
+        if not (math.isfinite(value) and ok(value)):
+            raise ConfigError(f"{key}={value}: expected a finite value {expected} ({meaning})")

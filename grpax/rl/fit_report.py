@@ -64,8 +64,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
     # < 1: the largest phase must shrink by this factor to fit beside the resident arrays.
     room = max(report.hbm - resident, 0) / max(report.phases[phase], 1)
     if resident > report.hbm / 2:
-        if cfg.weight_dtype == "float32":
-            out.append("weight_dtype=bfloat16 dtype=bfloat16 (halves params, optimizer state and reference)")
+        if not cfg.mu_dtype and cfg.weight_dtype == "float32":
+            out.append("mu_dtype=bfloat16 (AdamW's first moment in half the memory)")
         if cfg.beta > 0:
             out.append("beta=0 (no reference copy of the params)")
         out.append(

@@ -6,13 +6,13 @@ the resident arrays (params, optimizer state, reference), the params copied for 
 all placed by the rules table on an ``AbstractMesh`` of the run's mesh keys. What is estimated are the
 temporaries of each function, from the shapes of what it holds at its largest:
 
-* update: the gradients (params-sized), two layers' gathered weights (FSDP: one in use, one prefetched), the
+* update: the gradients (params-shaped, float32), two layers' gathered weights (FSDP: one in use, one prefetched), the
   residual stream saved at each layer boundary (remat), one layer's recomputed activations (attention
   inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
   micro-batches, a second gradient tree (the running sum);
 * reference logprobs: one layer's gathered weights, its activations, three chunks of logits, the output;
 * prefill: the cache of the prompts and one layer's activations; decode: the per-layer copy of the weights
-  (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
+  in the compute dtype (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
 
 Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
 update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
@@ -82,15 +82,15 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
     activations = tokens * widest * act
     logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
-    params = job.resident["params"]
-    update = params * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
+    grads = job.resident["params"] / w * 4  # float32 whatever weight_dtype (summed in float32)
+    update = grads * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
     update += activations + logits
     outputs = rows * M * s.completion_length * 4
     reference = gathered + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
     prefill = job.kv_cache * s.prompt_length / (s.prompt_length + s.completion_length)
     prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
-    decode = compile_check.per_chip_bytes(job.rollout_params) + job.kv_cache
+    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w + job.kv_cache
     decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
     functions = {
         name: Compiled(name, 0, 0, 0, int(b), 0.0)

@@ -83,7 +83,9 @@ def step_phases(
     """The phases of one GRPO step (rollout, reference, old logprobs, update) with their roofline seconds.
 
     Args:
-      cfg: the model (``weight_dtype`` sizes the weights, ``dtype`` the KV cache, ``remat_policy`` the update).
+      cfg: the model (``weight_dtype`` sizes the weights the trainer reads, the narrower of it and ``dtype``
+        those the sampler reads, rounded once per rollout; ``dtype`` sizes the KV cache, ``remat_policy`` the
+        update).
       s: the step's sizes.
       num_chips: chips of the slice(s); trainer_tensor: the trainer mesh's tensor axis; rollout_tensor,
         rollout_data: the sampler mesh's tensor and data axes.
@@ -91,6 +93,7 @@ def step_phases(
     """
     w = _BYTES[cfg.weight_dtype]
     weights = cfg.num_params() * w
+    sampler_weights = cfg.num_params() * min(w, _BYTES[cfg.dtype])  # XlaBackend.prepare_decode's rounding
     head = 2.0 * cfg.hidden_dim * cfg.vocab_size
     layer_params = _layer_matmul_params(cfg)
     rows = s.num_prompts * s.num_generations
@@ -113,7 +116,7 @@ def step_phases(
     for end in ends:
         steps = end - start
         flops = steps * (rows * (2.0 * layer_params + head) + _attention_flops(cfg, rows, P + end))
-        per_chip = steps * (weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
+        per_chip = steps * (sampler_weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
         decode_flops += flops
         decode_bytes += per_chip
         decode_seconds += max(flops / (num_chips * peak_flops), per_chip / hbm_bandwidth)
@@ -128,7 +131,9 @@ def step_phases(
     passes = 4 if cfg.remat_policy == "full" else 3  # forward, (recomputed forward,) backward = 2 forwards
     update_flops = passes * layers + 4 * vocab
     shard = cfg.num_params() / num_chips  # params, grads and moments are split over every chip
-    optimizer_bytes = shard * 7 * w  # read + write params, read grads, read + write mu and nu (params' dtype)
+    # Read + write params, read float32 grads, read + write float32 mu and nu (and a float32 master copy's read
+    # and write beside 16-bit params).
+    optimizer_bytes = shard * (2 * w + 4 * 5 + (8 if w < 4 else 0))
     update_bytes = (passes - 1) * forward_pass_bytes + optimizer_bytes
     for i in range(s.num_iterations):
         phases.append(

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,6 +21,8 @@ from grpax.models.registry import check_context_length
 from grpax.rl.config import GRPOConfig
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks import Task, TaskConfig, validate_task_keys
+
+log = logging.getLogger("grpax.train")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +54,17 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
-    weight_dtype: str = field("float32", "parameter dtype (float32 | bfloat16 | float16)")
-    dtype: str = field("float32", "activation / matmul dtype; float32 is faster than bfloat16 on CPU")
+    weight_dtype: str = field(
+        "float32",
+        "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
+        "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
+        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
+    )
+    dtype: str = field(
+        "float32",
+        "compute dtype: activations, matmul inputs, KV cache (the accelerator presets: bfloat16); float32 is "
+        "faster than bfloat16 on CPU",
+    )
     remat_policy: str = field(
         "full",
         "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
@@ -94,8 +106,14 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
     max_prefill_predict_length: int = field(256, "max prompt tokens; longer prompts are dropped (counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    decode_sampling_top_k: int = field(50, "top-k of rollout sampling (0 = off)")
-    decode_sampling_nucleus_p: float = field(1.0, "top-p of rollout sampling (1.0 = off)")
+    decode_sampling_top_k: int = field(
+        0,
+        "top-k of rollout sampling (0 = off, the unbiased default: the GRPO ratio and KL treat the samples as "
+        "draws from the unfiltered softmax; a filter biases them by -log(kept mass))",
+    )
+    decode_sampling_nucleus_p: float = field(
+        1.0, "top-p of rollout sampling (1.0 = off; any other value biases as top-k)"
+    )
     seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
@@ -175,6 +193,15 @@ def validate(cfg: TrainConfig) -> None:
     for key, meaning in at_least_one.items():
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
+    if cfg.decode_sampling_top_k < 0:
+        raise ConfigError(
+            f"decode_sampling_top_k={cfg.decode_sampling_top_k}: expected >= 0 tokens (0 = off)"
+        )
+    if not 0 < cfg.decode_sampling_nucleus_p <= 1:  # NaN too
+        raise ConfigError(
+            f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}: expected a mass in (0, 1] (1 = off)"
+        )
+    _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)
     validate_task_keys(cfg)
     if cfg.eval_interval < 0:
@@ -205,6 +232,28 @@ def validate(cfg: TrainConfig) -> None:
     if rows % cfg.micro_batches:
         raise ConfigError(
             f"num_micro_batches={cfg.num_micro_batches} must divide batch_size * num_generations = {rows}"
+        )
+
+
+def _warn_on_biased_choices(cfg: TrainConfig) -> None:
+    """One line for settings that run but train a biased objective (docs/algorithm.md says why)."""
+    filters = [f"decode_sampling_top_k={cfg.decode_sampling_top_k}"] if cfg.decode_sampling_top_k else []
+    if cfg.decode_sampling_nucleus_p < 1:
+        filters.append(f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}")
+    if filters and cfg.temperature >= 1:
+        log.warning(
+            "%s with temperature=%s: rollouts come from the filtered distribution, but the GRPO ratio and KL "
+            "score them under the unfiltered one (a bias of -log(kept mass) per token, largest at high "
+            "temperature; logged as mismatch/*): set decode_sampling_top_k=0 decode_sampling_nucleus_p=1 for "
+            "unbiased rollouts",
+            " and ".join(filters),
+            cfg.temperature,
+        )
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_agg_mode == "token-mean":
+        log.warning(
+            "importance_sampling_level=sequence (GSPO) with loss_agg_mode=token-mean weights each sequence's "
+            "single ratio by its length (GSPO averages per sequence): set "
+            "loss_agg_mode=sequence-mean-token-mean"
         )
 
 

@@ -9,14 +9,20 @@ One call of the step function makes one optimizer update from a batch of B = num
    (``completion_logprobs``);
 3. each micro-batch loss is normalised by the FULL batch's normaliser (``losses.loss_normalizer``), so the
    summed gradients equal the full-batch gradient for every ``loss_agg_mode``;
-4. a non-finite loss or gradient skips the update: params, optimizer state and step stay as they were and
-   ``metrics["nonfinite"]`` is True, so the caller can stop and keep its last good checkpoint.
+4. the gradients are summed in float32 whatever the params' dtype, clipped, and given to the optimizer (a
+   float32 master copy in its state for 16-bit params, ``grpax.rl.optim.with_master_weights``);
+5. a non-finite loss or gradient skips the update: params, optimizer state and step stay as they were and
+   ``metrics["nonfinite"]`` is True; an update that makes a weight non-finite sets
+   ``metrics["nonfinite_params"]``: the caller must stop without saving that state and keep its last good
+   checkpoint.
 
 The batch is a dict of arrays (numpy or jax), one prompt row per group and one completion row per sample:
   prompt_ids int32 [num_prompts, P] left-padded, prompt_mask [num_prompts, P] (1 = real); completion row r
   answers prompt r // G (G = B / num_prompts): completion_ids int32 [B, C], completion_mask [B, C] (1 = real,
-  EOS included), advantages float32 [B], old_logprobs float32 [B, C] or None (on-policy, num_iterations == 1),
-  ref_logprobs float32 [B, C] or None (required when beta > 0), and truncated bool [B] when
+  EOS included), advantages float32 [B], old_logprobs float32 [B, C] or None (on-policy, num_iterations == 1:
+  the ratio is exp(logp - stop_gradient(logp)) = 1; with num_iterations > 1 the trainer's own logprobs of the
+  params that sampled), ref_logprobs float32 [B, C] or None (required when beta > 0), rollout_logprobs float32
+  [B, C] or None (the sampler's: only the mismatch metrics read them), and truncated bool [B] when
   ``mask_truncated_completions`` is on.
 """
 
@@ -39,10 +45,20 @@ from grpax.rl.losses import (
     loss_normalizer,
     policy_loss,
 )
+from grpax.rl.optim import apply_updates
 
 # Metrics averaged over tokens (weighted by each micro-batch's token count when accumulating).
-_MAX_METRICS = ("logprob_diff_max",)
-_TOKEN_MEAN_METRICS = ("kl", "ratio_mean", "clip_low_frac", "clip_high_frac", "clip_region_frac", "entropy")
+_MAX_METRICS = ("mismatch/logprob_diff_max",)
+_TOKEN_MEAN_METRICS = (
+    "kl",
+    "ratio_mean",
+    "clip_low_frac",
+    "clip_high_frac",
+    "clip_region_frac",
+    "entropy",
+    "mismatch/kl",
+    "mismatch/logprob_diff_mean",
+)
 
 
 @flax.struct.dataclass
@@ -184,12 +200,33 @@ def _micro_loss(params, mb: dict, normalizer: jax.Array, cfg: ModelConfig, grpo:
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, mb["truncated"])
     aux["entropy"] = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
-    # How far the sampler's logprobs are from the trainer's for the same params (num_iterations = 1): ~0 in
-    # float32; a large value means the sampler and the trainer compute different distributions.
-    old = mb.get("old_logprobs")
-    diff = jnp.abs(jax.lax.stop_gradient(logprobs) - old) if old is not None else jnp.zeros_like(logprobs)
-    aux["logprob_diff_max"] = jnp.max(jnp.where(mask > 0, diff, 0.0))
+    aux.update(_mismatch(jax.lax.stop_gradient(logprobs), mb.get("rollout_logprobs"), mask))
     return loss, aux
+
+
+def _mismatch(
+    logprobs: jax.Array, rollout_logprobs: jax.Array | None, mask: jax.Array
+) -> dict[str, jax.Array]:
+    """How far the sampler's logprobs are from the trainer's, over the counted tokens (``mask`` [B, C]).
+
+    Before the first update of a batch both score the same params: ~1e-5 nats in float32; bfloat16 compute,
+    a top-k / top-p filter (the sampler reports the filtered distribution's logprobs) or a sampler that
+    computes another distribution show here. ``mismatch/kl`` is the k3 estimate of KL(sampler || trainer)
+    from the sampler's own draws (Schulman 2020), the two others the mean and max |logprob difference|.
+    """
+    if rollout_logprobs is None:
+        zero = jnp.float32(0.0)
+        return {"mismatch/kl": zero, "mismatch/logprob_diff_mean": zero, "mismatch/logprob_diff_max": zero}
+    counted = mask > 0
+    # log(p_trainer / p_sampler) of each counted token
+    log_rho = jnp.where(counted, logprobs - rollout_logprobs.astype(jnp.float32), 0.0)
+    num = jnp.maximum(jnp.sum(mask), 1.0)
+    k3 = jnp.expm1(jnp.clip(log_rho, -20.0, 20.0)) - log_rho
+    return {
+        "mismatch/kl": jnp.sum(jnp.where(counted, k3, 0.0)) / num,
+        "mismatch/logprob_diff_mean": jnp.sum(jnp.abs(log_rho)) / num,
+        "mismatch/logprob_diff_max": jnp.max(jnp.abs(log_rho)),
+    }
 
 
 def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig, num_micro_batches: int = 1):
@@ -206,9 +243,10 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
       num_micro_batches: M; B must be a multiple of M.
 
     Returns:
-      (loss float32 scalar, grads like params, aux) where aux holds ``policy_loss`` and ``num_tokens`` (sums),
-      ``logprob_diff_max`` (max |logprobs - old_logprobs| over completion tokens)
-      and the token-weighted means ``kl``, ``ratio_mean``, ``clip_*_frac``, ``entropy``.
+      (loss float32 scalar, float32 grads like params, aux) where aux holds ``policy_loss`` and
+      ``num_tokens`` (sums), ``mismatch/logprob_diff_max`` (max |logprobs - rollout_logprobs| over completion
+      tokens) and the token-weighted means ``kl``, ``ratio_mean``, ``clip_*_frac``, ``entropy``,
+      ``mismatch/kl`` and ``mismatch/logprob_diff_mean`` (``_mismatch``).
 
     Raises:
       ValueError: a missing batch key, or B not divisible by num_micro_batches.
@@ -223,6 +261,7 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
 
     def micro_step(mb):
         (loss, aux), grads = grad_fn(params, mb, normalizer, cfg, grpo)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # summed in float32 whatever the params'
         weights = {k: aux["num_tokens"] if k in _TOKEN_MEAN_METRICS else 1.0 for k in aux}
         return grads, loss, {k: aux[k] * weights[k] for k in aux}
 
@@ -255,7 +294,8 @@ def make_train_step(
     """Builds the jitted update ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
 
     The step: gradients of the GRPO loss, their global norm clipped, then the optimizer; a non-finite loss or
-    gradient norm skips the update (state unchanged, ``nonfinite`` True).
+    gradient norm skips the update (state unchanged, ``nonfinite`` True); non-finite weights after the update
+    set ``nonfinite_params`` (the returned state must then be dropped, never saved).
 
     Args:
       cfg: the policy's model config.
@@ -269,7 +309,8 @@ def make_train_step(
       A jitted function. Its metrics are float32 scalars: ``loss``, ``policy_loss``, ``kl`` (NaN without
       ref_logprobs), ``ratio_mean``, ``clip_low_frac``, ``clip_high_frac``, ``clip_region_frac``, ``entropy``
       (mean policy entropy in nats over completion tokens), ``grad_norm`` (before clipping), ``learning_rate``
-      (of this update), ``num_tokens``; and ``nonfinite`` (bool: the update was skipped).
+      (of this update), ``num_tokens``; and the bools ``nonfinite`` (the update was skipped) and
+      ``nonfinite_params`` (the updated weights hold NaN/inf).
 
     Raises:
       ValueError (at the first call): a missing batch key, or B not divisible by num_micro_batches.
@@ -285,15 +326,22 @@ def make_train_step(
 
         def update(params, opt_state):
             updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            return apply_updates(params, updates, opt_state), opt_state
 
         # A branch, not a select of new and old values: the update runs in place on the donated state (a
         # select kept both copies alive, one more params-sized tree of temporaries per optimizer leaf).
         params, opt_state = jax.lax.cond(ok, update, lambda *state: state, state.params, state.opt_state)
+        # Finite gradients can still give non-finite weights (an overflow in a 16-bit dtype): such a state is
+        # flagged, never kept. The check reads the params once; undoing the update would need a second copy.
+        finite_params = jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
         new_state = TrainState(params=params, opt_state=opt_state, step=state.step + ok.astype(jnp.int32))
         lr = lr_schedule(state.step) if lr_schedule is not None else jnp.nan
         metrics.update(
-            loss=loss, grad_norm=grad_norm, learning_rate=jnp.asarray(lr, jnp.float32), nonfinite=~ok
+            loss=loss,
+            grad_norm=grad_norm,
+            learning_rate=jnp.asarray(lr, jnp.float32),
+            nonfinite=~ok,
+            nonfinite_params=~finite_params,
         )
         return new_state, metrics
 

@@ -56,7 +56,8 @@ log = logging.getLogger("grpax.train")
 
 
 class NonFiniteError(RuntimeError):
-    """Loss or gradients became NaN/inf; the last good checkpoint is kept."""
+    """Loss, gradients or the updated weights became NaN/inf: nothing of that step is saved, the last good
+    checkpoint is kept."""
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -114,6 +115,7 @@ class _Run:
     train_step: Callable
     checkpointer: TrainCheckpointer
     writer: MetricsWriter
+    mismatch_warned: bool = False  # the sampler/trainer mismatch alarm is given once per run
 
     @property
     def evaluating(self) -> bool:
@@ -260,7 +262,9 @@ def _init_state(
     cfg: TrainConfig, grpo: GRPOConfig, params: Any, model_cfg: ModelConfig, mesh: jax.sharding.Mesh
 ) -> tuple[TrainState, Callable]:
     """A fresh TrainState at step 0 (optimizer state sharded as the params) and the jitted update."""
-    optimizer, lr_schedule = optimizer_from_config(grpo, cfg.num_batches * grpo.num_iterations)
+    optimizer, lr_schedule = optimizer_from_config(
+        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype
+    )
     state = TrainState(
         params=params,
         opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
@@ -387,14 +391,55 @@ def _one_step(
             f"step {step + 1}: {e}; no update was applied and the last checkpoint in {run.paths.checkpoints} "
             "is kept: fix the function and run the same command again to resume"
         ) from None
-    if metrics["nonfinite"]:
+    if metrics["nonfinite"] or metrics["nonfinite_params"]:
+        latest = run.checkpointer.latest_step()
+        kept = (
+            f"the last checkpoint {run.checkpointer.step_dir(latest)} (step {latest}) is kept"
+            if latest is not None
+            else "no checkpoint had been written yet"
+        )
+        what = (
+            f"loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was skipped"
+            if metrics["nonfinite"]
+            else "the update made weights NaN/inf"
+        )
         raise NonFiniteError(
-            f"step {step + 1}: loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was "
-            f"skipped and the last good checkpoint in {run.paths.checkpoints} is kept. Lower learning_rate or "
-            "check the rewards."
+            f"step {step + 1}: {what} and nothing of this step was saved; {kept}. Lower learning_rate or check "
+            "the rewards, then run the same command to resume"
         )
     metrics["accuracy"] = float(np.mean(scores["_correct"]))
+    if not run.mismatch_warned:
+        run.mismatch_warned = warn_on_mismatch(metrics, run.model_cfg.dtype, run.sampler_cfg)
     return state, metrics
+
+
+# Mean |sampler - trainer logprob| (nats per token) above which a run warns: in float32 the two agree to ~1e-5;
+# bfloat16 compute differs by ~0.03 on SmolLM2 from the order of operations alone (docs/algorithm.md).
+MISMATCH_ALARM = {"float32": 1e-2, "bfloat16": 0.1, "float16": 0.1}
+
+
+def warn_on_mismatch(metrics: dict[str, Any], dtype: str, sampler_cfg: SamplerConfig) -> bool:
+    """Warns (one line; returns True) when the sampler's logprobs are further from the trainer's than
+    ``MISMATCH_ALARM`` allows for the compute ``dtype``, naming the likely causes."""
+    diff = metrics.get("mismatch/logprob_diff_mean", 0.0)
+    limit = MISMATCH_ALARM.get(dtype, 0.1)
+    if not diff > limit:
+        return False
+    causes = ["a sampler that computes another distribution (a miscompiled decode, wrong cache or weights)"]
+    if sampler_cfg.top_k or sampler_cfg.top_p < 1.0:
+        causes.insert(0, "the top-k / top-p filter (the sampler's logprobs are of the filtered distribution)")
+    if dtype != "float32":
+        causes.append(f"{dtype} rounding (dtype=float32 tells)")
+    log.warning(
+        "the sampler's logprobs differ from the trainer's by %.3g nats per token on average (max %.3g; alarm "
+        "above %g for dtype=%s): likely %s; the GRPO ratio and KL assume they agree (metrics mismatch/*)",
+        diff,
+        metrics.get("mismatch/logprob_diff_max", float("nan")),
+        limit,
+        dtype,
+        "; or ".join(causes),
+    )
+    return True
 
 
 def _save(run: _Run, state: TrainState, iterator: PromptIterator, done: int, before: dict | None) -> None:
@@ -494,8 +539,15 @@ def grpo_step(
                 state.params, batch, model_cfg, grpo.temperature, num_micro_batches
             )
         t_ref = time.perf_counter()
+        updates = []
         for _ in range(grpo.num_iterations):
             state, step_metrics = train_step(state, batch)
+            updates.append(step_metrics)
+    # The sampler/trainer mismatch of the params that sampled is the first update's (later ones moved the
+    # params); a non-finite flag of any update counts.
+    step_metrics = {**updates[-1], **{k: v for k, v in updates[0].items() if k.startswith("mismatch/")}}
+    for flag in ("nonfinite", "nonfinite_params"):
+        step_metrics[flag] = jnp.any(jnp.asarray([u[flag] for u in updates]))
     step_metrics = distributed.fetch(step_metrics)
     release_host_memory()
     t_train = time.perf_counter()
@@ -621,7 +673,7 @@ def _update_batch(
         "completion_ids": jnp.asarray(out.completion_ids),
         "completion_mask": jnp.asarray(out.completion_mask),
         "advantages": jnp.asarray(advantages, jnp.float32),
-        "old_logprobs": jnp.asarray(out.logprobs),
+        "rollout_logprobs": jnp.asarray(out.logprobs),  # the behaviour policy's: the mismatch metrics
         "truncated": jnp.asarray([r == "length" for r in out.finish_reason]),
     }
     if mesh is not None:
@@ -642,6 +694,7 @@ def _host_metrics(
     lengths = mask.sum(axis=1)
     metrics: dict[str, Any] = {k: float(v) for k, v in step_metrics.items() if np.ndim(v) == 0}
     metrics["nonfinite"] = bool(step_metrics.get("nonfinite", False))
+    metrics["nonfinite_params"] = bool(step_metrics.get("nonfinite_params", False))
     for name, values in scores.items():
         if name.startswith("_"):  # carried along with the rows, not a reward
             continue

@@ -23,10 +23,12 @@ from grpax.models.registry import ModelConfig
 
 BACKENDS = ("auto", "xla", "cpu")
 
-# XLA:CPU options of the sampler's jits (both backends, on CPU devices). Its YNNPACK fusions made the decode's
-# small-batch matmuls (weights streamed from memory at every step) slower: at batch 16 on a 2-core AVX2 machine
-# 81-93 ms per decode step without them against 112-117 with them; no clear change at batch 64
-# (docs/benchmarks.md).
+# XLA:CPU options of the sampler's jits (both backends, params on ONE CPU device). Its YNNPACK fusions made the
+# decode's small-batch matmuls (weights streamed from memory at every step) slower: at batch 16 on a 2-core AVX2
+# machine 81-93 ms per decode step without them against 112-117 with them; no clear change at batch 64
+# (docs/benchmarks.md). Only where they were measured: on a mesh of several CPU devices jaxlib 0.10.2 with
+# this option decoded wrong tokens from about the 16th step of a 30-layer model (sampler logprobs 25.8 nats
+# from the trainer's; tests/test_sharding.py compares an 8-device rollout with the 1-device one).
 XLA_CPU_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 
 
@@ -87,12 +89,16 @@ class XlaBackend:
         """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
 
         Layers unrolled with per-layer weights and cache buffers: scanning stacked layers copies each layer's
-        weights and cache slice at every step (~2x slower on CPU), at the cost of a longer compile.
+        weights and cache slice at every step (~2x slower on CPU), at the cost of a longer compile. Weights
+        wider than the compute dtype (float32 master weights, bfloat16 compute) are rounded to it here, once,
+        as the forward rounds them at every use: the same values, and each decode step reads half the bytes.
 
         Args:
           num_slots: the most cache slots the loop reaches (P + C).
         """
-        return convert_layout(params, cfg, scan_layers=False)
+        dtype = jnp.dtype(cfg.dtype)
+        narrow = lambda x: x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x  # noqa: E731
+        return jax.tree.map(narrow, convert_layout(params, cfg, scan_layers=False))
 
     def decode_step(
         self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
@@ -145,7 +151,7 @@ def select_backend(
     """
     devices = _param_devices(params)
     on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
-    options = XLA_CPU_OPTIONS if on_cpu else ()
+    options = XLA_CPU_OPTIONS if on_cpu and len(devices) == 1 else ()
     if name == "xla":
         return XlaBackend(compiler_options=options)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only

@@ -45,7 +45,7 @@ from grpax.models.llama import init_cache, logits_from_hidden
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.backend import BACKENDS, select_backend
-from grpax.sampler.sampling import sample_from_uniform, sample_tokens, token_logprobs
+from grpax.sampler.sampling import draw_from_uniform, filter_logits, sample_tokens, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,6 @@ class SamplerConfig:
                 f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
             )
 
-    @property
-    def logprob_temperature(self) -> float:
-        return 1.0 if self.greedy else self.temperature
-
     def buckets(self) -> tuple[int, ...]:
         """Sorted prompt paddings; the last one is ``max_prompt_length``."""
         if self.prompt_length_buckets:
@@ -126,7 +122,9 @@ class GenerateOutput(NamedTuple):
       prompt_mask: int32 [B, P], 1 for real prompt tokens.
       completion_ids: int32 [B, C]; pad_token_id after the end.
       completion_mask: int32 [B, C], 1 for every generated token up to and including the first stop token.
-      logprobs: float32 [B, C], log_softmax(logits / temperature) of each sampled token; 0 where masked.
+      logprobs: float32 [B, C], each sampled token's log-probability under the distribution it was drawn from
+        (logits / temperature, then top-k and top-p, renormalised: the behaviour policy; greedy: the
+        unfiltered softmax at temperature 1); 0 where masked.
       lengths: int32 [B] completion lengths in tokens (= completion_mask.sum(1)).
       finish_reason: "stop" (a stop token was emitted) or "length" (C tokens without one), per row.
       prompt_indices: int32 [B] index of each row's prompt in the input list (differs only with truncation
@@ -150,12 +148,18 @@ def _row_uniforms(key: jax.Array, step: jax.Array, num_rows: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
 
 
-def _sample_rows(logits: jax.Array, key: jax.Array, step: jax.Array, sc: SamplerConfig) -> jax.Array:
-    """Samples int32 [B] with the noise of ``_row_uniforms``: independent of the batch."""
+def _sample_rows(
+    logits: jax.Array, key: jax.Array, step: jax.Array, sc: SamplerConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Samples int32 [B] with the noise of ``_row_uniforms`` (independent of the batch); returns the tokens and
+    their float32 [B] log-probabilities under the distribution drawn from (``filter_logits``; greedy: the
+    unfiltered softmax at temperature 1)."""
     if sc.greedy:
-        return sample_tokens(logits, key, greedy=True)
-    u = _row_uniforms(key, step, logits.shape[0])
-    return sample_from_uniform(logits, u, temperature=sc.temperature, top_k=sc.top_k, top_p=sc.top_p)
+        token = sample_tokens(logits, key, greedy=True)
+        return token, token_logprobs(logits, token)
+    scaled = filter_logits(logits, sc.temperature, sc.top_k, sc.top_p)
+    token = draw_from_uniform(scaled, _row_uniforms(key, step, logits.shape[0]))
+    return token, token_logprobs(scaled, token)
 
 
 def generate_padded(
@@ -286,15 +290,13 @@ def _decode(
     B = logits.shape[0]
     C = sc.max_completion_length
     stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
-    temperature = sc.logprob_temperature
     ends = _phase_ends(sc)
     slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + C  # P + C: every slot the loop reaches
     prepared = backend.prepare_decode(params, cfg, slots)
 
     def record(state, step, logits):
         ids, mask, logprobs, done = state
-        token = _sample_rows(logits, key, step, sc)
-        token_logprob = token_logprobs(logits, token, temperature)
+        token, token_logprob = _sample_rows(logits, key, step, sc)
         live = ~done
         ids = ids.at[:, step].set(jnp.where(live, token, sc.pad_token_id))
         mask = mask.at[:, step].set(live.astype(jnp.int32))

@@ -3,8 +3,12 @@
 Pure, jit-able functions on float32 logits [B, V]. Filtering follows the usual definitions (Holtzman et al.
 2020 for nucleus sampling; the same semantics as transformers' ``TopKLogitsWarper`` / ``TopPLogitsWarper``):
 top-k keeps the k largest logits, top-p keeps the smallest set of most likely tokens whose probability mass
-reaches p (always at least one token). The log-probabilities reported for RL (``token_logprobs``) are those of
-the temperature-scaled but *unfiltered* distribution, the quantity GRPO's ratio and KL terms use.
+reaches p (always at least one token). ``filter_logits`` gives the distribution a draw comes from
+(temperature, then top-k, then top-p, renormalised over the kept tokens); the sampler reports each token's
+log-probability under that distribution (``token_logprobs`` of the filtered logits), the behaviour policy of
+the rollout. Without a filter it is the temperature-scaled softmax the trainer scores; with one the two differ
+by -log(kept mass) at each step (a biased GRPO ratio and KL, which is why training samples unfiltered by
+default).
 """
 
 from __future__ import annotations
@@ -83,6 +87,22 @@ def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(index, last).astype(jnp.int32)
 
 
+def filter_logits(
+    logits: jax.Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> jax.Array:
+    """The logits of the distribution a draw comes from: ``logits / temperature``, then top-k, then top-p.
+
+    Args:
+      logits: float32 [B, V]; temperature > 0; top_k (static, 0 = off) and top_p (1.0 = off) as in
+        ``apply_top_k`` / ``apply_top_p``.
+
+    Returns:
+      float32 [B, V], dropped tokens at -inf: ``softmax`` of it is the sampling distribution.
+    """
+    scaled = logits.astype(jnp.float32) / temperature
+    return apply_top_p(apply_top_k(scaled, top_k), top_p)
+
+
 def sample_from_uniform(
     logits: jax.Array,
     u: jax.Array,
@@ -107,9 +127,12 @@ def sample_from_uniform(
     Returns:
       int32 [B] token ids.
     """
-    B, V = logits.shape
-    scaled = logits.astype(jnp.float32) / temperature
-    scaled = apply_top_p(apply_top_k(scaled, top_k), top_p)
+    return draw_from_uniform(filter_logits(logits, temperature, top_k, top_p), u, block_size)
+
+
+def draw_from_uniform(scaled: jax.Array, u: jax.Array, block_size: int = 256) -> jax.Array:
+    """``sample_from_uniform``'s draw from logits already filtered (``filter_logits``): int32 [B]."""
+    B, V = scaled.shape
     weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [B, V], 0 where filtered
     num_blocks = -(-V // block_size)
     weights = jnp.pad(weights, ((0, 0), (0, num_blocks * block_size - V))).reshape(B, num_blocks, block_size)
