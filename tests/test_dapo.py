@@ -1,5 +1,6 @@
 """DAPO's data-side tools: dynamic sampling drops exactly the zero-std groups and refills the batch, and the
-soft overlong punishment (eq. 13) at the edges of its ramp; both inside ``grpo_step`` on a tiny model."""
+soft overlong punishment (eq. 13) at the edges of its ramp; both inside a ``Rollout`` and its update on a tiny
+model."""
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.dapo import overlong_penalty, pick_groups, zero_std_groups
 from grpax.rl.optim import optimizer_from_config
-from grpax.rl.train_step import TrainState, make_train_step
-from grpax.rl.trainer import grpo_step
+from grpax.rl.rollout import Rollout
+from grpax.rl.train_step import TrainState, make_train_step, make_update
+from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
 
 G = 2
@@ -63,57 +65,59 @@ def _setup(**grpo_keys):
     return cfg, grpo, state, make_train_step(cfg, grpo, optimizer, 1, schedule), sampler_cfg
 
 
-def _rewards(prompts):
+def _score(rows, out):
     """A prompt starting with an even token gets 1.0 for each completion (zero std); an odd one 0, 1 (signal)."""
+    first = np.asarray([row["prompt_ids"][0] for row in rows])
+    varied = np.tile(np.arange(G, dtype=np.float64), len(rows) // G)
+    scores = {"total": np.where(first % 2 == 0, 1.0, varied), "first": first.astype(np.float64)}
+    return scores, scores["total"] > 0
 
-    def reward_fn(out):
-        first = np.asarray([p[0] for p in prompts for _ in range(G)])
-        varied = np.tile(np.arange(G, dtype=np.float64), len(prompts))
-        return {"total": np.where(first % 2 == 0, 1.0, varied), "_first": first.astype(np.float64)}
 
-    return reward_fn
+def _rows(prompts):
+    return [{"prompt_ids": p} for p in prompts]
+
+
+def _run(prompts, key, extra=None, **keys):
+    """One rollout of ``prompts`` (more batches from ``extra``) and its update: (batch, metrics)."""
+    cfg, grpo, state, train_step, sampler_cfg = _setup(**keys)
+    rollout = Rollout(cfg, sampler_cfg, grpo, _score)
+    rollout.update_params(state.params, 0)
+    batch = rollout(_rows(prompts), key, extra_rows=extra)
+    _, update_metrics = make_update(train_step, grpo.num_iterations)(state, batch)
+    return batch, step_metrics(batch, update_metrics, {"time/train_s": 1.0, "time/step_s": 1.0})
 
 
 def _step(batches, max_batches, **keys):
-    cfg, grpo, state, train_step, sampler_cfg = _setup(
-        filter_zero_std_groups=True, dynamic_sampling_max_batches=max_batches, **keys
-    )
-    queue = list(batches[1:])
-
-    def refill():
-        prompts = queue.pop(0)
-        return prompts, _rewards(prompts)
-
-    return grpo_step(
-        state,
-        None,
+    queue = [_rows(b) for b in batches[1:]]
+    extra = iter(queue)
+    batch, metrics = _run(
         batches[0],
-        _rewards(batches[0]),
-        model_cfg=cfg,
-        sampler_cfg=sampler_cfg,
-        grpo=grpo,
-        train_step=train_step,
-        num_micro_batches=1,
-        key=jax.random.key(1),
-        refill=refill,
-    ), queue
+        jax.random.key(1),
+        extra,
+        filter_zero_std_groups=True,
+        dynamic_sampling_max_batches=max_batches,
+    )
+    return (batch, metrics), [[row["prompt_ids"] for row in b] for b in extra]
 
 
-def _prompt_rows(out):
+def _prompt_rows(batch):
     return [
-        ids[mask.astype(bool)].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)
-    ][::G]
+        ids[mask.astype(bool)].tolist()
+        for ids, mask in zip(np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask), strict=True)
+    ]
 
 
 def test_dynamic_sampling_drops_exactly_the_zero_std_groups_and_refills():
     # 4 prompts per batch: 2 zero-std groups (even first token) in the first, 1 in the second.
     first = [[2, 5], [3, 4, 4], [4, 1], [5]]
     second = [[7, 1, 1, 1], [6, 2], [9, 9], [11]]
-    (state, out, scores, metrics), left = _step([first, second, [[13]] * 4], max_batches=3)
+    (batch, metrics), left = _step([first, second, [[13]] * 4], max_batches=3)
     assert left == [[[13]] * 4]  # the batch was full after two: the third was never sampled
     # The kept groups, in sampling order: the odd prompts of batch 1, then the first two odd ones of batch 2
-    assert _prompt_rows(out) == [[3, 4, 4], [5], [7, 1, 1, 1], [9, 9]]
-    assert scores["_first"].tolist() == [3, 3, 5, 5, 7, 7, 9, 9] and scores["total"].tolist() == [0, 1] * 4
+    assert _prompt_rows(batch) == [[3, 4, 4], [5], [7, 1, 1, 1], [9, 9]]
+    scores = batch.host.rewards
+    assert scores["first"].tolist() == [3, 3, 5, 5, 7, 7, 9, 9] and scores["total"].tolist() == [0, 1] * 4
+    assert batch.host.correct.tolist() == [0, 1] * 4  # correctness travels with its rows
     assert metrics["zero_std_fraction"] == 0.5  # of the first batch, logged every step
     assert metrics["dynamic_sampling/batches"] == 2
     assert metrics["dynamic_sampling/dropped_groups"] == 3
@@ -124,27 +128,17 @@ def test_dynamic_sampling_drops_exactly_the_zero_std_groups_and_refills():
 def test_dynamic_sampling_cap_fills_with_zero_std_groups():
     first = [[2], [3], [4], [6]]  # 1 group with signal
     second = [[8], [10], [5], [12]]  # 1 more
-    (state, out, scores, metrics), _ = _step([first, second], max_batches=2)
-    assert _prompt_rows(out) == [[3], [5], [2], [4]]  # 2 with signal, then the first zero-std ones
+    (batch, metrics), _ = _step([first, second], max_batches=2)
+    assert _prompt_rows(batch) == [[3], [5], [2], [4]]  # 2 with signal, then the first zero-std ones
     assert metrics["dynamic_sampling/filled_groups"] == 2 and metrics["dynamic_sampling/dropped_groups"] == 4
 
 
-def test_overlong_penalty_is_added_to_the_rewards_in_grpo_step():
-    cfg, grpo, state, train_step, sampler_cfg = _setup(overlong_buffer_length=4, overlong_penalty_factor=2.0)
-    prompts = [[1, 2], [3]]
-    _, out, scores, metrics = grpo_step(
-        state,
-        None,
-        prompts,
-        _rewards(prompts),
-        model_cfg=cfg,
-        sampler_cfg=sampler_cfg,
-        grpo=grpo,
-        train_step=train_step,
-        num_micro_batches=1,
-        key=jax.random.key(2),
+def test_overlong_penalty_is_added_to_the_rewards_of_a_rollout():
+    batch, metrics = _run(
+        [[1, 2], [3]], jax.random.key(2), overlong_buffer_length=4, overlong_penalty_factor=2.0
     )
-    lengths = np.asarray(out.completion_mask).sum(axis=1)
+    scores = batch.host.rewards
+    lengths = np.asarray(batch.completion_mask).sum(axis=1)
     expected = np.where(lengths <= 2, 0.0, -(lengths - 2) / 4 * 2.0)  # no stop tokens: |y| <= L_max = 6
     np.testing.assert_allclose(scores["overlong"], expected)
     np.testing.assert_allclose(scores["total"], np.array([0.0, 1.0, 0.0, 1.0]) + expected)

@@ -4,7 +4,7 @@
 no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
 devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
 (``make_train_step`` as the trainer builds it: micro-batches, remat), the reference logprobs
-(``compute_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
+(``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
 adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
 before a real run on an accelerator (``check_before_run``), against the device's memory limit. MaxText's
@@ -31,11 +31,12 @@ from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models.params import abstract_params
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.rl.batch import Batch
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
-from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
+from grpax.rl.train_step import TrainState, make_train_step, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
 from grpax.topology import chip_of, get_topology
@@ -87,30 +88,18 @@ def per_chip_bytes(tree) -> int:
     )
 
 
-def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> dict:
-    """The update's batch as ``trainer._update_batch`` builds it, at the longest prompt bucket."""
-    rows, prompt, completion = (
-        cfg.batch_size * cfg.num_generations,
+def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> Batch:
+    """The update's batch as the trainer's ``Rollout`` builds it, at the longest prompt bucket."""
+    placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
+    return Batch.abstract(
+        cfg.batch_size,
+        cfg.num_generations,
         cfg.max_prefill_predict_length,
         cfg.max_completion_length,
+        with_ref=with_ref,
+        with_old=cfg.num_iterations > 1,
+        sharding_of=placed,
     )
-    shapes = {
-        "prompt_ids": ((cfg.batch_size, prompt), jnp.int32),
-        "prompt_mask": ((cfg.batch_size, prompt), jnp.int32),
-        "completion_ids": ((rows, completion), jnp.int32),
-        "completion_mask": ((rows, completion), jnp.int32),
-        "advantages": ((rows,), jnp.float32),
-        "rollout_logprobs": ((rows, completion), jnp.float32),
-        "truncated": ((rows,), jnp.bool_),
-    }
-    if cfg.num_iterations > 1:
-        shapes["old_logprobs"] = ((rows, completion), jnp.float32)
-    if with_ref:
-        shapes["ref_logprobs"] = ((rows, completion), jnp.float32)
-    placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
-    return {
-        k: jax.ShapeDtypeStruct(shape, dtype, sharding=placed(shape)) for k, (shape, dtype) in shapes.items()
-    }
 
 
 # The TPU compiler refuses a program whose temporaries exceed HBM: "... HLO temporaries (202.67G) exceeds ...".
@@ -256,10 +245,9 @@ def compile_job(
         functions["update"], _ = _compile("the GRPO update", train_step, job.state, job.batch)
         phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
         if grpo.beta > 0 or grpo.num_iterations > 1:
-            ref_batch = {k: v for k, v in job.batch.items() if k not in ("ref_logprobs", "old_logprobs")}
             c, _ = _compile(
-                "the reference logprobs", compute_logprobs, params, ref_batch, model_cfg, grpo.temperature,
-                cfg.micro_batches,
+                "the reference logprobs", token_logprobs, params, job.batch.tokens(), model_cfg,
+                grpo.temperature, cfg.micro_batches,
             )  # fmt: skip
             functions["reference logprobs"] = c
             phases["reference logprobs"] = _extra(c, job.resident["params"])

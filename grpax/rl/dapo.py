@@ -98,28 +98,29 @@ def _left_pad(a: np.ndarray, width: int, value: int) -> np.ndarray:
 def take_groups(
     outs: list[GenerateOutput], groups: np.ndarray, num_generations: int, pad_token_id: int
 ) -> GenerateOutput:
-    """The rows of ``groups`` (indices over the groups of all ``outs``, in order) as one rollout.
+    """The groups ``groups`` (indices over the groups of all ``outs``, in order) as one rollout.
 
     Prompts of different rollouts are left-padded with ``pad_token_id`` (mask 0) to the widest, so the update
     sees one batch; completions share the sampler's fixed width C.
     """
     width = max(o.prompt_ids.shape[1] for o in outs)
-    pad_id = pad_token_id
-    prompt_ids = np.concatenate([_left_pad(np.asarray(o.prompt_ids), width, pad_id) for o in outs])
+    groups = np.asarray(groups)
+    prompt_ids = np.concatenate([_left_pad(np.asarray(o.prompt_ids), width, pad_token_id) for o in outs])
     prompt_mask = np.concatenate([_left_pad(np.asarray(o.prompt_mask), width, 0) for o in outs])
-    rows = (np.asarray(groups)[:, None] * num_generations + np.arange(num_generations)).reshape(-1)
+    prompt_indices = np.concatenate([np.asarray(o.prompt_indices) for o in outs])
+    rows = (groups[:, None] * num_generations + np.arange(num_generations)).reshape(-1)
     cat = {
         name: np.concatenate([np.asarray(getattr(o, name)) for o in outs])
-        for name in ("completion_ids", "completion_mask", "logprobs", "lengths", "prompt_indices")
+        for name in ("completion_ids", "completion_mask", "logprobs", "lengths")
     }
     finish = [r for o in outs for r in o.finish_reason]
     return GenerateOutput(
-        prompt_ids=prompt_ids[rows],
-        prompt_mask=prompt_mask[rows],
+        prompt_ids=prompt_ids[groups],
+        prompt_mask=prompt_mask[groups],
         completion_ids=cat["completion_ids"][rows],
         completion_mask=cat["completion_mask"][rows],
         logprobs=cat["logprobs"][rows],
         lengths=cat["lengths"][rows],
         finish_reason=[finish[i] for i in rows],
-        prompt_indices=cat["prompt_indices"][rows],
+        prompt_indices=prompt_indices[groups],
     )

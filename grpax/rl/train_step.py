@@ -16,20 +16,15 @@ One call of the step function makes one optimizer update from a batch of B = num
    ``metrics["nonfinite_params"]``: the caller must stop without saving that state and keep its last good
    checkpoint.
 
-The batch is a dict of arrays (numpy or jax), one prompt row per group and one completion row per sample:
-  prompt_ids int32 [num_prompts, P] left-padded, prompt_mask [num_prompts, P] (1 = real); completion row r
-  answers prompt r // G (G = B / num_prompts): completion_ids int32 [B, C], completion_mask [B, C] (1 = real,
-  EOS included), advantages float32 [B], old_logprobs float32 [B, C] or None (on-policy, num_iterations == 1:
-  the ratio is exp(logp - stop_gradient(logp)) = 1; with num_iterations > 1 the trainer's own logprobs of the
-  params that sampled), ref_logprobs float32 [B, C] or None (required when beta > 0), rollout_logprobs float32
-  [B, C] or None (the sampler's: only the mismatch metrics read them), and truncated bool [B] when
-  ``mask_truncated_completions`` is on.
+The batch is a ``grpax.rl.batch.Batch`` (or a dict of its fields): one prompt row per group, one completion
+row per sample; its fields, shapes and dtypes are listed there. ``old_logprobs`` None is on-policy
+(num_iterations == 1: the ratio is exp(logp - stop_gradient(logp)) = 1); ``rollout_logprobs`` (the sampler's)
+are read only by the mismatch metrics; ``truncated`` is needed with ``mask_truncated_completions``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.struct
@@ -37,8 +32,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpax import distributed
 from grpax.models.llama import forward_grouped, logits_from_hidden
 from grpax.models.registry import ModelConfig
+from grpax.rl.batch import TOKEN_FIELDS, Batch
 from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import (
     apply_truncation_mask,
@@ -70,15 +67,9 @@ class TrainState:
     step: jax.Array
 
 
-PROMPT_KEYS = (
-    "prompt_ids",
-    "prompt_mask",
-)  # one row per prompt; every other batch key has one per completion
-
-
-def completion_hidden(params, batch: dict, cfg: ModelConfig) -> jax.Array:
+def completion_hidden(params, batch: Batch, cfg: ModelConfig) -> jax.Array:
     """The hidden states [B, C, D] that predict each completion token, each prompt run once (``forward_grouped``)."""
-    return forward_grouped(params, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], cfg)
+    return forward_grouped(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, cfg)
 
 
 # Logits elements per chunk of ``completion_logprobs`` (16 MB in float32): the [B, C, V] logits of a
@@ -138,69 +129,33 @@ def completion_logprobs(
     return unchunk(logprobs), unchunk(entropy) if with_entropy else None
 
 
-def micro_batches(batch: dict, num_micro_batches: int) -> dict:
-    """The batch cut into M micro-batches of whole prompts and their completions: leaves [M, rows / M, ...].
-
-    When M is not a multiple of num_prompts' blocks (more micro-batches than prompts, e.g. one group too large
-    for memory), each prompt row is repeated so that every micro-batch holds whole sub-groups of G / r rows.
-
-    Raises:
-      ValueError: the prompts and completions cannot be cut into M blocks of whole (sub-)groups.
-    """
-    M = num_micro_batches
-    num_prompts, num_rows = batch["prompt_ids"].shape[0], batch["completion_ids"].shape[0]
-    repeat = M // math.gcd(M, num_prompts)  # sub-groups per prompt
-    if num_rows % num_prompts or (num_rows // num_prompts) % repeat or num_rows % M:
-        raise ValueError(
-            f"a batch of {num_prompts} prompts x {num_rows // max(num_prompts, 1)} completions cannot be cut into "
-            f"num_micro_batches={M} blocks of whole prompt groups"
-        )
-
-    def split(key, x):
-        if key in PROMPT_KEYS and repeat > 1:
-            x = jnp.repeat(x, repeat, axis=0)
-        return x.reshape(M, x.shape[0] // M, *x.shape[1:])
-
-    return {key: split(key, x) for key, x in batch.items() if x is not None}
-
-
-def _check_batch(batch: dict, grpo: GRPOConfig) -> None:
-    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
-        if batch.get(key) is None:
-            raise ValueError(f"the train batch has no '{key}'")
-    if grpo.beta > 0 and batch.get("ref_logprobs") is None:
-        raise ValueError(f"beta={grpo.beta} needs batch['ref_logprobs'] (from the frozen reference model)")
-    if grpo.mask_truncated_completions and batch.get("truncated") is None:
-        raise ValueError("mask_truncated_completions=True needs batch['truncated'] bool [B]")
-
-
-def _micro_loss(params, mb: dict, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig):
+def _micro_loss(params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig):
     hidden = completion_hidden(params, mb, cfg)
     logprobs, entropy = completion_logprobs(
-        params, hidden, mb["completion_ids"], cfg, grpo.temperature, with_entropy=True
+        params, hidden, mb.completion_ids, cfg, grpo.temperature, with_entropy=True
     )
     loss, aux = policy_loss(
         logprobs,
-        mb.get("old_logprobs"),
-        mb.get("ref_logprobs"),
-        mb["advantages"],
-        mb["completion_mask"],
+        mb.old_logprobs,
+        mb.ref_logprobs,
+        mb.advantages,
+        mb.completion_mask,
         epsilon=grpo.epsilon,
         epsilon_high=grpo.epsilon_high,
         beta=grpo.beta,
         kl_estimator=grpo.kl_estimator,
         loss_agg_mode=grpo.loss_agg_mode,
         importance_sampling_level=grpo.importance_sampling_level,
-        max_completion_length=mb["completion_ids"].shape[1],
+        max_completion_length=mb.completion_ids.shape[1],
         normalizer=normalizer,
-        truncated=mb.get("truncated"),
+        truncated=mb.truncated,
         mask_truncated_completions=grpo.mask_truncated_completions,
     )
-    mask = mb["completion_mask"].astype(jnp.float32)
+    mask = mb.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
-        mask = apply_truncation_mask(mask, mb["truncated"])
+        mask = apply_truncation_mask(mask, mb.truncated)
     aux["entropy"] = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
-    aux.update(_mismatch(jax.lax.stop_gradient(logprobs), mb.get("rollout_logprobs"), mask))
+    aux.update(_mismatch(jax.lax.stop_gradient(logprobs), mb.rollout_logprobs, mask))
     return loss, aux
 
 
@@ -229,7 +184,9 @@ def _mismatch(
     }
 
 
-def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig, num_micro_batches: int = 1):
+def accumulate_gradients(
+    params, batch: Batch | dict, cfg: ModelConfig, grpo: GRPOConfig, num_micro_batches: int = 1
+):
     """Loss and gradient of the full batch, computed ``num_micro_batches`` row blocks at a time.
 
     Each micro-batch loss is divided by the full batch's normaliser, so the summed loss and gradients equal
@@ -237,7 +194,7 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
 
     Args:
       params: policy params.
-      batch: the train batch (module docstring); None entries are ignored.
+      batch: the train batch (``grpax.rl.batch.Batch``); None fields are absent.
       cfg: model config.
       grpo: algorithm config.
       num_micro_batches: M; B must be a multiple of M.
@@ -251,11 +208,11 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
     Raises:
       ValueError: a missing batch key, or B not divisible by num_micro_batches.
     """
-    _check_batch(batch, grpo)
-    batch = {k: v for k, v in batch.items() if v is not None}
-    mask = batch["completion_mask"].astype(jnp.float32)
+    batch = Batch.of(batch).device()
+    batch.check(grpo.beta, grpo.mask_truncated_completions)
+    mask = batch.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
-        mask = apply_truncation_mask(mask, batch["truncated"])
+        mask = apply_truncation_mask(mask, batch.truncated)
     normalizer = loss_normalizer(mask, grpo.loss_agg_mode)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
@@ -274,7 +231,7 @@ def accumulate_gradients(params, batch: dict, cfg: ModelConfig, grpo: GRPOConfig
         return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, aux_sum), None
 
     # The first micro-batch starts the sums (no zero-filled gradient tree); one micro-batch needs no loop.
-    blocks = micro_batches(batch, num_micro_batches)
+    blocks = batch.split(num_micro_batches)
     carry = micro_step(jax.tree.map(lambda x: x[0], blocks))
     if num_micro_batches > 1:
         carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[1:], blocks))
@@ -317,7 +274,7 @@ def make_train_step(
     """
     M = grpo.num_micro_batches if num_micro_batches is None else num_micro_batches
 
-    def step(state: TrainState, batch: dict):
+    def step(state: TrainState, batch: Batch):
         loss, grads, metrics = accumulate_gradients(state.params, batch, cfg, grpo, M)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -348,23 +305,54 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "num_micro_batches"))
+def make_update(train_step, num_iterations: int):
+    """``update(state, batch) -> (state, metrics)``: ``num_iterations`` calls of ``train_step`` on one batch.
+
+    The metrics are the last update's, except ``mismatch/*`` (the first update's: the params that sampled;
+    later ones moved them) and ``nonfinite`` / ``nonfinite_params`` (True if any update's was), fetched to the
+    host as numpy scalars (``distributed.fetch``: with several processes they span other hosts' devices).
+    """
+
+    def update(state: TrainState, batch: Batch):
+        batch = Batch.of(batch).device()
+        updates = []
+        for _ in range(num_iterations):
+            state, metrics = train_step(state, batch)
+            updates.append(metrics)
+        metrics = {**updates[-1], **{k: v for k, v in updates[0].items() if k.startswith("mismatch/")}}
+        for flag in ("nonfinite", "nonfinite_params"):
+            metrics[flag] = jnp.any(jnp.asarray([u[flag] for u in updates]))
+        return state, distributed.fetch(metrics)
+
+    return update
+
+
 def compute_logprobs(
-    params, batch: dict, cfg: ModelConfig, temperature: float, num_micro_batches: int = 1
+    params, batch: Batch | dict, cfg: ModelConfig, temperature: float, num_micro_batches: int = 1
 ) -> jax.Array:
     """Per-token log-probabilities of the completion tokens under ``params``: float32 [B, C], 0 at padding.
 
     Used for the frozen reference model (``ref_logprobs``) and, when num_iterations > 1, for the sampling
     policy's ``old_logprobs`` before the first update. Needs prompt_ids, prompt_mask (one row per prompt),
-    completion_ids, completion_mask (module docstring); the batch is processed in ``num_micro_batches`` blocks
-    (``micro_batches``) to bound memory.
+    completion_ids, completion_mask (``grpax.rl.batch``); the batch is processed in ``num_micro_batches`` blocks
+    (``Batch.split``) to bound memory.
     """
-    keys = (*PROMPT_KEYS, "completion_ids", "completion_mask")
+    batch = Batch.of(
+        {k: v for k, v in batch.items() if k in TOKEN_FIELDS} if isinstance(batch, dict) else batch
+    )
+    return token_logprobs(params, batch.tokens(), cfg, temperature, num_micro_batches)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "num_micro_batches"))
+def token_logprobs(
+    params, batch: Batch, cfg: ModelConfig, temperature: float, num_micro_batches: int
+) -> jax.Array:
+    """``compute_logprobs`` of a ``Batch.tokens()`` batch, jitted (``compile_topology`` lowers this one)."""
 
     def one(mb):
         hidden = completion_hidden(params, mb, cfg)
-        logprobs, _ = completion_logprobs(params, hidden, mb["completion_ids"], cfg, temperature)
-        return jnp.where(mb["completion_mask"].astype(bool), logprobs, 0.0)
+        logprobs, _ = completion_logprobs(params, hidden, mb.completion_ids, cfg, temperature)
+        return jnp.where(mb.completion_mask.astype(bool), logprobs, 0.0)
 
-    out = jax.lax.map(one, micro_batches({k: batch[k] for k in keys}, num_micro_batches))  # [M, B / M, C]
+    out = jax.lax.map(one, batch.split(num_micro_batches))  # [M, B / M, C]
     return out.reshape(-1, out.shape[-1])

@@ -10,6 +10,8 @@ eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs befor
 steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
 data-iterator position and RNG seed.
 
+The step is ``batch = rollout(rows, key); state, metrics = update(state, batch)``: ``grpax.rl.rollout.Rollout``
+samples, scores and builds the ``grpax.rl.batch.Batch``; ``grpax.rl.train_step.make_update`` applies it.
 The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
 ``grpax.rl.resume``, what a finished run leaves (``results.json``, the export) in ``grpax.rl.results``.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +35,10 @@ from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.data.gsm8k import PromptIterator, prepare_rows
 from grpax.data.tokenizer import stop_token_ids
-from grpax.eval.evaluate import decode_completions, evaluate
+from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
 from grpax.models.registry import ModelConfig, check_matches
-from grpax.rl import dapo
-from grpax.rl.advantages import compute_advantages
+from grpax.rl.batch import Batch
 from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
@@ -46,10 +46,11 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
+from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import TrainConfig, check_inputs, validate
-from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
-from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+from grpax.rl.train_step import TrainState, make_train_step, make_update
+from grpax.sampler.engine import SamplerConfig
 from grpax.tasks import RewardFunctionError, Task, build_task
 
 log = logging.getLogger("grpax.train")
@@ -107,12 +108,12 @@ class _Run:
     tokenizer: Any
     mesh: jax.sharding.Mesh
     rollout_mesh: jax.sharding.Mesh
-    ref_params: Any
     task: Task
     eval_rows: list[dict]
     sampler_cfg: SamplerConfig
     eval_sampler_cfg: SamplerConfig
-    train_step: Callable
+    rollout: Rollout
+    update: Callable  # (state, batch) -> (state, metrics): train_step.make_update
     checkpointer: TrainCheckpointer
     writer: MetricsWriter
     mismatch_warned: bool = False  # the sampler/trainer mismatch alarm is given once per run
@@ -133,6 +134,16 @@ def _train(
     iterator, eval_rows = _load_rows(cfg, tokenizer, task)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     state, train_step = _init_state(cfg, grpo, params, model_cfg, mesh)
+    rollout = Rollout(
+        model_cfg,
+        sampler_cfg,
+        grpo,
+        task_scorer(task, tokenizer),
+        mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        reference=ref_params,
+        num_micro_batches=cfg.micro_batches,
+    )
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(
@@ -144,12 +155,12 @@ def _train(
         tokenizer=tokenizer,
         mesh=mesh,
         rollout_mesh=rollout_mesh,
-        ref_params=ref_params,
         task=task,
         eval_rows=eval_rows,
         sampler_cfg=sampler_cfg,
         eval_sampler_cfg=eval_sampler_cfg,
-        train_step=train_step,
+        rollout=rollout,
+        update=make_update(train_step, grpo.num_iterations),
         checkpointer=checkpointer,
         writer=writer,
     )
@@ -277,7 +288,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
     """Evaluates ``params`` into ``eval/<tag>``, writes its ``eval/`` metrics at ``step`` and logs them."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    with _mesh_context(run.mesh):
+    with mesh_context(run.mesh):
         summary = evaluate(
             params,
             run.model_cfg,
@@ -350,67 +361,53 @@ def _loop(
 def _one_step(
     run: _Run, state: TrainState, iterator: PromptIterator, step: int, key: jax.Array
 ) -> tuple[TrainState, dict[str, Any]]:
-    """One ``grpo_step`` on the iterator's next batch, scored by the task; adds ``accuracy`` to its metrics.
+    """One GRPO step: ``batch = rollout(rows, key); state, metrics = update(state, batch)``.
 
     Raises:
-      NonFiniteError: the update's loss or gradients are NaN/inf.
+      NonFiniteError: the update's loss, gradients or updated weights are NaN/inf (nothing is saved).
       RewardFunctionError: a user reward function misbehaved; no update was applied.
     """
-    grpo = run.grpo
-
-    def batch() -> tuple[list[list[int]], Callable[[GenerateOutput], dict[str, Any]]]:
-        rows = [row for row in next(iterator) for _ in range(grpo.num_generations)]
-
-        def rewards(out: GenerateOutput) -> dict[str, Any]:
-            completions = decode_completions(run.tokenizer, out.completion_ids, out.completion_mask)
-            scores = run.task.score(rows, completions)
-            correct = run.task.step_correct(rows, completions, scores)
-            return {**scores, "_correct": [float(c) for c in correct]}
-
-        return [row["prompt_ids"] for row in rows[:: grpo.num_generations]], rewards
-
-    prompts, rewards = batch()
+    t_start = time.perf_counter()
+    run.rollout.update_params(state.params, step)
     try:
-        state, _, scores, metrics = grpo_step(
-            state,
-            run.ref_params,
-            prompts,
-            rewards,
-            model_cfg=run.model_cfg,
-            sampler_cfg=run.sampler_cfg,
-            grpo=grpo,
-            train_step=run.train_step,
-            num_micro_batches=run.cfg.micro_batches,
-            key=key,
-            mesh=run.mesh,
-            rollout_mesh=run.rollout_mesh,
-            refill=batch,
-        )
+        batch = run.rollout(next(iterator), key, extra_rows=iterator)
     except RewardFunctionError as e:
         raise RewardFunctionError(
             f"step {step + 1}: {e}; no update was applied and the last checkpoint in {run.paths.checkpoints} "
             "is kept: fix the function and run the same command again to resume"
         ) from None
+    t_update = time.perf_counter()
+    with mesh_context(run.mesh):
+        state, update_metrics = run.update(state, batch)
+    release_host_memory()
+    t_end = time.perf_counter()
+    metrics = step_metrics(
+        batch, update_metrics, {"time/train_s": t_end - t_update, "time/step_s": t_end - t_start}
+    )
     if metrics["nonfinite"] or metrics["nonfinite_params"]:
-        latest = run.checkpointer.latest_step()
-        kept = (
-            f"the last checkpoint {run.checkpointer.step_dir(latest)} (step {latest}) is kept"
-            if latest is not None
-            else "no checkpoint had been written yet"
-        )
-        what = (
-            f"loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was skipped"
-            if metrics["nonfinite"]
-            else "the update made weights NaN/inf"
-        )
-        raise NonFiniteError(
-            f"step {step + 1}: {what} and nothing of this step was saved; {kept}. Lower learning_rate or check "
-            "the rewards, then run the same command to resume"
-        )
-    metrics["accuracy"] = float(np.mean(scores["_correct"]))
+        _stop_non_finite(run, metrics, step)
     if not run.mismatch_warned:
         run.mismatch_warned = warn_on_mismatch(metrics, run.model_cfg.dtype, run.sampler_cfg)
     return state, metrics
+
+
+def _stop_non_finite(run: _Run, metrics: dict[str, Any], step: int) -> None:
+    """Raises the one-line NonFiniteError of a step whose loss, gradients or updated weights are NaN/inf."""
+    latest = run.checkpointer.latest_step()
+    kept = (
+        f"the last checkpoint {run.checkpointer.step_dir(latest)} (step {latest}) is kept"
+        if latest is not None
+        else "no checkpoint had been written yet"
+    )
+    what = (
+        f"loss or gradients are NaN/inf (loss={metrics.get('loss')}); the update was skipped"
+        if metrics["nonfinite"]
+        else "the update made weights NaN/inf"
+    )
+    raise NonFiniteError(
+        f"step {step + 1}: {what} and nothing of this step was saved; {kept}. Lower learning_rate or check "
+        "the rewards, then run the same command to resume"
+    )
 
 
 # Mean |sampler - trainer logprob| (nats per token) above which a run warns: in float32 the two agree to ~1e-5;
@@ -470,248 +467,16 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
     return results
 
 
-def _mesh_context(mesh: jax.sharding.Mesh | None):
-    """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-
-def grpo_step(
-    state: TrainState,
-    ref_params: Any,
-    prompts: list[list[int]],
-    reward_fn: Callable[[GenerateOutput], dict[str, Any]],
-    *,
-    model_cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    grpo: GRPOConfig,
-    train_step: Callable,
-    num_micro_batches: int,
-    key: jax.Array,
-    mesh: jax.sharding.Mesh | None = None,
-    rollout_mesh: jax.sharding.Mesh | None = None,
-    refill: Callable[[], tuple[list[list[int]], Callable]] | None = None,
-) -> tuple[TrainState, GenerateOutput, dict[str, np.ndarray], dict[str, float]]:
-    """One GRPO iteration: rollout, rewards, advantages, reference logprobs, ``num_iterations`` updates.
-
-    Args:
-      state: the policy's TrainState (donated to ``train_step``).
-      ref_params: the frozen reference params (a tree, or ``FrozenParams``), or None when beta == 0.
-      prompts: P token-id lists; each is sampled G = ``grpo.num_generations`` times, rows grouped contiguously.
-      reward_fn: ``GenerateOutput -> {name: [P * G] points}`` with a ``"total"`` entry (NaN = abstain); names
-        starting with ``_`` are carried along (selected with their rows) but are not rewards.
-      model_cfg, sampler_cfg, grpo: model, sampling and algorithm configs.
-      train_step: from ``make_train_step``.
-      num_micro_batches: gradient-accumulation blocks for the reference / old logprob passes.
-      key: PRNG key of this step's sampling.
-      mesh: the trainer's mesh (the batch is sharded over its data/fsdp axes); None = default placement.
-      rollout_mesh: the sampler's mesh; when its layout differs from the trainer's the weights are resharded
-        once per step (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
-      refill: ``() -> (prompts, reward_fn)`` of the next P prompts, for ``grpo.filter_zero_std_groups``
-        (DAPO dynamic sampling, ``grpax.rl.dapo``); without it zero-std groups are kept.
-
-    Returns:
-      (new state, the rollout, the reward dict as numpy arrays, host metrics: everything ``train_step``
-      reports plus rewards per function (``overlong`` with ``grpo.overlong_buffer_length``), advantage stats,
-      ``zero_std_fraction`` (of the first rollout's groups), ``dynamic_sampling/*``, completion lengths,
-      truncated fraction, ``time/{rollout,reference,train,step}_s`` and ``tokens_per_s``).
-    """
-    t_start = time.perf_counter()
-    sample = _Sampler(state.params, model_cfg, sampler_cfg, grpo, mesh, rollout_mesh)
-    out, scores = sample(prompts, reward_fn, key)
-    zero_std = dapo.zero_std_groups(scores["total"], grpo.num_generations)
-    dynamic = {"zero_std_fraction": float(zero_std.mean())}
-    if grpo.filter_zero_std_groups and refill is not None:
-        out, scores, dynamic = _dynamic_sampling(sample, out, scores, zero_std, refill, key, dynamic)
-    advantages = compute_advantages(
-        scores["total"].astype(np.float32), grpo.num_generations, scale_rewards=grpo.scale_rewards
-    )
-    batch = _update_batch(out, advantages, grpo.num_generations, mesh)
-    t_scored = time.perf_counter()
-    with _mesh_context(mesh):
-        if ref_params is not None:
-            reference = ref_params if isinstance(ref_params, FrozenParams) else FrozenParams(ref_params)
-            batch["ref_logprobs"] = reference.apply(  # mapped from files on a CPU host, unmapped after
-                compute_logprobs, batch, model_cfg, grpo.temperature, num_micro_batches
-            )
-            release_host_memory()
-        if grpo.num_iterations > 1:
-            batch["old_logprobs"] = compute_logprobs(
-                state.params, batch, model_cfg, grpo.temperature, num_micro_batches
-            )
-        t_ref = time.perf_counter()
-        updates = []
-        for _ in range(grpo.num_iterations):
-            state, step_metrics = train_step(state, batch)
-            updates.append(step_metrics)
-    # The sampler/trainer mismatch of the params that sampled is the first update's (later ones moved the
-    # params); a non-finite flag of any update counts.
-    step_metrics = {**updates[-1], **{k: v for k, v in updates[0].items() if k.startswith("mismatch/")}}
+def step_metrics(batch: Batch, update_metrics: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+    """One step's metrics: the update's scalars (``nonfinite`` flags as bools), the rollout's host metrics
+    (``RolloutInfo.summary``), ``times`` (``time/train_s``, ``time/step_s``) and ``tokens_per_s`` (completion
+    tokens plus prompt tokens, each prompt counted once per completion as the sampler attends to it)."""
+    metrics: dict[str, Any] = {k: float(v) for k, v in update_metrics.items() if np.ndim(v) == 0}
     for flag in ("nonfinite", "nonfinite_params"):
-        step_metrics[flag] = jnp.any(jnp.asarray([u[flag] for u in updates]))
-    step_metrics = distributed.fetch(step_metrics)
-    release_host_memory()
-    t_train = time.perf_counter()
-    times = {
-        "time/rollout_s": sample.rollout_s,
-        "time/reshard_s": sample.reshard_s,
-        "time/rewards_s": t_scored - t_start - sample.rollout_s,
-        "time/reference_s": t_ref - t_scored,
-        "time/train_s": t_train - t_ref,
-        "time/step_s": t_train - t_start,
-    }
-    metrics = _host_metrics(step_metrics, scores, advantages, out, times)
-    return state, out, scores, {**metrics, **dynamic}
-
-
-class _Sampler:
-    """Rollouts of one step on the current params: sample, score (plus DAPO's overlong punishment), time."""
-
-    def __init__(self, params, model_cfg, sampler_cfg, grpo, mesh, rollout_mesh):
-        self.params, self.model_cfg, self.sampler_cfg, self.grpo = params, model_cfg, sampler_cfg, grpo
-        self.mesh, self.rollout_mesh = mesh, rollout_mesh
-        self.rollout_s = self.reshard_s = 0.0
-
-    def __call__(
-        self, prompts: list[list[int]], reward_fn: Callable, key: jax.Array
-    ) -> tuple[GenerateOutput, dict[str, np.ndarray]]:
-        t0 = time.perf_counter()
-        out, reshard_s = _rollout(
-            self.params,
-            prompts,
-            self.model_cfg,
-            self.sampler_cfg,
-            self.grpo,
-            key,
-            self.mesh,
-            self.rollout_mesh,
-        )
-        self.rollout_s += time.perf_counter() - t0
-        self.reshard_s += reshard_s
-        scores = {name: np.asarray(values, np.float64) for name, values in reward_fn(out).items()}
-        if self.grpo.overlong_buffer_length > 0:
-            scores["overlong"] = dapo.overlong_penalty(
-                np.asarray(out.completion_mask).sum(axis=1),
-                self.sampler_cfg.max_completion_length,
-                self.grpo.overlong_buffer_length,
-                self.grpo.overlong_penalty_factor,
-            )
-            scores["total"] = scores["total"] + scores["overlong"]  # an abstained row stays NaN
-        return out, scores
-
-
-def _dynamic_sampling(
-    sample: _Sampler,
-    out: GenerateOutput,
-    scores: dict[str, np.ndarray],
-    zero_std: np.ndarray,
-    refill: Callable[[], tuple[list[list[int]], Callable]],
-    key: jax.Array,
-    metrics: dict[str, float],
-) -> tuple[GenerateOutput, dict[str, np.ndarray], dict[str, float]]:
-    """DAPO dynamic sampling: more prompt batches until P groups have signal (``grpax.rl.dapo``).
-
-    Returns:
-      The batch of P groups (those with signal first, in sampling order), its scores, and ``metrics`` plus
-      ``dynamic_sampling/{batches,dropped_groups,filled_groups}``.
-    """
-    grpo = sample.grpo
-    num_groups = len(zero_std)
-    outs, all_scores, flags = [out], [scores], [zero_std]
-    while int((~np.concatenate(flags)).sum()) < num_groups and len(outs) < grpo.dynamic_sampling_max_batches:
-        prompts, reward_fn = refill()
-        more, more_scores = sample(prompts, reward_fn, jax.random.fold_in(key, len(outs)))
-        outs.append(more)
-        all_scores.append(more_scores)
-        flags.append(dapo.zero_std_groups(more_scores["total"], grpo.num_generations))
-    groups, filled = dapo.pick_groups(np.concatenate(flags), num_groups)
-    rows = (groups[:, None] * grpo.num_generations + np.arange(grpo.num_generations)).reshape(-1)
-    picked = {name: np.concatenate([s[name] for s in all_scores])[rows] for name in scores}
-    metrics = {
-        **metrics,
-        "dynamic_sampling/batches": float(len(outs)),
-        "dynamic_sampling/dropped_groups": float(np.concatenate(flags).sum() - filled),
-        "dynamic_sampling/filled_groups": float(filled),
-    }
-    return (
-        dapo.take_groups(outs, groups, grpo.num_generations, sample.sampler_cfg.pad_token_id),
-        picked,
-        metrics,
-    )
-
-
-def _rollout(
-    params: Any,
-    prompts: list[list[int]],
-    model_cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    grpo: GRPOConfig,
-    key: jax.Array,
-    mesh: jax.sharding.Mesh | None,
-    rollout_mesh: jax.sharding.Mesh | None,
-) -> tuple[GenerateOutput, float]:
-    """G completions of each prompt on the sampler's mesh; returns them and the reshard time in seconds."""
-    rollout_params, reshard_s = params, 0.0
-    if mesh is not None and rollout_mesh is not None:
-        rollout_params, reshard_s = sharding.reshard_for_rollout(params, mesh, rollout_mesh)
-    with _mesh_context(rollout_mesh or mesh):
-        out = generate(
-            rollout_params, prompts, model_cfg, sampler_cfg, key, num_generations=grpo.num_generations
-        )
-    del rollout_params
-    release_host_memory()
-    return out, reshard_s
-
-
-def _update_batch(
-    out: GenerateOutput, advantages: np.ndarray, num_generations: int, mesh: jax.sharding.Mesh | None
-) -> dict[str, jax.Array]:
-    """The update's batch: one prompt row per group [P, ...], the completions and advantages [P * G, ...]."""
-    batch = {
-        # one prompt row per group: the update and the reference pass run each prompt once
-        "prompt_ids": jnp.asarray(out.prompt_ids[::num_generations]),
-        "prompt_mask": jnp.asarray(out.prompt_mask[::num_generations]),
-        "completion_ids": jnp.asarray(out.completion_ids),
-        "completion_mask": jnp.asarray(out.completion_mask),
-        "advantages": jnp.asarray(advantages, jnp.float32),
-        "rollout_logprobs": jnp.asarray(out.logprobs),  # the behaviour policy's: the mismatch metrics
-        "truncated": jnp.asarray([r == "length" for r in out.finish_reason]),
-    }
-    if mesh is not None:
-        # Every process holds the whole rollout and computed the same rewards: each keeps its devices' rows.
-        batch = sharding.shard_global_batch(batch, mesh)
-    return batch
-
-
-def _host_metrics(
-    step_metrics: dict[str, Any],
-    scores: dict[str, np.ndarray],
-    advantages: np.ndarray,
-    out: GenerateOutput,
-    times: dict[str, float],
-) -> dict[str, Any]:
-    """The step's host metrics: the update's scalars, rewards, advantages, lengths, ``times`` and tokens/s."""
-    mask = np.asarray(out.completion_mask)
-    lengths = mask.sum(axis=1)
-    metrics: dict[str, Any] = {k: float(v) for k, v in step_metrics.items() if np.ndim(v) == 0}
-    metrics["nonfinite"] = bool(step_metrics.get("nonfinite", False))
-    metrics["nonfinite_params"] = bool(step_metrics.get("nonfinite_params", False))
-    for name, values in scores.items():
-        if name.startswith("_"):  # carried along with the rows, not a reward
-            continue
-        finite = values[np.isfinite(values)]
-        metrics[f"rewards/{name}/mean"] = float(finite.mean()) if finite.size else math.nan
-        metrics[f"rewards/{name}/std"] = float(finite.std()) if finite.size else math.nan
-    metrics.update(
-        {
-            "advantages/mean": float(np.mean(advantages)),
-            "advantages/std": float(np.std(advantages)),
-            "advantages/abs_max": float(np.max(np.abs(advantages))),
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_fraction": float(np.mean([r == "length" for r in out.finish_reason])),
-            **times,
-        }
-    )
-    step_s = times["time/step_s"]
-    metrics["tokens_per_s"] = float(mask.sum() + np.asarray(out.prompt_mask).sum()) / step_s
+        metrics[flag] = bool(update_metrics.get(flag, False))
+    info = batch.host
+    metrics.update(info.summary())
+    metrics.update(times)
+    tokens = int(info.completion_lengths.sum()) + info.prompt_tokens
+    metrics["tokens_per_s"] = float(tokens) / times["time/step_s"]
     return metrics

@@ -115,11 +115,12 @@ class SamplerConfig:
 
 
 class GenerateOutput(NamedTuple):
-    """Rollouts of one ``generate`` call; row i answers ``prompts[prompt_indices[i]]``.
+    """Rollouts of one ``generate`` call: N prompts, G = B / N completions each; completion row i answers prompt
+    row i // G, which is ``prompts[prompt_indices[i // G]]``.
 
     Attributes:
-      prompt_ids: int32 [B, P] left-padded prompts (pad_token_id on the left).
-      prompt_mask: int32 [B, P], 1 for real prompt tokens.
+      prompt_ids: int32 [N, P] left-padded prompts (pad_token_id on the left), one row per prompt.
+      prompt_mask: int32 [N, P], 1 for real prompt tokens.
       completion_ids: int32 [B, C]; pad_token_id after the end.
       completion_mask: int32 [B, C], 1 for every generated token up to and including the first stop token.
       logprobs: float32 [B, C], each sampled token's log-probability under the distribution it was drawn from
@@ -127,7 +128,7 @@ class GenerateOutput(NamedTuple):
         unfiltered softmax at temperature 1); 0 where masked.
       lengths: int32 [B] completion lengths in tokens (= completion_mask.sum(1)).
       finish_reason: "stop" (a stop token was emitted) or "length" (C tokens without one), per row.
-      prompt_indices: int32 [B] index of each row's prompt in the input list (differs only with truncation
+      prompt_indices: int32 [N] index of each prompt row in the input list (differs only with truncation
         "drop").
     """
 
@@ -423,14 +424,13 @@ def generate(
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
     out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc, num_generations))
     finish = ["stop" if s else "length" for s in out["stopped"]]
-    G = num_generations
     return GenerateOutput(
-        prompt_ids=np.repeat(left, G, axis=0),
-        prompt_mask=np.repeat(prompt_mask, G, axis=0),
+        prompt_ids=left,
+        prompt_mask=prompt_mask,
         completion_ids=np.asarray(out["completion_ids"]),
         completion_mask=np.asarray(out["completion_mask"]),
         logprobs=np.asarray(out["logprobs"]),
         lengths=np.asarray(out["lengths"]),
         finish_reason=finish,
-        prompt_indices=np.repeat(np.array(indices, np.int32), G),
+        prompt_indices=np.array(indices, np.int32),
     )

@@ -1,0 +1,223 @@
+"""The record between rollout and update: ``Batch`` (device arrays, a pytree) and its host side ``RolloutInfo``.
+
+A ``grpax.rl.rollout.Rollout`` produces one ``Batch`` per step; ``grpax.rl.train_step.make_update`` consumes it.
+P prompts, each answered by G = ``num_generations`` completions, rows grouped contiguously (completion row r
+answers prompt r // G). Shapes and dtypes:
+
+  prompt_ids        int32   [P, Lp]  left-padded prompts, one row per prompt (the update runs each prompt once)
+  prompt_mask       int32   [P, Lp]  1 = real prompt token
+  completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end
+  completion_mask   int32   [B, C]   1 = generated token up to and including the first stop token
+  advantages        float32 [B]      group-relative (``grpax.rl.advantages``)
+  rollout_logprobs  float32 [B, C]   the sampler's (behaviour policy) logprobs, or None
+  truncated         bool    [B]      the row hit C tokens without a stop token, or None
+  ref_logprobs      float32 [B, C]   the frozen reference's, or None (required when beta > 0)
+  old_logprobs      float32 [B, C]   the trainer's own of the sampling params (num_iterations > 1), or None:
+                                     on-policy the ratio is exp(logp - stop_gradient(logp)) = 1
+
+``host`` (not a pytree leaf: ``device()`` drops it before the batch enters ``jit``) holds what only the host
+reads: rewards per function, correctness, finish reasons, the policy version that sampled and timings.
+The field names are TRL's / Tunix's (``TrainExample``) where they exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# One row per prompt; every other array field has one row per completion.
+PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
+TOKEN_FIELDS = (*PROMPT_FIELDS, "completion_ids", "completion_mask")
+
+
+@dataclasses.dataclass
+class RolloutInfo:
+    """The host side of a ``Batch``: numpy arrays of B = P * G rows and plain numbers.
+
+    Attributes:
+      rewards: {reward function name: float64 [B]}, ``"total"`` included (NaN = the function abstained).
+      correct: float [B], 1.0 where the task called the completion correct.
+      finish_reason: "stop" or "length" per row.
+      advantages: float32 [B], the batch's (a host copy).
+      completion_lengths: int [B] completion tokens per row.
+      prompt_tokens: real prompt tokens, each prompt counted once per completion (what the sampler attends to).
+      policy_version: the version of the params that sampled (``Rollout.update_params``).
+      timings: seconds: ``time/rollout_s``, ``time/reshard_s``, ``time/rewards_s``, ``time/reference_s``.
+      extra: more scalar metrics of the rollout (``zero_std_fraction``, ``dynamic_sampling/*``).
+    """
+
+    rewards: dict[str, np.ndarray]
+    correct: np.ndarray
+    finish_reason: list[str]
+    advantages: np.ndarray
+    completion_lengths: np.ndarray
+    prompt_tokens: int
+    policy_version: int = 0
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """Host metrics: ``rewards/<name>/{mean,std}`` (over the non-abstaining rows), ``accuracy``,
+        ``advantages/*``, ``completion_length/*``, ``truncated_fraction``, the timings and ``extra``."""
+        metrics: dict[str, Any] = {}
+        for name, values in self.rewards.items():
+            finite = values[np.isfinite(values)]
+            metrics[f"rewards/{name}/mean"] = float(finite.mean()) if finite.size else math.nan
+            metrics[f"rewards/{name}/std"] = float(finite.std()) if finite.size else math.nan
+        lengths, advantages = self.completion_lengths, self.advantages
+        metrics.update(
+            {
+                "accuracy": float(np.mean(self.correct)),
+                "advantages/mean": float(np.mean(advantages)),
+                "advantages/std": float(np.std(advantages)),
+                "advantages/abs_max": float(np.max(np.abs(advantages))),
+                "completion_length/mean": float(lengths.mean()),
+                "completion_length/max": float(lengths.max()),
+                "truncated_fraction": float(np.mean([r == "length" for r in self.finish_reason])),
+                "policy_version": float(self.policy_version),
+                **self.timings,
+                **self.extra,
+            }
+        )
+        return metrics
+
+
+@flax.struct.dataclass
+class Batch:
+    """One step's rollout, ready for the update (shapes in the module docstring)."""
+
+    prompt_ids: Any
+    prompt_mask: Any
+    completion_ids: Any
+    completion_mask: Any
+    advantages: Any
+    rollout_logprobs: Any = None
+    truncated: Any = None
+    ref_logprobs: Any = None
+    old_logprobs: Any = None
+    host: RolloutInfo | None = flax.struct.field(pytree_node=False, default=None)
+
+    @staticmethod
+    def of(batch: Batch | dict) -> Batch:
+        """``batch`` itself, or a ``Batch`` of a dict of its fields (tests and tools build dicts).
+
+        Raises:
+          TypeError: a key that is not a field.
+        """
+        return batch if isinstance(batch, Batch) else Batch(**batch)
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def num_generations(self) -> int:
+        return int(self.completion_ids.shape[0]) // max(self.num_prompts, 1)
+
+    def device(self) -> Batch:
+        """The arrays only (``host`` dropped): what ``jit`` sees, so a new step does not trace again."""
+        return self.replace(host=None)
+
+    def tokens(self) -> Batch:
+        """Only the token fields (the others None): the input of a logprob pass."""
+        return Batch(
+            self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, advantages=None
+        )
+
+    def check(self, beta: float, mask_truncated_completions: bool) -> None:
+        """The one structural check of the update's input.
+
+        Raises:
+          ValueError: a missing field, rows that are not P * G, or shapes that disagree.
+        """
+        for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
+            if getattr(self, name) is None:
+                raise ValueError(f"the train batch has no '{name}'")
+        if beta > 0 and self.ref_logprobs is None:
+            raise ValueError(f"beta={beta} needs the batch's ref_logprobs (from the frozen reference model)")
+        if mask_truncated_completions and self.truncated is None:
+            raise ValueError("mask_truncated_completions=True needs the batch's truncated bool [B]")
+        P, B = self.prompt_ids.shape[0], self.completion_ids.shape[0]
+        if P == 0 or B % P or self.prompt_mask.shape != self.prompt_ids.shape:
+            raise ValueError(
+                f"the train batch has {P} prompt rows {tuple(self.prompt_mask.shape)} for {B} completions: "
+                "it needs one prompt row per group of num_generations completions"
+            )
+        C = self.completion_ids.shape[1]
+        for name in ("completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs"):
+            x = getattr(self, name)
+            if x is not None and tuple(x.shape) != (B, C):
+                raise ValueError(f"the train batch's {name} is {tuple(x.shape)}, not [{B}, {C}]")
+        for name in ("advantages", "truncated"):
+            x = getattr(self, name)
+            if x is not None and tuple(x.shape) != (B,):
+                raise ValueError(f"the train batch's {name} is {tuple(x.shape)}, not [{B}]")
+
+    def split(self, num_micro_batches: int) -> Batch:
+        """The batch cut into M micro-batches of whole prompts and their completions: leaves [M, rows / M, ...].
+
+        When M is not a multiple of the prompts' blocks (more micro-batches than prompts, e.g. one group too
+        large for memory), each prompt row is repeated so that every micro-batch holds whole sub-groups of
+        G / r rows.
+
+        Raises:
+          ValueError: the prompts and completions cannot be cut into M blocks of whole (sub-)groups.
+        """
+        M = num_micro_batches
+        num_prompts, num_rows = self.prompt_ids.shape[0], self.completion_ids.shape[0]
+        repeat = M // math.gcd(M, num_prompts)  # sub-groups per prompt
+        if num_rows % num_prompts or (num_rows // num_prompts) % repeat or num_rows % M:
+            raise ValueError(
+                f"a batch of {num_prompts} prompts x {num_rows // max(num_prompts, 1)} completions cannot be cut "
+                f"into num_micro_batches={M} blocks of whole prompt groups"
+            )
+
+        def cut(x, prompt_row: bool):
+            if x is None:
+                return None
+            if prompt_row and repeat > 1:
+                x = jnp.repeat(x, repeat, axis=0)
+            return x.reshape(M, x.shape[0] // M, *x.shape[1:])
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "host"}
+        return Batch(**{k: cut(x, k in PROMPT_FIELDS) for k, x in fields.items()})
+
+    @staticmethod
+    def abstract(
+        num_prompts: int,
+        num_generations: int,
+        prompt_length: int,
+        completion_length: int,
+        *,
+        with_ref: bool,
+        with_old: bool,
+        sharding_of=None,
+    ) -> Batch:
+        """The ``ShapeDtypeStruct``s of the batch the trainer builds (what ``compile_topology`` compiles).
+
+        ``sharding_of(shape) -> Sharding`` places each field (None: no sharding); rollout_logprobs and
+        truncated are always present, as the trainer's batches carry them.
+        """
+        B, Lp, C = num_prompts * num_generations, prompt_length, completion_length
+
+        def spec(shape, dtype):
+            sharding = sharding_of(shape) if sharding_of is not None else None
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        return Batch(
+            prompt_ids=spec((num_prompts, Lp), jnp.int32),
+            prompt_mask=spec((num_prompts, Lp), jnp.int32),
+            completion_ids=spec((B, C), jnp.int32),
+            completion_mask=spec((B, C), jnp.int32),
+            advantages=spec((B,), jnp.float32),
+            rollout_logprobs=spec((B, C), jnp.float32),
+            truncated=spec((B,), jnp.bool_),
+            ref_logprobs=spec((B, C), jnp.float32) if with_ref else None,
+            old_logprobs=spec((B, C), jnp.float32) if with_old else None,
+        )

@@ -1,0 +1,236 @@
+"""The rollout side of a GRPO step: prompt rows in, a ``grpax.rl.batch.Batch`` out.
+
+``Rollout`` owns the params it samples with and their version (``update_params``). A call samples G =
+``num_generations`` completions of each prompt with the KV-cache sampler (on the sampler's mesh, the weights
+resharded when its layout differs from the trainer's), scores them with the task (``scorer``), adds DAPO's
+overlong punishment, refills zero-std groups from more prompt batches (DAPO dynamic sampling,
+``grpax.rl.dapo``), turns the rewards into group-relative advantages (``grpax.rl.advantages``), places the
+batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0) and, with num_iterations > 1,
+the sampling params' own ``old_logprobs``. ``num_generations`` is handled here and nowhere else in the step:
+the sampler returns each prompt once, the batch holds one prompt row per group.
+
+The shape follows Tunix's ``BaseRollout`` (``update_params``, ``generate``, ``get_per_token_logps``) and
+its ``TrainExample``; the trainer's loop is ``batch = rollout(rows, key); state, metrics = update(state, batch)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax import sharding
+from grpax.eval.evaluate import decode_completions
+from grpax.models.registry import ModelConfig
+from grpax.rl import dapo
+from grpax.rl.advantages import compute_advantages
+from grpax.rl.batch import Batch, RolloutInfo
+from grpax.rl.config import GRPOConfig
+from grpax.rl.reference import FrozenParams, release_host_memory
+from grpax.rl.train_step import compute_logprobs
+from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+
+# (rows [B], rollout) -> ({reward name: [B] points, "total" included; NaN = abstain}, correct [B])
+Scorer = Callable[[list[dict], GenerateOutput], tuple[dict[str, Any], Any]]
+
+
+def task_scorer(task: Any, tokenizer: Any) -> Scorer:
+    """The ``Scorer`` of a ``grpax.tasks.Task``: its reward functions on the decoded completions, and which
+    completions it calls correct (the step's ``accuracy``)."""
+
+    def score(rows: list[dict], out: GenerateOutput) -> tuple[dict[str, Any], Any]:
+        completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        scores = task.score(rows, completions)
+        return scores, task.step_correct(rows, completions, scores)
+
+    return score
+
+
+def mesh_context(mesh: jax.sharding.Mesh | None):
+    """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+class Rollout:
+    """Turns prompt rows into the update's ``Batch``.
+
+    Args:
+      model_cfg, sampler_cfg, grpo: the model, the sampler's settings and the algorithm's.
+      scorer: rewards and correctness of a rollout (``task_scorer`` for a task).
+      mesh: the trainer's mesh (the batch is placed on its data/fsdp axes); None = default placement.
+      rollout_mesh: the sampler's mesh; when its layout differs from the trainer's the weights are resharded
+        once per rollout (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
+      reference: the frozen reference params (a tree or ``FrozenParams``), or None (beta == 0).
+      num_micro_batches: blocks of the reference / old logprob passes (memory).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        sampler_cfg: SamplerConfig,
+        grpo: GRPOConfig,
+        scorer: Scorer,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        rollout_mesh: jax.sharding.Mesh | None = None,
+        reference: Any = None,
+        num_micro_batches: int = 1,
+    ):
+        self.model_cfg, self.sampler_cfg, self.grpo, self.scorer = model_cfg, sampler_cfg, grpo, scorer
+        self.mesh, self.rollout_mesh = mesh, rollout_mesh
+        if reference is not None and not isinstance(reference, FrozenParams):
+            reference = FrozenParams(reference)
+        self.reference, self.num_micro_batches = reference, num_micro_batches
+        self.params: Any = None
+        self.version = 0
+
+    def update_params(self, params: Any, version: int) -> None:
+        """The params the next rollouts sample with (not copied), and their version (recorded per batch)."""
+        self.params, self.version = params, version
+
+    def __call__(
+        self, rows: list[dict], key: jax.Array, extra_rows: Iterator[list[dict]] | None = None
+    ) -> Batch:
+        """G completions of each of the P ``rows``, scored, as the update's ``Batch`` (``host`` filled).
+
+        Args:
+          rows: P prompt rows (``prompt_ids`` and the task's fields).
+          key: this rollout's PRNG key (dynamic sampling's later rounds fold in their index).
+          extra_rows: more prompt batches for DAPO dynamic sampling (``filter_zero_std_groups``); without it
+            zero-std groups are kept.
+
+        Raises:
+          RewardFunctionError: a reward function misbehaved (from the task).
+        """
+        if self.params is None:
+            raise ValueError("Rollout has no params: call update_params(params, version) first")
+        grpo, G = self.grpo, self.grpo.num_generations
+        t_start = time.perf_counter()
+        self._times = {"time/rollout_s": 0.0, "time/reshard_s": 0.0}
+        out, scores, correct = self._sample(rows, key)
+        zero_std = dapo.zero_std_groups(scores["total"], G)
+        extra = {"zero_std_fraction": float(zero_std.mean())}
+        if grpo.filter_zero_std_groups and extra_rows is not None:
+            out, scores, correct, extra = self._refill(out, scores, correct, zero_std, extra_rows, key, extra)
+        advantages = compute_advantages(
+            scores["total"].astype(np.float32), G, scale_rewards=grpo.scale_rewards
+        )
+        batch = self._place(out, advantages)
+        info = RolloutInfo(
+            rewards=scores,
+            correct=np.asarray(correct, np.float64),
+            finish_reason=list(out.finish_reason),
+            advantages=np.asarray(advantages, np.float32),
+            completion_lengths=np.asarray(out.completion_mask).sum(axis=1),
+            prompt_tokens=int(np.asarray(out.prompt_mask).sum()) * G,
+            policy_version=self.version,
+            extra=extra,
+        )
+        t_scored = time.perf_counter()
+        batch = self._logprobs(batch)
+        info.timings = {
+            **self._times,
+            "time/rewards_s": t_scored - t_start - self._times["time/rollout_s"],
+            "time/reference_s": time.perf_counter() - t_scored,
+        }
+        return batch.replace(host=info)
+
+    def _sample(self, rows: list[dict], key: jax.Array) -> tuple[GenerateOutput, dict[str, np.ndarray], Any]:
+        """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""
+        t0 = time.perf_counter()
+        params = self.params
+        if self.mesh is not None and self.rollout_mesh is not None:
+            params, reshard_s = sharding.reshard_for_rollout(params, self.mesh, self.rollout_mesh)
+            self._times["time/reshard_s"] += reshard_s
+        prompts = [row["prompt_ids"] for row in rows]
+        with mesh_context(self.rollout_mesh or self.mesh):
+            out = generate(
+                params,
+                prompts,
+                self.model_cfg,
+                self.sampler_cfg,
+                key,
+                num_generations=self.grpo.num_generations,
+            )
+        del params
+        release_host_memory()
+        self._times["time/rollout_s"] += time.perf_counter() - t0
+        repeated = [rows[i] for i in out.prompt_indices for _ in range(self.grpo.num_generations)]
+        raw, correct = self.scorer(repeated, out)
+        scores = {name: np.asarray(values, np.float64) for name, values in raw.items()}
+        if self.grpo.overlong_buffer_length > 0:
+            scores["overlong"] = dapo.overlong_penalty(
+                np.asarray(out.completion_mask).sum(axis=1),
+                self.sampler_cfg.max_completion_length,
+                self.grpo.overlong_buffer_length,
+                self.grpo.overlong_penalty_factor,
+            )
+            scores["total"] = scores["total"] + scores["overlong"]  # an abstained row stays NaN
+        return out, scores, np.asarray(correct, np.float64)
+
+    def _refill(self, out, scores, correct, zero_std, extra_rows, key, metrics):
+        """DAPO dynamic sampling: more prompt batches until P groups have signal (``grpax.rl.dapo``).
+
+        Returns:
+          The rollout of P groups (those with signal first, in sampling order), its scores and correctness, and
+          ``metrics`` plus ``dynamic_sampling/{batches,dropped_groups,filled_groups}``.
+        """
+        G, num_groups = self.grpo.num_generations, len(zero_std)
+        outs, all_scores, all_correct, flags = [out], [scores], [correct], [zero_std]
+        while (
+            int((~np.concatenate(flags)).sum()) < num_groups
+            and len(outs) < self.grpo.dynamic_sampling_max_batches
+        ):
+            more, more_scores, more_correct = self._sample(
+                next(extra_rows), jax.random.fold_in(key, len(outs))
+            )
+            outs.append(more)
+            all_scores.append(more_scores)
+            all_correct.append(more_correct)
+            flags.append(dapo.zero_std_groups(more_scores["total"], G))
+        groups, filled = dapo.pick_groups(np.concatenate(flags), num_groups)
+        picked_rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
+        picked = {name: np.concatenate([s[name] for s in all_scores])[picked_rows] for name in scores}
+        metrics = {
+            **metrics,
+            "dynamic_sampling/batches": float(len(outs)),
+            "dynamic_sampling/dropped_groups": float(np.concatenate(flags).sum() - filled),
+            "dynamic_sampling/filled_groups": float(filled),
+        }
+        out = dapo.take_groups(outs, groups, G, self.sampler_cfg.pad_token_id)
+        return out, picked, np.concatenate(all_correct)[picked_rows], metrics
+
+    def _place(self, out: GenerateOutput, advantages: np.ndarray) -> Batch:
+        """The update's arrays on the trainer's mesh (every process holds the whole rollout and computed the
+        same rewards: each keeps its devices' rows), or as plain device arrays without one."""
+        batch = Batch(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask,
+            advantages=np.asarray(advantages, np.float32),
+            rollout_logprobs=out.logprobs,  # the behaviour policy's: the mismatch metrics
+            truncated=np.asarray([r == "length" for r in out.finish_reason]),
+        )
+        if self.mesh is not None:
+            return sharding.shard_global_batch(batch, self.mesh)
+        return jax.tree.map(jnp.asarray, batch)
+
+    def _logprobs(self, batch: Batch) -> Batch:
+        """The reference's logprobs (beta > 0) and, with num_iterations > 1, the sampling params' own."""
+        temperature, M = self.grpo.temperature, self.num_micro_batches
+        with mesh_context(self.mesh):
+            if self.reference is not None:
+                # mapped from files on a CPU host, unmapped after
+                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M)
+                batch = batch.replace(ref_logprobs=ref)
+                release_host_memory()
+            if self.grpo.num_iterations > 1:
+                old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M)
+                batch = batch.replace(old_logprobs=old)
+        return batch
