@@ -18,8 +18,9 @@ from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
-from grpax.rl.train_step import TrainState, make_train_step
-from grpax.rl.trainer import grpo_step
+from grpax.rl.rollout import Rollout
+from grpax.rl.train_step import TrainState, make_train_step, make_update
+from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.user import load_reward_functions
@@ -44,12 +45,22 @@ def toy_task(tmp_path):
     return CustomTask(PromptPreset(system_prompt=""), load_reward_functions(str(path), ["count_on"]))
 
 
-def toy_rewards(task, prompts, out, G):
-    rows = [
-        {"question": " ".join(map(str, p)), "gold": "", "columns": {"last_token": p[-1]}} for p in prompts
+def toy_rows(prompts):
+    return [
+        {"prompt_ids": p, "question": " ".join(map(str, p)), "gold": "", "columns": {"last_token": p[-1]}}
+        for p in prompts
     ]
-    texts = [" ".join(map(str, ids)) for ids in np.asarray(out.completion_ids)]
-    return task.score([row for row in rows for _ in range(G)], texts)
+
+
+def toy_scorer(task):
+    """The rollout's scorer: completions as token-id texts (the toy model has no tokenizer)."""
+
+    def score(rows, out):
+        texts = [" ".join(map(str, ids)) for ids in np.asarray(out.completion_ids)]
+        scores = task.score(rows, texts)
+        return scores, np.asarray(scores["total"]) == 1.0
+
+    return score
 
 
 def test_grpo_raises_reward_on_toy_task(tmp_path):
@@ -78,25 +89,18 @@ def test_grpo_raises_reward_on_toy_task(tmp_path):
     optimizer, schedule = optimizer_from_config(grpo, num_steps)
     params = init_params(cfg, jax.random.key(0))
     state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
-    train_step = make_train_step(cfg, grpo, optimizer, 1, schedule)
+    update = make_update(make_train_step(cfg, grpo, optimizer, 1, schedule), grpo.num_iterations)
     sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
+    rollout = Rollout(cfg, sampler_cfg, grpo, toy_scorer(task))
     rng = np.random.default_rng(0)
     curve = []
     for step in range(num_steps):
         prompts = [rng.integers(1, V, size=rng.integers(3, 8)).tolist() for _ in range(8)]
-        state, out, scores, metrics = grpo_step(
-            state,
-            None,
-            prompts,
-            lambda out, prompts=prompts: toy_rewards(task, prompts, out, grpo.num_generations),
-            model_cfg=cfg,
-            sampler_cfg=sampler_cfg,
-            grpo=grpo,
-            train_step=train_step,
-            num_micro_batches=1,
-            key=jax.random.key(step),
-        )
-        assert not metrics["nonfinite"]
+        rollout.update_params(state.params, step)
+        batch = rollout(toy_rows(prompts), jax.random.key(step))
+        state, update_metrics = update(state, batch)
+        metrics = step_metrics(batch, update_metrics, {"time/train_s": 1.0, "time/step_s": 1.0})
+        assert not metrics["nonfinite"] and batch.host.policy_version == step
         assert metrics["rewards/count_on/mean"] == metrics["rewards/total/mean"]  # one function, weight 1
         curve.append(metrics["rewards/total/mean"])
     first, last = np.mean(curve[:5]), np.mean(curve[-5:])

@@ -96,7 +96,7 @@ class Batch:
     prompt_mask: Any
     completion_ids: Any
     completion_mask: Any
-    advantages: Any
+    advantages: Any = None
     rollout_logprobs: Any = None
     truncated: Any = None
     ref_logprobs: Any = None
