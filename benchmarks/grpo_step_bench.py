@@ -1,4 +1,4 @@
-"""Seconds per GRPO step: grpax ``grpo_step`` vs TRL ``GRPOTrainer`` vs this machine's roofline, in one run.
+"""Seconds per GRPO step: grpax's step (``Rollout`` + ``make_update``) vs TRL ``GRPOTrainer`` vs this machine's roofline, in one run.
 
 SmolLM2-135M-Instruct (the embedded GGUF, dequantised to float32) on real GSM8K train prompts rendered with the
 model's chat template and the ``smollm2_demo`` prompt preset: P prompts x G completions, exactly ``new_tokens``
@@ -11,7 +11,7 @@ Face folder written from grpax's params), the same prompts in the same order, th
 Start-up (load + trainer construction; plus, for the first step, compilation or warm-up) is reported apart from
 the steady state: the median of ``--steady_steps`` steps after ``--warmup_steps`` warm-up steps. Per step:
 
-* grpax: ``grpo_step``'s own ``time/{rollout,rewards,reference,train}_s``;
+* grpax: the step's own ``time/{rollout,rewards,reference,train}_s``;
 * TRL: ``_generate`` (rollout), ``_calculate_rewards`` (rewards), the rest of ``_generate_and_score_completions``
   (reference logprobs + bookkeeping), and the rest of the step (forward/backward + AdamW: "update").
 
@@ -56,8 +56,9 @@ from grpax.models.registry import from_hf_config, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
-from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
-from grpax.rl.trainer import grpo_step
+from grpax.rl.rollout import Rollout
+from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
+from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig, decode, prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -102,7 +103,8 @@ def _cache_size(fn) -> int:
 
 
 def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
-    """Runs ``grpo_step`` on each batch; returns per-step phase times and compile-cache sizes."""
+    """Runs the trainer's step (``Rollout`` then ``make_update``) on each batch; returns per-step phase times
+    and compile-cache sizes."""
     G = args.num_generations
     grpo = GRPOConfig(
         num_generations=G, beta=BETA, temperature=TEMPERATURE, lr_schedule="constant", warmup_ratio=0.0
@@ -113,6 +115,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
     optimizer, schedule = optimizer_from_config(grpo, len(batches))
     state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
     train_step = make_train_step(cfg, grpo, optimizer, args.num_micro_batches, schedule)
+    update = make_update(train_step, grpo.num_iterations)
     sampler_cfg = SamplerConfig(
         max_prompt_length=MAX_PROMPT_LENGTH,
         max_completion_length=args.new_tokens,
@@ -122,41 +125,42 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
         pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 2,
     )
     jax.block_until_ready(state)
+
+    def score(rows, out):
+        completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        total = reward_total([row["question"] for row in rows], completions, [row["gold"] for row in rows])
+        return {"total": total}, np.zeros(len(rows))
+
+    rollout = Rollout(
+        cfg, sampler_cfg, grpo, score, reference=ref_params, num_micro_batches=args.num_micro_batches
+    )
     setup_s = time.perf_counter() - t0
     steps = []
     for i, rows in enumerate(batches):
-
-        def rewards(out, rows=rows):
-            completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
-            expand = lambda key: [row[key] for row in rows for _ in range(G)]  # noqa: E731
-            return {"total": reward_total(expand("question"), completions, expand("gold"))}
-
-        state, out, _, m = grpo_step(
-            state,
-            ref_params,
-            [row["prompt_ids"] for row in rows],
-            rewards,
-            model_cfg=cfg,
-            sampler_cfg=sampler_cfg,
-            grpo=grpo,
-            train_step=train_step,
-            num_micro_batches=args.num_micro_batches,
-            key=jax.random.fold_in(jax.random.key(SEED), i),
+        t_start = time.perf_counter()
+        rollout.update_params(state.params, i)
+        batch = rollout(rows, jax.random.fold_in(jax.random.key(SEED), i))
+        t_update = time.perf_counter()
+        state, update_metrics = update(state, batch)
+        t_end = time.perf_counter()
+        m = step_metrics(
+            batch, update_metrics, {"time/train_s": t_end - t_update, "time/step_s": t_end - t_start}
         )
+        prompt_mask = np.asarray(batch.prompt_mask)
         step = {
             "step_s": m["time/step_s"],
             "rollout_s": m["time/rollout_s"],
             "rewards_s": m["time/rewards_s"],
             "reference_s": m["time/reference_s"],
             "update_s": m["time/train_s"],
-            "prompt_bucket": int(out.prompt_ids.shape[1]),
-            "mean_prompt_len": float(out.prompt_mask.sum(1).mean()),
-            "mean_completion_len": float(out.lengths.mean()),
+            "prompt_bucket": int(prompt_mask.shape[1]),
+            "mean_prompt_len": float(prompt_mask.sum(1).mean()),
+            "mean_completion_len": float(batch.host.completion_lengths.mean()),
             "reward_mean": m["rewards/total/mean"],
             "compiled": {
                 "prefill": _cache_size(prefill),
                 "decode": _cache_size(decode),
-                "reference": _cache_size(compute_logprobs),
+                "reference": _cache_size(token_logprobs),
                 "train_step": _cache_size(train_step),
             },
         }

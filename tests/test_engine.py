@@ -290,8 +290,10 @@ def test_num_generations_equals_repeated_prompts(params, backend):
     np.testing.assert_array_equal(grouped.completion_ids, repeated.completion_ids)
     np.testing.assert_array_equal(grouped.completion_mask, repeated.completion_mask)
     np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)
-    np.testing.assert_array_equal(grouped.prompt_ids, repeated.prompt_ids)
-    np.testing.assert_array_equal(grouped.prompt_indices, np.repeat(np.arange(len(PROMPTS)), G))
+    # Each prompt once (row i answers prompt i // G); the repeated call has each G times.
+    np.testing.assert_array_equal(grouped.prompt_ids, repeated.prompt_ids[::G])
+    np.testing.assert_array_equal(grouped.prompt_mask, repeated.prompt_mask[::G])
+    np.testing.assert_array_equal(grouped.prompt_indices, np.arange(len(PROMPTS)))
     assert grouped.finish_reason == repeated.finish_reason
     assert len({tuple(r) for r in grouped.completion_ids[:G]}) > 1  # the G samples of a prompt differ
 

@@ -505,8 +505,8 @@ def test_deep_model_rollout_on_8_devices_equals_one_device(mesh_cfg, greedy):
         sharded = sh.shard_params(params, cfg, mesh)
         out = generate(sharded, prompts, cfg, sc, key, num_generations=2)
         batch = {
-            "prompt_ids": out.prompt_ids[::2],
-            "prompt_mask": out.prompt_mask[::2],
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
             "completion_ids": out.completion_ids,
             "completion_mask": out.completion_mask,
         }

@@ -12,8 +12,9 @@ from conftest import tiny_run_keys
 
 from grpax.checkpoint.orbax import restore_params
 from grpax.cli.main import main
-from grpax.rl import trainer
+from grpax.rl import rollout as rollout_module
 from grpax.rl.advantages import compute_advantages
+from grpax.rl.rollout import Rollout
 
 REWARDS = """
 def short(prompts, completions, tmvp_config, **kwargs):
@@ -63,20 +64,20 @@ def _keys(ckpt, tmp_path, **overrides):
 @pytest.mark.slow
 def test_user_task_trains_and_evaluates(tiny_checkpoint, tmp_path, monkeypatch):
     seen = {}
-    real_step, real_advantages = trainer.grpo_step, trainer.compute_advantages
+    real_call, real_advantages = Rollout.__call__, rollout_module.compute_advantages
 
-    def spy_step(*args, **kwargs):
-        result = real_step(*args, **kwargs)
-        seen["scores"] = result[2]
-        return result
+    def spy_call(self, *args, **kwargs):
+        batch = real_call(self, *args, **kwargs)
+        seen["scores"] = batch.host.rewards
+        return batch
 
     def spy_advantages(rewards, *args, **kwargs):
         seen["rewards"] = np.asarray(rewards)
         seen["advantages"] = real_advantages(rewards, *args, **kwargs)
         return seen["advantages"]
 
-    monkeypatch.setattr(trainer, "grpo_step", spy_step)
-    monkeypatch.setattr(trainer, "compute_advantages", spy_advantages)
+    monkeypatch.setattr(Rollout, "__call__", spy_call)
+    monkeypatch.setattr(rollout_module, "compute_advantages", spy_advantages)
     assert main(["train_rl", *_keys(tiny_checkpoint, tmp_path)]) == 0
 
     scores = seen["scores"]

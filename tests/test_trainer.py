@@ -55,8 +55,8 @@ def _tensorboard_steps(run_dir, tag):
 
 
 def _kill_at_call(monkeypatch, n):
-    """Makes ``grpo_step`` raise KeyboardInterrupt at its ``n``-th call (a Ctrl-C during that step)."""
-    real_step = trainer.grpo_step
+    """Makes ``_one_step`` raise KeyboardInterrupt at its ``n``-th call (a Ctrl-C during that step)."""
+    real_step = trainer._one_step
     calls = {"n": 0}
 
     def dying_step(*args, **kwargs):
@@ -65,7 +65,7 @@ def _kill_at_call(monkeypatch, n):
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "grpo_step", dying_step)
+    monkeypatch.setattr(trainer, "_one_step", dying_step)
     return real_step
 
 
@@ -87,7 +87,7 @@ def test_resume_is_bit_exact(tiny_checkpoint, tmp_path, monkeypatch):
         train(_config(tiny_checkpoint, tmp_path / "b"))
     assert (tmp_path / "b" / "run" / "checkpoints" / "actor" / "2").exists()
     assert not (tmp_path / "b" / "run" / "checkpoints" / "actor" / "3").exists()
-    monkeypatch.setattr(trainer, "grpo_step", real_step)
+    monkeypatch.setattr(trainer, "_one_step", real_step)
     resumed = train(_config(tiny_checkpoint, tmp_path / "b"))
 
     params_a = restore_params(full["actor_path"])
@@ -129,23 +129,23 @@ def test_metrics_and_sampler_trainer_agreement(tiny_checkpoint, tmp_path):
 
 
 def test_nan_stops_the_run_and_keeps_the_checkpoint(tiny_checkpoint, tmp_path, monkeypatch):
-    real_step = trainer.grpo_step
+    real_scorer = trainer.task_scorer
     calls = {"n": 0}
 
-    def nan_rewards(state, ref, prompts, reward_fn, **kwargs):
+    def nan_rewards(task, tokenizer):
         # A reward function gone wrong at step 2: an infinite reward makes the advantages, loss and grads NaN.
-        calls["n"] += 1
-        if calls["n"] == 2:
-            good_fn = reward_fn
+        good = real_scorer(task, tokenizer)
 
-            def reward_fn(out):
-                scores = good_fn(out)
+        def score(rows, out):
+            calls["n"] += 1
+            scores, correct = good(rows, out)
+            if calls["n"] == 2:
                 scores["total"] = [float("inf")] * len(scores["total"])
-                return scores
+            return scores, correct
 
-        return real_step(state, ref, prompts, reward_fn, **kwargs)
+        return score
 
-    monkeypatch.setattr(trainer, "grpo_step", nan_rewards)
+    monkeypatch.setattr(trainer, "task_scorer", nan_rewards)
     with pytest.raises(trainer.NonFiniteError, match="NaN"):
         train(_config(tiny_checkpoint, tmp_path, num_batches=3, checkpoint_period=1))
     actor = tmp_path / "run" / "checkpoints" / "actor"
@@ -182,7 +182,7 @@ def test_restart_before_the_first_checkpoint_starts_the_files_afresh(tiny_checkp
         train(_config(tiny_checkpoint, tmp_path, **keys))
     run_dir = tmp_path / "run"
     assert [r["step"] for r in _records(run_dir)] == [0, 1]  # eval before, step 1
-    monkeypatch.setattr(trainer, "grpo_step", real_step)
+    monkeypatch.setattr(trainer, "_one_step", real_step)
 
     result = train(_config(tiny_checkpoint, tmp_path, **keys))
     records = _records(run_dir)
