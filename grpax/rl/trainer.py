@@ -523,7 +523,10 @@ def grpo_step(
     if grpo.filter_zero_std_groups and refill is not None:
         out, scores, dynamic = _dynamic_sampling(sample, out, scores, zero_std, refill, key, dynamic)
     advantages = compute_advantages(
-        scores["total"].astype(np.float32), grpo.num_generations, scale_rewards=grpo.scale_rewards
+        scores["total"].astype(np.float32),
+        grpo.num_generations,
+        scale_rewards=grpo.scale_rewards,
+        estimator=grpo.adv_estimator,
     )
     batch = _update_batch(out, advantages, grpo.num_generations, mesh)
     t_scored = time.perf_counter()
