@@ -11,12 +11,14 @@ weights. The GRPO gradient assumes the tokens were drawn from pi_old; weighting 
 turns the expectation under mu into one under pi_old (importance sampling). Its variance is unbounded, so the
 weight is bounded to [C_min, C_max] in one of two ways:
 
-- truncate (TIS; Ionides 2008, "Truncated importance sampling"; Yao et al. 2025, "Your efficient RL
-  framework secretly brings you off-policy RL training"): w <- clip(w, C_min, C_max). Biased (tokens whose
-  ratio exceeds the cap are under-weighted), variance at most C_max^2;
-- mask (MIS): w <- w if C_min <= w <= C_max else 0: outlying tokens (or whole sequences) leave the gradient.
-  With both bounds at token level this is IcePop's two-sided band mask (Ling Team 2025, "Every Step Evolves:
-  Scaling RL for Trillion-Scale Thinking Model", Ring-1T; alpha = 0.5, beta = 5 there).
+- truncate (TIS; Ionides 2008, "Truncated importance sampling", JCGS; Yao et al. 2025, "Your efficient RL
+  framework secretly brings you off-policy RL training", blog): w <- clip(w, C_min, C_max). Biased (tokens
+  whose ratio exceeds the cap are under-weighted), variance at most C_max^2;
+- mask (MIS; Liu, Li et al. 2025, "When speed kills stability: demystifying RL collapse from the
+  training-inference mismatch", blog): w <- w if C_min <= w <= C_max else 0: outlying tokens (or whole
+  sequences) leave the gradient. With both bounds at token level this is IcePop's two-sided band mask (Ling
+  Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model", Ring-1T,
+  arXiv:2510.18855; [alpha, beta] = [0.5, 5] as verl's example threshold "0.5_5.0").
 
 The weight is a constant (stop-gradient) multiplying the per-token policy loss, before the KL term is added,
 as TRL does. Keys and semantics follow TRL's ``GRPOConfig`` (``vllm_importance_sampling_mode`` in

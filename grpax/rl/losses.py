@@ -10,7 +10,7 @@ Per token t of completion i (DeepSeekMath, Shao et al. 2024, eq. 3; PPO, Schulma
 exp(mean_t(logp_it - old_logp_it)) instead of its own.
 
 ``loss_type="cispo"`` is CISPO (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
-Attention", 2025, eqs. 4-5): the importance-sampling weight is clipped and its gradient stopped, so every token
+Attention", arXiv:2506.13585, eqs. 4-5): the importance-sampling weight is clipped and its gradient stopped, so every token
 keeps the REINFORCE gradient A grad log pi, scaled by the clipped weight, instead of losing it to PPO's clip:
 
     J_CISPO = E[ 1 / sum_i |o_i| sum_i sum_t sg(r^_it) A_it log pi_theta(o_it | q, o_i,<t) ]
