@@ -427,8 +427,8 @@ def _step_with(params, grpo, batch, num_micro_batches=1):
 
 
 def test_correction_off_is_bit_identical_whatever_the_sampler_logprobs(params):
-    """vllm_importance_sampling_correction=false (the default): the sampler's logprobs, however far off, change
-    no weight and no metric of before; only the mismatch/is_* statistics are added."""
+    """vllm_importance_sampling_correction=false (the default): the sampler's logprobs, however far off,
+    change no weight and no metric of before; only the mismatch/is_* statistics are added."""
     grpo = GRPOConfig(beta=0.0, temperature=TEMPERATURE, max_grad_norm=0.0)
     batch = _batch()
     clean_state, clean = _step_with(params, grpo, batch, 2)

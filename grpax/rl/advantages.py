@@ -18,9 +18,9 @@ G - 1 rewards of its group, a baseline independent of the row's own sample:
 
     A_i = r_i - 1/(G-1) sum_{j != i} r_j = G/(G-1) (r_i - mean(r_1..r_G))
 
-so RLOO is GRPO's mean-centred reward scaled by G/(G-1) (n/(n-1) over a group's n valid rows). ``scale_rewards``
-then divides it as for GRPO; TRL's ``RLOOTrainer`` (default ``normalize_advantages=False``) and verl's
-``algorithm.adv_estimator=rloo`` divide by nothing: ``scale_rewards="none"``.
+so RLOO is GRPO's mean-centred reward scaled by G/(G-1) (n/(n-1) over a group's n valid rows).
+``scale_rewards`` then divides it as for GRPO; TRL's ``RLOOTrainer`` (default ``normalize_advantages=False``)
+and verl's ``algorithm.adv_estimator=rloo`` divide by nothing: ``scale_rewards="none"``.
 
 Rows are grouped contiguously: row i answers prompt i // G. A NaN reward means "abstain" (e.g. a reward
 function that could not score the row): it is left out of its group's mean and std and its advantage is 0.

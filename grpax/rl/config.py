@@ -80,12 +80,13 @@ class GRPOConfig:
     loss_type: str = field(
         "ppo_clip",
         "the objective: ppo_clip (GRPO's clipped surrogate min(r A, clip(r) A)) or cispo (MiniMax-M1: "
-        "sg(clip(r, 1 - eps, 1 + eps_high)) A log pi, every token keeps its gradient); aggregation is loss_agg_mode",
+        "sg(clip(r, 1 - eps, 1 + eps_high)) A log pi, every token keeps its gradient); aggregation is "
+        "loss_agg_mode",
     )
     adv_estimator: str = field(
         "grpo",
-        "the baseline of A_i: grpo (group mean) or rloo (mean of the other G - 1 rewards); the std division is "
-        "scale_rewards' (TRL's and verl's RLOO: scale_rewards=none)",
+        "the baseline of A_i: grpo (group mean) or rloo (mean of the other G - 1 rewards); the std "
+        "division is scale_rewards' (TRL's and verl's RLOO: scale_rewards=none)",
     )
     vllm_importance_sampling_correction: bool = field(
         False,
@@ -95,9 +96,9 @@ class GRPOConfig:
     )
     vllm_importance_sampling_mode: str = field(
         "token_truncate",
-        "with the correction on: token_truncate (TIS: w clipped to [clip_min, clip_max]), token_mask (MIS: w = 0 "
-        "outside [clip_min, clip_max]; IcePop with both bounds), sequence_truncate, sequence_mask (one w per "
-        "sequence: the product of its tokens' ratios)",
+        "with the correction on: token_truncate (TIS: w clipped to [clip_min, clip_max]), token_mask (MIS: "
+        "w = 0 outside [clip_min, clip_max]; IcePop with both bounds), sequence_truncate, sequence_mask (one w "
+        "per sequence: the product of its tokens' ratios)",
     )
     vllm_importance_sampling_clip_max: float | None = field(
         2.0, "C_max: the upper bound of the rollout-correction weight w (TIS cap C); None = no upper bound"
@@ -154,7 +155,7 @@ class GRPOConfig:
 
     @property
     def rollout_is_mode(self) -> str | None:
-        """The rollout correction applied to the loss: an ``IMPORTANCE_SAMPLING_MODES`` value, or None (off)."""
+        """The rollout correction of the loss: an ``IMPORTANCE_SAMPLING_MODES`` value, or None (off)."""
         return self.vllm_importance_sampling_mode if self.vllm_importance_sampling_correction else None
 
     @property
@@ -244,11 +245,13 @@ def _validate_rollout_correction(cfg: GRPOConfig) -> None:
     lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     if hi is not None and not (math.isfinite(hi) and hi > 0):
         raise ConfigError(
-            f"vllm_importance_sampling_clip_max={hi}: expected a finite weight > 0 (e.g. 2.0) or None (no cap)"
+            f"vllm_importance_sampling_clip_max={hi}: expected a finite weight > 0 (e.g. 2.0) or None "
+            "(no cap)"
         )
     if lo is not None and not (math.isfinite(lo) and lo >= 0):
         raise ConfigError(
-            f"vllm_importance_sampling_clip_min={lo}: expected a finite weight >= 0 (e.g. 0.5) or None (no floor)"
+            f"vllm_importance_sampling_clip_min={lo}: expected a finite weight >= 0 (e.g. 0.5) or None "
+            "(no floor)"
         )
     if lo is not None and hi is not None and lo >= hi:
         raise ConfigError(

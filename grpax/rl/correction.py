@@ -1,4 +1,4 @@
-"""Rollout correction: importance weights between the trainer's and the sampler's policy (pure jnp, jit-friendly).
+"""Rollout correction: importance weights between the trainer's and the sampler's policy (pure jnp, jittable).
 
 The sampler (the behaviour policy mu, whose per-token logprobs travel as ``rollout_logprobs``) and the trainer
 (pi_old, ``old_logprobs``: recomputed by the trainer, or ``stop_gradient(logprobs)`` on-policy) score the same

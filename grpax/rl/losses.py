@@ -10,8 +10,9 @@ Per token t of completion i (DeepSeekMath, Shao et al. 2024, eq. 3; PPO, Schulma
 exp(mean_t(logp_it - old_logp_it)) instead of its own.
 
 ``loss_type="cispo"`` is CISPO (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
-Attention", arXiv:2506.13585, eqs. 4-5): the importance-sampling weight is clipped and its gradient stopped, so every token
-keeps the REINFORCE gradient A grad log pi, scaled by the clipped weight, instead of losing it to PPO's clip:
+Attention", arXiv:2506.13585, eqs. 4-5): the importance-sampling weight is clipped and its gradient stopped,
+so every token keeps the REINFORCE gradient A grad log pi, scaled by the clipped weight, instead of losing it to
+PPO's clip:
 
     J_CISPO = E[ 1 / sum_i |o_i| sum_i sum_t sg(r^_it) A_it log pi_theta(o_it | q, o_i,<t) ]
     r^_it   = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)          here eps and eps_high
@@ -213,8 +214,8 @@ def policy_loss(
       (loss float32 scalar, aux) where aux holds float32 scalars averaged over this batch's counted tokens:
       ``policy_loss`` (the surrogate term only), ``kl`` (NaN without a reference), ``ratio_mean``,
       ``clip_low_frac`` (ratio < 1 - eps with A < 0), ``clip_high_frac`` (ratio > 1 + eps_high with A > 0),
-      ``clip_region_frac`` (either: tokens that get no gradient from the surrogate; with CISPO the tokens whose
-      weight was clipped, whatever the sign of A: their gradient is scaled, never removed), and
+      ``clip_region_frac`` (either: tokens that get no gradient from the surrogate; with CISPO the tokens
+      whose weight was clipped, whatever the sign of A: their gradient is scaled, never removed), and
       ``num_tokens``; with ``rollout_logprobs`` also ``importance_weights``'s ``mismatch/is_*`` statistics of
       w = pi_old / mu (truncated and masked fractions 0 when ``rollout_is_mode`` is None).
 
