@@ -76,3 +76,35 @@ def test_errors():
         compute_advantages([[1.0, 2.0]], 2)
     with pytest.raises(ValueError, match="scale_rewards"):
         compute_advantages([1.0, 2.0], 2, scale_rewards="global")
+
+
+def test_rloo_leave_one_out_hand_computed():
+    # Group (1, 0, 0, 1): row 0's baseline is mean(0, 0, 1) = 1/3, so A_0 = 2/3; row 1: 0 - 2/3.
+    adv = compute_advantages([1.0, 0.0, 0.0, 1.0], 4, scale_rewards="none", estimator="rloo")
+    np.testing.assert_allclose(adv, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
+    # G = 2: each row's baseline is the other row: A = r_i - r_j.
+    adv = compute_advantages([3.0, 1.0, 2.0, 2.0], 2, scale_rewards="none", estimator="rloo")
+    np.testing.assert_array_equal(adv, np.array([2.0, -2.0, 0.0, 0.0], np.float32))
+    # An abstained (NaN) row is left out of the others' baselines: valid (1, 0, 2) -> 1 - 1, 0 - 1.5, 2 - 0.5.
+    adv = compute_advantages([1.0, np.nan, 0.0, 2.0], 4, scale_rewards="none", estimator="rloo")
+    np.testing.assert_allclose(adv, [0.0, 0.0, -1.5, 1.5], rtol=1e-6)
+    # scale_rewards divides RLOO as GRPO: with the group std, RLOO is GRPO's advantage times n / (n - 1).
+    rewards = [3.0, 0.0, 0.0, 1.0, 2.0, 3.0]
+    np.testing.assert_allclose(
+        compute_advantages(rewards, 3, estimator="rloo"), 1.5 * compute_advantages(rewards, 3), rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="adv_estimator='gae'"):
+        compute_advantages([1.0, 2.0], 2, estimator="gae")
+
+
+def test_rloo_gradient_is_minus_a_grad_logp():
+    """On-policy, the loss gradient of each token is -A_i / N: RLOO's A_i, hand-computed above."""
+    import jax
+    import jax.numpy as jnp
+
+    from grpax.rl.losses import policy_loss
+
+    adv = compute_advantages([1.0, 0.0, 0.0, 1.0], 4, scale_rewards="none", estimator="rloo")
+    logp, mask = jnp.full((4, 2), -1.0), jnp.ones((4, 2))
+    grad = jax.grad(lambda lp: policy_loss(lp, None, None, jnp.asarray(adv), mask)[0])(logp)
+    np.testing.assert_allclose(grad, np.repeat(-np.array([2, -2, -2, 2])[:, None] / 3 / 8, 2, 1), rtol=1e-6)

@@ -415,3 +415,54 @@ def test_on_policy_ratio_is_one_whatever_the_sampler_logprobs(params):
     assert float(aux["mismatch/logprob_diff_max"]) == pytest.approx(np.abs(log_rho).max(), rel=1e-3)
     assert float(aux["mismatch/kl"]) == pytest.approx((np.expm1(log_rho) - log_rho).sum() / n, rel=1e-2)
     assert float(aux_clean["mismatch/kl"]) == 0.0  # no sampler logprobs: nothing to compare
+
+
+def _step_with(params, grpo, batch, num_micro_batches=1):
+    schedule = make_lr_schedule(1e-2, 10, schedule="constant")
+    optimizer = make_optimizer(schedule, 10, weight_decay=0.0)
+    step = make_train_step(CFG, grpo, optimizer, num_micro_batches=num_micro_batches, lr_schedule=schedule)
+    copy = jax.tree.map(jnp.copy, params)
+    state = TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32))
+    return step(state, batch)
+
+
+def test_correction_off_is_bit_identical_whatever_the_sampler_logprobs(params):
+    """vllm_importance_sampling_correction=false (the default): the sampler's logprobs, however far off,
+    change no weight and no metric of before; only the mismatch/is_* statistics are added."""
+    grpo = GRPOConfig(beta=0.0, temperature=TEMPERATURE, max_grad_norm=0.0)
+    batch = _batch()
+    clean_state, clean = _step_with(params, grpo, batch, 2)
+    exact = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    batch["rollout_logprobs"] = exact - 1.0  # every ratio e, past any cap
+    state, metrics = _step_with(params, grpo, batch, 2)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(clean_state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for k, v in clean.items():
+        if not k.startswith("mismatch/"):
+            np.testing.assert_array_equal(np.asarray(metrics[k]), np.asarray(v), err_msg=k)
+    assert float(metrics["mismatch/is_ratio_mean"]) == pytest.approx(math.e, rel=1e-4)
+    assert float(metrics["mismatch/is_truncated_frac"]) == 0.0
+
+
+def test_truncated_and_masked_correction_scale_and_remove_the_gradient(params, num_micro_batches=2):
+    """A behaviour policy e times less likely on every token: ratio e > C = 2, so TIS weights every token by 2
+    (the gradient doubles) and MIS masks every token (no policy gradient)."""
+    batch = _batch()
+    exact = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, 1))
+    base = GRPOConfig(beta=0.0, temperature=TEMPERATURE)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
+    _, clean, _ = fn(params, batch, CFG, base, num_micro_batches)
+    with pytest.raises(ValueError, match="needs batch\\['rollout_logprobs'\\]"):
+        fn(params, batch, CFG, base.replace(vllm_importance_sampling_correction=True), num_micro_batches)
+    batch["rollout_logprobs"] = exact - 1.0
+    tis = base.replace(vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_max=2.0)
+    _, grads, aux = fn(params, batch, CFG, tis, num_micro_batches)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(clean), strict=True):
+        np.testing.assert_allclose(np.asarray(a), 2 * np.asarray(b), rtol=2e-5, atol=1e-9)
+    assert float(aux["mismatch/is_truncated_frac"]) == 1.0
+    assert float(aux["mismatch/is_ratio_min"]) == pytest.approx(math.e, rel=1e-4)
+    assert float(aux["mismatch/is_ratio_max"]) == pytest.approx(math.e, rel=1e-4)
+    mis = tis.replace(vllm_importance_sampling_mode="sequence_mask")
+    loss, grads, aux = fn(params, batch, CFG, mis, num_micro_batches)
+    assert float(loss) == 0.0 and all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+    assert float(aux["mismatch/is_masked_frac"]) == 1.0

@@ -100,6 +100,12 @@ def test_biased_settings_warn_with_the_fix(tmp_path, caplog):
     assert not caplog.text
     train_config.validate(_config(tmp_path, importance_sampling_level="sequence"))
     assert "set loss_agg_mode=sequence-mean-token-mean" in caplog.text
+    caplog.clear()
+    train_config.validate(_config(tmp_path, adv_estimator="rloo"))  # with the default scale_rewards=group
+    assert "set scale_rewards=none for RLOO as TRL and verl define it" in caplog.text
+    caplog.clear()
+    train_config.validate(_config(tmp_path, adv_estimator="rloo", scale_rewards="none"))
+    assert not caplog.text
 
 
 def test_export_hf_into_a_non_empty_folder_is_refused(tmp_path):

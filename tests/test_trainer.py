@@ -124,6 +124,9 @@ def test_metrics_and_sampler_trainer_agreement(tiny_checkpoint, tmp_path):
     # filter) agree with the trainer's, so the mismatch metrics are ~0 and the alarm stays quiet.
     assert step["ratio_mean"] == 1.0 and step["clip_region_frac"] == 0.0
     assert step["mismatch/logprob_diff_max"] < 1e-4 and 0 <= step["mismatch/kl"] < 1e-8
+    # Rollout correction is off by default: its weights' statistics are logged, nothing is truncated.
+    assert abs(step["mismatch/is_ratio_min"] - 1) < 1e-4 and abs(step["mismatch/is_ratio_max"] - 1) < 1e-4
+    assert step["mismatch/is_truncated_frac"] == 0.0 and step["mismatch/is_masked_frac"] == 0.0
     assert step["learning_rate"] == 0.0  # warmup 0.25 * 2 steps rounds up to 1 warmup step (as HF)
     assert [r["learning_rate"] for r in records if "loss" in r][1] == pytest.approx(1e-3)
 

@@ -130,7 +130,7 @@ class Batch:
             self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, advantages=None
         )
 
-    def check(self, beta: float, mask_truncated_completions: bool) -> None:
+    def check(self, beta: float, mask_truncated_completions: bool, rollout_correction: bool = False) -> None:
         """The one structural check of the update's input.
 
         Raises:
@@ -143,6 +143,10 @@ class Batch:
             raise ValueError(f"beta={beta} needs the batch's ref_logprobs (from the frozen reference model)")
         if mask_truncated_completions and self.truncated is None:
             raise ValueError("mask_truncated_completions=True needs the batch's truncated bool [B]")
+        if rollout_correction and self.rollout_logprobs is None:
+            raise ValueError(
+                "vllm_importance_sampling_correction=true needs the batch's rollout_logprobs (the sampler's)"
+            )
         P, B = self.prompt_ids.shape[0], self.completion_ids.shape[0]
         if P == 0 or B % P or self.prompt_mask.shape != self.prompt_ids.shape:
             raise ValueError(

@@ -8,7 +8,10 @@ with r_it = pi_theta(o_it) / pi_old(o_it) and A_i the group-relative advantage (
 Variants are selected by keys rather than classes: DAPO (Yu et al. 2025) clip-higher ``epsilon_high`` and
 ``loss_agg_mode="token-mean"``; Dr. GRPO (Liu et al. 2025) ``scale_rewards="none"`` and
 ``loss_agg_mode="sequence-mean-token-sum-norm"``; GSPO (Zheng et al. 2025) ``importance_sampling_level=
-"sequence"``. ``docs/algorithm.md`` explains the defaults and where they differ from MaxText's ``rl.yml``.
+"sequence"``; CISPO (MiniMax 2025) ``loss_type="cispo"``; RLOO's leave-one-out baseline
+``adv_estimator="rloo"``. Rollout correction (``vllm_importance_sampling_*``, ``grpax.rl.correction``) weights
+each token's loss by the trainer / sampler probability ratio. ``docs/algorithm.md`` explains the defaults and
+where they differ from MaxText's ``rl.yml``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 MU_DTYPES = ("", "float32", "bfloat16")
+# TRL's vllm_importance_sampling_mode values: {token, sequence} x {truncate (TIS), mask (MIS / IcePop)}.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = ("ppo_clip", "cispo")  # verl's name for the clipped surrogate; TRL's and verl's "cispo"
+ADV_ESTIMATORS = ("grpo", "rloo")  # verl's algorithm.adv_estimator values
+# TRL's loss_type values that choose an aggregation (here loss_agg_mode) rather than an objective.
+_TRL_AGGREGATION_LOSS_TYPES = {
+    "grpo": "sequence-mean-token-mean",
+    "dapo": "token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "sequence-mean-token-sum-norm",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +56,8 @@ class GRPOConfig:
         "gradient_clipping_threshold": "max_grad_norm",
         "warmup_steps_fraction": "warmup_ratio",
         "decode_sampling_temperature": "temperature",
+        "vllm_importance_sampling_cap": "vllm_importance_sampling_clip_max",  # TRL's older (deprecated) name
+        "advantage_estimator": "adv_estimator",
     }
 
     num_generations: int = field(
@@ -61,6 +77,36 @@ class GRPOConfig:
         "group", "A_i = (r_i - mean_group) / std: std of the group, batch, or none (Dr. GRPO)"
     )
     importance_sampling_level: str = field("token", "r_it per token (GRPO) or one ratio per sequence (GSPO)")
+    loss_type: str = field(
+        "ppo_clip",
+        "the objective: ppo_clip (GRPO's clipped surrogate min(r A, clip(r) A)) or cispo (MiniMax-M1: "
+        "sg(clip(r, 1 - eps, 1 + eps_high)) A log pi, every token keeps its gradient); aggregation is "
+        "loss_agg_mode",
+    )
+    adv_estimator: str = field(
+        "grpo",
+        "the baseline of A_i: grpo (group mean) or rloo (mean of the other G - 1 rewards); the std "
+        "division is scale_rewards' (TRL's and verl's RLOO: scale_rewards=none)",
+    )
+    vllm_importance_sampling_correction: bool = field(
+        False,
+        "rollout correction (TRL's key): weight each token's loss by the stop-gradient ratio w = pi_old / "
+        "pi_sampler of the trainer's and the sampler's logprobs, bounded by vllm_importance_sampling_mode; "
+        "off by default (on-policy: the two differ only by rounding)",
+    )
+    vllm_importance_sampling_mode: str = field(
+        "token_truncate",
+        "with the correction on: token_truncate (TIS: w clipped to [clip_min, clip_max]), token_mask (MIS: "
+        "w = 0 outside [clip_min, clip_max]; IcePop with both bounds), sequence_truncate, sequence_mask (one w "
+        "per sequence: the product of its tokens' ratios)",
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        2.0, "C_max: the upper bound of the rollout-correction weight w (TIS cap C); None = no upper bound"
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        None,
+        "C_min: the lower bound of w (IcePop: 0.5 with clip_max 5.0 and token_mask); None = no lower bound",
+    )
     mask_truncated_completions: bool = field(
         False, "drop completions that hit max_completion_length from the loss (DAPO overlong filtering)"
     )
@@ -108,6 +154,11 @@ class GRPOConfig:
         validate(self)
 
     @property
+    def rollout_is_mode(self) -> str | None:
+        """The rollout correction of the loss: an ``IMPORTANCE_SAMPLING_MODES`` value, or None (off)."""
+        return self.vllm_importance_sampling_mode if self.vllm_importance_sampling_correction else None
+
+    @property
     def clip_high(self) -> float:
         """eps_high, defaulting to eps."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -124,7 +175,16 @@ def validate(cfg: GRPOConfig) -> None:
         "scale_rewards": SCALE_REWARDS,
         "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
         "lr_schedule": LR_SCHEDULES,
+        "adv_estimator": ADV_ESTIMATORS,
+        "vllm_importance_sampling_mode": IMPORTANCE_SAMPLING_MODES,
     }
+    if cfg.loss_type in _TRL_AGGREGATION_LOSS_TYPES:
+        raise ConfigError(
+            f"loss_type={cfg.loss_type!r} is TRL's name for an aggregation: set loss_type=ppo_clip "
+            f"loss_agg_mode={_TRL_AGGREGATION_LOSS_TYPES[cfg.loss_type]}"
+        )
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type={cfg.loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
     if cfg.mu_dtype not in MU_DTYPES:
         raise ConfigError(f"mu_dtype={cfg.mu_dtype!r}: expected '' (the params' dtype), float32 or bfloat16")
     for key, valid in choices.items():
@@ -146,6 +206,7 @@ def validate(cfg: GRPOConfig) -> None:
         raise ConfigError(
             f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, finite eps_high >= 0"
         )
+    _validate_rollout_correction(cfg)
     if cfg.dynamic_sampling_max_batches < (2 if cfg.filter_zero_std_groups else 1):
         raise ConfigError(
             f"dynamic_sampling_max_batches={cfg.dynamic_sampling_max_batches}: expected >= 2 with "
@@ -177,3 +238,27 @@ def validate(cfg: GRPOConfig) -> None:
     for key, (value, expected, ok, meaning) in ranges.items():
         if not (math.isfinite(value) and ok(value)):
             raise ConfigError(f"{key}={value}: expected a finite value {expected} ({meaning})")
+
+
+def _validate_rollout_correction(cfg: GRPOConfig) -> None:
+    """The bounds [C_min, C_max] of the rollout-correction weight: finite, C_min < C_max, one set when on."""
+    lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    if hi is not None and not (math.isfinite(hi) and hi > 0):
+        raise ConfigError(
+            f"vllm_importance_sampling_clip_max={hi}: expected a finite weight > 0 (e.g. 2.0) or None "
+            "(no cap)"
+        )
+    if lo is not None and not (math.isfinite(lo) and lo >= 0):
+        raise ConfigError(
+            f"vllm_importance_sampling_clip_min={lo}: expected a finite weight >= 0 (e.g. 0.5) or None "
+            "(no floor)"
+        )
+    if lo is not None and hi is not None and lo >= hi:
+        raise ConfigError(
+            f"vllm_importance_sampling_clip_min={lo} must be below vllm_importance_sampling_clip_max={hi}"
+        )
+    if cfg.vllm_importance_sampling_correction and lo is None and hi is None:
+        raise ConfigError(
+            "vllm_importance_sampling_correction=true with neither vllm_importance_sampling_clip_max nor "
+            "_clip_min: the weights would be unbounded (set vllm_importance_sampling_clip_max, e.g. 2.0)"
+        )

@@ -9,6 +9,21 @@ Per token t of completion i (DeepSeekMath, Shao et al. 2024, eq. 3; PPO, Schulma
 "sequence"`` (GSPO, Zheng et al. 2025) every token of row i uses the sequence ratio
 exp(mean_t(logp_it - old_logp_it)) instead of its own.
 
+``loss_type="cispo"`` is CISPO (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+Attention", arXiv:2506.13585, eqs. 4-5): the importance-sampling weight is clipped and its gradient stopped,
+so every token keeps the REINFORCE gradient A grad log pi, scaled by the clipped weight, instead of losing it to
+PPO's clip:
+
+    J_CISPO = E[ 1 / sum_i |o_i| sum_i sum_t sg(r^_it) A_it log pi_theta(o_it | q, o_i,<t) ]
+    r^_it   = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)          here eps and eps_high
+    l_it    = -sg(clip(r_it, 1 - eps, 1 + eps_high)) A_i logp_it + beta KL_it
+
+(verl's ``cispo`` policy loss clips both sides the same way; TRL's ``loss_type="cispo"`` only caps from above,
+at ``epsilon_high`` itself, with 5.0 recommended: here ``epsilon_high=4.0`` with ``epsilon`` near 1.)
+
+With rollout correction (``grpax.rl.correction``) each token's policy loss (before the KL term) is multiplied
+by the stop-gradient weight w_it, bounded pi_old / pi_sampler, as TRL does.
+
 KL(pi_theta || pi_ref) is estimated per token from samples of pi_theta (Schulman 2020, "Approximating KL
 divergence") with log rho = ref_logp - logp, i.e. rho = pi_ref / pi_theta as in GRPO:
 k1 = -log rho (unbiased, can be negative), k2 = (log rho)^2 / 2, k3 = (rho - 1) - log rho (unbiased and
@@ -29,7 +44,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpax.rl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGG_MODES
+from grpax.rl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGG_MODES, LOSS_TYPES
+from grpax.rl.correction import importance_weights
 
 # log rho is clamped here for k3 only, so one token with an absurd ratio gives a large (e^20 ~ 5e8) but finite
 # penalty instead of inf; inside [-20, 20] the estimator and its gradient are exact.
@@ -163,6 +179,11 @@ def policy_loss(
     normalizer: jax.Array | float | None = None,
     truncated: jax.Array | None = None,
     mask_truncated_completions: bool = False,
+    loss_type: str = "ppo_clip",
+    rollout_logprobs: jax.Array | None = None,
+    rollout_is_mode: str | None = None,
+    rollout_is_clip_max: float | None = 2.0,
+    rollout_is_clip_min: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (negated objective) of a batch or micro-batch.
 
@@ -183,16 +204,24 @@ def policy_loss(
       normalizer: the full batch's ``loss_normalizer`` when this is one micro-batch of it; None = this batch.
       truncated: bool [B], rows that hit the length limit (needed with ``mask_truncated_completions``).
       mask_truncated_completions: drop truncated rows from the loss.
+      loss_type: "ppo_clip" (the clipped surrogate above) or "cispo" (module docstring).
+      rollout_logprobs: float32 [B, T] log mu of the sampler (the behaviour policy), or None.
+      rollout_is_mode: the rollout correction (``correction.importance_weights``'s mode), or None for none.
+      rollout_is_clip_max: C_max of the correction weight (None: no upper bound).
+      rollout_is_clip_min: C_min of the correction weight (None: no lower bound).
 
     Returns:
       (loss float32 scalar, aux) where aux holds float32 scalars averaged over this batch's counted tokens:
       ``policy_loss`` (the surrogate term only), ``kl`` (NaN without a reference), ``ratio_mean``,
       ``clip_low_frac`` (ratio < 1 - eps with A < 0), ``clip_high_frac`` (ratio > 1 + eps_high with A > 0),
-      ``clip_region_frac`` (either: tokens that get no gradient from the surrogate), and ``num_tokens``.
+      ``clip_region_frac`` (either: tokens that get no gradient from the surrogate; with CISPO the tokens
+      whose weight was clipped, whatever the sign of A: their gradient is scaled, never removed), and
+      ``num_tokens``; with ``rollout_logprobs`` also ``importance_weights``'s ``mismatch/is_*`` statistics of
+      w = pi_old / mu (truncated and masked fractions 0 when ``rollout_is_mode`` is None).
 
     Raises:
-      ValueError: beta > 0 without ref_logprobs, an unknown option, or mask_truncated_completions without
-        ``truncated``.
+      ValueError: beta > 0 without ref_logprobs, an unknown option, mask_truncated_completions without
+        ``truncated``, or a rollout_is_mode without ``rollout_logprobs``.
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator={kl_estimator!r}: expected one of {', '.join(KL_ESTIMATORS)}")
@@ -200,8 +229,12 @@ def policy_loss(
         raise ValueError(
             f"importance_sampling_level={importance_sampling_level!r}: expected token or sequence"
         )
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} needs ref_logprobs (the frozen reference model's logprobs)")
+    if rollout_is_mode is not None and rollout_logprobs is None:
+        raise ValueError(f"rollout correction {rollout_is_mode} needs rollout_logprobs (the sampler's)")
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = completion_mask.astype(jnp.float32)
     if mask_truncated_completions:
@@ -222,7 +255,23 @@ def policy_loss(
     ratio = jnp.exp(log_ratio)
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + eps_high)
     adv = advantages.astype(jnp.float32)[:, None]
-    surrogate = -jnp.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if loss_type == "cispo":
+        surrogate = -jax.lax.stop_gradient(clipped) * adv * logprobs
+    else:
+        surrogate = -jnp.minimum(ratio * adv, clipped * adv)  # [B, T]
+    correction = {}
+    if rollout_logprobs is not None:  # without a mode: the token ratio's statistics only, no bound
+        on = rollout_is_mode is not None
+        weights, correction = importance_weights(
+            old_logprobs,
+            rollout_logprobs,
+            mask,
+            rollout_is_mode if on else "token_truncate",
+            rollout_is_clip_max if on else None,
+            rollout_is_clip_min if on else None,
+        )
+        if on:
+            surrogate = surrogate * weights
     per_token = surrogate
     kl = None
     if ref_logprobs is not None:
@@ -232,8 +281,10 @@ def policy_loss(
             per_token = surrogate + beta * kl
     loss = aggregate_loss(per_token, mask, loss_agg_mode, normalizer, max_completion_length)
 
-    low = (ratio < 1.0 - epsilon) & (adv < 0)
-    high = (ratio > 1.0 + eps_high) & (adv > 0)
+    low = ratio < 1.0 - epsilon
+    high = ratio > 1.0 + eps_high
+    if loss_type == "ppo_clip":  # only these get no gradient; CISPO scales the others' gradient
+        low, high = low & (adv < 0), high & (adv > 0)
     aux = {
         "policy_loss": aggregate_loss(surrogate, mask, loss_agg_mode, normalizer, max_completion_length),
         "kl": _masked_mean(kl, bmask) if kl is not None else jnp.float32(jnp.nan),
@@ -242,6 +293,7 @@ def policy_loss(
         "clip_high_frac": _masked_mean(high.astype(jnp.float32), bmask),
         "clip_region_frac": _masked_mean((low | high).astype(jnp.float32), bmask),
         "num_tokens": jnp.sum(mask),
+        **correction,
     }
     aux = {k: jax.lax.stop_gradient(v) for k, v in aux.items()}
     return loss, aux

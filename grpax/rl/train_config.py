@@ -249,6 +249,12 @@ def _warn_on_biased_choices(cfg: TrainConfig) -> None:
             " and ".join(filters),
             cfg.temperature,
         )
+    if cfg.adv_estimator == "rloo" and cfg.scale_rewards != "none":
+        log.warning(
+            "adv_estimator=rloo with scale_rewards=%s divides the leave-one-out advantage by a std: it is GRPO's "
+            "advantage times G/(G-1); set scale_rewards=none for RLOO as TRL and verl define it",
+            cfg.scale_rewards,
+        )
     if cfg.importance_sampling_level == "sequence" and cfg.loss_agg_mode == "token-mean":
         log.warning(
             "importance_sampling_level=sequence (GSPO) with loss_agg_mode=token-mean weights each sequence's "

@@ -45,7 +45,8 @@ from grpax.rl.losses import (
 from grpax.rl.optim import apply_updates
 
 # Metrics averaged over tokens (weighted by each micro-batch's token count when accumulating).
-_MAX_METRICS = ("mismatch/logprob_diff_max",)
+_MAX_METRICS = ("mismatch/logprob_diff_max", "mismatch/is_ratio_max")
+_MIN_METRICS = ("mismatch/is_ratio_min",)
 _TOKEN_MEAN_METRICS = (
     "kl",
     "ratio_mean",
@@ -55,6 +56,9 @@ _TOKEN_MEAN_METRICS = (
     "entropy",
     "mismatch/kl",
     "mismatch/logprob_diff_mean",
+    "mismatch/is_ratio_mean",
+    "mismatch/is_truncated_frac",
+    "mismatch/is_masked_frac",
 )
 
 
@@ -150,6 +154,11 @@ def _micro_loss(params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo
         normalizer=normalizer,
         truncated=mb.truncated,
         mask_truncated_completions=grpo.mask_truncated_completions,
+        loss_type=grpo.loss_type,
+        rollout_logprobs=mb.rollout_logprobs,
+        rollout_is_mode=grpo.rollout_is_mode,
+        rollout_is_clip_max=grpo.vllm_importance_sampling_clip_max,
+        rollout_is_clip_min=grpo.vllm_importance_sampling_clip_min,
     )
     mask = mb.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
@@ -209,7 +218,7 @@ def accumulate_gradients(
       ValueError: a missing batch key, or B not divisible by num_micro_batches.
     """
     batch = Batch.of(batch).device()
-    batch.check(grpo.beta, grpo.mask_truncated_completions)
+    batch.check(grpo.beta, grpo.mask_truncated_completions, grpo.rollout_is_mode is not None)
     mask = batch.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, batch.truncated)
@@ -225,9 +234,8 @@ def accumulate_gradients(
     def body(carry, mb):
         grads_sum, loss_sum, aux_sum = carry
         grads, loss, aux = micro_step(mb)
-        aux_sum = {
-            k: jnp.maximum(aux_sum[k], aux[k]) if k in _MAX_METRICS else aux_sum[k] + aux[k] for k in aux_sum
-        }
+        combine = {k: jnp.maximum for k in _MAX_METRICS} | {k: jnp.minimum for k in _MIN_METRICS}
+        aux_sum = {k: combine.get(k, jnp.add)(aux_sum[k], aux[k]) for k in aux_sum}
         return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, aux_sum), None
 
     # The first micro-batch starts the sums (no zero-filled gradient tree); one micro-batch needs no loop.
@@ -238,6 +246,14 @@ def accumulate_gradients(
     grads, loss, aux = carry
     num_tokens = aux["num_tokens"]
     aux = {k: (aux[k] / jnp.maximum(num_tokens, 1.0) if k in _TOKEN_MEAN_METRICS else aux[k]) for k in aux}
+    # The ratio's extremes over no token at all (every row masked) are +-inf: report the on-policy 1.
+    aux.update(
+        {
+            k: jnp.where(num_tokens > 0, aux[k], 1.0)
+            for k in ("mismatch/is_ratio_min", "mismatch/is_ratio_max")
+            if k in aux
+        }
+    )
     return loss, grads, aux
 
 
