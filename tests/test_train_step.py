@@ -452,7 +452,7 @@ def test_truncated_and_masked_correction_scale_and_remove_the_gradient(params, n
     base = GRPOConfig(beta=0.0, temperature=TEMPERATURE)
     fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
     _, clean, _ = fn(params, batch, CFG, base, num_micro_batches)
-    with pytest.raises(ValueError, match="needs batch\\['rollout_logprobs'\\]"):
+    with pytest.raises(ValueError, match="needs the batch's rollout_logprobs"):
         fn(params, batch, CFG, base.replace(vllm_importance_sampling_correction=True), num_micro_batches)
     batch["rollout_logprobs"] = exact - 1.0
     tis = base.replace(vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_max=2.0)

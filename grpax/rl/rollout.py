@@ -116,7 +116,7 @@ class Rollout:
         zero_std = dapo.zero_std_groups(scores["total"], G)
         extra = {"zero_std_fraction": float(zero_std.mean())}
         if grpo.filter_zero_std_groups and extra_rows is not None:
-            out, scores, correct, extra = self._refill(out, scores, correct, zero_std, extra_rows, key, extra)
+            out, scores, correct, extra = self._dynamic_sampling(out, scores, correct, zero_std, extra_rows, key, extra)
         advantages = compute_advantages(
             scores["total"].astype(np.float32), G, scale_rewards=grpo.scale_rewards
         )
@@ -173,7 +173,7 @@ class Rollout:
             scores["total"] = scores["total"] + scores["overlong"]  # an abstained row stays NaN
         return out, scores, np.asarray(correct, np.float64)
 
-    def _refill(self, out, scores, correct, zero_std, extra_rows, key, metrics):
+    def _dynamic_sampling(self, out, scores, correct, zero_std, extra_rows, key, metrics):
         """DAPO dynamic sampling: more prompt batches until P groups have signal (``grpax.rl.dapo``).
 
         Returns:
