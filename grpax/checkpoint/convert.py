@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -36,6 +37,7 @@ from grpax.checkpoint.hf import (
 )
 from grpax.checkpoint.orbax import (
     TOKENIZER_FILES,
+    BrokenCheckpointError,
     LazyArray,
     OutputExistsError,
     find_model_folder,
@@ -546,6 +548,23 @@ def _write_safetensors(
     return names
 
 
+def _check_finite(params: Any, path: Path) -> None:
+    """Raises BrokenCheckpointError when a weight is NaN or inf (a diverged step must never be exported)."""
+    count, first = 0, None
+    for key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if np.issubdtype(np.asarray(leaf).dtype, np.integer):
+            continue
+        n = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf, np.float32))))
+        if n and first is None:
+            first = jax.tree_util.keystr(key, simple=True, separator=".")
+        count += n
+    if count:
+        raise BrokenCheckpointError(
+            f"{path} holds {count:,} NaN/inf weights (the first in {first}): it is not a model to export; "
+            "pass an earlier step's .../actor/<step>/model_params, or re-train with a lower learning_rate"
+        )
+
+
 def to_huggingface(
     load_parameters_path: str | Path,
     base_output_directory: str | Path,
@@ -609,6 +628,7 @@ def to_huggingface(
         hf_config, cfg = {}, get_model_config(model_name)
 
     params = restore_params(params_path)
+    _check_finite(params, params_path)
     stacked = isinstance(params["layers"], dict)
     cfg = cfg.replace(scan_layers=stacked)
     expected = abstract_params(cfg)

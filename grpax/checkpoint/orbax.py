@@ -311,6 +311,7 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
             f"{directory} is damaged: reading {leaf.group(1) if leaf else 'an array'} failed with "
             f"{status.group(1)} (a truncated or corrupt data file); {_RECONVERT}"
         ) from e
+    _check_digests(directory, params)
     if cfg is not None and not direct:
         params = convert_layout(params, cfg, cfg.scan_layers)
         if not cfg.scan_layers:
@@ -320,6 +321,34 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
     if sharding is not None and not direct:
         params = jax.device_put(params, sharding)
     return params
+
+
+def _check_digests(directory: Path, params: Params) -> None:
+    """Checks a training step's params (``.../actor/<step>/model_params``) against the digests its
+    ``train_meta`` holds (``grpax.checkpoint.digests``); a converted checkpoint has none.
+
+    Raises:
+      BrokenCheckpointError: an array differs from its digest (names it, the folder and the steps kept).
+    """
+    from grpax.checkpoint import digests
+    from grpax.checkpoint.train_state import DamagedStepError, read_train_meta
+
+    step_dir = directory.parent
+    if directory.name != "model_params" or not (step_dir / "train_meta").is_dir():
+        return
+    try:
+        expected = (read_train_meta(step_dir).get("digests") or {}).get("model_params") or {}
+    except DamagedStepError as e:
+        log.warning("%s; the weights of %s are not checked against their digests", e, directory)
+        return
+    bad = digests.mismatches(params, expected)
+    if bad:
+        kept = sorted(p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir)
+        raise BrokenCheckpointError(
+            f"{directory} is damaged: array {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
+            "differs from the digest written with it (a corrupt or overwritten data file): pass another step's "
+            f"{step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
+        )
 
 
 def find_model_folder(path: str | Path) -> Path:

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from grpax.checkpoint.train_state import TrainCheckpointer
+from grpax.checkpoint.train_state import TrainCheckpointer, check_step_meta
 from grpax.config import ConfigError
 from grpax.data.gsm8k import PromptIterator
 from grpax.data.tokenizer import save_tokenizer
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.metrics_writer import MetricsWriter
+from grpax.rl.metrics_writer import MetricsWriter, read_jsonl
 from grpax.rl.train_step import TrainState
 
 if TYPE_CHECKING:
@@ -74,8 +74,13 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
       ``{key: (saved, current)}`` for each key that differs from the run's ``config.json`` (empty without one).
 
     Raises:
-      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed.
+      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed; the latest
+        step's ``train_meta`` or a line of ``metrics.jsonl`` is damaged (names the file and the fix).
     """
+    # The run's small files first, so that a damaged one stops the resume before the model loads.
+    check_step_meta(paths.checkpoints / "actor", latest)
+    if (paths.run_dir / "metrics.jsonl").exists():
+        read_jsonl(paths.run_dir / "metrics.jsonl")
     if cfg.num_batches < latest:
         raise ConfigError(
             f"run {paths.run_dir} already has a checkpoint at step {latest}, past num_batches="

@@ -1,0 +1,120 @@
+"""Nothing poisoned (issue 27): checkpoint digests checked on restore and export, damaged small files refused
+before the model loads, non-finite weights never exported, and every such error one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_run_keys
+
+from grpax.checkpoint.orbax import BrokenCheckpointError, restore_params, save_params
+from grpax.checkpoint.train_state import DamagedStepError, TrainCheckpointer
+from grpax.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def _params():
+    return {
+        "embed": jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64),
+        "layers": {"wq": jnp.ones((2, 64, 64), jnp.bfloat16)},
+    }
+
+
+def _opt_state():
+    return {"mu": jnp.linspace(0, 1, 4096, dtype=jnp.float32), "count": jnp.zeros((), jnp.int32)}
+
+
+def _damage(folder: Path) -> None:
+    """Overwrites 4 KiB in the middle of the largest data file under ``folder`` (Orbax/OCDBT chunks)."""
+    data = max((p for p in folder.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(os.urandom(4096))
+
+
+def _two_steps(tmp_path: Path) -> TrainCheckpointer:
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints")
+    for step in (1, 2):
+        checkpointer.save(step, _params(), _opt_state(), {"step": step})
+    return checkpointer
+
+
+@pytest.mark.parametrize("item", ["model_params", "opt_state"])
+def test_a_damaged_step_is_refused_on_restore_naming_the_array_and_the_previous_step(tmp_path, item):
+    checkpointer = _two_steps(tmp_path)
+    params, opt_state, meta = checkpointer.restore(2, _params(), _opt_state())
+    assert meta == {"step": 2}  # the digests stay inside the checkpoint
+    _damage(checkpointer.step_dir(2) / item)
+    with pytest.raises(DamagedStepError) as e:
+        checkpointer.restore(2, _params(), _opt_state())
+    message = str(e.value)
+    assert "\n" not in message and f"actor/2/{item} array" in message, message
+    assert "resume from step 1" in message and f"delete {checkpointer.step_dir(2)}" in message, message
+    checkpointer.close()
+
+
+def test_a_damaged_trained_actor_is_refused_on_export(tmp_path):
+    checkpointer = _two_steps(tmp_path)
+    checkpointer.close()
+    params_dir = checkpointer.step_dir(2) / "model_params"
+    restore_params(params_dir)  # intact: reads
+    _damage(params_dir)
+    with pytest.raises(BrokenCheckpointError, match=r"array (embed|layers\.wq) differs .* \(kept: 1\)"):
+        restore_params(params_dir)
+
+
+def test_a_truncated_train_meta_or_a_bad_metrics_line_stops_a_resume_before_the_model_loads(tmp_path):
+    from grpax.rl.resume import RunPaths, check_resume
+    from grpax.rl.train_config import TrainConfig
+
+    cfg = TrainConfig(**tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused"))
+    paths = RunPaths.of(cfg)
+    checkpointer = TrainCheckpointer(paths.checkpoints)
+    checkpointer.save(2, _params(), _opt_state(), {"step": 2})
+    checkpointer.close()
+    meta = paths.checkpoints / "actor" / "2" / "train_meta" / "metadata"
+    good = meta.read_text()
+    meta.write_text(good[:30])
+    with pytest.raises(DamagedStepError, match=rf"{meta} is truncated .*no earlier step is kept: delete"):
+        check_resume(cfg, paths, 2)
+    meta.write_text(good)
+    (paths.run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n[1, 2]\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl line 2 holds '\[1, 2\]', not a metrics record"):
+        check_resume(cfg, paths, 2)
+
+
+def test_to_huggingface_refuses_non_finite_weights(tiny_checkpoint, tmp_path):
+    from grpax.checkpoint.convert import to_huggingface
+
+    params = restore_params(tiny_checkpoint)
+    params["layers"]["wq"].flat[5] = np.nan
+    save_params(params, tmp_path / "nan" / "0" / "items")
+    shutil.copy(tiny_checkpoint.parents[1] / "config.json", tmp_path / "nan" / "config.json")
+    with pytest.raises(BrokenCheckpointError, match=r"holds 1 NaN/inf weights \(the first in layers.wq\)"):
+        to_huggingface(tmp_path / "nan" / "0" / "items", tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_finite_update_is_one_line_with_exit_2(monkeypatch, capsys, tmp_path):
+    from grpax.cli import train_rl
+    from grpax.cli.main import main
+    from grpax.rl.trainer import NonFiniteError
+
+    def diverge(config):
+        raise NonFiniteError("step 1: the update made weights NaN/inf and nothing of this step was saved")
+
+    monkeypatch.setattr(train_rl, "train", diverge)
+    keys = tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpax train_rl: error: step 1: the update made weights NaN/inf"), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
