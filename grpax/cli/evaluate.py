@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from grpax.config import ConfigError, field
+from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
 DESCRIPTION = (
@@ -60,6 +61,7 @@ class EvaluateConfig(TaskConfig):
     weight_dtype: str = field("float32", "parameter dtype")
     dtype: str = field("float32", "activation dtype")
     output_path: str = field("", "folder for results.jsonl and summary.json")
+    overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
     hardware: str = field("cpu", "cpu | gpu | tpu")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
@@ -79,10 +81,8 @@ def _print_summary(summary: dict) -> None:
 
 
 def _write(output_path: str, records: list[dict], summary: dict) -> None:
-    out = Path(output_path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(Path(output_path) / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write_text_atomic(Path(output_path) / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _check_groups(config: EvaluateConfig, questions: list[str]) -> None:
@@ -147,6 +147,8 @@ def run(config: EvaluateConfig) -> int:
 
     validate_eval_keys(config, allow_no_eval=False)
     validate_task_keys(config)
+    if config.output_path:
+        check_output("output_path", config.output_path, config.overwrite, ("results.jsonl", "summary.json"))
     task = build_task(config)
     if config.completions_path:
         records, summary = _score_file(config, task)
