@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -118,6 +119,27 @@ MAXTEXT_KEYS = frozenset(
 )
 
 
+# Keys whose values are secrets (hf_access_token, an API key, a password): never printed or written in clear.
+_SECRET_KEY = re.compile(r"secret|password|passwd|credential|api_?key|(^|_)token$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def is_secret(key: str) -> bool:
+    """Whether ``key`` names a secret (``*token``, ``*secret*``, ``*password*``, ``*api_key*``; not
+    ``tokenizer_path`` or ``stop_token_ids``)."""
+    return bool(_SECRET_KEY.search(key))
+
+
+def redact(key: str, value: Any) -> Any:
+    """``value``, or ``REDACTED`` when ``key`` names a secret and the value is set."""
+    return REDACTED if is_secret(key) and value not in ("", None) else value
+
+
+def redacted(record: dict) -> dict:
+    """``record`` with the values of its secret keys replaced (``redact``); nested dicts too."""
+    return {k: redacted(v) if isinstance(v, dict) else redact(k, v) for k, v in record.items()}
+
+
 # The keys that name a command's checkpoint (whose config.json can tell which model it is).
 _CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
 
@@ -133,7 +155,7 @@ def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
             )
         else:
             logging.getLogger("grpax.config").info(
-                "%s=%s (%s): a MaxText key this command does not use; ignored", key, value, where
+                "%s=%s (%s): a MaxText key this command does not use; ignored", key, redact(key, value), where
             )
     return kept
 
@@ -312,7 +334,7 @@ def describe(cls: type, values: Any = None) -> str:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if values is not None:
-            default = getattr(values, f.name)
+            default = redact(f.name, getattr(values, f.name))
         elif f.default is not dataclasses.MISSING:
             default = f.default
         else:

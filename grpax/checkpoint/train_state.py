@@ -69,7 +69,8 @@ def damaged_step(actor_dir: Path, step: int, what: str) -> DamagedStepError:
     """The one-line error for a damaged step ``actor_dir/<step>``: ``what`` is wrong; delete the step to resume
     from the one before it (named, with the steps kept), or, with none kept, start afresh."""
     step_dir = actor_dir / str(step)
-    earlier = sorted(int(p.name) for p in actor_dir.iterdir() if p.name.isdigit() and int(p.name) < step)
+    names = [p.name for p in actor_dir.iterdir()] if actor_dir.is_dir() else []
+    earlier = sorted(int(n) for n in names if n.isdigit() and int(n) < step)
     fix = (
         f"delete {step_dir} and run the same command to resume from step {earlier[-1]} (kept: "
         f"{', '.join(map(str, earlier))})"

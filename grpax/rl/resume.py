@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.checkpoint.train_state import TrainCheckpointer, check_step_meta
-from grpax.config import ConfigError
+from grpax.config import ConfigError, redacted
 from grpax.data.gsm8k import PromptIterator
 from grpax.data.tokenizer import save_tokenizer
 from grpax.models.registry import ModelConfig, to_hf_config
@@ -60,8 +60,8 @@ RESUME_FIXED_KEYS = (
 
 def config_record(cfg: TrainConfig) -> dict[str, Any]:
     """The config as ``config.json`` holds it (JSON types; ``load_parameters_path`` made absolute, so that a
-    resume from another working folder compares the same folder)."""
-    record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    resume from another working folder compares the same folder; secret values redacted, ``grpax.config.redact``)."""
+    record = redacted(json.loads(json.dumps(dataclasses.asdict(cfg))))  # no secret in clear on disk
     if record["load_parameters_path"]:
         record["load_parameters_path"] = str(Path(record["load_parameters_path"]).absolute())
     return record
@@ -78,7 +78,8 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
         step's ``train_meta`` or a line of ``metrics.jsonl`` is damaged (names the file and the fix).
     """
     # The run's small files first, so that a damaged one stops the resume before the model loads.
-    check_step_meta(paths.checkpoints / "actor", latest)
+    if (paths.checkpoints / "actor" / str(latest)).is_dir():
+        check_step_meta(paths.checkpoints / "actor", latest)
     if (paths.run_dir / "metrics.jsonl").exists():
         read_jsonl(paths.run_dir / "metrics.jsonl")
     if cfg.num_batches < latest:
