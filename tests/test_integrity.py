@@ -3,6 +3,7 @@ before the model loads, non-finite weights never exported, and every such error 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -118,3 +119,44 @@ def test_a_non_finite_update_is_one_line_with_exit_2(monkeypatch, capsys, tmp_pa
     err = capsys.readouterr().err.strip()
     assert err.startswith("grpax train_rl: error: step 1: the update made weights NaN/inf"), err
     assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_config_json_of_another_size_is_refused_before_sampling(tiny_checkpoint, tmp_path):
+    from grpax.checkpoint.orbax import load_model
+
+    base = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint.parents[1], base)
+    config = json.loads((base / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        BrokenCheckpointError, match=r"weight layers\.\w+ has shape \[2, .*\[3, .*num_layers=3"
+    ) as e:
+        load_model(base / "0" / "items")
+    assert f"does not match {base / 'config.json'}" in str(e.value)
+
+
+def test_a_read_only_base_output_directory_or_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    from grpax.cli import train_rl
+    from grpax.cli.main import main
+    from grpax.rl import run_folder
+
+    if os.geteuid() == 0:  # root writes anywhere: a file in the way fails the same mkdir
+        (tmp_path / "ro").write_text("not a folder")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(
+        ConfigError, match=r"cannot write the run folder .*ro/sub/run .*pass a base_output_directory"
+    ):
+        with run_folder.claim_run_folder(tmp_path / "ro" / "sub" / "run", True):
+            pass
+
+    def full_disk(config):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / ".reference" / "embed"))
+
+    monkeypatch.setattr(train_rl, "train", full_disk)
+    keys = tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "No space left on device" in err and ".reference/embed" in err, err

@@ -351,6 +351,34 @@ def _check_digests(directory: Path, params: Params) -> None:
         )
 
 
+def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:
+    """Checks the stored arrays' shapes against those ``cfg`` (read from ``config_path``) implies, before any
+    weight is read: a config.json of another size would otherwise fail deep inside sampling.
+
+    Raises:
+      BrokenCheckpointError: a weight of the config is missing from the checkpoint or has another shape
+        (names the weight, both shapes and the config's sizes).
+    """
+    from grpax.models.params import abstract_params
+
+    tree = _stored_tree(directory)
+    expected = abstract_params(cfg.replace(scan_layers=isinstance(tree["layers"], dict)))
+    stored = {
+        jax.tree_util.keystr(k, simple=True, separator="."): tuple(getattr(v, "shape", ()))
+        for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+    for key, leaf in jax.tree_util.tree_leaves_with_path(expected):
+        name = jax.tree_util.keystr(key, simple=True, separator=".")
+        have = stored.get(name)
+        if have != tuple(leaf.shape):
+            what = "is missing" if have is None else f"has shape {list(have)}"
+            raise BrokenCheckpointError(
+                f"{directory} does not match {config_path}: weight {name} {what} in the checkpoint, "
+                f"{list(leaf.shape)} from the config (num_layers={cfg.num_layers}, hidden_dim={cfg.hidden_dim}, "
+                f"vocab_size={cfg.vocab_size}): restore the config.json written with this checkpoint"
+            )
+
+
 def find_model_folder(path: str | Path) -> Path:
     """The nearest folder at or above ``path`` that holds ``config.json``.
 
@@ -405,6 +433,7 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
     overrides = dict(model_overrides)
     overrides.setdefault("weight_dtype", stored_dtype(path))
     cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
+    check_shapes(path, cfg, folder / "config.json")
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "

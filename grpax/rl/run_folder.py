@@ -130,8 +130,14 @@ def claim_run_folder(run_dir: Path, main_process: bool) -> Iterator[None]:
         yield
         return
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir)  # on failure the folder stays: the holder may have created it an instant ago
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir)  # on failure the folder stays: the holder may have created it an instant ago
+    except OSError as e:  # a read-only or full base_output_directory: one line, not a traceback
+        raise ConfigError(
+            f"cannot write the run folder {run_dir} ({e.strerror or e}): pass a base_output_directory you can "
+            "write to (with free space), or fix its permissions"
+        ) from None
     try:
         yield
     except BaseException:
