@@ -84,6 +84,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
     if annotation is str:
+        if value is None or isinstance(
+            value, bool
+        ):  # YAML's null / no / off: never the string 'None' / 'False'
+            raise ConfigError(
+                f"{key}: {value!r} (YAML reads {'null' if value is None else str(value).lower()} as "
+                f"{'no value' if value is None else 'a boolean'}): quote a text value ({key}: 'no'), or write "
+                f"{key}: '' for none"
+            )
         return str(value).strip()
     return value
 
@@ -215,13 +223,32 @@ def _check_model_name(model_name: str, checkpoint: str = "") -> None:
         raise unregistered_name_error(model_name, checkpoint)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    "keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of key: value")
     return data
