@@ -364,8 +364,10 @@ class Task:
         """Scored evaluation records, one per completion (``grpax.eval.metrics.summarize`` reads them).
 
         Returns:
-          ``{"question", "answer", "completion", "extracted_answer", "correct", "close", "formatted",
-          "rewards"}`` per completion; ``rewards`` maps each reward name (and ``"total"``) to its points.
+          ``{"question", "answer", "completion", "response_prefix", "extracted_answer", "correct", "close",
+          "formatted", "rewards"}`` per completion; ``rewards`` maps each reward name (and ``"total"``) to its
+          points; ``response_prefix`` is the text the completion continues (``grpax evaluate completions_path=``
+          prepends it again when it re-scores the file).
         """
         scores = self.score(rows, completions)
         out = []
@@ -377,6 +379,7 @@ class Task:
                     "question": row["question"],
                     "answer": row["gold"],
                     "completion": completion,
+                    "response_prefix": self.preset.response_prefix,
                     **judged,
                     "rewards": points,
                 }
