@@ -421,8 +421,15 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
 
     path = Path(path).absolute()
     if not path.exists():
+        actor = path.parent.parent if path.name == "model_params" else path.parent
+        steps = (
+            sorted(int(p.name) for p in actor.iterdir() if p.name.isdigit())
+            if actor.name == "actor" and actor.is_dir()
+            else []
+        )
+        kept = f" ({actor} holds steps {', '.join(map(str, steps))})" if steps else ""
         raise FileNotFoundError(
-            f"checkpoint {path} does not exist: pass <base>/0/items of a converted model "
+            f"checkpoint {path} does not exist{kept}: pass <base>/0/items of a converted model "
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
     folder = find_model_folder(path)

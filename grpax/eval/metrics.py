@@ -273,7 +273,7 @@ def load_completions_file(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"completions file {path} does not exist")
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -112,6 +112,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
         or Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve()
     ):
         del changes["load_parameters_path"]
+    warn_on_schedule_change(saved, current, changes, latest)
     fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
     if fixed:
         listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
@@ -120,6 +121,53 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
             f"{', '.join(fixed)}: pass the saved values to continue it, or pass a new run_name"
         )
     return changes
+
+
+# The keys the learning-rate schedule is built from (``grpax.rl.optim.optimizer_from_config``).
+SCHEDULE_KEYS = (
+    "learning_rate",
+    "num_batches",
+    "num_iterations",
+    "warmup_ratio",
+    "lr_schedule",
+    "end_lr_ratio",
+)
+
+
+def warn_on_schedule_change(saved: dict, current: dict, changes: dict, step: int) -> None:
+    """Warns (one line) when a resume's changed keys rebuild the learning-rate schedule so that the rate at
+    ``step`` differs from the saved run's: a longer run's cosine restarts its decay from higher up, a new
+    ``learning_rate`` jumps at once."""
+    from grpax.rl.optim import make_lr_schedule
+
+    changed = [k for k in SCHEDULE_KEYS if k in changes]
+    if not changed:
+        return
+
+    def rate(c: dict) -> float:
+        iters = int(c.get("num_iterations", 1))
+        schedule = make_lr_schedule(
+            float(c["learning_rate"]),
+            int(c["num_batches"]) * iters,
+            warmup_ratio=float(c.get("warmup_ratio", 0.0)),
+            schedule=str(c.get("lr_schedule", "cosine")),
+            end_lr_ratio=float(c.get("end_lr_ratio", 0.0)),
+        )
+        return float(schedule(step * iters))
+
+    try:
+        before, after = rate(saved), rate(current)
+    except (KeyError, TypeError, ValueError):  # a config.json of an older grpax: nothing to compare
+        return
+    if abs(after - before) > 1e-6 * max(abs(before), abs(after), 1e-30):
+        log.warning(
+            "resuming at step %d with changed %s: the learning-rate schedule is rebuilt, so the learning rate "
+            "jumps from %.3g (the saved run's schedule) to %.3g at this step",
+            step,
+            ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in changed),
+            before,
+            after,
+        )
 
 
 def write_config(paths: RunPaths, cfg: TrainConfig) -> None:
