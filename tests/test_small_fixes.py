@@ -58,3 +58,10 @@ def test_a_resume_that_rebuilds_the_schedule_says_the_learning_rate_jumps(tmp_pa
         resume.check_resume(config(num_batches=20, warmup_ratio=0.0), paths, latest=5)
     assert "resuming at step 5 with changed num_batches (10 -> 20)" in caplog.text
     assert "the learning rate jumps from 0.0005 (the saved run's schedule) to 0.000854" in caplog.text
+
+
+def test_the_mean_reward_interval_stays_within_the_values_seen():
+    from grpax.eval.metrics import mean_reward
+
+    est = mean_reward([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]])
+    assert 0.0 <= est.ci95[0] < est.value < est.ci95[1] == 1.0  # before: 0.62 .. 1.13
