@@ -65,3 +65,14 @@ def test_the_mean_reward_interval_stays_within_the_values_seen():
 
     est = mean_reward([[1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]])
     assert 0.0 <= est.ci95[0] < est.value < est.ci95[1] == 1.0  # before: 0.62 .. 1.13
+
+
+def test_to_huggingface_of_a_missing_step_lists_the_steps_that_exist(tmp_path):
+    from grpax.checkpoint.convert import to_huggingface
+
+    actor = tmp_path / "run" / "checkpoints" / "actor"
+    (actor / "3" / "model_params").mkdir(parents=True)
+    with pytest.raises(
+        FileNotFoundError, match=r"actor/7/model_params does not exist \(.*actor holds steps 3\)"
+    ):
+        to_huggingface(actor / "7" / "model_params", tmp_path / "hf", progress=False)

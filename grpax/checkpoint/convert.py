@@ -43,6 +43,7 @@ from grpax.checkpoint.orbax import (
     find_model_folder,
     restore_params,
     save_params,
+    steps_kept,
 )
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
@@ -609,7 +610,7 @@ def to_huggingface(
     _check_target(target, ["config.json", "model.safetensors", "model.safetensors.index.json"])
     if not params_path.exists():
         raise FileNotFoundError(
-            f"load_parameters_path={params_path} does not exist; pass <base>/0/items of a "
+            f"load_parameters_path={params_path} does not exist{steps_kept(params_path)}; pass <base>/0/items of a "
             "converted model or .../checkpoints/actor/<step>/model_params"
         )
     try:

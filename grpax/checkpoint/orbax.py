@@ -379,6 +379,19 @@ def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:
             )
 
 
+def steps_kept(path: Path) -> str:
+    """`` (<run>/checkpoints/actor holds steps 2, 4)`` for a missing ``.../actor/<step>/model_params``, else ''."""
+    actor = path.parent.parent if path.name == "model_params" else path.parent
+    if actor.name != "actor" or not actor.is_dir():
+        return ""
+    steps = sorted(int(p.name) for p in actor.iterdir() if p.name.isdigit())
+    return (
+        f" ({actor} holds steps {', '.join(map(str, steps))})"
+        if steps
+        else f" ({actor} holds no finished step)"
+    )
+
+
 def find_model_folder(path: str | Path) -> Path:
     """The nearest folder at or above ``path`` that holds ``config.json``.
 
@@ -421,15 +434,8 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
 
     path = Path(path).absolute()
     if not path.exists():
-        actor = path.parent.parent if path.name == "model_params" else path.parent
-        steps = (
-            sorted(int(p.name) for p in actor.iterdir() if p.name.isdigit())
-            if actor.name == "actor" and actor.is_dir()
-            else []
-        )
-        kept = f" ({actor} holds steps {', '.join(map(str, steps))})" if steps else ""
         raise FileNotFoundError(
-            f"checkpoint {path} does not exist{kept}: pass <base>/0/items of a converted model "
+            f"checkpoint {path} does not exist{steps_kept(path)}: pass <base>/0/items of a converted model "
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
     folder = find_model_folder(path)

@@ -37,10 +37,12 @@ def _import_file(path: Path) -> Any:
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's file: one line naming it
-        what = f"called sys.exit({e})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}"
-        raise ConfigError(
-            f"reward_functions_path={str(path)!r}: importing it {what}: {' '.join(str(e).split())}"
-        ) from None
+        what = (
+            f"called sys.exit({' '.join(str(e).split())}): a reward file must only define its functions"
+            if isinstance(e, SystemExit)
+            else f"raised {type(e).__name__}: {' '.join(str(e).split())}"
+        )
+        raise ConfigError(f"reward_functions_path={str(path)!r}: importing it {what}") from None
     sys.modules[name] = module
     return module
 
