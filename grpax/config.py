@@ -92,6 +92,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 f"{'no value' if value is None else 'a boolean'}): quote a text value ({key}: 'no'), or write "
                 f"{key}: '' for none"
             )
+        if isinstance(value, (list, dict)):  # a YAML list or mapping: never its Python repr as a name
+            raise ConfigError(f"{key}: {value!r} is a YAML {type(value).__name__}: expected one text value")
         return str(value).strip()
     return value
 

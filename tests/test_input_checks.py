@@ -27,6 +27,7 @@ KEYS = ["load_parameters_path=/some/ckpt", "model_name="]
             r"run_name: False \(YAML reads false as a boolean\): quote a text value \(run_name: 'no'\)",
         ),
         ("num_batches: 2\nbeta: 0\nnum_batches: 3\n", r"key 'num_batches' is given twice \(lines 1 and 3\)"),
+        ("run_name: [a, b]\n", r"run_name: \['a', 'b'\] is a YAML list: expected one text value"),
     ],
 )
 def test_yaml_nulls_booleans_and_duplicate_keys_are_refused(tmp_path, text, message):
