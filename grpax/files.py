@@ -41,7 +41,7 @@ def check_output(key: str, path: str | Path, overwrite: bool, names: Iterable[st
         existing = [str(path)] if path.exists() else []
     if existing and not overwrite:
         raise ConfigError(
-            f"{key}={str(path)!r}: {', '.join(existing)} already exists and would be replaced: pass overwrite=true "
+            f"{key}={str(path)!r}: {', '.join(existing)} already {'exist' if len(existing) > 1 else 'exists'} and would be replaced: pass overwrite=true "
             f"to replace it, or another {key}"
         )
 
