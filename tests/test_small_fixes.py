@@ -76,3 +76,17 @@ def test_to_huggingface_of_a_missing_step_lists_the_steps_that_exist(tmp_path):
         FileNotFoundError, match=r"actor/7/model_params does not exist \(.*actor holds steps 3\)"
     ):
         to_huggingface(actor / "7" / "model_params", tmp_path / "hf", progress=False)
+
+
+def test_rows_that_do_not_divide_the_data_axes_warn_with_the_fix(caplog):
+    from grpax.models.sharding_rules import LOGICAL_AXIS_RULES, logical_to_spec
+
+    with caplog.at_level(logging.WARNING):
+        spec = logical_to_spec(
+            ("batch", None), LOGICAL_AXIS_RULES, shape=(6, 4), mesh_shape={"data": 4}, name="batch"
+        )
+    assert tuple(spec) == ()  # replicated
+    assert (
+        "make the rows (batch_size x num_generations, or eval_batch_size x num_eval_passes) a multiple of 4"
+        in (caplog.text)
+    )
