@@ -160,3 +160,35 @@ def test_a_read_only_base_output_directory_or_a_full_disk_is_one_line(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "No space left on device" in err and ".reference/embed" in err, err
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_without_orbax_thread_tracebacks(
+    tmp_path, monkeypatch, caplog
+):
+    """Reproduced on a 300 KB tmpfs: Orbax's writer threads logged 4 tracebacks (230 lines) around the error."""
+    import logging
+
+    from grpax.checkpoint.train_state import SaveFailedError
+
+    checkpointer = _two_steps(tmp_path)
+    tensorstore = (
+        'RESOURCE_EXHAUSTED: Error writing "w/c/0/0" in OCDBT database at local file "/x/": Failed writing: '
+        "\"/x/d/24c7\": Failed to write 770375 bytes to file 7: No space left on device [os_error_code='28']"
+    )
+
+    def full_disk(*args):
+        logging.getLogger("absl").error(
+            "[thread=array_type_handler] _SignalingThread.run() raised an exception: %s", tensorstore
+        )
+        raise ValueError(tensorstore)
+
+    monkeypatch.setattr(checkpointer, "_write", full_disk)
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(SaveFailedError) as e:
+            checkpointer.save(3, _params(), _opt_state(), {"step": 3})
+    assert str(e.value).startswith(
+        f"writing checkpoint step 3 to {checkpointer.step_dir(3)} failed: No space left on device (RESOURCE_EXHAUSTED); "
+        "the last finished step 2 is kept"
+    )
+    assert "raised an exception" not in caplog.text
+    checkpointer.close()

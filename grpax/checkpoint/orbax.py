@@ -199,6 +199,9 @@ def save_params(
         isinstance(x, LazyArray | np.ndarray) for x in leaves
     )
     checkpointer = _checkpointer(use_zarr3, use_ocdbt, use_compression, streaming=streaming)
+    from grpax.checkpoint.train_state import quiet_orbax_thread_errors
+
+    quiet_orbax_thread_errors()  # a failed write is reported once, by the caller
     try:
         checkpointer.save(directory, args=ocp.args.PyTreeSave(params))
     except BaseException:

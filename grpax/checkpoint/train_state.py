@@ -17,6 +17,7 @@ name instead of resuming or exporting garbage.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,28 @@ from grpax.errors import ConfigError
 META_FILE = (
     "metadata"  # the JSON file of ``actor/<step>/train_meta``, as Orbax's JsonCheckpointHandler names it
 )
+
+
+class _OrbaxThreadErrors(logging.Filter):
+    """Drops Orbax's "<thread>.run() raised an exception" records: the same exception reaches the caller, which
+    reports it in one line; the records add 40-400 lines of tracebacks from its writer threads around it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return ".run() raised an exception" not in record.getMessage()
+
+
+_THREAD_FILTER = _OrbaxThreadErrors()
+
+
+def quiet_orbax_thread_errors() -> None:
+    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through (once)."""
+    absl = logging.getLogger("absl")
+    if _THREAD_FILTER not in absl.filters:
+        absl.addFilter(_THREAD_FILTER)
+
+
+class SaveFailedError(ConfigError):
+    """A checkpoint write failed (a full or read-only disk); the message names the folder and what is kept."""
 
 
 class DamagedStepError(ConfigError):
@@ -102,6 +125,7 @@ class TrainCheckpointer:
         use_compression: bool = False,
     ):
         self.directory = Path(directory).absolute()
+        quiet_orbax_thread_errors()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         tree_handler = ocp.PyTreeCheckpointHandler(
             use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression
@@ -150,6 +174,24 @@ class TrainCheckpointer:
             self._save(step, params, opt_state, meta)
 
     def _save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+        try:
+            self._write(step, params, opt_state, meta)
+        except (
+            ValueError
+        ) as e:  # tensorstore: "RESOURCE_EXHAUSTED: Error writing ...: No space left on device"
+            status = re.match(r"([A-Z_]+): ", str(e))
+            if status is None:
+                raise
+            os_error = re.search(r"Failed to write .*?: ([^\[]+?)\s*\[os_error_code", str(e))
+            reason = os_error.group(1) if os_error else status.group(1)
+            kept = [s for s in self.steps() if s != step]
+            raise SaveFailedError(
+                f"writing checkpoint step {step} to {self.step_dir(step)} failed: {reason} ({status.group(1)}); "
+                f"{f'the last finished step {kept[-1]} is kept' if kept else 'no step had been saved yet'}: free "
+                "space there (or pass a base_output_directory with room), then run the same command to resume"
+            ) from None
+
+    def _write(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         meta = {
             **meta,
             "digests": {
