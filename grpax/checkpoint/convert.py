@@ -672,9 +672,14 @@ def to_huggingface(
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         _write_json(staging / "config.json", {**_extra_keys(hf_config, out_cfg), **out_cfg})
         _publish(staging, target, last="config.json")
-    except BaseException:
+    except BaseException as e:
         close()
         shutil.rmtree(staging, ignore_errors=True)
+        if type(e).__name__ == "SafetensorError":  # the Rust writer's I/O error (a full disk): one line
+            raise ConfigError(
+                f"writing the safetensors under {target} failed ({' '.join(str(e).split())}): free space there or "
+                "pass another base_output_directory; nothing was exported"
+            ) from None
         raise
     return {
         "output_dir": str(target),

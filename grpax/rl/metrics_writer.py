@@ -176,7 +176,11 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        """Flushes and closes the TensorBoard files; a second call does nothing."""
+        """Flushes and closes the TensorBoard files; a second call does nothing. A failed flush (a full disk)
+        only warns: ``close`` runs on the way out of a failing run, whose own error must be the one reported."""
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError as e:
+                log.warning("%s: the last TensorBoard points could not be written (%s)", self.tb_dir, e)

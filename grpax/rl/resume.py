@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -184,8 +186,19 @@ def write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> N
     tmp = folder.with_name(folder.name + ".tmp-model-files")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2))
-    save_tokenizer(tokenizer, tmp)
+    try:
+        (tmp / "config.json").write_text(
+            json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2)
+        )
+        save_tokenizer(tokenizer, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = re.search(
+            r"os error (\d+)", str(e)
+        )  # tokenizers' Rust writer: a bare Exception on a full disk
+        if isinstance(e, OSError) or code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(tmp)) from None
     folder.mkdir(parents=True, exist_ok=True)
     for item in tmp.iterdir():
         item.rename(folder / item.name)

@@ -21,6 +21,7 @@ guards both before anything in the folder is read or written:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -34,6 +35,7 @@ from pathlib import Path
 from grpax.config import ConfigError
 
 LOCK_FILE = "run.lock"
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # the disk, not the run, is the matter
 REFERENCE_DIR = ".reference"  # grpax.rl.reference.offload_folder's folder inside a run
 log = logging.getLogger("grpax.train")
 GRPAX_CONFIG_KEYS = frozenset(
@@ -174,9 +176,15 @@ def claim_run_folder(run_dir: Path, main_process: bool) -> Iterator[None]:
     try:
         remove_stale_references(run_dir.parent)
         yield
-    except BaseException:
+    except BaseException as e:
         if created and not _holds_results(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in _DISK_ERRORS:  # say where, and that the same command resumes
+            where = f" ({e.filename})" if e.filename else ""
+            raise ConfigError(
+                f"writing the run folder {run_dir} failed: {e.strerror}{where}: free space there (or pass a "
+                "base_output_directory with room), then run the same command to resume from its last checkpoint"
+            ) from e
         raise
     finally:
         lock.release()
