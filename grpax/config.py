@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -83,6 +84,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
     if annotation is str:
+        if value is None or isinstance(
+            value, bool
+        ):  # YAML's null / no / off: never the string 'None' / 'False'
+            raise ConfigError(
+                f"{key}: {value!r} (YAML reads {'null' if value is None else str(value).lower()} as "
+                f"{'no value' if value is None else 'a boolean'}): quote a text value ({key}: 'no'), or write "
+                f"{key}: '' for none"
+            )
+        if isinstance(value, (list, dict)):  # a YAML list or mapping: never its Python repr as a name
+            raise ConfigError(f"{key}: {value!r} is a YAML {type(value).__name__}: expected one text value")
         return str(value).strip()
     return value
 
@@ -118,6 +129,27 @@ MAXTEXT_KEYS = frozenset(
 )
 
 
+# Keys whose values are secrets (hf_access_token, an API key, a password): never printed or written in clear.
+_SECRET_KEY = re.compile(r"secret|password|passwd|credential|api_?key|(^|_)token$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def is_secret(key: str) -> bool:
+    """Whether ``key`` names a secret (``*token``, ``*secret*``, ``*password*``, ``*api_key*``; not
+    ``tokenizer_path`` or ``stop_token_ids``)."""
+    return bool(_SECRET_KEY.search(key))
+
+
+def redact(key: str, value: Any) -> Any:
+    """``value``, or ``REDACTED`` when ``key`` names a secret and the value is set."""
+    return REDACTED if is_secret(key) and value not in ("", None) else value
+
+
+def redacted(record: dict) -> dict:
+    """``record`` with the values of its secret keys replaced (``redact``); nested dicts too."""
+    return {k: redacted(v) if isinstance(v, dict) else redact(k, v) for k, v in record.items()}
+
+
 # The keys that name a command's checkpoint (whose config.json can tell which model it is).
 _CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
 
@@ -133,7 +165,7 @@ def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
             )
         else:
             logging.getLogger("grpax.config").info(
-                "%s=%s (%s): a MaxText key this command does not use; ignored", key, value, where
+                "%s=%s (%s): a MaxText key this command does not use; ignored", key, redact(key, value), where
             )
     return kept
 
@@ -193,13 +225,35 @@ def _check_model_name(model_name: str, checkpoint: str = "") -> None:
         raise unregistered_name_error(model_name, checkpoint)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    "keep one",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of key: value")
     return data
@@ -312,7 +366,7 @@ def describe(cls: type, values: Any = None) -> str:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if values is not None:
-            default = getattr(values, f.name)
+            default = redact(f.name, getattr(values, f.name))
         elif f.default is not dataclasses.MISSING:
             default = f.default
         else:

@@ -22,7 +22,7 @@ from conftest import tiny_run_keys
 from grpax.checkpoint.orbax import restore_params
 from grpax.cli.main import main
 from grpax.config import ConfigError
-from grpax.rl.run_folder import RunLock, check_run_folder
+from grpax.rl.run_folder import RunLock, check_run_folder, claim_run_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -266,3 +266,17 @@ def test_temporary_folder_of_an_abandoned_save_is_removed(tmp_path):
     checkpointer.save(2, {"w": jnp.ones(3)}, {"m": jnp.zeros(3)}, {"step": 2})
     checkpointer.close()
     assert sorted(p.name for p in (tmp_path / "actor").iterdir()) == ["1", "2"]
+
+
+def test_a_killed_runs_reference_copy_goes_at_the_next_start_of_any_run_beside_it(tmp_path):
+    """Issue 27 item 5: kill -9 left <run>/.reference (0.54 GB for 135M) until that same run started again."""
+    killed, live = tmp_path / "killed", tmp_path / "live"
+    for run in (killed, live):
+        (run / ".reference").mkdir(parents=True)
+        (run / ".reference" / "0.npy").write_bytes(b"\0" * 1024)
+        RunLock(run).release()  # a run.lock that its (dead) holder left
+    holder = RunLock(live)  # a live job holds this one
+    with claim_run_folder(tmp_path / "new", main_process=True):
+        assert not (killed / ".reference").exists()
+        assert (live / ".reference" / "0.npy").exists()
+    holder.release()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -36,11 +37,13 @@ from grpax.checkpoint.hf import (
 )
 from grpax.checkpoint.orbax import (
     TOKENIZER_FILES,
+    BrokenCheckpointError,
     LazyArray,
     OutputExistsError,
     find_model_folder,
     restore_params,
     save_params,
+    steps_kept,
 )
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
@@ -546,6 +549,23 @@ def _write_safetensors(
     return names
 
 
+def _check_finite(params: Any, path: Path) -> None:
+    """Raises BrokenCheckpointError when a weight is NaN or inf (a diverged step must never be exported)."""
+    count, first = 0, None
+    for key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if np.issubdtype(np.asarray(leaf).dtype, np.integer):
+            continue
+        n = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf, np.float32))))
+        if n and first is None:
+            first = jax.tree_util.keystr(key, simple=True, separator=".")
+        count += n
+    if count:
+        raise BrokenCheckpointError(
+            f"{path} holds {count:,} NaN/inf weights (the first in {first}): it is not a model to export; "
+            "pass an earlier step's .../actor/<step>/model_params, or re-train with a lower learning_rate"
+        )
+
+
 def to_huggingface(
     load_parameters_path: str | Path,
     base_output_directory: str | Path,
@@ -590,7 +610,7 @@ def to_huggingface(
     _check_target(target, ["config.json", "model.safetensors", "model.safetensors.index.json"])
     if not params_path.exists():
         raise FileNotFoundError(
-            f"load_parameters_path={params_path} does not exist; pass <base>/0/items of a "
+            f"load_parameters_path={params_path} does not exist{steps_kept(params_path)}; pass <base>/0/items of a "
             "converted model or .../checkpoints/actor/<step>/model_params"
         )
     try:
@@ -609,6 +629,7 @@ def to_huggingface(
         hf_config, cfg = {}, get_model_config(model_name)
 
     params = restore_params(params_path)
+    _check_finite(params, params_path)
     stacked = isinstance(params["layers"], dict)
     cfg = cfg.replace(scan_layers=stacked)
     expected = abstract_params(cfg)
@@ -651,9 +672,14 @@ def to_huggingface(
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         _write_json(staging / "config.json", {**_extra_keys(hf_config, out_cfg), **out_cfg})
         _publish(staging, target, last="config.json")
-    except BaseException:
+    except BaseException as e:
         close()
         shutil.rmtree(staging, ignore_errors=True)
+        if type(e).__name__ == "SafetensorError":  # the Rust writer's I/O error (a full disk): one line
+            raise ConfigError(
+                f"writing the safetensors under {target} failed ({' '.join(str(e).split())}): free space there or "
+                "pass another base_output_directory; nothing was exported"
+            ) from None
         raise
     return {
         "output_dir": str(target),

@@ -222,7 +222,8 @@ class GGUFModel:
         if unknown:
             raise ValueError(
                 f"{self.path} has tensors a {_ARCHS[arch][1]} does not have ({', '.join(unknown[:5])}); "
-                f"grpax reads plain {_ARCHS[arch][1]} GGUF files only"
+                f"grpax reads GGUF files of {', '.join(c for _, c, _ in _ARCHS.values())} with their own tensors "
+                "only (no adapter, vision or expert tensors)"
             )
         self.tensor_names = list(self._tensors)
 

@@ -199,6 +199,9 @@ def save_params(
         isinstance(x, LazyArray | np.ndarray) for x in leaves
     )
     checkpointer = _checkpointer(use_zarr3, use_ocdbt, use_compression, streaming=streaming)
+    from grpax.checkpoint.train_state import quiet_orbax_thread_errors
+
+    quiet_orbax_thread_errors()  # a failed write is reported once, by the caller
     try:
         checkpointer.save(directory, args=ocp.args.PyTreeSave(params))
     except BaseException:
@@ -311,6 +314,7 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
             f"{directory} is damaged: reading {leaf.group(1) if leaf else 'an array'} failed with "
             f"{status.group(1)} (a truncated or corrupt data file); {_RECONVERT}"
         ) from e
+    _check_digests(directory, params)
     if cfg is not None and not direct:
         params = convert_layout(params, cfg, cfg.scan_layers)
         if not cfg.scan_layers:
@@ -320,6 +324,75 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
     if sharding is not None and not direct:
         params = jax.device_put(params, sharding)
     return params
+
+
+def _check_digests(directory: Path, params: Params) -> None:
+    """Checks a training step's params (``.../actor/<step>/model_params``) against the digests its
+    ``train_meta`` holds (``grpax.checkpoint.digests``); a converted checkpoint has none.
+
+    Raises:
+      BrokenCheckpointError: an array differs from its digest (names it, the folder and the steps kept).
+    """
+    from grpax.checkpoint import digests
+    from grpax.checkpoint.train_state import DamagedStepError, read_train_meta
+
+    step_dir = directory.parent
+    if directory.name != "model_params" or not (step_dir / "train_meta").is_dir():
+        return
+    try:
+        expected = (read_train_meta(step_dir).get("digests") or {}).get("model_params") or {}
+    except DamagedStepError as e:
+        log.warning("%s; the weights of %s are not checked against their digests", e, directory)
+        return
+    bad = digests.mismatches(params, expected)
+    if bad:
+        kept = sorted(p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir)
+        raise BrokenCheckpointError(
+            f"{directory} is damaged: array {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
+            "differs from the digest written with it (a corrupt or overwritten data file): pass another step's "
+            f"{step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
+        )
+
+
+def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:
+    """Checks the stored arrays' shapes against those ``cfg`` (read from ``config_path``) implies, before any
+    weight is read: a config.json of another size would otherwise fail deep inside sampling.
+
+    Raises:
+      BrokenCheckpointError: a weight of the config is missing from the checkpoint or has another shape
+        (names the weight, both shapes and the config's sizes).
+    """
+    from grpax.models.params import abstract_params
+
+    tree = _stored_tree(directory)
+    expected = abstract_params(cfg.replace(scan_layers=isinstance(tree["layers"], dict)))
+    stored = {
+        jax.tree_util.keystr(k, simple=True, separator="."): tuple(getattr(v, "shape", ()))
+        for k, v in jax.tree_util.tree_leaves_with_path(tree)
+    }
+    for key, leaf in jax.tree_util.tree_leaves_with_path(expected):
+        name = jax.tree_util.keystr(key, simple=True, separator=".")
+        have = stored.get(name)
+        if have != tuple(leaf.shape):
+            what = "is missing" if have is None else f"has shape {list(have)}"
+            raise BrokenCheckpointError(
+                f"{directory} does not match {config_path}: weight {name} {what} in the checkpoint, "
+                f"{list(leaf.shape)} from the config (num_layers={cfg.num_layers}, hidden_dim={cfg.hidden_dim}, "
+                f"vocab_size={cfg.vocab_size}): restore the config.json written with this checkpoint"
+            )
+
+
+def steps_kept(path: Path) -> str:
+    """`` (<run>/checkpoints/actor holds steps 2, 4)`` for a missing ``.../actor/<step>/model_params``, else ''."""
+    actor = path.parent.parent if path.name == "model_params" else path.parent
+    if actor.name != "actor" or not actor.is_dir():
+        return ""
+    steps = sorted(int(p.name) for p in actor.iterdir() if p.name.isdigit())
+    return (
+        f" ({actor} holds steps {', '.join(map(str, steps))})"
+        if steps
+        else f" ({actor} holds no finished step)"
+    )
 
 
 def find_model_folder(path: str | Path) -> Path:
@@ -365,7 +438,7 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
     path = Path(path).absolute()
     if not path.exists():
         raise FileNotFoundError(
-            f"checkpoint {path} does not exist: pass <base>/0/items of a converted model "
+            f"checkpoint {path} does not exist{steps_kept(path)}: pass <base>/0/items of a converted model "
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
     folder = find_model_folder(path)
@@ -376,6 +449,7 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
     overrides = dict(model_overrides)
     overrides.setdefault("weight_dtype", stored_dtype(path))
     cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
+    check_shapes(path, cfg, folder / "config.json")
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "

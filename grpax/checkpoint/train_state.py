@@ -8,11 +8,17 @@ Layout under ``<base_output_directory>/<run_name>/checkpoints/``::
     actor/<step>/train_meta/              JSON: step, data-iterator position, RNG seed, metrics history
 
 Orbax writes each step into a temporary folder and renames it when complete, so an interrupted save (Ctrl-C,
-a crash, a full disk) never shadows the last good step: ``latest_step`` only sees finished ones.
+a crash, a full disk) never shadows the last good step: ``latest_step`` only sees finished ones. Each step's
+``train_meta`` also holds a digest of every array of both trees (``grpax.checkpoint.digests``), checked on
+restore (and by ``restore_params`` on export), so a step whose data files were damaged afterwards is refused by
+name instead of resuming or exporting garbage.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +26,81 @@ import jax
 import orbax.checkpoint as ocp
 
 from grpax import interrupts
+from grpax.checkpoint import digests
+from grpax.errors import ConfigError
+
+META_FILE = (
+    "metadata"  # the JSON file of ``actor/<step>/train_meta``, as Orbax's JsonCheckpointHandler names it
+)
+
+
+class _OrbaxThreadErrors(logging.Filter):
+    """Drops Orbax's "<thread>.run() raised an exception" records: the same exception reaches the caller, which
+    reports it in one line; the records add 40-400 lines of tracebacks from its writer threads around it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return ".run() raised an exception" not in record.getMessage()
+
+
+_THREAD_FILTER = _OrbaxThreadErrors()
+
+
+def quiet_orbax_thread_errors() -> None:
+    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through (once)."""
+    absl = logging.getLogger("absl")
+    if _THREAD_FILTER not in absl.filters:
+        absl.addFilter(_THREAD_FILTER)
+
+
+class SaveFailedError(ConfigError):
+    """A checkpoint write failed (a full or read-only disk); the message names the folder and what is kept."""
+
+
+class DamagedStepError(ConfigError):
+    """A finished checkpoint step whose files were damaged afterwards; the message names the file and the fix."""
+
+
+def read_train_meta(step_dir: Path) -> dict:
+    """The ``train_meta`` JSON of a step folder (``actor/<step>``).
+
+    Raises:
+      DamagedStepError: the file is missing, truncated or not a JSON object with ``step``.
+    """
+    path = step_dir / "train_meta" / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedStepError(f"{path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise DamagedStepError(
+            f"{path} is truncated or not valid JSON ({' '.join(str(e).split())})"
+        ) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise DamagedStepError(f"{path} holds {str(meta)[:60]!r}, not a train_meta record with 'step'")
+    return meta
+
+
+def check_step_meta(actor_dir: Path, step: int) -> dict:
+    """``read_train_meta`` of ``actor_dir/<step>``, its error carrying the fix (``damaged_step``)."""
+    try:
+        return read_train_meta(actor_dir / str(step))
+    except DamagedStepError as e:
+        raise damaged_step(actor_dir, step, str(e)) from None
+
+
+def damaged_step(actor_dir: Path, step: int, what: str) -> DamagedStepError:
+    """The one-line error for a damaged step ``actor_dir/<step>``: ``what`` is wrong; delete the step to resume
+    from the one before it (named, with the steps kept), or, with none kept, start afresh."""
+    step_dir = actor_dir / str(step)
+    names = [p.name for p in actor_dir.iterdir()] if actor_dir.is_dir() else []
+    earlier = sorted(int(n) for n in names if n.isdigit() and int(n) < step)
+    fix = (
+        f"delete {step_dir} and run the same command to resume from step {earlier[-1]} (kept: "
+        f"{', '.join(map(str, earlier))})"
+        if earlier
+        else f"no earlier step is kept: delete {step_dir} to start the run afresh, or pass a new run_name"
+    )
+    return DamagedStepError(f"checkpoint step {step} is damaged: {what}; {fix}")
 
 
 class TrainCheckpointer:
@@ -44,6 +125,7 @@ class TrainCheckpointer:
         use_compression: bool = False,
     ):
         self.directory = Path(directory).absolute()
+        quiet_orbax_thread_errors()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         tree_handler = ocp.PyTreeCheckpointHandler(
             use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression
@@ -66,6 +148,22 @@ class TrainCheckpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        """The finished steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def damaged(self, step: int, what: str) -> DamagedStepError:
+        """The one-line error for a damaged ``step`` (``damaged_step``)."""
+        return damaged_step(self.directory / "actor", step, what)
+
+    def check_meta(self, step: int) -> dict:
+        """Reads and checks step ``step``'s ``train_meta`` (cheap: before any model is loaded).
+
+        Raises:
+          DamagedStepError: it is missing, truncated or not a train_meta record (names the file and the fix).
+        """
+        return check_step_meta(self.directory / "actor", step)
+
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         """Writes step ``step`` and waits until it is complete on disk.
 
@@ -76,6 +174,31 @@ class TrainCheckpointer:
             self._save(step, params, opt_state, meta)
 
     def _save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+        try:
+            self._write(step, params, opt_state, meta)
+        except (
+            ValueError
+        ) as e:  # tensorstore: "RESOURCE_EXHAUSTED: Error writing ...: No space left on device"
+            status = re.match(r"([A-Z_]+): ", str(e))
+            if status is None:
+                raise
+            os_error = re.search(r"Failed to write .*?: ([^\[]+?)\s*\[os_error_code", str(e))
+            reason = os_error.group(1) if os_error else status.group(1)
+            kept = [s for s in self.steps() if s != step]
+            raise SaveFailedError(
+                f"writing checkpoint step {step} to {self.step_dir(step)} failed: {reason} ({status.group(1)}); "
+                f"{f'the last finished step {kept[-1]} is kept' if kept else 'no step had been saved yet'}: free "
+                "space there (or pass a base_output_directory with room), then run the same command to resume"
+            ) from None
+
+    def _write(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+        meta = {
+            **meta,
+            "digests": {
+                "model_params": digests.tree_digests(params),
+                "opt_state": digests.tree_digests(opt_state),
+            },
+        }
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -103,7 +226,30 @@ class TrainCheckpointer:
             # Orbax stores NamedTuples (optax states) as plain containers; restore into the template's structure.
             return jax.tree.map(lambda x: x, tree)
 
-        restored = self.manager.restore(
+        self.check_meta(step)
+        try:
+            restored = self._restore(step, params_like, opt_state_like, restore_args, as_saved)
+        except ValueError as e:  # tensorstore: "DATA_LOSS: Error reading ..." and the like
+            status = re.match(r"([A-Z_]+): ", str(e))
+            if status is None:
+                raise
+            raise self.damaged(
+                step, f"reading it failed with {status.group(1)} (a truncated or corrupt data file)"
+            ) from e
+        saved = restored.train_meta.get("digests") or {}
+        for item in ("model_params", "opt_state"):
+            bad = digests.mismatches(getattr(restored, item), saved.get(item, {}))
+            if bad:
+                raise self.damaged(
+                    step,
+                    f"{self.step_dir(step) / item} array {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
+                    "differs from the digest written with it (a corrupt or overwritten data file)",
+                )
+        meta = {k: v for k, v in restored.train_meta.items() if k != "digests"}
+        return restored.model_params, restored.opt_state, meta
+
+    def _restore(self, step, params_like, opt_state_like, restore_args, as_saved):
+        return self.manager.restore(
             step,
             args=ocp.args.Composite(
                 model_params=ocp.args.PyTreeRestore(
@@ -115,7 +261,6 @@ class TrainCheckpointer:
                 train_meta=ocp.args.JsonRestore(),
             ),
         )
-        return restored.model_params, restored.opt_state, dict(restored.train_meta)
 
     def step_dir(self, step: int) -> Path:
         return self.directory / "actor" / str(step)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from grpax.config import ConfigError, field
+from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
 DESCRIPTION = (
@@ -52,14 +53,15 @@ class EvaluateConfig(TaskConfig):
     )
     response_prefix: str = field(
         "",
-        "with completions_path: text the completions continue from (the prompt preset's or template's own "
-        "response_prefix is not applied to a file)",
+        "with completions_path: text the completions continue from ('' = the response_prefix the file's lines "
+        "store, as a run's eval/<tag>/results.jsonl does; the prompt preset's own is not applied to a file)",
     )
     seed: int = field(0, "sampling seed")
     scan_layers: bool = field(True, "stacked layers")
     weight_dtype: str = field("float32", "parameter dtype")
     dtype: str = field("float32", "activation dtype")
     output_path: str = field("", "folder for results.jsonl and summary.json")
+    overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
     hardware: str = field("cpu", "cpu | gpu | tpu")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
@@ -79,10 +81,8 @@ def _print_summary(summary: dict) -> None:
 
 
 def _write(output_path: str, records: list[dict], summary: dict) -> None:
-    out = Path(output_path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(Path(output_path) / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write_text_atomic(Path(output_path) / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _check_groups(config: EvaluateConfig, questions: list[str]) -> None:
@@ -101,6 +101,28 @@ def _check_groups(config: EvaluateConfig, questions: list[str]) -> None:
                 f"completions_path={path!r}: lines {start + 1}-{start + k} mix questions, but num_eval_passes={k} "
                 "reads each question's samples from consecutive lines: reorder the file or set num_eval_passes"
             )
+
+
+def _response_prefix(config: EvaluateConfig, lines: list) -> str:
+    """The text the file's completions continue: ``response_prefix`` when given, else the one its lines store
+    (grpax's own results.jsonl records it), else ''.
+
+    Raises:
+      ConfigError: the lines store different prefixes and response_prefix is not given.
+    """
+    stored = {
+        r["response_prefix"]
+        for r in lines
+        if isinstance(r, dict) and isinstance(r.get("response_prefix"), str)
+    }
+    if config.response_prefix or not stored:
+        return config.response_prefix
+    if len(stored) > 1:
+        raise ConfigError(
+            f"completions_path={config.completions_path!r}: its lines store {len(stored)} different response_prefix "
+            "values: pass response_prefix=<the text the completions continue> to score them all alike"
+        )
+    return stored.pop()
 
 
 def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
@@ -123,12 +145,13 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
             f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass {kind} "
             "completion and the task's columns"
         )
-    task.preset = dataclasses.replace(task.preset, response_prefix=config.response_prefix)
     if config.task == "gsm8k":
         lines = load_completions_file(path)
         rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
+        raw, _ = read_rows(str(path), "")
     else:
         lines, source = read_rows(str(path), "")
+        raw = lines
         for i, line in enumerate(lines):
             if not isinstance(line, dict) or "completion" not in line:
                 what = f"is a JSON {type(line).__name__}, not an object" if not isinstance(line, dict) else ""
@@ -136,7 +159,9 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
                     f"completions_path={config.completions_path!r}: line {i + 1} {what or 'has no field completion'}; "
                     "each line needs completion and the task's columns"
                 )
-        rows = task.rows_from([{k: v for k, v in r.items() if k != "completion"} for r in lines], source)
+        stored = ("completion", "response_prefix")  # the record's own fields, not the task's columns
+        rows = task.rows_from([{k: v for k, v in r.items() if k not in stored} for r in lines], source)
+    task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, raw))
     _check_groups(config, [r["question"] for r in rows])
     records = task.records(rows, [str(r["completion"]) for r in lines])
     return records, summarize(records, config.num_eval_passes, task.is_correct)
@@ -147,6 +172,8 @@ def run(config: EvaluateConfig) -> int:
 
     validate_eval_keys(config, allow_no_eval=False)
     validate_task_keys(config)
+    if config.output_path:
+        check_output("output_path", config.output_path, config.overwrite, ("results.jsonl", "summary.json"))
     task = build_task(config)
     if config.completions_path:
         records, summary = _score_file(config, task)

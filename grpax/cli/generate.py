@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from grpax.cli.common import select_hardware
 from grpax.config import ConfigError, field
+from grpax.files import check_output, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class GenerateConfig:
     )
     scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
+    overwrite: bool = field(False, "replace the file at output_path if it exists")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
@@ -210,10 +212,8 @@ def run(config: GenerateConfig) -> int:
     sampling = sampling_kwargs(config)
     check_sampling(config, completion_length, sampling)
     check_prompt_preset(config)
-    if config.output_path and Path(config.output_path).is_dir():
-        raise ConfigError(
-            f"output_path={config.output_path} is a folder: pass a file name, e.g. FOLDER/out.jsonl"
-        )
+    if config.output_path:
+        check_output("output_path", config.output_path, config.overwrite)
     texts = read_prompts(config)
     total = config.max_prefill_predict_length + completion_length
     what = f"max_target_length={config.max_target_length}"
@@ -267,7 +267,6 @@ def run(config: GenerateConfig) -> int:
         print(f"{record['prompt']}\n--- completion\n{record['completion']}\n")
     if config.output_path:
         path = Path(config.output_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
         log.info("wrote %d completions to %s", len(records), path)
     return 0

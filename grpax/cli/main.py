@@ -35,6 +35,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     IsADirectoryError,
     KeyError,
     ValueError,
+    OSError,  # a read-only or full disk, a missing or unreadable file: the message names the file
 )
 
 

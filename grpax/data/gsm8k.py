@@ -69,8 +69,15 @@ def extract_gold(answer_text: str) -> str | None:
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:  # a UTF-8 byte-order mark (Windows editors write one) is not part of the first row
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}: line {line_no} is not UTF-8 (byte {e.start + 1} is {raw[e.start : e.start + 1]!r}): "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

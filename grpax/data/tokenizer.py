@@ -38,7 +38,14 @@ def load_tokenizer(folder: str | os.PathLike):
             f"{folder} has no tokenizer.json: pass a Hugging Face checkpoint folder, or a "
             ".gguf file whose tokenizer grpax builds (grpax.checkpoint.gguf)"
         )
-    return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a damaged file
+        reason = " ".join(str(e).split())[:160] or type(e).__name__
+        raise ValueError(
+            f"{os.path.join(folder, 'tokenizer.json')} (or tokenizer_config.json beside it) cannot be read "
+            f"({reason}): copy the model's tokenizer files there again"
+        ) from None
 
 
 def save_tokenizer(tokenizer: Any, folder: str | os.PathLike) -> None:

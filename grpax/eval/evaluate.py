@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from grpax.data.gsm8k import render_prompt, tokenize_prompts
 from grpax.eval.metrics import summarize
+from grpax.files import write_text_atomic
 from grpax.models.registry import ModelConfig
 from grpax.sampler.engine import SamplerConfig, generate
 
@@ -104,11 +105,7 @@ def evaluate(
             record["finish_reason"] = reason
         records.extend(batch_records)
     summary = summarize(records, num_eval_passes, task.is_correct)
-    if output_path is not None and jax.process_index() == 0:
-        out_dir = Path(output_path)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with (out_dir / "results.jsonl").open("w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if output_path is not None and jax.process_index() == 0:  # each file atomically: never half a file
+        write_text_atomic(Path(output_path) / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        write_text_atomic(Path(output_path) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

@@ -118,7 +118,8 @@ def mean_reward(rewards: Sequence[Sequence[float]]) -> Estimate:
 
     Returns:
         Estimate with n = number of non-NaN values and interval mean +- 1.96 * std / sqrt(n) (std with
-        ddof=1; zero width when n == 1).
+        ddof=1; zero width when n == 1), clipped to the range of the values seen: on a few samples of a bounded
+        reward (0 / 1 points) the normal interval would run past the possible range (-0.07 .. 1.07).
 
     Example:
         >>> mean_reward([[1.0, 3.0], [2.0, float("nan")]]).value
@@ -131,7 +132,7 @@ def mean_reward(rewards: Sequence[Sequence[float]]) -> Estimate:
         return Estimate(math.nan, 0, (math.nan, math.nan))
     mean = float(x.mean())
     half = Z_95 * float(x.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
-    return Estimate(mean, n, (mean - half, mean + half))
+    return Estimate(mean, n, (max(mean - half, float(x.min())), min(mean + half, float(x.max()))))
 
 
 def pass_at_k_unbiased(n: int, c: int, k: int) -> float:
@@ -273,7 +274,7 @@ def load_completions_file(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"completions file {path} does not exist")
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

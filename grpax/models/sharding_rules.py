@@ -118,6 +118,12 @@ def logical_to_spec(
                     f"{name}: dim {i} ({logical}) of size {shape[i]} is not divisible by mesh axes "
                     f"{mesh_axes} of sizes {sizes}; replicating it over {mesh_axes[keep:]}"
                 )
+                if logical == "batch":  # every device then computes every row: the data parallelism is lost
+                    msg += (
+                        f" (each of those devices computes every row): make the rows (batch_size x num_generations, "
+                        f"or eval_batch_size x num_eval_passes) a multiple of {math.prod(sizes)}, or change the "
+                        "mesh (ici_data_parallelism / ici_fsdp_parallelism)"
+                    )
                 if msg not in _warned:
                     _warned.add(msg)
                     log.warning(msg)

@@ -42,7 +42,8 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
     """The records of a metrics JSONL file, and whether its last line was cut off (and dropped).
 
     Raises:
-      ConfigError: a line other than the last is not JSON (names the file, the line and the fix).
+      ConfigError: a line other than the last is not JSON, or a line is not a record with an integer ``step``
+        (names the file, the line and the fix).
     """
     lines = path.read_text().splitlines()
     records = []
@@ -50,7 +51,7 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
         if not line:
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
                 log.warning("%s line %d is cut off (a kill while it was written): dropped", path, number)
@@ -59,6 +60,12 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
                 f"{path} line {number} is not valid JSON (a damaged metrics file): delete that line, or the "
                 "file to drop the run's metrics history, and run again"
             ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(
+                f"{path} line {number} holds {line[:60]!r}, not a metrics record with an integer 'step' (a "
+                "damaged metrics file): delete that line, or the file to drop the run's metrics history, and run again"
+            )
+        records.append(record)
     return records, False
 
 
@@ -169,7 +176,11 @@ class MetricsWriter:
         self._tb.flush()
 
     def close(self) -> None:
-        """Flushes and closes the TensorBoard files; a second call does nothing."""
+        """Flushes and closes the TensorBoard files; a second call does nothing. A failed flush (a full disk)
+        only warns: ``close`` runs on the way out of a failing run, whose own error must be the one reported."""
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError as e:
+                log.warning("%s: the last TensorBoard points could not be written (%s)", self.tb_dir, e)

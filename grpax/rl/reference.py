@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import gc
 import shutil
 import weakref
@@ -44,8 +45,16 @@ class FrozenParams:
         self._leaves = []  # (file, shape, dtype, sharding)
         for i, leaf in enumerate(leaves):
             path = folder / f"{i}.npy"
-            # Raw bytes: np.load cannot map an extension dtype such as bfloat16.
-            np.save(path, np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
+            try:  # raw bytes: np.load cannot map an extension dtype such as bfloat16
+                np.save(path, np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
+            except OSError as e:  # numpy says only "N requested and M written" on a full disk
+                self._remove()
+                raise OSError(
+                    errno.ENOSPC,
+                    f"writing the reference model's copy ({leaf.nbytes / 1e9:.2f} GB for this weight) failed: "
+                    f"{e}; it needs the model's size free in the run folder",
+                    str(path),
+                ) from None
             self._leaves.append((path, leaf.shape, leaf.dtype, leaf.sharding))
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from grpax.checkpoint.train_state import TrainCheckpointer
-from grpax.config import ConfigError
+from grpax.checkpoint.train_state import TrainCheckpointer, check_step_meta
+from grpax.config import ConfigError, redacted
 from grpax.data.gsm8k import PromptIterator
 from grpax.data.tokenizer import save_tokenizer
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.metrics_writer import MetricsWriter
+from grpax.rl.metrics_writer import MetricsWriter, read_jsonl
 from grpax.rl.train_step import TrainState
 
 if TYPE_CHECKING:
@@ -60,8 +62,8 @@ RESUME_FIXED_KEYS = (
 
 def config_record(cfg: TrainConfig) -> dict[str, Any]:
     """The config as ``config.json`` holds it (JSON types; ``load_parameters_path`` made absolute, so that a
-    resume from another working folder compares the same folder)."""
-    record = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    resume from another working folder compares the same folder; secret values redacted, ``grpax.config.redact``)."""
+    record = redacted(json.loads(json.dumps(dataclasses.asdict(cfg))))  # no secret in clear on disk
     if record["load_parameters_path"]:
         record["load_parameters_path"] = str(Path(record["load_parameters_path"]).absolute())
     return record
@@ -74,8 +76,14 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
       ``{key: (saved, current)}`` for each key that differs from the run's ``config.json`` (empty without one).
 
     Raises:
-      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed.
+      ConfigError: ``num_batches`` is below ``latest``, or a key of ``RESUME_FIXED_KEYS`` changed; the latest
+        step's ``train_meta`` or a line of ``metrics.jsonl`` is damaged (names the file and the fix).
     """
+    # The run's small files first, so that a damaged one stops the resume before the model loads.
+    if (paths.checkpoints / "actor" / str(latest)).is_dir():
+        check_step_meta(paths.checkpoints / "actor", latest)
+    if (paths.run_dir / "metrics.jsonl").exists():
+        read_jsonl(paths.run_dir / "metrics.jsonl")
     if cfg.num_batches < latest:
         raise ConfigError(
             f"run {paths.run_dir} already has a checkpoint at step {latest}, past num_batches="
@@ -106,6 +114,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
         or Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve()
     ):
         del changes["load_parameters_path"]
+    warn_on_schedule_change(saved, current, changes, latest)
     fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
     if fixed:
         listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
@@ -114,6 +123,53 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
             f"{', '.join(fixed)}: pass the saved values to continue it, or pass a new run_name"
         )
     return changes
+
+
+# The keys the learning-rate schedule is built from (``grpax.rl.optim.optimizer_from_config``).
+SCHEDULE_KEYS = (
+    "learning_rate",
+    "num_batches",
+    "num_iterations",
+    "warmup_ratio",
+    "lr_schedule",
+    "end_lr_ratio",
+)
+
+
+def warn_on_schedule_change(saved: dict, current: dict, changes: dict, step: int) -> None:
+    """Warns (one line) when a resume's changed keys rebuild the learning-rate schedule so that the rate at
+    ``step`` differs from the saved run's: a longer run's cosine restarts its decay from higher up, a new
+    ``learning_rate`` jumps at once."""
+    from grpax.rl.optim import make_lr_schedule
+
+    changed = [k for k in SCHEDULE_KEYS if k in changes]
+    if not changed:
+        return
+
+    def rate(c: dict) -> float:
+        iters = int(c.get("num_iterations", 1))
+        schedule = make_lr_schedule(
+            float(c["learning_rate"]),
+            int(c["num_batches"]) * iters,
+            warmup_ratio=float(c.get("warmup_ratio", 0.0)),
+            schedule=str(c.get("lr_schedule", "cosine")),
+            end_lr_ratio=float(c.get("end_lr_ratio", 0.0)),
+        )
+        return float(schedule(step * iters))
+
+    try:
+        before, after = rate(saved), rate(current)
+    except (KeyError, TypeError, ValueError):  # a config.json of an older grpax: nothing to compare
+        return
+    if abs(after - before) > 1e-6 * max(abs(before), abs(after), 1e-30):
+        log.warning(
+            "resuming at step %d with changed %s: the learning-rate schedule is rebuilt, so the learning rate "
+            "jumps from %.3g (the saved run's schedule) to %.3g at this step",
+            step,
+            ", ".join(f"{k} ({changes[k][0]!r} -> {changes[k][1]!r})" for k in changed),
+            before,
+            after,
+        )
 
 
 def write_config(paths: RunPaths, cfg: TrainConfig) -> None:
@@ -130,8 +186,19 @@ def write_model_files(folder: Path, model_cfg: ModelConfig, tokenizer: Any) -> N
     tmp = folder.with_name(folder.name + ".tmp-model-files")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2))
-    save_tokenizer(tokenizer, tmp)
+    try:
+        (tmp / "config.json").write_text(
+            json.dumps(to_hf_config(model_cfg, model_cfg.weight_dtype), indent=2)
+        )
+        save_tokenizer(tokenizer, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        code = re.search(
+            r"os error (\d+)", str(e)
+        )  # tokenizers' Rust writer: a bare Exception on a full disk
+        if isinstance(e, OSError) or code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(tmp)) from None
     folder.mkdir(parents=True, exist_ok=True)
     for item in tmp.iterdir():
         item.rename(folder / item.name)

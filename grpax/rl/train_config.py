@@ -173,6 +173,12 @@ def validate(cfg: TrainConfig) -> None:
             "load_parameters_path is required: convert a model first with "
             "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items"
         )
+    name = cfg.run_name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
+        raise ConfigError(
+            f"run_name={name!r}: expected one folder name inside base_output_directory (no '/', not '..' or "
+            "empty); put the path in base_output_directory, e.g. base_output_directory=outputs/exp run_name=grpo1"
+        )
     if cfg.max_completion_length < 1:
         raise ConfigError(
             f"max_target_length={cfg.max_target_length} must exceed "

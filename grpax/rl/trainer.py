@@ -35,6 +35,7 @@ from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.data.gsm8k import PromptIterator, prepare_rows
 from grpax.data.tokenizer import stop_token_ids
+from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
 from grpax.models.registry import ModelConfig, check_matches
@@ -56,7 +57,7 @@ from grpax.tasks import RewardFunctionError, Task, build_task
 log = logging.getLogger("grpax.train")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(ConfigError):
     """Loss, gradients or the updated weights became NaN/inf: nothing of that step is saved, the last good
     checkpoint is kept."""
 

@@ -66,6 +66,9 @@ class TaskConfig:
         "",
         "task=custom: the reward function whose points > 0 count a completion as correct (default: the first)",
     )
+    reward_timeout_seconds: float = field(
+        0.0, "seconds one call of a reward function may take before the run stops with one line (0: no limit)"
+    )
 
 
 def validate_task_keys(cfg: Any) -> None:
@@ -115,6 +118,11 @@ def validate_task_keys(cfg: Any) -> None:
             f"reward_weights={list(cfg.reward_weights)}: {bad_weights[0]} is not a finite number; give each of "
             "reward_functions a finite weight (negative ones subtract)"
         )
+    timeout = getattr(cfg, "reward_timeout_seconds", 0.0)
+    if not (isfinite(timeout) and timeout >= 0):
+        raise ConfigError(
+            f"reward_timeout_seconds={timeout}: expected a finite number of seconds >= 0 (0: no limit)"
+        )
     if cfg.accuracy_reward and cfg.task != "custom":
         raise ConfigError(
             f"accuracy_reward={cfg.accuracy_reward!r} is for task=custom; task={cfg.task} counts accuracy with its "
@@ -159,6 +167,7 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
             cfg.reward_functions,
             cfg.reward_weights,
             {"tmvp_config": cfg if tmvp_config is None else tmvp_config},
+            getattr(cfg, "reward_timeout_seconds", 0.0),
         )
     prompt_default, answer_default = DEFAULT_FIELDS[cfg.task]
     prompt_field = cfg.prompt_field or prompt_default

@@ -11,16 +11,20 @@ GRPOTrainer (every dataset column as a keyword argument)::
     fn(prompts=[...], completions=[...], tmvp_config=<the run's config>, **columns) -> list[float]
 
 with one value per completion; None or NaN abstains (adds nothing to the weighted total). Built-in rewards that
-fail abstain with a warning (``grpax.rewards.gsm8k.score_completions``); a user's function that raises, returns
-the wrong number of values or a value that is not a number stops the run with ``RewardFunctionError`` before
-the update, so that a broken reward file never trains a policy on garbage.
+fail abstain with a warning (``grpax.rewards.gsm8k.score_completions``); a user's function that raises (or calls
+``sys.exit``), returns the wrong number of values or a value that is not a number, or runs past
+``reward_timeout_seconds``, stops the run with ``RewardFunctionError`` before the update, so that a broken reward
+file never trains a policy on garbage. Each call gets its own copies of the prompts, completions and columns: a
+function that edits its inputs in place changes what no other function (and no later epoch) sees.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import numbers
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,12 +50,14 @@ class UserRewards:
       weights: name -> weight of its points in the total (``reward_weights``; 1.0 each by default).
       source: where the functions come from (the file), for error messages.
       extra_kwargs: passed to every call, e.g. ``{"tmvp_config": cfg}``.
+      timeout_s: seconds a call may take before the run stops (``reward_timeout_seconds``); 0: no limit.
     """
 
     fns: Mapping[str, RewardFn]
     weights: Mapping[str, float]
     source: str = ""
     extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float = 0.0
 
 
 def _short(value: Any) -> str:
@@ -67,7 +73,10 @@ def _to_points(name: str, source: str, row: int, value: Any) -> float:
     if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
         value = value.item()  # a 0-d numpy / JAX / torch value: its Python value (a bool stays a bool)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        points = float(value)
+        try:
+            points = float(value)
+        except OverflowError:  # an int beyond float's range (10**400)
+            points = math.inf
         if math.isnan(points) or math.isfinite(points):
             return points
     hint = " (a bool: return float(flag))" if isinstance(value, (bool, np.bool_)) else ""
@@ -128,17 +137,55 @@ def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tu
     """The first row whose call alone raises too (a batch-level failure pinned to a row), or None."""
     for i in range(len(completions)):
         try:
-            raw = fn(
-                prompts=prompts[i : i + 1],
-                completions=completions[i : i + 1],
-                **extra,
-                **{k: v[i : i + 1] for k, v in columns.items()},
+            _invoke(
+                fn,
+                {
+                    "prompts": prompts[i : i + 1],
+                    "completions": completions[i : i + 1],
+                    **{k: v[i : i + 1] for k, v in columns.items()},
+                },
+                extra,
+                0.0,
             )
-            if isinstance(raw, Iterator):  # a generator raises as it is read
-                list(raw)
-        except Exception as e:  # noqa: BLE001 - reported, with its row
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - reported, with its row
             return i, e
     return None
+
+
+class _TimedOut(Exception):
+    """A reward call ran past its time limit (``_invoke``)."""
+
+
+def _invoke(fn: RewardFn, inputs: Mapping[str, Any], extra: Mapping[str, Any], timeout_s: float) -> Any:
+    """``fn(**copies of inputs, **extra)``, a generator read to its end; with ``timeout_s`` > 0, in a daemon
+    thread that may run at most that long (a hung function cannot be stopped, but the run no longer waits).
+
+    Raises:
+      whatever ``fn`` raised (``SystemExit`` included), or ``_TimedOut``.
+    """
+
+    def call() -> Any:
+        raw = fn(**copy.deepcopy(dict(inputs)), **extra)
+        return list(raw) if isinstance(raw, Iterator) else raw  # a generator runs its code as it is read
+
+    if timeout_s <= 0:
+        return call()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="grpax-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _TimedOut
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def call_reward_function(
@@ -150,6 +197,7 @@ def call_reward_function(
     *,
     source: str = "",
     extra_kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float = 0.0,
 ) -> list[float]:
     """Calls one user reward function on a batch and checks what it returns.
 
@@ -161,13 +209,15 @@ def call_reward_function(
       columns: column name -> its values [N], one per completion (every dataset column, TRL's convention).
       source: the file, named in errors.
       extra_kwargs: e.g. ``{"tmvp_config": cfg}`` (MaxText's reward signature).
+      timeout_s: seconds the call may take (``reward_timeout_seconds``); 0: no limit.
 
     Returns:
       Points [N]; NaN where the function abstained (None or NaN).
 
     Raises:
       RewardFunctionError: the function's parameters cannot take the call's keywords (no ``**kwargs``, or one
-        named after no column), it raised (the first row that raises alone is named), returned other than a
+        named after no column), it raised or called ``sys.exit`` (the first row that raises alone is named), ran
+        past ``timeout_s``, returned other than a
         list / 1-d array of N values, or a value that is neither a finite number nor None / NaN (row and value
         named).
 
@@ -180,14 +230,24 @@ def call_reward_function(
     extra = dict(extra_kwargs or {})
     check_keywords(name, fn, source, ["prompts", "completions", *extra, *columns])
     try:
-        raw = fn(prompts=prompts, completions=completions, **extra, **columns)
-        if isinstance(raw, Iterator):  # a generator runs the function's code as it is read
-            raw = list(raw)
-    except Exception as e:  # noqa: BLE001 - one line naming the function and the row
+        # Its own copies: an in-place edit must not change what the next function (or a later epoch) scores.
+        raw = _invoke(fn, {"prompts": prompts, "completions": completions, **columns}, extra, timeout_s)
+    except _TimedOut:
+        raise RewardFunctionError(
+            f"reward function {name!r} ({source}) did not return within reward_timeout_seconds={timeout_s:g} on a "
+            f"batch of {len(completions)} completions (a hang?): fix the function, or raise reward_timeout_seconds "
+            "(0: no limit)"
+        ) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - one line naming the function and the row
         failing = _first_failing_row(fn, prompts, completions, columns, extra)
         row, err = failing if failing is not None else (None, e)
         where = f"on row {row} (completion {completions[row][:60]!r})" if row is not None else "on the batch"
         message = " ".join(str(err).split())  # one line
+        if isinstance(err, SystemExit):
+            raise RewardFunctionError(
+                f"reward function {name!r} ({source}) called sys.exit({message}) {where}: a reward function must "
+                "return its points (raise an exception to stop the run)"
+            ) from None
         raise RewardFunctionError(
             f"reward function {name!r} ({source}) raised {type(err).__name__}: {message} {where}"
         ) from e
@@ -216,7 +276,14 @@ def run_user_rewards(
     """Every user function's points [N] by name, plus their weighted ``"total"`` [N] (see ``call_reward_function``)."""
     scores = {
         name: call_reward_function(
-            name, fn, prompts, completions, columns, source=rewards.source, extra_kwargs=rewards.extra_kwargs
+            name,
+            fn,
+            prompts,
+            completions,
+            columns,
+            source=rewards.source,
+            extra_kwargs=rewards.extra_kwargs,
+            timeout_s=rewards.timeout_s,
         )
         for name, fn in rewards.fns.items()
     }
@@ -297,8 +364,10 @@ class Task:
         """Scored evaluation records, one per completion (``grpax.eval.metrics.summarize`` reads them).
 
         Returns:
-          ``{"question", "answer", "completion", "extracted_answer", "correct", "close", "formatted",
-          "rewards"}`` per completion; ``rewards`` maps each reward name (and ``"total"``) to its points.
+          ``{"question", "answer", "completion", "response_prefix", "extracted_answer", "correct", "close",
+          "formatted", "rewards"}`` per completion; ``rewards`` maps each reward name (and ``"total"``) to its
+          points; ``response_prefix`` is the text the completion continues (``grpax evaluate completions_path=``
+          prepends it again when it re-scores the file).
         """
         scores = self.score(rows, completions)
         out = []
@@ -310,6 +379,7 @@ class Task:
                     "question": row["question"],
                     "answer": row["gold"],
                     "completion": completion,
+                    "response_prefix": self.preset.response_prefix,
                     **judged,
                     "rewards": points,
                 }

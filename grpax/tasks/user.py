@@ -36,16 +36,23 @@ def _import_file(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: one line naming it
-        raise ConfigError(
-            f"reward_functions_path={str(path)!r}: importing it raised {type(e).__name__}: {' '.join(str(e).split())}"
-        ) from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's file: one line naming it
+        what = (
+            f"called sys.exit({' '.join(str(e).split())}): a reward file must only define its functions"
+            if isinstance(e, SystemExit)
+            else f"raised {type(e).__name__}: {' '.join(str(e).split())}"
+        )
+        raise ConfigError(f"reward_functions_path={str(path)!r}: importing it {what}") from None
     sys.modules[name] = module
     return module
 
 
 def load_reward_functions(
-    path: str, names: Sequence[str], weights: Sequence[float] = (), extra_kwargs: dict | None = None
+    path: str,
+    names: Sequence[str],
+    weights: Sequence[float] = (),
+    extra_kwargs: dict | None = None,
+    timeout_s: float = 0.0,
 ) -> UserRewards:
     """The functions ``names`` of the Python file ``path``, with their weights.
 
@@ -54,6 +61,7 @@ def load_reward_functions(
       names: function names in it (``reward_functions``), in order; at least one.
       weights: one weight per name (``reward_weights``); empty = 1.0 each.
       extra_kwargs: passed to every call (the trainer passes ``{"tmvp_config": <the run's config>}``).
+      timeout_s: seconds each call may take (``reward_timeout_seconds``); 0: no limit.
 
     Returns:
       UserRewards.
@@ -98,6 +106,7 @@ def load_reward_functions(
         weights=dict(zip(names, [float(w) for w in weights] or [1.0] * len(names), strict=True)),
         source=str(path),
         extra_kwargs=extra_kwargs or {},
+        timeout_s=timeout_s,
     )
 
 

@@ -1,0 +1,87 @@
+"""A full disk is one line naming where (issue 27, item 7), reproduced on a 3 MB tmpfs: the reference copy
+("6291456 requested and 3141504 written"), the model files beside the checkpoints (tokenizers' bare
+``Exception: No space left on device (os error 28)``), TensorBoard's flush on the way out (which replaced the
+first error), and the safetensors writer of ``to_huggingface`` (``SafetensorError`` traceback)."""
+
+from __future__ import annotations
+
+import errno
+
+import jax.numpy as jnp
+import pytest
+
+from grpax.config import ConfigError
+
+
+def test_a_full_disk_inside_a_run_names_the_run_folder(tmp_path):
+    from grpax.rl.run_folder import claim_run_folder
+
+    with pytest.raises(
+        ConfigError, match=rf"writing the run folder {tmp_path / 'run'} failed: No space left on "
+    ):
+        with claim_run_folder(tmp_path / "run", main_process=True):
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "x"))
+    with pytest.raises(FileNotFoundError):  # other OS errors pass as they are
+        with claim_run_folder(tmp_path / "run", main_process=True):
+            raise FileNotFoundError("dataset")
+
+
+def test_the_reference_copy_on_a_full_disk_names_its_file_and_leaves_nothing(tmp_path, monkeypatch):
+    from grpax.rl import reference
+
+    def short_write(path, array):
+        raise OSError("6291456 requested and 3141504 written")
+
+    monkeypatch.setattr(reference.np, "save", short_write)
+    with pytest.raises(
+        OSError, match=r"writing the reference model's copy .* failed: 6291456 requested"
+    ) as e:
+        reference.FrozenParams({"w": jnp.ones(4)}, tmp_path / ".reference")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / ".reference" / "0.npy")
+    assert not (tmp_path / ".reference").exists()
+
+
+def test_the_model_files_on_a_full_disk_are_an_os_error(tmp_path, monkeypatch, tiny_checkpoint):
+    from grpax.checkpoint.orbax import load_model
+    from grpax.rl import resume
+
+    _, cfg, tokenizer = load_model(tiny_checkpoint)
+
+    def full(tokenizer, folder):
+        raise Exception("No space left on device (os error 28)")  # noqa: TRY002 - what tokenizers raises
+
+    monkeypatch.setattr(resume, "save_tokenizer", full)
+    with pytest.raises(OSError) as e:
+        resume.write_model_files(tmp_path / "checkpoints", cfg, tokenizer)
+    assert e.value.errno == errno.ENOSPC and not list(tmp_path.iterdir())
+
+
+def test_a_tensorboard_flush_on_a_full_disk_does_not_hide_the_first_error(tmp_path):
+    from grpax.rl.metrics_writer import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+
+    class Full:
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer._tb = Full()
+    writer.close()  # warns, does not raise
+    writer.close()
+
+
+def test_to_huggingface_on_a_full_disk_is_one_line(tiny_checkpoint, tmp_path, monkeypatch):
+    from grpax.checkpoint import convert
+
+    class SafetensorError(Exception):
+        pass
+
+    def full(*args):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(convert, "_write_safetensors", full)
+    with pytest.raises(
+        ConfigError, match=r"writing the safetensors under .*hf failed \(Error while serializing"
+    ):
+        convert.to_huggingface(tiny_checkpoint, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").iterdir())

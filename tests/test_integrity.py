@@ -1,0 +1,194 @@
+"""Nothing poisoned (issue 27): checkpoint digests checked on restore and export, damaged small files refused
+before the model loads, non-finite weights never exported, and every such error one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_run_keys
+
+from grpax.checkpoint.orbax import BrokenCheckpointError, restore_params, save_params
+from grpax.checkpoint.train_state import DamagedStepError, TrainCheckpointer
+from grpax.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+def _params():
+    return {
+        "embed": jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64),
+        "layers": {"wq": jnp.ones((2, 64, 64), jnp.bfloat16)},
+    }
+
+
+def _opt_state():
+    return {"mu": jnp.linspace(0, 1, 4096, dtype=jnp.float32), "count": jnp.zeros((), jnp.int32)}
+
+
+def _damage(folder: Path) -> None:
+    """Overwrites 4 KiB in the middle of the largest data file under ``folder`` (Orbax/OCDBT chunks)."""
+    data = max((p for p in folder.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(os.urandom(4096))
+
+
+def _two_steps(tmp_path: Path) -> TrainCheckpointer:
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints")
+    for step in (1, 2):
+        checkpointer.save(step, _params(), _opt_state(), {"step": step})
+    return checkpointer
+
+
+@pytest.mark.parametrize("item", ["model_params", "opt_state"])
+def test_a_damaged_step_is_refused_on_restore_naming_the_array_and_the_previous_step(tmp_path, item):
+    checkpointer = _two_steps(tmp_path)
+    params, opt_state, meta = checkpointer.restore(2, _params(), _opt_state())
+    assert meta == {"step": 2}  # the digests stay inside the checkpoint
+    _damage(checkpointer.step_dir(2) / item)
+    with pytest.raises(DamagedStepError) as e:
+        checkpointer.restore(2, _params(), _opt_state())
+    message = str(e.value)
+    assert "\n" not in message and f"actor/2/{item} array" in message, message
+    assert "resume from step 1" in message and f"delete {checkpointer.step_dir(2)}" in message, message
+    checkpointer.close()
+
+
+def test_a_damaged_trained_actor_is_refused_on_export(tmp_path):
+    checkpointer = _two_steps(tmp_path)
+    checkpointer.close()
+    params_dir = checkpointer.step_dir(2) / "model_params"
+    restore_params(params_dir)  # intact: reads
+    _damage(params_dir)
+    with pytest.raises(BrokenCheckpointError, match=r"array (embed|layers\.wq) differs .* \(kept: 1\)"):
+        restore_params(params_dir)
+
+
+def test_a_truncated_train_meta_or_a_bad_metrics_line_stops_a_resume_before_the_model_loads(tmp_path):
+    from grpax.rl.resume import RunPaths, check_resume
+    from grpax.rl.train_config import TrainConfig
+
+    cfg = TrainConfig(**tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused"))
+    paths = RunPaths.of(cfg)
+    checkpointer = TrainCheckpointer(paths.checkpoints)
+    checkpointer.save(2, _params(), _opt_state(), {"step": 2})
+    checkpointer.close()
+    meta = paths.checkpoints / "actor" / "2" / "train_meta" / "metadata"
+    good = meta.read_text()
+    meta.write_text(good[:30])
+    with pytest.raises(DamagedStepError, match=rf"{meta} is truncated .*no earlier step is kept: delete"):
+        check_resume(cfg, paths, 2)
+    meta.write_text(good)
+    (paths.run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n[1, 2]\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl line 2 holds '\[1, 2\]', not a metrics record"):
+        check_resume(cfg, paths, 2)
+
+
+def test_to_huggingface_refuses_non_finite_weights(tiny_checkpoint, tmp_path):
+    from grpax.checkpoint.convert import to_huggingface
+
+    params = restore_params(tiny_checkpoint)
+    params["layers"]["wq"].flat[5] = np.nan
+    save_params(params, tmp_path / "nan" / "0" / "items")
+    shutil.copy(tiny_checkpoint.parents[1] / "config.json", tmp_path / "nan" / "config.json")
+    with pytest.raises(BrokenCheckpointError, match=r"holds 1 NaN/inf weights \(the first in layers.wq\)"):
+        to_huggingface(tmp_path / "nan" / "0" / "items", tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_finite_update_is_one_line_with_exit_2(monkeypatch, capsys, tmp_path):
+    from grpax.cli import train_rl
+    from grpax.cli.main import main
+    from grpax.rl.trainer import NonFiniteError
+
+    def diverge(config):
+        raise NonFiniteError("step 1: the update made weights NaN/inf and nothing of this step was saved")
+
+    monkeypatch.setattr(train_rl, "train", diverge)
+    keys = tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("grpax train_rl: error: step 1: the update made weights NaN/inf"), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_a_config_json_of_another_size_is_refused_before_sampling(tiny_checkpoint, tmp_path):
+    from grpax.checkpoint.orbax import load_model
+
+    base = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint.parents[1], base)
+    config = json.loads((base / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        BrokenCheckpointError, match=r"weight layers\.\w+ has shape \[2, .*\[3, .*num_layers=3"
+    ) as e:
+        load_model(base / "0" / "items")
+    assert f"does not match {base / 'config.json'}" in str(e.value)
+
+
+def test_a_read_only_base_output_directory_or_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    from grpax.cli import train_rl
+    from grpax.cli.main import main
+    from grpax.rl import run_folder
+
+    if os.geteuid() == 0:  # root writes anywhere: a file in the way fails the same mkdir
+        (tmp_path / "ro").write_text("not a folder")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+    with pytest.raises(
+        ConfigError, match=r"cannot write the run folder .*ro/sub/run .*pass a base_output_directory"
+    ):
+        with run_folder.claim_run_folder(tmp_path / "ro" / "sub" / "run", True):
+            pass
+
+    def full_disk(config):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / ".reference" / "embed"))
+
+    monkeypatch.setattr(train_rl, "train", full_disk)
+    keys = tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "No space left on device" in err and ".reference/embed" in err, err
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_without_orbax_thread_tracebacks(
+    tmp_path, monkeypatch, caplog
+):
+    """Reproduced on a 300 KB tmpfs: Orbax's writer threads logged 4 tracebacks (230 lines) around the error."""
+    import logging
+
+    from grpax.checkpoint.train_state import SaveFailedError
+
+    checkpointer = _two_steps(tmp_path)
+    tensorstore = (
+        'RESOURCE_EXHAUSTED: Error writing "w/c/0/0" in OCDBT database at local file "/x/": Failed writing: '
+        "\"/x/d/24c7\": Failed to write 770375 bytes to file 7: No space left on device [os_error_code='28']"
+    )
+
+    def full_disk(*args):
+        logging.getLogger("absl").error(
+            "[thread=array_type_handler] _SignalingThread.run() raised an exception: %s", tensorstore
+        )
+        raise ValueError(tensorstore)
+
+    monkeypatch.setattr(checkpointer, "_write", full_disk)
+    with caplog.at_level(logging.INFO):
+        with pytest.raises(SaveFailedError) as e:
+            checkpointer.save(3, _params(), _opt_state(), {"step": 3})
+    assert str(e.value).startswith(
+        f"writing checkpoint step 3 to {checkpointer.step_dir(3)} failed: No space left on device (RESOURCE_EXHAUSTED); "
+        "the last finished step 2 is kept"
+    )
+    assert "raised an exception" not in caplog.text
+    checkpointer.close()
