@@ -19,6 +19,15 @@ from grpax.errors import ConfigError, suggest
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of each layer in the backward pass (grpax.models.llama: jax.checkpoint policies).
 REMAT_POLICIES = ("none", "full", "dots", "minimal")
+# The attention implementations (grpax.models.attention.IMPLEMENTATIONS): MaxText's ``attention`` key, its
+# dot_product value (the plain XLA einsums); jax.nn.dot_product_attention's XLA and cuDNN implementations.
+ATTENTION_IMPLEMENTATIONS = ("dot_product", "jax_nn", "cudnn")
+# MaxText's other values, each a kernel grpax does not have: the refusal says so.
+_MAXTEXT_ATTENTION = {
+    "autoselected": "MaxText's per-platform choice",
+    "flash": "MaxText's TPU Pallas kernel",
+    "cudnn_flash_te": "MaxText's TransformerEngine kernel",
+}
 
 
 # The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
@@ -62,6 +71,7 @@ class ModelConfig:
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
     remat_policy: str = "none"  # none | full | dots | minimal (jax.checkpoint policies on each layer)
+    attention: str = "dot_product"  # one of ATTENTION_IMPLEMENTATIONS (grpax.models.attention)
     # Architecture of the family (defaults: Llama).
     family: str = "llama"  # one of FAMILIES: Hugging Face names and config.json form
     attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o has none
@@ -89,6 +99,18 @@ class ModelConfig:
             raise ConfigError(
                 f"remat_policy={self.remat_policy!r}: expected one of {', '.join(REMAT_POLICIES)}"
                 f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            known = _MAXTEXT_ATTENTION.get(self.attention)
+            raise ConfigError(
+                f"attention={self.attention!r}{f' is {known}, which grpax does not have' if known else ''}: "
+                f"expected one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+                f".{suggest(str(self.attention), ATTENTION_IMPLEMENTATIONS)}"
+            )
+        if self.attention != "dot_product" and self.attn_logit_softcap:
+            raise ConfigError(
+                f"attention={self.attention} has no soft-capping of the scores, which this model uses "
+                f"(attn_logit_softcap={self.attn_logit_softcap}): pass attention=dot_product"
             )
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILIES)}")
