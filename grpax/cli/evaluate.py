@@ -59,6 +59,10 @@ class EvaluateConfig(TaskConfig):
     scan_layers: bool = field(True, "stacked layers")
     weight_dtype: str = field("float32", "parameter dtype")
     dtype: str = field("float32", "activation dtype")
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+    )
     output_path: str = field("", "folder for results.jsonl and summary.json")
     hardware: str = field("cpu", "cpu | gpu | tpu")
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
@@ -179,6 +183,7 @@ def run(config: EvaluateConfig) -> int:
         scan_layers=config.scan_layers,
         weight_dtype=config.weight_dtype,
         dtype=config.dtype,
+        attention=config.attention,
     )
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(

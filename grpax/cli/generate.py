@@ -62,6 +62,10 @@ class GenerateConfig:
     dtype: str = field(
         "float32", "activation dtype (on CPU float32 is fastest, but with AMX bfloat16 samples ~1.7x faster)"
     )
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+    )
     scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
@@ -226,6 +230,7 @@ def run(config: GenerateConfig) -> int:
         scan_layers=config.scan_layers,
         weight_dtype=config.weight_dtype,
         dtype=config.dtype,
+        attention=config.attention,
     )
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)

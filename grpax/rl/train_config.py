@@ -70,6 +70,10 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
         "least memory, and on CPU also the fastest)",
     )
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+    )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
         "", "dataset for evaluation (default: dataset_name; needed when dataset_name is one file)"

@@ -196,6 +196,7 @@ def _load_policy(cfg: TrainConfig):
         weight_dtype=cfg.weight_dtype,
         dtype=cfg.dtype,
         remat_policy=cfg.remat_policy,
+        attention=cfg.attention,
     )
     if cfg.model_name:
         check_matches(model_cfg, cfg.model_name, cfg.load_parameters_path)
