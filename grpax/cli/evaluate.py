@@ -167,7 +167,7 @@ def run(config: EvaluateConfig) -> int:
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
     from grpax.models.registry import check_context_length
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import sampler_config
 
     what = f"max_target_length={config.max_target_length}"
     check_context_length(config.max_target_length, what, config.load_parameters_path)
@@ -196,12 +196,11 @@ def run(config: EvaluateConfig) -> int:
         need=("dataset_name", "eval_split", 1),
         load=lambda dataset, split: task_rows,
     )
-    stops = stop_token_ids(tokenizer, model_cfg)
-    sampler_cfg = SamplerConfig(
-        max_prompt_length=config.max_prefill_predict_length,
-        max_completion_length=config.max_target_length - config.max_prefill_predict_length,
-        stop_token_ids=stops,
-        pad_token_id=model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0],
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length,
+        config.max_target_length - config.max_prefill_predict_length,
+        stop_token_ids(tokenizer, model_cfg),
+        model_cfg.pad_token_id,
         **EVAL_STRATEGIES[config.eval_sampling_strategy],
     )
     summary = evaluate(

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.cli.common import select_hardware
 from grpax.config import ConfigError, field
 
 log = logging.getLogger(__name__)
@@ -109,14 +108,10 @@ def check_sampling(config: GenerateConfig, completion_length: int, sampling: dic
     Raises:
       ConfigError: a value ``SamplerConfig`` refuses, named by this command's key.
     """
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import sampler_config
 
     try:
-        SamplerConfig(
-            max_prompt_length=config.max_prefill_predict_length,
-            max_completion_length=completion_length,
-            **sampling,
-        )
+        sampler_config(config.max_prefill_predict_length, completion_length, **sampling)
     except ValueError as e:
         message = str(e).replace("greedy=true", "decode_sampling_strategy=greedy")
         for name, key in _SAMPLER_KEYS.items():
@@ -184,7 +179,6 @@ def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[
 
 
 def run(config: GenerateConfig) -> int:
-    select_hardware(config.hardware)
     import jax
     from tqdm import tqdm
 
@@ -192,7 +186,8 @@ def run(config: GenerateConfig) -> int:
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_context_length, check_matches
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import sampler_config
 
     if not config.load_parameters_path:
         raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
@@ -238,13 +233,11 @@ def run(config: GenerateConfig) -> int:
     token_ids = [
         tokenizer.encode(t, add_special_tokens=False) for t in render_prompts(config, tokenizer, texts)
     ]
-    stops = stop_token_ids(tokenizer, model_cfg)
-    pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else (stops[0] if stops else 0)
-    sampler_cfg = SamplerConfig(
-        max_prompt_length=config.max_prefill_predict_length,
-        max_completion_length=completion_length,
-        stop_token_ids=stops,
-        pad_token_id=pad,
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length,
+        completion_length,
+        stop_token_ids(tokenizer, model_cfg),
+        model_cfg.pad_token_id,
         **sampling,
     )
     rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]

@@ -20,6 +20,7 @@ from grpax.eval.keys import validate_eval_keys
 from grpax.models.registry import check_context_length
 from grpax.rl.config import GRPOConfig
 from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 log = logging.getLogger("grpax.train")
@@ -156,17 +157,17 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(sharding.MeshConfig)}
         )
 
-    def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int) -> SamplerConfig:
-        """The rollout sampler's config (the tokenizer gives the stop and pad ids)."""
-        return SamplerConfig(
-            max_prompt_length=self.max_prefill_predict_length,
-            max_completion_length=self.max_completion_length,
+    def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int | None) -> SamplerConfig:
+        """The rollout sampler's config (``pad_token_id``: the model's, None: ``grpax.sampler.keys``'s fallback)."""
+        return sampler_config(
+            self.max_prefill_predict_length,
+            self.max_completion_length,
+            stop_token_ids,
+            pad_token_id,
             temperature=self.temperature,
             top_k=self.decode_sampling_top_k,
             top_p=self.decode_sampling_nucleus_p,
             greedy=False,
-            stop_token_ids=tuple(stop_token_ids),
-            pad_token_id=pad_token_id,
         )
 
 

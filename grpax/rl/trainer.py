@@ -253,9 +253,7 @@ def _sampler_configs(
     cfg: TrainConfig, grpo: GRPOConfig, tokenizer: Any, model_cfg: ModelConfig
 ) -> tuple[SamplerConfig, SamplerConfig]:
     """The rollout sampler's config and the evaluation sampler's (``eval_sampling_strategy``)."""
-    stops = stop_token_ids(tokenizer, model_cfg)
-    pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0]
-    sampler_cfg = cfg.sampler_config(stops, pad_id)
+    sampler_cfg = cfg.sampler_config(stop_token_ids(tokenizer, model_cfg), model_cfg.pad_token_id)
     return sampler_cfg, dataclasses.replace(sampler_cfg, **EVAL_STRATEGIES[cfg.eval_sampling_strategy])
 
 
