@@ -339,7 +339,9 @@ def find_model_folder(path: str | Path) -> Path:
     )
 
 
-def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelConfig, Any]:
+def load_model(
+    path: str | Path, model_cfg: ModelConfig | None = None, **model_overrides: Any
+) -> tuple[Params, ModelConfig, Any]:
     """Loads params, model config and tokenizer from a native checkpoint.
 
     ``path`` is either a converted checkpoint ``<base>/0/items`` or a trained actor checkpoint
@@ -349,6 +351,8 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
 
     Args:
       path: the Orbax params folder.
+      model_cfg: the model when the caller has read its ``config.json`` already
+        (``grpax.models.registry.checkpoint_config``, with its overrides); None: read here.
       **model_overrides: ``ModelConfig`` fields to override (``scan_layers``, ``dtype``, ``weight_dtype``...);
         ``weight_dtype`` defaults to the dtype stored in the checkpoint.
 
@@ -369,18 +373,21 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
     folder = find_model_folder(path)
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
-    overrides = dict(model_overrides)
-    overrides.setdefault("weight_dtype", stored_dtype(path))
-    cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
+    if model_cfg is None:
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+        overrides = dict(model_overrides)
+        overrides.setdefault("weight_dtype", stored_dtype(path))
+        model_cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
+    else:
+        assert not model_overrides, "model_cfg carries its overrides"
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "
             "copy the model's tokenizer files there or re-run grpax to_native"
         )
     tokenizer = load_tokenizer(folder)
-    params = restore_params(path, cfg)
-    return params, cfg, tokenizer
+    params = restore_params(path, model_cfg)
+    return params, model_cfg, tokenizer

@@ -166,11 +166,19 @@ def run(config: EvaluateConfig) -> int:
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
-    from grpax.models.registry import check_context_length
+    from grpax.models.registry import check_context_length, checkpoint_config
     from grpax.sampler.keys import sampler_config
 
+    # The checkpoint's config.json, read once: the context check here, the load below.
+    model_cfg, source = checkpoint_config(
+        config.load_parameters_path,
+        scan_layers=config.scan_layers,
+        weight_dtype=config.weight_dtype,
+        dtype=config.dtype,
+        attention=config.attention,
+    )
     what = f"max_target_length={config.max_target_length}"
-    check_context_length(config.max_target_length, what, config.load_parameters_path)
+    check_context_length(config.max_target_length, what, model_cfg, source)
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
         task_rows = task.load_rows(config.dataset_name, config.eval_split)
     except (FileNotFoundError, ValueError) as e:
@@ -178,13 +186,7 @@ def run(config: EvaluateConfig) -> int:
             f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
         ) from None
     distributed.maybe_initialize(config.skip_jax_distributed_system)
-    params, model_cfg, tokenizer = load_model(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-        attention=config.attention,
-    )
+    params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
         tokenizer,

@@ -185,7 +185,7 @@ def run(config: GenerateConfig) -> int:
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_context_length, check_matches
+    from grpax.models.registry import check_context_length, check_matches, checkpoint_config
     from grpax.sampler.engine import generate
     from grpax.sampler.keys import sampler_config
 
@@ -218,15 +218,17 @@ def run(config: GenerateConfig) -> int:
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
         what = f"max_prefill_predict_length + max_completion_length = {total}"
-    check_context_length(total, what, config.load_parameters_path)
-    distributed.maybe_initialize(config.skip_jax_distributed_system)
-    params, model_cfg, tokenizer = load_model(
+    # The checkpoint's config.json, read once: the context check here, the load below.
+    model_cfg, source = checkpoint_config(
         config.load_parameters_path,
         scan_layers=config.scan_layers,
         weight_dtype=config.weight_dtype,
         dtype=config.dtype,
         attention=config.attention,
     )
+    check_context_length(total, what, model_cfg, source)
+    distributed.maybe_initialize(config.skip_jax_distributed_system)
+    params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
     params = jax.device_put(params)
