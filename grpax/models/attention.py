@@ -1,7 +1,7 @@
 """Grouped-query attention behind one choice: ``ModelConfig.attention`` names the implementation.
 
 ``forward`` and ``forward_grouped`` (``grpax.models.llama``) resolve ``cfg.attention`` once per trace with
-``select_attention`` and hand the chosen function to every layer, so the update, the reference pass and the
+``select_attention`` and hand the chosen implementation to every layer, so the update, the reference pass and the
 sampler's XLA backend (its prefill) run the same attention. The key and its ``dot_product`` value are MaxText's
 (``attention: dot_product``, its plain XLA reference); a kernel plugs in as one row of ``IMPLEMENTATIONS`` and
 its name in ``grpax.models.registry.ATTENTION_IMPLEMENTATIONS``:
