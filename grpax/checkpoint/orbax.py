@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from grpax.config import ConfigError
+from grpax.models.attention import select_attention
 from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig, find_hf_config, from_hf_config
 
@@ -362,7 +363,7 @@ def load_model(
 
     Raises:
       FileNotFoundError: the checkpoint, ``config.json`` or the tokenizer files are missing (names the path).
-      ConfigError: ``config.json`` is not a Llama config.
+      ConfigError: ``config.json`` is not a Llama config, or names an attention this platform cannot run.
     """
     from grpax.data.tokenizer import load_tokenizer
 
@@ -383,6 +384,9 @@ def load_model(
         model_cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
     else:
         assert not model_overrides, "model_cfg carries its overrides"
+    # An attention this platform cannot run is refused before any weight is read (the forward resolves it
+    # again when traced; the sampler's CPU backend, which runs its own kernels, never does).
+    select_attention(model_cfg)
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "

@@ -13,7 +13,8 @@ its name in ``grpax.models.registry.ATTENTION_IMPLEMENTATIONS``:
 
 ``jax.nn.dot_product_attention`` has no score soft-capping, so ``jax_nn`` and ``cudnn`` refuse a config with
 ``attn_logit_softcap`` (Gemma 2). The decode step of one query per row over the KV cache (``cached_attention``
-with T == 1) reads the cache in its own layout whatever the choice (``cached_attention``'s docstring).
+with T == 1) reads the cache in its own layout whatever the choice (``cached_attention``'s docstring), and the
+sampler's CPU backend (``grpax.backends.cpu``) runs its own kernels: the choice is the XLA path's.
 
 ``window_mask`` builds the (global, local) masks of sliding-window layers; ``chunked_attention`` bounds the
 scores alive at once in the update. Shape letters as in ``grpax.models.llama``: B rows, T queries, S keys,
