@@ -41,7 +41,7 @@ HERE = [
     if not impl.platforms or jax.default_backend() in impl.platforms
 ]
 OTHERS = [name for name in HERE if name != "dot_product"]
-# float32 throughout: the implementations differ only in rounding (e.g. scores * (1 / sqrt(H)) against / sqrt(H)).
+# float32 throughout: the implementations differ only in rounding (scores * (1 / sqrt(H)) against / sqrt(H)).
 ATOL = 1e-5
 
 

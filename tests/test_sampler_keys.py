@@ -1,4 +1,4 @@
-"""MaxText's decode keys -> SamplerConfig (grpax.sampler.keys), the builder train_rl, evaluate and generate share."""
+"""The MaxText decode keys -> SamplerConfig builder (grpax.sampler.keys) of train_rl, evaluate, generate."""
 
 import pytest
 

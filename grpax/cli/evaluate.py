@@ -61,7 +61,8 @@ class EvaluateConfig(TaskConfig):
     dtype: str = field("float32", "activation dtype")
     attention: str = field(
         "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
     )
     output_path: str = field("", "folder for results.jsonl and summary.json")
     hardware: str = field("cpu", "cpu | gpu | tpu")

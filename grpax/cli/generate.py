@@ -63,7 +63,8 @@ class GenerateConfig:
     )
     attention: str = field(
         "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
     )
     scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")

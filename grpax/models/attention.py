@@ -1,10 +1,10 @@
 """Grouped-query attention behind one choice: ``ModelConfig.attention`` names the implementation.
 
 ``forward`` and ``forward_grouped`` (``grpax.models.llama``) resolve ``cfg.attention`` once per trace with
-``select_attention`` and hand the chosen implementation to every layer, so the update, the reference pass and the
-sampler's XLA backend (its prefill) run the same attention. The key and its ``dot_product`` value are MaxText's
-(``attention: dot_product``, its plain XLA reference); a kernel plugs in as one row of ``IMPLEMENTATIONS`` and
-its name in ``grpax.models.registry.ATTENTION_IMPLEMENTATIONS``:
+``select_attention`` and hand the chosen implementation to every layer, so the update, the reference pass
+and the sampler's XLA backend (its prefill) run the same attention. The key and its ``dot_product`` value
+are MaxText's (``attention: dot_product``, its plain XLA reference); a kernel plugs in as one row of
+``IMPLEMENTATIONS`` and its name in ``grpax.models.registry.ATTENTION_IMPLEMENTATIONS``:
 
 * ``dot_product`` (default): ``attention`` below, two einsums with the softmax in float32.
 * ``jax_nn``: ``jax.nn.dot_product_attention`` with its XLA implementation (any platform).
@@ -119,7 +119,7 @@ class Implementation:
     dtypes: tuple[str, ...] = ()
 
 
-# The values of ``ModelConfig.attention`` (grpax.models.registry.ATTENTION_IMPLEMENTATIONS holds the same names).
+# The values of ``ModelConfig.attention`` (registry.ATTENTION_IMPLEMENTATIONS holds the same names).
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "dot_product": Implementation(attention),
     "jax_nn": Implementation(jax_nn_attention),
@@ -134,19 +134,19 @@ def select_attention(cfg: ModelConfig) -> Implementation:
     """The implementation ``cfg.attention`` names, checked against the platform JAX runs on and ``cfg.dtype``.
 
     Raises:
-      ConfigError: the implementation does not run on this platform or dtype (one line: the key, why, the fix).
+      ConfigError: the implementation does not run on this platform or dtype (one line: key, why, fix).
     """
     impl = IMPLEMENTATIONS[cfg.attention]
     platform = jax.default_backend()
     if impl.platforms and platform not in impl.platforms:
         raise ConfigError(
-            f"attention={cfg.attention} runs on {' or '.join(impl.platforms)} only and JAX runs on {platform}: "
-            "pass attention=dot_product (or jax_nn)"
+            f"attention={cfg.attention} runs on {' or '.join(impl.platforms)} only and JAX runs on "
+            f"{platform}: pass attention=dot_product (or jax_nn)"
         )
     if impl.dtypes and cfg.dtype not in impl.dtypes:
         raise ConfigError(
-            f"attention={cfg.attention} takes dtype={' or '.join(impl.dtypes)} activations, not dtype={cfg.dtype}: "
-            f"pass dtype={impl.dtypes[0]}, or attention=dot_product"
+            f"attention={cfg.attention} takes dtype={' or '.join(impl.dtypes)} activations, not "
+            f"dtype={cfg.dtype}: pass dtype={impl.dtypes[0]}, or attention=dot_product"
         )
     return impl
 
@@ -160,8 +160,8 @@ def chunked_attention(
     cap: float | None = None,
     impl: Implementation = DOT_PRODUCT,
 ) -> jax.Array:
-    """``impl``'s attention computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the backward
-    pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
+    """``impl``'s attention computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the
+    backward pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
     B, T, N, H = q.shape
     if T <= _QUERY_CHUNK:
         return impl.attend(q, k, v, mask, scale, cap)

@@ -73,7 +73,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     attention: str = field(
         "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
@@ -158,7 +159,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         )
 
     def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int | None) -> SamplerConfig:
-        """The rollout sampler's config (``pad_token_id``: the model's, None: ``grpax.sampler.keys``'s fallback)."""
+        """The rollout sampler's config (``pad_token_id``: the model's; None: ``grpax.sampler.keys``'s)."""
         return sampler_config(
             self.max_prefill_predict_length,
             self.max_completion_length,
