@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -304,6 +305,11 @@ def test_generate_and_export_errors_are_one_line(tiny_native, tmp_path, capsys):
     )
     assert main(["generate", load, "prompt=hi", "dtype=int8"]) == 2
     _one_line_error(capsys, "dtype='int8' is not a supported dtype")
+    assert main(["generate", load, "prompt=hi", "attention=flash"]) == 2
+    _one_line_error(capsys, "attention='flash' is MaxText's TPU Pallas kernel, which grpax does not have")
+    if jax.default_backend() != "gpu":  # refused before any weight is read, the CPU sampler backend included
+        assert main(["generate", load, "prompt=hi", "attention=cudnn", "dtype=bfloat16"]) == 2
+        _one_line_error(capsys, f"attention=cudnn runs on gpu only and JAX runs on {jax.default_backend()}")
     assert main(["generate", load, f"prompts_path={tmp_path}/none.jsonl"]) == 2
     _one_line_error(capsys, f"prompts_path={tmp_path}/none.jsonl: no such file")
     bad = tmp_path / "bad.jsonl"

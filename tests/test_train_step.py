@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from grpax.errors import ConfigError
-from grpax.models import llama
+from grpax.models import attention
 from grpax.models.llama import forward, logits_from_hidden
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
@@ -89,7 +89,7 @@ def _grouped_batch(seed=0):
 @pytest.mark.parametrize("query_chunk", [128, 2])  # 2: prompts and completions attend in query blocks
 def test_grouped_logprobs_match_each_row_alone(params, num_micro_batches, query_chunk, monkeypatch):
     """Each prompt runs once for its G completions; every row still gets its own unpadded forward's values."""
-    monkeypatch.setattr(llama, "_QUERY_CHUNK", query_chunk)
+    monkeypatch.setattr(attention, "_QUERY_CHUNK", query_chunk)
     jax.clear_caches()  # the block size is read at trace time
     batch = _grouped_batch()
     logprobs = np.asarray(compute_logprobs(params, batch, CFG, TEMPERATURE, num_micro_batches))
@@ -114,24 +114,6 @@ def test_grouped_gradient_accumulation_equals_full_batch(params):
     for m in (3, 6):
         _, grads, _ = fn(params, batch, CFG, grpo, m)
         assert np.linalg.norm(flat(grads) - flat(full)) <= 1e-6 * np.linalg.norm(flat(full)), m
-
-
-def test_chunked_attention_equals_attention(monkeypatch):
-    """Query blocks of 4 over T = 10 (the last block padded): the same outputs and gradients as at once."""
-    monkeypatch.setattr(llama, "_QUERY_CHUNK", 4)
-    rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.normal(size=(2, 10, 4, 8)).astype(np.float32))
-    k, v = (jnp.asarray(rng.normal(size=(2, 13, 2, 8)).astype(np.float32)) for _ in range(2))
-    mask = jnp.asarray(rng.random((2, 10, 13)) < 0.7)
-    np.testing.assert_allclose(
-        llama.chunked_attention(q, k, v, mask), llama.attention(q, k, v, mask), atol=1e-6
-    )
-    grads = [
-        jax.grad(lambda *a, f=f: jnp.sum(f(*a, mask) ** 2), argnums=(0, 1, 2))(q, k, v)
-        for f in (llama.chunked_attention, llama.attention)
-    ]
-    for got, want in zip(*grads, strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_micro_batches_refuse_a_split_across_groups(params):

@@ -364,10 +364,10 @@ def to_native(
         source_kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
 
     if folder is not None:
-        from grpax.models.registry import load_hf_config
+        from grpax.models.registry import load_hf_config, read_hf_config
 
-        cfg = load_hf_config(folder, scan_layers=scan_layers, weight_dtype=weight_dtype)
-        hf_config = json.loads((folder / "config.json").read_text())
+        hf_config = read_hf_config(folder)
+        cfg = load_hf_config(folder, hf_config, scan_layers=scan_layers, weight_dtype=weight_dtype)
         check_matches(cfg, model_name, str(folder / "config.json"))
         source = SafetensorsSource(folder, lazy=lazy_load_tensors)
         total_bytes = source.total_bytes

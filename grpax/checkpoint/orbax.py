@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from grpax.config import ConfigError
+from grpax.models.attention import select_attention
 from grpax.models.params import Params, convert_layout
 from grpax.models.registry import ModelConfig, find_hf_config, from_hf_config
 
@@ -412,7 +413,9 @@ def find_model_folder(path: str | Path) -> Path:
     )
 
 
-def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelConfig, Any]:
+def load_model(
+    path: str | Path, model_cfg: ModelConfig | None = None, **model_overrides: Any
+) -> tuple[Params, ModelConfig, Any]:
     """Loads params, model config and tokenizer from a native checkpoint.
 
     ``path`` is either a converted checkpoint ``<base>/0/items`` or a trained actor checkpoint
@@ -422,6 +425,8 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
 
     Args:
       path: the Orbax params folder.
+      model_cfg: the model when the caller has read its ``config.json`` already
+        (``grpax.models.registry.checkpoint_config``, with its overrides); None: read here.
       **model_overrides: ``ModelConfig`` fields to override (``scan_layers``, ``dtype``, ``weight_dtype``...);
         ``weight_dtype`` defaults to the dtype stored in the checkpoint.
 
@@ -431,7 +436,7 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
 
     Raises:
       FileNotFoundError: the checkpoint, ``config.json`` or the tokenizer files are missing (names the path).
-      ConfigError: ``config.json`` is not a Llama config.
+      ConfigError: ``config.json`` is not a Llama config, or names an attention this platform cannot run.
     """
     from grpax.data.tokenizer import load_tokenizer
 
@@ -442,19 +447,25 @@ def load_model(path: str | Path, **model_overrides: Any) -> tuple[Params, ModelC
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
     folder = find_model_folder(path)
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
-    overrides = dict(model_overrides)
-    overrides.setdefault("weight_dtype", stored_dtype(path))
-    cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
-    check_shapes(path, cfg, folder / "config.json")
+    if model_cfg is None:
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+        overrides = dict(model_overrides)
+        overrides.setdefault("weight_dtype", stored_dtype(path))
+        model_cfg = from_hf_config(hf, str(folder / "config.json"), **overrides)
+    else:
+        assert not model_overrides, "model_cfg carries its overrides"
+    check_shapes(path, model_cfg, folder / "config.json")
+    # An attention this platform cannot run is refused before any weight is read (the forward resolves it
+    # again when traced; the sampler's CPU backend, which runs its own kernels, never does).
+    select_attention(model_cfg)
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise FileNotFoundError(
             f"no tokenizer.json in {folder} (the folder holding config.json for {path}); "
             "copy the model's tokenizer files there or re-run grpax to_native"
         )
     tokenizer = load_tokenizer(folder)
-    params = restore_params(path, cfg)
-    return params, cfg, tokenizer
+    params = restore_params(path, model_cfg)
+    return params, model_cfg, tokenizer

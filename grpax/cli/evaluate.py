@@ -60,6 +60,11 @@ class EvaluateConfig(TaskConfig):
     scan_layers: bool = field(True, "stacked layers")
     weight_dtype: str = field("float32", "parameter dtype")
     dtype: str = field("float32", "activation dtype")
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+    )
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
     hardware: str = field("cpu", "cpu | gpu | tpu")
@@ -189,11 +194,19 @@ def run(config: EvaluateConfig) -> int:
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
-    from grpax.models.registry import check_context_length
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.models.registry import check_context_length, checkpoint_config
+    from grpax.sampler.keys import sampler_config
 
+    # The checkpoint's config.json, read once: the context check here, the load below.
+    model_cfg, source = checkpoint_config(
+        config.load_parameters_path,
+        scan_layers=config.scan_layers,
+        weight_dtype=config.weight_dtype,
+        dtype=config.dtype,
+        attention=config.attention,
+    )
     what = f"max_target_length={config.max_target_length}"
-    check_context_length(config.max_target_length, what, config.load_parameters_path)
+    check_context_length(config.max_target_length, what, model_cfg, source)
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
         task_rows = task.load_rows(config.dataset_name, config.eval_split)
     except (FileNotFoundError, ValueError) as e:
@@ -201,12 +214,7 @@ def run(config: EvaluateConfig) -> int:
             f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
         ) from None
     distributed.maybe_initialize(config.skip_jax_distributed_system)
-    params, model_cfg, tokenizer = load_model(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-    )
+    params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
         tokenizer,
@@ -218,12 +226,11 @@ def run(config: EvaluateConfig) -> int:
         need=("dataset_name", "eval_split", 1),
         load=lambda dataset, split: task_rows,
     )
-    stops = stop_token_ids(tokenizer, model_cfg)
-    sampler_cfg = SamplerConfig(
-        max_prompt_length=config.max_prefill_predict_length,
-        max_completion_length=config.max_target_length - config.max_prefill_predict_length,
-        stop_token_ids=stops,
-        pad_token_id=model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0],
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length,
+        config.max_target_length - config.max_prefill_predict_length,
+        stop_token_ids(tokenizer, model_cfg),
+        model_cfg.pad_token_id,
         **EVAL_STRATEGIES[config.eval_sampling_strategy],
     )
     summary = evaluate(

@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.cli.common import select_hardware
 from grpax.config import ConfigError, field
 from grpax.files import check_output, write_text_atomic
 
@@ -63,6 +62,11 @@ class GenerateConfig:
     dtype: str = field(
         "float32", "activation dtype (on CPU float32 is fastest, but with AMX bfloat16 samples ~1.7x faster)"
     )
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+    )
     scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
     overwrite: bool = field(False, "replace the file at output_path if it exists")
@@ -107,14 +111,10 @@ def check_sampling(config: GenerateConfig, completion_length: int, sampling: dic
     Raises:
       ConfigError: a value ``SamplerConfig`` refuses, named by this command's key.
     """
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import sampler_config
 
     try:
-        SamplerConfig(
-            max_prompt_length=config.max_prefill_predict_length,
-            max_completion_length=completion_length,
-            **sampling,
-        )
+        sampler_config(config.max_prefill_predict_length, completion_length, **sampling)
     except ValueError as e:
         message = str(e).replace("greedy=true", "decode_sampling_strategy=greedy")
         for name, key in _SAMPLER_KEYS.items():
@@ -182,15 +182,15 @@ def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[
 
 
 def run(config: GenerateConfig) -> int:
-    select_hardware(config.hardware)
     import jax
     from tqdm import tqdm
 
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_context_length, check_matches
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.models.registry import check_context_length, check_matches, checkpoint_config
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import sampler_config
 
     if not config.load_parameters_path:
         raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
@@ -219,27 +219,28 @@ def run(config: GenerateConfig) -> int:
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
         what = f"max_prefill_predict_length + max_completion_length = {total}"
-    check_context_length(total, what, config.load_parameters_path)
-    distributed.maybe_initialize(config.skip_jax_distributed_system)
-    params, model_cfg, tokenizer = load_model(
+    # The checkpoint's config.json, read once: the context check here, the load below.
+    model_cfg, source = checkpoint_config(
         config.load_parameters_path,
         scan_layers=config.scan_layers,
         weight_dtype=config.weight_dtype,
         dtype=config.dtype,
+        attention=config.attention,
     )
+    check_context_length(total, what, model_cfg, source)
+    distributed.maybe_initialize(config.skip_jax_distributed_system)
+    params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
     params = jax.device_put(params)
     token_ids = [
         tokenizer.encode(t, add_special_tokens=False) for t in render_prompts(config, tokenizer, texts)
     ]
-    stops = stop_token_ids(tokenizer, model_cfg)
-    pad = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else (stops[0] if stops else 0)
-    sampler_cfg = SamplerConfig(
-        max_prompt_length=config.max_prefill_predict_length,
-        max_completion_length=completion_length,
-        stop_token_ids=stops,
-        pad_token_id=pad,
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length,
+        completion_length,
+        stop_token_ids(tokenizer, model_cfg),
+        model_cfg.pad_token_id,
         **sampling,
     )
     rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]

@@ -39,8 +39,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def select_backend(hardware: str) -> None:
-    """Points JAX at ``hardware`` (unless JAX_PLATFORMS is set) and checks that the backend exists.
+def select_platform(hardware: str) -> None:
+    """Points JAX at ``hardware`` (unless JAX_PLATFORMS is set) and checks that the platform exists: the one
+    place a command's ``hardware`` key is acted on (before the command runs, before JAX starts a backend).
 
     Raises:
       ConfigError: an unknown value, or no such device (one line instead of JAX's traceback).
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 # needs no accelerator, whatever `hardware` the run's own command names.
                 hardware = "cpu"
             if hardware:
-                select_backend(hardware)
+                select_platform(hardware)
             return int(module.run(config) or 0)
     except USER_ERRORS as e:
         if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):

@@ -34,10 +34,8 @@ class CONFIG:
 
 
 def run(config: CONFIG) -> int:
-    from grpax.cli.common import select_hardware
     from grpax.config import ConfigError
 
-    select_hardware(config.hardware)
     if config.use_multimodal:
         raise ConfigError("use_multimodal=true is not supported: grpax exports text-only causal LMs")
     for key in ("load_parameters_path", "base_output_directory"):

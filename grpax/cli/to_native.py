@@ -42,10 +42,8 @@ class CONFIG:
 
 
 def run(config: CONFIG) -> int:
-    from grpax.cli.common import select_hardware
     from grpax.config import ConfigError
 
-    select_hardware(config.hardware)
     if not config.base_output_directory:
         raise ConfigError(
             "base_output_directory is required (e.g. base_output_directory=checkpoints/smollm2)"

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from grpax.data.gsm8k import render_prompt, tokenize_prompts
 from grpax.eval.metrics import summarize
 from grpax.files import write_text_atomic
 from grpax.models.registry import ModelConfig
@@ -58,9 +57,11 @@ def evaluate(
     Args:
       params: model params (any sharding).
       model_cfg: the model's config.
-      tokenizer: HF tokenizer with the chat template.
-      rows: the task's rows (``Task.load_rows``: ``question``, ``gold``, its columns).
-      task: renders the prompts (``task.preset``), scores and judges the completions (``Task.records``).
+      tokenizer: HF tokenizer (decodes the completions).
+      rows: the task's rows as ``grpax.data.gsm8k.prepare_rows`` gives them (``Task.load_rows``'s
+        ``question``, ``gold`` and columns, and ``prompt_ids``: the prompt rendered with ``task.preset``
+        and tokenised once).
+      task: scores and judges the completions (``Task.records``).
       sampler_cfg: sampling settings (greedy for the usual accuracy).
       batch_size: questions per generate call (rows per call = batch_size * num_eval_passes).
       num_eval_passes: samples per question (k of pass@k and maj@k).
@@ -82,8 +83,7 @@ def evaluate(
         raise ValueError(
             f"evaluate: batch_size={batch_size} and num_eval_passes={num_eval_passes} must be >= 1"
         )
-    texts = [render_prompt(tokenizer, row["question"], task.preset) for row in rows]
-    prompt_ids = tokenize_prompts(tokenizer, texts)
+    prompt_ids = [row["prompt_ids"] for row in rows]
     key = jax.random.key(seed)
     records: list[dict] = []
     starts = range(0, len(rows), batch_size)

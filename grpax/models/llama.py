@@ -9,6 +9,10 @@ q/k RMSNorm before RoPE, Gemma's (1 + w) RMSNorm in float32, norms after attenti
 scaled by sqrt(D), ``query_pre_attn_scalar``, attention and final logit soft-capping (Gemma 2 report), and
 sliding-window attention on the local layers, with Gemma 3's local RoPE base (Gemma 3 report).
 
+Attention is ``grpax.models.attention`` (one implementation, ``cfg.attention``, resolved once per trace);
+each block step runs under ``jax.named_scope`` (qkv, rope, kv_cache, attention, attention_out, mlp), so
+profiles read like this code.
+
 Positions are per row, so left-padded, right-padded and packed-by-mask batches give the same logits for their
 real tokens as unpadded rows. The KV cache layout keeps the token of position p at cache slot p of its row:
 each row advances at its own pace and a query at position p attends exactly to slots 0..p.
@@ -22,12 +26,19 @@ import math
 import jax
 import jax.numpy as jnp
 
+from grpax.models.attention import (
+    DOT_PRODUCT,
+    Implementation,
+    cached_attention,
+    chunked_attention,
+    select_attention,
+    softcap,
+    window_mask,
+)
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.models.sharding_rules import constrain
 
-# A large finite negative keeps fully-masked (padding) query rows finite instead of NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Logical axes of the residual stream [B, T, D]; pinned at block edges when run inside jax.set_mesh(mesh).
 _RESIDUAL = ("batch", "length", "act_embed")
 
@@ -85,121 +96,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    """``cap * tanh(x / cap)`` (Gemma 2's attention and final logit soft-capping); ``x`` when ``cap`` is None."""
-    return x if not cap else cap * jnp.tanh(x / cap)
-
-
 def _scale(cfg: ModelConfig) -> float | None:
     """The scores' factor when it is not 1 / sqrt(H) (``query_pre_attn_scalar``), else None."""
     return None if cfg.query_pre_attn_scalar is None else cfg.attention_scale
-
-
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    scale: float | None = None,
-    cap: float | None = None,
-) -> jax.Array:
-    """Grouped-query attention.
-
-    Args:
-      q: [B, T, N, H] queries (already rotated).
-      k, v: [B, S, K, H] keys and values; N must be a multiple of K.
-      mask: bool [B, T, S], True where query t may attend to key s.
-      scale: the scores' factor (None: 1 / sqrt(H)); cap: soft-capping of the scores (``softcap``), or None.
-
-    Returns:
-      [B, T, N, H] in q's dtype; softmax in float32.
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    scores = softcap(scores / math.sqrt(H) if scale is None else scores * scale, cap)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(B, T, N, H)
-
-
-# Queries per block of ``chunked_attention``: the [B, N, T, S] float32 scores of a long sequence are never
-# materialised at once, forward or backward.
-_QUERY_CHUNK = 128
-
-
-def chunked_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    scale: float | None = None,
-    cap: float | None = None,
-) -> jax.Array:
-    """``attention`` computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the backward
-    pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
-    B, T, N, H = q.shape
-    if T <= _QUERY_CHUNK:
-        return attention(q, k, v, mask, scale, cap)
-    n = -(-T // _QUERY_CHUNK)
-    pad = n * _QUERY_CHUNK - T
-
-    def blocks(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [n, B, _QUERY_CHUNK, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return x.reshape(B, n, _QUERY_CHUNK, *x.shape[2:]).swapaxes(0, 1)
-
-    block = jax.checkpoint(lambda qm: attention(qm[0], k, v, qm[1], scale, cap))
-    out = jax.lax.map(block, (blocks(q), blocks(mask)))
-    return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
-
-
-def cached_attention(
-    q: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
-    mask: jax.Array,
-    scale: float | None = None,
-    cap: float | None = None,
-) -> jax.Array:
-    """Grouped-query attention of new queries over a KV cache in the decode layout.
-
-    The cache keeps keys as [B, K, H, S] and values as [B, K, S, H]. For one query per row (decode, T == 1)
-    both products read the cache in place: the scores are a multiply-reduce over H that XLA vectorises over
-    the slots, and the weighted sum a batched matmul over contiguous [S, H] rows. At batch 64 on CPU that is a
-    256 ms decode step against 349 ms for a multiply-reduce over a [B, S, K, H] cache, and far faster than an
-    einsum over that layout, which made XLA transpose the whole cache of every layer at every step
-    (docs/benchmarks.md). Several queries per row (a padded prefill, once per rollout) use ``attention`` on
-    the cache transposed to [B, S, K, H], in float32.
-
-    Args:
-      q: [B, T, N, H] queries (already rotated).
-      cache_k: [B, K, H, S] cached keys; cache_v: [B, K, S, H] cached values; N must be a multiple of K.
-      mask: bool [B, T, S], True where query t may attend to slot s.
-      scale, cap: as in ``attention``.
-
-    Returns:
-      [B, T, N, H] in q's dtype; scores and softmax in float32.
-    """
-    B, T, N, H = q.shape
-    K = cache_k.shape[1]
-    if T == 1:
-        q1 = q.reshape(B, K, N // K, H).astype(jnp.float32)  # [B, K, G, H]
-        q1 = q1 / math.sqrt(H) if scale is None else q1 * scale
-        scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
-        scores = softcap(scores, cap)
-        scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-        out = jnp.einsum("BKGS,BKSH->BKGH", probs, cache_v, preferred_element_type=jnp.float32)
-        return out.reshape(B, 1, N, H).astype(q.dtype)
-    q = q.reshape(B, T, K, N // K, H)
-    # Several queries per row (a padded prefill, once per rollout): the plain attention on the cache turned
-    # to [B, S, K, H], in float32 (XLA:CPU rejects some bf16 x bf16 -> f32 batched dots of this layout).
-    k = cache_k.transpose(0, 3, 1, 2).astype(jnp.float32)  # [B, S, K, H]
-    v = cache_v.transpose(0, 2, 1, 3).astype(jnp.float32)
-    out = attention(q.reshape(B, T, N, H).astype(jnp.float32), k, v, mask, scale, cap)
-    return out.astype(q.dtype)
 
 
 def _pick(local, global_value, local_value):
@@ -212,11 +111,22 @@ def _pick(local, global_value, local_value):
 
 
 def _layer(
-    x, layer, positions, mask, rope, cfg: ModelConfig, cache_k=None, cache_v=None, index=None, local=None
+    x,
+    layer,
+    positions,
+    mask,
+    rope,
+    cfg: ModelConfig,
+    cache_k=None,
+    cache_v=None,
+    index=None,
+    local=None,
+    impl: Implementation = DOT_PRODUCT,
 ):
     """One decoder block; returns (x, cache_k, cache_v).
 
-    ``mask`` and ``rope`` are (global, local) pairs; ``local`` says which this layer takes (None: global).
+    ``mask`` and ``rope`` are (global, local) pairs; ``local`` says which this layer takes (None: global);
+    ``impl`` is the attention (``select_attention``).
     With a cache (the decode layout of ``init_cache``: keys [.., B, K, H, S], values [.., B, K, S, H]),
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
@@ -231,16 +141,20 @@ def _layer(
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
-        if index is None:
-            cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-            attn = cached_attention(q, cache_k, cache_v, mask, scale, cap)
-        else:
-            cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
-            attn = cached_attention(q, cache_k[index], cache_v[index], mask, scale, cap)
+        with jax.named_scope("kv_cache"):
+            if index is None:
+                cache_k = cache_k.at[rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+                cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+                layer_k, layer_v = cache_k, cache_v
+            else:
+                cache_k = cache_k.at[index, rows, :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+                cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+                layer_k, layer_v = cache_k[index], cache_v[index]
+        with jax.named_scope("attention"):
+            attn = cached_attention(q, layer_k, layer_v, mask, scale, cap, impl)
     else:
-        attn = attention(q, k, v, mask, scale, cap)
+        with jax.named_scope("attention"):
+            attn = impl.attend(q, k, v, mask, scale, cap)
     return attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
 
 
@@ -261,9 +175,11 @@ def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax
     # Tokens flattened to one matrix dimension and heads merged into one ([D, N, H] -> [D, N * H] is free in
     # row-major order): with two contracting or batch-like dims, XLA:CPU transposed weights in the decode and
     # activations for the weight gradients of the backward pass at every layer.
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset).reshape(B * T, D)
-    q, k, v = (_project(h, w, name, cfg).reshape(B, T, -1, cfg.head_dim) for name in ("wq", "wk", "wv"))
-    return rotate(q, *rope), rotate(k, *rope), v
+    with jax.named_scope("qkv"):
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset).reshape(B * T, D)
+        q, k, v = (_project(h, w, name, cfg).reshape(B, T, -1, cfg.head_dim) for name in ("wq", "wk", "wv"))
+    with jax.named_scope("rope"):
+        return rotate(q, *rope), rotate(k, *rope), v
 
 
 _ACTIVATIONS = {
@@ -278,15 +194,17 @@ def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelC
     output RMS-normed before its residual add when ``cfg.post_norms``)."""
     B, T, D = x.shape
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    out = attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
-    if cfg.post_norms:
-        out = rms_norm(out, w["attn_post_norm"], eps, offset)
-    x = x.reshape(B * T, D) + out
-    h = rms_norm(x, w["mlp_norm"], eps, offset)
-    out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
-    if cfg.post_norms:
-        out = rms_norm(out, w["mlp_post_norm"], eps, offset)
-    return (x + out).reshape(B, T, D)
+    with jax.named_scope("attention_out"):
+        out = attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
+        if cfg.post_norms:
+            out = rms_norm(out, w["attn_post_norm"], eps, offset)
+        x = x.reshape(B * T, D) + out
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w["mlp_norm"], eps, offset)
+        out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        if cfg.post_norms:
+            out = rms_norm(out, w["mlp_post_norm"], eps, offset)
+        return (x + out).reshape(B, T, D)
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -297,20 +215,6 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.scale_embeddings:
         x = x * jnp.asarray(math.sqrt(cfg.hidden_dim), dtype)
     return constrain(x, _RESIDUAL)
-
-
-def window_mask(mask: jax.Array, query_positions: jax.Array, key_positions: jax.Array, cfg: ModelConfig):
-    """The (global, local) layers' masks: ``mask`` bool [B, T, S], and ``mask`` where the key is within the
-    window, ``query - key < sliding_window`` in positions (transformers' ``sliding_window_overlay``). The local
-    mask is ``mask`` itself when no layer is local.
-
-    Args:
-      query_positions: int [B, T]; key_positions: int [B, S] (or [1, S]).
-    """
-    if not any(cfg.local_layers):
-        return mask, mask
-    near = query_positions[:, :, None] - key_positions[:, None, :] < cfg.sliding_window
-    return mask, mask & near
 
 
 def rope_pair(positions: jax.Array, cfg: ModelConfig) -> tuple:
@@ -413,7 +317,7 @@ def forward(
         slots = jnp.arange(S, dtype=jnp.int32)[None]
         mask = window_mask(slots[:, None, :] <= positions[:, :, None], positions, slots, cfg)
 
-    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg), cfg)
+    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, impl=select_attention(cfg)), cfg)
     layers = params["layers"]
     ck = cache["k"] if cache is not None else None
     cv = cache["v"] if cache is not None else None
@@ -497,16 +401,17 @@ def forward_grouped(
     )
     key_positions_c = jnp.concatenate([jnp.repeat(positions_p, G, axis=0), positions_c], axis=1)
     mask_c = window_mask(mask_c, positions_c, key_positions_c, cfg)
-    scale, cap = _scale(cfg), cfg.attn_logit_softcap
+    scale, cap, impl = _scale(cfg), cfg.attn_logit_softcap, select_attention(cfg)
 
     def layer_fn(xp, xc, layer, local):
         w = {name: val.astype(dtype) for name, val in layer.items()}
         qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
         qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
-        attn_p = chunked_attention(qp, kp, vp, _pick(local, *mask_p), scale, cap)
-        k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
-        v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-        attn_c = chunked_attention(qc, k, v, _pick(local, *mask_c), scale, cap)
+        with jax.named_scope("attention"):
+            attn_p = chunked_attention(qp, kp, vp, _pick(local, *mask_p), scale, cap, impl)
+            k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
+            v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
+            attn_c = chunked_attention(qc, k, v, _pick(local, *mask_c), scale, cap, impl)
         xp = attention_output_and_mlp(xp, attn_p, w, cfg)
         xc = attention_output_and_mlp(xc, attn_c, w, cfg)
         return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)

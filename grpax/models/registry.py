@@ -19,6 +19,15 @@ from grpax.errors import ConfigError, suggest
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of each layer in the backward pass (grpax.models.llama: jax.checkpoint policies).
 REMAT_POLICIES = ("none", "full", "dots", "minimal")
+# The attention implementations (grpax.models.attention.IMPLEMENTATIONS): MaxText's ``attention`` key, its
+# dot_product value (the plain XLA einsums); jax.nn.dot_product_attention's XLA and cuDNN implementations.
+ATTENTION_IMPLEMENTATIONS = ("dot_product", "jax_nn", "cudnn")
+# MaxText's other values, each a kernel grpax does not have: the refusal says so.
+_MAXTEXT_ATTENTION = {
+    "autoselected": "MaxText's per-platform choice",
+    "flash": "MaxText's TPU Pallas kernel",
+    "cudnn_flash_te": "MaxText's TransformerEngine kernel",
+}
 
 
 # The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
@@ -62,6 +71,7 @@ class ModelConfig:
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
     remat_policy: str = "none"  # none | full | dots | minimal (jax.checkpoint policies on each layer)
+    attention: str = "dot_product"  # one of ATTENTION_IMPLEMENTATIONS (grpax.models.attention)
     # Architecture of the family (defaults: Llama).
     family: str = "llama"  # one of FAMILIES: Hugging Face names and config.json form
     attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o has none
@@ -89,6 +99,18 @@ class ModelConfig:
             raise ConfigError(
                 f"remat_policy={self.remat_policy!r}: expected one of {', '.join(REMAT_POLICIES)}"
                 f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            known = _MAXTEXT_ATTENTION.get(self.attention)
+            raise ConfigError(
+                f"attention={self.attention!r}{f' is {known}, which grpax does not have' if known else ''}: "
+                f"expected one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+                f".{suggest(str(self.attention), ATTENTION_IMPLEMENTATIONS)}"
+            )
+        if self.attention != "dot_product" and self.attn_logit_softcap:
+            raise ConfigError(
+                f"attention={self.attention} has no soft-capping of the scores, which this model uses "
+                f"(attn_logit_softcap={self.attn_logit_softcap}): pass attention=dot_product"
             )
         if self.family not in FAMILIES:
             raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILIES)}")
@@ -681,8 +703,30 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
     return out
 
 
-def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
-    """Reads ``config.json`` (a file or the folder holding it).
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The dict of ``config.json`` (a file or the folder holding it), parsed.
+
+    Raises:
+      ConfigError: if the file is missing or not JSON.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: hf_model_path must be a folder with config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+
+
+def load_hf_config(path: str | Path, hf: dict[str, Any] | None = None, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of ``config.json`` (a file or the folder holding it).
+
+    Args:
+      path: the file or its folder.
+      hf: its dict when the caller has already read it (``read_hf_config``); None: read here.
+      **overrides: ``ModelConfig`` fields to set (the run-time choices: dtype, scan_layers, ...).
 
     Raises:
       ConfigError: if the file is missing, not JSON, or not a supported architecture.
@@ -690,18 +734,27 @@ def load_hf_config(path: str | Path, **overrides: Any) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist: hf_model_path must be a folder with config.json") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if hf is None:
+        hf = read_hf_config(path)
     try:
         return from_hf_config(hf, source=str(path), **overrides)
     except KeyError as e:
         raise ConfigError(
             f"{path} lacks the key {e.args[0]!r} that a config of its architecture needs"
         ) from None
+
+
+def checkpoint_config(checkpoint: str | Path, **overrides: Any) -> tuple[ModelConfig | None, Path | None]:
+    """The model of a checkpoint's params folder from the nearest ``config.json`` at or above it, read once
+    per command: the checks before the load (``check_context_length``) and the load (``load_model``'s
+    ``model_cfg``) take it from here.
+
+    Returns:
+      ``(ModelConfig with overrides, its config.json)``, or ``(None, None)`` when no folder at or above
+      ``checkpoint`` holds one (the load then says so).
+    """
+    found = find_hf_config(checkpoint) if checkpoint else None
+    return (load_hf_config(found, **overrides), found) if found else (None, None)
 
 
 ARCH_FIELDS = (
@@ -753,20 +806,20 @@ def registered_names_of(cfg: ModelConfig) -> list[str]:
     return exact or same
 
 
-def check_context_length(total: int, what: str, checkpoint: str) -> None:
+def check_context_length(total: int, what: str, cfg: ModelConfig | None, source: str | Path | None) -> None:
     """Refuses prompt + completion budgets beyond the checkpoint's ``max_position_embeddings`` (its config.json).
 
     Args:
       total: the longest sequence a run will form, in tokens.
       what: the key(s) that set it, for the message (e.g. ``"max_target_length=9000"``).
-      checkpoint: the params folder; without a config.json above it nothing is checked (the load says so).
+      cfg: the checkpoint's model (``checkpoint_config``); None: nothing is checked (the load says why).
+      source: its config.json, for the message.
     """
-    config = find_hf_config(checkpoint) if checkpoint else None
-    if config is None:
+    if cfg is None:
         return
-    limit = load_hf_config(config).max_position_embeddings
+    limit = cfg.max_position_embeddings
     if total > limit:
         raise ConfigError(
-            f"{what} exceeds the model's max_position_embeddings={limit} ({config}): positions past it were "
+            f"{what} exceeds the model's max_position_embeddings={limit} ({source}): positions past it were "
             f"never trained; pass at most {limit} tokens"
         )

@@ -51,6 +51,7 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
         dtype=cfg.dtype,
         scan_layers=cfg.scan_layers,
         remat_policy=cfg.remat_policy,
+        attention=cfg.attention,
     )
     found = find_hf_config(cfg.load_parameters_path) if cfg.load_parameters_path else None
     if found is not None:

@@ -17,9 +17,10 @@ from grpax import sharding
 from grpax.config import ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
-from grpax.models.registry import check_context_length
+from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
 from grpax.rl.config import GRPOConfig
 from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 log = logging.getLogger("grpax.train")
@@ -69,6 +70,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "full",
         "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
         "least memory, and on CPU also the fastest)",
+    )
+    attention: str = field(
+        "dot_product",
+        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
+        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
@@ -152,17 +158,17 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(sharding.MeshConfig)}
         )
 
-    def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int) -> SamplerConfig:
-        """The rollout sampler's config (the tokenizer gives the stop and pad ids)."""
-        return SamplerConfig(
-            max_prompt_length=self.max_prefill_predict_length,
-            max_completion_length=self.max_completion_length,
+    def sampler_config(self, stop_token_ids: tuple[int, ...], pad_token_id: int | None) -> SamplerConfig:
+        """The rollout sampler's config (``pad_token_id``: the model's; None: ``grpax.sampler.keys``'s)."""
+        return sampler_config(
+            self.max_prefill_predict_length,
+            self.max_completion_length,
+            stop_token_ids,
+            pad_token_id,
             temperature=self.temperature,
             top_k=self.decode_sampling_top_k,
             top_p=self.decode_sampling_nucleus_p,
             greedy=False,
-            stop_token_ids=tuple(stop_token_ids),
-            pad_token_id=pad_token_id,
         )
 
 
@@ -277,23 +283,47 @@ def _load_rows(task: Task, key: str, dataset: str, split: str, split_key: str) -
         raise ConfigError(f"{key}={dataset!r} ({split_key}={split!r}): {e}") from None
 
 
-def check_inputs(cfg: TrainConfig, task: Task) -> None:
-    """Reads the rows the run needs with ``task`` before any model loads: no run trains and then fails.
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What ``check_inputs`` read, for the run to use instead of reading it again.
+
+    Attributes:
+      model_cfg: the checkpoint's model with the run's dtype, layout and attention keys, from its config.json
+        (None: no config.json at or above load_parameters_path; the load says so).
+      train_rows: the training split's rows (``task.load_rows``).
+      eval_rows: the evaluation split's rows; [] with num_test_batches=0.
+    """
+
+    model_cfg: ModelConfig | None
+    train_rows: list[dict]
+    eval_rows: list[dict]
+
+
+def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
+    """Reads the checkpoint's config.json and the rows the run needs with ``task`` before any model loads: no
+    run trains and then fails; the run takes what was read from the returned ``Inputs``.
 
     Raises:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
-    check_context_length(
-        cfg.max_target_length, f"max_target_length={cfg.max_target_length}", cfg.load_parameters_path
+    model_cfg, source = checkpoint_config(
+        cfg.load_parameters_path,
+        scan_layers=cfg.scan_layers,
+        weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype,
+        remat_policy=cfg.remat_policy,
+        attention=cfg.attention,
     )
+    what = f"max_target_length={cfg.max_target_length}"
+    check_context_length(cfg.max_target_length, what, model_cfg, source)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
         got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
         raise too_few_rows("dataset_name", cfg.dataset_name, "train_split", cfg.train_split, got, need, fix)
     if cfg.num_test_batches == 0:
-        return
+        return Inputs(model_cfg, rows, [])
     key, dataset = (
         ("eval_dataset_name", cfg.eval_dataset_name)
         if cfg.eval_dataset_name
@@ -307,6 +337,8 @@ def check_inputs(cfg: TrainConfig, task: Task) -> None:
             "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
             "training rows anyway (num_test_batches=0: no evaluation)"
         )
-    if not _load_rows(task, key, dataset, cfg.eval_split, "eval_split"):
+    eval_rows = _load_rows(task, key, dataset, cfg.eval_split, "eval_split")
+    if not eval_rows:
         fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"
         raise too_few_rows(key, dataset, "eval_split", cfg.eval_split, "0 rows", "1 question", fix)
+    return Inputs(model_cfg, rows, eval_rows)

@@ -49,7 +49,7 @@ from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
 from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
-from grpax.rl.train_config import TrainConfig, check_inputs, validate
+from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks import RewardFunctionError, Task, build_task
@@ -83,7 +83,7 @@ def train(cfg: TrainConfig) -> dict:
     """
     validate(cfg)
     task = build_task(cfg)
-    check_inputs(cfg, task)
+    inputs = check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
     check_before_run(cfg)  # an accelerator run that cannot fit stops here, before any weight is read
     paths = RunPaths.of(cfg)
@@ -94,7 +94,7 @@ def train(cfg: TrainConfig) -> dict:
     # The checkpointer and the metrics files are closed on any exit, a Ctrl-C included (closing waits for
     # Orbax's writes), before the folder is released.
     with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
-        return _train(cfg, task, paths, main_process, closing)
+        return _train(cfg, task, paths, main_process, closing, inputs)
 
 
 @dataclasses.dataclass
@@ -125,14 +125,19 @@ class _Run:
 
 
 def _train(
-    cfg: TrainConfig, task: Task, paths: RunPaths, main_process: bool, closing: contextlib.ExitStack
+    cfg: TrainConfig,
+    task: Task,
+    paths: RunPaths,
+    main_process: bool,
+    closing: contextlib.ExitStack,
+    inputs: Inputs,
 ) -> dict:
     """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
-    params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg)
+    params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
     ref_params = _reference(params, grpo, paths, closing)
-    iterator, eval_rows = _load_rows(cfg, tokenizer, task)
+    iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     state, train_step = _init_state(cfg, grpo, params, model_cfg, mesh)
     rollout = Rollout(
@@ -200,15 +205,10 @@ def _open_checkpointer(
     return checkpointer, changes
 
 
-def _load_policy(cfg: TrainConfig):
-    """The policy's params sharded over the trainer's mesh, its config, tokenizer, and both meshes."""
-    params, model_cfg, tokenizer = load_model(
-        cfg.load_parameters_path,
-        scan_layers=cfg.scan_layers,
-        weight_dtype=cfg.weight_dtype,
-        dtype=cfg.dtype,
-        remat_policy=cfg.remat_policy,
-    )
+def _load_policy(cfg: TrainConfig, model_cfg: ModelConfig | None):
+    """The policy's params sharded over the trainer's mesh, its config (``model_cfg``: read by
+    ``check_inputs``), tokenizer, and both meshes."""
+    params, model_cfg, tokenizer = load_model(cfg.load_parameters_path, model_cfg)
     if cfg.model_name:
         check_matches(model_cfg, cfg.model_name, cfg.load_parameters_path)
     mesh_cfg = cfg.mesh()
@@ -230,8 +230,11 @@ def _reference(params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextl
     return ref_params
 
 
-def _load_rows(cfg: TrainConfig, tokenizer: Any, task: Task) -> tuple[PromptIterator, list[dict]]:
-    """The training prompt iterator and the evaluation rows (none with num_test_batches=0)."""
+def _load_rows(
+    cfg: TrainConfig, tokenizer: Any, task: Task, inputs: Inputs
+) -> tuple[PromptIterator, list[dict]]:
+    """The training prompt iterator and the evaluation rows (none with num_test_batches=0), from the rows
+    ``check_inputs`` read."""
     train_rows = prepare_rows(
         tokenizer,
         cfg.dataset_name,
@@ -239,7 +242,7 @@ def _load_rows(cfg: TrainConfig, tokenizer: Any, task: Task) -> tuple[PromptIter
         task.preset,
         cfg.max_prefill_predict_length,
         need=("dataset_name", "train_split", cfg.batch_size),
-        load=task.load_rows,
+        load=lambda dataset, split: inputs.train_rows,
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
     eval_rows = (
@@ -251,7 +254,7 @@ def _load_rows(cfg: TrainConfig, tokenizer: Any, task: Task) -> tuple[PromptIter
             cfg.max_prefill_predict_length,
             eval_limit,
             need=("eval_dataset_name" if cfg.eval_dataset_name else "dataset_name", "eval_split", 1),
-            load=task.load_rows,
+            load=lambda dataset, split: inputs.eval_rows,
         )
         if cfg.num_test_batches != 0
         else []
@@ -264,9 +267,7 @@ def _sampler_configs(
     cfg: TrainConfig, grpo: GRPOConfig, tokenizer: Any, model_cfg: ModelConfig
 ) -> tuple[SamplerConfig, SamplerConfig]:
     """The rollout sampler's config and the evaluation sampler's (``eval_sampling_strategy``)."""
-    stops = stop_token_ids(tokenizer, model_cfg)
-    pad_id = model_cfg.pad_token_id if model_cfg.pad_token_id is not None else stops[0]
-    sampler_cfg = cfg.sampler_config(stops, pad_id)
+    sampler_cfg = cfg.sampler_config(stop_token_ids(tokenizer, model_cfg), model_cfg.pad_token_id)
     return sampler_cfg, dataclasses.replace(sampler_cfg, **EVAL_STRATEGIES[cfg.eval_sampling_strategy])
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from grpax.backends.cpu import backend as cpu_backend
 from grpax.backends.cpu import build, ops
-from grpax.models.llama import cached_attention, forward, init_cache, logits_from_hidden
+from grpax.models.attention import cached_attention
+from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import convert_layout, init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.backend import select_backend

@@ -29,7 +29,7 @@ MAX_GROUP = 8  # query heads per kv head the decode-attention kernel supports
 def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array) -> jax.Array:
     """One query per row over a KV cache in the decode layout, on CPU.
 
-    The same result as ``grpax.models.llama.cached_attention`` with T == 1 and mask ``slot <= position``
+    The same result as ``grpax.models.attention.cached_attention`` with T == 1 and mask ``slot <= position``
     (float32 accumulation; exp by a degree-6 polynomial, ~1e-7 relative).
 
     Args:

@@ -1,0 +1,174 @@
+"""The attention seam (grpax.models.attention): every implementation JAX runs here gives dot_product's values.
+
+dot_product is the XLA einsum attention the parity tests (tests/test_model_parity.py, tests/test_families.py)
+hold against transformers; the others are held against it, in float32, through the model's three paths: the
+forward without a cache (the update's and the reference's), the cached prefill and decode (the sampler's XLA
+backend), and ``forward_grouped``.
+"""
+
+import ast
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpax.errors import ConfigError
+from grpax.models import attention
+from grpax.models.llama import forward, forward_grouped, init_cache
+from grpax.models.params import init_params
+from grpax.models.registry import ATTENTION_IMPLEMENTATIONS, ModelConfig
+from grpax.sampler.engine import SamplerConfig, generate
+
+# GQA (4 query heads per 2 kv heads), one sliding-window layer, a scores factor that is not 1 / sqrt(H).
+CFG = ModelConfig(
+    vocab_size=61,
+    hidden_dim=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    mlp_dim=48,
+    layer_types=("local", "global"),
+    sliding_window=3,
+    query_pre_attn_scalar=12.0,
+)
+# The implementations that run where the tests run (cudnn: only on a GPU).
+HERE = [
+    name
+    for name, impl in attention.IMPLEMENTATIONS.items()
+    if not impl.platforms or jax.default_backend() in impl.platforms
+]
+OTHERS = [name for name in HERE if name != "dot_product"]
+# float32 throughout: the implementations differ only in rounding (scores * (1 / sqrt(H)) against / sqrt(H)).
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = jax.jit(init_params, static_argnums=0)(CFG, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)  # peaked logits, as tests/test_engine.py
+
+
+def test_the_names_are_the_configs_values():
+    assert tuple(attention.IMPLEMENTATIONS) == ATTENTION_IMPLEMENTATIONS
+
+
+def test_chunked_attention_equals_attention(monkeypatch):
+    """Query blocks of 4 over T = 10 (the last block padded): the same outputs and gradients as at once."""
+    monkeypatch.setattr(attention, "_QUERY_CHUNK", 4)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(2, 10, 4, 8)).astype(np.float32))
+    k, v = (jnp.asarray(rng.normal(size=(2, 13, 2, 8)).astype(np.float32)) for _ in range(2))
+    mask = jnp.asarray(rng.random((2, 10, 13)) < 0.7)
+    np.testing.assert_allclose(
+        jax.jit(attention.chunked_attention)(q, k, v, mask), attention.attention(q, k, v, mask), atol=1e-6
+    )
+    grads = [
+        jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a, mask) ** 2), argnums=(0, 1, 2)))(q, k, v)
+        for f in (attention.chunked_attention, attention.attention)
+    ]
+    for got, want in zip(*grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_implementation_equals_dot_product(name):
+    """Outputs and gradients, with a fully masked query row (padding) and a scores factor."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 6, 4, 8)).astype(np.float32))
+    k, v = (jnp.asarray(rng.normal(size=(2, 7, 2, 8)).astype(np.float32)) for _ in range(2))
+    mask = jnp.asarray(rng.random((2, 6, 7)) < 0.6).at[1, 2].set(False)
+    attend = attention.IMPLEMENTATIONS[name].attend
+    for scale in (None, 0.3):
+        want = jax.jit(attention.attention, static_argnums=4)(q, k, v, mask, scale)
+        np.testing.assert_allclose(jax.jit(attend, static_argnums=4)(q, k, v, mask, scale), want, atol=ATOL)
+    grads = [
+        jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a, mask) ** 2), argnums=(0, 1, 2)))(q, k, v)
+        for f in (attend, attention.attention)
+    ]
+    for got, want in zip(*grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_model_logits_equal_dot_product(params, name):
+    """forward (left-padded rows), cached prefill + decode, and forward_grouped: dot_product's values."""
+    other = CFG.replace(attention=name)
+    run = jax.jit(forward, static_argnums=2)
+    tokens = jnp.asarray([[0, 0, 5, 9, 11, 3], [7, 21, 30, 2, 4, 6]], jnp.int32)
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6], jnp.int32)
+    want, _ = run(params, tokens, CFG, attention_mask=mask)
+    got, _ = run(params, tokens, other, attention_mask=mask)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+    def prefill_and_decode(cfg):
+        cache = init_cache(cfg, 2, 8)
+        positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+        logits, cache = run(params, tokens, cfg, positions=positions, cache=cache)
+        step, _ = run(params, tokens[:, -1:], cfg, positions=jnp.full((2, 1), 6, jnp.int32), cache=cache)
+        return logits, step
+
+    for got, want in zip(prefill_and_decode(other), prefill_and_decode(CFG), strict=True):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    prompt_ids, prompt_mask = tokens[:, :4], mask[:, :4]
+    completions = jnp.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], jnp.int32)
+    grouped = jax.jit(forward_grouped, static_argnums=4)
+    np.testing.assert_allclose(
+        grouped(params, prompt_ids, prompt_mask, completions, other),
+        grouped(params, prompt_ids, prompt_mask, completions, CFG),
+        atol=ATOL,
+    )
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_sampler_xla_backend_samples_the_same(params, name):
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=6, greedy=True, backend="xla")
+    prompts = [[5, 9, 11, 3], [1, 2]]
+    want = generate(params, prompts, CFG, sc, jax.random.key(1))
+    got = generate(params, prompts, CFG.replace(attention=name), sc, jax.random.key(1))
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs here")
+def test_a_gpu_only_choice_is_refused_in_one_line(params):
+    cfg = CFG.replace(attention="cudnn", dtype="bfloat16")
+    with pytest.raises(ConfigError) as e:
+        forward(params, jnp.zeros((1, 3), jnp.int32), cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("attention=cudnn runs on gpu only"), message
+
+
+def test_config_refusals():
+    with pytest.raises(
+        ConfigError, match="attention='dot_prodcut': expected one of dot_product, jax_nn, cudnn. Did you"
+    ):
+        CFG.replace(attention="dot_prodcut")
+    with pytest.raises(
+        ConfigError, match="attention='flash' is MaxText's TPU Pallas kernel, which grpax does not"
+    ):
+        CFG.replace(attention="flash")
+    with pytest.raises(ConfigError, match="attention=jax_nn has no soft-capping.*pass attention=dot_product"):
+        CFG.replace(attention="jax_nn", attn_logit_softcap=50.0)
+
+
+def test_profiles_name_each_block_step(params):
+    """The compiled forward's ops carry the block steps' names (what an accelerator profile shows)."""
+    lowered = jax.jit(forward, static_argnums=2).lower(params, jnp.zeros((1, 3), jnp.int32), CFG)
+    text = lowered.compile().as_text()
+    for scope in ("qkv", "rope", "attention", "attention_out", "mlp"):
+        assert f"/{scope}/" in text, scope
+
+
+def test_models_import_nothing_from_above():
+    """grpax/models imports only grpax.models and the grpax.errors leaf (its README "Layout" line)."""
+    folder = Path(attention.__file__).parent
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name.startswith("grpax"):
+                    assert name.startswith("grpax.models") or name == "grpax.errors", (path.name, name)
