@@ -448,3 +448,29 @@ def test_truncated_and_masked_correction_scale_and_remove_the_gradient(params, n
     loss, grads, aux = fn(params, batch, CFG, mis, num_micro_batches)
     assert float(loss) == 0.0 and all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
     assert float(aux["mismatch/is_masked_frac"]) == 1.0
+
+
+def test_a_checkpoint_restores_the_float32_master_copy_bit_exactly(params, tmp_path):
+    """weight_dtype=bfloat16: what a resume restores (``TrainCheckpointer``, as the trainer saves and restores
+    its state) is the float32 master copy bit for bit, not the bfloat16 params widened, with every optimizer
+    leaf (moments, count) as it was saved."""
+    from grpax.checkpoint.train_state import TrainCheckpointer
+
+    cfg = CFG.replace(weight_dtype="bfloat16", dtype="bfloat16")
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    state, _ = _one_update(cfg, jax.tree.map(jnp.copy, half))
+    checkpointer = TrainCheckpointer(tmp_path)
+    checkpointer.save(1, state.params, state.opt_state, {"step": 1})
+    template = jax.tree.map(jnp.zeros_like, (state.params, state.opt_state))
+    params_back, opt_back, _ = checkpointer.restore(1, *template)
+    checkpointer.close()
+    saved, restored = jax.tree.leaves(state.opt_state.master), jax.tree.leaves(opt_back.master)
+    for a, b in zip(saved, restored, strict=True):
+        assert b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    widened = jax.tree.leaves(jax.tree.map(lambda x: x.astype(jnp.float32), params_back))
+    assert any(
+        not np.array_equal(np.asarray(m), np.asarray(w)) for m, w in zip(restored, widened, strict=True)
+    )
+    for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
