@@ -116,7 +116,9 @@ class Rollout:
         zero_std = dapo.zero_std_groups(scores["total"], G)
         extra = {"zero_std_fraction": float(zero_std.mean())}
         if grpo.filter_zero_std_groups and extra_rows is not None:
-            out, scores, correct, extra = self._dynamic_sampling(out, scores, correct, zero_std, extra_rows, key, extra)
+            out, scores, correct, extra = self._dynamic_sampling(
+                out, scores, correct, zero_std, extra_rows, key, extra
+            )
         advantages = compute_advantages(
             scores["total"].astype(np.float32), G, scale_rewards=grpo.scale_rewards
         )
