@@ -83,12 +83,13 @@ def test_jsonl_custom_fields_and_folder(tmp_path):
 
 def test_missing_field_names_file_field_and_fix(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "answer": "#### 1"}, {"question": "q"}])
+    # Rows are counted from 1, as the file's lines: the second line is row 2.
     with pytest.raises(
-        ValueError, match=r"x\.jsonl: row 1 has no column 'answer' \(answer_field='answer'\); its columns are"
+        ValueError, match=r"x\.jsonl: row 2 has no column 'answer' \(answer_field='answer'\); its columns are"
     ):
         load_dataset_rows(str(path), "train")
     bad = write_jsonl(tmp_path / "y.jsonl", [{"question": "q", "answer": "no marker"}])
-    with pytest.raises(ValueError, match=r"y\.jsonl: row 0 .*####"):
+    with pytest.raises(ValueError, match=r"y\.jsonl: row 1 .*####"):
         load_dataset_rows(str(bad), "train")
 
 

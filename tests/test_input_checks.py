@@ -57,17 +57,17 @@ GOOD = {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"}
 @pytest.mark.parametrize(
     "bad, message",
     [
-        ({"question": None}, r"row 1 has no value in column 'question'"),
+        ({"question": None}, r"row 2 has no value in column 'question'"),
         (
             {"question": {"text": "hi"}},
-            r"row 1 column 'question' \(prompt_field\) holds .*not the question's text",
+            r"row 2 column 'question' \(prompt_field\) holds .*not the question's text",
         ),
-        ({"answer": float("nan")}, r"row 1 has no value in column 'answer'"),
+        ({"answer": float("nan")}, r"row 2 has no value in column 'answer'"),
         (
             {"answer": "So it is\n#### Infinity"},
-            r"row 1 column 'answer' \(answer_field\) ends in 'Infinity', not a finite",
+            r"row 2 column 'answer' \(answer_field\) ends in 'Infinity', not a finite",
         ),
-        ({"answer": "So it is\n#### "}, r"row 1 column 'answer' \(answer_field\) ends in '', not a finite"),
+        ({"answer": "So it is\n#### "}, r"row 2 column 'answer' \(answer_field\) ends in '', not a finite"),
         ({"answer": "NaN"}, r"ends in 'NaN', not a finite"),
     ],
 )

@@ -277,7 +277,7 @@ def test_missing_column_names_the_columns_the_file_has(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "label": "a"}])
     with pytest.raises(
         ValueError,
-        match=r"d\.jsonl: row 0 has no column 'target' \(answer_field='target'\); its columns are "
+        match=r"d\.jsonl: row 1 has no column 'target' \(answer_field='target'\); its columns are "
         r"\['instruction', 'label'\]: set answer_field=<one of them>",
     ):
         task.load_rows(data, "train")
@@ -292,7 +292,7 @@ def test_null_cells_are_named_or_have_no_answer(tmp_path):
     assert not task.is_correct("None", "") and not task.is_correct("", "") and task.is_correct(" hi ", "hi")
     with pytest.raises(
         ValueError,
-        match=r"^d\.jsonl: row 1 has no value in column 'instruction' \(prompt_field='instruction'\): it is null or "
+        match=r"^d\.jsonl: row 2 has no value in column 'instruction' \(prompt_field='instruction'\): it is null or "
         r"absent; fill it in or drop the row$",
     ):
         task.rows_from([{"instruction": "q", "target": "a"}, {"instruction": None, "target": "a"}], "d.jsonl")
@@ -306,11 +306,11 @@ def test_null_cells_are_named_or_have_no_answer(tmp_path):
     scores = task.score(ragged, ["a", "b"])
     assert scores["matches_target"] == [1.0, 0.0]
     with pytest.raises(
-        ValueError, match=r"row 1 has no value in column 'instruction' .*: it is null or absent"
+        ValueError, match=r"row 2 has no value in column 'instruction' .*: it is null or absent"
     ):
         task.rows_from([{"instruction": "q", "target": "a"}, {"target": "b"}], "d.jsonl")
     math_task = build_task(build_config(TrainConfig, ["task=math", "prompt_preset=math", "model_name="]))
-    with pytest.raises(ValueError, match=r"row 0 has no value in column 'answer' \(answer_field='answer'\)"):
+    with pytest.raises(ValueError, match=r"row 1 has no value in column 'answer' \(answer_field='answer'\)"):
         math_task.rows_from([{"problem": "1+1?", "answer": None}], "m.jsonl")
 
 

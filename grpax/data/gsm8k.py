@@ -216,14 +216,14 @@ def require_columns(row: Any, source: str, index: int, columns: dict[str, str]) 
     Args:
         row: one raw row.
         source: its file, for the message.
-        index: its row number.
+        index: its 0-based position (messages count rows from 1, as a JSONL file's lines).
         columns: key -> the column that key names, e.g. ``{"prompt_field": "question"}``.
     """
     have = sorted(row) if isinstance(row, dict) else []
     for key, name in columns.items():
         if name not in have:
             raise ValueError(
-                f"{source}: row {index} has no column {name!r} ({key}={name!r}); its columns are {have}: "
+                f"{source}: row {index + 1} has no column {name!r} ({key}={name!r}); its columns are {have}: "
                 f"set {key}=<one of them>"
             )
 
@@ -251,13 +251,13 @@ def require_values(row: dict, source: str, index: int, columns: dict[str, str]) 
     Args:
         row: one raw row (``require_columns`` has passed).
         source: its file, for the message.
-        index: its row number.
+        index: its 0-based position (messages count rows from 1, as a JSONL file's lines).
         columns: key -> the column that key names, e.g. ``{"prompt_field": "problem"}``.
     """
     for key, name in columns.items():
         if is_missing(row[name]):
             raise ValueError(
-                f"{source}: row {index} has no value in column {name!r} ({key}={name!r}): it is null or absent; fill "
+                f"{source}: row {index + 1} has no value in column {name!r} ({key}={name!r}): it is null or absent; fill "
                 "it in or drop the row"
             )
 
@@ -301,7 +301,7 @@ def load_dataset_rows(
         gold = extract_gold(answer)
         if gold is None:
             raise ValueError(
-                f"{source}: row {i} field {answer_field!r} has no '#### <number>' line and is not a number: "
+                f"{source}: row {i + 1} field {answer_field!r} has no '#### <number>' line and is not a number: "
                 f"{answer[-80:]!r}; the {answer_field!r} column must hold the gold answer"
             )
         rows.append({"question": str(r[question_field]), "answer": answer, "gold": gold})

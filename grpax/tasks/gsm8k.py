@@ -63,13 +63,13 @@ class GSM8KTask(Task):
         question, answer = r[self.prompt_field], r[self.answer_field]
         if not isinstance(question, str) or not question.strip():
             raise ValueError(
-                f"{source}: row {i} column {self.prompt_field!r} (prompt_field) holds {str(question)[:60]!r}, "
+                f"{source}: row {i + 1} column {self.prompt_field!r} (prompt_field) holds {str(question)[:60]!r}, "
                 "not the question's text: fix the row or drop it"
             )
         gold = None if isinstance(answer, (bool, dict, list)) else extract_gold(str(answer))
         if gold is None:
             raise ValueError(
-                f"{source}: row {i} field {self.answer_field!r} has no '#### <number>' line and is not a number: "
+                f"{source}: row {i + 1} field {self.answer_field!r} has no '#### <number>' line and is not a number: "
                 f"{str(answer)[-80:]!r}; the {self.answer_field!r} column must hold the gold answer"
             )
         try:
@@ -78,7 +78,7 @@ class GSM8KTask(Task):
             finite = True
         if not gold or not finite:
             raise ValueError(
-                f"{source}: row {i} column {self.answer_field!r} (answer_field) ends in {gold!r}, not a finite "
+                f"{source}: row {i + 1} column {self.answer_field!r} (answer_field) ends in {gold!r}, not a finite "
                 "number: the gold answer must be one (fix the row or drop it)"
             )
         return {"question": question, "answer": str(answer), "gold": gold, "columns": r}
