@@ -6,6 +6,7 @@ first error), and the safetensors writer of ``to_huggingface`` (``SafetensorErro
 from __future__ import annotations
 
 import errno
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -85,3 +86,35 @@ def test_to_huggingface_on_a_full_disk_is_one_line(tiny_checkpoint, tmp_path, mo
     ):
         convert.to_huggingface(tiny_checkpoint, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").iterdir())
+
+
+def test_closed_event_loop_callbacks_of_a_failed_save_are_not_printed(capsys, monkeypatch):
+    """A full disk during a checkpoint: tensorstore's pending writes call back into Orbax's closed event loop
+    and Python printed "RuntimeError: Event loop is closed" (about 40 lines) around the one-line error. Only
+    that exact callback error is dropped; any other unraisable exception is still printed."""
+    import asyncio
+    import types
+
+    from grpax.checkpoint import train_state
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(u.exc_value))
+    train_state.quiet_orbax_thread_errors()
+    train_state.quiet_orbax_thread_errors()  # installed once
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        closed = e
+    other = ValueError("something else")
+
+    def unraisable(exc):
+        return types.SimpleNamespace(
+            exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__, err_msg=None, object=None
+        )
+
+    sys.unraisablehook(unraisable(closed))
+    sys.unraisablehook(unraisable(other))
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))  # not from asyncio's check: printed
+    assert [str(e) for e in printed] == ["something else", "Event loop is closed"]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +47,38 @@ class _OrbaxThreadErrors(logging.Filter):
 _THREAD_FILTER = _OrbaxThreadErrors()
 
 
+def _closed_loop_callback(exc_type, exc: BaseException, tb) -> bool:
+    """A tensorstore write finishing after Orbax closed its event loop (a failed save): its native callback
+    calls ``loop.call_soon_threadsafe`` and prints "RuntimeError: Event loop is closed" through
+    ``sys.unraisablehook``, once per pending write (40 lines on a full disk), around the save's one-line error."""
+    if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return code.co_name == "_check_closed" and code.co_filename.endswith(
+        os.path.join("asyncio", "base_events.py")
+    )
+
+
+def _unraisablehook(previous):
+    def hook(unraisable):
+        if not _closed_loop_callback(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.grpax_closed_loop_filter = True
+    return hook
+
+
 def quiet_orbax_thread_errors() -> None:
-    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through (once)."""
+    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through, and drops tensorstore's
+    "Event loop is closed" callbacks of a failed save from ``sys.unraisablehook`` (once; every other exception is
+    printed as before)."""
     absl = logging.getLogger("absl")
     if _THREAD_FILTER not in absl.filters:
         absl.addFilter(_THREAD_FILTER)
+    if not getattr(sys.unraisablehook, "grpax_closed_loop_filter", False):
+        sys.unraisablehook = _unraisablehook(sys.unraisablehook)
 
 
 class SaveFailedError(ConfigError):
