@@ -88,11 +88,18 @@ class GRPOConfig:
         "the baseline of A_i: grpo (group mean) or rloo (mean of the other G - 1 rewards); the std "
         "division is scale_rewards' (TRL's and verl's RLOO: scale_rewards=none)",
     )
-    vllm_importance_sampling_correction: bool = field(
-        False,
+    max_staleness: int = field(
+        0,
+        "how many updates the policy that sampled a batch may lag behind the one it trains (TRL "
+        "AsyncGRPOTrainer's key): 0 = synchronous (sample, then update); N >= 1 = the rollout of step k + N runs "
+        "in a background thread while step k's update runs, sampled by the params after update k (pi_old "
+        "recomputed by the trainer; docs/algorithm.md, 'Off-policy rollouts')",
+    )
+    vllm_importance_sampling_correction: bool | None = field(
+        None,
         "rollout correction (TRL's key): weight each token's loss by the stop-gradient ratio w = pi_old / "
         "pi_sampler of the trainer's and the sampler's logprobs, bounded by vllm_importance_sampling_mode; "
-        "off by default (on-policy: the two differ only by rounding)",
+        "None (default) = on when max_staleness > 0, off on-policy (there the two differ only by rounding)",
     )
     vllm_importance_sampling_mode: str = field(
         "token_truncate",
@@ -156,7 +163,13 @@ class GRPOConfig:
     @property
     def rollout_is_mode(self) -> str | None:
         """The rollout correction of the loss: an ``IMPORTANCE_SAMPLING_MODES`` value, or None (off)."""
-        return self.vllm_importance_sampling_mode if self.vllm_importance_sampling_correction else None
+        return self.vllm_importance_sampling_mode if self.rollout_correction else None
+
+    @property
+    def rollout_correction(self) -> bool:
+        """vllm_importance_sampling_correction, its default (None) resolved: on when max_staleness > 0."""
+        on = self.vllm_importance_sampling_correction
+        return self.max_staleness > 0 if on is None else on
 
     @property
     def clip_high(self) -> float:
@@ -196,6 +209,10 @@ def validate(cfg: GRPOConfig) -> None:
         )
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations={cfg.num_iterations}: expected >= 1")
+    if cfg.max_staleness < 0:
+        raise ConfigError(
+            f"max_staleness={cfg.max_staleness}: expected >= 0 updates (0 = synchronous, 1 = one step ahead)"
+        )
     if cfg.num_micro_batches < 1:
         raise ConfigError(f"num_micro_batches={cfg.num_micro_batches}: expected >= 1")
     if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):  # NaN fails every comparison
@@ -257,7 +274,7 @@ def _validate_rollout_correction(cfg: GRPOConfig) -> None:
         raise ConfigError(
             f"vllm_importance_sampling_clip_min={lo} must be below vllm_importance_sampling_clip_max={hi}"
         )
-    if cfg.vllm_importance_sampling_correction and lo is None and hi is None:
+    if cfg.rollout_correction and lo is None and hi is None:
         raise ConfigError(
             "vllm_importance_sampling_correction=true with neither vllm_importance_sampling_clip_max nor "
             "_clip_min: the weights would be unbounded (set vllm_importance_sampling_clip_max, e.g. 2.0)"

@@ -224,7 +224,8 @@ class Rollout:
         return jax.tree.map(jnp.asarray, batch)
 
     def _logprobs(self, batch: Batch) -> Batch:
-        """The reference's logprobs (beta > 0) and, with num_iterations > 1, the sampling params' own."""
+        """The reference's logprobs (beta > 0) and, with num_iterations > 1 or max_staleness > 0, the sampling
+        params' own (pi_old of the clipped ratio)."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         with mesh_context(self.mesh):
             if self.reference is not None:
@@ -232,7 +233,7 @@ class Rollout:
                 ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M)
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
-            if self.grpo.num_iterations > 1:
+            if self.grpo.num_iterations > 1 or self.grpo.max_staleness > 0:  # pi_old: the sampling params'
                 old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M)
                 batch = batch.replace(old_logprobs=old)
         return batch

@@ -39,6 +39,7 @@ from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
 from grpax.models.registry import ModelConfig, check_matches
+from grpax.rl.ahead import AheadRollouts
 from grpax.rl.batch import Batch
 from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
@@ -85,6 +86,11 @@ def train(cfg: TrainConfig) -> dict:
     task = build_task(cfg)
     inputs = check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
+    if cfg.max_staleness > 0 and jax.process_count() > 1:
+        raise ConfigError(
+            f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
+            "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
+        )
     check_before_run(cfg)  # an accelerator run that cannot fit stops here, before any weight is read
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
@@ -118,6 +124,7 @@ class _Run:
     checkpointer: TrainCheckpointer
     writer: MetricsWriter
     mismatch_warned: bool = False  # the sampler/trainer mismatch alarm is given once per run
+    ahead: AheadRollouts | None = None  # max_staleness >= 1: the rollout thread (``_loop`` starts it)
 
     @property
     def evaluating(self) -> bool:
@@ -338,26 +345,54 @@ def _loop(
         disable=not run.main_process,
     )
     history: list[float] = []
-    for step in bar:
-        state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
-        interrupts.raise_pending()  # a Ctrl-C whose exception was lost mid-step: this step is not recorded
-        history.append(metrics["rewards/total/mean"])
-        done = step + 1
-        if done % cfg.log_period == 0 or done == cfg.num_batches:
-            run.writer.write(done, metrics)
-        bar.set_postfix(
-            reward=f"{metrics['rewards/total/mean']:.3f}",
-            acc=f"{metrics.get('accuracy', 0):.2f}",
-            kl=f"{metrics.get('kl', 0):.4f}",
-            len=f"{metrics['completion_length/mean']:.0f}",
-            s=f"{metrics['time/step_s']:.1f}",
+    if run.grpo.max_staleness > 0:
+        run.ahead = AheadRollouts(
+            run.rollout,
+            iterator,
+            lambda step: jax.random.fold_in(base_key, step),
+            run.grpo.max_staleness,
+            start_step,
+            cfg.num_batches,
         )
-        if run.evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
-            _evaluate(run, state.params, f"step_{done}", done)
-        if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
-            _save(run, state, iterator, done, before)
+        run.ahead.publish(state.params, start_step)
+    with contextlib.ExitStack() as stop_thread:
+        if run.ahead is not None:
+            stop_thread.callback(run.ahead.close)
+        for step in bar:
+            state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
+            _after_step(run, state, iterator, step, metrics, bar, history, before)
     bar.close()
     return state, history
+
+
+def _after_step(
+    run: _Run,
+    state: TrainState,
+    iterator: PromptIterator,
+    step: int,
+    metrics: dict[str, Any],
+    bar: Any,
+    history: list[float],
+    before: dict | None,
+) -> None:
+    """Logs, evaluates and checkpoints after ``step`` as their periods say."""
+    cfg = run.cfg
+    interrupts.raise_pending()  # a Ctrl-C whose exception was lost mid-step: this step is not recorded
+    history.append(metrics["rewards/total/mean"])
+    done = step + 1
+    if done % cfg.log_period == 0 or done == cfg.num_batches:
+        run.writer.write(done, metrics)
+    bar.set_postfix(
+        reward=f"{metrics['rewards/total/mean']:.3f}",
+        acc=f"{metrics.get('accuracy', 0):.2f}",
+        kl=f"{metrics.get('kl', 0):.4f}",
+        len=f"{metrics['completion_length/mean']:.0f}",
+        s=f"{metrics['time/step_s']:.1f}",
+    )
+    if run.evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
+        _evaluate(run, state.params, f"step_{done}", done)
+    if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
+        _save(run, state, iterator, done, before)
 
 
 def _one_step(
@@ -370,9 +405,8 @@ def _one_step(
       RewardFunctionError: a user reward function misbehaved; no update was applied.
     """
     t_start = time.perf_counter()
-    run.rollout.update_params(state.params, step)
     try:
-        batch = run.rollout(next(iterator), key, extra_rows=iterator)
+        batch = _next_batch(run, state, iterator, step, key)
     except RewardFunctionError as e:
         raise RewardFunctionError(
             f"step {step + 1}: {e}; no update was applied and the last checkpoint in {run.paths.checkpoints} "
@@ -381,16 +415,29 @@ def _one_step(
     t_update = time.perf_counter()
     with mesh_context(run.mesh):
         state, update_metrics = run.update(state, batch)
+    if run.ahead is not None:  # before the next update donates these params
+        run.ahead.publish(state.params, step + 1)
     release_host_memory()
     t_end = time.perf_counter()
     metrics = step_metrics(
         batch, update_metrics, {"time/train_s": t_end - t_update, "time/step_s": t_end - t_start}
     )
+    metrics["staleness"] = float(step - batch.host.policy_version)  # updates between sampling and training
+    if run.ahead is not None:
+        metrics["time/rollout_wait_s"] = t_update - t_start  # the rollout's time the update did not hide
     if metrics["nonfinite"] or metrics["nonfinite_params"]:
         _stop_non_finite(run, metrics, step)
     if not run.mismatch_warned:
         run.mismatch_warned = warn_on_mismatch(metrics, run.model_cfg.dtype, run.sampler_cfg)
     return state, metrics
+
+
+def _next_batch(run: _Run, state: TrainState, iterator: PromptIterator, step: int, key: jax.Array) -> Batch:
+    """``step``'s batch: sampled now with ``state.params``, or (max_staleness >= 1) the rollout thread's."""
+    if run.ahead is not None:
+        return run.ahead.get(step)
+    run.rollout.update_params(state.params, step)
+    return run.rollout(next(iterator), key, extra_rows=iterator)
 
 
 def _stop_non_finite(run: _Run, metrics: dict[str, Any], step: int) -> None:
@@ -446,7 +493,8 @@ def _save(run: _Run, state: TrainState, iterator: PromptIterator, done: int, bef
     meta = {
         "step": done,
         "optimizer_step": int(state.step),
-        "iterator": iterator.state_dict(),
+        # with rollouts ahead, the position after the last trained batch: those in flight are sampled again
+        "iterator": run.ahead.position if run.ahead is not None else iterator.state_dict(),
         "seed": run.cfg.seed,
         "eval_before": before,
     }

@@ -1,0 +1,160 @@
+"""Rollouts that run ahead of the update (``max_staleness`` >= 1), on the trainer's own devices.
+
+A background thread produces the batch of step j with the params after update ``max(start, j - N)``
+(N = ``max_staleness``; ``start`` = the step the run started or resumed at), while the main thread runs the
+update of step j - 1 .. j - N. The version is pinned, not "the newest available", so a run is reproducible and
+every batch's staleness is ``min(j - start, N)`` updates. The update donates its state, so each version the
+thread will need is copied once when it is published (N + 1 weight copies at most besides the state).
+
+Data: the thread draws the prompt rows and records the iterator's position after each batch; a checkpoint after
+step j stores the position recorded with batch j, so the batches in flight are not counted as used and a resume
+samples them again (no prompt skipped or repeated across a kill).
+
+Colocated, the overlap hides the host's share of a rollout (decode loop bookkeeping, detokenisation, reward
+functions, the reference pass's dispatch) behind the update; the devices still run one program after the other.
+The same shape as TRL's AsyncGRPOTrainer (a rollout worker, a queue, ``max_staleness``) without a second process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from grpax.errors import ConfigError
+from grpax.rl.batch import Batch
+from grpax.rl.rollout import Rollout
+
+log = logging.getLogger("grpax.train")
+
+
+class RolloutWorkerError(ConfigError):
+    """The rollout thread failed or stopped answering; the update never saw its batch."""
+
+
+class AheadRollouts:
+    """Batches of steps ``start`` .. ``end - 1`` produced by a background thread, ``max_staleness`` ahead.
+
+    Args:
+      rollout: the ``Rollout`` (used only by the thread once started).
+      iterator: the run's prompt iterator (``PromptIterator``: ``next`` and ``state_dict``), read only by the
+        thread once started; also the rollout's ``extra_rows``.
+      key_of: step -> that step's rollout key.
+      max_staleness: N >= 0 (0 works too: each batch waits for the previous update; used by tests).
+      start, end: the first step and one past the last.
+      timeout_s: how long ``get`` waits for a batch before it calls the thread hung.
+    """
+
+    def __init__(
+        self,
+        rollout: Rollout,
+        iterator: Any,
+        key_of: Callable[[int], jax.Array],
+        max_staleness: int,
+        start: int,
+        end: int,
+        timeout_s: float = 3600.0,
+    ):
+        self.rollout, self.iterator, self.key_of = rollout, iterator, key_of
+        self.position: dict | None = None  # the iterator's position after the last batch ``get`` returned
+        self.max_staleness, self.start, self.end, self.timeout_s = max_staleness, start, end, timeout_s
+        self._versions: dict[int, Any] = {}
+        self._cond = threading.Condition()
+        self._done: queue.Queue = queue.Queue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="grpax-rollout", daemon=True)
+
+    def version_for(self, step: int) -> int:
+        """The params version (updates applied) that samples ``step``'s batch."""
+        return max(self.start, step - self.max_staleness)
+
+    def publish(self, params: Any, version: int) -> None:
+        """Hands the thread a copy of ``params`` after ``version`` updates, if a future batch needs it (the
+        caller's arrays are donated to the next update, so they are copied here, before it runs)."""
+        needed = any(self.version_for(j) == version for j in range(self.start, self.end))
+        if not needed:
+            return
+        copy = jax.tree.map(jnp.copy, params)
+        with self._cond:
+            self._versions[version] = copy
+            self._cond.notify_all()
+        if self._thread.ident is None and not self._stop:  # the first version: start producing
+            self._thread.start()
+
+    def get(self, step: int) -> Batch:
+        """``step``'s batch; waits for the thread. ``position`` becomes the iterator's position after it (what a
+        checkpoint after this step stores).
+
+        Raises:
+          RolloutWorkerError: the thread raised (its exception chained; a ``RewardFunctionError`` or other
+            ``ConfigError`` is re-raised as is), died, or gave nothing for ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                got_step, batch, position = self._done.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RolloutWorkerError(
+                        f"step {step + 1}: the rollout thread stopped without a batch; the last checkpoint is "
+                        "kept: run the same command again to resume"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RolloutWorkerError(
+                        f"step {step + 1}: no rollout for {self.timeout_s:.0f} s (a hung reward function or "
+                        "sampler); the last checkpoint is kept: fix it and run the same command to resume"
+                    ) from None
+        if isinstance(batch, BaseException):
+            if isinstance(batch, ConfigError):
+                raise batch
+            raise RolloutWorkerError(
+                f"step {got_step + 1}: the rollout failed ({type(batch).__name__}: {batch}); the last "
+                "checkpoint is kept"
+            ) from batch
+        assert got_step == step, (got_step, step)  # one producer, in step order
+        self.position = position
+        return batch
+
+    def close(self) -> None:
+        """Stops the thread after its current rollout (it is a daemon: an exiting process does not wait)."""
+        with self._cond:
+            self._stop = True
+            self._versions.clear()
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def _params_for(self, step: int) -> Any | None:
+        """Waits for the version ``step`` needs; drops the versions no later batch needs; None when stopped."""
+        version = self.version_for(step)
+        with self._cond:
+            while version not in self._versions and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                return None
+            for old in [v for v in self._versions if v < version]:
+                del self._versions[old]
+            return self._versions[version]
+
+    def _run(self) -> None:
+        for step in range(self.start, self.end):
+            try:
+                params = self._params_for(step)
+                if params is None:
+                    return
+                self.rollout.update_params(params, self.version_for(step))
+                del params
+                batch = self.rollout(next(self.iterator), self.key_of(step), extra_rows=self.iterator)
+                self.rollout.params = None  # the version's copy goes once no later batch needs it
+                jax.block_until_ready(batch)  # the rollout's time is its own, not the update's
+                self._done.put((step, batch, self.iterator.state_dict()))
+            except BaseException as e:  # handed to the main thread, which stops the run with one line
+                self._done.put((step, e, None))
+                return
