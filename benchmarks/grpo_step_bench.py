@@ -54,6 +54,7 @@ from grpax.data.prompts import get_prompt_preset
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
+from grpax.rl.ahead import AheadRollouts
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
@@ -102,12 +103,32 @@ def _cache_size(fn) -> int:
     return fn._cache_size() if hasattr(fn, "_cache_size") else -1
 
 
-def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
-    """Runs the trainer's step (``Rollout`` then ``make_update``) on each batch; returns per-step phase times
-    and compile-cache sizes."""
+class _Batches:
+    """The bench's prompt batches as the trainer's iterator (``next``, ``state_dict``)."""
+
+    def __init__(self, batches):
+        self.batches, self.index = batches, 0
+
+    def __next__(self):
+        self.index += 1
+        return self.batches[self.index - 1]
+
+    def state_dict(self):
+        return {"index": self.index}
+
+
+def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -> dict:
+    """Runs the trainer's step (``Rollout`` then ``make_update``; with ``max_staleness`` >= 1 the rollouts
+    ahead in ``grpax.rl.ahead.AheadRollouts``'s thread, as train_rl) on each batch; returns per-step phase
+    times and compile-cache sizes."""
     G = args.num_generations
     grpo = GRPOConfig(
-        num_generations=G, beta=BETA, temperature=TEMPERATURE, lr_schedule="constant", warmup_ratio=0.0
+        num_generations=G,
+        beta=BETA,
+        temperature=TEMPERATURE,
+        lr_schedule="constant",
+        warmup_ratio=0.0,
+        max_staleness=max_staleness,
     )
     t0 = time.perf_counter()
     params = jax.device_put(params)
@@ -136,12 +157,29 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
     )
     setup_s = time.perf_counter() - t0
     steps = []
+    ahead = None
+    if max_staleness > 0:
+        ahead = AheadRollouts(
+            rollout,
+            _Batches(batches),
+            lambda i: jax.random.fold_in(jax.random.key(SEED), i),
+            max_staleness,
+            0,
+            len(batches),
+        )
+        ahead.publish(state.params, 0)
     for i, rows in enumerate(batches):
         t_start = time.perf_counter()
-        rollout.update_params(state.params, i)
-        batch = rollout(rows, jax.random.fold_in(jax.random.key(SEED), i))
+        if ahead is None:
+            rollout.update_params(state.params, i)
+            batch = rollout(rows, jax.random.fold_in(jax.random.key(SEED), i))
+        else:
+            batch = ahead.get(i)
         t_update = time.perf_counter()
         state, update_metrics = update(state, batch)
+        jax.block_until_ready(state)
+        if ahead is not None:
+            ahead.publish(state.params, i + 1)
         t_end = time.perf_counter()
         m = step_metrics(
             batch, update_metrics, {"time/train_s": t_end - t_update, "time/step_s": t_end - t_start}
@@ -164,8 +202,12 @@ def bench_grpax(params, cfg, tokenizer, batches, args) -> dict:
                 "train_step": _cache_size(train_step),
             },
         }
+        step["staleness"] = i - batch.host.policy_version
+        step["rollout_wait_s"] = t_update - t_start
         steps.append(step)
         print(f"grpax step {i}: " + json.dumps(step), flush=True)
+    if ahead is not None:
+        ahead.close()
     return {"setup_s": setup_s, "steps": steps}
 
 
@@ -358,6 +400,12 @@ def main() -> None:
         default="full",
         help="grpax remat of each layer: none | dots | minimal | full (train_rl's)",
     )
+    ap.add_argument(
+        "--max_staleness",
+        default="0",
+        help="comma-separated max_staleness values run side by side on the same batches (e.g. 0,1: the "
+        "synchronous step and rollouts one step ahead in a thread); each adds a 'grpax@N' row",
+    )
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")
     ap.add_argument("--json_out", default="")
@@ -394,9 +442,11 @@ def main() -> None:
         folder = Path(tmp)
         write_hf_folder(params, cfg, tokenizer, folder)
         if not args.skip_grpax:
-            results["grpax"] = bench_grpax(params, cfg, tokenizer, batches, args)
-            results["grpax"]["setup_s"] += load_s
-            results["load_average_after_grpax"] = os.getloadavg()
+            for n in [int(x) for x in args.max_staleness.split(",")]:
+                name = "grpax" if n == 0 else f"grpax@{n}"
+                results[name] = bench_grpax(params, cfg, tokenizer, batches, args, max_staleness=n)
+                results[name]["setup_s"] += load_s
+                results[f"load_average_after_{name}"] = os.getloadavg()
         del params
         if not args.skip_trl:
             results["trl"] = bench_trl(folder, batches, args)
@@ -413,7 +463,8 @@ def main() -> None:
     header = f"{'system':<9}{'start-up s':>11}{'1st step s':>11}{'steady s':>10}{'rollout':>9}{'ref':>7}"
     print(header + f"{'update':>8}{'rewards':>9}{'vs TRL':>8}{'of roof':>9}")
     summary = {}
-    for name in ("grpax", "trl"):
+    names = [n for n in results if n == "grpax" or n.startswith("grpax@")] + ["trl"]
+    for name in names:
         if name not in results:
             continue
         steady_steps = results[name]["steps"][args.warmup_steps :]
@@ -434,6 +485,16 @@ def main() -> None:
         f"{roof['update_s']:>8.1f}   (vocab projection = {roof['vocab_fraction_of_fwd_flops']:.0%} of forward FLOPs)"
     )
     results["summary"] = summary
+    if any(n.startswith("grpax@") for n in summary):
+        print(
+            "\noverlap = (rollout + reference + rewards + update) / step: above 1 when the rollout thread hides "
+            "part of its time behind the update"
+        )
+        for name, s in summary.items():
+            if name.startswith("grpax"):
+                busy = s["rollout_s"] + s["reference_s"] + s["rewards_s"] + s["update_s"]
+                s["overlap"] = busy / s["step_s"]
+                print(f"{name:<9} {1 / s['step_s']:.4f} steps/s  overlap {s['overlap']:.2f}")
     print(f"load average after: {os.getloadavg()}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
