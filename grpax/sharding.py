@@ -77,6 +77,11 @@ class MeshConfig:
     allow_split_physical_axes: bool = field(False, "let a mesh axis span a split TPU torus axis")
     rollout_data_parallelism: int = field(1, "sampler data-parallel ways (-1: sampler devices / tp)")
     rollout_tensor_parallelism: int = field(-1, "sampler tensor-parallel ways (-1: sampler devices / dp)")
+    rollout_devices: int = field(
+        0,
+        "devices of the sampler's own mesh (the first M; the trainer's mesh takes the rest, the weights are "
+        "copied over after each update: time/reshard_s); 0 = the sampler shares the trainer's devices",
+    )
 
     @classmethod
     def from_config(cls, config: Any) -> MeshConfig:
@@ -217,6 +222,33 @@ def rollout_parallelism(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, in
             f"number of sampler devices ({num_devices})"
         )
     return dp, tp
+
+
+def create_meshes(
+    mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Mesh]:
+    """The trainer's mesh and the sampler's: on the same devices, or with ``rollout_devices=M`` the sampler on
+    the first M devices and the trainer on the others.
+
+    Raises:
+      ConfigError: ``rollout_devices`` outside 0 .. devices - 1, with several processes; and the errors of
+        ``create_mesh`` / ``create_rollout_mesh`` for each device set.
+    """
+    mesh_cfg = mesh_cfg or MeshConfig()
+    devices = list(devices if devices is not None else jax.devices())
+    M = mesh_cfg.rollout_devices
+    if M == 0:
+        return create_mesh(mesh_cfg, devices), create_rollout_mesh(mesh_cfg, devices)
+    if not 0 < M < len(devices):
+        raise ConfigError(
+            f"rollout_devices={M}: expected 0 (shared) or 1 .. {len(devices) - 1} of the {len(devices)} devices "
+            "(the trainer keeps the rest)"
+        )
+    if len({d.process_index for d in devices}) > 1:
+        raise ConfigError(
+            f"rollout_devices={M} splits one process's devices only; with several hosts use rollout_devices=0"
+        )
+    return create_mesh(mesh_cfg, devices[M:]), create_rollout_mesh(mesh_cfg, devices[:M])
 
 
 def create_rollout_mesh(

@@ -517,3 +517,79 @@ def test_deep_model_rollout_on_8_devices_equals_one_device(mesh_cfg, greedy):
     np.testing.assert_array_equal(out.completion_ids, expected.completion_ids)
     np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-4, rtol=0)
     np.testing.assert_allclose(out.logprobs, trainer * out.completion_mask, atol=1e-3, rtol=0)
+
+
+def test_rollout_devices_must_leave_the_trainer_some():
+    n = len(jax.devices())
+    with pytest.raises(ConfigError, match=rf"^rollout_devices={n}: expected 0 \(shared\) or 1 \.\. {n - 1}"):
+        sh.create_meshes(sh.MeshConfig(rollout_devices=n))
+    with pytest.raises(ConfigError, match=r"^rollout_devices=-1"):
+        sh.create_meshes(sh.MeshConfig(rollout_devices=-1))
+
+
+@on_8_devices
+def test_split_rollout_devices_sample_and_train_with_rollouts_ahead(params):
+    """rollout_devices=4: the sampler on devices 0-3, the trainer on 4-7. Greedy rollouts equal one device's token
+    for token, the weights cross over each version (time/reshard_s), and rollouts one step ahead train."""
+    from grpax.rl import train_step
+    from grpax.rl.ahead import AheadRollouts
+    from grpax.rl.config import GRPOConfig
+    from grpax.rl.optim import optimizer_from_config
+    from grpax.rl.rollout import Rollout
+    from grpax.sampler.engine import SamplerConfig, generate
+
+    trainer_mesh, sampler_mesh = sh.create_meshes(sh.MeshConfig(rollout_devices=4))
+    assert set(sampler_mesh.devices.flat) == set(jax.devices()[:4])
+    assert set(trainer_mesh.devices.flat) == set(jax.devices()[4:])
+    assert dict(trainer_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert dict(sampler_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+
+    grpo = GRPOConfig(num_generations=2, beta=0.04, warmup_ratio=0.0, lr_schedule="constant", max_staleness=1)
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=4, greedy=True, pad_token_id=0)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    expected = generate(jax.device_put(params, jax.devices()[0]), prompts, CFG, sc, jax.random.key(0), 2)
+
+    def score(rows, out):
+        total = np.arange(len(rows)) % 2  # 0, 1 in each group of 2: advantages -1, +1 (greedy rows tie)
+        return {"total": total.astype(np.float64)}, np.zeros(len(rows))
+
+    sharded = sh.shard_params(params, CFG, trainer_mesh)
+    reference = jax.tree.map(jnp.copy, sharded)  # the update donates the state's arrays (as train_rl's copy)
+    rollout = Rollout(CFG, sc, grpo, score, mesh=trainer_mesh, rollout_mesh=sampler_mesh, reference=reference)
+    rollout.update_params(sharded, 0)
+    first = rollout([{"prompt_ids": p} for p in prompts], jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(first.completion_ids), np.asarray(expected.completion_ids))
+    assert first.host.timings["time/reshard_s"] > 0  # the weights crossed to the sampler's devices
+    assert first.completion_ids.sharding.mesh.devices.flat[0] in jax.devices()[4:]  # the batch: trainer's
+
+    optimizer, schedule = optimizer_from_config(grpo, 3)
+    state = train_step.TrainState(
+        params=sharded,
+        opt_state=sh.init_optimizer_state(optimizer, sharded, trainer_mesh),
+        step=jnp.zeros((), jnp.int32),
+    )
+    update = train_step.make_update(train_step.make_train_step(CFG, grpo, optimizer, 1, schedule), 1)
+    rows = iter([[{"prompt_ids": p} for p in prompts]] * 3)
+
+    class Rows:
+        def __next__(self):
+            return next(rows)
+
+        def state_dict(self):
+            return {}
+
+    ahead = AheadRollouts(rollout, Rows(), jax.random.key, 1, 0, 3)
+    ahead.publish(state.params, 0)
+    versions = []
+    try:
+        for step in range(3):
+            batch = ahead.get(step)
+            with jax.set_mesh(trainer_mesh):
+                state, metrics = update(state, batch)
+            ahead.publish(state.params, step + 1)
+            versions.append(batch.host.policy_version)
+            assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    finally:
+        ahead.close()
+    assert versions == [0, 0, 1]
+    assert state.params["layers"]["wq"].sharding.mesh == trainer_mesh

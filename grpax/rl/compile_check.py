@@ -234,6 +234,11 @@ def compile_job(
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
+    if cfg.rollout_devices:
+        raise ConfigError(
+            f"rollout_devices={cfg.rollout_devices}: the fit report compiles the sampler and the trainer on the "
+            "same devices only; compile with rollout_devices=0 (the colocated job is the larger per chip)"
+        )
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(
         cfg, sharding.create_mesh(mesh_cfg, devices), sharding.create_rollout_mesh(mesh_cfg, devices)
@@ -308,6 +313,9 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     """
     devices = list(devices or jax.devices())
     if not cfg.check_fit or devices[0].platform == "cpu":
+        return
+    if cfg.rollout_devices:
+        log.warning("rollout_devices=%d: the fit check (colocated jobs only) is skipped", cfg.rollout_devices)
         return
     limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
     if not limit:

@@ -219,8 +219,7 @@ def _load_policy(cfg: TrainConfig, model_cfg: ModelConfig | None):
     if cfg.model_name:
         check_matches(model_cfg, cfg.model_name, cfg.load_parameters_path)
     mesh_cfg = cfg.mesh()
-    mesh = sharding.create_mesh(mesh_cfg)
-    rollout_mesh = sharding.create_rollout_mesh(mesh_cfg)
+    mesh, rollout_mesh = sharding.create_meshes(mesh_cfg)
     params = sharding.shard_params(params, model_cfg, mesh)
     log.info("trainer mesh %s, sampler mesh %s", dict(mesh.shape), dict(rollout_mesh.shape))
     return params, model_cfg, tokenizer, mesh, rollout_mesh
