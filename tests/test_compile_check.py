@@ -233,3 +233,42 @@ def test_nvidia_target_is_an_estimate_with_exact_shards(config_only, capsys):
     assert _row(out, "params") == params and _row(out, "optimizer state") == 2 * params + 3 * 4
     assert _row(out, "chip HBM") == 81559 * 2**20
     assert "compile time" not in out
+
+
+def test_rollout_devices_compile_the_sampler_and_the_trainer_on_their_own_chips(config_only, capsys):
+    """v5e:2x2 with rollout_devices=2 and max_staleness=1: the trainer's 2 chips hold params split fsdp=2, the
+    optimizer state, the reference and two params versions for the rollouts ahead; the sampler's 2 chips hold
+    its own copy and the cache, each peak against the HBM."""
+    assert main(_keys(config_only, hardware="tpu", rollout_devices=2, max_staleness=1)) == 0
+    out = capsys.readouterr().out
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    norms = L * 2 * D + D
+    params = 4 * (matrices // 2 + norms)  # float32, fsdp=2 on the trainer's 2 chips
+    assert _row(out, "params") == params
+    assert _row(out, "params versions for rollouts ahead (2)") == 2 * params
+    # The sampler's mesh tensor=2: K=2 heads split 2 ways.
+    rows, slots = 4 * 2, 64
+    assert _row(out, "KV cache (P + C slots, by the rules)") == 2 * L * rows * (K // 2) * H * slots * 4
+    trainer = _row(out, "peak on the trainer's 2 chips (update, reference)")
+    sampler = _row(out, "peak on the sampler's 2 chips (rollout_devices)")
+    resident = sum(
+        _row(out, name)
+        for name in (
+            "params",
+            "optimizer state",
+            "reference params",
+            "params versions for rollouts ahead (2)",
+        )
+    )
+    assert trainer > resident and trainer - resident == max(
+        _row(out, "update phase, beyond the resident arrays"),
+        _row(out, "reference logprobs phase, beyond the resident arrays"),
+    )
+    assert sampler == _row(out, "rollout phase, beyond the resident arrays")
+    assert f"fits: peak {max(trainer, sampler) / 2**30:.2f} GiB" in out
+
+
+def test_the_nvidia_estimate_refuses_rollout_devices(config_only, capsys):
+    assert main(_keys(config_only, compile_topology="h100-8", rollout_devices=2)) == 2
+    assert "rollout_devices=2: the NVIDIA estimate covers colocated jobs only" in capsys.readouterr().err

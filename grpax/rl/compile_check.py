@@ -180,6 +180,10 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
     resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
     if with_ref:
         resident["reference params"] = resident["params"]
+    if grpo.max_staleness > 0:  # grpax.rl.ahead: each version a rollout ahead needs is a copy
+        resident[f"params versions for rollouts ahead ({grpo.max_staleness + 1})"] = (
+            grpo.max_staleness + 1
+        ) * resident["params"]
     rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
     same = all(
         _same_layout(a, b)
@@ -234,15 +238,8 @@ def compile_job(
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
-    if cfg.rollout_devices:
-        raise ConfigError(
-            f"rollout_devices={cfg.rollout_devices}: the fit report compiles the sampler and the trainer on the "
-            "same devices only; compile with rollout_devices=0 (the colocated job is the larger per chip)"
-        )
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
-    job = build_job(
-        cfg, sharding.create_mesh(mesh_cfg, devices), sharding.create_rollout_mesh(mesh_cfg, devices)
-    )
+    job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices))
     model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
@@ -281,7 +278,10 @@ def compile_job(
         _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
     )
     flops = step_count(job, len(devices), peak_flops, bandwidth)
-    return Report(target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops)
+    return Report(
+        target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        rollout_chips=cfg.rollout_devices,
+    )  # fmt: skip
 
 
 def run(cfg: TrainConfig) -> int:
@@ -313,9 +313,6 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     """
     devices = list(devices or jax.devices())
     if not cfg.check_fit or devices[0].platform == "cpu":
-        return
-    if cfg.rollout_devices:
-        log.warning("rollout_devices=%d: the fit check (colocated jobs only) is skipped", cfg.rollout_devices)
         return
     limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
     if not limit:

@@ -41,10 +41,23 @@ class Report:
     phases: dict[str, int]  # phase -> bytes beyond the resident arrays
     flops: list  # step_cost.Phase
     estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
+    rollout_chips: int = 0  # rollout_devices: the sampler's own chips (0: colocated with the trainer)
+
+    @property
+    def trainer_peak(self) -> int:
+        """The trainer's chips: resident arrays plus the largest phase they run (all of them, colocated)."""
+        phases = [b for name, b in self.phases.items() if not (self.rollout_chips and name == "rollout")]
+        return sum(self.resident.values()) + max(phases)
+
+    @property
+    def sampler_peak(self) -> int:
+        """The sampler's own chips (rollout_devices): its copy of the params, the cache and the decode's
+        temporaries (the rollout phase); 0 when colocated."""
+        return self.phases.get("rollout", 0) if self.rollout_chips else 0
 
     @property
     def peak(self) -> int:
-        return sum(self.resident.values()) + max(self.phases.values())
+        return max(self.trainer_peak, self.sampler_peak)
 
     @property
     def fits(self) -> bool:
@@ -105,7 +118,15 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
         for name, c in report.functions.items()
     ]
     rows += [(f"{name} phase, beyond the resident arrays", b) for name, b in report.phases.items()]
-    rows += [("peak, all colocated", report.peak), ("chip HBM", report.hbm)]
+    if report.rollout_chips:
+        trainer_chips = num_chips - report.rollout_chips
+        rows += [
+            (f"peak on the trainer's {trainer_chips} chips (update, reference)", report.trainer_peak),
+            (f"peak on the sampler's {report.rollout_chips} chips (rollout_devices)", report.sampler_peak),
+        ]
+    else:
+        rows.append(("peak, all colocated", report.peak))
+    rows.append(("chip HBM", report.hbm))
     lines = [f"per-chip memory of train_rl on {report.target}, model {cfg.model_name or '(checkpoint)'}:"]
     if report.estimated:
         lines[0] = "ESTIMATE (analytical; this JAX cannot compile for an absent GPU): " + lines[0]

@@ -25,6 +25,7 @@ import math
 from jax.sharding import AbstractMesh
 
 from grpax import sharding
+from grpax.config import ConfigError
 from grpax.rl import compile_check
 from grpax.rl.compile_check import build_job, step_count
 from grpax.rl.fit_report import Compiled, Report, format_report
@@ -61,6 +62,11 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     Raises:
       ConfigError: mesh keys that do not fit ``num_gpus`` one-host devices (``grpax.sharding``).
     """
+    if cfg.rollout_devices:
+        raise ConfigError(
+            f"rollout_devices={cfg.rollout_devices}: the NVIDIA estimate covers colocated jobs only; estimate with "
+            "rollout_devices=0, or compile for a TPU slice (compile_topology=v6e-8 ...)"
+        )
     mesh_cfg = cfg.mesh()
     ici = sharding._fill(
         (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
