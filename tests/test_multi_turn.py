@@ -1,5 +1,8 @@
 """Multi-turn rollouts (grpax.rl.multi_turn): observation tokens fed into the same KV cache, out of the loss."""
 
+import functools
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +10,12 @@ import pytest
 
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.rl.config import GRPOConfig
 from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn
-from grpax.rl.train_step import compute_logprobs
+from grpax.rl.optim import make_lr_schedule, make_optimizer
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import SamplerConfig
+from grpax.tasks.environment import ToolEnvironment
 
 ALPHABET = "0123456789+-*/()<>=abcdefghijklmnopqrstuvwxyz .,:;!?\n#@$&[]"  # ids 1..60; 0 = EOS
 CFG = ModelConfig(
@@ -30,7 +36,7 @@ class CharTokenizer:
     eos_token_id = 0
 
     def encode(self, text, add_special_tokens=False):
-        return [ALPHABET.index(c) + 1 for c in text]
+        return [ALPHABET.index(c if c in ALPHABET else "?") + 1 for c in text.lower()]
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(ALPHABET[i - 1] if i else ("" if skip_special_tokens else "$") for i in ids)
@@ -144,3 +150,98 @@ def test_budgets_truncate(params):
         if out.truncation[b] == "turn":
             last_turn = out.completion_mask[b][: out.completion_mask[b].nonzero()[0].max() + 1]
             assert last_turn[-2:].tolist() == [1, 1]
+
+
+@functools.cache
+def _train_step():
+    grpo = GRPOConfig(beta=0.04, temperature=1.0, max_grad_norm=0.0, weight_decay=0.0, num_generations=G)
+    schedule = make_lr_schedule(1e-2, 10, schedule="constant")
+    optimizer = make_optimizer(schedule, 10, weight_decay=0.0)
+    return optimizer, make_train_step(CFG, grpo, optimizer, num_micro_batches=1, lr_schedule=schedule)
+
+
+def _step(params, batch):
+    optimizer, step = _train_step()
+    copy = jax.tree.map(jnp.copy, params)
+    state = TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32))
+    state, metrics = step(state, batch)
+    return jax.tree.map(np.asarray, state.params), metrics
+
+
+def test_observation_tokens_are_out_of_the_loss_and_the_kl(params):
+    """Observation tokens have mask 0 and no gradient: what the batch holds at them (reference, old and
+    sampler logprobs) does not change the step, and a step whose only tokens are observations changes nothing."""
+    out, _ = _run(params, [3, 2, 3, 3, 2, 3])
+    obs = (out.completion_mask == 0) & (np.arange(T)[None] < (out.observation_tokens + out.lengths)[:, None])
+    assert obs.sum() > 0
+    batch = {
+        "prompt_ids": out.prompt_ids,
+        "prompt_mask": out.prompt_mask,
+        "completion_ids": out.completion_ids,
+        "completion_mask": out.completion_mask,
+        "advantages": np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], np.float32),
+        "rollout_logprobs": out.logprobs,
+        "truncated": np.array([bool(t) for t in out.truncation]),
+    }
+    batch["ref_logprobs"] = (out.logprobs - 0.1 * out.completion_mask).astype(np.float32)
+    batch["old_logprobs"] = out.logprobs
+    moved, metrics = _step(params, batch)
+    assert float(metrics["kl"]) > 0
+    changed = {k: np.where(obs, -50.0, v).astype(np.float32) for k, v in batch.items() if "logprobs" in k}
+    moved_again, _ = _step(params, {**batch, **changed})
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(moved_again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(
+        np.abs(a - np.asarray(p)).max() > 0
+        for a, p in zip(jax.tree.leaves(moved), jax.tree.leaves(params), strict=True)
+    )
+    # rewards only on observation tokens: the model tokens masked, the advantages large
+    only_obs = {
+        **batch,
+        "completion_mask": np.zeros_like(out.completion_mask),
+        "advantages": batch["advantages"] * 9,
+    }
+    still, metrics = _step(params, only_obs)
+    assert float(metrics["loss"]) == 0.0
+    for a, p in zip(jax.tree.leaves(still), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(p))
+
+
+class FlakyTools(ToolEnvironment):
+    """Every turn ending in a vowel calls a tool that raises (odd turns) or hangs (even turns)."""
+
+    stop_strings = ("a", "e", "i", "o", "u")
+
+    def __init__(self):
+        def boom(arg):
+            raise ValueError("no")
+
+        def hang(arg):
+            time.sleep(2)
+
+        super().__init__({"boom": boom, "hang": hang}, timeout_s=0.05)
+        self.stop_strings = FlakyTools.stop_strings
+
+    def parse(self, text):
+        return ("boom" if self.calls % 2 == 0 else "hang"), text
+
+    def step(self, text):
+        out = super().step(text)
+        self.observations = [*getattr(self, "observations", []), out[0]]
+        return out
+
+
+def test_tools_that_raise_or_hang_are_error_observations_in_the_rollout(params):
+    envs = [FlakyTools() for _ in range(6)]
+    sc = SamplerConfig(max_prompt_length=16, max_completion_length=T, stop_token_ids=(0,), pad_token_id=0)
+    turn_cfg = MultiTurnConfig(max_turns=3, max_observation_tokens=20)  # observations cut to 20 tokens
+    out = generate_multi_turn(params, PROMPTS, envs, CharTokenizer(), CFG, sc, turn_cfg, jax.random.key(3), G)
+    assert out.tool_calls.sum() > 0
+    np.testing.assert_array_equal(out.tool_errors, out.tool_calls)
+    seen = {o for env in envs for o in env.observations}
+    assert seen == {
+        "<result>error: boom raised ValueError: no</result>\n",
+        "<result>error: hang did not return within 0.05 s</result>\n",
+    }
+    assert sum("<result>error: boom " in t for t in out.texts) >= 3  # what was fed: the first 20 tokens
+    assert set(out.observation_tokens.tolist()) <= {0, 20, 40}
