@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpax import distributed
+from grpax import distributed, sharding
 from grpax.data.gsm8k import build_messages
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
@@ -40,25 +40,7 @@ from grpax.rl.rollout import Rollout, mesh_context
 from grpax.sampler import multi_turn as mt
 from grpax.sampler.backend import select_backend
 from grpax.sampler.engine import _PREFILL_STATIC, SamplerConfig, _compiled, _prefill, prepare_prompts
-from grpax.tasks.environment import chat_observation
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnConfig:
-    """The budgets of a multi-turn rollout (the trajectory's is ``SamplerConfig.max_completion_length``)."""
-
-    max_turns: int = 4  # model turns per trajectory at most
-    max_turn_tokens: int = 0  # model tokens per turn at most; 0 = up to the trajectory's budget
-    max_observation_tokens: int = 64  # an observation is cut to this many tokens
-    tool_format: str = "tags"  # "tags": observations appended as text; "chat": a tool message of the template
-
-    def __post_init__(self):
-        if self.max_turns < 1 or self.max_turn_tokens < 0 or self.max_observation_tokens < 1:
-            raise ConfigError(
-                f"max_turns={self.max_turns}, max_turn_tokens={self.max_turn_tokens}, max_observation_tokens="
-                f"{self.max_observation_tokens}: expected max_turns >= 1, max_turn_tokens >= 0 (0: no limit) and "
-                "max_observation_tokens >= 1"
-            )
+from grpax.tasks.environment import MultiTurnConfig, chat_observation
 
 
 class MultiTurnOutput(NamedTuple):
@@ -84,10 +66,12 @@ class MultiTurnOutput(NamedTuple):
     truncation: list[str]
 
     def metrics(self) -> dict[str, float]:
-        """Means per trajectory of the turn counts, and the fraction ended by each budget."""
+        """Means per trajectory of the turn counts, the fraction that called a tool at least once
+        (``tool_use_rate``) and the fraction ended by each budget."""
         out = {
             "multi_turn/turns": float(self.turns.mean()),
             "multi_turn/tool_calls": float(self.tool_calls.mean()),
+            "multi_turn/tool_use_rate": float(np.mean(self.tool_calls > 0)),
             "multi_turn/tool_errors": float(self.tool_errors.mean()),
             "multi_turn/observation_tokens": float(self.observation_tokens.mean()),
         }
@@ -333,8 +317,6 @@ class MultiTurnRollout(Rollout):
         t0 = time.perf_counter()
         params = self.params
         if self.mesh is not None and self.rollout_mesh is not None:
-            from grpax import sharding
-
             params, reshard_s = sharding.reshard_for_rollout(params, self.mesh, self.rollout_mesh)
             self._times["time/reshard_s"] += reshard_s
         out = sample_trajectories(
@@ -402,3 +384,24 @@ def score_trajectories(
     scores["total"] = scores["total"] + scores["environment"]
     correct = task.step_correct(rows, out.texts, scores)
     return scores, np.asarray(correct, np.float64)
+
+
+def trajectory_sampler(
+    task: Any,
+    tokenizer: Any,
+    env_factory: Callable[[], Any],
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    turn_cfg: MultiTurnConfig,
+    mesh: Any = None,
+) -> Callable[..., MultiTurnOutput]:
+    """``(params, rows, key, num_generations) -> MultiTurnOutput``: what ``grpax.eval.evaluate.evaluate``
+    (``trajectories=``) samples with, so that ``grpax evaluate`` and the trainer's evaluations run the same
+    environment as training."""
+
+    def sample(params: Any, rows: list[dict], key: jax.Array, num_generations: int) -> MultiTurnOutput:
+        return sample_trajectories(
+            params, rows, task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, key, num_generations, mesh
+        )
+
+    return sample

@@ -24,6 +24,7 @@ observation (``run_tool``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -38,6 +39,24 @@ from grpax.tasks.calculator import calculate
 from grpax.tasks.user import _import_file
 
 TOOL_FORMATS = ("tags", "chat")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """The budgets of a multi-turn rollout (the trajectory's is ``SamplerConfig.max_completion_length``)."""
+
+    max_turns: int = 4  # model turns per trajectory at most
+    max_turn_tokens: int = 0  # model tokens per turn at most; 0 = up to the trajectory's budget
+    max_observation_tokens: int = 64  # an observation is cut to this many tokens
+    tool_format: str = "tags"  # "tags": observations appended as text; "chat": a tool message of the template
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_turn_tokens < 0 or self.max_observation_tokens < 1:
+            raise ConfigError(
+                f"max_turns={self.max_turns}, max_turn_tokens={self.max_turn_tokens}, max_observation_tokens="
+                f"{self.max_observation_tokens}: expected max_turns >= 1, max_turn_tokens >= 0 (0: no limit) and "
+                "max_observation_tokens >= 1"
+            )
 
 
 class EnvironmentFileError(ConfigError):
