@@ -34,7 +34,36 @@ DEFAULT_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
+class EnvironmentConfig:
+    """The keys of multi-turn rollouts (``grpax.tasks.environment``), shared by train_rl, evaluate and generate."""
+
+    environment: str = field(
+        "",
+        "multi-turn rollouts with an environment between the turns: calculator (built-in tool, e.g. with "
+        "task=gsm8k), or a class in environment_path; '' = single-turn",
+    )
+    environment_path: str = field(
+        "",
+        "Python file of your environment class (environment=NAME): reset(row) -> messages | None, "
+        "step(text) -> (observation | None, reward, done), optional stop_strings and tools",
+    )
+    tool_format: str = field(
+        "tags",
+        "tool calls of the built-in tools: tags (<calculator>3*4</calculator> -> <result>12</result>) | chat "
+        "(the chat template's own tool format, apply_chat_template(tools=...))",
+    )
+    max_turns: int = field(4, "model turns per trajectory at most (with environment)")
+    max_turn_tokens: int = field(
+        0, "model tokens per turn at most (with environment); 0 = up to the trajectory's budget"
+    )
+    max_observation_tokens: int = field(64, "tokens of one observation at most (longer ones are cut)")
+    tool_timeout_seconds: float = field(
+        2.0, "seconds one tool call may take; past it the model reads an error observation"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(EnvironmentConfig):
     """The keys of the task: which one, its columns, its prompt and the user's reward functions."""
 
     task: str = field(
@@ -69,29 +98,6 @@ class TaskConfig:
     )
     reward_timeout_seconds: float = field(
         0.0, "seconds one call of a reward function may take before the run stops with one line (0: no limit)"
-    )
-    environment: str = field(
-        "",
-        "multi-turn rollouts with an environment between the turns: calculator (built-in tool, e.g. with "
-        "task=gsm8k), or a class in environment_path; '' = single-turn",
-    )
-    environment_path: str = field(
-        "",
-        "Python file of your environment class (environment=NAME): reset(row) -> messages | None, "
-        "step(text) -> (observation | None, reward, done), optional stop_strings and tools",
-    )
-    tool_format: str = field(
-        "tags",
-        "tool calls of the built-in tools: tags (<calculator>3*4</calculator> -> <result>12</result>) | chat "
-        "(the chat template's own tool format, apply_chat_template(tools=...))",
-    )
-    max_turns: int = field(4, "model turns per trajectory at most (with environment)")
-    max_turn_tokens: int = field(
-        0, "model tokens per turn at most (with environment); 0 = up to the trajectory's budget"
-    )
-    max_observation_tokens: int = field(64, "tokens of one observation at most (longer ones are cut)")
-    tool_timeout_seconds: float = field(
-        2.0, "seconds one tool call may take; past it the model reads an error observation"
     )
 
 
@@ -246,6 +252,7 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
 
 __all__ = [
     "DEFAULT_FIELDS",
+    "EnvironmentConfig",
     "TASKS",
     "RewardFunctionError",
     "Task",
