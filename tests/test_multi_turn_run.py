@@ -112,3 +112,10 @@ def test_generate_checks_environment_keys(tmp_path, capsys):
     load = f"load_parameters_path={tmp_path}/none"
     assert main(["generate", load, "prompt=x", "environment=calculator", "use_chat_template=false"]) == 2
     assert "drop use_chat_template=false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["filter_zero_std_groups=true", "overlong_buffer_length=4"])
+def test_train_rl_refuses_what_multi_turn_does_not_support(tiny_checkpoint, tmp_path, capsys, key):
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, environment="calculator")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items()), key]) == 2
+    assert "multi-turn rollouts, which do not support filter_zero_std_groups" in capsys.readouterr().err

@@ -205,11 +205,13 @@ def generate_multi_turn(
             turn = ids[b, turn_start[b] : n[b]].tolist()
             if r == mt.STOP_CANDIDATE:
                 text = tokenizer.decode(turn)
-                if not any(text.endswith(s) for s in stop_strings):
+                if not any(text.endswith(s) for s in stop_strings):  # not a stop string after all
                     if n[b] >= T:
                         done[b], truncation[b] = True, "trajectory"
+                    elif n[b] >= turn_end[b]:
+                        done[b], truncation[b] = True, "turn"
                     else:
-                        run[b] = True  # not a stop string after all: decode on
+                        run[b] = True  # decode on
                     continue
             elif r in (mt.TURN_BUDGET, mt.TRAJECTORY_BUDGET):
                 done[b], truncation[b] = True, "turn" if r == mt.TURN_BUDGET else "trajectory"
