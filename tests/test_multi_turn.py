@@ -245,3 +245,46 @@ def test_tools_that_raise_or_hang_are_error_observations_in_the_rollout(params):
     }
     assert sum("<result>error: boom " in t for t in out.texts) >= 3  # what was fed: the first 20 tokens
     assert set(out.observation_tokens.tolist()) <= {0, 20, 40}
+
+
+class ChatTokenizer(CharTokenizer):
+    """A chat template of one line per message, ``<role initial>:<content>`` ended by ``$`` (the EOS's text)."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False):
+        text = "".join(f"{m['role'][0]}:{m['content']}$\n" for m in messages)
+        return text + ("a:" if add_generation_prompt else "")
+
+
+class ChatEnv(CountEnv):
+    """Answers every turn (ended by EOS) with the tool result "12" until its k-th turn."""
+
+    stop_strings = ()
+
+    def step(self, text):
+        observation, points, done = super().step(text)
+        return (None if done else "12"), points, done
+
+
+def test_chat_format_feeds_the_templates_tool_turn_after_the_eos(params):
+    """tool_format=chat: a turn ends at the EOS; what follows it is the template's tool message and the next
+    generation prompt ("\\nt:12$\\na:": the newline the template writes after its end-of-turn, the tool turn,
+    the assistant's opening), all with mask 0."""
+    envs = [ChatEnv(3) for _ in range(6)]
+    sc = SamplerConfig(max_prompt_length=16, max_completion_length=T, stop_token_ids=(0,), pad_token_id=0)
+    tok = ChatTokenizer()
+    turn_cfg = MultiTurnConfig(tool_format="chat")
+    out = generate_multi_turn(params, PROMPTS, envs, tok, CFG, sc, turn_cfg, jax.random.key(3), G)
+    observation = encode(tok, "\nt:12$\na:")
+    assert out.tool_calls.sum() >= 1  # turns end at the EOS only: rare for this random model
+    for b in range(6):
+        ids, mask = out.completion_ids[b].tolist(), out.completion_mask[b].tolist()
+        eos = [i for i in range(T) if ids[i] == 0 and mask[i] == 1]
+        fed = [
+            i + 1
+            for i in eos
+            if i + 1 + len(observation) <= T and ids[i + 1 : i + 1 + len(observation)] == observation
+        ]
+        assert len(fed) == out.tool_calls[b]
+        for i in fed:
+            assert mask[i : i + len(observation)] == [0] * len(observation)
+        assert out.observation_tokens[b] == len(observation) * out.tool_calls[b]

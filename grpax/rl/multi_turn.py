@@ -226,14 +226,14 @@ def generate_multi_turn(
             if turns[b] >= turn_cfg.max_turns:
                 done[b], truncation[b] = True, "max_turns"
                 continue
-            calls[b] += 1
-            errors[b] += observation.lstrip().startswith(("error", "<result>error"))
             tokens = encode(
                 tokenizer, render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
             )[:F]
             if n[b] + len(tokens) >= T:  # no room for a model token after it
                 done[b], truncation[b] = True, "trajectory"
                 continue
+            calls[b] += 1
+            errors[b] += observation.lstrip().startswith(("error", "<result>error"))
             forced[b, : len(tokens)], num_forced[b] = tokens, len(tokens)
             obs_tokens[b] += len(tokens)
             turns[b] += 1
