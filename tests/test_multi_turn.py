@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpax.backends.cpu import build
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
@@ -74,19 +75,27 @@ PROMPTS = [[5, 9, 11, 3, 7, 21, 30], [1, 2], [40, 41, 42, 43, 44]]
 G, T = 2, 48
 
 
-def _run(params, ks, **turn):
+def _run(params, ks, backend="auto", **turn):
     envs = [CountEnv(k) for k in ks]
-    sc = SamplerConfig(max_prompt_length=16, max_completion_length=T, stop_token_ids=(0,), pad_token_id=0)
+    sc = SamplerConfig(
+        max_prompt_length=16, max_completion_length=T, stop_token_ids=(0,), pad_token_id=0, backend=backend
+    )
     out = generate_multi_turn(
         params, PROMPTS, envs, CharTokenizer(), CFG, sc, MultiTurnConfig(**turn), jax.random.key(3), G
     )
     return out, envs
 
 
-def test_logprobs_equal_one_forward_over_the_final_sequence(params):
+# The CPU backend's kernels (where they build and JAX runs on CPU) and XLA's ops (accelerators) alike.
+CPU_BACKEND = jax.default_backend() == "cpu" and build.available()
+BACKENDS = [pytest.param("cpu", marks=pytest.mark.skipif(not CPU_BACKEND, reason="no CPU backend")), "xla"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_equal_one_forward_over_the_final_sequence(params, backend):
     """Cache continuation is exact: the sampler's logprob of every model token equals the trainer's over the
     final sequence (prompt, turns and observations in one forward), and observation tokens have mask 0."""
-    out, envs = _run(params, [3, 2, 1, 3, 2, 3])
+    out, envs = _run(params, [3, 2, 1, 3, 2, 3], backend)
     assert out.completion_ids.shape == (6, T)
     ref = np.asarray(
         compute_logprobs(
