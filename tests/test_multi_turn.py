@@ -12,7 +12,7 @@ from grpax.backends.cpu import build
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
-from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn
+from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table
 from grpax.rl.optim import make_lr_schedule, make_optimizer
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import SamplerConfig
@@ -297,3 +297,15 @@ def test_chat_format_feeds_the_templates_tool_turn_after_the_eos(params):
         for i in fed:
             assert mask[i : i + len(observation)] == [0] * len(observation)
         assert out.observation_tokens[b] == len(observation) * out.tool_calls[b]
+
+
+def test_pause_table_holds_the_tokens_that_can_end_a_stop_string():
+    class Vocab:
+        texts = ["", ">", "r>", "or>", "ing>", "x", "ulator>", "</calculator>"]
+
+        def decode(self, ids):
+            return self.texts[ids[0]]
+
+    table = pause_table(Vocab(), 8, ["</calculator>"])
+    assert table.tolist() == [False, True, True, True, False, False, True, True]
+    assert not pause_table(Vocab(), 8, []).any()

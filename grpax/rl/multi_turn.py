@@ -3,7 +3,7 @@
 Each trajectory has its own environment (``grpax.tasks.environment``): ``reset`` gives its first messages,
 rendered by the chat template (with the environment's tools where it declares them) into the prompt. The
 prompts are prefilled once (``grpax.sampler.engine``), then ``grpax.sampler.multi_turn.decode_segment`` decodes
-until every row has paused at the end of a turn; on the host each paused row's turn text goes to its
+until a row pauses at the end of a turn; on the host each paused row's turn text goes to its
 environment's ``step``, whose observation is tokenized (``render_observation``) and fed into the row's own KV
 cache by the next segment, and the row samples on from there. Rows finish at different turns; the batch goes
 on until every row is done or out of budget (``max_turns``, ``max_turn_tokens`` per turn, T =
@@ -91,13 +91,16 @@ def _token_texts(tokenizer: Any, vocab_size: int) -> tuple[str, ...]:
 
 
 def pause_table(tokenizer: Any, vocab_size: int, stop_strings: Sequence[str]) -> np.ndarray:
-    """bool [V]: the tokens whose text ends with the last character of a stop string (the host checks the
-    turn's text after each)."""
+    """bool [V]: the tokens that can end a stop string (after each the host checks the turn's text): those
+    whose text ends as a stop string does, over the shorter of the two (``"or>"`` and ``">"`` can end
+    ``"</calculator>"``; ``"ing>"`` cannot)."""
     table = np.zeros(vocab_size, bool)
-    last = {s[-1] for s in stop_strings if s}
-    if last:
+    stops = [s for s in stop_strings if s]
+    if stops:
         for i, text in enumerate(_token_texts(tokenizer, vocab_size)):
-            table[i] = bool(text) and text[-1] in last
+            table[i] = any(
+                text and text[-min(len(text), len(s)) :] == s[-min(len(text), len(s)) :] for s in stops
+            )
     return table
 
 
@@ -190,18 +193,20 @@ def generate_multi_turn(
     turn_start = np.zeros(B, np.int64)
     done = np.zeros(B, bool)
     truncation = [""] * B
+    prepared = mt.prepare_decode(params, cfg, backend, P + T)
+    stop_table, pauses = jnp.asarray(stop_table), jnp.asarray(pauses)
     while True:
-        cache, state = mt.decode_segment(
-            params, cache, state, key, jnp.asarray(stop_table), jnp.asarray(pauses), cfg, sc, backend
-        )
-        host = distributed.fetch({k: state[k] for k in ("ids", "n", "reason")})
-        ids, n, reason = (np.asarray(host[k]) for k in ("ids", "n", "reason"))
+        cache, state = mt.decode_segment(prepared, cache, state, key, stop_table, pauses, cfg, sc, backend)
+        fields = ("ids", "n", "reason", "turn_end", "forced", "num_forced", "forced_pos")
+        host = {k: np.array(v) for k, v in distributed.fetch({k: state[k] for k in fields}).items()}
+        ids, n, reason, turn_end = host["ids"], host["n"], host["reason"], host["turn_end"]
+        forced, num_forced, forced_pos = host["forced"], host["num_forced"], host["forced_pos"]
         run = np.zeros(B, bool)
-        forced = np.zeros((B, F), np.int32)
-        num_forced = np.zeros(B, np.int32)
-        turn_end = np.asarray(state["turn_end"]).copy()
         for b in np.flatnonzero(~done):
             r = int(reason[b])
+            if r == mt.RUNNING:  # still in its turn: decodes on in the next segment
+                run[b] = True
+                continue
             turn = ids[b, turn_start[b] : n[b]].tolist()
             if r == mt.STOP_CANDIDATE:
                 text = tokenizer.decode(turn)
@@ -234,7 +239,7 @@ def generate_multi_turn(
                 continue
             calls[b] += 1
             errors[b] += observation.lstrip().startswith(("error", "<result>error"))
-            forced[b, : len(tokens)], num_forced[b] = tokens, len(tokens)
+            forced[b, : len(tokens)], num_forced[b], forced_pos[b] = tokens, len(tokens), 0
             obs_tokens[b] += len(tokens)
             turns[b] += 1
             turn_start[b] = n[b] + len(tokens)
@@ -247,7 +252,7 @@ def generate_multi_turn(
             "run": jnp.asarray(run),
             "forced": jnp.asarray(forced),
             "num_forced": jnp.asarray(num_forced),
-            "forced_pos": jnp.zeros((B,), jnp.int32),
+            "forced_pos": jnp.asarray(forced_pos),
             "turn_end": jnp.asarray(turn_end, jnp.int32),
             "reason": jnp.zeros((B,), jnp.int32),
         }

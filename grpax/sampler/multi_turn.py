@@ -3,9 +3,11 @@ the same KV cache after their observation tokens.
 
 A trajectory is ``prompt, turn 1, observation 1, turn 2, ...`` in one row of T = ``max_completion_length``
 slots after the prompt (slot == position, as in ``grpax.sampler.engine``). ``decode_segment`` runs the decode
-loop inside ``jax.jit`` until no row is running: a row pauses after a stop token, after a token that may end
-one of the environment's stop strings (``pause_table``: the host checks the text), at its turn's token budget
-(``turn_end``) or at T. The host (``grpax.rl.multi_turn``) then calls the environment and gives the paused rows
+loop inside ``jax.jit`` until a row pauses, after a stop token or a token that may end one of the
+environment's stop strings (``pause_table``: the host checks the text), or until no row runs (a row also stops
+at its turn's token budget, ``turn_end``, or at T). Returning at the first pause, not when every row has
+paused, keeps rows from idling while the slowest row finishes its turn; a return costs one small host
+round trip. The host (``grpax.rl.multi_turn``) then calls the environment and gives the paused rows
 their observation tokens (``forced``), which the next segment feeds through the same decode step, one per
 step, into the same cache (mask 0, logprob 0: in the sequence, out of the loss), before the row samples
 again. The cache is never rebuilt: continuing a row costs its observation's tokens, not a new prefill of
@@ -55,8 +57,19 @@ def _row_uniforms(key: jax.Array, n: jax.Array) -> jax.Array:
     return jax.vmap(one)(jnp.arange(n.shape[0]), n)
 
 
+def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
+    return backend.prepare_decode(params, cfg, num_slots)
+
+
+def prepare_decode(params: Params, cfg: ModelConfig, backend, num_slots: int):
+    """The backend's decode weights (``prepare_decode``), once per rollout: every segment reads them (a
+    backend's weight packing per segment would cost as much as many decode steps)."""
+    fn = _compiled(_prepare, ("cfg", "backend", "num_slots"), backend.compiler_options)
+    return fn(params, cfg, backend, num_slots)
+
+
 def _decode_segment(
-    params: Params,
+    prepared,
     cache: dict,
     state: dict,
     key: jax.Array,
@@ -66,10 +79,11 @@ def _decode_segment(
     sampler_cfg: SamplerConfig,
     backend,
 ) -> tuple[dict, dict]:
-    """Decodes until no row runs; returns (cache, state).
+    """Decodes until a row pauses at a turn's end (the host's turn: its environment) or no row runs; returns
+    (cache, state). Rows still running keep ``run`` and ``reason == RUNNING``; the others' ``reason`` says why.
 
     Args:
-      params: model params.
+      prepared: the backend's decode weights (``prepare_decode``).
       cache: per-layer KV buffers of P + T slots (``engine._prefill``).
       state: ``STATE_FIELDS`` (shapes there).
       key: the rollout's PRNG key.
@@ -81,14 +95,14 @@ def _decode_segment(
     sc = sampler_cfg
     T = state["ids"].shape[1]
     num_slots = jax.tree.leaves(cache["k"])[0].shape[-1]
-    prepared = backend.prepare_decode(params, cfg, num_slots)
     slots = jnp.arange(T)[None, :]
 
     def cond(carry):
-        return jnp.any(carry[1]["run"])
+        _, s, paused = carry
+        return jnp.any(s["run"]) & ~paused
 
     def body(carry):
-        cache, s = carry
+        cache, s, _ = carry
         run = s["run"]
         forcing = run & (s["forced_pos"] < s["num_forced"])
         if sc.greedy:
@@ -139,12 +153,14 @@ def _decode_segment(
             "reason": reason.astype(jnp.int32),
             "run": run & (reason == RUNNING),
         }
-        return cache, s
+        paused = jnp.any(run & ((reason == STOP_TOKEN) | (reason == STOP_CANDIDATE)))  # the host's turn
+        return cache, s, paused
 
-    return jax.lax.while_loop(cond, body, (cache, state))
+    cache, state, _ = jax.lax.while_loop(cond, body, (cache, state, jnp.bool_(False)))
+    return cache, state
 
 
-def decode_segment(params, cache, state, key, stop_table, pause_table, cfg, sampler_cfg, backend):
+def decode_segment(prepared, cache, state, key, stop_table, pause_table, cfg, sampler_cfg, backend):
     """``_decode_segment`` compiled with the backend's XLA options (once per shape and config)."""
     fn = _compiled(_decode_segment, ("cfg", "sampler_cfg", "backend"), backend.compiler_options)
-    return fn(params, cache, state, key, stop_table, pause_table, cfg, sampler_cfg, backend)
+    return fn(prepared, cache, state, key, stop_table, pause_table, cfg, sampler_cfg, backend)
