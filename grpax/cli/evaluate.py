@@ -244,6 +244,18 @@ def run(config: EvaluateConfig) -> int:
         num_eval_passes=config.num_eval_passes,
         seed=config.seed,
         output_path=config.output_path or None,
+        trajectories=_trajectories(config, task, tokenizer, model_cfg, sampler_cfg),
     )
     _print_summary(summary)
     return 0
+
+
+def _trajectories(config: EvaluateConfig, task, tokenizer, model_cfg, sampler_cfg):
+    """With ``environment``: the multi-turn sampler (the same environment as training), else None."""
+    if not config.environment:
+        return None
+    from grpax.rl.multi_turn import trajectory_sampler
+    from grpax.tasks import environment_factory, multi_turn_config
+
+    env = environment_factory(config)
+    return trajectory_sampler(task, tokenizer, env, model_cfg, sampler_cfg, multi_turn_config(config))

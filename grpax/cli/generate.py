@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from grpax.config import ConfigError, field
 from grpax.files import check_output, write_text_atomic
+from grpax.tasks import EnvironmentConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,16 @@ DESCRIPTION = (
     "prompt_preset=maxtext|smollm2_demo renders each prompt as train_rl renders a question (the preset a run "
     "trained with; model presets do not set it here). "
     "output_path=FILE.jsonl writes one record per completion (prompt, completion, completion_ids, "
-    "finish_reason)."
+    "finish_reason). environment=calculator (or environment_path=FILE environment=NAME) samples multi-turn "
+    "conversations with that environment, as train_rl and evaluate do (records add turns, tool_calls, "
+    "tool_errors; completion holds the observations too)."
 )
 
 STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(EnvironmentConfig):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -212,6 +215,15 @@ def run(config: GenerateConfig) -> int:
     sampling = sampling_kwargs(config)
     check_sampling(config, completion_length, sampling)
     check_prompt_preset(config)
+    if config.environment:
+        from grpax.tasks import validate_environment_keys
+
+        validate_environment_keys(config)
+        if not config.use_chat_template:
+            raise ConfigError(
+                f"environment={config.environment!r} renders prompts and tool turns with the chat template: drop "
+                "use_chat_template=false"
+            )
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite)
     texts = read_prompts(config)
@@ -245,6 +257,11 @@ def run(config: GenerateConfig) -> int:
     )
     rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]
     key = jax.random.key(config.seed)
+    if config.environment:
+        records, record_prompts = _generate_with_environment(
+            config, params, model_cfg, tokenizer, sampler_cfg, texts, key
+        )
+        return _report(config, records, record_prompts)
     records, record_prompts = [], []
     for start in tqdm(range(0, len(rows), config.batch_size), desc="generate", unit="batch"):
         batch = rows[start : start + config.batch_size]
@@ -263,6 +280,63 @@ def run(config: GenerateConfig) -> int:
                     "finish_reason": out.finish_reason[r],
                 }
             )
+    return _report(config, records, record_prompts)
+
+
+def _generate_with_environment(
+    config, params, model_cfg, tokenizer, sampler_cfg, texts, key
+) -> tuple[list[dict], list[int]]:
+    """Multi-turn records of every prompt with ``environment`` (``grpax.rl.multi_turn``) in blocks of
+    ``batch_size`` rows, and the prompt index of each."""
+    import types
+
+    import jax
+
+    from grpax.data.prompts import PromptPreset, get_prompt_preset
+    from grpax.rl.multi_turn import sample_trajectories
+    from grpax.tasks import environment_factory, multi_turn_config
+
+    preset = (
+        get_prompt_preset(config.prompt_preset) if config.prompt_preset else PromptPreset(system_prompt="")
+    )
+    task = types.SimpleNamespace(preset=preset)  # what the sampler reads of a task: its prompt
+    factory, turn_cfg, G = environment_factory(config), multi_turn_config(config), config.num_generations
+    records, record_prompts = [], []
+    per_call = max(1, config.batch_size // G)
+    for start in range(0, len(texts), per_call):
+        rows = [{"question": t, "gold": "", "columns": {}} for t in texts[start : start + per_call]]
+        out = sample_trajectories(
+            params,
+            rows,
+            task,
+            tokenizer,
+            factory,
+            model_cfg,
+            sampler_cfg,
+            turn_cfg,
+            jax.random.fold_in(key, start),
+            G,
+        )
+        for r in range(len(out.texts)):
+            i = start + int(out.prompt_indices[r // G])
+            record_prompts.append(i)
+            ids = out.completion_ids[r][: int(out.lengths[r] + out.observation_tokens[r])].tolist()
+            records.append(
+                {
+                    "prompt": texts[i],
+                    "completion": out.texts[r],
+                    "completion_ids": ids,
+                    "finish_reason": out.finish_reason[r],
+                    "turns": int(out.turns[r]),
+                    "tool_calls": int(out.tool_calls[r]),
+                    "tool_errors": int(out.tool_errors[r]),
+                }
+            )
+    return records, record_prompts
+
+
+def _report(config: GenerateConfig, records: list[dict], record_prompts: list[int]) -> int:
+    """Prints the completions and writes them to output_path."""
     for i, record in zip(record_prompts, records, strict=True):
         print(f"=== prompt {i} ({record['finish_reason']}, {len(record['completion_ids'])} tokens)")
         print(f"{record['prompt']}\n--- completion\n{record['completion']}\n")

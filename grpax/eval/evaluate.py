@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,9 @@ def decode_completions(tokenizer: Any, completion_ids: np.ndarray, completion_ma
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
+TURN_FIELDS = ("turns", "tool_calls", "tool_errors")  # per record of a multi-turn evaluation
+
+
 def evaluate(
     params: Any,
     model_cfg: ModelConfig,
@@ -51,6 +54,7 @@ def evaluate(
     seed: int = 0,
     output_path: str | Path | None = None,
     desc: str = "eval",
+    trajectories: Callable | None = None,
 ) -> dict:
     """Samples ``num_eval_passes`` completions per question and returns the summary metrics.
 
@@ -68,6 +72,10 @@ def evaluate(
       seed: sampling seed.
       output_path: a folder to write ``results.jsonl`` (one record per completion) and ``summary.json``.
       desc: progress-bar label.
+      trajectories: multi-turn sampling with an environment (``grpax.rl.multi_turn.trajectory_sampler``):
+        ``(params, rows, key, num_generations) -> MultiTurnOutput``; the records then hold each trajectory's
+        text (observations included), ``turns``, ``tool_calls`` and ``tool_errors``, and the summary their means
+        per completion (``turns``, ``tool_calls``, ``tool_errors``). None: single-turn ``generate``.
 
     Returns:
       The summary dict of ``grpax.eval.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
@@ -91,20 +99,28 @@ def evaluate(
         tqdm(starts, desc=desc, unit="batch", leave=False, disable=jax.process_index() != 0)
     ):
         batch_rows = rows[start : start + batch_size]
-        out = generate(
-            params,
-            prompt_ids[start : start + batch_size],
-            model_cfg,
-            sampler_cfg,
-            jax.random.fold_in(key, i),
-            num_generations=num_eval_passes,
-        )
-        completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
+        if trajectories is not None:
+            out = trajectories(params, batch_rows, jax.random.fold_in(key, i), num_eval_passes)
+            completions = out.texts
+        else:
+            out = generate(
+                params,
+                prompt_ids[start : start + batch_size],
+                model_cfg,
+                sampler_cfg,
+                jax.random.fold_in(key, i),
+                num_generations=num_eval_passes,
+            )
+            completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
         batch_records = task.records([row for row in batch_rows for _ in range(num_eval_passes)], completions)
-        for record, reason in zip(batch_records, out.finish_reason, strict=True):
+        for j, (record, reason) in enumerate(zip(batch_records, out.finish_reason, strict=True)):
             record["finish_reason"] = reason
+            if trajectories is not None:
+                record.update({k: int(getattr(out, k)[j]) for k in TURN_FIELDS})
         records.extend(batch_records)
     summary = summarize(records, num_eval_passes, task.is_correct)
+    if trajectories is not None:
+        summary.update({k: float(np.mean([r[k] for r in records])) for k in TURN_FIELDS})
     if output_path is not None and jax.process_index() == 0:  # each file atomically: never half a file
         write_text_atomic(Path(output_path) / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         write_text_atomic(Path(output_path) / "summary.json", json.dumps(summary, indent=2) + "\n")

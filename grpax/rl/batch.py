@@ -7,7 +7,9 @@ answers prompt r // G). Shapes and dtypes:
   prompt_ids        int32   [P, Lp]  left-padded prompts, one row per prompt (the update runs each prompt once)
   prompt_mask       int32   [P, Lp]  1 = real prompt token
   completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end
-  completion_mask   int32   [B, C]   1 = generated token up to and including the first stop token
+  completion_mask   int32   [B, C]   1 = generated token up to and including the first stop token; a multi-turn
+                                     trajectory (``grpax.rl.multi_turn``) has 1 at the model's tokens only: its
+                                     observation tokens (0) are attended but out of the loss and the KL
   advantages        float32 [B]      group-relative (``grpax.rl.advantages``)
   rollout_logprobs  float32 [B, C]   the sampler's (behaviour policy) logprobs, or None
   truncated         bool    [B]      the row hit C tokens without a stop token, or None

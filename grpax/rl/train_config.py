@@ -195,6 +195,11 @@ def validate(cfg: TrainConfig) -> None:
             f"overlong_buffer_length={cfg.overlong_buffer_length} exceeds max_completion_length="
             f"{cfg.max_completion_length} (max_target_length - max_prefill_predict_length): lower it"
         )
+    if cfg.environment and (cfg.filter_zero_std_groups or cfg.overlong_buffer_length):
+        raise ConfigError(
+            f"environment={cfg.environment!r} runs multi-turn rollouts, which do not support "
+            "filter_zero_std_groups or overlong_buffer_length yet: drop those keys"
+        )
     at_least_one = {
         "num_batches": "training steps",
         "batch_size": "prompts per step",

@@ -44,6 +44,7 @@ from grpax.rl.batch import Batch
 from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
+from grpax.rl.multi_turn import MultiTurnRollout, trajectory_sampler
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
@@ -53,7 +54,7 @@ from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.sampler.engine import SamplerConfig
-from grpax.tasks import RewardFunctionError, Task, build_task
+from grpax.tasks import RewardFunctionError, Task, build_task, environment_factory, multi_turn_config
 
 log = logging.getLogger("grpax.train")
 
@@ -147,16 +148,15 @@ def _train(
     iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     state, train_step = _init_state(cfg, grpo, params, model_cfg, mesh)
-    rollout = Rollout(
-        model_cfg,
-        sampler_cfg,
-        grpo,
-        task_scorer(task, tokenizer),
-        mesh=mesh,
-        rollout_mesh=rollout_mesh,
-        reference=ref_params,
-        num_micro_batches=cfg.micro_batches,
+    placement = dict(
+        mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
     )
+    if cfg.environment:  # multi-turn: the same Batch, observation tokens masked out (grpax.rl.multi_turn)
+        env = environment_factory(cfg)
+        turns = multi_turn_config(cfg)
+        rollout = MultiTurnRollout(model_cfg, sampler_cfg, grpo, task, tokenizer, env, turns, **placement)
+    else:
+        rollout = Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(
@@ -292,6 +292,14 @@ def _init_state(
     return state, make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
 
+def _trajectories(run: _Run, sampler_cfg: SamplerConfig):
+    """The multi-turn sampler of evaluations with ``environment`` (the training environment), or None."""
+    if not run.cfg.environment:
+        return None
+    env, turns = environment_factory(run.cfg), multi_turn_config(run.cfg)
+    return trajectory_sampler(run.task, run.tokenizer, env, run.model_cfg, sampler_cfg, turns)
+
+
 def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
     """Evaluates ``params`` into ``eval/<tag>``, writes its ``eval/`` metrics at ``step`` and logs them."""
     cfg = run.cfg
@@ -309,6 +317,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
             seed=cfg.seed,
             output_path=run.paths.eval_dir / tag,
             desc=f"eval {tag}",
+            trajectories=_trajectories(run, run.eval_sampler_cfg),
         )
     release_host_memory()
     run.writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")

@@ -17,6 +17,7 @@ from grpax.errors import ConfigError
 from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.base import RewardFunctionError, Task, UserRewards
 from grpax.tasks.custom import CustomTask
+from grpax.tasks.environment import BUILTIN_ENVIRONMENTS, TOOL_FORMATS, MultiTurnConfig, load_environment
 from grpax.tasks.gsm8k import GSM8KTask
 from grpax.tasks.math import MathTask, check_math_verify
 from grpax.tasks.user import load_prompt_template, load_reward_functions
@@ -33,7 +34,36 @@ DEFAULT_FIELDS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
+class EnvironmentConfig:
+    """The keys of multi-turn rollouts (``grpax.tasks.environment``), shared by train_rl, evaluate and generate."""
+
+    environment: str = field(
+        "",
+        "multi-turn rollouts with an environment between the turns: calculator (built-in tool, e.g. with "
+        "task=gsm8k), or a class in environment_path; '' = single-turn",
+    )
+    environment_path: str = field(
+        "",
+        "Python file of your environment class (environment=NAME): reset(row) -> messages | None, "
+        "step(text) -> (observation | None, reward, done), optional stop_strings and tools",
+    )
+    tool_format: str = field(
+        "tags",
+        "tool calls of the built-in tools: tags (<calculator>3*4</calculator> -> <result>12</result>) | chat "
+        "(the chat template's own tool format, apply_chat_template(tools=...))",
+    )
+    max_turns: int = field(4, "model turns per trajectory at most (with environment)")
+    max_turn_tokens: int = field(
+        0, "model tokens per turn at most (with environment); 0 = up to the trajectory's budget"
+    )
+    max_observation_tokens: int = field(64, "tokens of one observation at most (longer ones are cut)")
+    tool_timeout_seconds: float = field(
+        2.0, "seconds one tool call may take; past it the model reads an error observation"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig(EnvironmentConfig):
     """The keys of the task: which one, its columns, its prompt and the user's reward functions."""
 
     task: str = field(
@@ -132,6 +162,7 @@ def validate_task_keys(cfg: Any) -> None:
         raise ConfigError(
             f"accuracy_reward={cfg.accuracy_reward!r}: expected one of reward_functions {list(cfg.reward_functions)}"
         )
+    validate_environment_keys(cfg)
     if not cfg.prompt_template_path and cfg.prompt_preset not in PROMPT_PRESETS:
         raise ConfigError(
             f"prompt_preset={cfg.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or "
@@ -143,6 +174,45 @@ def validate_task_keys(cfg: Any) -> None:
             f"task={cfg.task} with prompt_preset={cfg.prompt_preset} (a GSM8K prompt; model presets set it): "
             f"pass prompt_preset={suggested} or prompt_template_path=<file>"
         )
+
+
+def validate_environment_keys(cfg: Any) -> None:
+    """Raises ConfigError naming the key for environment keys that cannot work (before any file is read)."""
+    environment, path = getattr(cfg, "environment", ""), getattr(cfg, "environment_path", "")
+    if path and not environment:
+        raise ConfigError(f"environment_path={path!r} needs environment=NAME: the class in it to use")
+    if environment and not path and environment not in BUILTIN_ENVIRONMENTS:
+        raise ConfigError(
+            f"environment={environment!r}: expected one of {list(BUILTIN_ENVIRONMENTS)}, or "
+            "environment_path=<file.py> defining it"
+        )
+    if cfg.tool_format not in TOOL_FORMATS:
+        raise ConfigError(f"tool_format={cfg.tool_format!r}: expected one of {', '.join(TOOL_FORMATS)}")
+    if not (isfinite(cfg.tool_timeout_seconds) and cfg.tool_timeout_seconds >= 0):
+        raise ConfigError(
+            f"tool_timeout_seconds={cfg.tool_timeout_seconds}: expected a finite number of seconds >= 0 (0: no limit)"
+        )
+    multi_turn_config(cfg)  # the budgets
+
+
+def multi_turn_config(cfg: Any) -> MultiTurnConfig:
+    """The ``MultiTurnConfig`` (``grpax.tasks.environment``) of the keys.
+
+    Raises:
+      ConfigError: max_turns < 1, max_turn_tokens < 0 or max_observation_tokens < 1.
+    """
+    return MultiTurnConfig(cfg.max_turns, cfg.max_turn_tokens, cfg.max_observation_tokens, cfg.tool_format)
+
+
+def environment_factory(cfg: Any) -> Any:
+    """The factory of ``environment`` (one environment per trajectory), or None without one.
+
+    Raises:
+      ConfigError: the environment file cannot be read or lacks the class (file named, one line).
+    """
+    if not cfg.environment:
+        return None
+    return load_environment(cfg.environment, cfg.environment_path, cfg.tool_format, cfg.tool_timeout_seconds)
 
 
 def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
@@ -182,11 +252,14 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
 
 __all__ = [
     "DEFAULT_FIELDS",
+    "EnvironmentConfig",
     "TASKS",
     "RewardFunctionError",
     "Task",
     "TaskConfig",
     "UserRewards",
     "build_task",
+    "environment_factory",
+    "multi_turn_config",
     "validate_task_keys",
 ]

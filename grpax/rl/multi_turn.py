@@ -1,0 +1,414 @@
+"""Multi-turn rollouts: a model that calls tools (or plays an environment) between its turns, as one ``Batch``.
+
+Each trajectory has its own environment (``grpax.tasks.environment``): ``reset`` gives its first messages,
+rendered by the chat template (with the environment's tools where it declares them) into the prompt. The
+prompts are prefilled once (``grpax.sampler.engine``), then ``grpax.sampler.multi_turn.decode_segment`` decodes
+until a row pauses at the end of a turn; on the host each paused row's turn text goes to its
+environment's ``step``, whose observation is tokenized (``render_observation``) and fed into the row's own KV
+cache by the next segment, and the row samples on from there. Rows finish at different turns; the batch goes
+on until every row is done or out of budget (``max_turns``, ``max_turn_tokens`` per turn, T =
+``max_completion_length`` for the whole trajectory after the prompt).
+
+The ``Batch`` is the single-turn one: ``completion_ids`` holds the whole trajectory after the prompt (model and
+observation tokens), ``completion_mask`` is 1 only at the model's tokens, so observation tokens are attended
+by the update's forward but are out of the loss and the KL; the reward is per trajectory (the task's reward
+functions on the trajectory's text, plus the environment's points, ``rewards/environment``), so are the
+advantages. Metrics per trajectory: ``multi_turn/turns``, ``multi_turn/tool_calls`` (observations given),
+``multi_turn/tool_errors`` (observations starting with ``error``), ``multi_turn/observation_tokens`` and
+``multi_turn/truncated_{turn,trajectory,max_turns}``. This follows the multi-turn GRPO of TRL's environments,
+verl / SkyRL-gym tool environments and unsloth (environment tokens masked out of the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax import distributed, sharding
+from grpax.data.gsm8k import build_messages
+from grpax.data.prompts import PromptPreset
+from grpax.errors import ConfigError
+from grpax.models.registry import ModelConfig
+from grpax.rl.rollout import Rollout, mesh_context
+from grpax.sampler import multi_turn as mt
+from grpax.sampler.backend import select_backend
+from grpax.sampler.engine import _PREFILL_STATIC, SamplerConfig, _compiled, _prefill, prepare_prompts
+from grpax.tasks.environment import MultiTurnConfig, chat_observation
+
+
+class MultiTurnOutput(NamedTuple):
+    """``grpax.sampler.engine.GenerateOutput``'s fields (completion = the whole trajectory after the prompt,
+    completion_mask = its model tokens) and, per row [B]: ``texts`` (the trajectory's text, observations
+    included), ``turns``, ``tool_calls``, ``tool_errors``, ``observation_tokens``, ``env_rewards`` (points) and
+    ``truncation`` ("" or "turn", "trajectory", "max_turns": which budget ended it)."""
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finish_reason: list[str]
+    prompt_indices: np.ndarray
+    texts: list[str]
+    turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
+    observation_tokens: np.ndarray
+    env_rewards: np.ndarray
+    truncation: list[str]
+
+    def metrics(self) -> dict[str, float]:
+        """Means per trajectory of the turn counts, the fraction that called a tool at least once
+        (``tool_use_rate``) and the fraction ended by each budget."""
+        out = {
+            "multi_turn/turns": float(self.turns.mean()),
+            "multi_turn/tool_calls": float(self.tool_calls.mean()),
+            "multi_turn/tool_use_rate": float(np.mean(self.tool_calls > 0)),
+            "multi_turn/tool_errors": float(self.tool_errors.mean()),
+            "multi_turn/observation_tokens": float(self.observation_tokens.mean()),
+        }
+        for budget in ("turn", "trajectory", "max_turns"):
+            out[f"multi_turn/truncated_{budget}"] = float(np.mean([t == budget for t in self.truncation]))
+        return out
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens added (the template or the environment wrote them)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@functools.cache
+def _token_texts(tokenizer: Any, vocab_size: int) -> tuple[str, ...]:
+    return tuple(tokenizer.decode([i]) for i in range(vocab_size))
+
+
+def pause_table(tokenizer: Any, vocab_size: int, stop_strings: Sequence[str]) -> np.ndarray:
+    """bool [V]: the tokens that can end a stop string (after each the host checks the turn's text): those
+    whose text ends as a stop string does, over the shorter of the two (``"or>"`` and ``">"`` can end
+    ``"</calculator>"``; ``"ing>"`` cannot)."""
+    table = np.zeros(vocab_size, bool)
+    stops = [s for s in stop_strings if s]
+    if stops:
+        for i, text in enumerate(_token_texts(tokenizer, vocab_size)):
+            table[i] = any(
+                text and text[-min(len(text), len(s)) :] == s[-min(len(text), len(s)) :] for s in stops
+            )
+    return table
+
+
+def render_prompt(tokenizer: Any, env: Any, row: dict, preset: PromptPreset) -> str:
+    """The prompt text of one trajectory: ``env.reset`` (given the task's messages) through the chat
+    template, with the environment's tools where it declares them, then the preset's response prefix."""
+    messages = build_messages(row["question"], preset.system_prompt, preset.user_template)
+    messages = env.reset({**row, "messages": messages}) or messages
+    tools = list(getattr(env, "tools", ()) or ()) or None
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    return text + preset.response_prefix
+
+
+def generate_multi_turn(
+    params: Any,
+    prompts: list[list[int]],
+    envs: list[Any],
+    tokenizer: Any,
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    turn_cfg: MultiTurnConfig,
+    key: jax.Array,
+    num_generations: int = 1,
+) -> MultiTurnOutput:
+    """G trajectories of each prompt, each with its own environment, in one KV cache.
+
+    Args:
+      params: model params.
+      prompts: N token-id lists (each rendered from its environment's ``reset``).
+      envs: N * G environments, reset; trajectory i talks to ``envs[i]`` and answers prompt i // G.
+      tokenizer: decodes turns and encodes observations (``decode``, ``encode``; ``apply_chat_template`` with
+        ``tool_format="chat"``).
+      cfg: model config.
+      sampler_cfg: sampling settings; T = ``max_completion_length`` tokens per trajectory after the prompt,
+        ``stop_token_ids`` end a turn.
+      turn_cfg: the turn budgets and the tool format.
+      key: PRNG key.
+      num_generations: G.
+
+    Raises:
+      ValueError: an empty prompt, or none left after truncation "drop".
+      EnvironmentFileError: a user environment's ``step`` raised or answered in another shape.
+    """
+    sc, G = sampler_cfg, num_generations
+    kept, indices = prepare_prompts(prompts, sc)
+    if not kept:
+        raise ValueError(
+            "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
+        )
+    envs = [envs[i * G + g] for i in indices for g in range(G)]
+    N, B, T, F = len(kept), len(kept) * G, sc.max_completion_length, turn_cfg.max_observation_tokens
+    lengths = np.array([len(p) for p in kept], np.int32)
+    P = sc.bucket_for(int(lengths.max()))
+    right = np.full((N, P), sc.pad_token_id, np.int32)
+    left = np.full((N, P), sc.pad_token_id, np.int32)
+    prompt_mask = np.zeros((N, P), np.int32)
+    for i, p in enumerate(kept):
+        right[i, : len(p)], left[i, P - len(p) :], prompt_mask[i, P - len(p) :] = p, p, 1
+
+    # One phase on all P + T slots: the loop returns to the host between turns, whose pauses would split phases.
+    prefill_sc = dataclasses.replace(sc, decode_phase_length=0)
+    backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, True)
+    cache, logits = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
+        params, right, lengths, cfg, prefill_sc, G, backend, backend.plan(right, lengths)
+    )
+    stop_strings = sorted({s for env in envs for s in (getattr(env, "stop_strings", ()) or ())})
+    V = cfg.vocab_size
+    stop_table = np.zeros(V, bool)
+    stop_table[[i for i in sc.stop_token_ids if i < V]] = True
+    pauses = pause_table(tokenizer, V, stop_strings) & ~stop_table
+    turn_budget = turn_cfg.max_turn_tokens or T
+    state = {
+        "ids": jnp.full((B, T), sc.pad_token_id, jnp.int32),
+        "mask": jnp.zeros((B, T), jnp.int32),
+        "logprobs": jnp.zeros((B, T), jnp.float32),
+        "n": jnp.zeros((B,), jnp.int32),
+        "logits": logits,
+        "prompt_lengths": jnp.repeat(jnp.asarray(lengths), G),
+        "run": jnp.ones((B,), bool),
+        "turn_end": jnp.full((B,), min(turn_budget, T), jnp.int32),
+        "forced": jnp.zeros((B, F), jnp.int32),
+        "num_forced": jnp.zeros((B,), jnp.int32),
+        "forced_pos": jnp.zeros((B,), jnp.int32),
+        "reason": jnp.zeros((B,), jnp.int32),
+    }
+    turns, calls, errors, obs_tokens = (np.zeros(B, np.int64) for _ in range(4))
+    turns[:] = 1
+    rewards = np.zeros(B, np.float64)
+    turn_start = np.zeros(B, np.int64)
+    done = np.zeros(B, bool)
+    truncation = [""] * B
+    prepared = mt.prepare_decode(params, cfg, backend, P + T)
+    stop_table, pauses = jnp.asarray(stop_table), jnp.asarray(pauses)
+    while True:
+        cache, state = mt.decode_segment(prepared, cache, state, key, stop_table, pauses, cfg, sc, backend)
+        fields = ("ids", "n", "reason", "turn_end", "forced", "num_forced", "forced_pos")
+        host = {k: np.array(v) for k, v in distributed.fetch({k: state[k] for k in fields}).items()}
+        ids, n, reason, turn_end = host["ids"], host["n"], host["reason"], host["turn_end"]
+        forced, num_forced, forced_pos = host["forced"], host["num_forced"], host["forced_pos"]
+        run = np.zeros(B, bool)
+        for b in np.flatnonzero(~done):
+            r = int(reason[b])
+            if r == mt.RUNNING:  # still in its turn: decodes on in the next segment
+                run[b] = True
+                continue
+            turn = ids[b, turn_start[b] : n[b]].tolist()
+            if r == mt.STOP_CANDIDATE:
+                text = tokenizer.decode(turn)
+                if not any(text.endswith(s) for s in stop_strings):  # not a stop string after all
+                    if n[b] >= T:
+                        done[b], truncation[b] = True, "trajectory"
+                    elif n[b] >= turn_end[b]:
+                        done[b], truncation[b] = True, "turn"
+                    else:
+                        run[b] = True  # decode on
+                    continue
+            elif r in (mt.TURN_BUDGET, mt.TRAJECTORY_BUDGET):
+                done[b], truncation[b] = True, "turn" if r == mt.TURN_BUDGET else "trajectory"
+                continue
+            stop_token = turn[-1] if r == mt.STOP_TOKEN else None
+            text = tokenizer.decode(turn[:-1] if stop_token is not None else turn)
+            observation, points, finished = envs[b].step(text)
+            rewards[b] += points
+            if finished or observation is None:
+                done[b] = True
+                continue
+            if turns[b] >= turn_cfg.max_turns:
+                done[b], truncation[b] = True, "max_turns"
+                continue
+            tokens = encode(
+                tokenizer, render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
+            )[:F]
+            if n[b] + len(tokens) >= T:  # no room for a model token after it
+                done[b], truncation[b] = True, "trajectory"
+                continue
+            calls[b] += 1
+            errors[b] += observation.lstrip().startswith(("error", "<result>error"))
+            forced[b, : len(tokens)], num_forced[b], forced_pos[b] = tokens, len(tokens), 0
+            obs_tokens[b] += len(tokens)
+            turns[b] += 1
+            turn_start[b] = n[b] + len(tokens)
+            turn_end[b] = min(turn_start[b] + turn_budget, T)
+            run[b] = True
+        if not run.any():
+            break
+        state = {
+            **state,
+            "run": jnp.asarray(run),
+            "forced": jnp.asarray(forced),
+            "num_forced": jnp.asarray(num_forced),
+            "forced_pos": jnp.asarray(forced_pos),
+            "turn_end": jnp.asarray(turn_end, jnp.int32),
+            "reason": jnp.zeros((B,), jnp.int32),
+        }
+    out = distributed.fetch({k: state[k] for k in ("ids", "mask", "logprobs", "n")})
+    ids, mask, logprobs, n = (np.asarray(out[k]) for k in ("ids", "mask", "logprobs", "n"))
+    return MultiTurnOutput(
+        prompt_ids=left,
+        prompt_mask=prompt_mask,
+        completion_ids=ids,
+        completion_mask=mask,
+        logprobs=logprobs,
+        lengths=mask.sum(axis=1).astype(np.int32),
+        finish_reason=["length" if t else "stop" for t in truncation],
+        prompt_indices=np.array(indices, np.int32),
+        texts=tokenizer.batch_decode([ids[b, : n[b]].tolist() for b in range(B)], skip_special_tokens=True),
+        turns=turns,
+        tool_calls=calls,
+        tool_errors=errors,
+        observation_tokens=obs_tokens,
+        env_rewards=rewards,
+        truncation=truncation,
+    )
+
+
+def render_observation(
+    tokenizer: Any, env: Any, observation: str, stop_token: int | None, turn_cfg: MultiTurnConfig
+) -> str:
+    """The text fed after a turn: the observation itself (tag format), or with ``tool_format="chat"`` the
+    template's tool message between the turn's end and the next assistant turn (``chat_observation``)."""
+    if turn_cfg.tool_format != "chat":
+        return observation
+    stop_text = tokenizer.decode([stop_token]) if stop_token is not None else ""
+    return chat_observation(tokenizer, observation, stop_text, tuple(getattr(env, "tools", ()) or ()))
+
+
+class MultiTurnRollout(Rollout):
+    """``Rollout`` whose trajectories talk to an environment between turns (``generate_multi_turn``).
+
+    Args:
+      task: scores each trajectory's text (observations included) with its reward functions; the
+        environment's points are added as ``rewards/environment``.
+      tokenizer: renders prompts and observations.
+      env_factory: makes one environment per trajectory (``grpax.tasks.environment.load_environment``).
+      turn_cfg: the turn budgets and tool format.
+      The other arguments are ``Rollout``'s (``scorer`` unused; DAPO dynamic sampling is not supported).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        sampler_cfg: SamplerConfig,
+        grpo: Any,
+        task: Any,
+        tokenizer: Any,
+        env_factory: Callable[[], Any],
+        turn_cfg: MultiTurnConfig,
+        **kwargs: Any,
+    ):
+        super().__init__(model_cfg, sampler_cfg, grpo, scorer=None, **kwargs)
+        self.task, self.tokenizer, self.env_factory, self.turn_cfg = task, tokenizer, env_factory, turn_cfg
+        self._turn_metrics: dict[str, float] = {}
+
+    def __call__(self, rows: list[dict], key: jax.Array, extra_rows: Any = None):
+        batch = super().__call__(rows, key, None)
+        batch.host.extra.update(self._turn_metrics)
+        return batch
+
+    def _sample(self, rows: list[dict], key: jax.Array):
+        t0 = time.perf_counter()
+        params = self.params
+        if self.mesh is not None and self.rollout_mesh is not None:
+            params, reshard_s = sharding.reshard_for_rollout(params, self.mesh, self.rollout_mesh)
+            self._times["time/reshard_s"] += reshard_s
+        out = sample_trajectories(
+            params,
+            rows,
+            self.task,
+            self.tokenizer,
+            self.env_factory,
+            self.model_cfg,
+            self.sampler_cfg,
+            self.turn_cfg,
+            key,
+            self.grpo.num_generations,
+            mesh=self.rollout_mesh or self.mesh,
+        )
+        self._times["time/rollout_s"] += time.perf_counter() - t0
+        repeated = [rows[i] for i in out.prompt_indices for _ in range(self.grpo.num_generations)]
+        scores, correct = score_trajectories(self.task, repeated, out)
+        self._turn_metrics = out.metrics()
+        return out, scores, correct
+
+
+def sample_trajectories(
+    params: Any,
+    rows: list[dict],
+    task: Any,
+    tokenizer: Any,
+    env_factory: Callable[[], Any],
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    turn_cfg: MultiTurnConfig,
+    key: jax.Array,
+    num_generations: int,
+    mesh: Any = None,
+) -> MultiTurnOutput:
+    """G trajectories of each row with fresh environments: prompts rendered from each ``reset``.
+
+    Raises:
+      ConfigError: an environment's ``reset`` gives the G trajectories of one row different prompts (a group
+        shares its prompt).
+    """
+    G = num_generations
+    envs = [env_factory() for _ in rows for _ in range(G)]
+    prompts = []
+    for i, row in enumerate(rows):
+        texts = {render_prompt(tokenizer, envs[i * G + g], row, task.preset) for g in range(G)}
+        if len(texts) > 1:
+            raise ConfigError(
+                f"the environment's reset(row) gave the {G} trajectories of row {i + 1} different prompts: a GRPO "
+                "group shares its prompt, so reset must return the same messages for the same row"
+            )
+        prompts.append(encode(tokenizer, texts.pop()))
+    with mesh_context(mesh):
+        return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
+
+
+def score_trajectories(
+    task: Any, rows: list[dict], out: MultiTurnOutput
+) -> tuple[dict[str, np.ndarray], Any]:
+    """The task's rewards on each trajectory's text plus the environment's points (``"environment"``, added
+    to ``"total"``), and which trajectories the task calls correct."""
+    raw = task.score(rows, out.texts)
+    scores = {name: np.asarray(values, np.float64) for name, values in raw.items()}
+    scores["environment"] = out.env_rewards.astype(np.float64)
+    scores["total"] = scores["total"] + scores["environment"]
+    correct = task.step_correct(rows, out.texts, scores)
+    return scores, np.asarray(correct, np.float64)
+
+
+def trajectory_sampler(
+    task: Any,
+    tokenizer: Any,
+    env_factory: Callable[[], Any],
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    turn_cfg: MultiTurnConfig,
+    mesh: Any = None,
+) -> Callable[..., MultiTurnOutput]:
+    """``(params, rows, key, num_generations) -> MultiTurnOutput``: what ``grpax.eval.evaluate.evaluate``
+    (``trajectories=``) samples with, so that ``grpax evaluate`` and the trainer's evaluations run the same
+    environment as training."""
+
+    def sample(params: Any, rows: list[dict], key: jax.Array, num_generations: int) -> MultiTurnOutput:
+        return sample_trajectories(
+            params, rows, task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, key, num_generations, mesh
+        )
+
+    return sample

@@ -1,0 +1,194 @@
+"""The environment seam: the calculator environment's turns, tools that raise or hang, user environment files."""
+
+import time
+
+import pytest
+
+from grpax.errors import ConfigError
+from grpax.tasks.environment import (
+    Environment,
+    ToolEnvironment,
+    calculator_environment,
+    chat_observation,
+    load_environment,
+    parse_chat_tool_call,
+    run_tool,
+)
+
+
+def test_calculator_environment_tag_turns():
+    env = calculator_environment("tags")
+    assert env.stop_strings == ("</calculator>",)
+    messages = env.reset({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]})
+    assert messages[0]["content"].startswith("S\n\nYou have a calculator") and messages[1]["content"] == "Q"
+    assert env.step("6 boxes of 8: <calculator>6 * 8</calculator>") == ("<result>48</result>\n", 0.0, False)
+    assert env.step("<calculator>2 ** 1000</calculator>") == (
+        "<result>error: exponent 1000 is larger than 64</result>\n",
+        0.0,
+        False,
+    )
+    assert env.step("So <answer>48</answer>") == (None, 0.0, True)  # no call: the final answer
+    assert (env.calls, env.errors) == (2, 1)
+
+
+def test_calculator_environment_chat_turns():
+    env = calculator_environment("chat")
+    assert env.stop_strings == () and env.tools[0]["function"]["name"] == "calculator"
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    assert env.step(text) == ("12", 0.0, False)
+    llama = '{"name": "calculator", "parameters": {"expression": "7/2"}}'
+    assert env.step(llama) == ("3.5", 0.0, False)
+    assert env.step('{"name": "search", "arguments": {}}')[0] == "error: no tool 'search'; tools: calculator"
+
+
+def test_parse_chat_tool_call_string_arguments():
+    assert parse_chat_tool_call('{"name": "f", "arguments": "{\\"x\\": 1}"}') == ("f", {"x": 1})
+    assert parse_chat_tool_call("no call here {not json}") is None
+
+
+def test_tool_that_raises_or_hangs_gives_an_error_observation():
+    def broken(arg):
+        raise ValueError("missing\nkey")
+
+    def hangs(arg):
+        time.sleep(5)
+
+    assert run_tool(broken, "x", 0.0, "broken") == "error: broken raised ValueError: missing key"
+    t0 = time.perf_counter()
+    assert run_tool(hangs, "x", 0.1, "hangs") == "error: hangs did not return within 0.1 s"
+    assert time.perf_counter() - t0 < 1.0
+    env = ToolEnvironment({"hangs": hangs, "broken": broken}, timeout_s=0.1)
+    assert env.step("<hangs>1</hangs>")[0] == "<result>error: hangs did not return within 0.1 s</result>\n"
+    assert env.step("<broken>1</broken>")[0].startswith("<result>error: broken raised ValueError")
+    assert (env.calls, env.errors) == (2, 2)
+
+
+USER_ENV = """
+class Guess:
+    stop_strings = ("</guess>",)
+
+    def reset(self, row):
+        self.target = row["columns"]["target"]
+        return None
+
+    def step(self, text):
+        guess = text.rsplit("<guess>", 1)[-1].split("</guess>")[0].strip()
+        if guess == self.target:
+            return None, 1.0, True
+        return "higher\\n" if guess < self.target else "lower\\n", 0.0, False
+
+class NoStep:
+    def reset(self, row):
+        return None
+
+class BadStep:
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        return "obs"
+
+class Raises:
+    def reset(self, row):
+        return None
+
+    def step(self, text):
+        raise RuntimeError("boom\\nline two")
+
+value = 3
+"""
+
+
+def test_user_environment_file(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text(USER_ENV)
+    env = load_environment("Guess", str(path))()
+    assert env.stop_strings == ("</guess>",)
+    assert env.reset({"columns": {"target": "5"}}) is None
+    assert env.step("<guess>3</guess>") == ("higher\n", 0.0, False)
+    assert env.step("<guess>5</guess>") == (None, 1.0, True)
+
+
+@pytest.mark.parametrize(
+    "name, path, call, message",
+    [
+        ("Guess", "missing.py", None, "environment_path='missing.py' does not exist"),
+        (
+            "Gues",
+            "FILE",
+            None,
+            "has no class or function 'Gues'; it defines ['Guess', 'NoStep', 'BadStep', "
+            "'Raises']. Did you mean 'Guess'?",
+        ),
+        ("value", "FILE", None, "holds a int as class or function 'value'"),
+        ("NoStep", "FILE", None, "environment='NoStep' in FILE has no method step"),
+        (
+            "BadStep",
+            "FILE",
+            "step",
+            "environment='BadStep' (FILE) step(text) returned 'obs': expected (observation",
+        ),
+        (
+            "Raises",
+            "FILE",
+            "step",
+            "environment='Raises' (FILE) raised RuntimeError in step(text): boom line two",
+        ),
+        ("", "FILE", None, "environment_path='FILE' needs environment=NAME"),
+        ("nope", "", None, "environment='nope': expected one of ['calculator']"),
+    ],
+)
+def test_user_environment_mistakes_are_one_line(tmp_path, name, path, call, message):
+    file = tmp_path / "envs.py"
+    file.write_text(USER_ENV)
+    path = str(file) if path == "FILE" else path
+    message = message.replace("FILE", str(file))
+    with pytest.raises(ConfigError) as e:
+        env = load_environment(name, path)()
+        env.reset({})
+        getattr(env, call)("text")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_user_environment_file_that_fails_to_import(tmp_path):
+    path = tmp_path / "broken_env.py"
+    path.write_text("raise ImportError('no module named foo')\n")
+    with pytest.raises(
+        ConfigError, match=r"^environment_path='.*broken_env.py': importing it raised ImportError"
+    ):
+        load_environment("X", str(path))
+
+
+def test_environment_base_defaults():
+    env = Environment()
+    assert env.reset({}) is None and env.step("x") == (None, 0.0, True)
+
+
+CHATML_TOOLS = (
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class _Tok:
+    """A tokenizer stand-in with a Qwen-like tool template (rendered by transformers' jinja)."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False):
+        import jinja2
+
+        env = jinja2.Environment()
+        env.filters["tojson"] = lambda x: __import__("json").dumps(x)
+        return env.from_string(CHATML_TOOLS).render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
+
+def test_chat_observation_is_the_templates_tool_turn():
+    text = chat_observation(_Tok(), "12", "<|im_end|>", ())
+    assert (
+        text == "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )

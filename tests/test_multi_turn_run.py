@@ -1,0 +1,121 @@
+"""Multi-turn through the commands: README's environment file, ``grpax evaluate`` and ``grpax train_rl`` with an
+environment, on a tiny random model with SmolLM2's real tokenizer and the real GSM8K files."""
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import gsm8k_dir, tiny_run_keys
+
+from grpax.cli.main import main
+from grpax.tasks.environment import load_environment
+
+
+def _readme_env(tmp_path) -> Path:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("# my_env.py", 1)[1].split("```", 1)[0]
+    path = tmp_path / "my_env.py"
+    path.write_text("# my_env.py" + code)
+    return path
+
+
+def test_the_readme_environment_file_runs_as_documented(tmp_path):
+    env = load_environment("UnitTable", str(_readme_env(tmp_path)))()
+    messages = [{"role": "user", "content": "How many eggs in 2 dozen?"}]
+    assert env.reset({"question": "q", "columns": {}, "messages": messages}) == messages
+    assert env.stop_strings == ("</lookup>",)
+    assert env.step("Look it up: <lookup> Dozen </lookup>") == ("<result>12</result>", 0.0, False)
+    assert env.step("<lookup>mile</lookup>") == ("<result>error: unknown unit</result>", 0.0, False)
+    assert env.step("2 * 12 = 24. <answer>24</answer>") == (None, 0.0, True)
+
+
+@pytest.mark.slow  # compiles the sampler and the multi-turn segment for SmolLM2's vocabulary
+def test_evaluate_runs_the_environment(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "eval"
+    keys = [
+        f"load_parameters_path={tiny_checkpoint}",
+        f"dataset_name={gsm8k_dir()}",
+        f"environment_path={_readme_env(tmp_path)}",
+        "environment=UnitTable",
+        "max_turns=2",
+        "max_target_length=272",
+        "num_test_batches=1",
+        "eval_batch_size=2",
+        f"output_path={out}",
+    ]
+    assert main(["evaluate", *keys]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and summary["num_questions"] == 2
+    for r in records:
+        assert r["turns"] >= 1 and r["tool_calls"] == r["turns"] - 1 and r["tool_errors"] >= 0
+    assert summary["turns"] == sum(r["turns"] for r in records) / 2
+    assert "tool_calls" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two train_rl steps with the calculator environment
+def test_train_rl_with_the_calculator(tiny_checkpoint, tmp_path):
+    keys = tiny_run_keys(
+        tiny_checkpoint,
+        tmp_path,
+        num_batches=2,
+        num_test_batches=1,
+        eval_before=False,
+        environment="calculator",
+    )
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
+    run_dir = tmp_path / "run"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "multi_turn/turns" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["multi_turn/turns"] >= 1 and "rewards/environment/mean" in r
+        assert 0 <= r["multi_turn/tool_use_rate"] <= 1
+    evals = [json.loads(x) for x in (run_dir / "eval" / "after" / "results.jsonl").read_text().splitlines()]
+    assert all("turns" in r for r in evals)
+
+
+def test_environment_keys_are_checked(tmp_path, capsys):
+    load = f"load_parameters_path={tmp_path}/none"
+    assert main(["evaluate", load, "environment=calc"]) == 2
+    assert "environment='calc': expected one of ['calculator']" in capsys.readouterr().err
+    assert main(["evaluate", load, "environment_path=x.py"]) == 2
+    assert "environment_path='x.py' needs environment=NAME" in capsys.readouterr().err
+    assert main(["evaluate", load, "environment=calculator", "tool_format=json"]) == 2
+    assert "tool_format='json': expected one of tags, chat" in capsys.readouterr().err
+    assert main(["evaluate", load, "environment=calculator", "max_turns=0"]) == 2
+    assert "max_turns=0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # compiles the multi-turn sampler for SmolLM2's vocabulary
+def test_generate_runs_the_environment(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "gen.jsonl"
+    keys = [
+        f"load_parameters_path={tiny_checkpoint}",
+        "prompt=How many eggs are in 2 dozen?",
+        "environment=calculator",
+        "num_generations=2",
+        "max_target_length=272",
+        "decode_sampling_strategy=weighted",
+        f"output_path={out}",
+    ]
+    assert main(["generate", *keys]) == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert r["prompt"] == "How many eggs are in 2 dozen?" and r["turns"] >= 1
+        assert r["tool_calls"] == r["turns"] - 1 and len(r["completion_ids"]) <= 16
+    assert "=== prompt 0" in capsys.readouterr().out
+
+
+def test_generate_checks_environment_keys(tmp_path, capsys):
+    load = f"load_parameters_path={tmp_path}/none"
+    assert main(["generate", load, "prompt=x", "environment=calculator", "use_chat_template=false"]) == 2
+    assert "drop use_chat_template=false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["filter_zero_std_groups=true", "overlong_buffer_length=4"])
+def test_train_rl_refuses_what_multi_turn_does_not_support(tiny_checkpoint, tmp_path, capsys, key):
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, environment="calculator")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items()), key]) == 2
+    assert "multi-turn rollouts, which do not support filter_zero_std_groups" in capsys.readouterr().err
