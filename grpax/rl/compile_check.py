@@ -163,10 +163,11 @@ def _same_layout(a, b) -> bool:
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
 
 
-def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
+def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | None = None) -> Job:
     """Every array of the run as a ``ShapeDtypeStruct`` placed by the rules table on the trainer's and the
-    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es)."""
-    model_cfg = model_config(cfg)
+    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es); ``model_cfg`` default
+    ``model_config(cfg)``."""
+    model_cfg = model_cfg or model_config(cfg)
     grpo = cfg.grpo()
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
@@ -221,7 +222,13 @@ def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: fl
 
 
 def compile_job(
-    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float | None, bandwidth: float | None
+    cfg: TrainConfig,
+    devices,
+    target: str,
+    hbm: int,
+    peak_flops: float | None,
+    bandwidth: float | None,
+    model_cfg: ModelConfig | None = None,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -230,13 +237,17 @@ def compile_job(
       devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
       target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
         no step count).
+      model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(
-        cfg, sharding.create_mesh(mesh_cfg, devices), sharding.create_rollout_mesh(mesh_cfg, devices)
+        cfg,
+        sharding.create_mesh(mesh_cfg, devices),
+        sharding.create_rollout_mesh(mesh_cfg, devices),
+        model_cfg,
     )
     model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
     functions: dict[str, Compiled] = {}
