@@ -1,10 +1,12 @@
 """Accelerator check: GRPO update MFU, sampled decode, one whole GRPO step, peak memory, a profile; one table.
 
 Run by ``benchmarks/device_check.sh`` (which puts the repository and the carried wheels on ``PYTHONPATH``: no
-install, no network). On a GPU or TPU it builds a randomly initialised llama3.1-8b in bfloat16 on the device and
-one GRPO job around it, as ``train_rl`` would build it from its keys (``JOB_KEYS``: 8 prompts x 8 completions,
-prompts up to 128 tokens, completions up to 256, beta 0.04, temperature 0.9, top-k 50, the model's stop
-tokens), then measures, in this order (the likeliest to be cut by the time budget last):
+install, no network). On a GPU or TPU it builds a randomly initialised llama3.2-3b in bfloat16 on the device
+(``DEVICE_CHECK_MODEL`` names another registered model) and one GRPO job around it, as ``train_rl`` would build
+it from its keys (``JOB_KEYS``: 8 prompts x 8 completions, prompts up to 128 tokens, completions up to 256, beta
+0.04, temperature 0.9, top-k 50, the model's stop tokens). The whole job of llama3.1-8b does not fit one H200
+(``compile_topology=h200-1``: 156 GiB of 140 with AdamW's float32 master copy and the reference); 3B needs 64 GiB.
+It then measures, in this order (the likeliest to be cut by the time budget last):
 
 1. ``update``: the job's jitted GRPO update (``make_train_step``: forward, backward, AdamW) on a batch of the
    job's full shape; tokens/s and ``MFU = 6 * params * tokens / time / peak_flops``; its second call is traced
@@ -16,7 +18,9 @@ tokens), then measures, in this order (the likeliest to be cut by the time budge
 3. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
    own objects, split into rollout / reference / update seconds (the second step: the first compiles);
 4. ``memory``: the device's peak bytes in use (``memory_stats``) against the fit check's per-device table of
-   the same job (``grpax.rl.compile_check.compile_job``, the check ``train_rl`` runs before a run).
+   the same job (``grpax.rl.compile_check.compile_job``, the check ``train_rl`` runs before a run), and how
+   many of the fit check's programs were read from JAX's persistent compilation cache (a fresh folder for
+   this process, as ``jax_cache_dir`` sets it for a run) instead of being compiled again.
 
 Each part runs in its own ``try``: a failure prints one line and the table keeps the other parts' figures.
 Every figure is printed as a table and written to ``$OUT/device_check.{txt,json}`` (``$OUT`` defaults to
@@ -34,6 +38,7 @@ import os
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,6 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpax import sharding
+from grpax.cli.common import enable_compilation_cache
 from grpax.config import build_config
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig, get_model_config
@@ -141,7 +147,8 @@ def measure_peaks(device) -> tuple[float, float]:
 
 def job_config(tiny: bool) -> tuple[TrainConfig, ModelConfig]:
     """The check's GRPO job: train_rl's keys and the model (random weights: no checkpoint is read)."""
-    keys = {**JOB_KEYS, **(TINY_KEYS if tiny else {}), "model_name": "" if tiny else "llama3.1-8b"}
+    model = "" if tiny else os.environ.get("DEVICE_CHECK_MODEL", "llama3.2-3b")
+    keys = {**JOB_KEYS, **(TINY_KEYS if tiny else {}), "model_name": model}
     cfg = build_config(TrainConfig, [f"{k}={v}" for k, v in keys.items()])
     if tiny:
         return cfg, TINY_MODEL
@@ -357,6 +364,9 @@ class Check:
         stats = self.devices[0].memory_stats() or {}
         # A CPU reports no limit: its memory is the host's.
         limit = int(stats.get("bytes_limit", 0)) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        hits: list[str] = []
+        listener = lambda name, **kwargs: hits.append(name) if name.endswith("cache_hits") else None  # noqa: E731
+        jax.monitoring.register_event_listener(listener)
         t0 = time.perf_counter()
         report = compile_job(
             self.cfg, self.devices, "this device", limit, None, None, model_cfg=self.model_cfg
@@ -364,7 +374,12 @@ class Check:
         seconds = time.perf_counter() - t0
         (self.out / "fit_report.txt").write_text(format_report(self.cfg, report, len(self.devices)) + "\n")
         peak = stats.get("peak_bytes_in_use")
-        figures = dict(fit_peak_gib=report.peak / GIB, fit_check_s=seconds)
+        figures = dict(
+            fit_peak_gib=report.peak / GIB,
+            fit_check_s=seconds,
+            fit_programs=len(report.functions),
+            cache_hits=len(hits),
+        )
         if peak is None:
             self.add("memory", **figures, note=f"{self.devices[0].platform} reports no memory stats")
             return
@@ -398,8 +413,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     backend = jax.default_backend()
     tiny = os.environ.get("DEVICE_CHECK_TINY") == "1" or backend == "cpu"
+    enable_compilation_cache(
+        tempfile.mkdtemp(prefix="grpax-jax-cache.")
+    )  # jax_cache_dir's, in a fresh folder
     check = Check(out, tiny)
-    model = "tiny llama (float32)" if tiny else "llama3.1-8b random init (bfloat16)"
+    model = "tiny llama (float32)" if tiny else f"{check.cfg.model_name} random init (bfloat16)"
     header = (
         f"device: {len(check.devices)} x {check.devices[0].device_kind} ({backend}), jax {jax.__version__}; "
         f"model: {model}, {check.model_cfg.num_params() / 1e6:,.2f} M params; peaks: {check.bw / 1e12:.3f} TB/s, "

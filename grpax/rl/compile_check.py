@@ -7,7 +7,10 @@ devices (``grpax.topology``), and compiles the run's own functions with the real
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
 adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
-before a real run on an accelerator (``check_before_run``), against the device's memory limit. MaxText's
+before a real run on an accelerator (``check_before_run``), against the device's memory limit; its arrays are
+placed as the trainer places its own, so the programs it compiles are the run's and go to JAX's persistent
+compilation cache (``jax_cache_dir``): the run's first update reads its program back instead of compiling it
+again (tests/test_compile_cache.py). MaxText's
 ``train_compile.py`` does this for pre-training; this follows its keys.
 """
 

@@ -137,7 +137,9 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     compile_topology_num_slices: int = field(1, "slices of compile_topology joined over DCN (multislice)")
     check_fit: bool = field(
-        True, "on an accelerator, compile the job first and stop if it cannot fit in device memory"
+        True,
+        "on an accelerator, compile the job first and stop if it cannot fit in device memory (the run's first "
+        "update then reads that program from the jax_cache_dir cache)",
     )
 
     @property
