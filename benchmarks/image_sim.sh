@@ -86,7 +86,7 @@ out = Path(sys.argv[1])
 result = json.loads((out / "device_check.json").read_text())
 parts = [row["part"].split()[0] for row in result["rows"]]
 bad = [row for row in result["rows"] if "FAILED" in row.get("note", "") or "skipped" in row.get("note", "")]
-want = ["setup", "update", "decode", "decode", "grpo", "memory"]
+want = ["setup", "update", "profile", "decode", "decode", "grpo", "memory"]
 for name in ("device_check.txt", "trace.tar.gz", "fit_report.txt"):
     assert (out / name).stat().st_size > 0, f"no {name} under {out}"
 assert parts == want and not bad and result["failed"] == 0, (parts, bad)
