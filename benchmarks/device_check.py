@@ -416,9 +416,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     backend = jax.default_backend()
     tiny = os.environ.get("DEVICE_CHECK_TINY") == "1" or backend == "cpu"
-    enable_compilation_cache(
-        tempfile.mkdtemp(prefix="grpax-jax-cache.")
-    )  # jax_cache_dir's, in a fresh folder
+    enable_compilation_cache(tempfile.mkdtemp(prefix="grpax-jax-cache."))  # as jax_cache_dir, a fresh folder
     check = Check(out, tiny)
     model = "tiny llama (float32)" if tiny else f"{check.cfg.model_name} random init (bfloat16)"
     header = (
@@ -437,6 +435,17 @@ def main() -> int:
         ("memory", check.part_memory),
     ]
     failed = 0
+
+    def write(final: bool) -> str:
+        """The table and the JSON so far (after every part: a run killed by its timeout keeps its figures)."""
+        table = f"{header}\n\n{format_table(check.rows)}\n\n{'total' if final else 'so far'} {check.elapsed():.1f} s"
+        if tiny:
+            table += "\n(tiny model: its weights fit in cache, so the HBM roofline does not bound it; a smoke test)"
+        (out / "device_check.txt").write_text(table + "\n")
+        result = {"header": header, "rows": check.rows, "failed": failed, "finished": final}
+        (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        return table
+
     for name, part in parts:
         if check.elapsed() > BUDGET_S:
             check.add(name, note=f"skipped: past the {BUDGET_S:.0f} s budget")
@@ -451,14 +460,9 @@ def main() -> int:
             traceback.print_exc(file=sys.stderr)
             if name == "setup":
                 break
-    table = f"{header}\n\n{format_table(check.rows)}\n\ntotal {check.elapsed():.1f} s"
-    if tiny:
-        table += "\n(tiny model: its weights fit in cache, so the HBM roofline does not bound it; a smoke test only)"
-    print(f"\n{table}")
-    (out / "device_check.txt").write_text(table + "\n")
-    (out / "device_check.json").write_text(
-        json.dumps({"header": header, "rows": check.rows, "failed": failed}, indent=1, default=str) + "\n"
-    )
+        finally:
+            write(final=False)
+    print(f"\n{write(final=True)}")
     return 1 if failed else 0
 
 

@@ -89,7 +89,7 @@ bad = [row for row in result["rows"] if "FAILED" in row.get("note", "") or "skip
 want = ["setup", "update", "profile", "decode", "decode", "grpo", "memory"]
 for name in ("device_check.txt", "trace.tar.gz", "fit_report.txt"):
     assert (out / name).stat().st_size > 0, f"no {name} under {out}"
-assert parts == want and not bad and result["failed"] == 0, (parts, bad)
+assert parts == want and not bad and result["failed"] == 0 and result["finished"], (parts, bad)
 print(f"device check: {len(parts)} parts measured, none failed; files: {sorted(p.name for p in out.iterdir())}")
 EOF
 rm -rf "$tmp"
