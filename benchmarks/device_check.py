@@ -52,9 +52,9 @@ from grpax import sharding
 from grpax.cli.common import enable_compilation_cache
 from grpax.config import build_config
 from grpax.models.params import init_params
-from grpax.models.registry import ModelConfig, get_model_config
+from grpax.models.registry import ModelConfig
 from grpax.rl.batch import Batch
-from grpax.rl.compile_check import compile_job
+from grpax.rl.compile_check import compile_job, model_config
 from grpax.rl.fit_report import GIB, format_report
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
@@ -150,10 +150,7 @@ def job_config(tiny: bool) -> tuple[TrainConfig, ModelConfig]:
     model = "" if tiny else os.environ.get("DEVICE_CHECK_MODEL", "llama3.2-3b")
     keys = {**JOB_KEYS, **(TINY_KEYS if tiny else {}), "model_name": model}
     cfg = build_config(TrainConfig, [f"{k}={v}" for k, v in keys.items()])
-    if tiny:
-        return cfg, TINY_MODEL
-    runtime = dict(weight_dtype=cfg.weight_dtype, dtype=cfg.dtype, remat_policy=cfg.remat_policy)
-    return cfg, get_model_config(cfg.model_name, scan_layers=cfg.scan_layers, **runtime)
+    return cfg, TINY_MODEL if tiny else model_config(cfg)  # model_config: train_rl's, from the keys
 
 
 def decode_roofline(cfg: ModelConfig, rows: int, P: int, C: int, bw: float, flops: float) -> float:
