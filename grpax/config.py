@@ -98,6 +98,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+# The key of every command that compiles (MaxText's jax_cache_dir); acted on in grpax.cli.common.
+JAX_CACHE_DIR_HELP = (
+    "JAX's persistent compilation cache: compiled programs are kept on disk and reused by the next run of the "
+    "same shapes (and by the run after the pre-run fit check). auto = $JAX_COMPILATION_CACHE_DIR if set, else "
+    "$XDG_CACHE_HOME/grpax/jax, else ~/.cache/grpax/jax; a folder to move it; '' = off"
+)
+
+
 # MaxText keys that some grpax commands do not need: accepted everywhere (so MaxText command lines work
 # unchanged) with a note, instead of an unknown-key error.
 MAXTEXT_KEYS = frozenset(
@@ -108,6 +116,7 @@ MAXTEXT_KEYS = frozenset(
         "scan_layers",
         "use_multimodal",
         "hardware",
+        "jax_cache_dir",
         "skip_jax_distributed_system",
         "checkpoint_storage_use_zarr3",
         "checkpoint_storage_use_ocdbt",

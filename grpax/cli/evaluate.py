@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -68,6 +68,7 @@ class EvaluateConfig(TaskConfig):
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
     hardware: str = field("cpu", "cpu | gpu | tpu")
+    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -74,6 +74,7 @@ class GenerateConfig(EnvironmentConfig):
     output_path: str = field("", "JSONL file for the completions")
     overwrite: bool = field(False, "replace the file at output_path if it exists")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
+    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 

@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                 hardware = "cpu"
             if hardware:
                 select_platform(hardware)
+                if not getattr(config, "compile_topology", ""):  # a slice's programs never run here
+                    from grpax.cli.common import enable_compilation_cache
+
+                    enable_compilation_cache(getattr(config, "jax_cache_dir", "auto"))
             return int(module.run(config) or 0)
     except USER_ERRORS as e:
         if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):

@@ -7,7 +7,10 @@ devices (``grpax.topology``), and compiles the run's own functions with the real
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
 adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
-before a real run on an accelerator (``check_before_run``), against the device's memory limit. MaxText's
+before a real run on an accelerator (``check_before_run``), against the device's memory limit; its arrays are
+placed as the trainer places its own, so the programs it compiles are the run's and go to JAX's persistent
+compilation cache (``jax_cache_dir``): the run's first update reads its program back instead of compiling it
+again (tests/test_compile_cache.py). MaxText's
 ``train_compile.py`` does this for pre-training; this follows its keys.
 """
 
@@ -163,10 +166,11 @@ def _same_layout(a, b) -> bool:
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
 
 
-def build_job(cfg: TrainConfig, mesh, rollout_mesh) -> Job:
+def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | None = None) -> Job:
     """Every array of the run as a ``ShapeDtypeStruct`` placed by the rules table on the trainer's and the
-    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es)."""
-    model_cfg = model_config(cfg)
+    sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es); ``model_cfg`` default
+    ``model_config(cfg)``."""
+    model_cfg = model_cfg or model_config(cfg)
     grpo = cfg.grpo()
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
@@ -225,7 +229,13 @@ def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: fl
 
 
 def compile_job(
-    cfg: TrainConfig, devices, target: str, hbm: int, peak_flops: float | None, bandwidth: float | None
+    cfg: TrainConfig,
+    devices,
+    target: str,
+    hbm: int,
+    peak_flops: float | None,
+    bandwidth: float | None,
+    model_cfg: ModelConfig | None = None,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -234,12 +244,13 @@ def compile_job(
       devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
       target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
         no step count).
+      model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
-    job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices))
+    job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices), model_cfg)
     model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}

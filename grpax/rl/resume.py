@@ -238,7 +238,9 @@ def restore_or_start(
             write_config(paths, cfg)
         return state, 0, None
     new_params, opt_state, meta = checkpointer.restore(latest, state.params, state.opt_state)
-    state = TrainState(params=new_params, opt_state=opt_state, step=jnp.asarray(meta["optimizer_step"]))
+    # The step placed as the fresh state's (the update's output placement): no second compile of the update.
+    step = jax.device_put(jnp.asarray(meta["optimizer_step"], jnp.int32), state.step.sharding)
+    state = TrainState(params=new_params, opt_state=opt_state, step=step)
     iterator.load_state_dict(meta["iterator"])
     start_step = meta["step"]
     # A finished run (start_step == num_batches) is evaluated again: its old "after" line goes too.

@@ -14,7 +14,7 @@ from typing import ClassVar
 import jax
 
 from grpax import sharding
-from grpax.config import ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
@@ -53,6 +53,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     base_output_directory: str = field("outputs", "root folder of all runs")
     run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
     weight_dtype: str = field(
@@ -136,7 +137,9 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     compile_topology_num_slices: int = field(1, "slices of compile_topology joined over DCN (multislice)")
     check_fit: bool = field(
-        True, "on an accelerator, compile the job first and stop if it cannot fit in device memory"
+        True,
+        "on an accelerator, compile the job first and stop if it cannot fit in device memory (the run's first "
+        "update then reads that program from the jax_cache_dir cache)",
     )
 
     @property

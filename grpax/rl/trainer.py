@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from grpax import distributed, interrupts, sharding
@@ -287,7 +289,8 @@ def _init_state(
     state = TrainState(
         params=params,
         opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
-        step=jnp.zeros((), jnp.int32),
+        # Placed as the update returns it: an unplaced step made the second update compile again.
+        step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     )
     return state, make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
 
