@@ -262,6 +262,38 @@ def require_values(row: dict, source: str, index: int, columns: dict[str, str]) 
             )
 
 
+def require_text(row: dict, source: str, index: int, key: str, name: str) -> str:
+    """The cell of column ``name`` as text; raises ValueError (file, row, column and value named) when it is not a
+    non-blank string: a number, a dict or a list of chat messages would otherwise reach the model as its Python
+    printed form.
+
+    Args:
+        row: one raw row (``require_columns`` and ``require_values`` have passed).
+        source: its file, for the message.
+        index: its 0-based position (messages count rows from 1, as a JSONL file's lines).
+        key: the key naming the column, e.g. ``"prompt_field"``.
+        name: the column.
+    """
+    value = row[name]
+    if isinstance(value, str) and value.strip():
+        return value
+    hint = (
+        " (a list of chat messages, TRL's conversational format, is not read: put the user turn's text in a "
+        "column and render it with prompt_preset or prompt_template_path)"
+        if isinstance(value, list)
+        else ""
+    )
+    raise ValueError(
+        f"{source}: row {index + 1} column {name!r} ({key}={name!r}) holds {_short_value(value)}, not text{hint}: "
+        "fix the row or drop it"
+    )
+
+
+def _short_value(value: Any) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)  # one line: JSON escapes newlines
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def load_dataset_rows(
     path_or_name: str,
     split: str,

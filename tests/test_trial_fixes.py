@@ -1,0 +1,57 @@
+"""Fixes from the careless-user trial of issue 27's last item (a fresh clone, only the README).
+
+Each test failed before its fix: the case it reproduces is named in its docstring.
+"""
+
+import pytest
+
+from grpax.config import build_config
+from grpax.rl.train_config import TrainConfig
+from grpax.tasks import build_task
+
+REWARDS = "def f(prompts, completions, **kwargs):\n    return [1.0] * len(completions)\n"
+
+
+def _task(tmp_path, *keys):
+    rewards = tmp_path / "r.py"
+    rewards.write_text(REWARDS)
+    argv = ["model_name=", f"reward_functions_path={rewards}", "reward_functions=[f]", *keys]
+    return build_task(build_config(TrainConfig, argv))
+
+
+CONVERSATION = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.mark.parametrize(
+    "task_keys", [["task=custom", "prompt_preset=plain"], ["task=math", "prompt_preset=math"]]
+)
+@pytest.mark.parametrize(
+    "prompt, shown",
+    [
+        (
+            CONVERSATION,
+            r'\[\{"role": "user", "content": "What is 2\+2\?"\}\], not text \(a list of chat messages',
+        ),
+        ({"text": "hi"}, r'\{"text": "hi"\}, not text: fix the row'),
+        (7, r"7, not text: fix the row"),
+        ("  ", r'"  ", not text: fix the row'),
+    ],
+)
+def test_a_prompt_cell_that_is_not_text_is_named(tmp_path, task_keys, prompt, shown):
+    """Case c73: a TRL conversational prompt column (a list of messages) was sampled as its Python repr
+    "[{'role': 'user', ...}]" by task=custom and task=math, and scored and trained on with exit 0."""
+    task = _task(tmp_path, *task_keys)
+    column = "prompt" if "task=custom" in task_keys else "problem"
+    rows = [{column: "1+1?", "answer": "2"}, {column: prompt, "answer": "4"}]
+    with pytest.raises(
+        ValueError, match=rf"^d\.jsonl: row 2 column '{column}' \(prompt_field='{column}'\) holds {shown}"
+    ):
+        task.rows_from(rows, "d.jsonl")
+    assert [r["question"] for r in task.rows_from(rows[:1], "d.jsonl")] == ["1+1?"]
+
+
+def test_a_math_answer_that_is_a_list_is_named(tmp_path):
+    task = _task(tmp_path, "task=math", "prompt_preset=math")
+    with pytest.raises(ValueError, match=r"row 1 column 'answer' \(answer_field='answer'\) holds list"):
+        task.rows_from([{"problem": "1+1?", "answer": ["2"]}], "m.jsonl")
+    assert task.rows_from([{"problem": "1+1?", "answer": 2}], "m.jsonl")[0]["gold"] == "2"
