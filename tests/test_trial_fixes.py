@@ -5,7 +5,8 @@ Each test failed before its fix: the case it reproduces is named in its docstrin
 
 import pytest
 
-from grpax.config import build_config
+from grpax.cli.generate import GenerateConfig, read_prompts
+from grpax.config import ConfigError, build_config
 from grpax.rl.train_config import TrainConfig
 from grpax.tasks import build_task
 
@@ -55,3 +56,37 @@ def test_a_math_answer_that_is_a_list_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"row 1 column 'answer' \(answer_field='answer'\) holds list"):
         task.rows_from([{"problem": "1+1?", "answer": ["2"]}], "m.jsonl")
     assert task.rows_from([{"problem": "1+1?", "answer": 2}], "m.jsonl")[0]["gold"] == "2"
+
+
+def _prompts(tmp_path, data: bytes):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(data)
+    return read_prompts(build_config(GenerateConfig, [f"prompts_path={path}"])), str(path)
+
+
+@pytest.mark.parametrize(
+    "line, shown",
+    [
+        (b'{"prompt": null}', "null, not the prompt's text"),
+        (b'{"prompt": 3}', "3, not the prompt's text"),
+        (
+            b'{"prompt": [{"role": "user", "content": "hi"}]}',
+            "not the prompt's text (a list of chat messages",
+        ),
+    ],
+)
+def test_generate_prompts_path_refuses_a_prompt_that_is_not_text(tmp_path, line, shown):
+    """Case c74: {"prompt": null} was sampled as the text 'None' (exit 0)."""
+    with pytest.raises(ConfigError) as e:
+        _prompts(tmp_path, b'{"prompt": "ok"}\n\n' + line + b"\n")
+    assert "p.jsonl:3 'prompt' holds " in str(e.value) and shown in str(e.value)
+
+
+def test_generate_prompts_path_reads_a_bom_and_names_a_non_utf8_line(tmp_path):
+    """Cases c75-c76: a UTF-8 byte-order mark was 'not valid JSON' (datasets accept it), and a Latin-1 byte
+    printed "'utf-8' codec can't decode byte 0xe9 ..." without the file or the line."""
+    assert _prompts(tmp_path, b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\n')[0] == ["café"]
+    with pytest.raises(
+        ConfigError, match=r"^prompts_path: .*p\.jsonl: line 2 is not UTF-8 \(byte 16 is b'\\xe9'\)"
+    ):
+        _prompts(tmp_path, b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')

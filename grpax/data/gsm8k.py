@@ -67,7 +67,17 @@ def extract_gold(answer_text: str) -> str | None:
     return candidate
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[Any]:
+    """The JSON value of each non-blank line of a UTF-8 JSONL file (a byte-order mark allowed).
+
+    Raises:
+        ValueError: a line is not UTF-8 or not JSON (file and 1-based line named).
+    """
+    return [value for _, value in read_jsonl_lines(path)]
+
+
+def read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
+    """``read_jsonl``'s values with their 1-based line numbers, for messages about one line."""
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -81,7 +91,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((line_no, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
     return rows
@@ -206,7 +216,7 @@ def read_rows(path_or_name: str, split: str) -> tuple[list[dict], str]:
     files = dataset_files(path_or_name, split)
     if files:
         source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
-        return (_read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])), source
+        return (_read_parquet(files) if files[0].suffix == ".parquet" else read_jsonl(files[0])), source
     return _load_from_hub(path_or_name, split), f"Hub dataset {path_or_name}"
 
 
