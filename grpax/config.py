@@ -290,6 +290,9 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
     return overrides, user_yaml
 
 
+SEED_MAX = 2**63 - 1  # jax.random.PRNGKey takes an int64
+
+
 def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     """Builds a frozen dataclass ``cls`` from defaults, model preset, user YAML and ``key=value`` tokens.
 
@@ -304,7 +307,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
       An instance of ``cls``.
 
     Raises:
-      ConfigError: an unknown key (with a did-you-mean), or a value of the wrong type.
+      ConfigError: an unknown key (with a did-you-mean), a value of the wrong type, or a seed outside
+        [0, 2**63 - 1].
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
@@ -351,6 +355,11 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         for key, value in layer.items():
             values[key] = _coerce(key, value, hints[key])
     values.update(explicit)
+    seed = values.get("seed")
+    if "seed" in fields and seed is not None and not 0 <= seed <= SEED_MAX:
+        # numpy's permutation refuses a negative seed and jax's PRNG key one past int64, each only after the
+        # model has loaded, with a message that names no key ("expected non-negative integer").
+        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
     return cls(**values)
 
 

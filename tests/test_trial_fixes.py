@@ -90,3 +90,18 @@ def test_generate_prompts_path_reads_a_bom_and_names_a_non_utf8_line(tmp_path):
         ConfigError, match=r"^prompts_path: .*p\.jsonl: line 2 is not UTF-8 \(byte 16 is b'\\xe9'\)"
     ):
         _prompts(tmp_path, b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+
+
+@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate"])
+@pytest.mark.parametrize("seed", ["-1", str(2**63), str(2**64)])
+def test_a_seed_numpy_or_jax_refuses_is_named_before_the_model_loads(command, seed):
+    """Cases k_seed_-1 / k_seed_2**64: train_rl seed=-1 printed 'error: expected non-negative integer' (no key
+    named) after loading the model; seed=2**64 reached jax's 'Python int too large to convert to C long'."""
+    from grpax.cli.evaluate import EvaluateConfig
+
+    cls = {"train_rl": TrainConfig, "evaluate": EvaluateConfig, "generate": GenerateConfig}[command]
+    with pytest.raises(ConfigError, match=rf"^seed={seed}: expected an integer in \[0, 2\*\*63 - 1\]$"):
+        build_config(cls, [f"seed={seed}"])
+    assert (
+        build_config(cls, [f"seed={2**63 - 1}"]).seed == 2**63 - 1 and build_config(cls, ["seed=0"]).seed == 0
+    )
