@@ -105,3 +105,19 @@ def test_a_seed_numpy_or_jax_refuses_is_named_before_the_model_loads(command, se
     assert (
         build_config(cls, [f"seed={2**63 - 1}"]).seed == 2**63 - 1 and build_config(cls, ["seed=0"]).seed == 0
     )
+
+
+def test_evaluate_refuses_a_completions_file_and_a_checkpoint_together(tmp_path, capsys):
+    """Case c77: completions_path=FILE with load_parameters_path=CKPT scored the file, ignored the checkpoint
+    without a word and exited 0 (a user who meant to evaluate the checkpoint read the file's numbers)."""
+    from grpax.cli.main import main
+
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"question": "q", "answer": "#### 3", "completion": "<answer>3</answer>"}\n')
+    assert main(["evaluate", f"completions_path={path}", "load_parameters_path=ckpt/0/items"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"grpax evaluate: error: completions_path='{path}' and load_parameters_path='ckpt/0/items': "
+    )
+    assert "pass one" in err and "\n" not in err
+    assert main(["evaluate", f"completions_path={path}"]) == 0
