@@ -121,3 +121,24 @@ def test_evaluate_refuses_a_completions_file_and_a_checkpoint_together(tmp_path,
     )
     assert "pass one" in err and "\n" not in err
     assert main(["evaluate", f"completions_path={path}"]) == 0
+
+
+def test_a_broken_chat_template_is_named_at_load(tmp_path):
+    """Case c82: a chat_template.jinja with a Jinja syntax error printed jinja2's 37-line traceback when generate
+    rendered the first prompt (after the model had loaded)."""
+    from grpax.checkpoint import gguf
+    from grpax.data.tokenizer import load_tokenizer, save_tokenizer
+
+    try:
+        tokenizer = gguf.read_gguf(gguf.default_gguf_path()).tokenizer()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    folder = tmp_path / "ckpt"
+    save_tokenizer(tokenizer, folder)
+    template = folder / "chat_template.jinja"
+    assert template.is_file() and load_tokenizer(folder).chat_template  # the saved one loads and is checked
+    template.write_text("{% for m in messages %}\n{{ m.content }\n")
+    with pytest.raises(
+        ValueError, match=rf"^{template}: the chat template is not valid Jinja at its line 2 \("
+    ):
+        load_tokenizer(folder)
