@@ -142,3 +142,26 @@ def test_a_broken_chat_template_is_named_at_load(tmp_path):
         ValueError, match=rf"^{template}: the chat template is not valid Jinja at its line 2 \("
     ):
         load_tokenizer(folder)
+
+
+def test_an_output_folder_under_a_file_names_the_key(tiny_checkpoint, tmp_path, capsys):
+    """Cases c117 / c119: to_huggingface / to_native base_output_directory=/dev/null/x printed
+    "[Errno 17] File exists: '/dev/null'", naming neither the key nor the fix."""
+    from grpax.cli.main import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "hf"
+    args = [
+        "to_huggingface",
+        "model_name=",
+        f"load_parameters_path={tiny_checkpoint}",
+        f"base_output_directory={out}",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"grpax to_huggingface: error: cannot write base_output_directory='{out}': {blocker} is a file, not a folder;"
+    ), err
+    assert "pass a folder you can write to" in err and "\n" not in err
+    assert blocker.read_text() == "" and list(tmp_path.iterdir()) == [blocker]
