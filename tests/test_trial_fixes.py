@@ -165,3 +165,25 @@ def test_an_output_folder_under_a_file_names_the_key(tiny_checkpoint, tmp_path, 
     ), err
     assert "pass a folder you can write to" in err and "\n" not in err
     assert blocker.read_text() == "" and list(tmp_path.iterdir()) == [blocker]
+
+
+def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch, capsys):
+    """Case c126b: a .parquet completions file (or dataset) without pyarrow installed (the README's install
+    lacks it) printed a 27-line ImportError traceback around the message."""
+    import sys
+
+    from grpax.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow.parquet raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    rewards = tmp_path / "r.py"
+    rewards.write_text(REWARDS)
+    data = tmp_path / "c.parquet"
+    data.write_bytes(b"PAR1")
+    keys = ["task=custom", "prompt_preset=plain", f"reward_functions_path={rewards}", "reward_functions=[f]"]
+    assert main(["evaluate", *keys, f"completions_path={data}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        f"reading {data} needs pyarrow: pip install pyarrow (or pass a .jsonl file)" in err
+        and "\n" not in err
+    )

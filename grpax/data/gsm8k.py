@@ -100,8 +100,8 @@ def read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
 def _read_parquet(paths: Sequence[Path]) -> list[dict]:
     try:
         import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
-    except ImportError as e:
-        raise ImportError(
+    except ImportError as e:  # a ValueError: the CLI prints it as one line (an ImportError was a traceback)
+        raise DatasetUnavailableError(
             f"reading {paths[0]} needs pyarrow: pip install pyarrow (or pass a .jsonl file)"
         ) from e
     rows: list[dict] = []
