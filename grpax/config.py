@@ -275,18 +275,27 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
     overrides: dict[str, str] = {}
     user_yaml = None
     for token in argv:
+        path = None
         if "=" not in token:
-            if token.endswith((".yml", ".yaml")):
-                user_yaml = Path(token)
+            if not token.endswith((".yml", ".yaml")):
+                raise ConfigError(
+                    f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)"
+                )
+            path = Path(token)
+        else:
+            key, value = token.split("=", 1)
+            key = key.strip().lstrip("-").replace("-", "_")
+            key = key.removeprefix("rl.")
+            if key != "config":
+                overrides[key] = value
                 continue
-            raise ConfigError(f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)")
-        key, value = token.split("=", 1)
-        key = key.strip().lstrip("-").replace("-", "_")
-        key = key.removeprefix("rl.")
-        if key == "config":
-            user_yaml = Path(value)
-            continue
-        overrides[key] = value
+            path = Path(value)
+        if user_yaml is not None:  # before: the last file won and the other was dropped without a word
+            raise ConfigError(
+                f"two config files, {user_yaml} and {path}: pass one (copy the keys of one into the other, or "
+                "give them as key=value)"
+            )
+        user_yaml = path
     return overrides, user_yaml
 
 

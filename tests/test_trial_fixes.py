@@ -187,3 +187,15 @@ def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch, capsys):
         f"reading {data} needs pyarrow: pip install pyarrow (or pass a .jsonl file)" in err
         and "\n" not in err
     )
+
+
+@pytest.mark.parametrize("second", ["b.yml", "config=b.yml"])
+def test_a_second_config_file_is_refused(tmp_path, monkeypatch, second):
+    """Case c133: `grpax train_rl a.yml b.yml ...` used b.yml only; a.yml's keys were dropped without a word."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.yml").write_text("num_batches: 7\n")
+    (tmp_path / "b.yml").write_text("batch_size: 2\n")
+    with pytest.raises(ConfigError, match=r"^two config files, a\.yml and b\.yml: pass one"):
+        build_config(TrainConfig, ["a.yml", second])
+    both = build_config(TrainConfig, ["a.yml", "batch_size=2"])
+    assert (both.num_batches, both.batch_size) == (7, 2)
