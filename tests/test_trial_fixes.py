@@ -199,3 +199,33 @@ def test_a_second_config_file_is_refused(tmp_path, monkeypatch, second):
         build_config(TrainConfig, ["a.yml", second])
     both = build_config(TrainConfig, ["a.yml", "batch_size=2"])
     assert (both.num_batches, both.batch_size) == (7, 2)
+
+
+def test_a_refused_resume_does_not_first_warn_that_the_learning_rate_jumps(tmp_path, caplog):
+    """Case c62: `num_batches=3 batch_size=2` on a run of batch_size=1 logged "resuming at step 2 with changed
+    num_batches ...: the learning rate jumps ..." and then refused the resume."""
+    import logging
+
+    from conftest import tiny_run_keys
+
+    from grpax.rl import resume
+
+    def config(**keys):
+        return TrainConfig(**tiny_run_keys(tmp_path / "ckpt", tmp_path / "out", dataset_name="d", **keys))
+
+    cfg = config(num_batches=10, warmup_ratio=0.0)
+    paths = resume.RunPaths.of(cfg)
+    paths.run_dir.mkdir(parents=True)
+    resume.write_config(paths, cfg)
+    with caplog.at_level(logging.WARNING, logger="grpax.train"):
+        with pytest.raises(
+            ConfigError, match=r"was started with batch_size=.* a resumed run cannot change batch_size"
+        ):
+            resume.check_resume(
+                config(num_batches=20, warmup_ratio=0.0, batch_size=cfg.batch_size + 1), paths, 5
+            )
+        assert "learning rate jumps" not in caplog.text
+        resume.check_resume(config(num_batches=20, warmup_ratio=0.0), paths, latest=5)
+    assert (
+        "resuming at step 5 with changed num_batches (10 -> 20)" in caplog.text
+    )  # an accepted one still warns
