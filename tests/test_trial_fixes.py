@@ -229,3 +229,38 @@ def test_a_refused_resume_does_not_first_warn_that_the_learning_rate_jumps(tmp_p
     assert (
         "resuming at step 5 with changed num_batches (10 -> 20)" in caplog.text
     )  # an accepted one still warns
+
+
+@pytest.mark.parametrize("left", ["nothing", "folder", "step"])
+def test_an_interrupted_train_rl_says_what_it_left(tmp_path, monkeypatch, capsys, left):
+    """Cases c71 / c127: Ctrl-C or SIGTERM before the first checkpoint said "the checkpoints saved so far are
+    kept: the same command resumes from the last one" while none existed and the run folder had been removed."""
+    from grpax.cli import main as cli_main
+    from grpax.cli import train_rl
+    from grpax.interrupts import Interrupted
+
+    run_dir = tmp_path / "out" / "r"
+
+    def interrupted_train(config):
+        if left != "nothing":
+            run_dir.mkdir(parents=True)
+        if left == "step":
+            (run_dir / "checkpoints" / "actor" / "4").mkdir(parents=True)
+            (run_dir / "checkpoints" / "actor" / "6.orbax-checkpoint-tmp").mkdir()
+        raise Interrupted(15)
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(train_rl, "train", interrupted_train)
+    monkeypatch.setattr(cli_main.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as e:
+        cli_main.main(["train_rl", "model_name=", f"base_output_directory={tmp_path / 'out'}", "run_name=r"])
+    assert e.value.code == 143
+    err = capsys.readouterr().err.strip()
+    said = {
+        "nothing": f"no checkpoint had been saved yet, and {run_dir} was removed",
+        "folder": f"no checkpoint had been saved yet: the same command starts {run_dir} afresh",
+        "step": "the checkpoints saved so far are kept (last: step 4): the same command resumes from it",
+    }[left]
+    assert err == f"grpax train_rl: interrupted (SIGTERM); {said}"
