@@ -284,19 +284,31 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
     overrides: dict[str, str] = {}
     user_yaml = None
     for token in argv:
+        path = None
         if "=" not in token:
-            if token.endswith((".yml", ".yaml")):
-                user_yaml = Path(token)
+            if not token.endswith((".yml", ".yaml")):
+                raise ConfigError(
+                    f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)"
+                )
+            path = Path(token)
+        else:
+            key, value = token.split("=", 1)
+            key = key.strip().lstrip("-").replace("-", "_")
+            key = key.removeprefix("rl.")
+            if key != "config":
+                overrides[key] = value
                 continue
-            raise ConfigError(f"argument {token!r} is not key=value (e.g. model_name=smollm2-135m-Instruct)")
-        key, value = token.split("=", 1)
-        key = key.strip().lstrip("-").replace("-", "_")
-        key = key.removeprefix("rl.")
-        if key == "config":
-            user_yaml = Path(value)
-            continue
-        overrides[key] = value
+            path = Path(value)
+        if user_yaml is not None:  # before: the last file won and the other was dropped without a word
+            raise ConfigError(
+                f"two config files, {user_yaml} and {path}: pass one (copy the keys of one into the other, or "
+                "give them as key=value)"
+            )
+        user_yaml = path
     return overrides, user_yaml
+
+
+SEED_MAX = 2**63 - 1  # jax.random.PRNGKey takes an int64
 
 
 def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
@@ -313,7 +325,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
       An instance of ``cls``.
 
     Raises:
-      ConfigError: an unknown key (with a did-you-mean), or a value of the wrong type.
+      ConfigError: an unknown key (with a did-you-mean), a value of the wrong type, or a seed outside
+        [0, 2**63 - 1].
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
@@ -360,6 +373,11 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         for key, value in layer.items():
             values[key] = _coerce(key, value, hints[key])
     values.update(explicit)
+    seed = values.get("seed")
+    if "seed" in fields and seed is not None and not 0 <= seed <= SEED_MAX:
+        # numpy's permutation refuses a negative seed and jax's PRNG key one past int64, each only after the
+        # model has loaded, with a message that names no key ("expected non-negative integer").
+        raise ConfigError(f"seed={seed}: expected an integer in [0, 2**63 - 1]")
     return cls(**values)
 
 

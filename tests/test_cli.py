@@ -315,7 +315,7 @@ def test_generate_and_export_errors_are_one_line(tiny_native, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{bad\n')
     assert main(["generate", load, f"prompts_path={bad}"]) == 2
-    _one_line_error(capsys, f"prompts_path {bad}:2 is not valid JSON")
+    _one_line_error(capsys, f"prompts_path: {bad}: line 2 is not valid JSON")
     bad.write_text('"just a string"\n')
     assert main(["generate", load, f"prompts_path={bad}"]) == 2
     _one_line_error(capsys, f"prompts_path {bad}:1 has no 'prompt' field")

@@ -105,7 +105,7 @@ def test_parquet_without_pyarrow_says_pip_install(tmp_path, monkeypatch):
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(ValueError, match="pip install pyarrow"):
         load_dataset_rows(str(path), "train")
 
 

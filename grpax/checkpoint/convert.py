@@ -178,10 +178,29 @@ def _hub_download(model_name: str, hf_access_token: str | None) -> Path:
 
 
 def _staging_dir(target: Path) -> Path:
-    """A fresh hidden sibling of ``target`` on the same filesystem (so the final rename is atomic)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    """A fresh hidden sibling of ``target`` on the same filesystem (so the final rename is atomic).
+
+    Raises:
+      OSError: ``target``'s folder cannot be created or written (a path under a file, a read-only or full
+        disk): one line naming ``base_output_directory`` and the reason.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+    except OSError as e:
+        if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:
+            reason, where = (
+                f"{e.filename} is a file, not a folder",
+                "",
+            )  # mkdir's 'File exists' of /dev/null/x
+        else:
+            reason = e.strerror or type(e).__name__
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(target.parent) else ""
+        raise OSError(
+            f"cannot write base_output_directory={str(target)!r}: {reason}{where}; pass a folder you can "
+            "write to (with free space), or fix its permissions"
+        ) from None
     return staging
 
 

@@ -26,7 +26,8 @@ class EvaluateConfig(TaskConfig):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
-        "score this file of completions instead of sampling a model (JSONL; Parquet too for task=math|custom), "
+        "score this file of completions instead of sampling a model (JSONL; Parquet too for task=math|custom; "
+        "not with load_parameters_path), "
         "each question's num_eval_passes samples on consecutive lines",
     )
     model_name: str = field(
@@ -180,6 +181,12 @@ def run(config: EvaluateConfig) -> int:
     validate_task_keys(config)
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite, ("results.jsonl", "summary.json"))
+    if config.completions_path and config.load_parameters_path:
+        raise ConfigError(
+            f"completions_path={config.completions_path!r} and load_parameters_path={config.load_parameters_path!r}: "
+            "pass one (completions_path scores that file and samples no model; load_parameters_path samples the "
+            "checkpoint)"
+        )
     task = build_task(config)
     if config.completions_path:
         records, summary = _score_file(config, task)

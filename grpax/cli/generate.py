@@ -130,9 +130,12 @@ def read_prompts(config: GenerateConfig) -> list[str]:
     """The prompt texts from ``prompt=`` and/or ``prompts_path=``.
 
     Raises:
-      ConfigError: neither is given, ``prompts_path`` is missing, or a JSONL line is not a JSON object with a
-        ``prompt`` field (names the file and line).
+      ConfigError: neither is given, ``prompts_path`` is missing or not UTF-8 JSONL, or a line is not a JSON
+        object whose ``prompt`` field holds text (a null, a number or a list of chat messages would be sampled
+        as its printed form; names the file and line).
     """
+    from grpax.data.gsm8k import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
+
     prompts = [config.prompt] if config.prompt else []
     if config.prompts_path:
         path = Path(config.prompts_path)
@@ -140,19 +143,28 @@ def read_prompts(config: GenerateConfig) -> list[str]:
             raise ConfigError(
                 f"prompts_path={config.prompts_path}: no such file (a JSONL with a 'prompt' field)"
             )
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"prompts_path {config.prompts_path}:{n} is not valid JSON ({e})") from None
+        try:
+            records = read_jsonl_lines(path)
+        except ValueError as e:
+            raise ConfigError(f"prompts_path: {e}") from None
+        for n, record in records:
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ConfigError(
                     f"prompts_path {config.prompts_path}:{n} has no 'prompt' field: each line must be a JSON "
                     'object like {"prompt": "..."}'
                 )
-            prompts.append(str(record["prompt"]))
+            text = record["prompt"]
+            if not isinstance(text, str) or not text.strip():
+                hint = (
+                    " (a list of chat messages: put the user turn's text in 'prompt')"
+                    if isinstance(text, list)
+                    else ""
+                )
+                raise ConfigError(
+                    f"prompts_path {config.prompts_path}:{n} 'prompt' holds {json.dumps(text)[:60]}, not the "
+                    f"prompt's text{hint}: fix the line or drop it"
+                )
+            prompts.append(text)
     if not prompts:
         raise ConfigError("pass prompt=TEXT or prompts_path=FILE.jsonl")
     return prompts

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpax {name}: error: {e}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        exit_interrupted(name, getattr(e, "signum", signal.SIGINT), getattr(module, "INTERRUPT_HINT", ""))
+        hint = getattr(e, "hint", getattr(module, "INTERRUPT_HINT", ""))  # a command's own, if it set one
+        exit_interrupted(name, getattr(e, "signum", signal.SIGINT), hint)
 
 
 def exit_interrupted(name: str, signum: int, hint: str) -> NoReturn:

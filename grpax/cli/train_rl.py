@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from grpax.rl import compile_check, memory_estimate
 from grpax.rl.results import format_before_after
-from grpax.rl.resume import RESUME_FIXED_KEYS
+from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths
 from grpax.rl.train_config import TrainConfig, validate
 from grpax.rl.trainer import train
 
@@ -28,13 +28,29 @@ DESCRIPTION = (
 INTERRUPT_HINT = "; the checkpoints saved so far are kept: the same command resumes from the last one"
 
 
+def interrupt_hint(config: TrainConfig) -> str:
+    """What an interrupted run left: its saved steps to resume from, or none (the folder removed or kept)."""
+    paths = RunPaths.of(config)
+    actor = paths.checkpoints / "actor"
+    steps = sorted(int(p.name) for p in actor.iterdir() if p.name.isdigit()) if actor.is_dir() else []
+    if steps:
+        return f"; the checkpoints saved so far are kept (last: step {steps[-1]}): the same command resumes from it"
+    if paths.run_dir.exists():
+        return f"; no checkpoint had been saved yet: the same command starts {paths.run_dir} afresh"
+    return f"; no checkpoint had been saved yet, and {paths.run_dir} was removed"
+
+
 def run(config: TrainConfig) -> int:
     if config.compile_topology:  # compile the job for a TPU slice, print its per-chip memory, train nothing
         validate(config)
         if memory_estimate.gpu_target(config.compile_topology):  # no GPU compiler here: an estimate
             return memory_estimate.run(config)
         return compile_check.run(config)
-    results = train(config)
+    try:
+        results = train(config)
+    except KeyboardInterrupt as e:  # said by grpax.cli.main after "interrupted (SIGINT)"
+        e.hint = interrupt_hint(config)
+        raise
     print("\n" + format_before_after(results["before"], results["after"], results.get("paired")))
     print(f"\nrun folder:        {results['run_dir']}")
     print(f"actor checkpoint:  {results['actor_path']}")

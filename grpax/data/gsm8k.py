@@ -67,7 +67,17 @@ def extract_gold(answer_text: str) -> str | None:
     return candidate
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[Any]:
+    """The JSON value of each non-blank line of a UTF-8 JSONL file (a byte-order mark allowed).
+
+    Raises:
+        ValueError: a line is not UTF-8 or not JSON (file and 1-based line named).
+    """
+    return [value for _, value in read_jsonl_lines(path)]
+
+
+def read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
+    """``read_jsonl``'s values with their 1-based line numbers, for messages about one line."""
     rows = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -81,7 +91,7 @@ def _read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((line_no, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
     return rows
@@ -90,8 +100,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 def _read_parquet(paths: Sequence[Path]) -> list[dict]:
     try:
         import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
-    except ImportError as e:
-        raise ImportError(
+    except ImportError as e:  # a ValueError: the CLI prints it as one line (an ImportError was a traceback)
+        raise DatasetUnavailableError(
             f"reading {paths[0]} needs pyarrow: pip install pyarrow (or pass a .jsonl file)"
         ) from e
     rows: list[dict] = []
@@ -206,7 +216,7 @@ def read_rows(path_or_name: str, split: str) -> tuple[list[dict], str]:
     files = dataset_files(path_or_name, split)
     if files:
         source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
-        return (_read_parquet(files) if files[0].suffix == ".parquet" else _read_jsonl(files[0])), source
+        return (_read_parquet(files) if files[0].suffix == ".parquet" else read_jsonl(files[0])), source
     return _load_from_hub(path_or_name, split), f"Hub dataset {path_or_name}"
 
 
@@ -260,6 +270,38 @@ def require_values(row: dict, source: str, index: int, columns: dict[str, str]) 
                 f"{source}: row {index + 1} has no value in column {name!r} ({key}={name!r}): it is null or absent; fill "
                 "it in or drop the row"
             )
+
+
+def require_text(row: dict, source: str, index: int, key: str, name: str) -> str:
+    """The cell of column ``name`` as text; raises ValueError (file, row, column and value named) when it is not a
+    non-blank string: a number, a dict or a list of chat messages would otherwise reach the model as its Python
+    printed form.
+
+    Args:
+        row: one raw row (``require_columns`` and ``require_values`` have passed).
+        source: its file, for the message.
+        index: its 0-based position (messages count rows from 1, as a JSONL file's lines).
+        key: the key naming the column, e.g. ``"prompt_field"``.
+        name: the column.
+    """
+    value = row[name]
+    if isinstance(value, str) and value.strip():
+        return value
+    hint = (
+        " (a list of chat messages, TRL's conversational format, is not read: put the user turn's text in a "
+        "column and render it with prompt_preset or prompt_template_path)"
+        if isinstance(value, list)
+        else ""
+    )
+    raise ValueError(
+        f"{source}: row {index + 1} column {name!r} ({key}={name!r}) holds {_short_value(value)}, not text{hint}: "
+        "fix the row or drop it"
+    )
+
+
+def _short_value(value: Any) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)  # one line: JSON escapes newlines
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_dataset_rows(

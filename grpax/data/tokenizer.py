@@ -39,13 +39,43 @@ def load_tokenizer(folder: str | os.PathLike):
             ".gguf file whose tokenizer grpax builds (grpax.checkpoint.gguf)"
         )
     try:
-        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a damaged file
         reason = " ".join(str(e).split())[:160] or type(e).__name__
         raise ValueError(
             f"{os.path.join(folder, 'tokenizer.json')} (or tokenizer_config.json beside it) cannot be read "
             f"({reason}): copy the model's tokenizer files there again"
         ) from None
+    check_chat_template(tokenizer, folder)
+    return tokenizer
+
+
+def check_chat_template(tokenizer: Any, folder: str) -> None:
+    """Raises ValueError naming the file and line when the folder's chat template is not valid Jinja.
+
+    Checked at load, before any model: rendering a broken template raised jinja2's TemplateSyntaxError (a
+    traceback) at the first prompt.
+    """
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    templates = tokenizer.chat_template
+    if not templates:
+        return
+    named = templates.items() if isinstance(templates, dict) else [("", templates)]
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    where = jinja_file if os.path.isfile(jinja_file) else os.path.join(folder, "tokenizer_config.json")
+    for name, text in named:
+        try:
+            env.parse(text)
+        except jinja2.TemplateSyntaxError as e:
+            what = f"chat template {name!r}" if name else "chat template"
+            raise ValueError(
+                f"{where}: the {what} is not valid Jinja at its line {e.lineno} ({e.message}): copy the model's "
+                "tokenizer files there again"
+            ) from None
 
 
 def save_tokenizer(tokenizer: Any, folder: str | os.PathLike) -> None:

@@ -114,7 +114,6 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
         or Path(old_path).resolve() == Path(cfg.load_parameters_path).resolve()
     ):
         del changes["load_parameters_path"]
-    warn_on_schedule_change(saved, current, changes, latest)
     fixed = [key for key in RESUME_FIXED_KEYS if key in changes and key in saved]
     if fixed:
         listed = ", ".join(f"{key}={changes[key][0]!r} (now {changes[key][1]!r})" for key in fixed)
@@ -122,6 +121,8 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
             f"run {paths.run_dir} was started with {listed}; a resumed run cannot change "
             f"{', '.join(fixed)}: pass the saved values to continue it, or pass a new run_name"
         )
+    # After the refusal: a resume that does not happen has no learning rate to jump.
+    warn_on_schedule_change(saved, current, changes, latest)
     return changes
 
 

@@ -15,7 +15,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import is_missing, read_rows, require_columns, require_values, with_all_columns
+from grpax.data.gsm8k import (
+    is_missing,
+    read_rows,
+    require_columns,
+    require_text,
+    require_values,
+    with_all_columns,
+)
 from grpax.data.prompts import PromptPreset
 from grpax.rewards.gsm8k import extract_answer
 from grpax.tasks.base import Task, UserRewards
@@ -52,7 +59,8 @@ class CustomTask(Task):
             require_values(r, source, i, {"prompt_field": self.prompt_field})
             has_gold = self.answer_field and not is_missing(r[self.answer_field])
             gold = str(r[self.answer_field]) if has_gold else ""  # null: no reference answer for this row
-            rows.append({"question": str(r[self.prompt_field]), "gold": gold, "columns": r})
+            question = require_text(r, source, i, "prompt_field", self.prompt_field)
+            rows.append({"question": question, "gold": gold, "columns": r})
         return rows
 
     def columns(self, row: dict) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns, require_values, with_all_columns
+from grpax.data.gsm8k import read_rows, require_columns, require_text, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 from grpax.rewards.gsm8k import extract_answer
@@ -120,10 +120,15 @@ class MathTask(Task):
         for i, r in enumerate(with_all_columns(raw)):
             require_columns(r, source, i, keys)
             require_values(r, source, i, keys)
-            gold = str(r[self.answer_field])
-            rows.append(
-                {"question": str(r[self.prompt_field]), "gold": last_boxed(gold) or gold, "columns": r}
-            )
+            question = require_text(r, source, i, "prompt_field", self.prompt_field)
+            answer = r[self.answer_field]
+            if isinstance(answer, (bool, dict, list)):
+                raise ValueError(
+                    f"{source}: row {i + 1} column {self.answer_field!r} (answer_field={self.answer_field!r}) holds "
+                    f"{type(answer).__name__} {str(answer)[:60]!r}, not an answer (text or a number): fix the row or drop it"
+                )
+            gold = str(answer)
+            rows.append({"question": question, "gold": last_boxed(gold) or gold, "columns": r})
         return rows
 
     def columns(self, row: dict) -> dict[str, Any]:
