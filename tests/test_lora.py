@@ -5,6 +5,7 @@ weights compute what the adapters compute, a step changes only the adapters, the
 task is learned, a resume is bit-exact and refused on another base, and the PEFT export loads in ``peft``.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,7 +21,14 @@ from grpax.models import lora as lora_lib
 from grpax.models.llama import forward
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.rl import trainer
+from grpax.rl.batch import Batch
+from grpax.rl.config import GRPOConfig
+from grpax.rl.optim import optimizer_from_config
+from grpax.rl.policy import Policy
+from grpax.rl.resume import RunPaths
 from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.rl.trainer import train
 
 
@@ -42,9 +50,173 @@ def _trained_like(adapters, seed=3, std=0.05):
     """Adapters moved off their initialisation (B nonzero), as training would."""
     leaves, treedef = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return treedef.unflatten([x + std * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    return treedef.unflatten([x + std * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)])
 
 
-def test_train_run_with_lora(tiny_checkpoint, tmp_path):
-    out = train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path, lora_rank=4, lora_alpha=8.0)))
-    print(out["reward_history"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_at_init_the_adapted_model_computes_the_base_logits_exactly(scan_layers):
+    cfg = _cfg(scan_layers=scan_layers)
+    base = init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    want, _ = forward(base, tokens, cfg)
+    got, _ = forward(lora_lib.apply(base, adapters, lora), tokens, cfg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # B = 0: x@W + 0, bit for bit
+    np.testing.assert_array_equal(
+        np.asarray(forward(lora_lib.merge(base, adapters, lora), tokens, cfg)[0]), want
+    )
+
+
+def test_adapters_are_initialised_as_peft():
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))["layers"]
+    assert (
+        lora.scale == 2.0 and lora_lib.LoraConfig(4, 8.0, use_rslora=True).scale == 4.0
+    )  # alpha/r, /sqrt(r)
+    # A [L, in..., r] ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt(5)); B [L, r, out...] = 0
+    shapes = {
+        "wq": ((2, 32, 4), (2, 4, 4, 8)),
+        "wk": ((2, 32, 4), (2, 4, 2, 8)),
+        "wo": ((2, 4, 8, 4), (2, 4, 32)),
+    }
+    shapes |= {"w_gate": ((2, 32, 4), (2, 4, 48)), "w_down": ((2, 48, 4), (2, 4, 32))}
+    for name, (a_shape, b_shape) in shapes.items():
+        a, b = np.asarray(adapters[name]["a"]), np.asarray(adapters[name]["b"])
+        assert a.shape == a_shape and b.shape == b_shape, name
+        fan_in = 32 if name == "wo" else a_shape[1]
+        assert np.abs(a).max() <= 1 / np.sqrt(fan_in) and np.abs(a).max() > 0.8 / np.sqrt(fan_in), name
+        assert not b.any()
+    axes = lora_lib.adapter_logical_axes(cfg, lora)["layers"]
+    assert axes["wq"] == {"a": ("layers", "embed", None), "b": ("layers", None, "q_heads", "head_dim")}
+    assert axes["wo"] == {"a": ("layers", "q_heads", "head_dim", None), "b": ("layers", None, "embed")}
+    assert axes["w_down"] == {"a": ("layers", "mlp", None), "b": ("layers", None, "embed")}
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_merged_weights_compute_what_the_adapters_compute(scan_layers):
+    """float32: the merged weight W + s*A@B is rounded once to float32 and the forward then sums D = 32..48
+    products per dot, where the adapted forward sums x@W and s*(x@A)@B separately. Both are float32 evaluations
+    of the same real number, so they differ by a few ulps of the logits (|logits| < 3 here): 1e-5 is about
+    30 float32 ulps at 3, 30 000 times below the adapters' own effect on the logits (> 0.3)."""
+    cfg = _cfg(scan_layers=scan_layers)
+    base = init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0, use_rslora=True)
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)))
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    applied, _ = forward(lora_lib.apply(base, adapters, lora), tokens, cfg)
+    merged, _ = forward(lora_lib.merge(base, adapters, lora), tokens, cfg)
+    plain, _ = forward(base, tokens, cfg)
+    assert float(jnp.abs(applied).max()) < 3
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(applied), rtol=0, atol=1e-5)
+    assert float(jnp.abs(applied - plain).max()) > 0.3
+    # merge by hand for one weight: W + scale * A @ B
+    w = np.asarray(base["layers"]["wq"] if scan_layers else base["layers"][1]["wq"])
+    ad = adapters["layers"]["wq"] if scan_layers else adapters["layers"][1]["wq"]
+    a, b = (np.asarray(ad[k], np.float64) for k in ("a", "b"))
+    want = w + lora.scale * (
+        np.einsum("ldr,lrnh->ldnh", a, b) if scan_layers else np.einsum("dr,rnh->dnh", a, b)
+    )
+    merged_w = lora_lib.merge(base, adapters, lora)["layers"]
+    merged_w = merged_w["wq"] if scan_layers else merged_w[1]["wq"]
+    np.testing.assert_allclose(np.asarray(merged_w), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_misspelled_target_module_is_one_line():
+    cfg = build_config(TrainConfig, ["lora_rank=4", "lora_target_modules=[q_proj,v_prj]"])
+    with pytest.raises(ConfigError) as e:
+        cfg.lora()
+    msg = str(e.value)
+    assert "\n" not in msg and "'v_prj'" in msg
+    assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in msg
+    # MaxText's SFT LoRA spellings are aliases
+    maxtext = build_config(TrainConfig, ["lora.lora_rank=8", "lora.lora_alpha=16"])
+    assert maxtext.lora() == lora_lib.LoraConfig(8, 16.0)
+    assert build_config(TrainConfig, []).lora() is None  # lora_rank=0: the full fine-tune
+
+
+def _batch(cfg, m=2, G=4, P=5, C=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return Batch(
+        prompt_ids=jnp.asarray(rng.integers(1, cfg.vocab_size, (m, P)), jnp.int32),
+        prompt_mask=jnp.ones((m, P), jnp.int32),
+        completion_ids=jnp.asarray(rng.integers(1, cfg.vocab_size, (m * G, C)), jnp.int32),
+        completion_mask=jnp.ones((m * G, C), jnp.int32),
+        advantages=jnp.asarray(rng.normal(size=m * G), jnp.float32),
+    )
+
+
+def test_a_lora_step_changes_only_the_adapters_and_only_they_have_optimizer_state():
+    cfg = _cfg()
+    base = init_params(cfg, jax.random.key(0))
+    base_copy = jax.tree.map(np.array, base)
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    grpo = GRPOConfig(num_generations=4, beta=0.0, learning_rate=1e-2, warmup_ratio=0.0, weight_decay=0.0)
+    optimizer, schedule = optimizer_from_config(grpo, 4)
+    opt_state = optimizer.init(adapters)
+    # AdamW's mu and nu mirror the adapters (plus scalar counts): nothing base-sized
+    big = [x.shape for x in jax.tree.leaves(opt_state) if x.size > 4 * 48 * 2]
+    assert all(any(s == a.shape for a in jax.tree.leaves(adapters)) for s in big)
+    state = TrainState(params=adapters, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+    step = make_train_step(cfg, grpo, optimizer, 1, schedule, lora=lora, base=base)
+    before = jax.tree.map(np.array, adapters)
+    for i in range(2):
+        state, metrics = step(state, _batch(cfg, seed=i))
+        assert not bool(metrics["nonfinite"])
+    for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(base_copy), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # the frozen base: not donated, not changed
+    changed = [
+        not np.array_equal(np.asarray(a), b)
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True)
+    ]
+    assert all(changed)  # every A and B moved (A from the second step on: its first gradient has B = 0)
+    assert jax.tree.structure(state.params) == jax.tree.structure(before)
+
+
+def test_the_reference_is_the_base_itself_with_the_adapters_off(tmp_path):
+    """beta > 0 with LoRA: the reference pass reads the base's very arrays (no copy, no file) and its logprobs
+    are the base model's, not the adapted policy's."""
+    cfg = _cfg()
+    base = init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)))
+    grpo = GRPOConfig(num_generations=4, beta=0.04)
+    with contextlib.ExitStack() as closing:
+        ref = trainer._reference(base, grpo, RunPaths.of(_run_cfg(tmp_path)), closing, frozen=True)
+        assert ref.folder is None and all(
+            a is b for a, b in zip(jax.tree.leaves(ref._params), jax.tree.leaves(base), strict=True)
+        )
+        batch = _batch(cfg)
+        ref_logprobs = ref.apply(compute_logprobs, batch, cfg, 1.0, 1)
+    np.testing.assert_array_equal(
+        np.asarray(ref_logprobs), np.asarray(compute_logprobs(base, batch, cfg, 1.0))
+    )
+    policy = compute_logprobs(lora_lib.apply(base, adapters, lora), batch, cfg, 1.0)
+    assert float(jnp.abs(policy - ref_logprobs).max()) > 0.1
+
+
+def _run_cfg(tmp_path, **kw):
+    return TrainConfig(load_parameters_path=str(tmp_path), base_output_directory=str(tmp_path), **kw)
+
+
+def test_resuming_on_another_base_is_refused_in_one_line():
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    policy = Policy(lora, init_params(cfg, jax.random.key(0)), "/models/a/0/items")
+    meta = policy.meta()
+    assert (
+        meta["lora"]["base_fingerprint"] == Policy(lora, init_params(cfg, jax.random.key(0))).base_fingerprint
+    )
+    policy.check_resume(meta, "run/checkpoints/actor/2")  # the same base: accepted
+    other = Policy(lora, init_params(cfg, jax.random.key(1)), "/models/b/0/items")
+    with pytest.raises(ConfigError) as e:
+        other.check_resume(meta, "run/checkpoints/actor/2")
+    assert (
+        "\n" not in str(e.value)
+        and "/models/a/0/items" in str(e.value)
+        and "/models/b/0/items" in str(e.value)
+    )
+    with pytest.raises(ConfigError, match="holds LoRA adapters but lora_rank=0"):
+        Policy().check_resume(meta, "run/checkpoints/actor/2")

@@ -26,9 +26,17 @@ from grpax.models.registry import ModelConfig
 
 
 def fingerprint(params: Any) -> str:
-    """A 16-hex-digit digest of every weight's bits, dtype and shape (``grpax.checkpoint.digests``)."""
-    text = json.dumps(digests.tree_digests(params), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """16 hex digits digesting every weight's bits, dtype and shape (``grpax.checkpoint.digests``), layer by
+    layer, so stacked and listed layers of the same weights give the same fingerprint."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(path, simple=True, separator=".")
+        if key.startswith("layers.") and isinstance(params["layers"], dict):  # stacked [L, ...]
+            name = key.removeprefix("layers.")
+            out.update({f"layers.{i}.{name}": digests.array_digest(x[i]) for i in range(x.shape[0])})
+        else:
+            out[key] = digests.array_digest(x)
+    return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @functools.partial(jax.jit, static_argnames=("lora",))
@@ -78,6 +86,7 @@ class Policy:
                 "target_modules": list(lora.target_modules),
                 "use_rslora": lora.use_rslora,
                 "base_path": self.base_path,
+                "base_dtype": str(jax.tree.leaves(self.base)[0].dtype),
                 "base_fingerprint": self.base_fingerprint,
             }
         }
