@@ -50,7 +50,9 @@ def _trained_like(adapters, seed=3, std=0.05):
     """Adapters moved off their initialisation (B nonzero), as training would."""
     leaves, treedef = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return treedef.unflatten([x + std * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)])
+    return treedef.unflatten(
+        [x + std * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    )
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -220,3 +222,34 @@ def test_resuming_on_another_base_is_refused_in_one_line():
     )
     with pytest.raises(ConfigError, match="holds LoRA adapters but lora_rank=0"):
         Policy().check_resume(meta, "run/checkpoints/actor/2")
+
+
+def test_the_peft_export_loads_in_peft_and_computes_grpax_logits(tmp_path):
+    """transformers + peft on the exported adapter folder == grpax's merged forward, on a tiny random Llama 3
+    (GQA, head_dim != D / N, untied): 1e-4 is the bound test_model_parity holds grpax and transformers to in
+    float32 for the base model alone."""
+    torch = pytest.importorskip("torch")
+    peft_lib = pytest.importorskip("peft")
+    from test_model_parity import CONFIGS, _grpax, _hf_logits, _hf_model
+
+    from grpax.checkpoint.peft import save_peft
+
+    model = _hf_model(CONFIGS["gqa_untied_llama3"])
+    base, cfg = _grpax(model, scan_layers=True)
+    lora = lora_lib.LoraConfig(
+        rank=4, alpha=16.0, target_modules=("q_proj", "k_proj", "o_proj", "up_proj", "down_proj")
+    )
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)), std=0.2)
+    meta = {"rank": 4, "alpha": 16.0, "target_modules": list(lora.target_modules), "use_rslora": False}
+    assert save_peft(adapters, cfg, meta, tmp_path / "adapter") == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 30))
+    plain = _hf_logits(model, tokens)
+    adapted = peft_lib.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got = adapted(torch.tensor(tokens)).logits.numpy()
+    want = np.asarray(forward(lora_lib.merge(base, adapters, lora), tokens, cfg)[0])
+    assert np.abs(got - want).max() <= 1e-4
+    assert np.abs(plain - want).max() > 0.05  # the adapters matter
