@@ -7,6 +7,7 @@ task is learned, a resume is bit-exact and refused on another base, and the PEFT
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -306,15 +307,20 @@ def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(tiny_checkpoint, tmp_path, monkeypatch):
+def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
     """``grpax train_rl ... lora_rank=4`` end to end: the checkpoint holds only the adapters, their optimizer
     state and the base's record; a run killed after step 2 and resumed ends with the same adapters, metrics
-    and evaluation; another base is refused; the merged and the PEFT exports compute the same logits."""
+    and evaluation; other weights at the base's path are refused (resume and merged export); the merged and
+    the PEFT exports compute the same logits in transformers."""
+    shutil.copytree(tiny_checkpoint.parents[1], tmp_path / "base")
+    ckpt = tmp_path / "base" / "0" / "items"
     keys = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
-    full = train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "a", **keys)))
+    full = train(TrainConfig(**tiny_run_keys(ckpt, tmp_path / "a", **keys)))
     step_dir = Path(full["actor_path"]).parent
     meta = json.loads((step_dir / "train_meta" / "metadata").read_text())
-    assert meta["lora"]["base_path"] == str(tiny_checkpoint) and meta["lora"]["rank"] == 4
+    assert meta["lora"]["base_path"] == str(ckpt) and meta["lora"]["rank"] == 4
     adapters = restore_params(full["actor_path"])
     assert set(adapters) == {"layers"} and set(adapters["layers"]["wq"]) == {"a", "b"}
     assert np.abs(np.asarray(adapters["layers"]["wq"]["b"])).max() > 0  # trained
@@ -330,9 +336,9 @@ def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(tiny_checkp
 
     monkeypatch.setattr(trainer, "_one_step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "b", **keys)))
+        train(TrainConfig(**tiny_run_keys(ckpt, tmp_path / "b", **keys)))
     monkeypatch.setattr(trainer, "_one_step", real_step)
-    resumed = train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "b", **keys)))
+    resumed = train(TrainConfig(**tiny_run_keys(ckpt, tmp_path / "b", **keys)))
     for a, b in zip(
         jax.tree.leaves(adapters), jax.tree.leaves(restore_params(resumed["actor_path"])), strict=True
     ):
@@ -340,31 +346,32 @@ def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(tiny_checkp
     assert resumed["reward_history"] == full["reward_history"]
     assert resumed["after"]["mean_reward"] == full["after"]["mean_reward"]
 
-    # The same run folder on other base weights: refused in one line before anything is restored.
-    other = tmp_path / "other" / "0" / "items"
-    params = restore_params(tiny_checkpoint)
-    save_params(jax.tree.map(lambda x: x * 1.01, params), other)
-    for f in tiny_checkpoint.parents[1].iterdir():  # config.json and the tokenizer
-        if f.is_file():
-            (other.parents[1] / f.name).write_bytes(f.read_bytes())
-    moved = tiny_run_keys(other, tmp_path / "b", num_batches=4, **keys)
+    from grpax.cli.main import main
+
+    # Other weights at the base's path (a re-conversion): the resume and the merged export are refused.
+    params = restore_params(ckpt)
+    shutil.rmtree(ckpt)
+    save_params(jax.tree.map(lambda x: x * 1.01, params), ckpt)
     with pytest.raises(ConfigError, match="adapters trained on the base") as e:
-        train(TrainConfig(**moved))
+        train(TrainConfig(**tiny_run_keys(ckpt, tmp_path / "b", num_batches=4, **keys)))
     assert "\n" not in str(e.value)
+    argv = ["to_huggingface", f"load_parameters_path={full['actor_path']}"]
+    assert main([*argv, f"base_output_directory={tmp_path / 'x'}"]) == 2
+    assert "trained on other weights" in capsys.readouterr().err
+    shutil.rmtree(ckpt)
+    save_params(params, ckpt)
 
     # Exports: the merged model, and the PEFT folder on the exported base, give the same logits.
     torch = pytest.importorskip("torch")
     peft_lib = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    from grpax.cli.main import main
-
     base_hf, merged_hf, peft_dir = tmp_path / "base_hf", tmp_path / "merged_hf", tmp_path / "peft"
     assert (
         main(
             [
                 "to_huggingface",
-                f"load_parameters_path={tiny_checkpoint}",
+                f"load_parameters_path={ckpt}",
                 f"base_output_directory={base_hf}",
                 "weight_dtype=float32",
             ]
@@ -378,10 +385,12 @@ def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(tiny_checkp
             f"base_output_directory={out}",
         ]
         assert main([*argv, "weight_dtype=float32", f"lora_export={mode}"]) == 0
-    assert sorted(p.name for p in peft_dir.iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in peft_dir.iterdir()}
     tokens = torch.tensor(np.random.RandomState(0).randint(0, 1000, (2, 12)))
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(merged_hf).eval()(tokens).logits.numpy()
         base = AutoModelForCausalLM.from_pretrained(base_hf).eval()
+        plain = base(tokens).logits.numpy()
         adapted = peft_lib.PeftModel.from_pretrained(base, str(peft_dir)).eval()(tokens).logits.numpy()
     assert np.abs(merged - adapted).max() <= 1e-4
+    assert np.abs(merged - plain).max() > 1e-3  # the adapters were trained and exported

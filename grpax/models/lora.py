@@ -170,11 +170,6 @@ def adapter_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> Params:
     return _tree(cfg, lora, lambda name, ab, shape, axes, i: axes)
 
 
-def abstract_adapters(cfg: ModelConfig, lora: LoraConfig) -> Params:
-    """``jax.ShapeDtypeStruct`` float32 leaves of the adapters."""
-    return _tree(cfg, lora, lambda name, ab, shape, axes, i: jax.ShapeDtypeStruct(shape, jnp.float32))
-
-
 def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
     """Adapters as PEFT initialises them, in float32: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform,
     a = sqrt(5), over the fan-in), B = 0.

@@ -12,7 +12,8 @@ data-iterator position and RNG seed.
 
 The step is ``batch = rollout(rows, key); state, metrics = update(state, batch)``: ``grpax.rl.rollout.Rollout``
 samples, scores and builds the ``grpax.rl.batch.Batch``; ``grpax.rl.train_step.make_update`` applies it.
-The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
+With ``lora_rank > 0`` the update trains LoRA adapters on the frozen base, which is also the reference
+(``grpax.rl.policy``). The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
 ``grpax.rl.resume``, what a finished run leaves (``results.json``, the export) in ``grpax.rl.results``.
 """
 
