@@ -568,7 +568,7 @@ def _check_finite(params: Any, path: Path) -> None:
 
 
 def _count(params) -> int:
-    return sum(int(np.prod(x.shape)) for x in _leaves(params))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
 def to_huggingface(
