@@ -30,6 +30,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from grpax.checkpoint import peft
 from grpax.checkpoint.hf import (
     MissingTensorError,
     iter_hf_tensors,
@@ -585,6 +586,10 @@ def _check_finite(params: Any, path: Path) -> None:
         )
 
 
+def _count(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
 def to_huggingface(
     load_parameters_path: str | Path,
     base_output_directory: str | Path,
@@ -592,8 +597,13 @@ def to_huggingface(
     weight_dtype: str = "bfloat16",
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
+    lora_export: str = "merged",
 ) -> dict[str, Any]:
     """Exports a grpax Orbax checkpoint as a Hugging Face ``LlamaForCausalLM`` folder.
+
+    A LoRA run's step (adapters only, ``grpax.checkpoint.peft``) is exported merged into its base
+    (``lora_export="merged"``), or as a PEFT adapter folder (``lora_export="peft"``: ``adapter_config.json``,
+    ``adapter_model.safetensors``, the tokenizer).
 
     The model config and tokenizer are taken from the nearest folder at or above ``load_parameters_path``
     holding ``config.json`` (see ``grpax.checkpoint.orbax.load_model``); without one, the registered
@@ -606,6 +616,7 @@ def to_huggingface(
       weight_dtype: float32 | bfloat16 | float16 dtype of the written safetensors (``torch_dtype`` too).
       max_shard_size: bytes per safetensors shard; more than one shard writes ``model.safetensors.index.json``.
       progress: show a tqdm bar over bytes written.
+      lora_export: merged | peft, for a LoRA step (ignored otherwise).
 
     Returns:
       A summary dict: ``output_dir``, ``safetensors`` (file names), ``config_path``, ``tokenizer_files``,
@@ -649,6 +660,16 @@ def to_huggingface(
 
     params = restore_params(params_path)
     _check_finite(params, params_path)
+    lora = peft.lora_meta(params_path)
+    if lora_export not in ("merged", "peft"):
+        raise ConfigError(f"lora_export={lora_export!r}: expected merged (the full model) or peft (adapters)")
+    if lora is not None and lora_export == "peft":
+        files = peft.save_peft(params, cfg, lora, target, lora["base_path"])
+        if folder is not None:
+            files += _copy_tokenizer(folder, target)
+        return {"output_dir": str(target), "peft_files": files, "num_params": _count(params), "lora": lora}
+    if lora is not None:
+        params = peft.load_lora_step(params_path, params, lora)
     stacked = isinstance(params["layers"], dict)
     cfg = cfg.replace(scan_layers=stacked)
     expected = abstract_params(cfg)

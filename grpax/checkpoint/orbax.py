@@ -237,7 +237,10 @@ def _stored_tree(directory: Path) -> Any:
     tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
     if tree is None:
         raise BrokenCheckpointError(f"{directory} is damaged: {_damage(directory)}; {_RECONVERT}")
-    if not (isinstance(tree, dict) and {"embed", "layers"} <= set(tree)):
+    lora_adapters = isinstance(tree, dict) and set(tree) == {
+        "layers"
+    }  # a LoRA run's step (checkpoint/peft.py)
+    if not (isinstance(tree, dict) and {"embed", "layers"} <= set(tree)) and not lora_adapters:
         hint = directory.parent / "model_params"
         fix = (
             f"pass {hint}"
@@ -445,6 +448,15 @@ def load_model(
         raise FileNotFoundError(
             f"checkpoint {path} does not exist{steps_kept(path)}: pass <base>/0/items of a converted model "
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
+        )
+    from grpax.checkpoint.peft import lora_meta
+
+    lora = lora_meta(path)
+    if lora is not None:
+        raise ConfigError(
+            f"{path} holds the LoRA adapters of a run on the base {lora['base_path']}, not a whole model: export "
+            "it merged (grpax to_huggingface load_parameters_path=... base_output_directory=HF, then grpax "
+            "to_native hf_model_path=HF) to sample or train from it"
         )
     folder = find_model_folder(path)
     if model_cfg is None:

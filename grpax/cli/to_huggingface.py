@@ -26,6 +26,11 @@ class CONFIG:
     )
     base_output_directory: str = field("", "output folder for the Hugging Face files")
     weight_dtype: str = field("bfloat16", "safetensors dtype: bfloat16 | float32 | float16")
+    lora_export: str = field(
+        "merged",
+        "a LoRA run's step: merged (the base with the adapters merged in) | peft (a PEFT adapter folder: "
+        "adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained and vllm --enable-lora)",
+    )
     max_shard_size: int = field(2 * 1024**3, "bytes per safetensors shard; more shards write an index")
     scan_layers: bool = field(True, "accepted for MaxText compatibility; the stored layout is read as it is")
     use_multimodal: bool = field(False, "multimodal models are not supported; must be false")
@@ -52,8 +57,17 @@ def run(config: CONFIG) -> int:
         model_name=config.model_name or None,
         weight_dtype=config.weight_dtype,
         max_shard_size=config.max_shard_size,
+        lora_export=config.lora_export,
     )
     print(f"exported {config.load_parameters_path}")
+    if "peft_files" in summary:
+        lora = summary["lora"]
+        print(
+            f"  folder       {summary['output_dir']}  (PEFT LoRA adapters, {summary['num_params']:,} parameters)"
+        )
+        print(f"  files        {', '.join(summary['peft_files'])}")
+        print(f"  base         {lora['base_path']} (r={lora['rank']}, lora_alpha={lora['alpha']})")
+        return 0
     print(
         f"  folder       {summary['output_dir']}  ({summary['num_params']:,} parameters, {summary['weight_dtype']})"
     )

@@ -57,6 +57,8 @@ RESUME_FIXED_KEYS = (
     "model_name",
     "load_parameters_path",
     "scan_layers",
+    "lora_rank",
+    "lora_target_modules",
 )
 
 

@@ -17,6 +17,7 @@ from grpax import sharding
 from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
+from grpax.models.lora import LoraConfig
 from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
 from grpax.rl.config import GRPOConfig
 from grpax.sampler.engine import SamplerConfig
@@ -39,6 +40,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "adam_b2": "b2",
         "gradient_clipping_threshold": "max_grad_norm",
         "decode_sampling_temperature": "temperature",
+        "lora.lora_rank": "lora_rank",  # MaxText's SFT LoRA (lora.enable_lora is lora_rank > 0 here)
+        "lora.lora_alpha": "lora_alpha",
     }
 
     model_name: str = field(
@@ -141,6 +144,16 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "on an accelerator, compile the job first and stop if it cannot fit in device memory (the run's first "
         "update then reads that program from the jax_cache_dir cache)",
     )
+    lora_rank: int = field(
+        0,
+        "r: rank of the LoRA adapters trained on a frozen base that is also the reference (0 = full fine-tune)",
+    )
+    lora_alpha: float = field(8.0, "alpha: LoRA scale numerator, scale = alpha / r (PEFT lora_alpha)")
+    lora_target_modules: tuple[str, ...] = field(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "PEFT module names adapted in every layer (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)",
+    )
+    use_rslora: bool = field(False, "rank-stabilised LoRA: scale = alpha / sqrt(r) (PEFT use_rslora)")
 
     @property
     def micro_batches(self) -> int:
@@ -152,6 +165,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     @property
     def max_completion_length(self) -> int:
         return self.max_target_length - self.max_prefill_predict_length
+
+    def lora(self) -> LoraConfig | None:
+        """The adapters' config, or None for a full fine-tune (lora_rank=0)."""
+        if self.lora_rank == 0:
+            return None
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_target_modules, self.use_rslora)
 
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
@@ -220,6 +239,18 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < cfg.decode_sampling_nucleus_p <= 1:  # NaN too
         raise ConfigError(
             f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}: expected a mass in (0, 1] (1 = off)"
+        )
+    if cfg.lora_rank < 0:
+        raise ConfigError(
+            f"lora_rank={cfg.lora_rank}: expected >= 0 (0 = full fine-tune, else the adapters' rank)"
+        )
+    if cfg.lora_rank and not cfg.lora_alpha > 0:
+        raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
+    cfg.lora()  # the target modules' names
+    if cfg.lora_rank and cfg.compile_topology:
+        raise ConfigError(
+            f"compile_topology={cfg.compile_topology!r} with lora_rank={cfg.lora_rank}: the compiled memory plan "
+            "models the full fine-tune only so far; drop lora_rank to see the full fine-tune's plan"
         )
     _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from grpax import distributed
+from grpax.models import lora as lora_lib
 from grpax.models.llama import forward_grouped, logits_from_hidden
 from grpax.models.registry import ModelConfig
 from grpax.rl.batch import TOKEN_FIELDS, Batch
@@ -194,7 +195,13 @@ def _mismatch(
 
 
 def accumulate_gradients(
-    params, batch: Batch | dict, cfg: ModelConfig, grpo: GRPOConfig, num_micro_batches: int = 1
+    params,
+    batch: Batch | dict,
+    cfg: ModelConfig,
+    grpo: GRPOConfig,
+    num_micro_batches: int = 1,
+    lora: lora_lib.LoraConfig | None = None,
+    base=None,
 ):
     """Loss and gradient of the full batch, computed ``num_micro_batches`` row blocks at a time.
 
@@ -207,6 +214,9 @@ def accumulate_gradients(
       cfg: model config.
       grpo: algorithm config.
       num_micro_batches: M; B must be a multiple of M.
+      lora: with LoRA, ``params`` are the adapters (``grpax.models.lora``) on the frozen ``base`` params: the
+        policy is ``lora.apply(base, params)`` and the gradients are the adapters' only.
+      base: the frozen base params (with ``lora``).
 
     Returns:
       (loss float32 scalar, float32 grads like params, aux) where aux holds ``policy_loss`` and
@@ -223,10 +233,15 @@ def accumulate_gradients(
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, batch.truncated)
     normalizer = loss_normalizer(mask, grpo.loss_agg_mode)
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def loss_fn(trainable, mb):
+        policy = trainable if lora is None else lora_lib.apply(base, trainable, lora)
+        return _micro_loss(policy, mb, normalizer, cfg, grpo)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def micro_step(mb):
-        (loss, aux), grads = grad_fn(params, mb, normalizer, cfg, grpo)
+        (loss, aux), grads = grad_fn(params, mb)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)  # summed in float32 whatever the params'
         weights = {k: aux["num_tokens"] if k in _TOKEN_MEAN_METRICS else 1.0 for k in aux}
         return grads, loss, {k: aux[k] * weights[k] for k in aux}
@@ -263,6 +278,8 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     num_micro_batches: int | None = None,
     lr_schedule: optax.Schedule | None = None,
+    lora: lora_lib.LoraConfig | None = None,
+    base=None,
 ):
     """Builds the jitted update ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
 
@@ -277,6 +294,8 @@ def make_train_step(
         ``grpo.max_grad_norm`` (0: no clipping) before it with ``optax.clip_by_global_norm``.
       num_micro_batches: micro-batches per update (default ``grpo.num_micro_batches``); B must divide.
       lr_schedule: the optimizer's schedule, only to report ``learning_rate`` (NaN without it).
+      lora, base: LoRA: ``state.params`` are the adapters, trained on the frozen ``base`` params (passed to
+        each call, never donated or copied; ``accumulate_gradients``).
 
     Returns:
       A jitted function. Its metrics are float32 scalars: ``loss``, ``policy_loss``, ``kl`` (NaN without
@@ -290,8 +309,8 @@ def make_train_step(
     """
     M = grpo.num_micro_batches if num_micro_batches is None else num_micro_batches
 
-    def step(state: TrainState, batch: Batch):
-        loss, grads, metrics = accumulate_gradients(state.params, batch, cfg, grpo, M)
+    def step(state: TrainState, batch: Batch, base=None):
+        loss, grads, metrics = accumulate_gradients(state.params, batch, cfg, grpo, M, lora, base)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if grpo.max_grad_norm > 0:  # outside the branch: the clipped gradients overwrite the raw ones
@@ -318,7 +337,8 @@ def make_train_step(
         )
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=(0,))
+    jitted = jax.jit(step, donate_argnums=(0,))
+    return jitted if lora is None else functools.partial(jitted, base=base)
 
 
 def make_update(train_step, num_iterations: int):

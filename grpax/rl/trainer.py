@@ -12,7 +12,8 @@ data-iterator position and RNG seed.
 
 The step is ``batch = rollout(rows, key); state, metrics = update(state, batch)``: ``grpax.rl.rollout.Rollout``
 samples, scores and builds the ``grpax.rl.batch.Batch``; ``grpax.rl.train_step.make_update`` applies it.
-The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
+With ``lora_rank > 0`` the update trains LoRA adapters on the frozen base, which is also the reference
+(``grpax.rl.policy``). The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
 ``grpax.rl.resume``, what a finished run leaves (``results.json``, the export) in ``grpax.rl.results``.
 """
 
@@ -23,6 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -48,6 +50,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, trajectory_sampler
 from grpax.rl.optim import optimizer_from_config
+from grpax.rl.policy import Policy
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
@@ -124,6 +127,7 @@ class _Run:
     eval_sampler_cfg: SamplerConfig
     rollout: Rollout
     update: Callable  # (state, batch) -> (state, metrics): train_step.make_update
+    policy: Policy  # the trained tree -> the sampler's params (LoRA: adapters on the frozen base)
     checkpointer: TrainCheckpointer
     writer: MetricsWriter
     mismatch_warned: bool = False  # the sampler/trainer mismatch alarm is given once per run
@@ -146,10 +150,20 @@ def _train(
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
-    ref_params = _reference(params, grpo, paths, closing)
+    policy = (
+        Policy(cfg.lora(), params, str(Path(cfg.load_parameters_path).absolute()))
+        if cfg.lora_rank
+        else Policy()
+    )
+    latest = checkpointer.latest_step()
+    if latest is not None:  # before anything is restored: adapters on other base weights are refused
+        policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
+    ref_params = _reference(params, grpo, paths, closing, frozen=policy.lora is not None)
     iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
-    state, train_step = _init_state(cfg, grpo, params, model_cfg, mesh)
+    trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
+    del params  # LoRA: the policy holds the base
+    state, train_step = _init_state(cfg, grpo, trainable, model_cfg, mesh, policy)
     placement = dict(
         mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
     )
@@ -176,6 +190,7 @@ def _train(
         eval_sampler_cfg=eval_sampler_cfg,
         rollout=rollout,
         update=make_update(train_step, grpo.num_iterations),
+        policy=policy,
         checkpointer=checkpointer,
         writer=writer,
     )
@@ -187,7 +202,7 @@ def _train(
         write_model_files(paths.checkpoints, model_cfg, tokenizer)
     results: dict[str, Any] = {"run_dir": str(paths.run_dir), "before": before}
     if start_step == 0 and cfg.eval_before and run.evaluating:
-        results["before"] = _evaluate(run, state.params, "before", 0)
+        results["before"] = _evaluate(run, policy.sampler_params(state.params), "before", 0)
     state, history = _loop(run, state, iterator, start_step, results["before"])
     return _finish(run, state, history, results)
 
@@ -227,10 +242,15 @@ def _load_policy(cfg: TrainConfig, model_cfg: ModelConfig | None):
     return params, model_cfg, tokenizer, mesh, rollout_mesh
 
 
-def _reference(params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextlib.ExitStack) -> Any:
-    """The frozen reference (``FrozenParams``), or None when beta == 0."""
+def _reference(
+    params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextlib.ExitStack, frozen: bool = False
+) -> Any:
+    """The frozen reference (``FrozenParams``), or None when beta == 0. ``frozen``: ``params`` never change
+    (LoRA's base): the reference is those very arrays, no copy."""
     if grpo.beta <= 0:
         return None
+    if frozen:
+        return FrozenParams(params)
     # The state is donated: in device memory the reference is a copy.
     folder = offload_folder(paths.run_dir)
     ref_params = FrozenParams(params if folder else jax.tree.map(jnp.copy, params), folder)
@@ -280,11 +300,20 @@ def _sampler_configs(
 
 
 def _init_state(
-    cfg: TrainConfig, grpo: GRPOConfig, params: Any, model_cfg: ModelConfig, mesh: jax.sharding.Mesh
+    cfg: TrainConfig,
+    grpo: GRPOConfig,
+    params: Any,
+    model_cfg: ModelConfig,
+    mesh: jax.sharding.Mesh,
+    policy: Policy,
 ) -> tuple[TrainState, Callable]:
-    """A fresh TrainState at step 0 (optimizer state sharded as the params) and the jitted update."""
+    """A fresh TrainState at step 0 (optimizer state sharded as the params) and the jitted update.
+
+    ``params`` is what the optimizer trains: the weights, or with LoRA the float32 adapters."""
     optimizer, lr_schedule = optimizer_from_config(
-        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype
+        grpo,
+        cfg.num_batches * grpo.num_iterations,
+        "float32" if policy.lora is not None else model_cfg.weight_dtype,
     )
     state = TrainState(
         params=params,
@@ -292,7 +321,9 @@ def _init_state(
         # Placed as the update returns it: an unplaced step made the second update compile again.
         step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     )
-    return state, make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
+    return state, make_train_step(
+        model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule, lora=policy.lora, base=policy.base
+    )
 
 
 def _trajectories(run: _Run, sampler_cfg: SamplerConfig):
@@ -365,7 +396,7 @@ def _loop(
             start_step,
             cfg.num_batches,
         )
-        run.ahead.publish(state.params, start_step)
+        run.ahead.publish(run.policy.sampler_params(state.params), start_step)
     with contextlib.ExitStack() as stop_thread:
         if run.ahead is not None:
             stop_thread.callback(run.ahead.close)
@@ -401,7 +432,7 @@ def _after_step(
         s=f"{metrics['time/step_s']:.1f}",
     )
     if run.evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
-        _evaluate(run, state.params, f"step_{done}", done)
+        _evaluate(run, run.policy.sampler_params(state.params), f"step_{done}", done)
     if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
         _save(run, state, iterator, done, before)
 
@@ -427,7 +458,7 @@ def _one_step(
     with mesh_context(run.mesh):
         state, update_metrics = run.update(state, batch)
     if run.ahead is not None:  # before the next update donates these params
-        run.ahead.publish(state.params, step + 1)
+        run.ahead.publish(run.policy.sampler_params(state.params), step + 1)
     release_host_memory()
     t_end = time.perf_counter()
     metrics = step_metrics(
@@ -447,8 +478,11 @@ def _next_batch(run: _Run, state: TrainState, iterator: PromptIterator, step: in
     """``step``'s batch: sampled now with ``state.params``, or (max_staleness >= 1) the rollout thread's."""
     if run.ahead is not None:
         return run.ahead.get(step)
-    run.rollout.update_params(state.params, step)
-    return run.rollout(next(iterator), key, extra_rows=iterator)
+    run.rollout.update_params(run.policy.sampler_params(state.params), step)
+    batch = run.rollout(next(iterator), key, extra_rows=iterator)
+    if run.policy.lora is not None:  # the merged weights go before the update runs
+        run.rollout.update_params(None, step)
+    return batch
 
 
 def _stop_non_finite(run: _Run, metrics: dict[str, Any], step: int) -> None:
@@ -508,6 +542,7 @@ def _save(run: _Run, state: TrainState, iterator: PromptIterator, done: int, bef
         "iterator": run.ahead.position if run.ahead is not None else iterator.state_dict(),
         "seed": run.cfg.seed,
         "eval_before": before,
+        **run.policy.meta(),
     }
     run.checkpointer.save(done, state.params, state.opt_state, meta)
     release_host_memory()  # the serialisation's buffers
@@ -516,7 +551,11 @@ def _save(run: _Run, state: TrainState, iterator: PromptIterator, done: int, bef
 def _finish(run: _Run, state: TrainState, history: list[float], results: dict[str, Any]) -> dict[str, Any]:
     """The evaluation after training, the results (``grpax.rl.results.publish`` on the main process)."""
     final_step = run.cfg.num_batches
-    results["after"] = _evaluate(run, state.params, "after", final_step) if run.evaluating else None
+    results["after"] = (
+        _evaluate(run, run.policy.sampler_params(state.params), "after", final_step)
+        if run.evaluating
+        else None
+    )
     results["actor_path"] = str(run.checkpointer.step_dir(final_step) / "model_params")
     results["reward_history"] = reward_history(run.writer, final_step, history)  # the whole run's
     run.checkpointer.close()

@@ -1,0 +1,135 @@
+"""LoRA training checkpoints on export: the merged model, or a PEFT adapter folder.
+
+A LoRA run's ``actor/<step>/model_params`` holds only the adapters (``grpax.models.lora``); its ``train_meta``
+names the base (``lora.base_path``) and fingerprints it (``grpax.rl.policy.fingerprint``). ``load_lora_step``
+reads both and refuses other base weights; ``save_peft`` writes what ``peft.PeftModel.from_pretrained(base,
+folder)`` and vLLM's ``--enable-lora`` read: ``adapter_config.json`` and ``adapter_model.safetensors`` with
+``base_model.model.model.layers.<i>.<module>.lora_{A,B}.weight`` tensors, A [r, in] and B [out, r] (PEFT's
+``x @ A.T @ B.T * scale``, the transposes of grpax's A [in, r] and B [r, out]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from grpax.checkpoint.hf import hf_layer_name
+from grpax.errors import ConfigError
+from grpax.models import lora as lora_lib
+from grpax.models.params import unstack_layers
+from grpax.models.registry import ModelConfig
+
+
+def lora_meta(params_path: Path) -> dict | None:
+    """The ``lora`` record of the training step holding ``params_path`` (``.../actor/<step>/model_params``),
+    or None (a full fine-tune, or not a training step)."""
+    meta_file = params_path.parent / "train_meta" / "metadata"
+    if params_path.name != "model_params" or not meta_file.is_file():
+        return None
+    try:
+        return json.loads(meta_file.read_text()).get("lora")
+    except ValueError:
+        return None
+
+
+def lora_config(meta: dict) -> lora_lib.LoraConfig:
+    return lora_lib.LoraConfig(meta["rank"], meta["alpha"], tuple(meta["target_modules"]), meta["use_rslora"])
+
+
+def load_lora_step(params_path: Path, adapters: Any, meta: dict) -> Any:
+    """The merged params of a LoRA step: its base (``meta["base_path"]``, checked against the fingerprint)
+    plus ``scale * A @ B``, as numpy float32 in the adapters' layout.
+
+    Raises:
+      ConfigError: the base is missing or holds other weights than the run trained on (one line).
+    """
+    import jax
+
+    from grpax.checkpoint.orbax import restore_params
+    from grpax.models.params import cast_params, convert_layout
+    from grpax.rl.policy import fingerprint
+
+    base_path = Path(meta["base_path"])
+    if not base_path.exists():
+        raise ConfigError(
+            f"{params_path} holds LoRA adapters of the base {base_path}, which does not exist: put the base "
+            "back there to export the merged model (lora_export=peft needs no base)"
+        )
+    base = cast_params(restore_params(base_path), meta["base_dtype"])
+    if fingerprint(base) != meta["base_fingerprint"]:
+        raise ConfigError(
+            f"{params_path} holds LoRA adapters trained on other weights than those now at {base_path} "
+            f"(fingerprint {fingerprint(base)}, trained on {meta['base_fingerprint']}): restore the base it was "
+            "trained on"
+        )
+    stacked = isinstance(adapters["layers"], dict)
+    num_layers = len(adapters["layers"]) if not stacked else jax.tree.leaves(adapters)[0].shape[0]
+    cfg_stub = _LayerCount(num_layers)
+    base = convert_layout(base, cfg_stub, scan_layers=stacked)  # type: ignore[arg-type]
+    merged = lora_lib.merge(base, adapters, lora_config(meta))
+    return jax.tree.map(np.asarray, merged)
+
+
+class _LayerCount:
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+
+def save_peft(
+    adapters: Any, cfg: ModelConfig, meta: dict, folder: Path, base_model_name_or_path: str = ""
+) -> list[str]:
+    """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (float32) into ``folder``.
+
+    Args:
+      adapters: the adapters tree (stacked or listed layers; numpy or jax leaves).
+      cfg: the base model's config (its family's module names).
+      meta: the checkpoint's ``lora`` record (rank, alpha, target_modules, use_rslora).
+      folder: created; must hold no adapter files yet.
+      base_model_name_or_path: recorded in the config (PEFT and vLLM read it only as a hint).
+
+    Returns:
+      The file names written.
+    """
+    layers = adapters["layers"]
+    if isinstance(layers, dict):
+        import jax
+
+        layers = unstack_layers(jax.tree.map(np.asarray, layers), jax.tree.leaves(layers)[0].shape[0])
+    tensors = {}
+    for i, layer in enumerate(layers):
+        for name, ad in layer.items():
+            a, b = np.asarray(ad["a"], np.float32), np.asarray(ad["b"], np.float32)
+            r = a.shape[-1]
+            prefix = "base_model.model." + hf_layer_name(i, name, cfg).removesuffix(".weight")
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)  # [r, in]
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)  # [out, r]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": meta["rank"],
+        "lora_alpha": meta["alpha"],
+        "use_rslora": meta["use_rslora"],
+        "target_modules": list(meta["target_modules"]),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_dora": False,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if (folder / name).exists():
+            raise ConfigError(
+                f"{folder / name} already exists; the export never overwrites: choose another folder"
+            )
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return ["adapter_config.json", "adapter_model.safetensors"]

@@ -1,0 +1,239 @@
+"""LoRA as a transform of the params: low-rank adapters beside a frozen base (Hu et al. 2021, "LoRA").
+
+A targeted weight W [in, out] gains two trained matrices, A [in, r] and B [r, out], and the layer computes
+``x @ W + scale * (x @ A) @ B`` with ``scale = alpha / r`` (rsLoRA, Kalajdzievski 2023: ``alpha / sqrt(r)``).
+A is drawn as PEFT draws ``lora_A`` (kaiming-uniform with a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and B is
+zero, so at initialisation the adapted model computes exactly the base's logits.
+
+The adapters are their own params tree, shaped like the base's layers (stacked [L, ...] or a list of layers):
+
+    layers/
+      wq      {"a": [L, D, r],    "b": [L, r, N, H]}     q_proj
+      wk, wv  {"a": [L, D, r],    "b": [L, r, K, H]}     k_proj, v_proj
+      wo      {"a": [L, N, H, r], "b": [L, r, D]}        o_proj
+      w_gate, w_up {"a": [L, D, r], "b": [L, r, F]}      gate_proj, up_proj
+      w_down  {"a": [L, F, r],    "b": [L, r, D]}        down_proj
+
+Each adapter takes the logical axes of the weight it adapts on its side of the product (A the input axes, B the
+output axes) and a replicated rank axis, so the sharding rules need no new entry.
+
+Two ways to run the adapted model, both pure functions of (base, adapters):
+
+* ``apply`` puts a ``LoraWeight`` (W, A, B, scale) in place of each targeted weight. It behaves like the
+  array the forward expects (``astype``, a 2-D ``reshape``, ``x @ w``), so ``grpax.models.llama.forward`` runs
+  it unchanged and each layer computes ``x @ W + scale * (x @ A) @ B``: no merged copy of any weight exists,
+  and gradients reach A and B only. The update and the evaluation use it.
+* ``merge`` returns plain params with ``W + scale * A @ B`` (computed in float32, rounded to W's dtype): one
+  more copy of the targeted weights, the decode then as fast as the base's. The rollout's sampler uses it
+  (measured against ``apply`` in docs/benchmarks.md, "LoRA").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from grpax.errors import ConfigError
+from grpax.models.params import Params, layer_specs
+from grpax.models.registry import ModelConfig
+
+# PEFT / Hugging Face module name -> the grpax weight it adapts (checkpoint/hf.py holds the full HF names).
+PEFT_MODULES = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w_gate",
+    "up_proj": "w_up",
+    "down_proj": "w_down",
+}
+# How many leading axes of each weight are its input (the rest its output).
+_IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+ALL_MODULES = tuple(PEFT_MODULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """The adapters' shape and scale.
+
+    Attributes:
+      rank: r, the adapters' inner dimension (> 0).
+      alpha: the scale's numerator (PEFT ``lora_alpha``).
+      target_modules: PEFT module names adapted in every layer (``PEFT_MODULES``).
+      use_rslora: scale alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA).
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ALL_MODULES
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        check_target_modules(self.target_modules)
+        if self.rank < 1:
+            raise ConfigError(f"lora_rank={self.rank}: expected >= 1 (0 turns LoRA off)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        """The grpax weight names adapted, in the order of ``PEFT_MODULES``."""
+        return tuple(w for m, w in PEFT_MODULES.items() if m in self.target_modules)
+
+
+def check_target_modules(modules: tuple[str, ...]) -> None:
+    """Raises one ConfigError line for an unknown or empty ``lora_target_modules``."""
+    bad = [m for m in modules if m not in PEFT_MODULES]
+    if bad or not modules:
+        what = f"{bad[0]!r} is not a module of this model" if bad else "no module given"
+        raise ConfigError(
+            f"lora_target_modules={list(modules)}: {what}; the model's modules are {', '.join(PEFT_MODULES)} "
+            "(PEFT names)"
+        )
+
+
+@flax.struct.dataclass
+class LoraWeight:
+    """A frozen weight W with its adapters, used where the forward uses W: ``x @ w`` is
+    ``x @ W + scale * (x @ A) @ B``. A pytree (W, A, B are leaves), so ``lax.scan`` over stacked layers and
+    ``jax.tree.map`` see through it."""
+
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    def astype(self, dtype) -> LoraWeight:
+        return LoraWeight(self.w.astype(dtype), self.a.astype(dtype), self.b.astype(dtype), self.scale)
+
+    def reshape(self, *shape) -> LoraWeight:
+        """The 2-D view [in, out] the forward multiplies by (``w.reshape(D, -1)``, ``w.reshape(-1, D)``)."""
+        w = self.w.reshape(*shape)
+        assert w.ndim == 2, shape
+        return LoraWeight(w, self.a.reshape(w.shape[0], -1), self.b.reshape(-1, w.shape[1]), self.scale)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        return x @ self.w + self.scale * ((x @ self.a) @ self.b)
+
+
+def _adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, dict[str, tuple[tuple, tuple]]]:
+    """Per adapted weight: {"a": (shape, axes), "b": (shape, axes)} of one unstacked layer."""
+    specs = layer_specs(cfg)
+    out = {}
+    for name in lora.weights:
+        shape, axes = specs[name]
+        k = _IN_AXES[name]
+        out[name] = {
+            "a": ((*shape[:k], lora.rank), (*axes[:k], None)),
+            "b": ((lora.rank, *shape[k:]), (None, *axes[k:])),
+        }
+    return out
+
+
+def _tree(cfg: ModelConfig, lora: LoraConfig, leaf) -> Params:
+    """The adapters tree, ``leaf(weight, "a" | "b", shape, axes, layer)`` at each leaf (layer None: stacked)."""
+    shapes = _adapter_shapes(cfg, lora)
+    if cfg.scan_layers:
+        return {
+            "layers": {
+                name: {
+                    ab: leaf(name, ab, (cfg.num_layers, *s), ("layers", *ax), None)
+                    for ab, (s, ax) in d.items()
+                }
+                for name, d in shapes.items()
+            }
+        }
+    return {
+        "layers": [
+            {name: {ab: leaf(name, ab, s, ax, i) for ab, (s, ax) in d.items()} for name, d in shapes.items()}
+            for i in range(cfg.num_layers)
+        ]
+    }
+
+
+def adapter_logical_axes(cfg: ModelConfig, lora: LoraConfig) -> Params:
+    """The adapters tree with each leaf its logical axes (the adapted weight's; the rank axis None)."""
+    return _tree(cfg, lora, lambda name, ab, shape, axes, i: axes)
+
+
+def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
+    """Adapters as PEFT initialises them, in float32: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform,
+    a = sqrt(5), over the fan-in), B = 0.
+
+    Args:
+      cfg: the base model's config (its layout: stacked or a list of layers).
+      lora: rank and targets.
+      key: PRNG key; each weight's A folds in its name's index and its layer.
+    """
+    names = list(PEFT_MODULES.values())
+
+    def leaf(name, ab, shape, axes, layer):
+        if ab == "b":
+            return jnp.zeros(shape, jnp.float32)
+        k = jax.random.fold_in(key, names.index(name))
+        if layer is not None:
+            k = jax.random.fold_in(k, layer)
+        fan_in = math.prod(shape[-1 - _IN_AXES[name] : -1])
+        bound = 1.0 / math.sqrt(fan_in)
+        return jax.random.uniform(k, shape, jnp.float32, -bound, bound)
+
+    return _tree(cfg, lora, leaf)
+
+
+def _layers_map(fn, base_layers, adapter_layers):
+    """``fn(base_layer, adapter_layer)`` over stacked (a dict) or listed layers."""
+    if isinstance(base_layers, dict):
+        return fn(base_layers, adapter_layers)
+    return [fn(b, a) for b, a in zip(base_layers, adapter_layers, strict=True)]
+
+
+def apply(base: Params, adapters: Params, lora: LoraConfig) -> Params:
+    """The adapted params for ``forward``: each adapted weight a ``LoraWeight`` (no weight copied)."""
+
+    def layer(b, a):
+        return {name: LoraWeight(w, **a[name], scale=lora.scale) if name in a else w for name, w in b.items()}
+
+    return {**base, "layers": _layers_map(layer, base["layers"], adapters["layers"])}
+
+
+def merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
+    """Plain params with ``W + scale * A @ B`` in each adapted weight (float32 sum, rounded to W's dtype)."""
+
+    def layer(b, a):
+        out = dict(b)
+        for name, ad in a.items():
+            w = b[name]
+            out[name] = (w.astype(jnp.float32) + merged_delta(ad["a"], ad["b"], w.shape, lora.scale)).astype(
+                w.dtype
+            )
+        return out
+
+    return {**base, "layers": _layers_map(layer, base["layers"], adapters["layers"])}
+
+
+def merged_delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...], scale: float) -> jax.Array:
+    """``scale * A @ B`` float32 in the adapted weight's ``shape``.
+
+    A is [*lead, *in, r] and B [*lead, r, *out] with ``lead`` the stacked layer axis (or none).
+    """
+    n_lead = a.ndim + b.ndim - 2 - len(shape)  # the leading axes A and B share: 1 when stacked, else 0
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    in_shape, out_shape = a.shape[n_lead:-1], b.shape[n_lead + 1 :]
+    L = a.shape[:n_lead]
+    a2 = a32.reshape(*L, math.prod(in_shape), a.shape[-1])
+    b2 = b32.reshape(*L, b.shape[n_lead], math.prod(out_shape))
+    return (scale * (a2 @ b2)).reshape(shape)

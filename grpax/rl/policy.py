@@ -1,0 +1,108 @@
+"""What a GRPO run trains, and the params the sampler and the reference read: all the weights, or LoRA adapters.
+
+A full fine-tune trains the params themselves. With LoRA (``lora_rank > 0``, ``grpax.models.lora``) the
+update trains only the adapters, and only they have optimizer state; the base weights are frozen and held once:
+the update reads them beside the adapters (``lora.apply``, never donated), the reference pass reads them as they
+are (beta > 0: the reference policy is the base, the adapters switched off, with no second copy), and the
+sampler reads ``lora.merge(base, adapters)``, built once per rollout and dropped after it (the choice and its
+measurement: docs/benchmarks.md, "LoRA"). The checkpoint's ``train_meta`` records the base's path and
+fingerprint (``fingerprint``): a resume or an export against other base weights is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any
+
+import jax
+
+from grpax import sharding
+from grpax.checkpoint import digests
+from grpax.errors import ConfigError
+from grpax.models import lora as lora_lib
+from grpax.models.registry import ModelConfig
+
+
+def fingerprint(params: Any) -> str:
+    """16 hex digits digesting every weight's bits, dtype and shape (``grpax.checkpoint.digests``), layer by
+    layer, so stacked and listed layers of the same weights give the same fingerprint."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(path, simple=True, separator=".")
+        if key.startswith("layers.") and isinstance(params["layers"], dict):  # stacked [L, ...]
+            name = key.removeprefix("layers.")
+            out.update({f"layers.{i}.{name}": digests.array_digest(x[i]) for i in range(x.shape[0])})
+        else:
+            out[key] = digests.array_digest(x)
+    return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.partial(jax.jit, static_argnames=("lora",))
+def _merge(base, adapters, lora):
+    return lora_lib.merge(base, adapters, lora)
+
+
+class Policy:
+    """The trainable tree and how to turn it into model params.
+
+    Args:
+      lora: the adapters' config, or None (full fine-tune).
+      base: the frozen base params (LoRA only; on the trainer's mesh).
+      base_path: where the base was loaded from (recorded in checkpoints).
+    """
+
+    def __init__(self, lora: lora_lib.LoraConfig | None = None, base: Any = None, base_path: str = ""):
+        self.lora, self.base, self.base_path = lora, base, base_path
+        self.base_fingerprint = fingerprint(base) if lora is not None else ""
+
+    def init_trainable(self, params: Any, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int) -> Any:
+        """The tree the optimizer trains: ``params`` (full), or fresh adapters placed on ``mesh``."""
+        if self.lora is None:
+            return params
+        adapters = lora_lib.init_adapters(model_cfg, self.lora, jax.random.key(seed))
+        axes = lora_lib.adapter_logical_axes(model_cfg, self.lora)
+        shardings = sharding.logical_to_sharding(axes, mesh, shapes=adapters)
+        return jax.tree.map(jax.device_put, adapters, shardings)
+
+    def sampler_params(self, trainable: Any) -> Any:
+        """Plain params for the sampler and the evaluation: ``trainable`` itself, or the merged weights."""
+        return trainable if self.lora is None else _merge(self.base, trainable, self.lora)
+
+    def forward_params(self, trainable: Any) -> Any:
+        """The params ``forward`` runs: ``trainable``, or the base with its adapters (``lora.apply``)."""
+        return trainable if self.lora is None else lora_lib.apply(self.base, trainable, self.lora)
+
+    def meta(self) -> dict:
+        """The checkpoint's record of the adapters and their base (empty for a full fine-tune)."""
+        if self.lora is None:
+            return {}
+        lora = self.lora
+        return {
+            "lora": {
+                "rank": lora.rank,
+                "alpha": lora.alpha,
+                "target_modules": list(lora.target_modules),
+                "use_rslora": lora.use_rslora,
+                "base_path": self.base_path,
+                "base_dtype": str(jax.tree.leaves(self.base)[0].dtype),
+                "base_fingerprint": self.base_fingerprint,
+            }
+        }
+
+    def check_resume(self, meta: dict, where: str) -> None:
+        """Raises one ConfigError line when checkpoint ``meta`` was trained on another base or another mode."""
+        saved = meta.get("lora")
+        if (saved is None) != (self.lora is None):
+            have = "LoRA adapters" if saved else "full weights"
+            raise ConfigError(
+                f"{where} holds {have} but lora_rank={self.lora.rank if self.lora else 0}: resume with the lora_rank "
+                "it was trained with, or pass a new run_name"
+            )
+        if saved and saved["base_fingerprint"] != self.base_fingerprint:
+            raise ConfigError(
+                f"{where} holds adapters trained on the base {saved['base_path']} (fingerprint "
+                f"{saved['base_fingerprint']}), but load_parameters_path={self.base_path} has other weights "
+                f"(fingerprint {self.base_fingerprint}): pass the base it was trained on, or a new run_name"
+            )
