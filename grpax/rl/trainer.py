@@ -283,7 +283,9 @@ def _init_state(
         opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
         step=jnp.zeros((), jnp.int32),
     )
-    return state, make_train_step(model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule)
+    return state, make_train_step(
+        model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule, cfg.max_completion_length
+    )
 
 
 def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
