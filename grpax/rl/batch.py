@@ -6,7 +6,8 @@ answers prompt r // G). Shapes and dtypes:
 
   prompt_ids        int32   [P, Lp]  left-padded prompts, one row per prompt (the update runs each prompt once)
   prompt_mask       int32   [P, Lp]  1 = real prompt token
-  completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end
+  completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end; C = the longest completion's bucket
+                                     (``completion_bucket``), at most the sampler's max_completion_length
   completion_mask   int32   [B, C]   1 = generated token up to and including the first stop token
   advantages        float32 [B]      group-relative (``grpax.rl.advantages``)
   rollout_logprobs  float32 [B, C]   the sampler's (behaviour policy) logprobs, or None
