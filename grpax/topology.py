@@ -8,7 +8,7 @@ over ``jax.ShapeDtypeStruct``s sharded on a mesh of them runs the real TPU compi
 
 Slice names count chips for v5e and v6e (``v6e-8``: 8 chips, 2x4) and TensorCores for v4 and v5p (``v5p-8``:
 4 chips, 2x2x1), as Google Cloud names them. The chip figures (HBM, bf16 dense FLOP/s, HBM bandwidth) are
-Google Cloud's published per-chip specifications.
+Google Cloud's published per-chip specifications (ICI: the per-chip inter-chip interconnect bandwidth).
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ class Chip:
     peak_flops: float  # bf16 dense FLOP/s per chip
     hbm_bandwidth: float  # bytes/s per chip
     chips_per_host: int  # chips of one host (VM) in a multi-host slice
+    ici_bandwidth: float = 0.0  # bytes/s per chip over the inter-chip interconnect, all links together
 
 
 GIB = 2**30
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", 32 * GIB, 275e12, 1.228e12, 4),
-    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 0.819e12, 4),
-    "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2.765e12, 4),
-    "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1.64e12, 4),
+    "v4": Chip("TPU v4", 32 * GIB, 275e12, 1.228e12, 4, 2400e9 / 8),  # ICI 2,400 Gbps
+    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 0.819e12, 4, 1600e9 / 8),  # 1,600 Gbps
+    "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2.765e12, 4, 4800e9 / 8),  # 4,800 Gbps
+    "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1.64e12, 4, 3584e9 / 8),  # 3,584 Gbps
 }
 # Slice name -> chip grid. v5e / v6e names count chips, v4 / v5p names count TensorCores (2 per chip).
 _GRIDS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}

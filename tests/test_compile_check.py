@@ -81,6 +81,11 @@ def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, c
     assert peak > _row(out, "params") + _row(out, "optimizer state") + _row(out, "reference params")
     assert _row(out, "chip HBM") == 16 * 2**30
     assert re.search(r"compile time: the GRPO update [\d.]+ s", out)
+    # the update's chip-to-chip traffic from its HLO, its ICI time at v5e's 200 GB/s, FSDP's minimum beside it
+    assert "ICI time at 200 GB/s per chip" in out
+    assert re.search(
+        r"^  update +[\d.]+ GB [\d.]+ s ICI; FSDP's minimum [\d.]+ GB \([\d.]+x\): all-gather ", out, re.M
+    )
 
 
 def test_a_job_that_cannot_fit_exits_1_naming_the_keys(config_only, capsys):

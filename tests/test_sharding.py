@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -593,3 +594,68 @@ def test_split_rollout_devices_sample_and_train_with_rollouts_ahead(params):
         ahead.close()
     assert versions == [0, 0, 1]
     assert state.params["layers"]["wq"].sharding.mesh == trainer_mesh
+
+
+@on_8_devices
+@pytest.mark.parametrize("name", list(MESHES))
+def test_vocab_parallel_logprobs_equal_unsharded(name, params, monkeypatch):
+    """The head split over the vocabulary (fsdp and tensor), in chunks: the same logprobs, entropy and
+    gradients (head and hidden states) as on one device; no chip gathers the head."""
+    from grpax.rl import train_step
+
+    monkeypatch.setattr(train_step, "_LOGITS_CHUNK_ELEMENTS", 2 * 3 * CFG.vocab_size)  # several chunks
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(8, 7, CFG.hidden_dim)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (8, 7)).astype(np.int32))
+
+    def loss(p, h):
+        logprobs, entropy = train_step.completion_logprobs(p, h, tokens, CFG, 0.7, with_entropy=True)
+        return jnp.sum(logprobs * jnp.arange(7.0)), (logprobs, entropy)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (want_lp, want_h)), (want_gp, want_gh) = fn(params, hidden)
+    mesh = sh.create_mesh(MESHES[name])
+    sharded = sh.shard_params(jax.tree.map(jnp.array, params), CFG, mesh)
+    with jax.set_mesh(mesh):
+        (_, (lp, h)), (gp, gh) = fn(sharded, sh.shard_batch(hidden, mesh))
+        text = fn.lower(sharded, sh.shard_batch(hidden, mesh)).compile().as_text()
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(gh), np.asarray(want_gh), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(gp["embed"]), np.asarray(want_gp["embed"]), atol=1e-5, rtol=0)
+    whole_head = rf"= f32\[{CFG.vocab_size},{CFG.hidden_dim}\]\S* (all-gather|all-reduce|reduce-scatter)\("
+    assert not [line for line in text.splitlines() if re.search(whole_head, line)]
+
+
+@on_8_devices
+def test_prompts_fewer_than_devices_are_spread_and_exact(params, monkeypatch):
+    """2 prompts x G = 4 on fsdp = 8: the update's 2 prompt rows become 8 (each prompt 4 times, each copy
+    answered by one completion), so they split over the 8 devices; loss and gradients equal the unsharded."""
+    from grpax.rl.batch import Batch
+    from grpax.rl.config import GRPOConfig
+    from grpax.rl.train_step import accumulate_gradients
+
+    split, seen = Batch.split, []
+    monkeypatch.setattr(
+        Batch, "split", lambda self, *a: seen.append(split(self, *a).prompt_ids.shape) or split(self, *a)
+    )
+
+    k = jax.random.split(jax.random.key(3), 3)
+    batch = {
+        "prompt_ids": np.asarray(jax.random.randint(k[0], (2, 4), 0, CFG.vocab_size), np.int32),
+        "prompt_mask": np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32),
+        "completion_ids": np.asarray(jax.random.randint(k[1], (8, 5), 0, CFG.vocab_size), np.int32),
+        "completion_mask": np.asarray([[1, 1, 1, 0, 0]] * 4 + [[1, 1, 1, 1, 1]] * 4, np.int32),
+        "advantages": np.asarray(jax.random.normal(k[2], (8,)), np.float32),
+    }
+    grpo = GRPOConfig(beta=0.0, num_generations=4)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
+    want_loss, want_grads, _ = fn(params, batch, CFG, grpo, 1)
+    mesh = sh.create_mesh(MESHES["fsdp8"])
+    sharded = sh.shard_params(jax.tree.map(jnp.array, params), CFG, mesh)
+    with jax.set_mesh(mesh):
+        loss, grads, _ = fn(sharded, sh.shard_batch(batch, mesh), CFG, grpo, 1)
+    assert seen == [(1, 2, 4), (1, 8, 4)]  # unsharded, then on the mesh
+    np.testing.assert_allclose(float(loss), float(want_loss), atol=1e-6, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)

@@ -14,6 +14,7 @@ from grpax.models.llama import forward, logits_from_hidden
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl import train_step as train_step_module
+from grpax.rl.batch import Batch
 from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import per_token_logprobs, token_entropy
 from grpax.rl.optim import learning_rate_at, make_lr_schedule, make_optimizer, optimizer_from_config
@@ -474,3 +475,66 @@ def test_a_checkpoint_restores_the_float32_master_copy_bit_exactly(params, tmp_p
     )
     for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_back), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _pad_completions(batch: dict, width: int) -> dict:
+    """``batch`` with its [B, C] fields padded to ``width`` columns (pad id 0, mask 0, logprobs 0)."""
+    out = dict(batch)
+    for name in ("completion_ids", "completion_mask", "ref_logprobs", "old_logprobs", "rollout_logprobs"):
+        if name in out:
+            x = np.asarray(out[name])
+            out[name] = np.pad(x, ((0, 0), (0, width - x.shape[1])))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum-norm"])
+def test_trimmed_update_equals_padded(params, mode):
+    """The batch cut to its longest completion (C = 6) gives the loss, metrics and gradients of the same batch
+    padded to max_completion_length = 16, for every loss_agg_mode (L_max passed, not read from the shape)."""
+    trimmed = _batch()
+    ref = np.asarray(compute_logprobs(params, trimmed, CFG, TEMPERATURE, 1))
+    rng = np.random.default_rng(4)
+    trimmed["old_logprobs"] = ref + rng.normal(0, 0.3, ref.shape).astype(np.float32)
+    trimmed["ref_logprobs"] = ref + rng.normal(0, 0.1, ref.shape).astype(np.float32)
+    trimmed["rollout_logprobs"] = ref + rng.normal(0, 0.05, ref.shape).astype(np.float32)
+    padded = _pad_completions(trimmed, 16)
+    np.testing.assert_array_equal(
+        np.asarray(compute_logprobs(params, padded, CFG, TEMPERATURE, 1))[:, :C], ref
+    )  # the reference pass
+    grpo = GRPOConfig(loss_agg_mode=mode, beta=0.05, epsilon_high=0.28, temperature=TEMPERATURE)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4, 5))
+    loss_p, grads_p, aux_p = fn(params, padded, CFG, grpo, 2, 16)
+    loss_t, grads_t, aux_t = fn(params, trimmed, CFG, grpo, 2, 16)
+    assert float(aux_p["clip_region_frac"]) > 0
+    np.testing.assert_allclose(float(loss_t), float(loss_p), rtol=1e-6, atol=1e-7)
+    for key in aux_p:
+        np.testing.assert_allclose(float(aux_t[key]), float(aux_p[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    assert np.linalg.norm(flat(grads_t) - flat(grads_p)) <= 1e-6 * np.linalg.norm(flat(grads_p))
+    if mode == "sequence-mean-token-sum-norm":  # L_max matters: the batch's own C = 6 gives another loss
+        loss_c, _, _ = fn(params, trimmed, CFG, grpo, 2, None)
+        np.testing.assert_allclose(float(loss_c), float(loss_p) * 16 / C, rtol=1e-5)
+
+
+def test_spread_prompts_give_the_same_loss_and_gradients(params, monkeypatch):
+    """3 prompts x G = 2 over (pretended) 6 devices: each prompt row repeated, each copy answered by one of
+    its completions; the loss and gradients are those of one row per prompt."""
+    batch = _grouped_batch()
+    grpo = GRPOConfig(num_generations=2, beta=0.0, temperature=TEMPERATURE)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4))
+    loss1, grads1, _ = fn(params, batch, CFG, grpo, 1)
+    split = Batch.split
+    seen = []
+
+    def spread(self, num_micro_batches, prompt_shards=1):
+        out = split(self, num_micro_batches, 6)
+        seen.append(out.prompt_ids.shape)
+        return out
+
+    monkeypatch.setattr(Batch, "split", spread)
+    jax.clear_caches()
+    loss6, grads6, _ = fn(params, batch, CFG, grpo, 1)
+    assert seen == [(1, 6, P)]
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    np.testing.assert_allclose(float(loss6), float(loss1), rtol=1e-6, atol=1e-7)
+    assert np.linalg.norm(flat(grads6) - flat(grads1)) <= 1e-6 * np.linalg.norm(flat(grads1))

@@ -43,6 +43,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("act_kv_heads", TENSOR),
     ("act_mlp", TENSOR),
     ("act_vocab", TENSOR),
+    # the vocabulary projection of the trainer (grpax.rl.train_step.completion_logprobs): logits and the head
+    # split over the vocabulary on fsdp too, tokens only over data, so no chip gathers the head
+    ("head_batch", DATA),
+    ("head_vocab", (TENSOR, FSDP)),
     # KV cache: keys [L, B, K, H, S], values [L, B, K, S, H] (grpax.models.llama.init_cache)
     ("cache_layers", None),
     ("cache_batch", (DATA, FSDP)),

@@ -6,7 +6,8 @@ answers prompt r // G). Shapes and dtypes:
 
   prompt_ids        int32   [P, Lp]  left-padded prompts, one row per prompt (the update runs each prompt once)
   prompt_mask       int32   [P, Lp]  1 = real prompt token
-  completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end
+  completion_ids    int32   [B, C]   B = P * G; pad_token_id after the end; C = the longest completion's bucket
+                                     (``completion_bucket``), at most the sampler's max_completion_length
   completion_mask   int32   [B, C]   1 = generated token up to and including the first stop token; a multi-turn
                                      trajectory (``grpax.rl.multi_turn``) has 1 at the model's tokens only: its
                                      observation tokens (0) are attended but out of the loss and the KL
@@ -36,6 +37,38 @@ import numpy as np
 # One row per prompt; every other array field has one row per completion.
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 TOKEN_FIELDS = (*PROMPT_FIELDS, "completion_ids", "completion_mask")
+# The fields with a completion axis [B, C].
+COMPLETION_FIELDS = ("completion_ids", "completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs")
+# The shortest completion bucket (tokens): the update and the reference pass run on the batch's longest
+# completion rounded up to this times a power of two (``completion_bucket``).
+MIN_COMPLETION_BUCKET = 64
+
+
+def completion_bucket(longest: int, max_length: int, minimum: int = MIN_COMPLETION_BUCKET) -> int:
+    """The completion length (tokens) the update and the reference pass run on: ``longest`` rounded up.
+
+    The buckets are ``minimum`` x 2^k, capped at ``max_length``: at most 1 + log2(max_length / minimum)
+    shapes, so the update is compiled a few times, never once per batch; rows longer than the bucket's half
+    waste at most half of it (GSM8K-like batches at C = 256 mostly stop within 128 or 256 tokens).
+
+    Args:
+      longest: the batch's longest completion in tokens (stop token included), 0..max_length.
+      max_length: C, the sampler's ``max_completion_length``.
+      minimum: the smallest bucket; 0 turns trimming off (``max_length``).
+
+    Returns:
+      The bucket, in [min(minimum, max_length), max_length].
+
+    Example:
+      >>> [completion_bucket(n, 768) for n in (0, 64, 65, 200, 300, 700)]
+      [64, 64, 128, 256, 512, 768]
+    """
+    if minimum <= 0:
+        return max_length
+    bucket = minimum
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_length)
 
 
 @dataclasses.dataclass
@@ -165,12 +198,27 @@ class Batch:
             if x is not None and tuple(x.shape) != (B,):
                 raise ValueError(f"the train batch's {name} is {tuple(x.shape)}, not [{B}]")
 
-    def split(self, num_micro_batches: int) -> Batch:
+    def trim_completions(self, length: int) -> Batch:
+        """The batch with its [B, C] fields cut to their first ``length`` columns (``completion_bucket``).
+
+        Only padding may be cut: every row's completion must fit in ``length`` tokens (asserted on host arrays).
+        """
+        mask = self.completion_mask
+        if isinstance(mask, np.ndarray):
+            assert not mask[:, length:].any(), f"trimming to {length} tokens would cut completion tokens"
+        cut = lambda x: None if x is None else x[:, :length]  # noqa: E731
+        return self.replace(**{name: cut(getattr(self, name)) for name in COMPLETION_FIELDS})
+
+    def split(self, num_micro_batches: int, prompt_shards: int = 1) -> Batch:
         """The batch cut into M micro-batches of whole prompts and their completions: leaves [M, rows / M, ...].
 
         When M is not a multiple of the prompts' blocks (more micro-batches than prompts, e.g. one group too
         large for memory), each prompt row is repeated so that every micro-batch holds whole sub-groups of
-        G / r rows.
+        G / r rows. Likewise, when a micro-batch holds fewer prompt rows than ``prompt_shards`` (the devices its
+        rows are split over), each prompt is repeated r times, each copy answered by G / r of its completions,
+        so that the prompts are split over the devices too instead of each device running all of them (the same
+        loss and gradient: a copy's states are the prompt's, and the gradients of the copies add up). Where G
+        does not allow it (G / r not whole) the prompts stay as they are.
 
         Raises:
           ValueError: the prompts and completions cannot be cut into M blocks of whole (sub-)groups.
@@ -183,6 +231,9 @@ class Batch:
                 f"a batch of {num_prompts} prompts x {num_rows // max(num_prompts, 1)} completions cannot be cut "
                 f"into num_micro_batches={M} blocks of whole prompt groups"
             )
+        spread = M * prompt_shards // math.gcd(M * prompt_shards, num_prompts)  # a multiple of repeat
+        if (num_rows // num_prompts) % spread == 0:
+            repeat = spread
 
         def cut(x, prompt_row: bool):
             if x is None:

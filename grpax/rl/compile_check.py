@@ -35,6 +35,7 @@ from grpax.config import ConfigError
 from grpax.models.params import abstract_params
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
 from grpax.rl.batch import Batch
+from grpax.rl.collectives import count_collectives, fsdp_minimum
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.step_cost import StepShape, step_phases
@@ -110,8 +111,9 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> Batch:
 _OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
-def _compile(name: str, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
-    """Lowers and compiles ``fn`` for its abstract arguments; (its memory, the executable or None if refused)."""
+def _compile(name: str, num_devices: int, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
+    """Lowers and compiles ``fn`` for its abstract arguments on ``num_devices``; (its memory and collectives,
+    the executable or None if refused)."""
     log.info("compiling %s ...", name)
     start = time.perf_counter()
     try:
@@ -129,7 +131,13 @@ def _compile(name: str, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compi
     log.info("compiled %s in %.1f s", name, seconds)
     memory = compiled.memory_analysis()
     sizes = (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes)
-    return Compiled(name, *(int(x) for x in sizes), int(memory.temp_size_in_bytes), seconds), compiled
+    collectives, unknown = count_collectives(compiled.as_text(), num_devices)
+    if unknown:
+        log.warning("%s: %d loops of unknown trip count, their collectives counted once", name, unknown)
+    c = Compiled(
+        name, *(int(x) for x in sizes), int(memory.temp_size_in_bytes), seconds, collectives=collectives
+    )
+    return c, compiled
 
 
 def _extra(c: Compiled, counted: int) -> int:
@@ -235,6 +243,7 @@ def compile_job(
     hbm: int,
     peak_flops: float | None,
     bandwidth: float | None,
+    ici_bandwidth: float = 0.0,
     model_cfg: ModelConfig | None = None,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
@@ -243,7 +252,7 @@ def compile_job(
       cfg: the run's keys.
       devices: the devices of the meshes (a TPU topology's, or ``jax.devices()``).
       target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
-        no step count).
+        no step count); ici_bandwidth: bytes/s per chip between chips (0: no ICI time).
       model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
 
     Raises:
@@ -254,16 +263,31 @@ def compile_job(
     model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
+    n = len(devices)
+    mesh = dict(job.mesh.shape)
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    minimum = lambda passes, grads: fsdp_minimum(  # noqa: E731
+        num_params, jnp.dtype(model_cfg.dtype).itemsize, mesh["fsdp"], mesh["tensor"], passes, grads
+    )
     with jax.set_mesh(job.mesh):
-        train_step = make_train_step(model_cfg, grpo, job.optimizer, cfg.micro_batches, job.lr_schedule)
-        functions["update"], _ = _compile("the GRPO update", train_step, job.state, job.batch)
+        train_step = make_train_step(
+            model_cfg,
+            grpo,
+            job.optimizer,
+            cfg.micro_batches,
+            job.lr_schedule,
+            max_completion_length=cfg.max_completion_length,
+        )
+        functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
+        functions["update"].fsdp_minimum = minimum(2, True)
         phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
         if grpo.beta > 0 or grpo.num_iterations > 1:
             c, _ = _compile(
-                "the reference logprobs", token_logprobs, params, job.batch.tokens(), model_cfg,
+                "the reference logprobs", n, token_logprobs, params, job.batch.tokens(), model_cfg,
                 grpo.temperature, cfg.micro_batches,
             )  # fmt: skip
             functions["reference logprobs"] = c
+            c.fsdp_minimum = minimum(1, False)
             phases["reference logprobs"] = _extra(c, job.resident["params"])
     sc, rollout_params = job.sampler_cfg, job.rollout_params
     replicated = NamedSharding(job.rollout_mesh, P())
@@ -275,7 +299,7 @@ def compile_job(
     G = grpo.num_generations
     with jax.set_mesh(job.rollout_mesh):
         prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
-        functions["prefill"], compiled = _compile("the sampler's prefill", engine.prefill, *prefill_args)
+        functions["prefill"], compiled = _compile("the sampler's prefill", n, engine.prefill, *prefill_args)
         if compiled is not None:  # the decode starts from the prefill's cache and logits
             cache, logits = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
@@ -283,7 +307,7 @@ def compile_job(
             row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)
             key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
             decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
-            functions["decode"], _ = _compile("the sampler's decode loop", engine.decode, *decode_args)
+            functions["decode"], _ = _compile("the sampler's decode loop", n, engine.decode, *decode_args)
     rollout_resident = per_chip_bytes(rollout_params)
     phases["rollout"] = job.rollout_copy + max(
         _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
@@ -292,6 +316,7 @@ def compile_job(
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
         rollout_chips=cfg.rollout_devices,
+        ici_bandwidth=ici_bandwidth,
     )  # fmt: skip
 
 
@@ -305,7 +330,9 @@ def run(cfg: TrainConfig) -> int:
         + f" ({topology.num_chips} x {chip.name})"
     )
     start = time.perf_counter()
-    report = compile_job(cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth)
+    report = compile_job(
+        cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth
+    )
     print(format_report(cfg, report, topology.num_chips))
     print(f"total compile time {time.perf_counter() - start:.1f} s")
     return 0 if report.fits else 1
@@ -335,7 +362,7 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
         log.warning("the device reports no memory limit: the fit check is skipped")
         return
     chip = chip_of(devices[0].device_kind)
-    peaks = (chip.peak_flops, chip.hbm_bandwidth) if chip else (None, None)
+    peaks = (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) if chip else (None, None, 0.0)
     report = compile_job(cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks)
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:

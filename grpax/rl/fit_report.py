@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from grpax.rl.collectives import Collective
 from grpax.rl.train_config import TrainConfig
 
 GIB = 2**30
@@ -26,6 +27,12 @@ class Compiled:
     temporaries: int
     seconds: float
     over_hbm: bool = False  # the compiler refused it: its temporaries alone exceed the chip's HBM
+    collectives: dict[str, Collective] | None = (
+        None  # kind -> per chip, loop trips counted (None: not counted)
+    )
+    fsdp_minimum: float = (
+        0.0  # bytes per chip of FSDP's minimum for this function (``collectives.fsdp_minimum``)
+    )
 
 
 @dataclasses.dataclass
@@ -54,6 +61,8 @@ class Report:
         """The sampler's own chips (rollout_devices): its copy of the params, the cache and the decode's
         temporaries (the rollout phase); 0 when colocated."""
         return self.phases.get("rollout", 0) if self.rollout_chips else 0
+
+    ici_bandwidth: float = 0.0  # bytes/s per chip over ICI (0: unknown, no ICI time)
 
     @property
     def peak(self) -> int:
@@ -107,6 +116,32 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
     return out
 
 
+def _collective_lines(report: Report) -> list[str]:
+    """The collectives of each compiled function, per chip, their ICI time, and FSDP's minimum beside them."""
+    counted = {name: c for name, c in report.functions.items() if c.collectives is not None}
+    if not counted:
+        return []
+    ici = report.ici_bandwidth
+    lines = [
+        "chip-to-chip traffic of the compiled programs, per chip (from their HLO, loop trips counted"
+        + (f"; ICI time at {ici / 1e9:.0f} GB/s per chip" if ici else "")
+        + "; FSDP's minimum: each weight gathered once per pass, the gradient reduce-scattered once):"
+    ]
+    for name, c in counted.items():
+        total = sum(x.bytes_per_chip for x in c.collectives.values())
+        kinds = ", ".join(
+            f"{k} {x.count} x {x.bytes_per_chip / 1e9:.2f} GB" for k, x in c.collectives.items()
+        )
+        time = f" {total / ici:.3f} s ICI" if ici else ""
+        minimum = (
+            f"; FSDP's minimum {c.fsdp_minimum / 1e9:.2f} GB ({total / c.fsdp_minimum:.2f}x)"
+            if c.fsdp_minimum
+            else ""
+        )
+        lines.append(f"  {name:<20}{total / 1e9:>9.2f} GB{time}{minimum}: {kinds or 'none'}")
+    return lines
+
+
 def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
     """The per-chip table, the verdict, the step's FLOPs and bytes, the compile times."""
     rows = [(name, b) for name, b in report.resident.items()]
@@ -148,6 +183,7 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
         flops = sum(p.flops for p in report.flops)
         lines.append(f"  {'total':<20}{flops / 1e12:>11.1f} TFLOP {'':>17}{total:>9.3f} s: the lower bound of a step "
                      "at the chips' peak FLOP/s and HBM bandwidth, completions at full length")  # fmt: skip
+    lines += _collective_lines(report)
     if not report.estimated:
         times = ", ".join(f"{c.name} {c.seconds:.1f} s" for c in report.functions.values())
         lines.append(f"compile time: {times}")

@@ -29,7 +29,7 @@ from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import ModelConfig
 from grpax.rl import dapo
 from grpax.rl.advantages import compute_advantages
-from grpax.rl.batch import Batch, RolloutInfo
+from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion_bucket
 from grpax.rl.config import GRPOConfig
 from grpax.rl.reference import FrozenParams, release_host_memory
 from grpax.rl.train_step import compute_logprobs
@@ -67,6 +67,9 @@ class Rollout:
         once per rollout (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
       reference: the frozen reference params (a tree or ``FrozenParams``), or None (beta == 0).
       num_micro_batches: blocks of the reference / old logprob passes (memory).
+      min_completion_bucket: the batch's completion axis is cut to its longest completion rounded up to this
+        many tokens times a power of two (``grpax.rl.batch.completion_bucket``), so the reference pass and the
+        update run on the real lengths, not on max_completion_length; 0 keeps the full length.
     """
 
     def __init__(
@@ -80,12 +83,14 @@ class Rollout:
         rollout_mesh: jax.sharding.Mesh | None = None,
         reference: Any = None,
         num_micro_batches: int = 1,
+        min_completion_bucket: int = MIN_COMPLETION_BUCKET,
     ):
         self.model_cfg, self.sampler_cfg, self.grpo, self.scorer = model_cfg, sampler_cfg, grpo, scorer
         self.mesh, self.rollout_mesh = mesh, rollout_mesh
         if reference is not None and not isinstance(reference, FrozenParams):
             reference = FrozenParams(reference)
         self.reference, self.num_micro_batches = reference, num_micro_batches
+        self.min_completion_bucket = min_completion_bucket
         self.params: Any = None
         self.version = 0
 
@@ -209,7 +214,13 @@ class Rollout:
 
     def _place(self, out: GenerateOutput, advantages: np.ndarray) -> Batch:
         """The update's arrays on the trainer's mesh (every process holds the whole rollout and computed the
-        same rewards: each keeps its devices' rows), or as plain device arrays without one."""
+        same rewards: each keeps its devices' rows), or as plain device arrays without one; the completion axis
+        cut to the longest completion's bucket (the same on every process: the rollouts are equal)."""
+        mask = np.asarray(out.completion_mask)
+        C = mask.shape[1]
+        # the last counted token of each row (a multi-turn row has 0s at its observations before it)
+        ends = np.where(mask.any(axis=1), C - np.argmax(mask[:, ::-1] != 0, axis=1), 0)
+        longest = int(ends.max(initial=0))
         batch = Batch(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
@@ -218,7 +229,7 @@ class Rollout:
             advantages=np.asarray(advantages, np.float32),
             rollout_logprobs=out.logprobs,  # the behaviour policy's: the mismatch metrics
             truncated=np.asarray([r == "length" for r in out.finish_reason]),
-        )
+        ).trim_completions(completion_bucket(longest, C, self.min_completion_bucket))
         if self.mesh is not None:
             return sharding.shard_global_batch(batch, self.mesh)
         return jax.tree.map(jnp.asarray, batch)

@@ -25,6 +25,7 @@ are read only by the mismatch metrics; ``truncated`` is needed with ``mask_trunc
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -36,6 +37,7 @@ from grpax import distributed
 from grpax.models import lora as lora_lib
 from grpax.models.llama import forward_grouped, logits_from_hidden
 from grpax.models.registry import ModelConfig
+from grpax.models.sharding_rules import constrain, logical_to_spec
 from grpax.rl.batch import TOKEN_FIELDS, Batch
 from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import (
@@ -77,10 +79,27 @@ def completion_hidden(params, batch: Batch, cfg: ModelConfig) -> jax.Array:
     return forward_grouped(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, cfg)
 
 
-# Logits elements per chunk of ``completion_logprobs`` (16 MB in float32): the [B, C, V] logits of a
-# micro-batch are never materialised at once (SmolLM2 at B = 16, C = 256: 805 MB, with their softmax and
-# gradient several times that).
-_LOGITS_CHUNK_ELEMENTS = 2**22
+# Logits elements per chip in one chunk of ``completion_logprobs`` (64 MiB in float32): the [B, C, V] logits of
+# a micro-batch are never materialised at once (SmolLM2 at B = 16, C = 256: 805 MB, with their softmax and
+# gradient several times that), and a chunk still holds a thousand tokens or more on each chip (llama3.2-1b on
+# v6e-8 at B = 16, C = 256: 4 chunks of 16 x 64 tokens, each chip a 16,032-entry slice of the vocabulary).
+_LOGITS_CHUNK_ELEMENTS = 2**24
+
+
+def _mesh_ways(logical_axis: str, size: int) -> int:
+    """Ways ``logical_axis`` splits a dimension of ``size`` on the current mesh (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    spec = logical_to_spec((logical_axis,), shape=(size,), mesh_shape=dict(mesh.shape))
+    axes = spec[0] if spec else ()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+
+
+def _prompt_shards(batch: Batch, num_micro_batches: int) -> int:
+    """Devices a micro-batch's rows are split over on the current mesh (``Batch.split`` spreads the prompts)."""
+    rows = batch.completion_ids.shape[0] // num_micro_batches
+    return _mesh_ways("batch", rows)
 
 
 def completion_logprobs(
@@ -93,10 +112,19 @@ def completion_logprobs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probabilities of ``tokens`` under softmax(logits / temperature), the vocabulary projected in chunks.
 
-    The completion axis is cut into chunks of at most ``_LOGITS_CHUNK_ELEMENTS`` logits; each chunk is
-    projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
+    The head (``lm_head`` or the tied ``embed``) is split over the vocabulary on the ``tensor`` and ``fsdp``
+    mesh axes ("vocab-parallel cross-entropy", Megatron-LM): once per pass its fsdp shards are exchanged
+    (an all-to-all of one chip's shard, instead of gathering the whole head), and each chunk's hidden states
+    are gathered over fsdp instead (tokens x D, a small fraction of the head's V x D). Each chip projects the
+    chunk's tokens to its slice of the vocabulary; the log-normaliser, the chosen token's logit and the entropy
+    are sums over the vocabulary, reduced across the slices ([tokens]-sized all-reduces). In the backward pass
+    each chip's head gradient stays local: it is accumulated in float32 across the chunks (the scan's carry),
+    exchanged back to the head's layout once, and no chunk reduce-scatters a head-sized gradient.
+
+    The completion axis is cut into chunks of at most ``_LOGITS_CHUNK_ELEMENTS`` logits per chip; each chunk
+    is projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
     pass (``jax.checkpoint``), so only one chunk's logits exist at a time, forward or backward ("fused linear
-    cross-entropy", as Liger-Kernel's, in plain JAX).
+    cross-entropy", as Liger-Kernel's, in plain JAX). Outside a mesh the same code runs on one device.
 
     Args:
       params: the params (the head: ``lm_head`` or tied ``embed``).
@@ -110,31 +138,47 @@ def completion_logprobs(
       (logprobs float32 [B, C], entropy float32 [B, C] or None).
     """
     B, C, D = hidden.shape
-    num_chunks = -(-B * C * cfg.vocab_size // _LOGITS_CHUNK_ELEMENTS)
-    chunk = -(-C // num_chunks)
+    V = cfg.vocab_size
+    rows_per_chip = -(-B // _mesh_ways("head_batch", B))
+    vocab_per_chip = -(-V // _mesh_ways("head_vocab", V))
+    chunk = max(1, min(C, _LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)))
     num_chunks = -(-C // chunk)
+    chunk = -(-C // num_chunks)  # the same chunks, padded the least
     pad = num_chunks * chunk - C
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
     t = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, num_chunks, chunk).swapaxes(0, 1)
+    # float32 whatever the params' dtype: the scan's transpose accumulates the head's gradient in this dtype
+    if "lm_head" in params:
+        head = {"lm_head": constrain(params["lm_head"].astype(jnp.float32), (None, "head_vocab"))}
+    else:
+        head = {"embed": constrain(params["embed"].astype(jnp.float32), ("head_vocab", None))}
+    vocab = jnp.arange(V, dtype=jnp.int32)
 
     @jax.checkpoint
     def one(args):
         h, t = args
-        logits = logits_from_hidden(params, h, cfg) / temperature  # [B, chunk, V] float32
+        h = constrain(h, ("head_batch", None, None))
+        logits = logits_from_hidden(head, h, cfg) / temperature  # [B, chunk, V] float32
+        logits = constrain(logits, ("head_batch", None, "head_vocab"))
         logz = jax.nn.logsumexp(logits, axis=-1)
-        logprobs = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - logz
+        # a masked sum, not take_along_axis: a sum over the split vocabulary is a [B, chunk] all-reduce
+        chosen = jnp.sum(jnp.where(vocab == t[..., None], logits, 0.0), axis=-1)
+        logprobs = constrain(chosen - logz, ("batch", None))
         if not with_entropy:
             return logprobs, jnp.zeros_like(logprobs)
         z = jax.lax.stop_gradient(logits)
         probs = jnp.exp(z - jax.lax.stop_gradient(logz)[..., None])
-        return logprobs, jax.lax.stop_gradient(logz) - jnp.sum(probs * z, axis=-1)  # H = log Z - E_p[z]
+        entropy = jax.lax.stop_gradient(logz) - jnp.sum(probs * z, axis=-1)  # H = log Z - E_p[z]
+        return logprobs, constrain(entropy, ("batch", None))
 
     logprobs, entropy = jax.lax.map(one, (h, t))  # [num_chunks, B, chunk]
     unchunk = lambda x: x.swapaxes(0, 1).reshape(B, -1)[:, :C]  # noqa: E731
     return unchunk(logprobs), unchunk(entropy) if with_entropy else None
 
 
-def _micro_loss(params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig):
+def _micro_loss(
+    params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig, max_completion_length: int
+):
     hidden = completion_hidden(params, mb, cfg)
     logprobs, entropy = completion_logprobs(
         params, hidden, mb.completion_ids, cfg, grpo.temperature, with_entropy=True
@@ -151,7 +195,7 @@ def _micro_loss(params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo
         kl_estimator=grpo.kl_estimator,
         loss_agg_mode=grpo.loss_agg_mode,
         importance_sampling_level=grpo.importance_sampling_level,
-        max_completion_length=mb.completion_ids.shape[1],
+        max_completion_length=max_completion_length,
         normalizer=normalizer,
         truncated=mb.truncated,
         mask_truncated_completions=grpo.mask_truncated_completions,
@@ -202,6 +246,7 @@ def accumulate_gradients(
     num_micro_batches: int = 1,
     lora: lora_lib.LoraConfig | None = None,
     base=None,
+    max_completion_length: int | None = None,
 ):
     """Loss and gradient of the full batch, computed ``num_micro_batches`` row blocks at a time.
 
@@ -217,6 +262,8 @@ def accumulate_gradients(
       lora: with LoRA, ``params`` are the adapters (``grpax.models.lora``) on the frozen ``base`` params: the
         policy is ``lora.apply(base, params)`` and the gradients are the adapters' only.
       base: the frozen base params (with ``lora``).
+      max_completion_length: L_max of "sequence-mean-token-sum-norm" in tokens, the sampler's; None = the
+        batch's C (a batch trimmed to its longest completion, ``Batch.trim_completions``, needs the real one).
 
     Returns:
       (loss float32 scalar, float32 grads like params, aux) where aux holds ``policy_loss`` and
@@ -233,10 +280,11 @@ def accumulate_gradients(
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, batch.truncated)
     normalizer = loss_normalizer(mask, grpo.loss_agg_mode)
+    L_max = max_completion_length or batch.completion_ids.shape[1]
 
     def loss_fn(trainable, mb):
         policy = trainable if lora is None else lora_lib.apply(base, trainable, lora)
-        return _micro_loss(policy, mb, normalizer, cfg, grpo)
+        return _micro_loss(policy, mb, normalizer, cfg, grpo, L_max)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -254,7 +302,7 @@ def accumulate_gradients(
         return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, aux_sum), None
 
     # The first micro-batch starts the sums (no zero-filled gradient tree); one micro-batch needs no loop.
-    blocks = batch.split(num_micro_batches)
+    blocks = batch.split(num_micro_batches, _prompt_shards(batch, num_micro_batches))
     carry = micro_step(jax.tree.map(lambda x: x[0], blocks))
     if num_micro_batches > 1:
         carry, _ = jax.lax.scan(body, carry, jax.tree.map(lambda x: x[1:], blocks))
@@ -280,6 +328,7 @@ def make_train_step(
     lr_schedule: optax.Schedule | None = None,
     lora: lora_lib.LoraConfig | None = None,
     base=None,
+    max_completion_length: int | None = None,
 ):
     """Builds the jitted update ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
 
@@ -296,6 +345,8 @@ def make_train_step(
       lr_schedule: the optimizer's schedule, only to report ``learning_rate`` (NaN without it).
       lora, base: LoRA: ``state.params`` are the adapters, trained on the frozen ``base`` params (passed to
         each call, never donated or copied; ``accumulate_gradients``).
+      max_completion_length: L_max in tokens ("sequence-mean-token-sum-norm"); None = each batch's C. The
+        trainer passes its own: its batches are trimmed to their longest completion's bucket.
 
     Returns:
       A jitted function. Its metrics are float32 scalars: ``loss``, ``policy_loss``, ``kl`` (NaN without
@@ -310,7 +361,9 @@ def make_train_step(
     M = grpo.num_micro_batches if num_micro_batches is None else num_micro_batches
 
     def step(state: TrainState, batch: Batch, base=None):
-        loss, grads, metrics = accumulate_gradients(state.params, batch, cfg, grpo, M, lora, base)
+        loss, grads, metrics = accumulate_gradients(
+            state.params, batch, cfg, grpo, M, lora, base, max_completion_length
+        )
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if grpo.max_grad_norm > 0:  # outside the branch: the clipped gradients overwrite the raw ones
@@ -390,5 +443,7 @@ def token_logprobs(
         logprobs, _ = completion_logprobs(params, hidden, mb.completion_ids, cfg, temperature)
         return jnp.where(mb.completion_mask.astype(bool), logprobs, 0.0)
 
-    out = jax.lax.map(one, batch.split(num_micro_batches))  # [M, B / M, C]
+    out = jax.lax.map(
+        one, batch.split(num_micro_batches, _prompt_shards(batch, num_micro_batches))
+    )  # [M, B / M, C]
     return out.reshape(-1, out.shape[-1])

@@ -322,7 +322,14 @@ def _init_state(
         step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     )
     return state, make_train_step(
-        model_cfg, grpo, optimizer, cfg.micro_batches, lr_schedule, lora=policy.lora, base=policy.base
+        model_cfg,
+        grpo,
+        optimizer,
+        cfg.micro_batches,
+        lr_schedule,
+        lora=policy.lora,
+        base=policy.base,
+        max_completion_length=cfg.max_completion_length,
     )
 
 

@@ -1,0 +1,75 @@
+"""Collectives counted from a compiled program's HLO text: loop trips, the TPU reduce-scatter fusion, group
+sizes in each of the three replica-group notations, and the bytes per chip by hand."""
+
+from grpax.rl.collectives import count_collectives, fsdp_minimum
+
+# An entry computation with a 5-trip loop whose body all-gathers bf16[8,4] (64 bytes) over groups of 4 chips
+# and calls a TPU reduce-scatter fusion (an all-reduce of f32[16], 64 bytes, over 8 chips, then a slice);
+# the entry all-reduces f32[10] (40 bytes) over pairs and all-to-alls s32[4,2] (32 bytes) over all 8 chips.
+HLO = """HloModule jit_step, entry_computation_layout={()->f32[10]}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (input: f32[16]) -> f32[2] {
+  %input = f32[16]{0:T(256)} parameter(0)
+  %all-reduce.9 = f32[16]{0:T(256)} all-reduce(%input), channel_id=3, replica_groups=mesh['axis_0'=8] {'axis_0'}, to_apply=%add
+  ROOT %slice = f32[2]{0} slice(%all-reduce.9), slice={[0:2]}
+}
+
+%body (p: (s32[], bf16[2,4])) -> (s32[], bf16[2,4]) {
+  %p = (s32[], bf16[2,4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[2,4]{1,0} get-tuple-element(%p), index=1
+  %all-gather.2 = bf16[8,4]{1,0:T(8,128)} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %f = f32[16] constant({...})
+  %fusion.3 = f32[2]{0} fusion(%f), kind=kCustom, calls=%all-reduce-scatter.1
+  ROOT %t = (s32[], bf16[2,4]) tuple(%i, %x)
+}
+
+%cond (q: (s32[], bf16[2,4])) -> pred[] {
+  %q = (s32[], bf16[2,4]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %constant.7 = s32[] constant(5)
+  ROOT %compare.8 = pred[] compare(%j, %constant.7), direction=LT
+}
+
+ENTRY %main (arg: f32[10]) -> f32[10] {
+  %arg = f32[10]{0} parameter(0)
+  %init = (s32[], bf16[2,4]) constant({...})
+  %while.1 = (s32[], bf16[2,4]) while(%init), condition=%cond, body=%body
+  %all-to-all.4 = s32[4,2]{1,0} all-to-all(%init), channel_id=4, replica_groups={}, dimensions={0}
+  ROOT %all-reduce.5 = f32[10]{0} all-reduce(%arg), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_by_hand():
+    counted, unknown = count_collectives(HLO, num_devices=8)
+    assert unknown == 0
+    assert {k: (c.count, c.bytes_per_chip) for k, c in counted.items()} == {
+        "all-gather": (5, 5 * 64 * 3 / 4),  # each trip receives 3/4 of the 64-byte output
+        "reduce-scatter": (
+            5,
+            5 * 64 * 7 / 8,
+        ),  # the fusion's all-reduce is a reduce-scatter: 7/8 of the input
+        "all-reduce": (1, 2 * 40 * 1 / 2),  # ring all-reduce: 2 (g - 1) / g of the array
+        "all-to-all": (1, 32 * 7 / 8),  # no groups: all 8 devices
+    }
+
+
+def test_a_loop_of_unknown_trip_count_is_counted_once_and_reported():
+    counted, unknown = count_collectives(HLO.replace("direction=LT", "direction=NE"), num_devices=8)
+    assert unknown == 1 and counted["all-gather"].count == 1
+
+
+def test_fsdp_minimum_by_hand():
+    # 1000 weights in bfloat16 over fsdp = 4: a pass gathers 3/4 of 2000 bytes; the update gathers twice
+    # (forward, backward) and reduce-scatters the gradient once.
+    assert fsdp_minimum(1000, 2, fsdp=4, tensor=1, passes=1, grads=False) == 1500
+    assert fsdp_minimum(1000, 2, fsdp=4, tensor=1, passes=2, grads=True) == 4500
+    assert fsdp_minimum(1000, 2, fsdp=4, tensor=2, passes=2, grads=True) == 2250
+    assert fsdp_minimum(1000, 2, fsdp=1, tensor=8, passes=2, grads=True) == 0
