@@ -154,3 +154,13 @@ def test_rollout_trims_the_completion_axis_to_the_longest_bucket():
             np.asarray(getattr(trimmed, name)), np.asarray(getattr(full, name))[:, :width]
         )
     assert not np.asarray(full.completion_mask)[:, width:].any()
+
+
+def test_counted_length_is_the_last_counted_column_not_the_count():
+    from grpax.rl.batch import counted_length
+
+    # A multi-turn row: model tokens, an observation (0s), more model tokens; a short single-turn row.
+    mask = np.asarray([[1, 1, 0, 0, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0]], np.int32)
+    assert counted_length(mask) == 5  # the count of 1s (3) would cut the row's last turn
+    assert counted_length(np.zeros((2, 4), np.int32)) == 0
+    assert counted_length(np.ones((1, 4), np.int32)) == 4

@@ -44,6 +44,15 @@ COMPLETION_FIELDS = ("completion_ids", "completion_mask", "rollout_logprobs", "r
 MIN_COMPLETION_BUCKET = 64
 
 
+def counted_length(completion_mask: Any) -> int:
+    """Columns up to the last counted token of any row of ``completion_mask`` [B, C] (0 when none): what trimming
+    may keep at least. Not the count of 1s: a multi-turn row has 0s at its observations before later 1s."""
+    mask = np.asarray(completion_mask) != 0
+    C = mask.shape[1]
+    ends = np.where(mask.any(axis=1), C - np.argmax(mask[:, ::-1], axis=1), 0)
+    return int(ends.max(initial=0))
+
+
 def completion_bucket(longest: int, max_length: int, minimum: int = MIN_COMPLETION_BUCKET) -> int:
     """The completion length (tokens) the update and the reference pass run on: ``longest`` rounded up.
 

@@ -29,7 +29,7 @@ from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import ModelConfig
 from grpax.rl import dapo
 from grpax.rl.advantages import compute_advantages
-from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion_bucket
+from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion_bucket, counted_length
 from grpax.rl.config import GRPOConfig
 from grpax.rl.reference import FrozenParams, release_host_memory
 from grpax.rl.train_step import compute_logprobs
@@ -216,11 +216,7 @@ class Rollout:
         """The update's arrays on the trainer's mesh (every process holds the whole rollout and computed the
         same rewards: each keeps its devices' rows), or as plain device arrays without one; the completion axis
         cut to the longest completion's bucket (the same on every process: the rollouts are equal)."""
-        mask = np.asarray(out.completion_mask)
-        C = mask.shape[1]
-        # the last counted token of each row (a multi-turn row has 0s at its observations before it)
-        ends = np.where(mask.any(axis=1), C - np.argmax(mask[:, ::-1] != 0, axis=1), 0)
-        longest = int(ends.max(initial=0))
+        longest, C = counted_length(out.completion_mask), out.completion_ids.shape[1]
         batch = Batch(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
