@@ -305,11 +305,13 @@ def _init_state(
     params: Any,
     model_cfg: ModelConfig,
     mesh: jax.sharding.Mesh,
-    policy: Policy,
+    policy: Policy | None = None,
 ) -> tuple[TrainState, Callable]:
     """A fresh TrainState at step 0 (optimizer state sharded as the params) and the jitted update.
 
-    ``params`` is what the optimizer trains: the weights, or with LoRA the float32 adapters."""
+    ``params`` is what the optimizer trains: the weights, or with LoRA the float32 adapters (``policy``; None =
+    the full fine-tune)."""
+    policy = Policy() if policy is None else policy
     optimizer, lr_schedule = optimizer_from_config(
         grpo,
         cfg.num_batches * grpo.num_iterations,
