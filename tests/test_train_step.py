@@ -502,9 +502,9 @@ def test_trimmed_update_equals_padded(params, mode):
         np.asarray(compute_logprobs(params, padded, CFG, TEMPERATURE, 1))[:, :C], ref
     )  # the reference pass
     grpo = GRPOConfig(loss_agg_mode=mode, beta=0.05, epsilon_high=0.28, temperature=TEMPERATURE)
-    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4, 5))
-    loss_p, grads_p, aux_p = fn(params, padded, CFG, grpo, 2, 16)
-    loss_t, grads_t, aux_t = fn(params, trimmed, CFG, grpo, 2, 16)
+    fn = jax.jit(accumulate_gradients, static_argnums=(2, 3, 4), static_argnames=("max_completion_length",))
+    loss_p, grads_p, aux_p = fn(params, padded, CFG, grpo, 2, max_completion_length=16)
+    loss_t, grads_t, aux_t = fn(params, trimmed, CFG, grpo, 2, max_completion_length=16)
     assert float(aux_p["clip_region_frac"]) > 0
     np.testing.assert_allclose(float(loss_t), float(loss_p), rtol=1e-6, atol=1e-7)
     for key in aux_p:
@@ -512,7 +512,7 @@ def test_trimmed_update_equals_padded(params, mode):
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     assert np.linalg.norm(flat(grads_t) - flat(grads_p)) <= 1e-6 * np.linalg.norm(flat(grads_p))
     if mode == "sequence-mean-token-sum-norm":  # L_max matters: the batch's own C = 6 gives another loss
-        loss_c, _, _ = fn(params, trimmed, CFG, grpo, 2, None)
+        loss_c, _, _ = fn(params, trimmed, CFG, grpo, 2, max_completion_length=None)
         np.testing.assert_allclose(float(loss_c), float(loss_p) * 16 / C, rtol=1e-5)
 
 
