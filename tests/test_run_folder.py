@@ -190,9 +190,10 @@ def test_interrupt_is_one_line_and_the_run_resumes(tiny_checkpoint, tmp_path, si
     ]
     # An interrupted save is finished first; no temporary folder is left.
     assert sorted(p.name for p in actor.iterdir()) == [str(step) for step in range(1, last + 1)]
-    assert [
-        json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ] == list(range(1, last + 1))
+    logged = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # the step after the last checkpoint may have logged its metrics before the signal landed (before its own
+    # save): the resumed run trains it again and its line is replaced (checked after the rerun below)
+    assert logged in (list(range(1, last + 1)), list(range(1, last + 2)) if where == "step" else None), logged
     restore_params(actor / str(last) / "model_params")
 
     rerun = _start_train(
