@@ -36,7 +36,7 @@ tmp=$(mktemp -d "${TMPDIR:-/tmp}/grpax-image.XXXXXX")
 echo "--- $tmp: a virtualenv of $("$py" --version) with the image's packages only"
 "$py" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --only-binary=:all: -r benchmarks/device_image_requirements.txt
-"$tmp/venv/bin/python" - benchmarks/device_image_packages.txt <<'EOF'
+"$tmp/venv/bin/python" -I - benchmarks/device_image_packages.txt <<'EOF'  # -I: not the repository (its grpax.egg-info)
 import re
 import sys
 from importlib import metadata
