@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_run_keys
-from test_learning import V, toy_rows, toy_scorer, toy_task
+from test_learning import TOY_MODEL, V, toy_rows, toy_scorer, toy_task
 
 from grpax.config import ConfigError
 from grpax.data.gsm8k import PromptIterator
 from grpax.models.params import init_params
-from grpax.models.registry import ModelConfig
 from grpax.rl import trainer
 from grpax.rl.ahead import AheadRollouts, RolloutWorkerError
 from grpax.rl.config import GRPOConfig
@@ -27,16 +26,7 @@ from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics, train
 from grpax.sampler.engine import SamplerConfig
 
-TOY = ModelConfig(
-    vocab_size=V,
-    hidden_dim=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=16,
-    mlp_dim=64,
-    tie_word_embeddings=False,
-)
+TOY = TOY_MODEL
 SAMPLER = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
 
 

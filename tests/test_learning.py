@@ -39,6 +39,19 @@ def count_on(prompts, completions, last_token, **kwargs):
 """
 
 
+# The toy model: one layer, untied head, V = 16 (the toy learning tests of other files reuse it).
+TOY_MODEL = ModelConfig(
+    vocab_size=V,
+    hidden_dim=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    mlp_dim=64,
+    tie_word_embeddings=False,
+)
+
+
 def toy_task(tmp_path):
     path = tmp_path / "toy_rewards.py"
     path.write_text(REWARD_FILE)
@@ -65,16 +78,7 @@ def toy_scorer(task):
 
 def test_grpo_raises_reward_on_toy_task(tmp_path):
     task = toy_task(tmp_path)
-    cfg = ModelConfig(
-        vocab_size=V,
-        hidden_dim=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        mlp_dim=64,
-        tie_word_embeddings=False,
-    )
+    cfg = TOY_MODEL
     num_steps = 50
     grpo = GRPOConfig(
         num_generations=8,
