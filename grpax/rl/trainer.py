@@ -2,7 +2,8 @@
 
 Each step takes ``batch_size`` prompts of the task (``grpax.tasks``: GSM8K by default, math, or the user's own
 data and reward functions), samples ``num_generations`` (G) completions of each with the KV-cache sampler on the
-trainer's own parameters (no copy), scores them with the task's reward functions (DAPO's dynamic sampling and
+trainer's own parameters (no copy; LoRA: the merged weights; ``max_staleness`` >= 1: a copy per version, sampled
+ahead in ``grpax.rl.ahead``'s thread; ``environment``: multi-turn, ``grpax.rl.multi_turn``), scores them with the task's reward functions (DAPO's dynamic sampling and
 overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the
 completions under the frozen reference model (when beta > 0) and
 applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
