@@ -41,7 +41,10 @@ def lora_config(meta: dict) -> lora_lib.LoraConfig:
 
 def load_lora_step(params_path: Path, adapters: Any, meta: dict) -> Any:
     """The merged params of a LoRA step: its base (``meta["base_path"]``, checked against the fingerprint)
-    plus ``scale * A @ B``, as numpy float32 in the adapters' layout.
+    plus ``scale * A @ B``, as numpy arrays in the base's dtype and the adapters' layout.
+
+    A QLoRA step (``meta["base_quantization"]`` int8 or nf4) merges into the base quantised as it trained: the
+    dequantised base plus the adapters, the model whose logits the run's sampler drew from.
 
     Raises:
       ConfigError: the base is missing or holds other weights than the run trained on (one line).
@@ -59,16 +62,19 @@ def load_lora_step(params_path: Path, adapters: Any, meta: dict) -> Any:
             "back there to export the merged model (lora_export=peft needs no base)"
         )
     base = cast_params(restore_params(base_path), meta["base_dtype"])
-    if fingerprint(base) != meta["base_fingerprint"]:
+    quantization = meta.get("base_quantization", "")
+    if fingerprint(base, quantization) != meta["base_fingerprint"]:
         raise ConfigError(
             f"{params_path} holds LoRA adapters trained on other weights than those now at {base_path} "
-            f"(fingerprint {fingerprint(base)}, trained on {meta['base_fingerprint']}): restore the base it was "
-            "trained on"
+            f"(fingerprint {fingerprint(base, quantization)}, trained on {meta['base_fingerprint']}): restore "
+            "the base it was trained on"
         )
     stacked = isinstance(adapters["layers"], dict)
     num_layers = len(adapters["layers"]) if not stacked else jax.tree.leaves(adapters)[0].shape[0]
     cfg_stub = _LayerCount(num_layers)
     base = convert_layout(base, cfg_stub, scan_layers=stacked)  # type: ignore[arg-type]
+    if quantization:
+        base = lora_lib.quantize_base(base, quantization)
     merged = lora_lib.merge(base, adapters, lora_config(meta))
     return jax.tree.map(np.asarray, merged)
 

@@ -28,8 +28,9 @@ class CONFIG:
     weight_dtype: str = field("bfloat16", "safetensors dtype: bfloat16 | float32 | float16")
     lora_export: str = field(
         "merged",
-        "a LoRA run's step: merged (the base with the adapters merged in) | peft (a PEFT adapter folder: "
-        "adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained and vllm --enable-lora)",
+        "a LoRA run's step: merged (the base with the adapters merged in; QLoRA: the dequantised base with them) "
+        "| peft (a PEFT adapter folder: adapter_config.json + adapter_model.safetensors, for "
+        "peft.PeftModel.from_pretrained and vllm --enable-lora)",
     )
     max_shard_size: int = field(2 * 1024**3, "bytes per safetensors shard; more shards write an index")
     scan_layers: bool = field(True, "accepted for MaxText compatibility; the stored layout is read as it is")

@@ -26,6 +26,10 @@ Two ways to run the adapted model, both pure functions of (base, adapters):
 * ``merge`` returns plain params with ``W + scale * A @ B`` (computed in float32, rounded to W's dtype): one
   more copy of the targeted weights, the decode then as fast as the base's. The rollout's sampler uses it
   (measured against ``apply`` in docs/benchmarks.md, "LoRA").
+
+QLoRA (``quantize_base``) replaces the base's projection weights by ``grpax.models.quantize.QuantizedWeight``
+(int8 or NF4 with their scales): ``apply`` puts them inside the ``LoraWeight``s, whose ``x @ W`` then dequantises
+W in the matmul, and ``merge`` returns ``dequantize(W) + scale * A @ B`` in the base's own dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.errors import ConfigError
+from grpax.models import quantize as quant
 from grpax.models.params import Params, layer_specs
 from grpax.models.registry import ModelConfig
 
@@ -211,18 +216,46 @@ def apply(base: Params, adapters: Params, lora: LoraConfig) -> Params:
 
 
 def merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
-    """Plain params with ``W + scale * A @ B`` in each adapted weight (float32 sum, rounded to W's dtype)."""
+    """Plain params with ``W + scale * A @ B`` in each adapted weight (float32 sum, rounded to W's dtype).
+
+    A quantised base (QLoRA) gives its dequantised weights, adapted or not, in the dtype they were loaded in."""
 
     def layer(b, a):
-        out = dict(b)
+        out = {
+            name: _dense(w).astype(w.dtype) if isinstance(w, quant.QuantizedWeight) else w
+            for name, w in b.items()
+        }
         for name, ad in a.items():
             w = b[name]
-            out[name] = (w.astype(jnp.float32) + merged_delta(ad["a"], ad["b"], w.shape, lora.scale)).astype(
-                w.dtype
-            )
+            out[name] = (_dense(w) + merged_delta(ad["a"], ad["b"], w.shape, lora.scale)).astype(w.dtype)
         return out
 
     return {**base, "layers": _layers_map(layer, base["layers"], adapters["layers"])}
+
+
+def _dense(w) -> jax.Array:
+    """A weight's float32 values (dequantised where quantised)."""
+    return quant.dequantize(w) if isinstance(w, quant.QuantizedWeight) else w.astype(jnp.float32)
+
+
+def quantize_base(base: Params, qtype: str) -> Params:
+    """QLoRA's base: every layer's projection weights (``PEFT_MODULES``, adapted or not) quantised to
+    ``qtype`` ("int8" or "nf4", ``grpax.models.quantize``); embeddings, head and norms stay as they are.
+
+    Each weight is quantised by one jitted call on its own devices (the codes and scales take the weight's
+    sharding by propagation); the caller drops the unquantised base afterwards.
+    """
+    stacked = isinstance(base["layers"], dict)
+
+    def one(name, w):
+        out_axes = w.ndim - stacked - _IN_AXES[name]
+        fn = jax.jit(quant.quantize, static_argnums=(1, 2, 3))
+        return fn(w, qtype, out_axes, int(stacked))
+
+    def layer(b, _):
+        return {name: one(name, w) if name in _IN_AXES else w for name, w in b.items()}
+
+    return {**base, "layers": _layers_map(layer, base["layers"], base["layers"])}
 
 
 def merged_delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...], scale: float) -> jax.Array:

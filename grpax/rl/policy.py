@@ -7,6 +7,15 @@ are (beta > 0: the reference policy is the base, the adapters switched off, with
 sampler reads ``lora.merge(base, adapters)``, built once per rollout and dropped after it (the choice and its
 measurement: docs/benchmarks.md, "LoRA"). The checkpoint's ``train_meta`` records the base's path and
 fingerprint (``fingerprint``): a resume or an export against other base weights is refused.
+
+QLoRA (``base_dtype`` int8 or nf4, ``grpax.models.quantize``): the base's projection weights are quantised once
+here, at load, and only the quantised base is kept. The update dequantises them in each matmul; the reference is
+that quantised base, the adapters off; the sampler reads ``lora.merge``, the dequantised base plus the adapters
+in the base's loaded dtype, built per rollout as for LoRA: the decode then runs every sampler backend at the
+base's speed (the CPU backend's kernels take plain weights only) instead of dequantising every layer at every
+decoded token, at the cost of one unquantised copy of the projections while the rollout runs. The fingerprint
+digests the quantisation too, and ``train_meta`` records it: a resume with another ``lora_base_dtype`` is
+refused.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from typing import Any
 
 import jax
@@ -22,13 +32,17 @@ from grpax import sharding
 from grpax.checkpoint import digests
 from grpax.errors import ConfigError
 from grpax.models import lora as lora_lib
+from grpax.models import quantize as quant
 from grpax.models.registry import ModelConfig
 
+log = logging.getLogger("grpax.train")
 
-def fingerprint(params: Any) -> str:
+
+def fingerprint(params: Any, quantization: str = "") -> str:
     """16 hex digits digesting every weight's bits, dtype and shape (``grpax.checkpoint.digests``), layer by
-    layer, so stacked and listed layers of the same weights give the same fingerprint."""
-    out = {}
+    layer, so stacked and listed layers of the same weights give the same fingerprint; with ``quantization``
+    (QLoRA's ``lora_base_dtype``), the quantisation scheme too (unset: the same digest as without it)."""
+    out = {"quantization": quant.scheme(quantization)} if quantization else {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         key = jax.tree_util.keystr(path, simple=True, separator=".")
         if key.startswith("layers.") and isinstance(params["layers"], dict):  # stacked [L, ...]
@@ -51,11 +65,29 @@ class Policy:
       lora: the adapters' config, or None (full fine-tune).
       base: the frozen base params (LoRA only; on the trainer's mesh).
       base_path: where the base was loaded from (recorded in checkpoints).
+      base_dtype: QLoRA: "int8" or "nf4", the base's projection weights quantised here (``self.base`` then
+        holds only the quantised base); "" keeps the base as loaded.
     """
 
-    def __init__(self, lora: lora_lib.LoraConfig | None = None, base: Any = None, base_path: str = ""):
-        self.lora, self.base, self.base_path = lora, base, base_path
-        self.base_fingerprint = fingerprint(base) if lora is not None else ""
+    def __init__(
+        self,
+        lora: lora_lib.LoraConfig | None = None,
+        base: Any = None,
+        base_path: str = "",
+        base_dtype: str = "",
+    ):
+        self.lora, self.base, self.base_path, self.base_dtype = lora, base, base_path, base_dtype
+        self.base_fingerprint = fingerprint(base, base_dtype) if lora is not None else ""
+        self.weight_dtype = str(jax.tree.leaves(base)[0].dtype) if lora is not None else ""
+        if lora is not None and base_dtype:
+            before = _nbytes(base["layers"])
+            self.base = lora_lib.quantize_base(base, base_dtype)
+            log.info(
+                "QLoRA: the base's layer weights quantised to %s: %.3f GB -> %.3f GB",
+                base_dtype,
+                before / 1e9,
+                _nbytes(self.base["layers"]) / 1e9,
+            )
 
     def init_trainable(self, params: Any, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int) -> Any:
         """The tree the optimizer trains: ``params`` (full), or fresh adapters placed on ``mesh``."""
@@ -86,7 +118,8 @@ class Policy:
                 "target_modules": list(lora.target_modules),
                 "use_rslora": lora.use_rslora,
                 "base_path": self.base_path,
-                "base_dtype": str(jax.tree.leaves(self.base)[0].dtype),
+                "base_dtype": self.weight_dtype,
+                "base_quantization": self.base_dtype,
                 "base_fingerprint": self.base_fingerprint,
             }
         }
@@ -100,9 +133,20 @@ class Policy:
                 f"{where} holds {have} but lora_rank={self.lora.rank if self.lora else 0}: resume with the lora_rank "
                 "it was trained with, or pass a new run_name"
             )
+        if saved and saved.get("base_quantization", "") != self.base_dtype:
+            raise ConfigError(
+                f"{where} holds adapters trained on the base quantised as lora_base_dtype="
+                f"{saved.get('base_quantization') or '<unset>'}, but this run has lora_base_dtype="
+                f"{self.base_dtype or '<unset>'}: resume with the lora_base_dtype it was trained with, or pass a "
+                "new run_name"
+            )
         if saved and saved["base_fingerprint"] != self.base_fingerprint:
             raise ConfigError(
                 f"{where} holds adapters trained on the base {saved['base_path']} (fingerprint "
                 f"{saved['base_fingerprint']}), but load_parameters_path={self.base_path} has other weights "
                 f"(fingerprint {self.base_fingerprint}): pass the base it was trained on, or a new run_name"
             )
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))

@@ -59,6 +59,7 @@ RESUME_FIXED_KEYS = (
     "scan_layers",
     "lora_rank",
     "lora_target_modules",
+    "lora_base_dtype",
 )
 
 

@@ -18,6 +18,7 @@ from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.lora import LoraConfig
+from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
 from grpax.rl.config import GRPOConfig
 from grpax.sampler.engine import SamplerConfig
@@ -42,6 +43,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "decode_sampling_temperature": "temperature",
         "lora.lora_rank": "lora_rank",  # MaxText's SFT LoRA (lora.enable_lora is lora_rank > 0 here)
         "lora.lora_alpha": "lora_alpha",
+        "lora.lora_weight_qtype": "lora_base_dtype",  # MaxText's QLoRA (its lora_tile_size is fixed here)
     }
 
     model_name: str = field(
@@ -154,6 +156,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "PEFT module names adapted in every layer (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)",
     )
     use_rslora: bool = field(False, "rank-stabilised LoRA: scale = alpha / sqrt(r) (PEFT use_rslora)")
+    lora_base_dtype: str = field(
+        "",
+        "QLoRA: the frozen base's projection weights held as int8 (per-channel scales) or nf4 (blocks of 64), "
+        "dequantised in the matmul; the reference is then this quantised base; needs lora_rank > 0 and qwix "
+        "(pip install 'grpax[qlora]'); unset = the base in weight_dtype",
+    )
 
     @property
     def micro_batches(self) -> int:
@@ -247,6 +255,18 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.lora_rank and not cfg.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
     cfg.lora()  # the target modules' names
+    if cfg.lora_base_dtype:
+        if cfg.lora_base_dtype not in QUANT_DTYPES:
+            raise ConfigError(
+                f"lora_base_dtype={cfg.lora_base_dtype!r}: expected {' or '.join(QUANT_DTYPES)} (QLoRA's quantised "
+                "base), or unset for the base in weight_dtype"
+            )
+        if not cfg.lora_rank:
+            raise ConfigError(
+                f"lora_base_dtype={cfg.lora_base_dtype} quantises the frozen base under LoRA adapters, but "
+                "lora_rank=0 trains all the weights: set lora_rank > 0 (e.g. lora_rank=16) or drop lora_base_dtype"
+            )
+        require_qwix()
     if cfg.lora_rank and cfg.compile_topology:
         raise ConfigError(
             f"compile_topology={cfg.compile_topology!r} with lora_rank={cfg.lora_rank}: the compiled memory plan "

@@ -14,7 +14,8 @@ data-iterator position and RNG seed.
 The step is ``batch = rollout(rows, key); state, metrics = update(state, batch)``: ``grpax.rl.rollout.Rollout``
 samples, scores and builds the ``grpax.rl.batch.Batch``; ``grpax.rl.train_step.make_update`` applies it.
 With ``lora_rank > 0`` the update trains LoRA adapters on the frozen base, which is also the reference
-(``grpax.rl.policy``). The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
+(``grpax.rl.policy``; with ``lora_base_dtype``, QLoRA: the base quantised, and the reference that quantised
+base). The keys and their checks are in ``grpax.rl.train_config``, the run folder's resume bookkeeping in
 ``grpax.rl.resume``, what a finished run leaves (``results.json``, the export) in ``grpax.rl.results``.
 """
 
@@ -152,14 +153,16 @@ def _train(
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
     policy = (
-        Policy(cfg.lora(), params, str(Path(cfg.load_parameters_path).absolute()))
+        Policy(cfg.lora(), params, str(Path(cfg.load_parameters_path).absolute()), cfg.lora_base_dtype)
         if cfg.lora_rank
         else Policy()
     )
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything is restored: adapters on other base weights are refused
         policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
-    ref_params = _reference(params, grpo, paths, closing, frozen=policy.lora is not None)
+    # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
+    frozen = policy.lora is not None
+    ref_params = _reference(policy.base if frozen else params, grpo, paths, closing, frozen=frozen)
     iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)

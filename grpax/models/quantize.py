@@ -1,0 +1,193 @@
+"""QLoRA's frozen base: projection weights held in int8 or NF4 and dequantised in the matmul.
+
+QLoRA (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs") trains LoRA adapters on a base
+whose weights are stored in 4 bits and dequantised to the compute dtype where they are multiplied; gradients
+flow through the dequantised weight to the activations and the adapters, never to the base. The quantisation
+itself is qwix's (``qwix.quantize`` / ``qwix.dequantize``, the library Tunix's QLoRA uses), with its
+conventions for a weight multiplied on the right (``x @ W``, W [*in, *out]):
+
+* ``int8``: symmetric absmax, one float32 scale per output channel (qwix's default for a weight: channelwise
+  on every non-contracting axis). ``scale = absmax / 127.5``, ``q = round(w / scale)`` saturated to
+  [-128, 127], so ``|w - q * scale| <= scale / 2``.
+* ``nf4``: NormalFloat4, the 16 quantiles of N(0, 1) scaled to [-1, 1] (QLoRA's appendix E), one float32
+  absmax scale per block of 64 consecutive elements of the innermost input axis (QLoRA's block size; where that
+  axis is not a multiple of 64, its gcd with 64); each value becomes its nearest code. Two 4-bit codes are
+  packed into one byte along that axis (qwix keeps one code per byte: ``uint4`` takes a whole byte in a jax
+  array on CPU), so the weight takes half a byte per value plus 4 bytes per 64 values.
+
+The scales are float32 whatever the base's dtype (as bitsandbytes keeps its absmax); QLoRA's second
+quantisation of the scales is not done (it saves 0.37 bits per value).
+
+``QuantizedWeight`` stands where the forward expects a weight array, as ``grpax.models.lora.LoraWeight`` does:
+``astype`` records the compute dtype, ``reshape`` gives the 2-D view [in, out] the forward multiplies by, and
+``x @ w`` dequantises that view and multiplies under ``jax.checkpoint``, so the backward pass recomputes the
+dequantised weight from the stored bytes instead of keeping it (under ``lax.scan`` it would otherwise be saved
+for every layer: the whole base in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from grpax.errors import ConfigError
+
+QUANT_DTYPES = ("int8", "nf4")
+NF4_BLOCK = 64  # values per absmax scale (QLoRA's block size)
+
+
+def _qwix():
+    try:
+        import qwix
+    except ImportError:
+        raise ConfigError(
+            "lora_base_dtype (QLoRA) quantises the base with qwix, which is not installed: "
+            "pip install 'grpax[qlora]' (or pip install qwix)"
+        ) from None
+    return qwix
+
+
+def require_qwix() -> None:
+    """Raises the one-line ConfigError naming ``pip install qwix`` when qwix is missing."""
+    _qwix()
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A weight [*lead, *in, *out] stored quantised; ``x @ w`` multiplies by its dequantised 2-D view.
+
+    Attributes:
+      qvalue: int8 [*shape] (int8), or uint8 [*shape] with the innermost input axis halved: two NF4 codes a
+        byte, the even index in the low nibble (nf4).
+      scale: float32, qvalue's rank: per output channel, 1 on the input axes (int8); one per block of the
+        innermost input axis (nf4).
+      qtype: "int8" or "nf4".
+      num_out_axes: the trailing output axes (the rest after the leading stacked-layer axes are inputs).
+      dtype: the weight's dtype before quantisation (what ``merge`` and ``dequantize`` round back to).
+      compute_dtype: set by ``astype``: the dtype of the dequantised weight in the matmul (None: x's).
+    """
+
+    qvalue: jax.Array
+    scale: jax.Array
+    qtype: str = flax.struct.field(pytree_node=False)
+    num_out_axes: int = flax.struct.field(pytree_node=False)
+    dtype: jnp.dtype = flax.struct.field(pytree_node=False)
+    compute_dtype: jnp.dtype | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def _inner(self) -> int:
+        """The innermost input axis (the packed and the blocked one)."""
+        return self.qvalue.ndim - self.num_out_axes - 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.qvalue.shape)
+        if self.qtype == "nf4":
+            shape[self._inner] *= 2
+        return tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.qvalue.ndim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the codes and the scales."""
+        return self.qvalue.nbytes + self.scale.nbytes
+
+    def astype(self, dtype) -> QuantizedWeight:
+        return self.replace(compute_dtype=jnp.dtype(dtype))
+
+    def reshape(self, *shape) -> QuantizedWeight:
+        """The 2-D view [in, out] the forward multiplies by (``w.reshape(D, -1)``, ``w.reshape(-1, D)``)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        out = math.prod(self.shape[self.qvalue.ndim - self.num_out_axes :])
+        rows = math.prod(self.shape) // out
+        assert len(shape) == 2 and shape[0] in (rows, -1) and shape[1] in (out, -1), (shape, self.shape)
+        pack = 2 if self.qtype == "nf4" else 1
+        scale_rows = math.prod(self.scale.shape) // math.prod(
+            self.scale.shape[self.scale.ndim - self.num_out_axes :]
+        )
+        return self.replace(
+            qvalue=self.qvalue.reshape(rows // pack, -1),
+            scale=self.scale.reshape(scale_rows, -1),
+            num_out_axes=1,
+        )
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        w = (
+            self
+            if self.ndim == 2
+            else self.reshape(-1, math.prod(self.shape[self.ndim - self.num_out_axes :]))
+        )
+        return _dequantized_matmul(x, w)
+
+
+@jax.checkpoint
+def _dequantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [.., in] @ dequantize(w) [in, out], the dequantised weight recomputed in the backward pass."""
+    return x @ dequantize(w).astype(w.compute_dtype or x.dtype)
+
+
+def scheme(qtype: str) -> str:
+    """The quantisation ``quantize`` applies for ``qtype``, as checkpoint fingerprints record it."""
+    return {"int8": "int8/absmax/per-output-channel", "nf4": f"nf4/absmax/block{NF4_BLOCK}/packed"}[qtype]
+
+
+def quantize(w: jax.Array, qtype: str, num_out_axes: int, num_lead_axes: int = 0) -> QuantizedWeight:
+    """Quantises one weight [*lead, *in, *out] with qwix (the module docstring's scheme).
+
+    Args:
+      w: the weight, any float dtype (quantised from its float32 values).
+      qtype: "int8" or "nf4".
+      num_out_axes: its trailing output axes.
+      num_lead_axes: its leading stacked-layer axes (each layer gets its own scales).
+
+    Raises:
+      ConfigError: qwix is missing; nf4 on an innermost input axis of odd size (no byte packing).
+    """
+    qwix = _qwix()
+    ndim = w.ndim
+    lead, out = tuple(range(num_lead_axes)), tuple(range(ndim - num_out_axes, ndim))
+    inner = ndim - num_out_axes - 1
+    w32 = w.astype(jnp.float32)
+    if qtype == "int8":
+        q = qwix.quantize(w32, jnp.int8, channelwise_axes=lead + out)
+        return QuantizedWeight(q.qvalue, q.scale, qtype, num_out_axes, jnp.dtype(w.dtype))
+    size = w.shape[inner]
+    if size % 2:
+        raise ConfigError(
+            f"lora_base_dtype=nf4: a weight of shape {tuple(w.shape)} has an odd input axis ({size}), whose "
+            "4-bit codes cannot be packed in pairs: use lora_base_dtype=int8"
+        )
+    other_in = tuple(range(num_lead_axes, inner))  # a block never spans two rows of these
+    q = qwix.quantize(
+        w32, "nf4", channelwise_axes=lead + other_in + out, tiled_axes={inner: math.gcd(size, NF4_BLOCK)}
+    )
+    return QuantizedWeight(_pack(q.qvalue, inner), q.scale, qtype, num_out_axes, jnp.dtype(w.dtype))
+
+
+def dequantize(w: QuantizedWeight) -> jax.Array:
+    """The weight's float32 values [*shape] (qwix's ``dequantize``; nf4 unpacked first)."""
+    qwix = _qwix()
+    if w.qtype == "int8":
+        return qwix.dequantize(qwix.QArray(w.qvalue, w.scale, None, jnp.int8))
+    return qwix.dequantize(qwix.QArray(_unpack(w.qvalue, w._inner), w.scale, None, "nf4"))
+
+
+def _pack(codes: jax.Array, axis: int) -> jax.Array:
+    """uint4 codes -> uint8, two a byte along ``axis`` (index 2j in the low nibble, 2j + 1 in the high)."""
+    c = jnp.moveaxis(codes.astype(jnp.uint8), axis, -1)
+    c = c.reshape(*c.shape[:-1], -1, 2)
+    return jnp.moveaxis(c[..., 0] | (c[..., 1] << 4), -1, axis)
+
+
+def _unpack(packed: jax.Array, axis: int) -> jax.Array:
+    """The inverse of ``_pack``: uint4 codes with ``axis`` twice as long."""
+    p = jnp.moveaxis(packed, axis, -1)
+    c = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
+    return jnp.moveaxis(c, -1, axis).astype(jnp.uint4)

@@ -1,0 +1,327 @@
+"""QLoRA (``lora_base_dtype=int8|nf4``): LoRA adapters on a frozen base quantised with qwix.
+
+The quantisation error stays within its hand-derived bound, the adapted model at initialisation computes the
+dequantised base's logits exactly, a step moves only the adapters (the quantised bytes stay bit-identical), the
+reference is the quantised base, the backward keeps no dequantised copy of the base, the toy task is learned,
+a resume with another ``lora_base_dtype`` is refused, the merged export is the dequantised base plus the
+adapters, and the quantised base takes about 1/2 (int8) or 1/4 (nf4) of bfloat16's bytes.
+"""
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("qwix")
+
+from test_lora import _batch, _cfg, _run_cfg, _trained_like  # noqa: E402
+
+from grpax.checkpoint.orbax import save_params  # noqa: E402
+from grpax.config import ConfigError, build_config  # noqa: E402
+from grpax.models import lora as lora_lib  # noqa: E402
+from grpax.models import quantize as quant  # noqa: E402
+from grpax.models.llama import forward  # noqa: E402
+from grpax.models.params import init_params  # noqa: E402
+from grpax.models.registry import ModelConfig  # noqa: E402
+from grpax.rl import trainer  # noqa: E402
+from grpax.rl.config import GRPOConfig  # noqa: E402
+from grpax.rl.optim import optimizer_from_config  # noqa: E402
+from grpax.rl.policy import Policy, fingerprint  # noqa: E402
+from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths  # noqa: E402
+from grpax.rl.train_config import TrainConfig, validate  # noqa: E402
+from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step  # noqa: E402
+
+NF4_CODES = np.array(  # QLoRA's appendix E, as qwix holds them
+    [-1.0, -0.6961928, -0.5250731, -0.3949175, -0.2844414, -0.1847734, -0.0910500, 0.0]
+    + [0.0795803, 0.1609302, 0.2461123, 0.3379152, 0.4407098, 0.5626170, 0.7229568, 1.0]
+)
+
+
+def _dequantized(base):
+    """The quantised base with every quantised weight replaced by its dequantised values (loaded dtype)."""
+    return jax.tree.map(
+        lambda w: quant.dequantize(w).astype(w.dtype) if isinstance(w, quant.QuantizedWeight) else w,
+        base,
+        is_leaf=lambda x: isinstance(x, quant.QuantizedWeight),
+    )
+
+
+def test_int8_error_is_at_most_half_a_scale_per_output_channel():
+    """scale = absmax / 127.5 per output channel; q = round(w / scale) in [-128, 127], so
+    |w - q * scale| <= scale / 2. float32 adds to that the rounding of w / scale (|w / scale| <= 127.5, at
+    most two roundings: 2 * 127.5 * 2**-24 < 2**-16) and of q * scale (2**-17 scale): < scale * (1/2 + 2**-15).
+    """
+    rng = np.random.default_rng(0)
+    # wq-shaped [L, D, N, H]: per (layer, head, head_dim) channel magnitudes from 1e-3 to 10
+    w = rng.normal(size=(2, 96, 4, 8)) * 10.0 ** rng.uniform(-3, 1, size=(2, 1, 4, 8))
+    w = jnp.asarray(w, jnp.float32)
+    q = quant.quantize(w, "int8", num_out_axes=2, num_lead_axes=1)
+    assert q.qvalue.dtype == jnp.int8 and q.qvalue.shape == w.shape and q.scale.shape == (2, 1, 4, 8)
+    absmax = np.abs(np.asarray(w, np.float64)).max(axis=1, keepdims=True)
+    # XLA may divide as a multiply by the reciprocal: two float32 roundings, 2 * 2**-24 < 2**-22
+    np.testing.assert_allclose(np.asarray(q.scale), absmax / 127.5, rtol=2.0**-22)
+    err = np.abs(np.asarray(w, np.float64) - np.asarray(quant.dequantize(q), np.float64))
+    scale = np.asarray(q.scale, np.float64)
+    assert (err <= scale * (0.5 + 2.0**-15)).all()
+    assert (err / scale).max() > 0.45  # the bound is reached, not loose
+    codes = np.asarray(q.qvalue, np.int32)
+    assert (np.abs(codes) >= 127).any(axis=1).all()  # every channel uses its whole range (-absmax: -128)
+
+
+def test_nf4_error_is_within_half_the_widest_code_gap_and_codes_are_packed():
+    """Each value becomes the nearest of the 16 NF4 codes times its block's absmax: the error is at most
+    half the widest gap between neighbouring codes (-1 to -0.696: 0.1519) times the scale. Blocks are 64
+    consecutive values of the innermost input axis (H of wo [N, H, D]); two codes share a byte."""
+    half_gap = np.diff(NF4_CODES).max() / 2
+    assert abs(half_gap - 0.1519036) < 1e-6
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(4, 128, 24)) * 10.0 ** rng.uniform(-3, 1, size=(4, 1, 24)), jnp.float32)
+    q = quant.quantize(w, "nf4", num_out_axes=1)
+    assert q.qvalue.dtype == jnp.uint8 and q.qvalue.shape == (4, 64, 24) and q.shape == (4, 128, 24)
+    assert q.scale.shape == (4, 2, 24)  # per head, per 64 of head_dim, per output channel
+    blocks = np.asarray(w, np.float64).reshape(4, 2, 64, 24)
+    np.testing.assert_allclose(np.asarray(q.scale), np.abs(blocks).max(axis=2), rtol=1e-7)
+    err = np.abs(np.asarray(w, np.float64) - np.asarray(quant.dequantize(q), np.float64))
+    scale = np.repeat(np.asarray(q.scale, np.float64), 64, axis=1)
+    assert (err <= scale * (half_gap + 1e-6)).all()
+    # values already on the code grid come back exactly, each code its own nibble
+    from qwix._src.core.numerics import get_nf4_buckets
+
+    codes = get_nf4_buckets()
+    np.testing.assert_allclose(np.asarray(codes), NF4_CODES, rtol=0, atol=1e-7)
+    grid = (jnp.tile(codes, 4) * jnp.float32(3.0))[None, :, None]  # [1, 64, 1], absmax 3
+    g = quant.quantize(grid, "nf4", num_out_axes=1)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(g)), np.asarray(grid))
+    assert np.asarray(g.qvalue)[0, :8, 0].tolist() == [16 * (2 * i + 1) + 2 * i for i in range(8)]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_at_init_qlora_computes_the_dequantised_base_logits_exactly(scan_layers, qtype):
+    cfg = _cfg(scan_layers=scan_layers)
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    policy = Policy(lora, init_params(cfg, jax.random.key(0)), "", qtype)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    want, _ = forward(_dequantized(policy.base), tokens, cfg)
+    got, _ = forward(policy.forward_params(adapters), tokens, cfg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # B = 0: x @ dequantize(W) + 0
+    np.testing.assert_array_equal(np.asarray(forward(policy.sampler_params(adapters), tokens, cfg)[0]), want)
+    np.testing.assert_array_equal(np.asarray(forward(policy.base, tokens, cfg)[0]), want)  # the reference
+    # and the quantisation is real: the unquantised base computes other logits
+    plain, _ = forward(init_params(cfg, jax.random.key(0)), tokens, cfg)
+    assert float(jnp.abs(plain - want).max()) > 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_a_qlora_step_changes_only_the_adapters_and_leaves_the_quantised_bytes_alone(qtype):
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    policy = Policy(lora, init_params(cfg, jax.random.key(0)), "", qtype)
+    layers = policy.base["layers"]
+    assert all(isinstance(layers[name], quant.QuantizedWeight) for name in lora_lib.PEFT_MODULES.values())
+    base_copy = jax.tree.map(np.array, policy.base)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    grpo = GRPOConfig(num_generations=4, beta=0.0, learning_rate=1e-2, warmup_ratio=0.0, weight_decay=0.0)
+    optimizer, schedule = optimizer_from_config(grpo, 4)
+    state = TrainState(params=adapters, opt_state=optimizer.init(adapters), step=jnp.zeros((), jnp.int32))
+    step = make_train_step(cfg, grpo, optimizer, 1, schedule, lora=lora, base=policy.base)
+    before = jax.tree.map(np.array, adapters)
+    for i in range(2):
+        state, metrics = step(state, _batch(cfg, seed=i))
+        assert not bool(metrics["nonfinite"])
+    assert jax.tree.structure(policy.base) == jax.tree.structure(base_copy)
+    for got, want in zip(jax.tree.leaves(policy.base), jax.tree.leaves(base_copy), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), want)  # codes and scales: bit for bit
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
+        assert a.dtype == jnp.float32 and not np.array_equal(np.asarray(a), b)  # every A and B moved
+
+
+def test_the_reference_is_the_quantised_base(tmp_path):
+    """beta > 0 with QLoRA: the trainer's reference holds the quantised base's very arrays (no unquantised
+    copy) and its logprobs are the quantised base's, not the unquantised one's nor the adapted policy's."""
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    base = init_params(cfg, jax.random.key(0))
+    policy = Policy(lora, base, "", "nf4")
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)))
+    grpo = GRPOConfig(num_generations=4, beta=0.04)
+    batch = _batch(cfg)
+    with contextlib.ExitStack() as closing:
+        ref = trainer._reference(policy.base, grpo, RunPaths.of(_run_cfg(tmp_path)), closing, frozen=True)
+        assert ref.folder is None and all(
+            a is b for a, b in zip(jax.tree.leaves(ref._params), jax.tree.leaves(policy.base), strict=True)
+        )
+        ref_logprobs = ref.apply(compute_logprobs, batch, cfg, 1.0, 1)
+    want = compute_logprobs(_dequantized(policy.base), batch, cfg, 1.0)
+    np.testing.assert_array_equal(np.asarray(ref_logprobs), np.asarray(want))
+    assert float(jnp.abs(ref_logprobs - compute_logprobs(base, batch, cfg, 1.0)).max()) > 1e-4
+    adapted = compute_logprobs(policy.forward_params(adapters), batch, cfg, 1.0)
+    assert float(jnp.abs(adapted - ref_logprobs).max()) > 0.1
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_the_backward_keeps_no_dequantised_copy_of_the_base(qtype):
+    """The dequantise-and-multiply runs under jax.checkpoint: the gradient's compiled temporaries hold about
+    one layer's dequantised weights (measured: 5.1-5.5 MB of 15.7 MB for 4 layers), where without it every
+    layer's float32 copy is kept for the backward (20-21 MB)."""
+    cfg = ModelConfig(
+        vocab_size=64, hidden_dim=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    base = lora_lib.quantize_base(init_params(cfg, jax.random.key(0)), qtype)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    grad = jax.jit(jax.grad(lambda a, b: forward(lora_lib.apply(b, a, lora), tokens, cfg)[0].sum()))
+    temp = grad.lower(adapters, base).compile().memory_analysis().temp_size_in_bytes
+    dequantised = sum(
+        math.prod(w.shape) * 4 for w in base["layers"].values() if isinstance(w, quant.QuantizedWeight)
+    )
+    assert dequantised == 4 * 4 * (256 * 256 * 2 + 256 * 128 * 2 + 256 * 1024 * 3)
+    assert temp < dequantised / 2, (temp, dequantised)
+
+
+@pytest.mark.parametrize("qtype, per_value", [("int8", 1.0), ("nf4", 0.5)])
+def test_the_quantised_base_takes_half_or_a_quarter_of_bfloat16(qtype, per_value):
+    """bfloat16: 2 bytes a value. int8: 1 byte plus a float32 scale per output channel (in = 128..512 values
+    share it); nf4: half a byte plus a float32 scale per 64 values (1/16 byte a value)."""
+    cfg = ModelConfig(
+        vocab_size=64, hidden_dim=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=512,
+        tie_word_embeddings=False, weight_dtype="bfloat16",
+    )  # fmt: skip
+    base = init_params(cfg, jax.random.key(0))
+    assert jax.tree.leaves(base)[0].dtype == jnp.bfloat16
+    quantised = lora_lib.quantize_base(base, qtype)["layers"]
+    names = list(lora_lib.PEFT_MODULES.values())
+    bf16 = sum(base["layers"][n].nbytes for n in names)
+    got = sum(quantised[n].qvalue.nbytes + quantised[n].scale.nbytes for n in names)
+    ins = {"wq": 128, "wk": 128, "wv": 128, "wo": 128, "w_gate": 128, "w_up": 128, "w_down": 512}
+    values = {n: math.prod(base["layers"][n].shape) for n in names}
+    scales = {n: values[n] // (ins[n] if qtype == "int8" else 64) for n in names}
+    assert got == sum(values[n] * per_value + 4 * scales[n] for n in names)
+    ratio = got / bf16
+    print(f"{qtype}: {got} bytes of {bf16} in bfloat16 ({ratio:.3f})")
+    assert (0.5 <= ratio < 0.52) if qtype == "int8" else (0.25 <= ratio <= 0.25 + 1 / 32)
+
+
+def test_lora_base_dtype_is_checked_in_one_line():
+    def err(*overrides):
+        with pytest.raises(ConfigError) as e:
+            validate(build_config(TrainConfig, ["load_parameters_path=x", *overrides]))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert "lora_rank > 0" in err("lora_base_dtype=nf4")
+    msg = err("lora_rank=8", "lora_base_dtype=int4")
+    assert "'int4'" in msg and "int8 or nf4" in msg
+    validate(build_config(TrainConfig, ["load_parameters_path=x", "lora_rank=8", "lora_base_dtype=int8"]))
+    # MaxText's QLoRA key is an alias
+    assert build_config(TrainConfig, ["lora.lora_weight_qtype=nf4"]).lora_base_dtype == "nf4"
+    assert "lora_base_dtype" in RESUME_FIXED_KEYS
+
+
+def test_resuming_with_another_lora_base_dtype_is_refused_in_one_line():
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    base = init_params(cfg, jax.random.key(0))
+    int8 = Policy(lora, base, "/models/a/0/items", "int8")
+    meta = int8.meta()
+    assert meta["lora"]["base_quantization"] == "int8" and meta["lora"]["base_dtype"] == "float32"
+    fingerprints = {fingerprint(base), fingerprint(base, "int8"), fingerprint(base, "nf4")}
+    assert len(fingerprints) == 3 and Policy(lora, base).base_fingerprint == fingerprint(base)
+    Policy(lora, base, "/models/a/0/items", "int8").check_resume(meta, "run/checkpoints/actor/2")  # accepted
+    for other, shown in (("nf4", "nf4"), ("", "<unset>")):
+        with pytest.raises(ConfigError) as e:
+            Policy(lora, base, "/models/a/0/items", other).check_resume(meta, "run/checkpoints/actor/2")
+        msg = str(e.value)
+        assert "\n" not in msg and "lora_base_dtype=int8" in msg and f"lora_base_dtype={shown}" in msg
+    # a LoRA checkpoint from before QLoRA (no base_quantization) resumes unquantised only
+    old = {"lora": {k: v for k, v in Policy(lora, base).meta()["lora"].items() if k != "base_quantization"}}
+    Policy(lora, base).check_resume(old, "run/checkpoints/actor/2")
+    with pytest.raises(ConfigError, match="lora_base_dtype=<unset>"):
+        int8.check_resume(old, "run/checkpoints/actor/2")
+
+
+def test_the_merged_export_is_the_dequantised_base_plus_the_adapters(tmp_path):
+    from grpax.checkpoint.peft import load_lora_step
+
+    cfg = _cfg()
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    base = init_params(cfg, jax.random.key(0))
+    save_params(base, tmp_path / "base")
+    policy = Policy(lora, base, str(tmp_path / "base"), "nf4")
+    adapters = jax.tree.map(np.asarray, _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1))))
+    meta = policy.meta()["lora"]
+    merged = load_lora_step(tmp_path / "actor" / "3" / "model_params", adapters, meta)
+    want = lora_lib.merge(policy.base, adapters, lora)
+    for got, w in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(w))
+    wq = np.asarray(merged["layers"]["wq"])
+    delta = lora.scale * np.einsum(
+        "ldr,lrnh->ldnh", adapters["layers"]["wq"]["a"], adapters["layers"]["wq"]["b"]
+    )
+    deq = np.asarray(quant.dequantize(policy.base["layers"]["wq"]))
+    np.testing.assert_allclose(wq, deq + delta, rtol=1e-6, atol=1e-7)
+    assert np.abs(wq - (np.asarray(base["layers"]["wq"]) + delta)).max() > 1e-4  # not the unquantised base
+    with pytest.raises(ConfigError, match="trained on other weights"):  # quantised otherwise: another model
+        load_lora_step(
+            tmp_path / "actor" / "3" / "model_params", adapters, {**meta, "base_quantization": "int8"}
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["nf4"])
+def test_qlora_grpo_raises_reward_on_the_toy_task(tmp_path, qtype):
+    """test_lora's toy learning run with the base quantised: the adapters on the NF4 base (blocks of 32 and
+    16 here, the toy's widths) take the mean reward from under 0.25 to over 0.6, KL to the quantised base from 0
+    upwards."""
+    from test_learning import V, toy_rows, toy_scorer, toy_task
+
+    from grpax.rl.rollout import Rollout
+    from grpax.rl.train_step import make_update
+    from grpax.rl.trainer import step_metrics
+    from grpax.sampler.engine import SamplerConfig
+
+    cfg = ModelConfig(
+        vocab_size=V, hidden_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    num_steps = 50
+    grpo = GRPOConfig(
+        num_generations=8, beta=0.04, learning_rate=1e-2, warmup_ratio=0.0, lr_schedule="constant",
+        max_grad_norm=1.0, weight_decay=0.0, temperature=1.0,
+    )  # fmt: skip
+    lora = lora_lib.LoraConfig(rank=16, alpha=32.0)
+    base = init_params(cfg, jax.random.key(0))
+    base = {**base, "lm_head": base["lm_head"] * 25, "embed": base["embed"] * 50}
+    policy = Policy(lora, base, "", qtype)
+    optimizer, schedule = optimizer_from_config(grpo, num_steps)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    state = TrainState(params=adapters, opt_state=optimizer.init(adapters), step=jnp.zeros((), jnp.int32))
+    step = make_train_step(cfg, grpo, optimizer, 1, schedule, lora=lora, base=policy.base)
+    update = make_update(step, grpo.num_iterations)
+    sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
+    rollout = Rollout(cfg, sampler_cfg, grpo, toy_scorer(toy_task(tmp_path)), reference=policy.base)
+    rng = np.random.default_rng(0)
+    curve, kls = [], []
+    for i in range(num_steps):
+        prompts = [rng.integers(1, V, size=rng.integers(3, 8)).tolist() for _ in range(8)]
+        rollout.update_params(policy.sampler_params(state.params), i)
+        batch = rollout(toy_rows(prompts), jax.random.key(i))
+        state, update_metrics = update(state, batch)
+        metrics = step_metrics(batch, update_metrics, {"time/train_s": 1.0, "time/step_s": 1.0})
+        assert not metrics["nonfinite"]
+        curve.append(metrics["rewards/total/mean"])
+        kls.append(metrics["kl"])
+    first, last = np.mean(curve[:5]), np.mean(curve[-5:])
+    print(
+        f"QLoRA ({qtype}) toy reward: first 5 {first:.3f}, last 5 {last:.3f}, kl {kls[0]:.2e} -> {kls[-1]:.3f}"
+    )
+    assert first < 0.25
+    assert kls[0] < 1e-6 < kls[-1]
+    assert last > 0.6, curve
