@@ -277,6 +277,27 @@ def test_sharded_forward_unstacked_layers(params, tokens):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
 
 
+@on_8_devices
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_sharded_qlora_forward_equals_unsharded(qtype, params, tokens):
+    """QLoRA's base quantised on the mesh (each weight's codes placed as the weight itself, by propagation)
+    computes the unsharded quantised model's logits; the codes stay split over the devices."""
+    pytest.importorskip("qwix")
+    from grpax.models import lora as lora_lib
+
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = jax.tree.map(lambda x: x + 0.01, lora_lib.init_adapters(CFG, lora, jax.random.key(2)))
+    expected, _ = forward(lora_lib.apply(lora_lib.quantize_base(params, qtype), adapters, lora), tokens, CFG)
+    mesh = sh.create_mesh(MESHES["2x2x2"])
+    base = lora_lib.quantize_base(sh.shard_params(params, CFG, mesh), qtype)
+    codes = base["layers"]["w_gate"].qvalue  # [L, D, F]: D on fsdp, F on tensor
+    assert codes.sharding.shard_shape(codes.shape)[1:] == (codes.shape[1] // 2, codes.shape[2] // 2)
+    fwd = jax.jit(lambda b, a, t: forward(lora_lib.apply(b, a, lora), t, CFG)[0])
+    with jax.set_mesh(mesh):
+        logits = fwd(base, adapters, sh.shard_batch(tokens, mesh))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
+
+
 def _expected_bytes_per_device(cfg: ModelConfig, fsdp: int, tensor: int) -> int:
     """Hand count: norms replicated; embed dims split by fsdp; heads / mlp / vocab split by tensor."""
     V, D, L, N, K, H, F = (
