@@ -242,20 +242,45 @@ def quantize_base(base: Params, qtype: str) -> Params:
     """QLoRA's base: every layer's projection weights (``PEFT_MODULES``, adapted or not) quantised to
     ``qtype`` ("int8" or "nf4", ``grpax.models.quantize``); embeddings, head and norms stay as they are.
 
-    Each weight is quantised by one jitted call on its own devices (the codes and scales take the weight's
-    sharding by propagation); the caller drops the unquantised base afterwards.
+    Each weight is quantised by one jitted call on its own devices; a weight on a mesh (``NamedSharding``)
+    gives codes split as the weight is (where the packed axis still divides) and scales split along its
+    output axes. The caller drops the unquantised base afterwards.
     """
     stacked = isinstance(base["layers"], dict)
 
     def one(name, w):
         out_axes = w.ndim - stacked - _IN_AXES[name]
-        fn = jax.jit(quant.quantize, static_argnums=(1, 2, 3))
-        return fn(w, qtype, out_axes, int(stacked))
+        shape = jax.eval_shape(lambda x: quant.quantize(x, qtype, out_axes, int(stacked)), w)
+        shardings = _like(w, shape.qvalue.shape), _like(w, shape.scale.shape)
+        fn = jax.jit(
+            lambda x: quant.quantize(x, qtype, out_axes, int(stacked)),
+            out_shardings=None
+            if None in shardings
+            else shape.replace(qvalue=shardings[0], scale=shardings[1]),
+        )
+        return fn(w)
 
     def layer(b, _):
         return {name: one(name, w) if name in _IN_AXES else w for name, w in b.items()}
 
     return {**base, "layers": _layers_map(layer, base["layers"], base["layers"])}
+
+
+def _like(w: jax.Array, shape: tuple[int, ...]) -> jax.sharding.NamedSharding | None:
+    """``w``'s mesh sharding for an array of ``shape`` (w's rank): each axis split as w's where it divides,
+    else whole; None when w is not on a mesh."""
+    sharding = getattr(w, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))
+    mesh = sharding.mesh
+
+    def size(axes):
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return math.prod(mesh.shape[n] for n in names)
+
+    kept = [ax if ax is not None and n % size(ax) == 0 else None for ax, n in zip(spec, shape, strict=True)]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*kept))
 
 
 def merged_delta(a: jax.Array, b: jax.Array, shape: tuple[int, ...], scale: float) -> jax.Array:
