@@ -9,6 +9,7 @@ adapters, and the quantised base takes about 1/2 (int8) or 1/4 (nf4) of bfloat16
 
 import contextlib
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +332,48 @@ def test_qlora_grpo_raises_reward_on_the_toy_task(tmp_path, qtype):
     assert first < 0.25
     assert kls[0] < 1e-6 < kls[-1]
     assert last > 0.6, curve
+
+
+@pytest.mark.slow
+def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
+    tiny_checkpoint, tmp_path, capsys
+):
+    """``grpax train_rl ... lora_rank=4 lora_base_dtype=nf4`` end to end on the tiny checkpoint: the step's
+    ``train_meta`` records the quantisation, a resume with ``lora_base_dtype=int8`` is refused in one line, and
+    the merged export computes the dequantised base plus the adapters."""
+    from conftest import tiny_run_keys
+
+    from grpax.checkpoint.orbax import restore_params
+    from grpax.checkpoint.peft import load_lora_step, lora_meta
+    from grpax.cli.main import main
+    from grpax.rl.trainer import train
+
+    keys = dict(lora_rank=4, lora_alpha=8.0, lora_base_dtype="nf4", num_batches=2, num_test_batches=0)
+    result = train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "a", **keys)))
+    actor = result["actor_path"]
+    meta = lora_meta(Path(actor))
+    assert meta["base_quantization"] == "nf4" and meta["base_fingerprint"] == fingerprint(
+        restore_params(tiny_checkpoint), "nf4"
+    )
+    with pytest.raises(ConfigError) as e:
+        train(
+            TrainConfig(
+                **tiny_run_keys(tiny_checkpoint, tmp_path / "a", **{**keys, "lora_base_dtype": "int8"})
+            )
+        )
+    assert "\n" not in str(e.value) and "lora_base_dtype='nf4' (now 'int8')" in str(e.value)
+    out = tmp_path / "merged_hf"
+    argv = ["to_huggingface", f"load_parameters_path={actor}", f"base_output_directory={out}"]
+    assert main([*argv, "weight_dtype=float32"]) == 0
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for f in out.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    merged = load_lora_step(Path(actor), restore_params(actor), meta)
+    got = tensors["model.layers.1.mlp.down_proj.weight"]  # [out, in]
+    np.testing.assert_array_equal(got, np.asarray(merged["layers"]["w_down"][1], np.float32).T)
+    plain = np.asarray(restore_params(tiny_checkpoint)["layers"]["w_down"][1], np.float32).T
+    assert (
+        np.abs(got - plain).max() > 1e-4
+    )  # the dequantised base plus the adapters, not the checkpoint's base
