@@ -12,7 +12,7 @@ from grpax.backends.cpu import build
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
-from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table
+from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table, stop_string_end
 from grpax.rl.optim import make_lr_schedule, make_optimizer
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import SamplerConfig
@@ -301,11 +301,27 @@ def test_chat_format_feeds_the_templates_tool_turn_after_the_eos(params):
 
 def test_pause_table_holds_the_tokens_that_can_end_a_stop_string():
     class Vocab:
-        texts = ["", ">", "r>", "or>", "ing>", "x", "ulator>", "</calculator>"]
+        # SmolLM2 writes "</calculator><result>" as "</", "calcul", "ator", "><", ...: the stop string ends
+        # inside "><" (so does "r>." or "ator>\n"); "ing>" and "x>" end another word.
+        texts = ["", ">", "r>", "or>", "ing>", "x", "ulator>", "</calculator>", "><", "r>.", "ator>\n", "x>"]
 
         def decode(self, ids):
             return self.texts[ids[0]]
 
-    table = pause_table(Vocab(), 8, ["</calculator>"])
-    assert table.tolist() == [False, True, True, True, False, False, True, True]
-    assert not pause_table(Vocab(), 8, []).any()
+    table = pause_table(Vocab(), 12, ["</calculator>"])
+    assert table.tolist() == [False, True, True, True, False, False, True, True, True, True, True, False]
+    assert not pause_table(Vocab(), 12, []).any()
+
+
+@pytest.mark.parametrize(
+    "text, last, end",
+    [
+        ("x <calculator>2*3</calculator>", ">", 30),
+        ("x <calculator>2*3</calculator><", "><", 30),  # the stop ends inside the last token
+        ("x <calculator>2*3</calculator>.\n", ">.\n", 30),
+        ("x <calculator>2*3</calc", "calc", None),  # not yet
+        ("</calculator> and more>", "more>", None),  # an earlier stop string is not this token's
+    ],
+)
+def test_stop_string_end(text, last, end):
+    assert stop_string_end(text, last, ["</calculator>"]) == end

@@ -231,9 +231,14 @@ CALCULATOR_SCHEMA = {
         },
     },
 }
+# The exact call and answer, then one worked exchange: models imitate a shown call more readily than they
+# follow a described one (the tool prompts of TRL's and verl's examples show one too).
 CALCULATOR_TAG_INSTRUCTIONS = (
-    "You have a calculator. To use it, write the arithmetic between <calculator> and </calculator>, e.g. "
-    "<calculator>48 / 2 * 3</calculator>, and stop: its result follows as <result>72</result>. Then go on."
+    "You have a calculator. To use it, write one arithmetic expression between <calculator> and </calculator> "
+    "and stop: its result follows between <result> and </result>, and you go on from there. Example:\n"
+    "Question: 3 boxes hold 48 eggs each, shared equally by 2 people. How many eggs does each get?\n"
+    "Answer: 3 boxes hold <calculator>3 * 48</calculator><result>144</result>\n"
+    "144 eggs, so each gets <calculator>144 / 2</calculator><result>72</result>\n72 eggs."
 )
 
 
