@@ -19,8 +19,14 @@ the table is the median over ``--repeats`` of: step, rollout, reference and upda
 (``completion_mask`` 1) and the step's seconds per model token; the multi-turn arm also its turns, tool calls,
 observation tokens per trajectory. The ratio multi / single is of the medians.
 
+``--environment lines`` swaps the calculator for ``LineTool``, which answers every line: an untrained SmolLM2
+rarely calls the calculator (a calculator step is then a single-turn step with pauses), while with ``lines``
+every trajectory takes its turns, so the machinery's cost (pauses, host round trips, observations fed into the
+cache) is what the ratio shows.
+
 Usage: python benchmarks/multi_turn_bench.py [--num_prompts 2] [--num_generations 4] [--budget 192]
-       [--max_turns 4] [--max_turn_tokens 64] [--repeats 3] [--json_out FILE] [--gsm8k_dir DIR]
+       [--max_turns 4] [--max_turn_tokens 64] [--repeats 3] [--environment calculator|lines]
+       [--prompt_preset smollm2_demo] [--json_out FILE] [--gsm8k_dir DIR]
 """
 
 from __future__ import annotations
@@ -78,6 +84,23 @@ def load_batches(task, tokenizer, path: Path, num_prompts: int, num_steps: int) 
     return [picked[i * num_prompts : (i + 1) * num_prompts] for i in range(num_steps)]
 
 
+class LineTool:
+    """A stand-in tool environment that answers every line the model writes (stop string ``"\\n"``) with
+    ``<result>ok</result>``: every trajectory takes turns until ``max_turns`` or a budget, whatever the model
+    writes, so the turn machinery's cost is measured even for a model that never calls the calculator."""
+
+    stop_strings = ("\n",)
+
+    def reset(self, row):
+        return calculator_environment().reset(row)  # the calculator's prompt: the same prefill as its arm
+
+    def step(self, text):
+        return "<result>ok</result>\n", 0.0, False
+
+
+ENVIRONMENTS = {"calculator": calculator_environment, "lines": LineTool}
+
+
 def run_step(name, rollout, update, state, rows, key) -> tuple[TrainState, dict]:
     """One trainer step (rollout, then update); its phase times, model tokens and turn metrics."""
     t_start = time.perf_counter()
@@ -120,6 +143,13 @@ def main() -> None:
     ap.add_argument("--max_turn_tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="measured steps per arm (after one warm-up each)")
     ap.add_argument("--learning_rate", type=float, default=1e-6)
+    ap.add_argument(
+        "--environment",
+        default="calculator",
+        choices=sorted(ENVIRONMENTS),
+        help="the multi-turn arm's: calculator (GSM8K's tool), or lines (every line answered: max_turns turns)",
+    )
+    ap.add_argument("--prompt_preset", default=PRESET, help="smollm2_demo | smollm2_calculator")
     ap.add_argument("--json_out", default="")
     add_gsm8k_dir_option(ap)
     args = ap.parse_args()
@@ -132,7 +162,9 @@ def main() -> None:
     cfg = from_hf_config(source.hf_config, dtype="float32", weight_dtype="float32", remat_policy="full")
     params = jax.device_put(load_params_from_tensors(source.get_tensor, source.has_tensor, cfg))
     tokenizer = source.tokenizer()
-    task = GSM8KTask(get_prompt_preset(PRESET), get_reward_config(PRESET), None, "question", "answer")
+    task = GSM8KTask(
+        get_prompt_preset(args.prompt_preset), get_reward_config(PRESET), None, "question", "answer"
+    )
     batches = load_batches(
         task, tokenizer, gsm8k_file(args.gsm8k_dir, "train"), args.num_prompts, args.repeats + 1
     )
@@ -162,7 +194,14 @@ def main() -> None:
     turn_cfg = MultiTurnConfig(max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)
     arms = {
         "multi": MultiTurnRollout(
-            cfg, sampler_cfg, grpo, task, tokenizer, calculator_environment, turn_cfg, reference=reference
+            cfg,
+            sampler_cfg,
+            grpo,
+            task,
+            tokenizer,
+            ENVIRONMENTS[args.environment],
+            turn_cfg,
+            reference=reference,
         ),
         "single": Rollout(cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), reference=reference),
     }
@@ -190,7 +229,8 @@ def main() -> None:
     warm = {name: next(s["step_s"] for s in steps if s["arm"] == name) for name in arms}
     print(
         f"\nGRPO step, SmolLM2-135M-Instruct float32 {jax.default_backend()}, {args.num_prompts} prompts x "
-        f"G={args.num_generations}, budget {args.budget} tokens after the prompt (multi-turn: max_turns "
+        f"G={args.num_generations}, budget {args.budget} tokens after the prompt (multi-turn: environment "
+        f"{args.environment}, prompt_preset {args.prompt_preset}, max_turns "
         f"{args.max_turns}, max_turn_tokens {args.max_turn_tokens}), mean prompt {prompt_len:.0f} tokens; "
         f"median of {args.repeats} alternating repeats (first step of each arm, compiling: multi "
         f"{warm['multi']:.1f} s, single {warm['single']:.1f} s)"

@@ -6,7 +6,7 @@ gives the first messages, and ``step(assistant_text)`` is called after each mode
 returns ``(observation text or None, reward contribution in points, done)``. A trajectory ends when ``step``
 says done or returns no observation, or when a budget runs out (``max_turns``, ``max_turn_tokens``, the
 trajectory's ``max_completion_length``). The rollout (``grpax.rl.multi_turn``) samples, pauses a row at the end
-of a turn (a stop token, or text ending in one of ``stop_strings``), calls ``step`` on the host and appends the
+of a turn (a stop token, or a token that completes one of ``stop_strings``), calls ``step`` on the host and appends the
 observation's tokens to the row's KV cache; observation tokens are in the sequence but out of the loss.
 
 A turn's observation text is appended as the environment gives it (``ToolEnvironment`` with the tag format:
@@ -67,8 +67,10 @@ class Environment:
     """The base of environments (subclassing it is optional: any object with ``reset`` and ``step`` works).
 
     Attributes:
-      stop_strings: a turn also ends when its text ends with one of these (e.g. a tool call's closing tag);
-        the model's stop tokens (EOS, end of turn) always end one.
+      stop_strings: a turn also ends at the token that completes one of these (e.g. a tool call's closing
+        tag), and ``step`` gets the text up to its end; what that token wrote after it (the ``<`` of SmolLM2's
+        ``><``) stays in the sequence, and an observation that starts with it is fed without it. The model's
+        stop tokens (EOS, end of turn) always end a turn.
       tools: JSON schemas of the tools (``{"type": "function", "function": {...}}``) that the chat template
         declares with ``tool_format="chat"``; empty for none.
     """
