@@ -504,7 +504,7 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
     for args, needle in [
         (
             ["prompt_preset=smollm"],
-            "prompt_preset='smollm': expected one of maxtext, smollm2_demo, math, plain, or '' for none",
+            "prompt_preset='smollm': expected one of maxtext, smollm2_demo, smollm2_calculator, math, plain, or '' for none",
         ),
         (["prompt_preset=maxtext", "use_chat_template=false"], "prompt_preset=maxtext renders with the chat"),
     ]:

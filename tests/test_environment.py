@@ -4,8 +4,10 @@ import time
 
 import pytest
 
+from grpax.data.prompts import PROMPT_PRESETS
 from grpax.errors import ConfigError
 from grpax.tasks.environment import (
+    CALCULATOR_TAG_INSTRUCTIONS,
     Environment,
     ToolEnvironment,
     calculator_environment,
@@ -29,6 +31,39 @@ def test_calculator_environment_tag_turns():
     )
     assert env.step("So <answer>48</answer>") == (None, 0.0, True)  # no call: the final answer
     assert (env.calls, env.errors) == (2, 1)
+
+
+def _observations_shown(example: str) -> tuple[list[str], str]:
+    """Each calculator call of ``example`` through the environment, checking that the text after the call is
+    the environment's observation; returns the observations and the text after the last."""
+    env, shown = calculator_environment("tags"), []
+    while "</calculator>" in example:
+        turn, example = example.split("</calculator>", 1)
+        observation, _, done = env.step(turn + "</calculator>")
+        assert not done and example.startswith(observation)
+        shown.append(observation)
+        example = example[len(observation) :]
+    return shown, example
+
+
+@pytest.mark.parametrize(
+    "example, observations, rest",
+    [
+        (
+            CALCULATOR_TAG_INSTRUCTIONS.split("Answer: ", 1)[1],
+            ["<result>144</result>\n", "<result>72</result>\n"],
+            "72 eggs.",
+        ),
+        (
+            PROMPT_PRESETS["smollm2_calculator"].user_template.split("<reasoning>\n", 1)[1],
+            ["<result>8</result>\n", "<result>2</result>\n"],
+            "2 dollars.\n</reasoning>\n<answer>\n2\n</answer>\n\nProblem: {question}",
+        ),
+    ],
+)
+def test_worked_examples_show_what_the_calculator_answers(example, observations, rest):
+    # The worked example a model imitates shows each call followed by the exact observation it would get.
+    assert _observations_shown(example) == (observations, rest)
 
 
 def test_calculator_environment_chat_turns():

@@ -1,5 +1,6 @@
 """Multi-turn rollouts (grpax.rl.multi_turn): observation tokens fed into the same KV cache, out of the loss."""
 
+import dataclasses
 import functools
 import time
 
@@ -12,7 +13,7 @@ from grpax.backends.cpu import build
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
-from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table
+from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table, stop_string_end
 from grpax.rl.optim import make_lr_schedule, make_optimizer
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
 from grpax.sampler.engine import SamplerConfig
@@ -301,11 +302,93 @@ def test_chat_format_feeds_the_templates_tool_turn_after_the_eos(params):
 
 def test_pause_table_holds_the_tokens_that_can_end_a_stop_string():
     class Vocab:
-        texts = ["", ">", "r>", "or>", "ing>", "x", "ulator>", "</calculator>"]
+        # SmolLM2 writes "</calculator><result>" as "</", "calcul", "ator", "><", ...: the stop string ends
+        # inside "><" (so does "r>." or "ator>\n"); "ing>" and "x>" end another word.
+        texts = ["", ">", "r>", "or>", "ing>", "x", "ulator>", "</calculator>", "><", "r>.", "ator>\n", "x>"]
 
         def decode(self, ids):
             return self.texts[ids[0]]
 
-    table = pause_table(Vocab(), 8, ["</calculator>"])
-    assert table.tolist() == [False, True, True, True, False, False, True, True]
-    assert not pause_table(Vocab(), 8, []).any()
+    table = pause_table(Vocab(), 12, ["</calculator>"])
+    assert table.tolist() == [False, True, True, True, False, False, True, True, True, True, True, False]
+    assert not pause_table(Vocab(), 12, []).any()
+
+
+@pytest.mark.parametrize(
+    "text, last, end",
+    [
+        ("x <calculator>2*3</calculator>", ">", 30),
+        ("x <calculator>2*3</calculator><", "><", 30),  # the stop ends inside the last token
+        ("x <calculator>2*3</calculator>.\n", ">.\n", 30),
+        ("x <calculator>2*3</calc", "calc", None),  # not yet
+        ("</calculator> and more>", "more>", None),  # an earlier stop string is not this token's
+    ],
+)
+def test_stop_string_end(text, last, end):
+    assert stop_string_end(text, last, ["</calculator>"]) == end
+
+
+class MergingTokenizer(CharTokenizer):
+    """CharTokenizer plus three merged tokens after it: "<f>", "</" and "><" (a tag's ">" merged with the next
+    tag's "<", as SmolLM2 writes "</calculator><result>")."""
+
+    MERGED = {"<f>": len(ALPHABET) + 1, "</": len(ALPHABET) + 2, "><": len(ALPHABET) + 3}
+
+    def encode(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            merged = next((m for m in self.MERGED if text.startswith(m, i)), None)
+            ids.append(self.MERGED[merged] if merged else super().encode(text[i])[0])
+            i += len(merged) if merged else 1
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        names = {v: k for k, v in self.MERGED.items()}
+        return "".join(
+            names.get(i) or super(MergingTokenizer, self).decode([i], skip_special_tokens) for i in ids
+        )
+
+
+def bigram_params(cfg, successors):
+    """Params of a model whose greedy next token is ``successors[token]`` (EOS for the others): one-hot
+    embeddings, the layers' output projections zero (the residual stream stays the embedding), a head that
+    maps each token to its successor."""
+    p = init_params(cfg, jax.random.key(0))
+    layers = {
+        **p["layers"],
+        "wo": jnp.zeros_like(p["layers"]["wo"]),
+        "w_down": jnp.zeros_like(p["layers"]["w_down"]),
+    }
+    head = np.zeros((cfg.hidden_dim, cfg.vocab_size), np.float32)
+    for token, successor in successors.items():
+        head[token, successor] = 10.0
+    embed = jnp.eye(cfg.vocab_size, cfg.hidden_dim, dtype=jnp.float32)
+    return {
+        **p,
+        "embed": embed,
+        "final_norm": jnp.ones_like(p["final_norm"]),
+        "layers": layers,
+        "lm_head": jnp.asarray(head),
+    }
+
+
+def test_a_stop_string_that_ends_inside_a_token_ends_the_turn():
+    """The model writes "<f>2</f><" (its last token "><" ends the stop string "</f>" and begins the next tag):
+    the tool is called with "2", and the observation's "<" that the token already wrote is not fed twice.
+    Before, "><" did not pause the row: no call, and the model's next token (EOS) ended the trajectory."""
+    tok = MergingTokenizer()
+    script = tok.encode("q<f>2</f><")  # the prompt "q", then the model's 5 tokens
+    cfg = dataclasses.replace(CFG, vocab_size=len(ALPHABET) + 4, hidden_dim=64)
+    params = bigram_params(cfg, dict(zip(script[:-1], script[1:], strict=True)))  # "\n" -> EOS (0)
+    seen = []
+    env = ToolEnvironment({"f": lambda arg: seen.append(arg) or f"{arg}!"}, timeout_s=0.0)
+    sc = SamplerConfig(
+        max_prompt_length=8, max_completion_length=32, stop_token_ids=(0,), pad_token_id=0, greedy=True
+    )
+    out = generate_multi_turn(params, [script[:1]], [env], tok, cfg, sc, MultiTurnConfig(), jax.random.key(0))
+    assert out.texts == ["<f>2</f><result>2!</result>\n"] and seen == ["2"]
+    assert (out.tool_calls.tolist(), out.turns.tolist(), out.truncation) == ([1], [2], [""])
+    fed = tok.encode("result>2!</result>\n")
+    n = 5 + len(fed) + 1  # model tokens, the observation, EOS
+    assert out.completion_ids[0, :n].tolist() == [*script[1:], *fed, 0]
+    assert out.completion_mask[0, :n].tolist() == [1] * 5 + [0] * len(fed) + [1]

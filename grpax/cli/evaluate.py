@@ -46,7 +46,9 @@ class EvaluateConfig(TaskConfig):
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
     prompt_preset: str = field(
-        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+        "maxtext",
+        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
+        "| math | plain (model presets pick one)",
     )
     reward_preset: str = field(
         "maxtext",

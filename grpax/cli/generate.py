@@ -48,7 +48,7 @@ class GenerateConfig(EnvironmentConfig):
     )
     prompt_preset: str = field(
         "",
-        "render each prompt as a train_rl question with this preset (maxtext | smollm2_demo: system prompt, "
+        "render each prompt as a train_rl question with this preset (maxtext | smollm2_demo | smollm2_calculator: system prompt, "
         "template, response prefix), so the trained model is sampled as it was trained; '' = the bare user turn",
     )
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts keep their last tokens)")

@@ -1,4 +1,5 @@
-"""Named prompt presets: GSM8K-style reasoning with tagged output (maxtext, smollm2_demo) and math (boxed).
+"""Named prompt presets: GSM8K-style reasoning with tagged output (maxtext, smollm2_demo; smollm2_calculator with the
+calculator environment) and math (boxed).
 
 A preset fixes three strings: the system prompt, the user-turn template (with a ``{question}`` slot) and an
 optional ``response_prefix`` that is pre-filled after the chat template's generation prompt, so the model
@@ -58,6 +59,20 @@ _SMOLLM2_TEMPLATE = (
     "Problem: {question}"
 )
 
+# environment=calculator for a small model: it copies the worked example and overlooks a system prompt's tool
+# instructions, so here the example itself calls the calculator, with the environment's exact answers.
+_SMOLLM2_CALCULATOR_TEMPLATE = (
+    f"Solve the problem. Write your steps inside {REASONING_START} {REASONING_END} and the final number "
+    f"inside {ANSWER_START} {ANSWER_END}. Do each calculation with the calculator: write it between "
+    "<calculator> and </calculator>, and its result follows between <result> and </result>.\n\n"
+    "Example problem: A shop sells pens at $2 each. Sam buys 4 pens and pays with a $10 bill. How much change "
+    "does he get?\n"
+    f"{REASONING_START}\n4 pens cost <calculator>4 * 2</calculator><result>8</result>\n8 dollars. His change is "
+    f"<calculator>10 - 8</calculator><result>2</result>\n2 dollars.\n{REASONING_END}\n"
+    f"{ANSWER_START}\n2\n{ANSWER_END}\n\n"
+    "Problem: {question}"
+)
+
 # task=math: competition problems whose answers are expressions, judged by math-verify on the last \boxed{}.
 _MATH_SYSTEM = (
     "You will be given a math problem. Reason step by step, then write the final answer in LaTeX inside "
@@ -69,17 +84,27 @@ PROMPT_PRESETS: dict[str, PromptPreset] = {
     "smollm2_demo": PromptPreset(
         system_prompt=_SMOLLM2_SYSTEM, user_template=_SMOLLM2_TEMPLATE, response_prefix=f"{REASONING_START}\n"
     ),
+    "smollm2_calculator": PromptPreset(
+        system_prompt=_SMOLLM2_SYSTEM,
+        user_template=_SMOLLM2_CALCULATOR_TEMPLATE,
+        response_prefix=f"{REASONING_START}\n",
+    ),
     "math": PromptPreset(system_prompt=_MATH_SYSTEM),
     "plain": PromptPreset(system_prompt=""),  # the prompt column alone as the user turn
 }
-GSM8K_PRESETS = ("maxtext", "smollm2_demo")  # they ask for a number between <answer> tags
+GSM8K_PRESETS = (
+    "maxtext",
+    "smollm2_demo",
+    "smollm2_calculator",
+)  # they ask for a number between <answer> tags
 
 
 def get_prompt_preset(name: str) -> PromptPreset:
     """Looks up a prompt preset by name.
 
     Args:
-        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"math"``, ``"plain"``).
+        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"smollm2_calculator"``, ``"math"``,
+            ``"plain"``).
 
     Returns:
         The preset.

@@ -92,16 +92,43 @@ def _token_texts(tokenizer: Any, vocab_size: int) -> tuple[str, ...]:
 
 def pause_table(tokenizer: Any, vocab_size: int, stop_strings: Sequence[str]) -> np.ndarray:
     """bool [V]: the tokens that can end a stop string (after each the host checks the turn's text): those
-    whose text ends as a stop string does, over the shorter of the two (``"or>"`` and ``">"`` can end
-    ``"</calculator>"``; ``"ing>"`` cannot)."""
+    with a prefix of their text that ends as a stop string does, over the shorter of the two (``"or>"``, ``">"``
+    and ``"><"`` can end ``"</calculator>"``: a tokenizer may merge the closing ``>`` with what follows, as
+    SmolLM2's ``"><"`` in ``</calculator><result>``; ``"ing>"`` cannot)."""
+    return _pause_table(tokenizer, vocab_size, tuple(s for s in stop_strings if s))
+
+
+@functools.cache
+def _pause_table(tokenizer: Any, vocab_size: int, stops: tuple[str, ...]) -> np.ndarray:
     table = np.zeros(vocab_size, bool)
-    stops = [s for s in stop_strings if s]
     if stops:
         for i, text in enumerate(_token_texts(tokenizer, vocab_size)):
             table[i] = any(
-                text and text[-min(len(text), len(s)) :] == s[-min(len(text), len(s)) :] for s in stops
+                text[:k][-min(k, len(s)) :] == s[-min(k, len(s)) :]
+                for s in stops
+                for k in range(1, len(text) + 1)
             )
     return table
+
+
+def stop_string_end(text: str, last_token_text: str, stop_strings: Sequence[str]) -> int | None:
+    """The end (a character index into ``text``) of the first stop string that ends inside the turn's last token
+    (whose text is ``last_token_text``), or None: the turn ends there, and what the token wrote after it
+    (``text[end:]``, e.g. the ``"<"`` of ``"><"``) is the overshoot.
+
+    Example:
+      >>> stop_string_end("x <calculator>2*3</calculator><", "><", ["</calculator>"])
+      30
+    """
+    start = len(text) - len(last_token_text)
+    ends = [
+        i + len(s)
+        for s in stop_strings
+        if s
+        for i in [text.find(s, max(0, start - len(s) + 1))]
+        if i >= 0 and i + len(s) > start
+    ]
+    return min(ends) if ends else None
 
 
 def render_prompt(tokenizer: Any, env: Any, row: dict, preset: PromptPreset) -> str:
@@ -208,9 +235,11 @@ def generate_multi_turn(
                 run[b] = True
                 continue
             turn = ids[b, turn_start[b] : n[b]].tolist()
+            overshoot = ""
             if r == mt.STOP_CANDIDATE:
                 text = tokenizer.decode(turn)
-                if not any(text.endswith(s) for s in stop_strings):  # not a stop string after all
+                end = stop_string_end(text, tokenizer.decode(turn[-1:]), stop_strings)
+                if end is None:  # not a stop string after all
                     if n[b] >= T:
                         done[b], truncation[b] = True, "trajectory"
                     elif n[b] >= turn_end[b]:
@@ -218,11 +247,13 @@ def generate_multi_turn(
                     else:
                         run[b] = True  # decode on
                     continue
+                text, overshoot = text[:end], text[end:]
             elif r in (mt.TURN_BUDGET, mt.TRAJECTORY_BUDGET):
                 done[b], truncation[b] = True, "turn" if r == mt.TURN_BUDGET else "trajectory"
                 continue
             stop_token = turn[-1] if r == mt.STOP_TOKEN else None
-            text = tokenizer.decode(turn[:-1] if stop_token is not None else turn)
+            if r != mt.STOP_CANDIDATE:
+                text = tokenizer.decode(turn[:-1] if stop_token is not None else turn)
             observation, points, finished = envs[b].step(text)
             rewards[b] += points
             if finished or observation is None:
@@ -231,9 +262,10 @@ def generate_multi_turn(
             if turns[b] >= turn_cfg.max_turns:
                 done[b], truncation[b] = True, "max_turns"
                 continue
-            tokens = encode(
-                tokenizer, render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
-            )[:F]
+            rendered = render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
+            if overshoot and rendered.startswith(overshoot):  # the model's last token began the observation
+                rendered = rendered[len(overshoot) :]
+            tokens = encode(tokenizer, rendered)[:F]
             if n[b] + len(tokens) >= T:  # no room for a model token after it
                 done[b], truncation[b] = True, "trajectory"
                 continue

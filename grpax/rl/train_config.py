@@ -92,7 +92,9 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
     prompt_preset: str = field(
-        "maxtext", "prompt wording: maxtext | smollm2_demo (GSM8K) | math | plain (model presets pick one)"
+        "maxtext",
+        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
+        "| math | plain (model presets pick one)",
     )
     reward_preset: str = field(
         "maxtext",

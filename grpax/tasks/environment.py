@@ -6,7 +6,7 @@ gives the first messages, and ``step(assistant_text)`` is called after each mode
 returns ``(observation text or None, reward contribution in points, done)``. A trajectory ends when ``step``
 says done or returns no observation, or when a budget runs out (``max_turns``, ``max_turn_tokens``, the
 trajectory's ``max_completion_length``). The rollout (``grpax.rl.multi_turn``) samples, pauses a row at the end
-of a turn (a stop token, or text ending in one of ``stop_strings``), calls ``step`` on the host and appends the
+of a turn (a stop token, or a token that completes one of ``stop_strings``), calls ``step`` on the host and appends the
 observation's tokens to the row's KV cache; observation tokens are in the sequence but out of the loss.
 
 A turn's observation text is appended as the environment gives it (``ToolEnvironment`` with the tag format:
@@ -67,8 +67,10 @@ class Environment:
     """The base of environments (subclassing it is optional: any object with ``reset`` and ``step`` works).
 
     Attributes:
-      stop_strings: a turn also ends when its text ends with one of these (e.g. a tool call's closing tag);
-        the model's stop tokens (EOS, end of turn) always end one.
+      stop_strings: a turn also ends at the token that completes one of these (e.g. a tool call's closing
+        tag), and ``step`` gets the text up to its end; what that token wrote after it (the ``<`` of SmolLM2's
+        ``><``) stays in the sequence, and an observation that starts with it is fed without it. The model's
+        stop tokens (EOS, end of turn) always end a turn.
       tools: JSON schemas of the tools (``{"type": "function", "function": {...}}``) that the chat template
         declares with ``tool_format="chat"``; empty for none.
     """
@@ -231,9 +233,14 @@ CALCULATOR_SCHEMA = {
         },
     },
 }
+# The exact call and answer, then one worked exchange: models imitate a shown call more readily than they
+# follow a described one (the tool prompts of TRL's and verl's examples show one too).
 CALCULATOR_TAG_INSTRUCTIONS = (
-    "You have a calculator. To use it, write the arithmetic between <calculator> and </calculator>, e.g. "
-    "<calculator>48 / 2 * 3</calculator>, and stop: its result follows as <result>72</result>. Then go on."
+    "You have a calculator. To use it, write one arithmetic expression between <calculator> and </calculator> "
+    "and stop: its result follows between <result> and </result>, and you go on from there. Example:\n"
+    "Question: 3 boxes hold 48 eggs each, shared equally by 2 people. How many eggs does each get?\n"
+    "Answer: 3 boxes hold <calculator>3 * 48</calculator><result>144</result>\n"
+    "144 eggs, so each gets <calculator>144 / 2</calculator><result>72</result>\n72 eggs."
 )
 
 
