@@ -16,7 +16,7 @@ are saved beside them in memory.json):
       model_name=llama3.2-1b compile_topology=v6e-8
   python benchmarks/update_collectives.py --count /tmp/before model_name=llama3.2-1b compile_topology=v6e-8
 
-Usage: python benchmarks/update_collectives.py [--save_hlo DIR] [--no_count] [--update_only] [--count DIR] KEY=VALUE...
+Usage: python benchmarks/update_collectives.py [--save_hlo DIR] [--no_count] [--update_only] [--count DIR] [--top N] KEY=VALUE...
 """
 
 from __future__ import annotations
@@ -98,7 +98,62 @@ def print_memory(memory: dict[str, dict[str, int]], resident: dict[str, int]) ->
           "phase; the whole job's peak also weighs the rollout phase: grpax train_rl ... compile_topology=...)")  # fmt: skip
 
 
-def report(cfg: TrainConfig, texts: dict[str, str]) -> None:
+def top_collectives(text: str, num_devices: int, n: int) -> list[str]:
+    """The ``n`` collectives that move the most bytes per chip in a program, by kind, array and the JAX op that
+    made them (its ``op_name``), loop trips counted as ``grpax.rl.collectives.count_collectives`` does."""
+    import collections
+    import re
+
+    from grpax.rl import collectives as c
+
+    computations, entry = c._computations(text)
+    callees = collections.defaultdict(list)
+    for name, lines in computations.items():
+        for line in lines:
+            if not (m := c._INSTRUCTION.match(line)):
+                continue
+            if m.group(3) == "while":
+                cond = re.search(r"condition=%([\w.\-]+)", m.group(4)).group(1)
+                trips = c._trip_count(computations.get(cond, [])) or 1
+                callees[name].append((re.search(r"body=%([\w.\-]+)", m.group(4)).group(1), trips))
+                continue
+            for callee in re.findall(r"(?:calls|true_computation|false_computation)=%([\w.\-]+)", m.group(4)):
+                callees[name].append((callee, 1))
+            if branches := re.search(r"branch_computations=\{([^}]*)\}", m.group(4)):
+                callees[name] += [(x, 1) for x in re.findall(r"%([\w.\-]+)", branches.group(1))]
+    runs = collections.Counter()
+
+    def visit(name: str, times: int) -> None:
+        runs[name] += times
+        for callee, trips in callees.get(name, ()):
+            visit(callee, times * trips)
+
+    visit(entry, 1)
+    rows = collections.defaultdict(lambda: [0, 0.0])
+    for name, lines in computations.items():
+        for line in lines:
+            m = c._INSTRUCTION.match(line)
+            if not runs[name] or not m or m.group(3).removesuffix("-start") not in c.KINDS:
+                continue
+            kind = m.group(3).removesuffix("-start")
+            kind = (
+                "reduce-scatter" if kind == "all-reduce" and name.startswith("all-reduce-scatter") else kind
+            )
+            op = re.search(r'op_name="([^"]*)"', line)
+            key = (
+                kind,
+                m.group(2).split("{")[0],
+                c._group_size(m.group(4), num_devices),
+                op.group(1) if op else "",
+            )
+            rows[key][0] += runs[name]
+            rows[key][1] += runs[name] * c._array_bytes(m.group(2))
+    top = sorted(rows.items(), key=lambda r: -r[1][1])[:n]
+    return [f"  {k[0]} {k[1]} over {k[2]} chips: {count} x, {size / 1e9:.3f} GB (arrays), {k[3][-90:]}"
+            for k, (count, size) in top]  # fmt: skip
+
+
+def report(cfg: TrainConfig, texts: dict[str, str], top: int = 0) -> None:
     """Prints each program's collectives per chip, their ICI time and FSDP's minimum."""
     from grpax.rl.collectives import count_collectives, fsdp_minimum
     from grpax.rl.compile_check import model_config
@@ -122,6 +177,8 @@ def report(cfg: TrainConfig, texts: dict[str, str]) -> None:
             f"{minimum / 1e9:.2f} GB ({total / minimum:.2f}x); {kinds}"
             + (f" ({unknown} loops of unknown trip count counted once)" if unknown else "")
         )
+        if top:
+            print("\n".join(top_collectives(text, topology.num_chips, top)))
     print_step_bound(cfg, topology, ici_seconds)
 
 
@@ -154,13 +211,14 @@ def main() -> None:
     )
     ap.add_argument("--no_count", action="store_true", help="compile and save only (another commit's tree)")
     ap.add_argument("--update_only", action="store_true", help="skip the reference pass")
+    ap.add_argument("--top", type=int, default=0, help="also list each program's N largest collectives by op")
     ap.add_argument("--count", default="", help="count the .hlo files saved in this folder; compile nothing")
     args, keys = ap.parse_known_args()
     cfg = build_config(TrainConfig, keys)
     if args.count:
         if (saved := Path(args.count) / "memory.json").exists():
             print_memory(**json.loads(saved.read_text()))
-        report(cfg, {p.stem: p.read_text() for p in sorted(Path(args.count).glob("*.hlo"))})
+        report(cfg, {p.stem: p.read_text() for p in sorted(Path(args.count).glob("*.hlo"))}, args.top)
         return
     programs, resident = compile_programs(cfg, args.update_only)
     memory = {name: m for name, (_, m) in programs.items()}
@@ -171,7 +229,7 @@ def main() -> None:
             (Path(args.save_hlo) / f"{name}.hlo").write_text(text)
         (Path(args.save_hlo) / "memory.json").write_text(json.dumps({"memory": memory, "resident": resident}))
     if not args.no_count:
-        report(cfg, {name: text for name, (text, _) in programs.items()})
+        report(cfg, {name: text for name, (text, _) in programs.items()}, args.top)
 
 
 if __name__ == "__main__":
