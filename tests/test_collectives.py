@@ -97,7 +97,7 @@ def test_update_collectives_counts_a_saved_folder(tmp_path):
     (tmp_path / "memory.json").write_text(json.dumps({"memory": memory, "resident": resident}))
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "benchmarks/update_collectives.py", "--count", str(tmp_path), "model_name=llama3.2-1b",
+        [sys.executable, "benchmarks/update_collectives.py", "--count", str(tmp_path), "--top", "2", "model_name=llama3.2-1b",
          "compile_topology=v5e-8"],
         cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}, capture_output=True,
         text=True, check=True,
@@ -107,3 +107,6 @@ def test_update_collectives_counts_a_saved_folder(tmp_path):
     # the HLO's bytes per chip by hand (test_collectives_by_hand): 240 + 280 + 40 + 28
     assert "all-gather 5 x 0.000 GB, reduce-scatter 5 x 0.000 GB" in out, out
     assert "update: 0.00 GB per chip, 0.0000 s at 200 GB/s ICI" in out, out
+    # --top: the two largest by array bytes, loop trips counted (5 x 64 bytes each)
+    assert "  all-gather bf16[8,4] over 4 chips: 5 x, 0.000 GB (arrays)" in out, out
+    assert "  reduce-scatter f32[16] over 8 chips: 5 x, 0.000 GB (arrays)" in out, out
