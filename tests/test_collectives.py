@@ -73,3 +73,40 @@ def test_fsdp_minimum_by_hand():
     assert fsdp_minimum(1000, 2, fsdp=4, tensor=1, passes=2, grads=True) == 4500
     assert fsdp_minimum(1000, 2, fsdp=4, tensor=2, passes=2, grads=True) == 2250
     assert fsdp_minimum(1000, 2, fsdp=1, tensor=8, passes=2, grads=True) == 0
+
+
+def test_update_collectives_counts_a_saved_folder(tmp_path):
+    """benchmarks/update_collectives.py --count: the saved memory's peak (resident + the largest phase) and the
+    saved HLO's collectives, as another commit's compile left them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("libtpu", reason="the slice's devices come from libtpu's topology")
+    (tmp_path / "update.hlo").write_text(HLO)
+    gib = 2**30
+    memory = {
+        "update": {"temporaries": gib, "phase": 3 * gib},
+        "reference": {"temporaries": gib, "phase": gib},
+    }
+    resident = {"params": gib, "optimizer state": 2 * gib}
+    (tmp_path / "memory.json").write_text(json.dumps({"memory": memory, "resident": resident}))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/update_collectives.py", "--count", str(tmp_path), "--top", "2", "model_name=llama3.2-1b",
+         "compile_topology=v5e-8"],
+        cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}, capture_output=True,
+        text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "resident arrays 3.00 GiB per chip: params 1.00 GiB, optimizer state 2.00 GiB" in out, out
+    assert "peak of the update and the reference pass: 6.00 GiB per chip" in out, out
+    # the HLO's bytes per chip by hand (test_collectives_by_hand): 240 + 280 + 40 + 28
+    assert "all-gather 5 x 0.000 GB, reduce-scatter 5 x 0.000 GB" in out, out
+    assert "update: 0.00 GB per chip, 0.0000 s at 200 GB/s ICI" in out, out
+    # --top: the two largest by array bytes, loop trips counted (5 x 64 bytes each)
+    assert "  all-gather bf16[8,4] over 4 chips: 5 x, 0.000 GB (arrays)" in out, out
+    assert "  reduce-scatter f32[16] over 8 chips: 5 x, 0.000 GB (arrays)" in out, out

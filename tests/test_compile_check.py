@@ -61,7 +61,11 @@ def _row(out: str, name: str) -> int:
 def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, capsys):
     # hardware=tpu, as the run's own command on the slice says: compiling needs no TPU on this host.
     assert main(_keys(config_only, hardware="tpu")) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # each function's figures are logged as it compiles (a long job's table comes only at the end)
+    temporaries = _row(out, "update temporaries") / 2**30
+    line = rf"compiled the GRPO update in [\d.]+ s: temporaries {temporaries:.2f} GiB, arguments [\d.]+ GiB, "
+    assert re.search(line + r"collectives [\d.]+ GB per chip", err), err
     assert "v5e:2x2 (4 x TPU v5e)" in out and "fits: peak" in out
     # Trainer mesh fsdp=4: every matrix is split 4 ways on its D (embed) side, the norms are replicated.
     V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128

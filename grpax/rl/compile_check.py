@@ -128,10 +128,15 @@ def _compile(name: str, num_devices: int, fn, *args, **kwargs) -> tuple[Compiled
         seconds = time.perf_counter() - start
         return Compiled(name, per_chip_bytes(arrays), 0, 0, temporaries, seconds, over_hbm=True), None
     seconds = time.perf_counter() - start
-    log.info("compiled %s in %.1f s", name, seconds)
     memory = compiled.memory_analysis()
     sizes = (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes)
     collectives, unknown = count_collectives(compiled.as_text(), num_devices)
+    # its figures as soon as it compiles: a long job's table comes only after its last function
+    log.info(
+        "compiled %s in %.1f s: temporaries %.2f GiB, arguments %.2f GiB, collectives %.2f GB per chip",
+        name, seconds, memory.temp_size_in_bytes / GIB, memory.argument_size_in_bytes / GIB,
+        sum(c.bytes_per_chip for c in collectives.values()) / 1e9,
+    )  # fmt: skip
     if unknown:
         log.warning("%s: %d loops of unknown trip count, their collectives counted once", name, unknown)
     c = Compiled(
