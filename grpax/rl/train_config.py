@@ -247,11 +247,6 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.lora_rank and not cfg.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
     cfg.lora()  # the target modules' names
-    if cfg.lora_rank and cfg.compile_topology:
-        raise ConfigError(
-            f"compile_topology={cfg.compile_topology!r} with lora_rank={cfg.lora_rank}: the compiled memory plan "
-            "models the full fine-tune only so far; drop lora_rank to see the full fine-tune's plan"
-        )
     _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)
     validate_task_keys(cfg)
