@@ -340,8 +340,12 @@ def compile_job(
             functions["update"], _ = _compile(
                 "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
             )
-            functions["update"].fsdp_minimum = minimum(2, False)  # the base gathered twice, no weight gradient
-            phases["update"] = _extra(functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base))
+            functions["update"].fsdp_minimum = minimum(
+                2, False
+            )  # the base gathered twice, no weight gradient
+            phases["update"] = _extra(
+                functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base)
+            )
             if job.merged_copy:
                 c, _ = _compile("the LoRA merge", n, _merge, job.base, job.state.params, job.lora)
                 functions["merge"] = c
@@ -377,8 +381,12 @@ def compile_job(
     rollout_resident = per_chip_bytes(rollout_params)
     # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
     merged = 0 if cfg.rollout_devices else job.merged_copy
-    phases["rollout"] = merged + job.rollout_copy + max(
-        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    phases["rollout"] = (
+        merged
+        + job.rollout_copy
+        + max(
+            _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+        )
     )
     flops = step_count(job, len(devices), peak_flops, bandwidth)
     return Report(

@@ -50,7 +50,9 @@ class Report:
     flops: list  # step_cost.Phase
     estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
     rollout_chips: int = 0  # rollout_devices: the sampler's own chips (0: colocated with the trainer)
-    merged_copy: int = 0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
+    merged_copy: int = (
+        0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
+    )
 
     @property
     def trainer_peak(self) -> int:
