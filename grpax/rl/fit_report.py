@@ -109,7 +109,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
     if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
         out.append(
             f"room for the merged weights the sampler reads ({report.merged_copy / GIB:.2f} GiB per chip, held "
-            "from the merge to the reference pass): a larger compile_topology, or a 16-bit weight_dtype"
+            "from the merge to the reference pass): a larger compile_topology"
+            + (", or weight_dtype=bfloat16" if cfg.weight_dtype == "float32" else "")
         )
     if phase == "rollout":
         if report.rollout_copy:
