@@ -157,7 +157,10 @@ def main() -> None:
         worker(args.worker, args)
         return
     print(f"load average {os.getloadavg()}, {os.cpu_count()} cpus", flush=True)
-    forwarded = [a for a in sys.argv[1:] if not a.startswith("--json_out")]
+    forwarded = [
+        f"--{k}={getattr(args, k)}"
+        for k in ("steps", "num_prompts", "num_generations", "new_tokens", "rank", "gsm8k_dir")
+    ]
     procs = {
         mode: subprocess.Popen(
             [sys.executable, "-m", "benchmarks.lora_step_bench", f"--worker={mode}", *forwarded],

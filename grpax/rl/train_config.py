@@ -136,7 +136,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     compile_topology: str = field(
         "",
         "compile the whole job for this TPU slice (v6e-8, v5e-8, v5p-8, v6e:2x4, ...; needs the tpu extra, no "
-        "TPU, no weights) and print its per-chip memory instead of training; exit 1 if it does not fit",
+        "TPU, no weights; h200-1, h100-8, a100-N: an estimate) and print its per-chip memory instead of training "
+        "(with lora_rank: the base, adapters, their optimizer state, no reference copy); exit 1 if it does not fit",
     )
     compile_topology_num_slices: int = field(1, "slices of compile_topology joined over DCN (multislice)")
     check_fit: bool = field(
