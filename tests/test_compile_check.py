@@ -363,7 +363,7 @@ def test_lora_update_compiles_with_the_adapters_on_their_weights_axes(config_onl
 def test_lora_nvidia_estimate_by_hand(config_only, capsys):
     """h100-8, fsdp=8: the LoRA table beside the full fine-tune's. Exact rows by hand; the estimated update
     holds the adapters' float32 gradients instead of the params'; the merged copy joins the rollout and the
-    reference pass; the merge's temporaries are the float32 sums of every adapted weight."""
+    reference pass; the merge's temporaries are the float32 sums of every adapted weight (a 16-bit base only)."""
     assert main(_keys(config_only, compile_topology="h100-8")) == 0
     full = capsys.readouterr().out
     assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4)) == 0
@@ -379,7 +379,7 @@ def test_lora_nvidia_estimate_by_hand(config_only, capsys):
     assert _row(out, "merged weights for the sampler (LoRA: lora.merge)") == params
     update = "update temporaries"
     assert _row(full, update) - _row(out, update) == params - adapters  # float32 grads: params' vs adapters'
-    merge = 4 * L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) // 8  # float32, D split 8 ways
+    merge = 0  # a float32 base: the sum in place (a bfloat16 one: below)
     assert _row(out, "merge temporaries") == merge
     for phase in ("rollout", "reference logprobs"):
         name = f"{phase} phase, beyond the resident arrays"
@@ -391,6 +391,11 @@ def test_lora_nvidia_estimate_by_hand(config_only, capsys):
         for name in ("update", "merge", "reference logprobs", "rollout")
     ]
     assert _row(out, "peak, all colocated") == resident + max(phases)
+    # A bfloat16 base: the merge holds the float32 sums of every adapted weight, D split 8 ways.
+    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4, weight_dtype="bfloat16")) == 0
+    half = capsys.readouterr().out
+    sums = 4 * L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) // 8
+    assert _row(half, "merge temporaries") == sums
 
 
 def test_lora_step_flops_equal_a_hand_count():

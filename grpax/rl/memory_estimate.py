@@ -18,8 +18,9 @@ With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_
 the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
 the adapters' (float32) and the weights it gathers are the base's; the merged weights the sampler reads
 (``lora.merge``) are exact and held by the merge, the rollout and the reference pass; the merge's temporaries
-are the float32 sums of every adapted weight, all layers (the TPU compiler's plan of Llama 3.1 70B's merge on
-v6e-8 holds 33.39 GiB of temporaries; this gives 31.9).
+are, with a 16-bit base, the float32 sums of every adapted weight, all layers (the TPU compiler's plan of Llama
+3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of temporaries; this gives 31.9), and none with a float32 base
+(the compiler's plan of 8B's float32 merge: 0).
 
 Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
 update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
@@ -113,7 +114,9 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         layers = job.base["layers"]
         stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
         adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
-        estimates.append(("merge", adapted * 4 / w))
+        # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds
+        # the float32 sums before rounding them.
+        estimates.append(("merge", adapted * 4 / w if w < 4 else 0))
     if s.with_reference or s.num_iterations > 1:
         estimates.append(("reference logprobs", reference))
     estimates += [("prefill", prefill), ("decode", decode)]
