@@ -281,3 +281,155 @@ def test_rollout_devices_compile_the_sampler_and_the_trainer_on_their_own_chips(
 def test_the_nvidia_estimate_refuses_rollout_devices(config_only, capsys):
     assert main(_keys(config_only, compile_topology="h100-8", rollout_devices=2)) == 2
     assert "rollout_devices=2: the NVIDIA estimate covers colocated jobs only" in capsys.readouterr().err
+
+
+# LoRA rank r on the tiny model, all seven modules. An adapter takes its weight's logical axes (A the input
+# side, B the output side, the rank replicated): on fsdp=n only the "embed" (D) sides split, so per layer the
+# float32 values per chip are r x (7 D / n + 2 N H + 2 K H + 3 F): A of wq, wk, wv, w_gate, w_up and B of wo,
+# w_down hold D; B of wq (N H), wk and wv (K H), w_gate and w_up (F); A of wo (N H) and w_down (F).
+def _adapters_per_chip(r: int, n: int) -> int:
+    D, L, N, K, H, F = 64, 2, 4, 2, 16, 128
+    return 4 * L * r * (7 * D // n + 2 * N * H + 2 * K * H + 3 * F)
+
+
+def test_lora_table_has_the_base_the_adapters_their_moments_and_no_reference(config_only, capsys):
+    assert main(_keys(config_only, hardware="tpu", lora_rank=4)) == 0
+    out = capsys.readouterr().out
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    params = 4 * (matrices // 4 + L * 2 * D + D)  # float32, fsdp=4, as in the full fine-tune's table
+    assert _row(out, "base weights (frozen; the reference too)") == params == 140544
+    adapters = _adapters_per_chip(4, 4)
+    assert adapters == 22016
+    assert _row(out, "adapters (float32)") == adapters
+    # AdamW's mu and nu of the adapters only (float32, no master copy), its two counts and the step.
+    assert _row(out, "adapter optimizer state") == 2 * adapters + 3 * 4
+    assert _row(out, "reference copy: none (the base, adapters off)") == 0  # beta = 0.04 > 0: the base itself
+    assert not re.search(r"^  (reference params|params|optimizer state)  ", out, re.M)
+    # The sampler reads the merged weights: jitted lora.merge returns every weight anew, placed as the base.
+    assert _row(out, "merged weights for the sampler (LoRA: lora.merge)") == params
+    resident = params + adapters + 2 * adapters + 12
+    phases = [
+        _row(out, f"{name} phase, beyond the resident arrays")
+        for name in ("update", "merge", "reference logprobs", "rollout")
+    ]
+    assert _row(out, "peak, all colocated") == resident + max(phases)
+    assert _row(out, "reference logprobs phase, beyond the resident arrays") > params  # the merged copy held
+    assert re.search(
+        r"compile time: the GRPO update \(LoRA adapters\) [\d.]+ s, the LoRA merge [\d.]+ s", out
+    )
+    # The step count: the update's backward skips the weights' gradients, the merge is its own phase.
+    assert re.search(r"^  merge +[\d.]+ TFLOP", out, re.M)
+
+
+def test_lora_update_compiles_with_the_adapters_on_their_weights_axes(config_only):
+    """The compiled update takes each adapter leaf with the sharding the rules give it (no re-layout), and
+    the base as a separate, not donated argument."""
+    import dataclasses
+
+    from grpax import sharding
+    from grpax.rl.compile_check import build_job
+    from grpax.rl.train_step import make_train_step
+
+    cfg = build_config(TrainConfig, [*_keys(config_only, lora_rank=4, compile_topology="")[1:]])
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
+    job = build_job(cfg, *sharding.create_meshes(mesh_cfg, get_topology("v5e:2x2").devices))
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    with jax.set_mesh(job.mesh):
+        step = make_train_step(job.model_cfg, cfg.grpo(), job.optimizer, 1, lora=job.lora)
+        lowered = step.func.lower(job.state, job.batch, base=job.base)
+        compiled = lowered.compile()
+    (state, _), kwargs = compiled.input_shardings
+    specs = {
+        jax.tree_util.keystr(path): s.spec
+        for path, s in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+    # [L, D, r] / [L, r, D]: D on fsdp, the layer and rank axes replicated; the head and mlp sides on tensor=1.
+    assert specs["['layers']['wq']['a']"] == P(None, "fsdp")  # trailing None dropped
+    assert specs["['layers']['wo']['b']"] == P(None, None, "fsdp")
+    assert specs["['layers']['w_down']['a']"] == P()
+    placed = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, job.state.params))
+    assert all(a.is_equivalent_to(b, 3) for a, b in zip(jax.tree.leaves(state.params), placed, strict=True))
+    base = jax.tree.map(lambda x: x.sharding, job.base)
+    assert all(
+        a.is_equivalent_to(b, x.ndim)
+        for a, b, x in zip(
+            jax.tree.leaves(kwargs["base"]), jax.tree.leaves(base), jax.tree.leaves(job.base), strict=True
+        )
+    )
+    (state_info, _), kwargs_info = lowered.args_info
+    assert all(x.donated for x in jax.tree.leaves(state_info))  # adapters, their moments, the step
+    assert not any(x.donated for x in jax.tree.leaves(kwargs_info["base"]))  # the frozen base is kept
+
+
+def test_lora_nvidia_estimate_by_hand(config_only, capsys):
+    """h100-8, fsdp=8: the LoRA table beside the full fine-tune's. Exact rows by hand; the estimated update
+    holds the adapters' float32 gradients instead of the params'; the merged copy joins the rollout and the
+    reference pass; the merge's temporaries are the float32 sums of every adapted weight (a 16-bit base only)."""
+    assert main(_keys(config_only, compile_topology="h100-8")) == 0
+    full = capsys.readouterr().out
+    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4)) == 0
+    out = capsys.readouterr().out
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    params = 4 * (matrices // 8 + L * 2 * D + D)
+    adapters = _adapters_per_chip(4, 8)
+    assert adapters == 20224
+    assert _row(out, "base weights (frozen; the reference too)") == _row(full, "params") == params
+    assert _row(out, "adapters (float32)") == adapters
+    assert _row(out, "adapter optimizer state") == 2 * adapters + 12
+    assert _row(out, "merged weights for the sampler (LoRA: lora.merge)") == params
+    update = "update temporaries"
+    assert _row(full, update) - _row(out, update) == params - adapters  # float32 grads: params' vs adapters'
+    merge = 0  # a float32 base: the sum in place (a bfloat16 one: below)
+    assert _row(out, "merge temporaries") == merge
+    for phase in ("rollout", "reference logprobs"):
+        name = f"{phase} phase, beyond the resident arrays"
+        assert _row(out, name) == _row(full, name) + params
+    assert _row(out, "merge phase, beyond the resident arrays") == params + merge
+    resident = params + adapters + 2 * adapters + 12
+    phases = [
+        _row(out, f"{name} phase, beyond the resident arrays")
+        for name in ("update", "merge", "reference logprobs", "rollout")
+    ]
+    assert _row(out, "peak, all colocated") == resident + max(phases)
+    # A bfloat16 base: the merge holds the float32 sums of every adapted weight, D split 8 ways.
+    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4, weight_dtype="bfloat16")) == 0
+    half = capsys.readouterr().out
+    sums = 4 * L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) // 8
+    assert _row(half, "merge temporaries") == sums
+
+
+def test_lora_step_flops_equal_a_hand_count():
+    """LoRA r=2 on all modules, remat none: the backward computes the activations' gradients (1x the forward's
+    matmuls) and the adapters' (2x theirs); each pass adds the adapters' own matmuls, 2 FLOPs per adapter
+    parameter per token; the optimizer touches the adapters only; the merge is 2r FLOPs per adapted weight."""
+    from grpax.models.lora import ALL_MODULES, LoraConfig, init_adapters
+
+    cfg = TINY.replace(remat_policy="none")
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    r = 2
+    # Per layer r x (in + out) of each adapted weight: wq D+NH, wk and wv D+KH, wo NH+D, gate and up D+F, down F+D.
+    adapter_params = L * r * ((D + N * H) + 2 * (D + K * H) + (N * H + D) + 2 * (D + F) + (F + D))
+    import jax
+
+    counted = jax.eval_shape(lambda: init_adapters(cfg, LoraConfig(r, 4.0, ALL_MODULES), jax.random.key(0)))
+    assert sum(x.size for x in jax.tree.leaves(counted)) == adapter_params
+    adapted = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, 0, adapter_params, adapted, r)
+    phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
+    full = {p.name: p for p in step_phases(cfg, StepShape(1, 2, 4, 2, 1, 1, False, 0), 1, 1, 1, 1, 1.0, 1.0)}
+    per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
+    attention = lambda q, k: 4 * L * N * H * q * k  # noqa: E731
+    layers = per_token * (4 + 4) + attention(4, 4) + attention(4, 6)  # forward_grouped: 4 prompt + 2x2 tokens
+    head = 2 * D * V * 4  # the completion tokens' vocabulary projection
+    tokens = 4 + 2 * 2
+    assert phases["update"].flops == 2 * layers + 3 * 2 * adapter_params * tokens + 3 * head
+    assert full["update"].flops == 3 * layers + 4 * head
+    assert phases["merge"].flops == 2 * r * adapted
+    n = TINY.num_params()
+    assert phases["merge"].bytes_per_chip == 2 * 4 * n  # read the float32 base, write the merged copy
+    assert phases["update"].bytes_per_chip == 2 * 4 * n + adapter_params * (2 * 4 + 20)
+    assert phases["decode"] == full["decode"]  # the sampler reads merged plain weights

@@ -224,6 +224,10 @@ def test_lora_base_dtype_is_checked_in_one_line():
     # MaxText's QLoRA key is an alias
     assert build_config(TrainConfig, ["lora.lora_weight_qtype=nf4"]).lora_base_dtype == "nf4"
     assert "lora_base_dtype" in RESUME_FIXED_KEYS
+    # the compiled plan holds the base in weight_dtype: QLoRA's plan is refused, plain LoRA's is planned
+    msg = err("lora_rank=8", "lora_base_dtype=nf4", "compile_topology=v6e-8")
+    assert "compile_topology='v6e-8'" in msg and "drop lora_base_dtype" in msg
+    validate(build_config(TrainConfig, ["load_parameters_path=x", "lora_rank=8", "compile_topology=v6e-8"]))
 
 
 def test_resuming_with_another_lora_base_dtype_is_refused_in_one_line():

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from grpax import sharding as sh
@@ -680,3 +681,93 @@ def test_prompts_fewer_than_devices_are_spread_and_exact(params, monkeypatch):
     np.testing.assert_allclose(float(loss), float(want_loss), atol=1e-6, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+@on_8_devices
+@pytest.mark.slow  # a rollout and an update per mesh: in test_on_8_fake_devices_slow's child
+@pytest.mark.parametrize(
+    "mesh_cfg",
+    [
+        sh.MeshConfig(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, rollout_data_parallelism=2),
+        sh.MeshConfig(rollout_devices=4),
+    ],
+    ids=["fsdp4xtensor2_rollout_dp2", "rollout_devices4"],
+)
+def test_a_lora_step_on_8_devices_trains_the_adapters_on_their_weights_axes(params, mesh_cfg):
+    """LoRA on fsdp x tensor with a sampler mesh of its own layout (data-parallel replicas), and on split
+    rollout devices: each adapter is placed on its weight's logical axes (A the input side, B the output side,
+    the rank replicated) and stays there through the update; one step (merged weights resharded to the sampler,
+    the reference on the base itself) moves every adapter and leaves the base's bits as they were."""
+    from grpax.models import lora as lora_lib
+    from grpax.rl import train_step
+    from grpax.rl.config import GRPOConfig
+    from grpax.rl.optim import optimizer_from_config
+    from grpax.rl.policy import Policy
+    from grpax.rl.reference import FrozenParams
+    from grpax.rl.rollout import Rollout
+    from grpax.sampler.engine import SamplerConfig
+
+    trainer_mesh, sampler_mesh = sh.create_meshes(mesh_cfg)
+    base = sh.shard_params(params, CFG, trainer_mesh)
+    base_bits = jax.tree.map(np.asarray, base)
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    policy = Policy(lora, base, "base")
+    # B = 0 at init: moved off zero so that one step's gradient reaches A as well.
+    adapters = jax.tree.map(lambda x: x + 0.01, policy.init_trainable(base, CFG, trainer_mesh, seed=0))
+
+    def check_axes(tree):
+        for name in lora.weights:
+            w, k = base["layers"][name], lora_lib._IN_AXES[name]
+            spec = (*w.sharding.spec, *[None] * (w.ndim - len(w.sharding.spec)))  # [L, *in, *out]
+            a, b = tree["layers"][name]["a"], tree["layers"][name]["b"]
+            assert a.sharding.is_equivalent_to(NamedSharding(trainer_mesh, P(*spec[: 1 + k], None)), a.ndim)
+            assert b.sharding.is_equivalent_to(
+                NamedSharding(trainer_mesh, P(spec[0], None, *spec[1 + k :])), b.ndim
+            )
+
+    check_axes(adapters)
+    if (
+        mesh_cfg.ici_tensor_parallelism == 2
+    ):  # the q_heads side of wq's B on tensor, embed side of its A on fsdp
+        assert adapters["layers"]["wq"]["a"].sharding.spec[1] == "fsdp"
+        assert adapters["layers"]["wq"]["b"].sharding.spec[2] == "tensor"
+    before = jax.tree.map(np.asarray, adapters)
+
+    grpo = GRPOConfig(num_generations=2, beta=0.04, warmup_ratio=0.0, lr_schedule="constant")
+    optimizer, schedule = optimizer_from_config(grpo, 1, "float32")
+    state = train_step.TrainState(
+        params=adapters,
+        opt_state=sh.init_optimizer_state(optimizer, adapters, trainer_mesh),
+        step=jnp.zeros((), jnp.int32),
+    )
+    update = train_step.make_update(
+        train_step.make_train_step(CFG, grpo, optimizer, 1, schedule, lora=lora, base=policy.base), 1
+    )
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=4, greedy=True, pad_token_id=0)
+
+    def score(rows, out):
+        total = np.arange(len(rows)) % 2  # advantages -1, +1 in each group of 2
+        return {"total": total.astype(np.float64)}, np.zeros(len(rows))
+
+    rollout = Rollout(
+        CFG, sc, grpo, score, mesh=trainer_mesh, rollout_mesh=sampler_mesh, reference=FrozenParams(base)
+    )
+    merged = policy.sampler_params(state.params)
+    assert all(
+        m.sharding.is_equivalent_to(b.sharding, b.ndim)
+        for m, b in zip(jax.tree.leaves(merged), jax.tree.leaves(base), strict=True)
+    )
+    rollout.update_params(merged, 0)
+    del merged
+    batch = rollout([{"prompt_ids": p} for p in ([5, 6, 7], [9, 10, 11, 12])], jax.random.key(0))
+    rollout.update_params(None, 0)
+    assert batch.host.timings["time/reshard_s"] > 0  # the merged weights crossed to the sampler's layout
+    with jax.set_mesh(trainer_mesh):
+        state, metrics = update(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    assert np.isfinite(float(metrics["kl"]))  # the reference pass ran on the base
+    check_axes(state.params)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True):
+        assert not np.array_equal(np.asarray(got), want)
+    for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(base_bits), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -6,7 +6,11 @@ devices (``grpax.topology``), and compiles the run's own functions with the real
 (``make_train_step`` as the trainer builds it: micro-batches, remat), the reference logprobs
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
-adds what stays resident (params, optimizer state, reference params) to the largest phase. The same check runs
+adds what stays resident (params, optimizer state, reference params) to the largest phase. With LoRA
+(``lora_rank > 0``, ``grpax.rl.policy``) the update compiled is the adapters' (the frozen base an argument, never
+donated; optimizer state for the adapters only), the reference pass reads the base itself (no reference copy), and
+the sampler's merged weights (``lora.merge``, compiled too) are counted while the rollout and the reference pass
+hold them. The same check runs
 before a real run on an accelerator (``check_before_run``), against the device's memory limit; its arrays are
 placed as the trainer places its own, so the programs it compiles are the run's and go to JAX's persistent
 compilation cache (``jax_cache_dir``): the run's first update reads its program back instead of compiling it
@@ -32,12 +36,14 @@ from jax.sharding import PartitionSpec as P
 
 from grpax import sharding
 from grpax.config import ConfigError
-from grpax.models.params import abstract_params
+from grpax.models import lora as lora_lib
+from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
 from grpax.rl.batch import Batch
 from grpax.rl.collectives import count_collectives, fsdp_minimum
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.rl.optim import optimizer_from_config
+from grpax.rl.policy import _merge
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, token_logprobs
@@ -161,14 +167,39 @@ class Job:
     rollout_mesh: Any
     optimizer: Any
     lr_schedule: Any
-    state: TrainState
+    state: TrainState  # the trained tree: the params, or with LoRA the adapters (float32)
     batch: dict
     rollout_params: Any
     sampler_cfg: Any
-    resident: dict[str, int]  # params, optimizer state (and the step), reference params: bytes per chip
+    resident: dict[str, int]  # bytes per chip of what stays for the whole step (table rows, in order)
     rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
     kv_cache: int  # the full-length cache (P + C slots), per chip
     shape: StepShape
+    lora: lora_lib.LoraConfig | None = None
+    base: Any = None  # LoRA: the frozen base params on the trainer's mesh (also the reference)
+    merged_copy: int = 0  # LoRA: the merged weights the rollout samples with (``lora.merge``), per chip
+
+
+# Table rows of a LoRA job's resident arrays (``Job.resident``).
+BASE_ROW = "base weights (frozen; the reference too)"
+ADAPTERS_ROW = "adapters (float32)"
+ADAPTER_OPT_ROW = "adapter optimizer state"
+NO_REFERENCE_ROW = "reference copy: none (the base, adapters off)"
+
+
+def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
+    """Bytes per parameter of the weights the run holds frozen (LoRA's base) or trains: ``weight_dtype``'s.
+    The one place a quantised base (QLoRA: 1 for int8, 0.5 + scales for nf4) changes the count."""
+    del cfg
+    return jnp.dtype(model_cfg.weight_dtype).itemsize
+
+
+def _abstract_adapters(model_cfg: ModelConfig, lora: lora_lib.LoraConfig, mesh):
+    """The adapters as ``Policy.init_trainable`` places them: the adapted weight's logical axes, rank
+    replicated."""
+    shapes = jax.eval_shape(lambda: lora_lib.init_adapters(model_cfg, lora, jax.random.key(0)))
+    axes = lora_lib.adapter_logical_axes(model_cfg, lora)
+    return _abstract(shapes, sharding.logical_to_sharding(axes, mesh, shapes=shapes))
 
 
 def _same_layout(a, b) -> bool:
@@ -184,23 +215,39 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es); ``model_cfg`` default
     ``model_config(cfg)``."""
     model_cfg = model_cfg or model_config(cfg)
-    grpo = cfg.grpo()
+    grpo, lora = cfg.grpo(), cfg.lora()
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
+    # What the optimizer trains: the params, or the float32 adapters beside the frozen base (trainer._init_state).
+    trainable = params if lora is None else _abstract_adapters(model_cfg, lora, mesh)
     optimizer, lr_schedule = optimizer_from_config(
-        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype
+        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype if lora is None else "float32"
     )
-    opt_shapes = jax.eval_shape(optimizer.init, params)
-    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, params, mesh))
+    opt_shapes = jax.eval_shape(optimizer.init, trainable)
+    opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
-    resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
-    if with_ref:
-        resident["reference params"] = resident["params"]
-    if grpo.max_staleness > 0:  # grpax.rl.ahead: each version a rollout ahead needs is a copy
+    if lora is None:
+        resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+        if with_ref:  # the state is donated: the reference is a copy
+            resident["reference params"] = resident["params"]
+        merged_copy = 0
+    else:
+        resident = {
+            BASE_ROW: per_chip_bytes(params),
+            ADAPTERS_ROW: per_chip_bytes(trainable),
+            ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
+        }
+        if with_ref:
+            resident[NO_REFERENCE_ROW] = 0
+        # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged), placed
+        # as the base; it lives from the rollout to the reference pass (Rollout.update_params(None) after).
+        merged_copy = per_chip_bytes(params)
+    if grpo.max_staleness > 0:  # grpax.rl.ahead: each version a rollout ahead needs is a copy (LoRA: merged)
         resident[f"params versions for rollouts ahead ({grpo.max_staleness + 1})"] = (
             grpo.max_staleness + 1
-        ) * resident["params"]
+        ) * per_chip_bytes(params)
+        merged_copy = 0  # the versions are the merged weights
     rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
     same = all(
         _same_layout(a, b)
@@ -219,14 +266,19 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
             "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
         }
     )
+    adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
+    specs = layer_specs(model_cfg)
+    adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
-        cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length,
+        cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length, adapter_params, adapted,
+        0 if lora is None else lora.rank,
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
-        TrainState(params=params, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
+        TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
+        lora, None if lora is None else params, merged_copy,
     )  # fmt: skip
 
 
@@ -265,7 +317,8 @@ def compile_job(
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices), model_cfg)
-    model_cfg, grpo, params = job.model_cfg, cfg.grpo(), job.state.params
+    model_cfg, grpo = job.model_cfg, cfg.grpo()
+    params = job.state.params if job.lora is None else job.base  # the weights the forward reads
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
     n = len(devices)
@@ -281,11 +334,27 @@ def compile_job(
             job.optimizer,
             cfg.micro_batches,
             job.lr_schedule,
+            lora=job.lora,
             max_completion_length=cfg.max_completion_length,
         )
-        functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
-        functions["update"].fsdp_minimum = minimum(2, True)
-        phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        if job.lora is None:
+            functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
+            functions["update"].fsdp_minimum = minimum(2, True)
+            phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        else:  # the adapters' update: the base an argument beside the donated state (make_train_step's partial)
+            functions["update"], _ = _compile(
+                "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
+            )
+            functions["update"].fsdp_minimum = minimum(
+                2, False
+            )  # the base gathered twice, no weight gradient
+            phases["update"] = _extra(
+                functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base)
+            )
+            if job.merged_copy:
+                c, _ = _compile("the LoRA merge", n, _merge, job.base, job.state.params, job.lora)
+                functions["merge"] = c
+                phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
         if grpo.beta > 0 or grpo.num_iterations > 1:
             c, _ = _compile(
                 "the reference logprobs", n, token_logprobs, params, job.batch.tokens(), model_cfg,
@@ -293,7 +362,8 @@ def compile_job(
             )  # fmt: skip
             functions["reference logprobs"] = c
             c.fsdp_minimum = minimum(1, False)
-            phases["reference logprobs"] = _extra(c, job.resident["params"])
+            # LoRA: the merged weights are still held (dropped after the whole rollout, reference included).
+            phases["reference logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(params))
     sc, rollout_params = job.sampler_cfg, job.rollout_params
     replicated = NamedSharding(job.rollout_mesh, P())
     prompts = jax.ShapeDtypeStruct(
@@ -314,14 +384,21 @@ def compile_job(
             decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
             functions["decode"], _ = _compile("the sampler's decode loop", n, engine.decode, *decode_args)
     rollout_resident = per_chip_bytes(rollout_params)
-    phases["rollout"] = job.rollout_copy + max(
-        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
+    merged = 0 if cfg.rollout_devices else job.merged_copy
+    phases["rollout"] = (
+        merged
+        + job.rollout_copy
+        + max(
+            _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+        )
     )
     flops = step_count(job, len(devices), peak_flops, bandwidth)
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
         rollout_chips=cfg.rollout_devices,
         ici_bandwidth=ici_bandwidth,
+        merged_copy=job.merged_copy,
     )  # fmt: skip
 
 
@@ -357,10 +434,11 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     devices = list(devices or jax.devices())
     if not cfg.check_fit or devices[0].platform == "cpu":
         return
-    if (
-        cfg.lora_rank
-    ):  # compile_job builds the full fine-tune, an upper bound that could refuse a run that fits
-        log.warning("the fit check models the full fine-tune only: skipped for lora_rank=%d", cfg.lora_rank)
+    if cfg.lora_base_dtype:
+        log.warning(
+            "the fit check plans LoRA's base in weight_dtype, not quantised: skipped for lora_base_dtype=%s",
+            cfg.lora_base_dtype,
+        )
         return
     limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
     if not limit:

@@ -1,9 +1,10 @@
 """The per-chip memory table of a GRPO job (``grpax.rl.compile_check``, ``grpax.rl.memory_estimate``): its
 data, the verdict against the chip's HBM, the keys to change when it does not fit, and its printed form.
 
-The peak is what is resident for the whole step (params, optimizer state, reference params) plus the largest of
-the phases (rollout, reference logprobs, update), each counted as the bytes its function adds beyond what is
-already counted: its other arguments, its temporaries and its new (not aliased) outputs.
+The peak is what is resident for the whole step (params, optimizer state, reference params; with LoRA the frozen
+base, the adapters and their optimizer state, and no reference copy) plus the largest of the phases (LoRA's merge,
+rollout, reference logprobs, update), each counted as the bytes its function adds beyond what is already counted:
+its other arguments, its temporaries and its new (not aliased) outputs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Report:
     flops: list  # step_cost.Phase
     estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
     rollout_chips: int = 0  # rollout_devices: the sampler's own chips (0: colocated with the trainer)
+    merged_copy: int = (
+        0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
+    )
 
     @property
     def trainer_peak(self) -> int:
@@ -86,9 +90,11 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
     # < 1: the largest phase must shrink by this factor to fit beside the resident arrays.
     room = max(report.hbm - resident, 0) / max(report.phases[phase], 1)
     if resident > report.hbm / 2:
-        if not cfg.mu_dtype and cfg.weight_dtype == "float32":
+        if cfg.lora_rank and cfg.weight_dtype == "float32":
+            out.append("weight_dtype=bfloat16 (the frozen base in half the memory)")
+        if not cfg.lora_rank and not cfg.mu_dtype and cfg.weight_dtype == "float32":
             out.append("mu_dtype=bfloat16 (AdamW's first moment in half the memory)")
-        if cfg.beta > 0:
+        if cfg.beta > 0 and not cfg.lora_rank:
             out.append("beta=0 (no reference copy of the params)")
         out.append(
             f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
@@ -100,6 +106,12 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
             out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
         if cfg.remat_policy != "full":
             out.append(f"remat_policy=full (now {cfg.remat_policy})")
+    if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
+        out.append(
+            f"room for the merged weights the sampler reads ({report.merged_copy / GIB:.2f} GiB per chip, held "
+            "from the merge to the reference pass): a larger compile_topology"
+            + (", or weight_dtype=bfloat16" if cfg.weight_dtype == "float32" else "")
+        )
     if phase == "rollout":
         if report.rollout_copy:
             out.append(
@@ -146,6 +158,8 @@ def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
     """The per-chip table, the verdict, the step's FLOPs and bytes, the compile times."""
     rows = [(name, b) for name, b in report.resident.items()]
     rows.append(("KV cache (P + C slots, by the rules)", report.kv_cache))
+    if report.merged_copy:
+        rows.append(("merged weights for the sampler (LoRA: lora.merge)", report.merged_copy))
     if report.rollout_copy:
         rows.append(("params copied to the sampler's layout", report.rollout_copy))
     rows += [

@@ -14,6 +14,14 @@ temporaries of each function, from the shapes of what it holds at its largest:
 * prefill: the cache of the prompts and one layer's activations; decode: the per-layer copy of the weights
   in the compute dtype (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
 
+With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_param`` bytes per parameter),
+the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
+the adapters' (float32) and the weights it gathers are the base's; the merged weights the sampler reads
+(``lora.merge``) are exact and held by the merge, the rollout and the reference pass; the merge's temporaries
+are, with a 16-bit base, the float32 sums of every adapted weight, all layers (the TPU compiler's plan of Llama
+3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of temporaries; this gives 31.9), and none with a float32 base
+(the compiler's plan of 8B's float32 merge: 0).
+
 Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
 update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
 """
@@ -27,7 +35,7 @@ from jax.sharding import AbstractMesh
 from grpax import sharding
 from grpax.config import ConfigError
 from grpax.rl import compile_check
-from grpax.rl.compile_check import build_job, step_count
+from grpax.rl.compile_check import base_bytes_per_param, build_job, step_count
 from grpax.rl.fit_report import Compiled, Report, format_report
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import _LOGITS_CHUNK_ELEMENTS
@@ -81,14 +89,17 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     act, w = _BYTES[m.dtype], _BYTES[m.weight_dtype]
     data, tensor = ici[0] * ici[1], ici[2]
     layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
-    gathered = layer * w / tensor
+    # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
+    gathered = layer * base_bytes_per_param(cfg, m) / tensor
     M = s.num_micro_batches
     prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
     tokens = prompts * s.prompt_length + rows * s.completion_length
     widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
     activations = tokens * widest * act
     logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
-    grads = job.resident["params"] / w * 4  # float32 whatever weight_dtype (summed in float32)
+    trained = compile_check.per_chip_bytes(job.state.params)
+    # float32 gradients whatever the trained dtype (summed in float32): the params', or the adapters' (float32)
+    grads = trained * 4 / (w if job.lora is None else 4)
     update = grads * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
     update += activations + logits
     outputs = rows * M * s.completion_length * 4
@@ -98,24 +109,32 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
     decode = compile_check.per_chip_bytes(job.rollout_params) * act / w + job.kv_cache
     decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
-    functions = {
-        name: Compiled(name, 0, 0, 0, int(b), 0.0)
-        for name, b in (
-            ("update", update),
-            ("reference logprobs", reference),
-            ("prefill", prefill),
-            ("decode", decode),
-        )  # fmt: skip
-        if name != "reference logprobs" or s.with_reference or s.num_iterations > 1
-    }
+    estimates = [("update", update)]
+    if job.merged_copy:  # the float32 W + s * A @ B of every adapted weight, all layers at once
+        layers = job.base["layers"]
+        stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
+        adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
+        # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds
+        # the float32 sums before rounding them.
+        estimates.append(("merge", adapted * 4 / w if w < 4 else 0))
+    if s.with_reference or s.num_iterations > 1:
+        estimates.append(("reference logprobs", reference))
+    estimates += [("prefill", prefill), ("decode", decode)]
+    functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
     batch = compile_check.per_chip_bytes(job.batch)
-    phases = {"update": int(update + batch), "rollout": int(job.rollout_copy + max(prefill, decode))}
+    phases = {
+        "update": int(update + batch),
+        "rollout": int(job.merged_copy + job.rollout_copy + max(prefill, decode)),
+    }
+    if "merge" in functions:
+        phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
     if "reference logprobs" in functions:
-        phases["reference logprobs"] = int(reference + batch)
+        phases["reference logprobs"] = int(job.merged_copy + reference + batch)
     flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth)
     report = Report(
-        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops
-    )
+        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        merged_copy=job.merged_copy,
+    )  # fmt: skip
     report.estimated = True
     return report
 

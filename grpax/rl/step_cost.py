@@ -11,6 +11,12 @@ up to C steps), so its figures are low by factors of L, M and C. The count follo
 * update: forward + backward (2x forward) of the same, + one more forward of the layers with
   ``remat_policy=full`` and of the vocabulary projection (it is always rematerialised).
 
+With LoRA (``StepShape.adapter_params > 0``) the backward computes the activations' gradients through the frozen
+weights (1x forward) and the weights' gradients of the adapters only; each pass adds the adapters' own matmuls
+(``x @ A``, then ``@ B``: 2 FLOPs per adapter parameter per token); the optimizer reads and writes the adapters and
+their moments only; and each rollout first merges them (``lora.merge``: ``W + s * A @ B`` of every adapted weight,
+2r FLOPs per adapted parameter; it reads the base and writes the merged copy).
+
 A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
 (whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
 optimizer's read and write of params, gradients and both moments; activations are left out, so the time is
@@ -48,6 +54,9 @@ class StepShape:
     num_iterations: int
     with_reference: bool
     decode_phase_length: int  # SamplerConfig.decode_phase_length
+    adapter_params: int = 0  # LoRA: the adapters' parameters (0: a full fine-tune)
+    adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
+    lora_rank: int = 0  # LoRA: r
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
@@ -128,13 +137,25 @@ def step_phases(
         phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes))
     if s.num_iterations > 1:
         phases.append(phase("old logprobs", layers + vocab, forward_pass_bytes))
-    passes = 4 if cfg.remat_policy == "full" else 3  # forward, (recomputed forward,) backward = 2 forwards
-    update_flops = passes * layers + 4 * vocab
-    shard = cfg.num_params() / num_chips  # params, grads and moments are split over every chip
-    # Read + write params, read float32 grads, read + write float32 mu and nu (and a float32 master copy's read
-    # and write beside 16-bit params).
-    optimizer_bytes = shard * (2 * w + 4 * 5 + (8 if w < 4 else 0))
-    update_bytes = (passes - 1) * forward_pass_bytes + optimizer_bytes
+    forwards = 2 if cfg.remat_policy == "full" else 1  # the forward (and its recomputation)
+    lora = s.adapter_params > 0
+    shard = (s.adapter_params if lora else cfg.num_params()) / num_chips  # trained values per chip
+    if lora:
+        # Backward = the activations' gradients only (1x forward) + the adapters' (2x their forward FLOPs).
+        tokens = s.num_prompts * s.prompt_length + s.num_prompts * s.num_generations * s.completion_length
+        adapter = 2.0 * s.adapter_params * tokens
+        update_flops = (forwards + 1) * layers + (forwards + 2) * adapter + 3 * vocab
+        optimizer_bytes = shard * (2 * 4 + 4 * 5)  # float32 adapters: read + write, grads, mu, nu
+        merge_flops = 2.0 * s.lora_rank * s.adapted_params
+        # Read the base, write the merged copy (every weight: the jitted merge returns them all), on the
+        # trainer's mesh.
+        phases.insert(0, phase("merge", merge_flops, 2 * weights / num_chips))
+    else:
+        update_flops = (forwards + 2) * layers + 4 * vocab  # the backward is 2x forward
+        # Read + write params, read float32 grads, read + write float32 mu and nu (and a float32 master copy's
+        # read and write beside 16-bit params).
+        optimizer_bytes = shard * (2 * w + 4 * 5 + (8 if w < 4 else 0))
+    update_bytes = (forwards + 1) * forward_pass_bytes + optimizer_bytes  # each pass reads the weights
     for i in range(s.num_iterations):
         phases.append(
             phase("update" if s.num_iterations == 1 else f"update {i + 1}", update_flops, update_bytes)

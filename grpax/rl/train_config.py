@@ -140,7 +140,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     compile_topology: str = field(
         "",
         "compile the whole job for this TPU slice (v6e-8, v5e-8, v5p-8, v6e:2x4, ...; needs the tpu extra, no "
-        "TPU, no weights) and print its per-chip memory instead of training; exit 1 if it does not fit",
+        "TPU, no weights; h200-1, h100-8, a100-N: an estimate) and print its per-chip memory instead of training "
+        "(with lora_rank: the base, adapters, their optimizer state, no reference copy); exit 1 if it does not fit",
     )
     compile_topology_num_slices: int = field(1, "slices of compile_topology joined over DCN (multislice)")
     check_fit: bool = field(
@@ -269,10 +270,11 @@ def validate(cfg: TrainConfig) -> None:
                 "lora_rank=0 trains all the weights: set lora_rank > 0 (e.g. lora_rank=16) or drop lora_base_dtype"
             )
         require_qwix()
-    if cfg.lora_rank and cfg.compile_topology:
+    if cfg.lora_base_dtype and cfg.compile_topology:
         raise ConfigError(
-            f"compile_topology={cfg.compile_topology!r} with lora_rank={cfg.lora_rank}: the compiled memory plan "
-            "models the full fine-tune only so far; drop lora_rank to see the full fine-tune's plan"
+            f"compile_topology={cfg.compile_topology!r} with lora_base_dtype={cfg.lora_base_dtype}: the compiled "
+            "plan models LoRA's base in weight_dtype, not quantised, so far; drop lora_base_dtype to see the LoRA "
+            "plan (an upper bound for QLoRA)"
         )
     _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)
