@@ -4,7 +4,8 @@ Compiles only ``grpax.sampler.engine.decode`` (every phase, all rows: the progra
 ``grpax train_rl`` job for ``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU
 and no weights needed), from an abstract prefilled cache placed as the prefill leaves it, and prints per chip
 the decode's temporaries and arguments, and the data movement the compiler left in the program: every
-``copy`` / ``copy-start`` and every fusion whose output is at least ``--min_mib`` MiB (weight- or cache-sized),
+``copy`` / ``copy-start`` in HBM (prefetches into on-chip memory, memory space 1, are not counted) and every
+fusion whose output is at least ``--min_mib`` MiB (weight- or cache-sized),
 inside the decode loops (executed at every step) and outside them (once per call), with their bytes. Faster
 than the whole job's compile (no update, no prefill).
 
@@ -81,8 +82,12 @@ def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int
             m = _INSTR.match(line)
             if not m:
                 continue
-            size = _bytes(m.group(3))
-            kind = m.group(4)
+            kind, result = m.group(4), m.group(3)
+            if kind == "copy-start":  # (source, destination, context): count the destination
+                result = result.split("}, ")[1] if "}, " in result else result
+            if kind in ("copy", "copy-start") and "S(1)" in result:
+                kind = "to on-chip memory"  # a prefetch into VMEM (memory space 1), not an HBM copy
+            size = _bytes(result)
             if kind in ("copy", "copy-start") or size >= min_bytes:
                 out[where].append((kind, m.group(2), size))
     return out

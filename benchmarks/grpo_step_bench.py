@@ -166,11 +166,13 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
     )
     outs = []  # the sampler's outputs of the current step (several with dynamic sampling)
 
+    sampled = rollout_module.generate
+
     def generate(*a, **k):
-        outs.append(rollout_module.generate(*a, **k))
+        outs.append(sampled(*a, **k))
         return outs[-1]
 
-    rollout_module.generate, sampled = generate, rollout_module.generate
+    rollout_module.generate = generate
     setup_s = time.perf_counter() - t0
     steps = []
     ahead = None

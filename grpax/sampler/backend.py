@@ -41,10 +41,16 @@ class XlaBackend:
     Attributes:
       name: "xla" or "cpu".
       compiler_options: XLA compiler options of the sampler's jits, as (key, value) pairs.
+      prepares_once: see the field's comment.
     """
 
     name: str = "xla"
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # Whether a decode made of several programs (the retiring decode's phases) runs ``prepare_decode`` once,
+    # in a program of its own, and passes its output on (costly preparations: the CPU kernels' packing), or
+    # inside each phase's program, where the compiler reads the weights in place instead of materialising a
+    # prepared copy of them (this backend's layout change and rounding).
+    prepares_once: bool = False
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> Any:
         """Static prefill choices made on the host from the concrete prompts (hashable; None: nothing to choose).
@@ -98,7 +104,7 @@ class XlaBackend:
         """
         dtype = jnp.dtype(cfg.dtype)
         narrow = lambda x: x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x  # noqa: E731
-        return jax.tree.map(narrow, convert_layout(params, cfg, scan_layers=False))
+        return jax.tree.map(narrow, params)
 
     def decode_step(
         self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
@@ -113,10 +119,11 @@ class XlaBackend:
         Returns:
           (float32 logits [B, V], the updated cache).
         """
+        params = convert_layout(prepared, cfg, scan_layers=False)  # each layer read in place, inside the step
         hidden, cache = forward(
-            prepared, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
+            params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
         )
-        return logits_from_hidden(prepared, hidden[:, 0], cfg), cache
+        return logits_from_hidden(params, hidden[:, 0], cfg), cache
 
 
 def _param_devices(params: Params) -> set | None:

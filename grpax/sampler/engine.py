@@ -387,11 +387,29 @@ def _decode(
 
 
 def _retire_phase(
-    prepared, token, cache, state, step, prompt_lengths, rows, keep, key, end, grow, cfg, sc, backend
+    prepared,
+    token,
+    cache,
+    state,
+    step,
+    prompt_lengths,
+    rows,
+    keep,
+    key,
+    end,
+    grow,
+    num_slots,
+    cfg,
+    sc,
+    backend,
 ):
-    """One phase of ``_decode_retiring``: the rows at indices ``keep`` (int32 [b'] into the current b rows;
-    None: all) gathered from the token, cache, prompt lengths and row ids, the cache grown by ``grow`` slots,
-    then ``_decode_phase``. Returns (step, token, cache, state, prompt_lengths, rows)."""
+    """One phase of ``_decode_retiring`` (``prepared``: ``prepare_decode``'s output, or the params where the
+    backend prepares them inside each phase, for ``num_slots`` slots): the rows at indices ``keep`` (int32
+    [b'] into the current b rows; None: all) gathered from the token, cache, prompt lengths and row ids, the
+    cache grown by ``grow`` slots, then ``_decode_phase``. Returns (step, token, cache, state, prompt_lengths,
+    rows)."""
+    if not backend.prepares_once:  # the compiler reads the weights in place, no prepared copy
+        prepared = backend.prepare_decode(prepared, cfg, num_slots)
     if keep is not None:
         token, prompt_lengths, rows = token[keep], prompt_lengths[keep], rows[keep]
         cache = jax.tree.map(lambda c: c[keep], cache)
@@ -436,14 +454,16 @@ def _decode_retiring(
     ends = _phase_ends(sc)
     slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + sc.max_completion_length  # P + C
     options = backend.compiler_options
-    prepared = _compiled(_prepare, ("cfg", "backend", "num_slots"), options)(params, cfg, backend, slots)
+    prepared = params
+    if backend.prepares_once:
+        prepared = _compiled(_prepare, ("cfg", "backend", "num_slots"), options)(params, cfg, backend, slots)
     leaf = jax.tree.leaves(cache["k"])[0]
     shard_rows = leaf.sharding.shard_shape(leaf.shape)[0] if hasattr(leaf, "sharding") else B
     buckets = _row_buckets(B, max(1, B // shard_rows))
     rows = jnp.arange(B, dtype=jnp.int32)
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
     state, token = _compiled(_first_token, ("sampler_cfg",), options)(logits, key, sc)
-    phase = _compiled(_retire_phase, ("end", "grow", "cfg", "sc", "backend"), options)
+    phase = _compiled(_retire_phase, ("end", "grow", "num_slots", "cfg", "sc", "backend"), options)
     step, row_ids, row_steps = jnp.int32(1), np.arange(B), 0
     for j, end in enumerate(ends):
         keep = None
@@ -460,7 +480,7 @@ def _decode_retiring(
         before = step
         step, token, cache, state, lengths, rows = phase(
             prepared, token, cache, state, step, lengths, rows, keep, key,
-            end=end, grow=end - ends[j - 1] if j else 0, cfg=cfg, sc=sc, backend=backend,
+            end=end, grow=end - ends[j - 1] if j else 0, num_slots=slots, cfg=cfg, sc=sc, backend=backend,
         )  # fmt: skip
         row_steps += len(row_ids) * int(distributed.fetch(step - before))
     return _outputs(state, jnp.int32(row_steps))
