@@ -11,8 +11,9 @@ temporaries of each function, from the shapes of what it holds at its largest:
   inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
   micro-batches, a second gradient tree (the running sum);
 * reference logprobs: one layer's gathered weights, its activations, three chunks of logits, the output;
-* prefill: the cache of the prompts and one layer's activations; decode: the per-layer copy of the weights
-  in the compute dtype (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
+* prefill: the cache of the prompts and one layer's activations; decode: a copy of the weights in the
+  compute dtype only where wider weights reach it unrounded (``prepare_decode``: no copy to the sampler's
+  layout, which rounds them), the grown cache, the rows' logits (float32, three copies).
 
 Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
 update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import AbstractMesh
 
 from grpax import sharding
@@ -96,7 +98,11 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
     prefill = job.kv_cache * s.prompt_length / (s.prompt_length + s.completion_length)
     prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
-    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w + job.kv_cache
+    # The decode reads each layer's weights in place; only weights wider than the compute dtype that reached
+    # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
+    rollout_w = max(x.dtype.itemsize for x in jax.tree.leaves(job.rollout_params))
+    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w if rollout_w > act else 0
+    decode += job.kv_cache
     decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
     functions = {
         name: Compiled(name, 0, 0, 0, int(b), 0.0)
