@@ -242,10 +242,13 @@ def decode_work(outs) -> dict:
         # counted by the sampler; else every row ran every step (the loop ends when the longest row does)
         row_steps += getattr(o, "decode_row_steps", 0) or len(lengths) * (int(lengths.max()) - 1)
     after_first = useful - sum(len(o.lengths) for o in outs)  # the first token comes from the prefill
+    # every row to the end, on the same rollout (retirement changes no token): the parent's decode work
+    full = sum(len(o.lengths) * (int(np.asarray(o.lengths).max()) - 1) for o in outs)
     return {
         "useful_tokens": useful,
         "decode_row_steps": row_steps,
         "past_eos": 1 - after_first / max(row_steps, 1),
+        "past_eos_without_retirement": 1 - after_first / max(full, 1),
     }
 
 
