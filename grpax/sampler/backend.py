@@ -94,10 +94,12 @@ class XlaBackend:
     def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int) -> Any:
         """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
 
-        Layers unrolled with per-layer weights and cache buffers: scanning stacked layers copies each layer's
-        weights and cache slice at every step (~2x slower on CPU), at the cost of a longer compile. Weights
-        wider than the compute dtype (float32 master weights, bfloat16 compute) are rounded to it here, once,
-        as the forward rounds them at every use: the same values, and each decode step reads half the bytes.
+        Weights wider than the compute dtype (float32 master weights, bfloat16 compute) are rounded to it here,
+        once, as the forward rounds them at every use: the same values, and each decode step reads half the
+        bytes (a no-op for the rollout's copy, which ``reshard_for_rollout`` already rounds). The layout is
+        left as it is: ``decode_step`` slices each layer out of stacked weights itself, inside the step, where
+        the TPU compiler reads it in place; cut into per-layer buffers here, outside the loop, they were a
+        second copy of every weight (docs/scaling.md).
 
         Args:
           num_slots: the most cache slots the loop reaches (P + C).
@@ -119,7 +121,9 @@ class XlaBackend:
         Returns:
           (float32 logits [B, V], the updated cache).
         """
-        params = convert_layout(prepared, cfg, scan_layers=False)  # each layer read in place, inside the step
+        # Layers unrolled with per-layer cache buffers (scanning stacked layers copied each layer's weights and
+        # cache slice at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
+        params = convert_layout(prepared, cfg, scan_layers=False)
         hidden, cache = forward(
             params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
         )
