@@ -20,8 +20,14 @@ the reference pass are forward passes over the real prompt + completion tokens, 
 weights and the filled KV cache and does 2 FLOPs per matmul weight per row, and the update is 3 forward passes
 (forward + backward). Matmul throughput is a jitted float32 1024^3 matmul, bandwidth a numpy copy.
 
+With ``--stop_tokens`` grpax stops each row at the model's real stop tokens (GRPO as train_rl runs it; up to
+``new_tokens``) and each step also reports the useful tokens (the completions' lengths), the rollout's seconds
+per useful token and the fraction of the decode's row-steps spent on rows already finished (``past_eos``:
+1 - sum(length - 1) / rows x decode steps run; ``GenerateOutput.decode_row_steps``, or every row for every
+step where the sampler does not count them, as before finished rows were retired).
+
 Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations 4] [--new_tokens 128]
-       [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--json_out FILE]
+       [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--stop_tokens] [--json_out FILE]
        [--gsm8k_dir DIR]
 """
 
@@ -51,9 +57,11 @@ from grpax.data.gsm8k import (
     tokenize_prompts,
 )
 from grpax.data.prompts import get_prompt_preset
+from grpax.data.tokenizer import stop_token_ids
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
+from grpax.rl import rollout as rollout_module
 from grpax.rl.ahead import AheadRollouts
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
@@ -142,7 +150,8 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
         max_completion_length=args.new_tokens,
         temperature=TEMPERATURE,
         top_k=TOP_K,
-        stop_token_ids=(),  # every row decodes exactly new_tokens tokens, as TRL with min_new_tokens
+        # no stop ids: every row decodes exactly new_tokens tokens, as TRL with min_new_tokens
+        stop_token_ids=stop_token_ids(tokenizer, cfg) if args.stop_tokens else (),
         pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 2,
     )
     jax.block_until_ready(state)
@@ -155,6 +164,15 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
     rollout = Rollout(
         cfg, sampler_cfg, grpo, score, reference=ref_params, num_micro_batches=args.num_micro_batches
     )
+    outs = []  # the sampler's outputs of the current step (several with dynamic sampling)
+
+    sampled = rollout_module.generate
+
+    def generate(*a, **k):
+        outs.append(sampled(*a, **k))
+        return outs[-1]
+
+    rollout_module.generate = generate
     setup_s = time.perf_counter() - t0
     steps = []
     ahead = None
@@ -170,6 +188,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
         ahead.publish(state.params, 0)
     for i, rows in enumerate(batches):
         t_start = time.perf_counter()
+        outs.clear()
         if ahead is None:
             rollout.update_params(state.params, i)
             batch = rollout(rows, jax.random.fold_in(jax.random.key(SEED), i))
@@ -202,13 +221,35 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
                 "train_step": _cache_size(train_step),
             },
         }
+        step.update(decode_work(outs))
+        step["rollout_s_per_useful_token"] = step["rollout_s"] / max(step["useful_tokens"], 1)
         step["staleness"] = i - batch.host.policy_version
         step["rollout_wait_s"] = t_update - t_start
         steps.append(step)
         print(f"grpax step {i}: " + json.dumps(step), flush=True)
     if ahead is not None:
         ahead.close()
+    rollout_module.generate = sampled
     return {"setup_s": setup_s, "steps": steps}
+
+
+def decode_work(outs) -> dict:
+    """Useful tokens, decode row-steps and the fraction of them past EOS of one step's sampler outputs."""
+    useful = sum(int(np.asarray(o.lengths).sum()) for o in outs)
+    row_steps = 0
+    for o in outs:
+        lengths = np.asarray(o.lengths)
+        # counted by the sampler; else every row ran every step (the loop ends when the longest row does)
+        row_steps += getattr(o, "decode_row_steps", 0) or len(lengths) * (int(lengths.max()) - 1)
+    after_first = useful - sum(len(o.lengths) for o in outs)  # the first token comes from the prefill
+    # every row to the end, on the same rollout (retirement changes no token): the parent's decode work
+    full = sum(len(o.lengths) * (int(np.asarray(o.lengths).max()) - 1) for o in outs)
+    return {
+        "useful_tokens": useful,
+        "decode_row_steps": row_steps,
+        "past_eos": 1 - after_first / max(row_steps, 1),
+        "past_eos_without_retirement": 1 - after_first / max(full, 1),
+    }
 
 
 def write_hf_folder(params, cfg, tokenizer, folder: Path) -> None:
@@ -406,6 +447,11 @@ def main() -> None:
         help="comma-separated max_staleness values run side by side on the same batches (e.g. 0,1: the "
         "synchronous step and rollouts one step ahead in a thread); each adds a 'grpax@N' row",
     )
+    ap.add_argument(
+        "--stop_tokens",
+        action="store_true",
+        help="grpax stops rows at the model's stop tokens (TRL still decodes new_tokens: use with --skip_trl)",
+    )
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")
     ap.add_argument("--json_out", default="")
@@ -485,6 +531,19 @@ def main() -> None:
         f"{roof['update_s']:>8.1f}   (vocab projection = {roof['vocab_fraction_of_fwd_flops']:.0%} of forward FLOPs)"
     )
     results["summary"] = summary
+    print("\ndecode work (steady medians): rollout ms per useful token, useful tokens, past-EOS row-steps")
+    for name in names:
+        if name in results and name != "trl":
+            steady_steps = results[name]["steps"][args.warmup_steps :]
+            work = {
+                k: _median(steady_steps, k)
+                for k in ("rollout_s_per_useful_token", "useful_tokens", "past_eos")
+            }
+            summary[name].update(work)
+            print(
+                f"{name:<9}{1e3 * work['rollout_s_per_useful_token']:>8.1f} ms {work['useful_tokens']:>8.0f}"
+                f"{work['past_eos']:>8.1%}"
+            )
     if any(n.startswith("grpax@") for n in summary):
         print(
             "\noverlap = (rollout + reference + rewards + update) / step: above 1 when the rollout thread hides "

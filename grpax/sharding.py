@@ -497,11 +497,27 @@ def cache_sharding(
 # -------------------------------------------------------------------------------------- trainer -> sampler
 
 
+def rounded_dtype(dtype: Any, compute_dtype: Any) -> np.dtype:
+    """``compute_dtype`` for a floating ``dtype`` wider than it (None: ``dtype``), else ``dtype``."""
+    dtype = np.dtype(dtype)
+    if compute_dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return dtype
+    compute_dtype = jax.numpy.dtype(compute_dtype)
+    return compute_dtype if dtype.itemsize > compute_dtype.itemsize else dtype
+
+
+def narrow(x: Any, dtype: Any) -> Any:
+    """``x`` rounded to ``dtype`` when it is a wider floating array (``rounded_dtype``), else ``x`` itself."""
+    target = rounded_dtype(x.dtype, dtype)
+    return x if target == x.dtype else x.astype(target)
+
+
 def reshard_for_rollout(
     params: Params,
     trainer_mesh: Mesh,
     rollout_mesh: Mesh,
     rules: Sequence[tuple[str, MeshAxes]] = LOGICAL_AXIS_RULES,
+    dtype: Any = None,
 ) -> tuple[Params, float]:
     """The trainer's params laid out for the sampler's mesh.
 
@@ -509,12 +525,16 @@ def reshard_for_rollout(
       params: the params tree placed on ``trainer_mesh``.
       trainer_mesh: the trainer's mesh.
       rollout_mesh: the sampler's mesh (``create_rollout_mesh``).
+      dtype: the model's compute dtype (``ModelConfig.dtype``), or None: when the weights are copied, wider
+        floating weights (float32 master weights) are copied rounded to it, as the sampler reads them
+        anyway (its forward and ``prepare_decode`` round every weight to the compute dtype): half the bytes
+        moved and held, and no second, rounded copy in the decode.
 
     Returns:
       (params on the rollout layout, seconds spent copying). When every weight already has an equivalent
       layout (same devices, same split) the very same ``params`` object is returned with 0.0 seconds: no
-      copy. Otherwise the weights are copied (``jax.device_put``, blocked until done), so trainer and
-      sampler copies coexist while sampling.
+      copy. Otherwise the weights are copied (``jax.device_put``, blocked until done; rounded leaf by leaf on
+      the trainer's devices first with ``dtype``), so trainer and sampler copies coexist while sampling.
     """
     if trainer_mesh is rollout_mesh:
         return params, 0.0
@@ -528,7 +548,9 @@ def reshard_for_rollout(
     if same:
         return params, 0.0
     start = time.perf_counter()
-    out = jax.block_until_ready([_put(x, s) for x, s in zip(leaves, target_leaves, strict=True)])
+    out = jax.block_until_ready(
+        [_put(narrow(x, dtype), s) for x, s in zip(leaves, target_leaves, strict=True)]
+    )
     seconds = time.perf_counter() - start
     log.info("resharded params for rollout in %.3f s", seconds)
     return treedef.unflatten(out), seconds

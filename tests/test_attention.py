@@ -172,3 +172,18 @@ def test_models_import_nothing_from_above():
             for name in names:
                 if name.startswith("grpax"):
                     assert name.startswith("grpax.models") or name == "grpax.errors", (path.name, name)
+
+
+def test_decode_scores_as_a_matmul_equal_the_multiply_reduce():
+    # Accelerators score the cache with a matmul (no float32 copy of the keys per step), CPU with a multiply-
+    # reduce: the same scores, for a float32 cache exactly up to summation order, for a bfloat16 cache as the
+    # reduce of the query rounded to bfloat16.
+    kq, kk = jax.random.split(jax.random.key(0))
+    q1 = jax.random.normal(kq, (3, 2, 4, 16), jnp.float32)  # [B, K, G, H]
+    keys = jax.random.normal(kk, (3, 2, 16, 40), jnp.float32)  # [B, K, H, S]
+    np.testing.assert_allclose(
+        attention._scores_dot(q1, keys), attention._scores_reduce(q1, keys), rtol=1e-5, atol=1e-5
+    )
+    k16 = keys.astype(jnp.bfloat16)
+    want = attention._scores_reduce(q1.astype(jnp.bfloat16).astype(jnp.float32), k16)
+    np.testing.assert_allclose(attention._scores_dot(q1, k16), want, rtol=1e-5, atol=1e-5)

@@ -341,3 +341,39 @@ def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
     cache = init_cache(cfg, 2, 8, cache_dtype)  # stacked: the scanned layers' carry keeps bfloat16
     hidden, _ = forward(p, jnp.ones((2, 3), jnp.int32), cfg, cache=cache, return_hidden=True)
     assert hidden.dtype == jnp.bfloat16
+
+
+def _retired_row_steps(lengths, B, C, phase_length):
+    """Rows x decode steps of the retiring decode, replayed from the completion lengths: before each phase the
+    rows with length > the phase's first step still run, in the smallest halving of B that holds them."""
+    buckets = [B]
+    while buckets[-1] % 2 == 0:
+        buckets.append(buckets[-1] // 2)
+    total, rows, start = 0, B, 1
+    for end in [*range(phase_length, C, phase_length), C]:
+        live = int((lengths > start).sum()) if start > 1 else B
+        if live == 0:
+            break
+        rows = min(rows, min(b for b in buckets if b >= live))
+        total += rows * (min(end, int(lengths.max())) - start)
+        start = end
+    return total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retired_rows_give_the_same_rollout(params, backend):
+    # Rows finishing between step 2 and 40: the retiring decode (rows gathered into 12, then 6, ... between
+    # phases of 4 steps) must sample what every row decoded to the end samples, bit for bit.
+    prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
+    sc = _sc(greedy=False, temperature=0.9, top_k=50, stop_token_ids=(0,), max_completion_length=40,
+             decode_phase_length=4, backend=backend)  # fmt: skip
+    retired = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
+    full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
+    np.testing.assert_array_equal(retired.completion_ids, full.completion_ids)
+    np.testing.assert_array_equal(retired.completion_mask, full.completion_mask)
+    np.testing.assert_array_equal(retired.logprobs, full.logprobs)
+    assert retired.finish_reason == full.finish_reason
+    lengths = full.lengths
+    assert lengths.min() <= 3 and lengths.max() == 40 and (lengths == 40).sum() < 6  # rows end far apart
+    assert full.decode_row_steps == 24 * 39  # every row runs every step
+    assert retired.decode_row_steps == _retired_row_steps(lengths, 24, 40, 4) < 0.7 * full.decode_row_steps

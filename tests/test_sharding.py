@@ -379,6 +379,13 @@ def test_rollout_mesh_and_reshard(params):
     for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    # With the compute dtype the copy holds the float32 weights rounded to bfloat16 (what the sampler reads).
+    rounded, _ = sh.reshard_for_rollout(on_trainer, trainer, rollout, dtype="bfloat16")
+    assert rounded["layers"]["wq"].sharding.spec == P(None, None, "tensor")
+    for a, b in zip(jax.tree.leaves(rounded), jax.tree.leaves(params), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
 
 @on_8_devices
 def test_batch_cache_and_optimizer_state_shardings(params):
@@ -426,6 +433,37 @@ def test_sharded_greedy_generate_equals_unsharded(dp, tp, params):
     assert len(out["completion_ids"].sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(out["completion_ids"]), np.asarray(expected["completion_ids"]))
     np.testing.assert_array_equal(np.asarray(out["completion_mask"]), np.asarray(expected["completion_mask"]))
+    np.testing.assert_allclose(
+        np.asarray(out["logprobs"]), np.asarray(expected["logprobs"]), atol=1e-5, rtol=0
+    )
+
+
+@on_8_devices
+@pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4)])
+def test_sharded_retiring_rollout_equals_unsharded_full_one(dp, tp, params):
+    # Sampled rows that stop at different steps: the sharded rollout retiring rows between phases of 3 steps
+    # (gathered rows stay a multiple of the data axis: 8, 4, 2 with dp = 2) samples what one device decoding
+    # every row to the end samples.
+    import dataclasses
+
+    from grpax.sampler.engine import SamplerConfig, generate_padded
+
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=15, temperature=0.9,
+                       stop_token_ids=tuple(range(0, CFG.vocab_size, 6)), decode_phase_length=3)  # fmt: skip
+    prompts = jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size)
+    lengths = jnp.array([8, 3, 5, 1, 8, 2, 7, 4], jnp.int32)
+    key = jax.random.key(6)
+    expected = generate_padded(params, prompts, lengths, key, CFG, dataclasses.replace(sc, retire_rows=False))
+    mesh = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=dp, rollout_tensor_parallelism=tp))
+    with jax.set_mesh(mesh):
+        out = generate_padded(
+            sh.shard_params(params, CFG, mesh), *sh.shard_batch((prompts, lengths), mesh), key, CFG, sc
+        )
+    got_lengths = np.asarray(expected["lengths"])
+    assert got_lengths.min() <= 3 and got_lengths.max() >= 7  # rows end in the first and the third phase
+    assert int(out["decode_row_steps"]) < int(expected["decode_row_steps"])  # some were retired
+    for name in ("completion_ids", "completion_mask", "lengths"):
+        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(expected[name]))
     np.testing.assert_allclose(
         np.asarray(out["logprobs"]), np.asarray(expected["logprobs"]), atol=1e-5, rtol=0
     )

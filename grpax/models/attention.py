@@ -177,6 +177,20 @@ def chunked_attention(
     return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
 
 
+def _scores_reduce(q1: jax.Array, cache_k: jax.Array) -> jax.Array:
+    """float32 [B, K, G, S] scores of q1 float32 [B, K, G, H] over keys [B, K, H, S]: a multiply-reduce over H in
+    float32 (XLA:CPU vectorises it over the slots)."""
+    return jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)
+
+
+def _scores_dot(q1: jax.Array, cache_k: jax.Array) -> jax.Array:
+    """``_scores_reduce`` as a matmul on the cache's dtype accumulated in float32: the TPU compiler turned the
+    multiply-reduce into a float32 copy of every layer's keys at every decode step (docs/scaling.md)."""
+    return jnp.einsum(
+        "BKGH,BKHS->BKGS", q1.astype(cache_k.dtype), cache_k, preferred_element_type=jnp.float32
+    )
+
+
 def cached_attention(
     q: jax.Array,
     cache_k: jax.Array,
@@ -211,7 +225,7 @@ def cached_attention(
     if T == 1:
         q1 = q.reshape(B, K, N // K, H).astype(jnp.float32)  # [B, K, G, H]
         q1 = q1 / math.sqrt(H) if scale is None else q1 * scale
-        scores = jnp.sum(q1[..., None] * cache_k[:, :, None].astype(jnp.float32), axis=3)  # [B, K, G, S]
+        scores = jax.lax.platform_dependent(q1, cache_k, cpu=_scores_reduce, default=_scores_dot)
         scores = softcap(scores, cap)
         scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)

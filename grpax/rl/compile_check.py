@@ -253,6 +253,13 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         _same_layout(a, b)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
     )
+    if not same:  # reshard_for_rollout copies them rounded to the compute dtype
+        rollout_params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, sharding.rounded_dtype(x.dtype, model_cfg.dtype), sharding=x.sharding
+            ),
+            rollout_params,
+        )
     stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
     rows = cfg.batch_size * grpo.num_generations

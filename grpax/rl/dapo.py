@@ -123,4 +123,5 @@ def take_groups(
         lengths=cat["lengths"][rows],
         finish_reason=[finish[i] for i in rows],
         prompt_indices=prompt_indices[groups],
+        decode_row_steps=sum(o.decode_row_steps for o in outs),  # the decode work of every round
     )

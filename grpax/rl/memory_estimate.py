@@ -11,8 +11,9 @@ temporaries of each function, from the shapes of what it holds at its largest:
   inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
   micro-batches, a second gradient tree (the running sum);
 * reference logprobs: one layer's gathered weights, its activations, three chunks of logits, the output;
-* prefill: the cache of the prompts and one layer's activations; decode: the per-layer copy of the weights
-  in the compute dtype (``prepare_decode``), the grown cache, the rows' logits (float32, three copies).
+* prefill: the cache of the prompts and one layer's activations; decode: a copy of the weights in the
+  compute dtype only where wider weights reach it unrounded (``prepare_decode``: no copy to the sampler's
+  layout, which rounds them), the grown cache, the rows' logits (float32, three copies).
 
 With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_param`` bytes per parameter),
 the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import AbstractMesh
 
 from grpax import sharding
@@ -107,7 +109,11 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
     prefill = job.kv_cache * s.prompt_length / (s.prompt_length + s.completion_length)
     prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
-    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w + job.kv_cache
+    # The decode reads each layer's weights in place; only weights wider than the compute dtype that reached
+    # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
+    rollout_w = max(x.dtype.itemsize for x in jax.tree.leaves(job.rollout_params))
+    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w if rollout_w > act else 0
+    decode += job.kv_cache
     decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
     estimates = [("update", update)]
     if job.merged_copy:  # the float32 W + s * A @ B of every adapted weight, all layers at once

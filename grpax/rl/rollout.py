@@ -152,7 +152,9 @@ class Rollout:
         t0 = time.perf_counter()
         params = self.params
         if self.mesh is not None and self.rollout_mesh is not None:
-            params, reshard_s = sharding.reshard_for_rollout(params, self.mesh, self.rollout_mesh)
+            params, reshard_s = sharding.reshard_for_rollout(
+                params, self.mesh, self.rollout_mesh, dtype=self.model_cfg.dtype
+            )
             self._times["time/reshard_s"] += reshard_s
         prompts = [row["prompt_ids"] for row in rows]
         with mesh_context(self.rollout_mesh or self.mesh):

@@ -128,6 +128,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     decode_sampling_nucleus_p: float = field(
         1.0, "top-p of rollout sampling (1.0 = off; any other value biases as top-k)"
     )
+    decode_retire_rows: bool = field(
+        True,
+        "between decode phases, decode only the rows still running (gathered into half, a quarter, ... of the "
+        "rows); the same rollout as false, with less decode work on finished rows",
+    )
     seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
@@ -202,6 +207,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
             top_k=self.decode_sampling_top_k,
             top_p=self.decode_sampling_nucleus_p,
             greedy=False,
+            retire_rows=self.decode_retire_rows,
         )
 
 

@@ -41,10 +41,16 @@ class XlaBackend:
     Attributes:
       name: "xla" or "cpu".
       compiler_options: XLA compiler options of the sampler's jits, as (key, value) pairs.
+      prepares_once: see the field's comment.
     """
 
     name: str = "xla"
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # Whether a decode made of several programs (the retiring decode's phases) runs ``prepare_decode`` once,
+    # in a program of its own, and passes its output on (costly preparations: the CPU kernels' packing), or
+    # inside each phase's program, where the compiler reads the weights in place instead of materialising a
+    # prepared copy of them (this backend's layout change and rounding).
+    prepares_once: bool = False
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> Any:
         """Static prefill choices made on the host from the concrete prompts (hashable; None: nothing to choose).
@@ -88,17 +94,19 @@ class XlaBackend:
     def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int) -> Any:
         """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
 
-        Layers unrolled with per-layer weights and cache buffers: scanning stacked layers copies each layer's
-        weights and cache slice at every step (~2x slower on CPU), at the cost of a longer compile. Weights
-        wider than the compute dtype (float32 master weights, bfloat16 compute) are rounded to it here, once,
-        as the forward rounds them at every use: the same values, and each decode step reads half the bytes.
+        Weights wider than the compute dtype (float32 master weights, bfloat16 compute) are rounded to it here,
+        once, as the forward rounds them at every use: the same values, and each decode step reads half the
+        bytes (a no-op for the rollout's copy, which ``reshard_for_rollout`` already rounds). The layout is
+        left as it is: ``decode_step`` slices each layer out of stacked weights itself, inside the step, where
+        the TPU compiler reads it in place; cut into per-layer buffers here, outside the loop, they were a
+        second copy of every weight (docs/scaling.md).
 
         Args:
           num_slots: the most cache slots the loop reaches (P + C).
         """
         dtype = jnp.dtype(cfg.dtype)
         narrow = lambda x: x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x  # noqa: E731
-        return jax.tree.map(narrow, convert_layout(params, cfg, scan_layers=False))
+        return jax.tree.map(narrow, params)
 
     def decode_step(
         self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
@@ -113,10 +121,13 @@ class XlaBackend:
         Returns:
           (float32 logits [B, V], the updated cache).
         """
+        # Layers unrolled with per-layer cache buffers (scanning stacked layers copied each layer's weights and
+        # cache slice at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
+        params = convert_layout(prepared, cfg, scan_layers=False)
         hidden, cache = forward(
-            prepared, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
+            params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
         )
-        return logits_from_hidden(prepared, hidden[:, 0], cfg), cache
+        return logits_from_hidden(params, hidden[:, 0], cfg), cache
 
 
 def _param_devices(params: Params) -> set | None:

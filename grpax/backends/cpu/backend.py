@@ -223,6 +223,7 @@ class CpuBackend:
 
     name: str = "cpu"
     compiler_options: tuple[tuple[str, str], ...] = ()
+    prepares_once: bool = True  # packing the weights costs as much as many decode steps
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> tuple[int, int]:
         """(packed length, shared prefix length A) for right-padded prompts [B, P] of these lengths."""

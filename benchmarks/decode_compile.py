@@ -1,0 +1,179 @@
+"""The sampler's decode loop compiled for a TPU slice: its temporaries per chip and the copies in its HLO.
+
+Compiles only ``grpax.sampler.engine.decode`` (every phase, all rows: the program ``compile_topology`` sizes) of a
+``grpax train_rl`` job for ``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU
+and no weights needed), from an abstract prefilled cache placed as the prefill leaves it, and prints per chip
+the decode's temporaries and arguments, and the data movement the compiler left in the program: every
+``copy`` / ``copy-start`` in HBM (prefetches into on-chip memory, memory space 1, are not counted) and every
+fusion whose output is at least ``--min_mib`` MiB (weight- or cache-sized),
+inside the decode loops (executed at every step) and outside them (once per call), with their bytes. Faster
+than the whole job's compile (no update, no prefill).
+
+To compare with another commit, save its HLO there and count it here (the same counter for both):
+
+  PYTHONPATH=<other worktree> python benchmarks/decode_compile.py --save_hlo /tmp/before --no_count \\
+      model_name=llama3.2-1b compile_topology=v6e-8
+  python benchmarks/decode_compile.py --count /tmp/before/decode.hlo model_name=llama3.2-1b compile_topology=v6e-8
+
+Usage: python benchmarks/decode_compile.py [--save_hlo DIR] [--no_count] [--count FILE] [--min_mib 16] KEY=VALUE...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpax import sharding
+from grpax.config import build_config
+from grpax.rl import compile_check
+from grpax.rl.train_config import TrainConfig
+from grpax.sampler import engine
+from grpax.sampler.backend import select_backend
+from grpax.topology import get_topology
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
+_SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64)\[([0-9,]*)\]")
+_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.+?) (copy|copy-start|fusion|dynamic-update-slice)\(")
+
+
+def _bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(shape_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m and not line.startswith(" "):
+            name = m.group(2)
+            out[name] = []
+        elif name is not None and line.startswith(" "):
+            out[name].append(line)
+    return out
+
+
+def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int]]]:
+    """The copies and large fusions of the decode's HLO, split into those inside a while loop's body (every
+    step) and those outside: {"loop": [(kind, name, bytes)], "once": [...]}."""
+    comps = _computations(text)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    # computations called from a body (fusions, nested calls) belong to it; the kinds are counted where called
+    out = {"loop": [], "once": []}
+    for name, lines in comps.items():
+        if name.startswith(("fused_", "wrapped_")) or ".clone" in name and name not in bodies:
+            continue
+        where = "loop" if name in bodies else "once"
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            kind, result = m.group(4), m.group(3)
+            if kind == "copy-start":  # (source, destination, context): count the destination
+                result = result.split("}, ")[1] if "}, " in result else result
+            if kind in ("copy", "copy-start") and "S(1)" in result:
+                kind = "to on-chip memory"  # a prefetch into VMEM (memory space 1), not an HBM copy
+            size = _bytes(result)
+            if kind in ("copy", "copy-start") or size >= min_bytes:
+                out[where].append((kind, m.group(2), size))
+    return out
+
+
+def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
+    """(the decode's optimised HLO text, its memory analysis) compiled for ``cfg.compile_topology``
+    (``num_layers``: the model cut to that many layers, for a quicker look; 0 = all)."""
+    topology = get_topology(cfg.compile_topology, 1, cfg.chips_per_vm or 0)
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
+    meshes = sharding.create_meshes(mesh_cfg, topology.devices)
+    model_cfg = compile_check.model_config(cfg)
+    if num_layers:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
+    job = compile_check.build_job(cfg, *meshes, model_cfg)
+    model_cfg, sc, mesh = job.model_cfg, job.sampler_cfg, job.rollout_mesh
+    rows = cfg.batch_size * cfg.grpo().num_generations
+    slots = cfg.max_prefill_predict_length + engine._phase_ends(sc)[0]  # the prefill's cache: P + first phase
+    kv = sharding.cache_sharding(model_cfg, mesh, rows, slots)
+    dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
+    K, H = model_cfg.num_kv_heads, model_cfg.head_dim
+
+    def layer(shape, stacked):  # one layer's buffer, placed as the stacked cache's rules place it
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*stacked.spec[1:])))
+
+    cache = {
+        "k": [layer((rows, K, H, slots), kv["k"]) for _ in range(model_cfg.num_layers)],
+        "v": [layer((rows, K, slots, H), kv["v"]) for _ in range(model_cfg.num_layers)],
+    }
+    row_axes = kv["k"].spec[1] if len(kv["k"].spec) > 1 else None
+    logits = jax.ShapeDtypeStruct(
+        (rows, model_cfg.vocab_size), jnp.float32, sharding=NamedSharding(mesh, P(row_axes, None))
+    )
+    replicated = NamedSharding(mesh, P())
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
+    params = job.rollout_params
+    backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        compiled = engine.decode.lower(params, cache, logits, lengths, key, model_cfg, sc, backend).compile()
+        print(f"decode compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    return compiled.as_text(), compiled.memory_analysis()
+
+
+def report(text: str, min_bytes: int) -> None:
+    moves = count_moves(text, min_bytes)
+    for where, label in (("loop", "inside the decode loops (every step)"), ("once", "outside them (once)")):
+        items = moves[where]
+        copies = [m for m in items if m[0] in ("copy", "copy-start")]
+        big = sorted((m for m in items if m[2] >= min_bytes), key=lambda m: -m[2])
+        print(
+            f"{label}: {len(copies)} copies, {sum(m[2] for m in copies) / 2**30:.3f} GiB; "
+            f"{len(big)} ops with an output >= {min_bytes / 2**20:.0f} MiB, {sum(m[2] for m in big) / 2**30:.3f} GiB"
+        )
+        for kind, name, size in big[:12]:
+            print(f"    {kind:<22}{name:<48}{size / 2**20:>10.1f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--save_hlo", default="", help="folder to write decode.hlo into")
+    ap.add_argument("--no_count", action="store_true", help="compile and save only (another commit's tree)")
+    ap.add_argument("--count", default="", help="count this saved .hlo file; compile nothing")
+    ap.add_argument("--num_layers", type=int, default=0, help="cut the model to this many layers (0 = all)")
+    ap.add_argument(
+        "--min_mib", type=float, default=16.0, help="list ops whose output is at least this large"
+    )
+    args, keys = ap.parse_known_args()
+    cfg = build_config(TrainConfig, keys)
+    min_bytes = int(args.min_mib * 2**20)
+    if args.count:
+        report(Path(args.count).read_text(), min_bytes)
+        return
+    text, memory = compile_decode(cfg, args.num_layers)
+    print(
+        f"decode per chip: temporaries {memory.temp_size_in_bytes / 2**30:.3f} GiB "
+        f"({memory.temp_size_in_bytes:,} bytes), arguments {memory.argument_size_in_bytes / 2**30:.3f} GiB, "
+        f"outputs {memory.output_size_in_bytes / 2**30:.3f} GiB, aliased {memory.alias_size_in_bytes / 2**30:.3f} GiB"
+    )
+    if args.save_hlo:
+        Path(args.save_hlo).mkdir(parents=True, exist_ok=True)
+        (Path(args.save_hlo) / "decode.hlo").write_text(text)
+    if not args.no_count:
+        report(text, min_bytes)
+
+
+if __name__ == "__main__":
+    main()
