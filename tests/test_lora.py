@@ -265,8 +265,25 @@ def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
     token likely (measured: 0.06 -> 0.06); with the head at std 0.2 the adapters plateau near 0.5 (0.44-0.55 over
     lr 0.005-0.02, rank 8-32, 50-80 steps); at std 0.5, 0.02 -> 0.65 (the MLP's three modules alone: 0.74).
     """
+    curve, kls = toy_lora_run(tmp_path, lora_lib.LoraConfig(rank=16, alpha=32.0))
+    first, last = np.mean(curve[:5]), np.mean(curve[-5:])
+    print(
+        f"LoRA toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}, kl {kls[0]:.2e} -> {kls[-1]:.3f}"
+    )
+    assert first < 0.25
+    assert (
+        kls[0] < 1e-6 < kls[-1]
+    )  # the reference is the base: KL 0 at the start, growing as the adapters learn
+    assert last > 0.6, curve
+
+
+def toy_lora_run(tmp_path, lora, base_dtype: str = "", num_steps: int = 50):
+    """50 GRPO steps of tests/test_learning.py's count-on task trained by adapters only (``lora``; QLoRA's base
+    quantised to ``base_dtype``); returns the per-step mean rewards and KLs. The base's head and embeddings are
+    scaled up as the docstring above explains; the reference is ``Policy.base``."""
     from test_learning import V, toy_rows, toy_scorer, toy_task
 
+    from grpax.models.quantize import QuantizedWeight
     from grpax.rl.rollout import Rollout
     from grpax.rl.train_step import make_update
     from grpax.rl.trainer import step_metrics
@@ -276,15 +293,14 @@ def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
         vocab_size=V, hidden_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
         tie_word_embeddings=False,
     )  # fmt: skip
-    num_steps = 50
     grpo = GRPOConfig(
         num_generations=8, beta=0.04, learning_rate=1e-2, warmup_ratio=0.0, lr_schedule="constant",
         max_grad_norm=1.0, weight_decay=0.0, temperature=1.0,
     )  # fmt: skip
-    lora = lora_lib.LoraConfig(rank=16, alpha=32.0)
     base = init_params(cfg, jax.random.key(0))
     base = {**base, "lm_head": base["lm_head"] * 25, "embed": base["embed"] * 50}
-    policy = Policy(lora, base)
+    policy = Policy(lora, base, base_dtype=base_dtype)
+    assert isinstance(policy.base["layers"]["wq"], QuantizedWeight) == bool(base_dtype)  # QLoRA: all seven
     optimizer, schedule = optimizer_from_config(grpo, num_steps)
     adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
     state = TrainState(params=adapters, opt_state=optimizer.init(adapters), step=jnp.zeros((), jnp.int32))
@@ -303,15 +319,7 @@ def test_lora_grpo_raises_reward_on_the_toy_task(tmp_path):
         assert not metrics["nonfinite"]
         curve.append(metrics["rewards/total/mean"])
         kls.append(metrics["kl"])
-    first, last = np.mean(curve[:5]), np.mean(curve[-5:])
-    print(
-        f"LoRA toy reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}, kl {kls[0]:.2e} -> {kls[-1]:.3f}"
-    )
-    assert first < 0.25
-    assert (
-        kls[0] < 1e-6 < kls[-1]
-    )  # the reference is the base: KL 0 at the start, growing as the adapters learn
-    assert last > 0.6, curve
+    return curve, kls
 
 
 def test_lora_gradients_are_the_full_gradient_projected():

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("qwix")
 
-from test_lora import _batch, _cfg, _run_cfg, _trained_like  # noqa: E402
+from test_lora import _batch, _cfg, _run_cfg, _trained_like, toy_lora_run  # noqa: E402
 
 from grpax.checkpoint.orbax import save_params  # noqa: E402
 from grpax.config import ConfigError, build_config  # noqa: E402
@@ -290,45 +290,8 @@ def test_qlora_grpo_raises_reward_on_the_toy_task(tmp_path, qtype):
     steps: nf4 0.68 at steps 15-25, 0.09 at 40-45, 0.54 at 45-50; int8 flat at 0.50-0.52 from step 15); with
     the MLP's: int8 0.71 and nf4 0.74 at 45-50, both above 0.7 from step 20 on.
     """
-    from test_learning import V, toy_rows, toy_scorer, toy_task
-
-    from grpax.rl.rollout import Rollout
-    from grpax.rl.train_step import make_update
-    from grpax.rl.trainer import step_metrics
-    from grpax.sampler.engine import SamplerConfig
-
-    cfg = ModelConfig(
-        vocab_size=V, hidden_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    num_steps = 50
-    grpo = GRPOConfig(
-        num_generations=8, beta=0.04, learning_rate=1e-2, warmup_ratio=0.0, lr_schedule="constant",
-        max_grad_norm=1.0, weight_decay=0.0, temperature=1.0,
-    )  # fmt: skip
     lora = lora_lib.LoraConfig(rank=16, alpha=32.0, target_modules=("gate_proj", "up_proj", "down_proj"))
-    base = init_params(cfg, jax.random.key(0))
-    base = {**base, "lm_head": base["lm_head"] * 25, "embed": base["embed"] * 50}
-    policy = Policy(lora, base, "", qtype)
-    assert isinstance(policy.base["layers"]["wq"], quant.QuantizedWeight)  # all seven quantised
-    optimizer, schedule = optimizer_from_config(grpo, num_steps)
-    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
-    state = TrainState(params=adapters, opt_state=optimizer.init(adapters), step=jnp.zeros((), jnp.int32))
-    step = make_train_step(cfg, grpo, optimizer, 1, schedule, lora=lora, base=policy.base)
-    update = make_update(step, grpo.num_iterations)
-    sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
-    rollout = Rollout(cfg, sampler_cfg, grpo, toy_scorer(toy_task(tmp_path)), reference=policy.base)
-    rng = np.random.default_rng(0)
-    curve, kls = [], []
-    for i in range(num_steps):
-        prompts = [rng.integers(1, V, size=rng.integers(3, 8)).tolist() for _ in range(8)]
-        rollout.update_params(policy.sampler_params(state.params), i)
-        batch = rollout(toy_rows(prompts), jax.random.key(i))
-        state, update_metrics = update(state, batch)
-        metrics = step_metrics(batch, update_metrics, {"time/train_s": 1.0, "time/step_s": 1.0})
-        assert not metrics["nonfinite"]
-        curve.append(metrics["rewards/total/mean"])
-        kls.append(metrics["kl"])
+    curve, kls = toy_lora_run(tmp_path, lora, qtype)
     first, last = np.mean(curve[:5]), np.mean(curve[-5:])
     print(
         f"QLoRA ({qtype}) toy reward: first 5 {first:.3f}, last 5 {last:.3f}, kl {kls[0]:.2e} -> {kls[-1]:.3f}"
