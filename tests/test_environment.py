@@ -33,6 +33,46 @@ def test_calculator_environment_tag_turns():
     assert (env.calls, env.errors) == (2, 1)
 
 
+def test_tool_call_reward_is_paid_once_per_trajectory_for_a_call_that_works():
+    # tool_call_reward=0.5: the first call that returns a value earns 0.5; an error, a later call and the
+    # final answer earn nothing; a fresh trajectory (a new environment) earns it again.
+    env = calculator_environment("tags", call_reward=0.5)
+    assert env.step("<calculator>2 ** 1000</calculator>") == (
+        "<result>error: exponent 1000 is larger than 64</result>\n",
+        0.0,
+        False,
+    )
+    assert env.step("<calculator>6 * 8</calculator>") == ("<result>48</result>\n", 0.5, False)
+    assert env.step("<calculator>48 + 2</calculator>") == ("<result>50</result>\n", 0.0, False)
+    assert env.step("So <answer>50</answer>") == (None, 0.0, True)
+    assert (env.calls, env.errors, env.successes) == (3, 1, 2)
+    chat = load_environment("calculator", "", "chat", 1.0, 0.25)()
+    assert chat.step('{"name": "search", "arguments": {}}')[1] == 0.0  # an unknown tool is an error
+    assert chat.step('{"name": "calculator", "arguments": {"expression": "7/2"}}') == ("3.5", 0.25, False)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"tool_call_reward": 0.5}, "tool_call_reward=0.5 applies to the built-in tool environments"),
+        (
+            {"tool_call_reward": 0.5, "environment": "Guess", "environment_path": "env.py"},
+            "tool_call_reward=0.5 applies to the built-in tool environments",
+        ),
+        (
+            {"tool_call_reward": float("nan"), "environment": "calculator"},
+            "tool_call_reward=nan: expected a finite",
+        ),
+    ],
+)
+def test_tool_call_reward_keys(keys, message):
+    from grpax.tasks import TaskConfig, validate_environment_keys
+
+    with pytest.raises(ConfigError, match=message):
+        validate_environment_keys(TaskConfig(**keys))
+    validate_environment_keys(TaskConfig(environment="calculator", tool_call_reward=0.5))
+
+
 def _observations_shown(example: str) -> tuple[list[str], str]:
     """Each calculator call of ``example`` through the environment, checking that the text after the call is
     the environment's observation; returns the observations and the text after the last."""
