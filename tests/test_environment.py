@@ -249,15 +249,36 @@ CHATML_TOOLS = (
 )
 
 
+# Llama 3.1's layout: tools declared in the system turn, a call as the assistant's whole turn
+# ({"name": ..., "parameters": ...}), the result in an "ipython" turn, every turn closed by <|eot_id|>.
+LLAMA31_TOOLS = (
+    "<|begin_of_text|>{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "You have access to the following functions:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|eot_id|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' or m.role == 'ipython' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
 class _Tok:
-    """A tokenizer stand-in with a Qwen-like tool template (rendered by transformers' jinja)."""
+    """A tokenizer stand-in with a tool template (Qwen-like by default), rendered by jinja as transformers does."""
+
+    def __init__(self, template: str = CHATML_TOOLS):
+        self.template = template
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False):
         import jinja2
 
         env = jinja2.Environment()
         env.filters["tojson"] = lambda x: __import__("json").dumps(x)
-        return env.from_string(CHATML_TOOLS).render(
+        return env.from_string(self.template).render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
 
@@ -267,3 +288,21 @@ def test_chat_observation_is_the_templates_tool_turn():
     assert (
         text == "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_llama31_tool_format_round_trip():
+    # A Llama-3.1-shaped template: the call the template writes is the call parse_chat_tool_call reads, the
+    # calculator answers it, and the observation is the template's ipython turn, up to the next assistant turn.
+    tok, env = _Tok(LLAMA31_TOOLS), calculator_environment("chat")
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48 / 2 * 3"}}}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    rendered = tok.apply_chat_template(messages, tools=list(env.tools))
+    assert '"name": "calculator", "description": "Evaluates' in rendered  # the tools are declared
+    turn = rendered.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1]
+    assert turn == '{"name": "calculator", "parameters": {"expression": "48 / 2 * 3"}}<|eot_id|>'
+    assert parse_chat_tool_call(turn) == ("calculator", {"expression": "48 / 2 * 3"})
+    assert env.step(turn) == ("72", 0.0, False)
+    assert chat_observation(tok, "72", "<|eot_id|>", env.tools) == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n72<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert env.step("The answer is 72.<|eot_id|>") == (None, 0.0, True)  # no call: the final answer
