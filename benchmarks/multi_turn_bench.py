@@ -31,7 +31,7 @@ the calculator arm take turns. ``--max_prompt_length`` bounds the rendered promp
 
 Usage: python benchmarks/multi_turn_bench.py [--num_prompts 2] [--num_generations 4] [--budget 192]
        [--max_turns 4] [--max_turn_tokens 64] [--repeats 3] [--environment calculator|lines]
-       [--prompt_preset smollm2_demo] [--temperature 0.9] [--max_prompt_length 384]
+       [--prompt_preset smollm2_demo] [--temperature 0.9] [--beta 0.08] [--max_prompt_length 384]
        [--load_parameters_path DIR] [--json_out FILE] [--gsm8k_dir DIR]
 """
 
@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import add_gsm8k_dir_option, gsm8k_file  # noqa: E402
 
 PRESET = "smollm2_demo"
-TOP_K, BETA, SEED = 50, 0.08, 42
+TOP_K, SEED = 50, 42
 
 
 def load_batches(
@@ -159,6 +159,9 @@ def main() -> None:
     )
     ap.add_argument("--prompt_preset", default=PRESET, help="smollm2_demo | smollm2_calculator")
     ap.add_argument(
+        "--beta", type=float, default=0.08, help="KL coefficient (0: no reference model, 0.54 GB less)"
+    )
+    ap.add_argument(
         "--temperature", type=float, default=0.9, help="rollout temperature (both arms; top-k 50)"
     )
     ap.add_argument("--max_prompt_length", type=int, default=384, help="longest rendered prompt, tokens")
@@ -199,7 +202,7 @@ def main() -> None:
 
     grpo = GRPOConfig(
         num_generations=args.num_generations,
-        beta=BETA,
+        beta=args.beta,
         temperature=args.temperature,
         learning_rate=args.learning_rate,
         lr_schedule="constant",
@@ -216,7 +219,7 @@ def main() -> None:
         stop_token_ids=stop_token_ids(tokenizer, cfg),
         pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 2,
     )
-    reference = jax.tree.map(jnp.copy, params)
+    reference = jax.tree.map(jnp.copy, params) if args.beta else None  # beta 0: no reference pass
     turn_cfg = MultiTurnConfig(max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)
     arms = {
         "multi": MultiTurnRollout(
