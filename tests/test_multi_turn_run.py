@@ -62,6 +62,8 @@ def test_train_rl_with_the_calculator(tiny_checkpoint, tmp_path):
         num_test_batches=1,
         eval_before=False,
         environment="calculator",
+        max_prefill_predict_length=448,  # with the calculator instructions every GSM8K prompt is over 256
+        max_target_length=464,
     )
     assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
     run_dir = tmp_path / "run"
