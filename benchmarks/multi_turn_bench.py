@@ -24,9 +24,15 @@ rarely calls the calculator (a calculator step is then a single-turn step with p
 every trajectory takes its turns, so the machinery's cost (pauses, host round trips, observations fed into the
 cache) is what the ratio shows.
 
+With the calculator, ``--prompt_preset smollm2_calculator`` (an example that calls it), a low ``--temperature``
+(the untrained model calls it greedily on 4 of 32 test questions, at T 0.7 on none) and
+``--load_parameters_path`` (a checkpoint trained to call it, e.g. a ``train_rl`` run's ``model_params``) make
+the calculator arm take turns. ``--max_prompt_length`` bounds the rendered prompt (rows longer are skipped).
+
 Usage: python benchmarks/multi_turn_bench.py [--num_prompts 2] [--num_generations 4] [--budget 192]
        [--max_turns 4] [--max_turn_tokens 64] [--repeats 3] [--environment calculator|lines]
-       [--prompt_preset smollm2_demo] [--json_out FILE] [--gsm8k_dir DIR]
+       [--prompt_preset smollm2_demo] [--temperature 0.9] [--beta 0.08] [--max_prompt_length 384]
+       [--load_parameters_path DIR] [--json_out FILE] [--gsm8k_dir DIR]
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import numpy as np
 
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import load_params_from_tensors
+from grpax.checkpoint.orbax import load_model
 from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import stop_token_ids
 from grpax.models.registry import from_hf_config
@@ -63,11 +70,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import add_gsm8k_dir_option, gsm8k_file  # noqa: E402
 
 PRESET = "smollm2_demo"
-MAX_PROMPT_LENGTH = 384
-TEMPERATURE, TOP_K, BETA, SEED = 0.9, 50, 0.08, 42
+TOP_K, SEED = 50, 42
 
 
-def load_batches(task, tokenizer, path: Path, num_prompts: int, num_steps: int) -> list[list[dict]]:
+def load_batches(
+    task, tokenizer, path: Path, num_prompts: int, num_steps: int, max_prompt_length: int
+) -> list[list[dict]]:
     """``num_steps`` batches of ``num_prompts`` shuffled GSM8K rows, each with ``prompt_ids``: the prompt as the
     calculator environment renders it (what both arms prefill)."""
     rows = task.load_rows(str(path), "train")
@@ -77,7 +85,7 @@ def load_batches(task, tokenizer, path: Path, num_prompts: int, num_steps: int) 
     for i in order:
         row = dict(rows[i])
         row["prompt_ids"] = encode(tokenizer, render_prompt(tokenizer, env, row, task.preset))
-        if len(row["prompt_ids"]) <= MAX_PROMPT_LENGTH:
+        if len(row["prompt_ids"]) <= max_prompt_length:
             picked.append(row)
         if len(picked) == num_prompts * num_steps:
             break
@@ -150,6 +158,18 @@ def main() -> None:
         help="the multi-turn arm's: calculator (GSM8K's tool), or lines (every line answered: max_turns turns)",
     )
     ap.add_argument("--prompt_preset", default=PRESET, help="smollm2_demo | smollm2_calculator")
+    ap.add_argument(
+        "--beta", type=float, default=0.08, help="KL coefficient (0: no reference model, 0.54 GB less)"
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=0.9, help="rollout temperature (both arms; top-k 50)"
+    )
+    ap.add_argument("--max_prompt_length", type=int, default=384, help="longest rendered prompt, tokens")
+    ap.add_argument(
+        "--load_parameters_path",
+        default="",
+        help="native params (a train_rl run's checkpoints/actor/<step>/model_params); '' = the GGUF's",
+    )
     ap.add_argument("--json_out", default="")
     add_gsm8k_dir_option(ap)
     args = ap.parse_args()
@@ -160,21 +180,30 @@ def main() -> None:
     t0 = time.perf_counter()
     source = read_gguf(default_gguf_path())
     cfg = from_hf_config(source.hf_config, dtype="float32", weight_dtype="float32", remat_policy="full")
-    params = jax.device_put(load_params_from_tensors(source.get_tensor, source.has_tensor, cfg))
+    if args.load_parameters_path:
+        params, _, _ = load_model(args.load_parameters_path, cfg)
+        params = jax.device_put(params)
+    else:
+        params = jax.device_put(load_params_from_tensors(source.get_tensor, source.has_tensor, cfg))
     tokenizer = source.tokenizer()
     task = GSM8KTask(
         get_prompt_preset(args.prompt_preset), get_reward_config(PRESET), None, "question", "answer"
     )
     batches = load_batches(
-        task, tokenizer, gsm8k_file(args.gsm8k_dir, "train"), args.num_prompts, args.repeats + 1
+        task,
+        tokenizer,
+        gsm8k_file(args.gsm8k_dir, "train"),
+        args.num_prompts,
+        args.repeats + 1,
+        args.max_prompt_length,
     )
     prompt_len = float(np.mean([len(r["prompt_ids"]) for rows in batches for r in rows]))
     print(f"model load {time.perf_counter() - t0:.1f} s; mean prompt {prompt_len:.1f} tokens", flush=True)
 
     grpo = GRPOConfig(
         num_generations=args.num_generations,
-        beta=BETA,
-        temperature=TEMPERATURE,
+        beta=args.beta,
+        temperature=args.temperature,
         learning_rate=args.learning_rate,
         lr_schedule="constant",
         warmup_ratio=0.0,
@@ -183,14 +212,14 @@ def main() -> None:
     state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
     update = make_update(make_train_step(cfg, grpo, optimizer, 1, schedule), grpo.num_iterations)
     sampler_cfg = SamplerConfig(
-        max_prompt_length=MAX_PROMPT_LENGTH,
+        max_prompt_length=args.max_prompt_length,
         max_completion_length=args.budget,
-        temperature=TEMPERATURE,
+        temperature=args.temperature,
         top_k=TOP_K,
         stop_token_ids=stop_token_ids(tokenizer, cfg),
         pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else 2,
     )
-    reference = jax.tree.map(jnp.copy, params)
+    reference = jax.tree.map(jnp.copy, params) if args.beta else None  # beta 0: no reference pass
     turn_cfg = MultiTurnConfig(max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens)
     arms = {
         "multi": MultiTurnRollout(
@@ -231,7 +260,8 @@ def main() -> None:
         f"\nGRPO step, SmolLM2-135M-Instruct float32 {jax.default_backend()}, {args.num_prompts} prompts x "
         f"G={args.num_generations}, budget {args.budget} tokens after the prompt (multi-turn: environment "
         f"{args.environment}, prompt_preset {args.prompt_preset}, max_turns "
-        f"{args.max_turns}, max_turn_tokens {args.max_turn_tokens}), mean prompt {prompt_len:.0f} tokens; "
+        f"{args.max_turns}, max_turn_tokens {args.max_turn_tokens}), temperature {args.temperature}, params "
+        f"{args.load_parameters_path or 'GGUF'}, mean prompt {prompt_len:.0f} tokens; "
         f"median of {args.repeats} alternating repeats (first step of each arm, compiling: multi "
         f"{warm['multi']:.1f} s, single {warm['single']:.1f} s)"
     )

@@ -33,6 +33,46 @@ def test_calculator_environment_tag_turns():
     assert (env.calls, env.errors) == (2, 1)
 
 
+def test_tool_call_reward_is_paid_once_per_trajectory_for_a_call_that_works():
+    # tool_call_reward=0.5: the first call that returns a value earns 0.5; an error, a later call and the
+    # final answer earn nothing; a fresh trajectory (a new environment) earns it again.
+    env = calculator_environment("tags", call_reward=0.5)
+    assert env.step("<calculator>2 ** 1000</calculator>") == (
+        "<result>error: exponent 1000 is larger than 64</result>\n",
+        0.0,
+        False,
+    )
+    assert env.step("<calculator>6 * 8</calculator>") == ("<result>48</result>\n", 0.5, False)
+    assert env.step("<calculator>48 + 2</calculator>") == ("<result>50</result>\n", 0.0, False)
+    assert env.step("So <answer>50</answer>") == (None, 0.0, True)
+    assert (env.calls, env.errors, env.successes) == (3, 1, 2)
+    chat = load_environment("calculator", "", "chat", 1.0, 0.25)()
+    assert chat.step('{"name": "search", "arguments": {}}')[1] == 0.0  # an unknown tool is an error
+    assert chat.step('{"name": "calculator", "arguments": {"expression": "7/2"}}') == ("3.5", 0.25, False)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"tool_call_reward": 0.5}, "tool_call_reward=0.5 applies to the built-in tool environments"),
+        (
+            {"tool_call_reward": 0.5, "environment": "Guess", "environment_path": "env.py"},
+            "tool_call_reward=0.5 applies to the built-in tool environments",
+        ),
+        (
+            {"tool_call_reward": float("nan"), "environment": "calculator"},
+            "tool_call_reward=nan: expected a finite",
+        ),
+    ],
+)
+def test_tool_call_reward_keys(keys, message):
+    from grpax.tasks import TaskConfig, validate_environment_keys
+
+    with pytest.raises(ConfigError, match=message):
+        validate_environment_keys(TaskConfig(**keys))
+    validate_environment_keys(TaskConfig(environment="calculator", tool_call_reward=0.5))
+
+
 def _observations_shown(example: str) -> tuple[list[str], str]:
     """Each calculator call of ``example`` through the environment, checking that the text after the call is
     the environment's observation; returns the observations and the text after the last."""
@@ -209,15 +249,36 @@ CHATML_TOOLS = (
 )
 
 
+# Llama 3.1's layout: tools declared in the system turn, a call as the assistant's whole turn
+# ({"name": ..., "parameters": ...}), the result in an "ipython" turn, every turn closed by <|eot_id|>.
+LLAMA31_TOOLS = (
+    "<|begin_of_text|>{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "You have access to the following functions:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|eot_id|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' or m.role == 'ipython' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
 class _Tok:
-    """A tokenizer stand-in with a Qwen-like tool template (rendered by transformers' jinja)."""
+    """A tokenizer stand-in with a tool template (Qwen-like by default), rendered by jinja as transformers does."""
+
+    def __init__(self, template: str = CHATML_TOOLS):
+        self.template = template
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False):
         import jinja2
 
         env = jinja2.Environment()
         env.filters["tojson"] = lambda x: __import__("json").dumps(x)
-        return env.from_string(CHATML_TOOLS).render(
+        return env.from_string(self.template).render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
 
@@ -227,3 +288,21 @@ def test_chat_observation_is_the_templates_tool_turn():
     assert (
         text == "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_llama31_tool_format_round_trip():
+    # A Llama-3.1-shaped template: the call the template writes is the call parse_chat_tool_call reads, the
+    # calculator answers it, and the observation is the template's ipython turn, up to the next assistant turn.
+    tok, env = _Tok(LLAMA31_TOOLS), calculator_environment("chat")
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "48 / 2 * 3"}}}
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    rendered = tok.apply_chat_template(messages, tools=list(env.tools))
+    assert '"name": "calculator", "description": "Evaluates' in rendered  # the tools are declared
+    turn = rendered.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1]
+    assert turn == '{"name": "calculator", "parameters": {"expression": "48 / 2 * 3"}}<|eot_id|>'
+    assert parse_chat_tool_call(turn) == ("calculator", {"expression": "48 / 2 * 3"})
+    assert env.step(turn) == ("72", 0.0, False)
+    assert chat_observation(tok, "72", "<|eot_id|>", env.tools) == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n72<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert env.step("The answer is 72.<|eot_id|>") == (None, 0.0, True)  # no call: the final answer

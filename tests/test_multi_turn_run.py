@@ -62,6 +62,8 @@ def test_train_rl_with_the_calculator(tiny_checkpoint, tmp_path):
         num_test_batches=1,
         eval_before=False,
         environment="calculator",
+        max_prefill_predict_length=448,  # with the calculator instructions every GSM8K prompt is over 256
+        max_target_length=464,
     )
     assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
     run_dir = tmp_path / "run"
@@ -119,3 +121,44 @@ def test_train_rl_refuses_what_multi_turn_does_not_support(tiny_checkpoint, tmp_
     keys = tiny_run_keys(tiny_checkpoint, tmp_path, environment="calculator")
     assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items()), key]) == 2
     assert "multi-turn rollouts, which do not support filter_zero_std_groups" in capsys.readouterr().err
+
+
+def test_the_length_filter_measures_the_prompt_with_the_environments_instructions(tmp_path):
+    # The calculator adds its instructions to the system prompt: a question whose plain prompt fits
+    # max_prefill_predict_length may not fit with them, and is dropped (it was kept, then left-truncated).
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.data.gsm8k import load_dataset_rows, prepare_rows, render_prompt
+    from grpax.data.prompts import get_prompt_preset
+    from grpax.rl.multi_turn import prompt_renderer
+    from grpax.rl.train_config import Inputs, TrainConfig
+    from grpax.rl.trainer import _load_rows
+    from grpax.tasks import build_task
+
+    tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("smollm2_calculator")
+    rows = load_dataset_rows(str(gsm8k_dir()), "test")[:16]
+    render = prompt_renderer(tokenizer, load_environment("calculator"), preset)
+    plain = [len(tokenizer.encode(render_prompt(tokenizer, r["question"], preset))) for r in rows]
+    full = [len(tokenizer.encode(render(r))) for r in rows]
+    limit = sorted(full)[8]
+    assert max(plain) <= limit  # every plain prompt fits: the old filter kept all 16
+    fits = [i for i, n in enumerate(full) if n <= limit]
+    assert 9 <= len(fits) < 16
+
+    def load(dataset, split):
+        return [dict(r) for r in rows]
+
+    kept = prepare_rows(tokenizer, "gsm8k", "test", preset, limit, load=load, render=render)
+    assert [r["question"] for r in kept] == [rows[i]["question"] for i in fits]
+    assert all(r["prompt_ids"] == tokenizer.encode(render(r)) for r in kept)
+    assert len(prepare_rows(tokenizer, "gsm8k", "test", preset, limit, load=load)) == 16  # without render
+
+    # train_rl and evaluate measure them so with environment=calculator.
+    keys = tiny_run_keys(tmp_path, tmp_path, dataset_name="gsm8k", environment="calculator", batch_size=2)
+    cfg = TrainConfig(**keys, prompt_preset="smollm2_calculator", max_prefill_predict_length=limit)
+    iterator, eval_rows = _load_rows(cfg, tokenizer, build_task(cfg), Inputs(None, load(0, 0), load(0, 0)))
+    assert [r["question"] for r in eval_rows] == [rows[i]["question"] for i in fits][:2]
+    from grpax.cli.evaluate import EvaluateConfig, _renderer
+
+    eval_cfg = EvaluateConfig(environment="calculator", prompt_preset="smollm2_calculator")
+    assert _renderer(eval_cfg, build_task(eval_cfg), tokenizer)(rows[0]) == render(rows[0])
+    assert _renderer(EvaluateConfig(), build_task(EvaluateConfig()), tokenizer) is None

@@ -235,6 +235,7 @@ def run(config: EvaluateConfig) -> int:
         limit,
         need=("dataset_name", "eval_split", 1),
         load=lambda dataset, split: task_rows,
+        render=_renderer(config, task, tokenizer),
     )
     sampler_cfg = sampler_config(
         config.max_prefill_predict_length,
@@ -258,6 +259,17 @@ def run(config: EvaluateConfig) -> int:
     )
     _print_summary(summary)
     return 0
+
+
+def _renderer(config: EvaluateConfig, task, tokenizer):
+    """With ``environment``: a row's prompt as the environment renders it (measured against
+    max_prefill_predict_length with its instructions), else None."""
+    if not config.environment:
+        return None
+    from grpax.rl.multi_turn import prompt_renderer
+    from grpax.tasks import environment_factory
+
+    return prompt_renderer(tokenizer, environment_factory(config), task.preset)
 
 
 def _trajectories(config: EvaluateConfig, task, tokenizer, model_cfg, sampler_cfg):

@@ -546,6 +546,7 @@ def prepare_rows(
     *,
     need: tuple[str, str, int] = ("dataset_name", "split", 0),
     load: Callable[[str, str], list[dict]] = load_dataset_rows,
+    render: Callable[[dict], str] | None = None,
 ) -> list[dict]:
     """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
 
@@ -553,12 +554,18 @@ def prepare_rows(
       limit: keep the first ``limit`` rows after filtering (-1: all).
       need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
       load: ``(dataset, split) -> rows`` with a ``question`` each (a task's ``load_rows``; GSM8K's by default).
+      render: a row's prompt text as it is sampled, when it is not ``render_prompt`` of its question with
+        ``preset`` (an environment adds its instructions: ``grpax.rl.multi_turn.prompt_renderer``), so that
+        the length filter measures the prompt the sampler gets; None: ``render_prompt``.
 
     Raises:
       ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
     """
     rows = load(dataset, split)
-    texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    if render is None:
+        texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    else:
+        texts = [render(row) for row in rows]
     ids = tokenize_prompts(tokenizer, texts)
     rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)
     _train_log.info(

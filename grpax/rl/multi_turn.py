@@ -142,6 +142,15 @@ def render_prompt(tokenizer: Any, env: Any, row: dict, preset: PromptPreset) -> 
     return text + preset.response_prefix
 
 
+def prompt_renderer(
+    tokenizer: Any, env_factory: Callable[[], Any], preset: PromptPreset
+) -> Callable[[dict], str]:
+    """``row -> prompt text`` as a trajectory of ``row`` starts (``render_prompt`` with a fresh environment):
+    what ``prepare_rows`` measures against ``max_prefill_predict_length``, the environment's instructions
+    included."""
+    return lambda row: render_prompt(tokenizer, env_factory(), row, preset)
+
+
 def generate_multi_turn(
     params: Any,
     prompts: list[list[int]],

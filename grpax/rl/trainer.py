@@ -50,7 +50,7 @@ from grpax.rl.batch import Batch
 from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
-from grpax.rl.multi_turn import MultiTurnRollout, trajectory_sampler
+from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.policy import Policy
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
@@ -266,7 +266,8 @@ def _load_rows(
     cfg: TrainConfig, tokenizer: Any, task: Task, inputs: Inputs
 ) -> tuple[PromptIterator, list[dict]]:
     """The training prompt iterator and the evaluation rows (none with num_test_batches=0), from the rows
-    ``check_inputs`` read."""
+    ``check_inputs`` read; with ``environment`` a prompt is measured as the environment renders it."""
+    render = prompt_renderer(tokenizer, environment_factory(cfg), task.preset) if cfg.environment else None
     train_rows = prepare_rows(
         tokenizer,
         cfg.dataset_name,
@@ -275,6 +276,7 @@ def _load_rows(
         cfg.max_prefill_predict_length,
         need=("dataset_name", "train_split", cfg.batch_size),
         load=lambda dataset, split: inputs.train_rows,
+        render=render,
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
     eval_rows = (
@@ -287,6 +289,7 @@ def _load_rows(
             eval_limit,
             need=("eval_dataset_name" if cfg.eval_dataset_name else "dataset_name", "eval_split", 1),
             load=lambda dataset, split: inputs.eval_rows,
+            render=render,
         )
         if cfg.num_test_batches != 0
         else []

@@ -60,6 +60,11 @@ class EnvironmentConfig:
     tool_timeout_seconds: float = field(
         2.0, "seconds one tool call may take; past it the model reads an error observation"
     )
+    tool_call_reward: float = field(
+        0.0,
+        "points added once to a trajectory whose built-in tool call returned without an error (a shaping "
+        "reward for tool use, in the task's reward points; 0 = only the task's rewards count)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +197,14 @@ def validate_environment_keys(cfg: Any) -> None:
         raise ConfigError(
             f"tool_timeout_seconds={cfg.tool_timeout_seconds}: expected a finite number of seconds >= 0 (0: no limit)"
         )
+    if not isfinite(cfg.tool_call_reward):
+        raise ConfigError(f"tool_call_reward={cfg.tool_call_reward}: expected a finite number of points")
+    if cfg.tool_call_reward and (path or not environment):
+        raise ConfigError(
+            f"tool_call_reward={cfg.tool_call_reward} applies to the built-in tool environments "
+            f"(environment={', '.join(BUILTIN_ENVIRONMENTS)}): your environment's step returns its own reward, "
+            "or set tool_call_reward=0"
+        )
     multi_turn_config(cfg)  # the budgets
 
 
@@ -212,7 +225,9 @@ def environment_factory(cfg: Any) -> Any:
     """
     if not cfg.environment:
         return None
-    return load_environment(cfg.environment, cfg.environment_path, cfg.tool_format, cfg.tool_timeout_seconds)
+    return load_environment(
+        cfg.environment, cfg.environment_path, cfg.tool_format, cfg.tool_timeout_seconds, cfg.tool_call_reward
+    )
 
 
 def build_task(cfg: Any, tmvp_config: Any = None) -> Task:

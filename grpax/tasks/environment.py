@@ -164,7 +164,9 @@ class ToolEnvironment(Environment):
       schemas: the tools' JSON schemas (chat format).
       instructions: text added to the system prompt (how to call the tools), or "".
       timeout_s: seconds one tool call may take (``tool_timeout_seconds``).
-      reward_per_call: points added per tool call (0 by default: only the answer counts).
+      call_reward: points added once per trajectory, at its first tool call that returns without an error
+        (``tool_call_reward``; 0 by default: only the answer counts). Once, not per call, so that calling more
+        is not paid (the shaping of verl's GSM8K tool recipe, +0.1 for a trajectory with a call).
     """
 
     def __init__(
@@ -174,13 +176,13 @@ class ToolEnvironment(Environment):
         schemas: tuple[dict, ...] = (),
         instructions: str = "",
         timeout_s: float = 1.0,
-        reward_per_call: float = 0.0,
+        call_reward: float = 0.0,
     ):
         self.functions, self.tool_format = dict(tools), tool_format
         self.tools = tuple(schemas) if tool_format == "chat" else ()
         self.stop_strings = tuple(f"</{n}>" for n in tools) if tool_format == "tags" else ()
-        self.instructions, self.timeout_s, self.reward_per_call = instructions, timeout_s, reward_per_call
-        self.calls = self.errors = 0
+        self.instructions, self.timeout_s, self.call_reward = instructions, timeout_s, call_reward
+        self.calls = self.errors = self.successes = 0
 
     def reset(self, row: dict) -> list[dict] | None:
         messages = row.get("messages")
@@ -198,13 +200,15 @@ class ToolEnvironment(Environment):
         name, args = call
         self.calls += 1
         if name not in self.functions:
-            self.errors += 1
             result = f"error: no tool {name!r}; tools: {', '.join(self.functions)}"
         else:
             result = run_tool(self.functions[name], args, self.timeout_s, name)
-            self.errors += result.startswith("error:")
+        failed = result.startswith("error:")
+        self.errors += failed
+        self.successes += not failed
+        reward = self.call_reward if not failed and self.successes == 1 else 0.0
         observation = result if self.tool_format == "chat" else f"<result>{result}</result>\n"
-        return observation, self.reward_per_call, False
+        return observation, reward, False
 
     def parse(self, text: str) -> tuple[str, Any] | None:
         """The tool call that ends ``text``, as (tool name, argument), or None."""
@@ -244,8 +248,11 @@ CALCULATOR_TAG_INSTRUCTIONS = (
 )
 
 
-def calculator_environment(tool_format: str = "tags", timeout_s: float = 1.0) -> ToolEnvironment:
-    """The built-in ``calculator`` environment (``environment=calculator``, e.g. with ``task=gsm8k``)."""
+def calculator_environment(
+    tool_format: str = "tags", timeout_s: float = 1.0, call_reward: float = 0.0
+) -> ToolEnvironment:
+    """The built-in ``calculator`` environment (``environment=calculator``, e.g. with ``task=gsm8k``);
+    ``call_reward``: ``ToolEnvironment``'s (``tool_call_reward``)."""
 
     def calculator(expression: str = "") -> str:
         return calculate(expression)
@@ -256,6 +263,7 @@ def calculator_environment(tool_format: str = "tags", timeout_s: float = 1.0) ->
         schemas=(CALCULATOR_SCHEMA,),
         instructions=CALCULATOR_TAG_INSTRUCTIONS if tool_format == "tags" else "",
         timeout_s=timeout_s,
+        call_reward=call_reward,
     )
 
 
@@ -263,7 +271,7 @@ BUILTIN_ENVIRONMENTS = ("calculator",)
 
 
 def load_environment(
-    name: str, path: str = "", tool_format: str = "tags", timeout_s: float = 1.0
+    name: str, path: str = "", tool_format: str = "tags", timeout_s: float = 1.0, call_reward: float = 0.0
 ) -> Callable[[], Any]:
     """The factory of the environment ``name``: a built-in one, or ``name`` in the Python file ``path``.
 
@@ -272,6 +280,8 @@ def load_environment(
       path: ``environment_path``: a ``.py`` file, or "" for a built-in.
       tool_format: ``tool_format`` of the built-in tool environments ("tags" or "chat").
       timeout_s: ``tool_timeout_seconds`` of the built-in tools.
+      call_reward: ``tool_call_reward`` of the built-in tools (points once per trajectory with a call that
+        returned without an error).
 
     Returns:
       A function of no arguments that makes one environment (one per trajectory).
@@ -286,7 +296,7 @@ def load_environment(
                 f"environment={name!r}: expected one of {list(BUILTIN_ENVIRONMENTS)}, or environment_path=<file.py> "
                 f"defining it.{suggest(name, BUILTIN_ENVIRONMENTS)}"
             )
-        return lambda: calculator_environment(tool_format, timeout_s)
+        return lambda: calculator_environment(tool_format, timeout_s, call_reward)
     file = Path(path).expanduser()
     if not file.is_file():
         what = "is a folder, not a file" if file.is_dir() else "does not exist"
