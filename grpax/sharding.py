@@ -339,15 +339,24 @@ def _axes_by_name() -> dict[str, tuple[str, ...]]:
 
 
 def params_logical_axes(params: Params) -> Params:
-    """Logical axes of an actual params tree, stacked (``layers`` a dict of [L, ...]) or a list of layers."""
+    """Logical axes of an actual params tree, stacked (``layers`` a dict of [L, ...]) or a list of layers.
+
+    A weight may be a ``grpax.models.lora.LoraWeight`` (the LoRA sampler's ``lora.apply``: W its weight's axes,
+    A and B ``lora.part_axes``) or a QLoRA ``QuantizedWeight`` (its codes and scales take the weight's axes,
+    a dim that does not divide replicated by the fallback of ``logical_to_sharding``)."""
+    from grpax.models import lora
+
     names = _axes_by_name()
 
     def leaf(path, x):
-        name = getattr(path[-1], "key", None)
+        keys = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        if keys[-1] in ("qvalue", "scale"):  # a QuantizedWeight's arrays
+            keys = keys[:-1]
+        part = keys.pop() if keys[-1] in ("w", "a", "b") and len(keys) > 1 else "w"  # a LoraWeight's
+        name = keys[-1]
         if name not in names:
             raise ValueError(f"{jax.tree_util.keystr(path)}: not a known weight ({', '.join(names)})")
-        axes = names[name]
-        return ("layers", *axes) if x.ndim == len(axes) + 1 else axes
+        return lora.part_axes(name, part, names[name], x.ndim)
 
     return jax.tree_util.tree_map_with_path(leaf, params)
 
@@ -512,6 +521,12 @@ def narrow(x: Any, dtype: Any) -> Any:
     return x if target == x.dtype else x.astype(target)
 
 
+def _quantised(x: Any) -> bool:
+    from grpax.models.quantize import QuantizedWeight
+
+    return isinstance(x, QuantizedWeight)
+
+
 def reshard_for_rollout(
     params: Params,
     trainer_mesh: Mesh,
@@ -547,9 +562,20 @@ def reshard_for_rollout(
     )
     if same:
         return params, 0.0
+    # QLoRA's quantised weights (the adapters sampler's base) are copied as they are: their scales rounded
+    # would change the dequantised values.
+    kept = {
+        id(x)
+        for w in jax.tree.leaves(params, is_leaf=_quantised)
+        if _quantised(w)
+        for x in jax.tree.leaves(w)
+    }
     start = time.perf_counter()
     out = jax.block_until_ready(
-        [_put(narrow(x, dtype), s) for x, s in zip(leaves, target_leaves, strict=True)]
+        [
+            _put(x if id(x) in kept else narrow(x, dtype), s)
+            for x, s in zip(leaves, target_leaves, strict=True)
+        ]
     )
     seconds = time.perf_counter() - start
     log.info("resharded params for rollout in %.3f s", seconds)

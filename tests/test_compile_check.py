@@ -293,7 +293,7 @@ def _adapters_per_chip(r: int, n: int) -> int:
 
 
 def test_lora_table_has_the_base_the_adapters_their_moments_and_no_reference(config_only, capsys):
-    assert main(_keys(config_only, hardware="tpu", lora_rank=4)) == 0
+    assert main(_keys(config_only, hardware="tpu", lora_rank=4, lora_sampler="merged")) == 0
     out = capsys.readouterr().out
     V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
     matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
@@ -320,6 +320,70 @@ def test_lora_table_has_the_base_the_adapters_their_moments_and_no_reference(con
     )
     # The step count: the update's backward skips the weights' gradients, the merge is its own phase.
     assert re.search(r"^  merge +[\d.]+ TFLOP", out, re.M)
+
+
+def test_lora_adapters_sampler_table_has_no_merged_copy(config_only, capsys):
+    """``lora_sampler=adapters`` (auto's choice on a TPU): no merge, no merged row; the sampler reads the base
+    with its adapters, both copied to the sampler's layout (tensor=4, float32 compute) as the trainer's merged
+    params are. Adapters on tensor=4 (fsdp=1): the D sides whole; q_heads, mlp split 4 ways; K=2 kv heads
+    whole (2 does not split 4 ways): per layer r x (7 D + 2 N H / 4 + 2 K H + 3 F / 4) float32 values."""
+    assert main(_keys(config_only, hardware="tpu", lora_rank=4, lora_sampler="merged")) == 0
+    merged = capsys.readouterr().out
+    assert main(_keys(config_only, hardware="tpu", lora_rank=4)) == 0  # auto: adapters on a TPU
+    out = capsys.readouterr().out
+    D, L, N, K, H, F, r = 64, 2, 4, 2, 16, 128, 4
+    for row in ("base weights (frozen; the reference too)", "adapters (float32)", "adapter optimizer state"):
+        assert _row(out, row) == _row(merged, row)
+    assert "merged weights" not in out and "merge temporaries" not in out and "LoRA merge" not in out
+    assert not re.search(r"^  merge +[\d.]+ TFLOP", out, re.M)  # no merge in the step count either
+    adapters_on_tensor = 4 * L * r * (7 * D + 2 * N * H // 4 + 2 * K * H + 3 * F // 4)
+    assert adapters_on_tensor == 20480
+    copy = _row(out, "params copied to the sampler's layout")
+    assert copy == _row(merged, "params copied to the sampler's layout") + adapters_on_tensor
+    # The phases hold no merged copy: the reference pass is its function alone (the merged plan's held the
+    # merged base beside it); the rollout is the copy, the decode's temporaries and its other arguments and
+    # outputs (cache, logits, tokens), as the merged plan's less its merged copy, plus the adapters' arguments
+    # padded to the TPU's (8, 128) tiles (rank 4: 45,056 bytes here), under 4x their bytes.
+    base = _row(out, "base weights (frozen; the reference too)")
+    reference = "reference logprobs phase, beyond the resident arrays"
+    assert _row(out, reference) == _row(merged, reference) - base
+    rollout = "rollout phase, beyond the resident arrays"
+    rest = lambda t, held: _row(t, rollout) - held - _row(t, "decode temporaries")  # noqa: E731
+    merged_rest = rest(merged, base + _row(merged, "params copied to the sampler's layout"))
+    assert 0 <= rest(out, copy) - merged_rest < 4 * adapters_on_tensor
+    resident = sum(_row(out, row) for row in ("base weights (frozen; the reference too)", "adapters (float32)",
+                                               "adapter optimizer state"))  # fmt: skip
+    phases = [
+        _row(out, f"{p} phase, beyond the resident arrays")
+        for p in ("update", "reference logprobs", "rollout")
+    ]
+    assert _row(out, "peak, all colocated") == resident + max(phases)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_qlora_table_holds_the_quantised_base(config_only, capsys, qtype):
+    """QLoRA's plan: the base's projections quantised as the run quantises them (``lora.quantize_base`` on
+    the abstract base: codes split as the weight is, scales split where their axis still divides), by hand on
+    fsdp=4 (the D side of every matrix split 4 ways). Embeddings, head and norms stay float32 as in LoRA's."""
+    pytest.importorskip("qwix")
+    assert main(_keys(config_only, hardware="tpu", lora_rank=4, lora_base_dtype=qtype)) == 0
+    out = capsys.readouterr().out
+    V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
+    kept = 4 * (2 * V * D // 4 + L * 2 * D + D)  # embed and lm_head split on D, the norms whole
+    values = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)  # the seven projections
+    if qtype == "int8":
+        # 1 byte a value; a float32 scale per output channel: wq [L,1,N,H], wk and wv [L,1,K,H], w_gate and
+        # w_up [L,1,F] whole (their D axis is 1), wo [L,1,1,D] and w_down [L,1,D] split on D.
+        codes, scales = values // 4, 4 * L * (N * H + 2 * K * H + 2 * F + 2 * D // 4)
+    else:
+        # two codes a byte; a float32 scale per block of min(64, the innermost input axis) values: wq, wk, wv
+        # and w_gate, w_up one block of D = 64 ([L,1,...] whole), wo per (N, D) (H = 16: one block; D split),
+        # w_down two blocks of F = 128 ([L,2,D], D split).
+        codes, scales = values // 2 // 4, 4 * L * (N * H + 2 * K * H + 2 * F + N * D // 4 + 2 * D // 4)
+    base = _row(out, "base weights (frozen; the reference too)")
+    assert base == kept + codes + scales == {"int8": 88576, "nf4": 79872}[qtype]
+    assert _row(out, "adapters (float32)") == _adapters_per_chip(4, 4)  # as LoRA's
+    assert "merged weights" not in out  # auto on a TPU: the adapters sampler reads the quantised base
 
 
 def test_lora_update_compiles_with_the_adapters_on_their_weights_axes(config_only):
@@ -370,7 +434,7 @@ def test_lora_nvidia_estimate_by_hand(config_only, capsys):
     reference pass; the merge's temporaries are the float32 sums of every adapted weight (a 16-bit base only)."""
     assert main(_keys(config_only, compile_topology="h100-8")) == 0
     full = capsys.readouterr().out
-    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4)) == 0
+    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4, lora_sampler="merged")) == 0
     out = capsys.readouterr().out
     V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
     matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
@@ -396,7 +460,10 @@ def test_lora_nvidia_estimate_by_hand(config_only, capsys):
     ]
     assert _row(out, "peak, all colocated") == resident + max(phases)
     # A bfloat16 base: the merge holds the float32 sums of every adapted weight, D split 8 ways.
-    assert main(_keys(config_only, compile_topology="h100-8", lora_rank=4, weight_dtype="bfloat16")) == 0
+    args = _keys(
+        config_only, compile_topology="h100-8", lora_rank=4, weight_dtype="bfloat16", lora_sampler="merged"
+    )
+    assert main(args) == 0
     half = capsys.readouterr().out
     sums = 4 * L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F) // 8
     assert _row(half, "merge temporaries") == sums
@@ -433,3 +500,12 @@ def test_lora_step_flops_equal_a_hand_count():
     assert phases["merge"].bytes_per_chip == 2 * 4 * n  # read the float32 base, write the merged copy
     assert phases["update"].bytes_per_chip == 2 * 4 * n + adapter_params * (2 * 4 + 20)
     assert phases["decode"] == full["decode"]  # the sampler reads merged plain weights
+    # The adapters sampler: no merge; prefill and decode add the adapters' matmuls, 2 FLOPs per adapter
+    # parameter per token (P = 4 prompt tokens; C = 2 decode steps of 2 rows), and each step reads them.
+    s = StepShape(1, 2, 4, 2, 1, 1, False, 0, adapter_params, adapted, r, sampler_adapters=True)
+    adapters = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
+    assert "merge" not in adapters and adapters["update"] == phases["update"]
+    assert adapters["prefill"].flops == full["prefill"].flops + 2 * adapter_params * 4
+    assert adapters["decode"].flops == full["decode"].flops + 2 * adapter_params * 2 * 2
+    itemsize = {"float32": 4, "bfloat16": 2}[cfg.dtype]
+    assert adapters["decode"].bytes_per_chip == full["decode"].bytes_per_chip + 2 * adapter_params * itemsize

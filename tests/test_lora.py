@@ -126,6 +126,53 @@ def test_merged_weights_compute_what_the_adapters_compute(scan_layers):
     np.testing.assert_allclose(np.asarray(merged_w), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_adapters_sampler_decodes_what_the_merged_sampler_decodes(scan_layers):
+    """``lora_sampler=adapters`` (``lora.apply``: the XLA backend's prefill and decode on LoraWeight leaves,
+    each layer sliced inside the decode step) against ``merged`` (``lora.merge``), greedy, float32: the same
+    tokens, and logprobs within 1e-5 nats. Why 1e-5: the two forwards' logits differ by a few float32 ulps (one
+    rounding of W + s A B against two sums; ``test_merged_weights_compute_what_the_adapters_compute`` bounds
+    them by 1e-5 at |logits| < 3), a log-softmax adds at most twice its input's error, and the cached keys and
+    values carry the same few-ulp differences into later steps (measured: 7e-7 and 5e-7 nats); the adapters' own
+    effect on these logprobs is over 1000 times the bound (0.12-0.13 nats, checked)."""
+    got, want, plain = sampler_rollouts(scan_layers)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_array_equal(got.completion_mask, want.completion_mask)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    assert np.abs(got.logprobs - plain.logprobs).max() > 1000 * 1e-5
+
+
+def sampler_rollouts(scan_layers: bool, base_dtype: str = ""):
+    """Greedy rollouts of one LoRA policy (trained-like rank-4 adapters; QLoRA's base quantised to
+    ``base_dtype``) by the adapters sampler, the merged sampler, and the base alone (the adapters off)."""
+    from grpax.sampler.backend import select_backend
+    from grpax.sampler.engine import SamplerConfig, generate
+
+    cfg = _cfg(scan_layers=scan_layers)
+    base = init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)), std=0.1)
+    merged_policy = Policy(lora, base, base_dtype=base_dtype, sampler="merged")
+    adapters_policy = Policy(lora, base, base_dtype=base_dtype, sampler="adapters")
+    assert Policy(lora, base).sampler == "merged"  # auto on CPU devices
+    applied = adapters_policy.sampler_params(adapters)
+    assert isinstance(
+        applied["layers"]["wq"] if scan_layers else applied["layers"][0]["wq"], lora_lib.LoraWeight
+    )
+    sc = SamplerConfig(
+        max_prompt_length=8, max_completion_length=12, greedy=True, decode_phase_length=6, backend="auto"
+    )
+    assert select_backend("auto", applied, cfg).name == "xla"  # the C++ kernels take plain weights only
+    with pytest.raises(ValueError, match="plain weights only"):
+        select_backend("cpu", applied, cfg)
+    prompts = [[3, 9, 1, 4], [5, 2, 6, 5, 3, 5, 8], [9, 7]]
+    key = jax.random.key(4)
+    got = generate(applied, prompts, cfg, sc, key, num_generations=2)
+    want = generate(merged_policy.sampler_params(adapters), prompts, cfg, sc, key, num_generations=2)
+    plain = generate(adapters_policy.base, prompts, cfg, sc, key, num_generations=2)
+    return got, want, plain
+
+
 def test_a_misspelled_target_module_is_one_line():
     cfg = build_config(TrainConfig, ["lora_rank=4", "lora_target_modules=[q_proj,v_prj]"])
     with pytest.raises(ConfigError) as e:

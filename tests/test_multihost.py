@@ -178,3 +178,40 @@ def test_two_processes_match_one(tiny_checkpoint, tmp_path):
     assert "tensor" in str(restored["embed_spec"]) and bool(restored["opt_finite"])
     for path, x in jax.tree_util.tree_flatten_with_path(params_two)[0]:
         np.testing.assert_array_equal(restored[jax.tree_util.keystr(path)], np.asarray(x))
+
+
+@pytest.mark.slow
+def test_two_processes_train_lora_adapters_on_a_frozen_base(tiny_checkpoint, tmp_path):
+    """LoRA on two processes (data=2 across them, fsdp=2 within), the rollout on the adapters sampler (the base
+    and its adapters copied to the sampler's data=2 mesh across processes), against the same run on one process:
+    the adapters move (B leaves zero) and agree to 1e-5, the checkpoint holds only them, and the base they were
+    trained on is the checkpoint's, unchanged (its fingerprint, recomputed from the files, is the one recorded)."""
+    from test_tasks_train import _data
+
+    from grpax.rl.policy import fingerprint
+
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    (tmp_path / "length.py").write_text(
+        "def length(prompts, completions, **kwargs):\n    return [len(c) / 100 for c in completions]\n"
+    )
+    lora = dict(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, lora_sampler="adapters")
+    # rewarded by length (tests/test_lora.py's end-to-end run): the groups have spread, the adapters a gradient
+    lora |= dict(dataset_name=str(_data(tmp_path)), task="custom", prompt_field="instruction",
+                 answer_field="target", prompt_preset="plain", reward_functions_path=str(tmp_path / "length.py"),
+                 reward_functions=["length"])  # fmt: skip
+    two = tmp_path / "two"
+    _launch(script, _keys(tiny_checkpoint, two, **lora), 2, 2, tmp_path / "unused.npz")
+    one = tmp_path / "one"
+    keys = _keys(tiny_checkpoint, one, ici_data_parallelism=2, ici_fsdp_parallelism=-1, **lora)
+    _launch(script, keys, 1, 4, tmp_path / "unused1.npz")
+    assert _rewards(two / "run") == _rewards(one / "run")
+    step = two / "run" / "checkpoints" / "actor" / "2"
+    adapters = restore_params(step / "model_params")
+    assert set(adapters) == {"layers"} and set(adapters["layers"]["wq"]) == {"a", "b"}  # no base weight
+    assert all(np.abs(np.asarray(ad["b"])).max() > 0 for ad in adapters["layers"].values())  # all trained
+    single = restore_params(one / "run" / "checkpoints" / "actor" / "2" / "model_params")
+    for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    meta = json.loads((step / "train_meta" / "metadata").read_text())["lora"]
+    assert meta["base_fingerprint"] == fingerprint(restore_params(tiny_checkpoint))

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("qwix")
 
-from test_lora import _batch, _cfg, _run_cfg, _trained_like, toy_lora_run  # noqa: E402
+from test_lora import _batch, _cfg, _run_cfg, _trained_like, sampler_rollouts, toy_lora_run  # noqa: E402
 
 from grpax.checkpoint.orbax import save_params  # noqa: E402
 from grpax.config import ConfigError, build_config  # noqa: E402
@@ -115,6 +115,19 @@ def test_at_init_qlora_computes_the_dequantised_base_logits_exactly(scan_layers,
     # and the quantisation is real: the unquantised base computes other logits
     plain, _ = forward(init_params(cfg, jax.random.key(0)), tokens, cfg)
     assert float(jnp.abs(plain - want).max()) > 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_the_adapters_sampler_on_a_quantised_base_decodes_what_the_merged_sampler_decodes(qtype):
+    """``lora_sampler=adapters`` on the quantised base (each decoded token dequantises the layer's weights in
+    its matmul) against ``merged`` (the dequantised base plus the adapters, float32): the same greedy tokens and
+    logprobs within 1e-5 nats, the bound and its reasons as for LoRA
+    (``test_lora.test_the_adapters_sampler_decodes_what_the_merged_sampler_decodes``): both compute from the
+    same dequantised float32 values, once summed into the merged weight, once in two products."""
+    got, want, plain = sampler_rollouts(scan_layers=True, base_dtype=qtype)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    assert np.abs(got.logprobs - plain.logprobs).max() > 1000 * 1e-5
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
@@ -224,10 +237,11 @@ def test_lora_base_dtype_is_checked_in_one_line():
     # MaxText's QLoRA key is an alias
     assert build_config(TrainConfig, ["lora.lora_weight_qtype=nf4"]).lora_base_dtype == "nf4"
     assert "lora_base_dtype" in RESUME_FIXED_KEYS
-    # the compiled plan holds the base in weight_dtype: QLoRA's plan is refused, plain LoRA's is planned
-    msg = err("lora_rank=8", "lora_base_dtype=nf4", "compile_topology=v6e-8")
-    assert "compile_topology='v6e-8'" in msg and "drop lora_base_dtype" in msg
-    validate(build_config(TrainConfig, ["load_parameters_path=x", "lora_rank=8", "compile_topology=v6e-8"]))
+    # the compiled plan holds the quantised base (tests/test_compile_check.py counts it)
+    keys = ["load_parameters_path=x", "lora_rank=8", "lora_base_dtype=nf4", "compile_topology=v6e-8"]
+    validate(build_config(TrainConfig, keys))
+    msg = err("lora_rank=8", "lora_sampler=unmerged")
+    assert "lora_sampler='unmerged'" in msg and "auto, merged, adapters" in msg
 
 
 def test_resuming_with_another_lora_base_dtype_is_refused_in_one_line():

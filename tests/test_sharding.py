@@ -192,6 +192,22 @@ def test_params_logical_axes_both_layouts():
         jax.eval_shape(lambda: convert_layout(init_params(CFG, jax.random.key(0)), CFG, scan_layers=False))
     )
     assert unstacked["layers"][1]["w_down"] == ("mlp", "embed")
+    # LoRA's sampler params (lora.apply): W its weight's axes, A the input side's, B the output side's, the rank
+    # replicated, as the adapters are placed (lora.adapter_logical_axes).
+    from grpax.models import lora
+
+    cfg = lora.LoraConfig(rank=4, alpha=8.0)
+    applied = jax.eval_shape(lambda: lora.apply(params, lora.init_adapters(CFG, cfg, jax.random.key(1)), cfg))
+    axes = sh.params_logical_axes(applied)["layers"]
+    adapter_axes = lora.adapter_logical_axes(CFG, cfg)["layers"]
+    for name in ("wq", "wo", "w_down"):
+        assert axes[name].w == ("layers", *sh.params_logical_axes(params)["layers"][name][1:])
+        assert (axes[name].a, axes[name].b) == (adapter_axes[name]["a"], adapter_axes[name]["b"])
+    assert axes["wo"].a == ("layers", "q_heads", "head_dim", None) and axes["wo"].b == (
+        "layers",
+        None,
+        "embed",
+    )
 
 
 def test_constrain_is_a_no_op_outside_a_mesh():
@@ -385,6 +401,44 @@ def test_rollout_mesh_and_reshard(params):
     for a, b in zip(jax.tree.leaves(rounded), jax.tree.leaves(params), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
+
+@on_8_devices
+def test_reshard_lora_adapters_for_the_rollout(params):
+    """The adapters sampler's params (``lora.apply``; QLoRA's quantised weights inside) copied from the trainer's
+    fsdp=8 to the sampler's dp=2 x tp=4: each part on its own axes, the values kept, the float32 weights and
+    adapters rounded to the compute dtype, a quantised weight's codes and scales copied as they are."""
+    from grpax.models import lora
+    from grpax.models.quantize import QuantizedWeight
+
+    cfg = lora.LoraConfig(rank=4, alpha=8.0)
+    trainer = sh.create_mesh(MESHES["fsdp8"])
+    rollout = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2, rollout_tensor_parallelism=-1))
+    base = sh.shard_params(params, CFG, trainer)
+    adapters = lora.init_adapters(CFG, cfg, jax.random.key(1))
+    axes = lora.adapter_logical_axes(CFG, cfg)
+    adapters = jax.device_put(adapters, sh.logical_to_sharding(axes, trainer, shapes=adapters))
+    moved, seconds = sh.reshard_for_rollout(
+        lora.apply(base, adapters, cfg), trainer, rollout, dtype="bfloat16"
+    )
+    wq, wo = moved["layers"]["wq"], moved["layers"]["wo"]
+    assert isinstance(wq, lora.LoraWeight) and seconds > 0
+    assert wq.w.sharding.spec == P(None, None, "tensor") and wq.w.dtype == jnp.bfloat16
+    assert wq.a.sharding.spec == P() and wq.b.sharding.spec == P(None, None, "tensor")  # [L,D,r], [L,r,N,H]
+    assert wo.a.sharding.spec == P(None, "tensor") and wo.b.sharding.spec == P()  # [L,N,H,r], [L,r,D]
+    np.testing.assert_array_equal(
+        np.asarray(wo.b), np.asarray(adapters["layers"]["wo"]["b"].astype(jnp.bfloat16))
+    )
+    pytest.importorskip("qwix")
+    quantised = lora.quantize_base(base, "int8")
+    moved, _ = sh.reshard_for_rollout(
+        lora.apply(quantised, adapters, cfg), trainer, rollout, dtype="bfloat16"
+    )
+    w, before = moved["layers"]["w_up"].w, quantised["layers"]["w_up"]
+    assert isinstance(w, QuantizedWeight) and w.scale.dtype == jnp.float32  # not rounded
+    assert w.qvalue.sharding.spec == P(None, None, "tensor")
+    np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(before.scale))
+    np.testing.assert_array_equal(np.asarray(w.qvalue), np.asarray(before.qvalue))
 
 
 @on_8_devices

@@ -24,8 +24,8 @@ Two ways to run the adapted model, both pure functions of (base, adapters):
   it unchanged and each layer computes ``x @ W + scale * (x @ A) @ B``: no merged copy of any weight exists,
   and gradients reach A and B only. The update and the evaluation use it.
 * ``merge`` returns plain params with ``W + scale * A @ B`` (computed in float32, rounded to W's dtype): one
-  more copy of the targeted weights, the decode then as fast as the base's. The rollout's sampler uses it
-  (measured against ``apply`` in docs/benchmarks.md, "LoRA").
+  more copy of the weights, the decode then as fast as the base's. The rollout's sampler reads one or the
+  other (``grpax.rl.policy``, ``lora_sampler``; measured in docs/benchmarks.md, "LoRA").
 
 QLoRA (``quantize_base``) replaces the base's projection weights by ``grpax.models.quantize.QuantizedWeight``
 (int8 or NF4 with their scales): ``apply`` puts them inside the ``LoraWeight``s, whose ``x @ W`` then dequantises
@@ -215,6 +215,18 @@ def apply(base: Params, adapters: Params, lora: LoraConfig) -> Params:
     return {**base, "layers": _layers_map(layer, base["layers"], adapters["layers"])}
 
 
+def part_axes(name: str, part: str, axes: tuple, ndim: int) -> tuple:
+    """Logical axes of ``part`` ("w", "a" or "b", of rank ``ndim``) of a ``LoraWeight`` adapting weight ``name``
+    whose own axes (one layer's) are ``axes``: W takes them, A the input side's and B the output side's, each
+    with the rank axis replicated (as ``adapter_logical_axes``); led by "layers" where stacked."""
+    if part == "w":
+        own = axes
+    else:
+        k = _IN_AXES[name]
+        own = (*axes[:k], None) if part == "a" else (None, *axes[k:])
+    return ("layers", *own) if ndim == len(own) + 1 else own
+
+
 def merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
     """Plain params with ``W + scale * A @ B`` in each adapted weight (float32 sum, rounded to W's dtype).
 
@@ -244,7 +256,8 @@ def quantize_base(base: Params, qtype: str) -> Params:
 
     Each weight is quantised by one jitted call on its own devices; a weight on a mesh (``NamedSharding``)
     gives codes split as the weight is (where the packed axis still divides) and scales split along its
-    output axes. The caller drops the unquantised base afterwards.
+    output axes. The caller drops the unquantised base afterwards. A base of ``jax.ShapeDtypeStruct``s (the
+    compile check's) gives the quantised base's as abstract arrays, placed as the run places them.
     """
     stacked = isinstance(base["layers"], dict)
 
@@ -252,6 +265,11 @@ def quantize_base(base: Params, qtype: str) -> Params:
         out_axes = w.ndim - stacked - _IN_AXES[name]
         shape = jax.eval_shape(lambda x: quant.quantize(x, qtype, out_axes, int(stacked)), w)
         shardings = _like(w, shape.qvalue.shape), _like(w, shape.scale.shape)
+        if isinstance(w, jax.ShapeDtypeStruct):
+            return shape.replace(
+                qvalue=jax.ShapeDtypeStruct(shape.qvalue.shape, shape.qvalue.dtype, sharding=shardings[0]),
+                scale=jax.ShapeDtypeStruct(shape.scale.shape, shape.scale.dtype, sharding=shardings[1]),
+            )
         fn = jax.jit(
             lambda x: quant.quantize(x, qtype, out_axes, int(stacked)),
             out_shardings=None

@@ -9,8 +9,10 @@ function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases 
 adds what stays resident (params, optimizer state, reference params) to the largest phase. With LoRA
 (``lora_rank > 0``, ``grpax.rl.policy``) the update compiled is the adapters' (the frozen base an argument, never
 donated; optimizer state for the adapters only), the reference pass reads the base itself (no reference copy), and
-the sampler's merged weights (``lora.merge``, compiled too) are counted while the rollout and the reference pass
-hold them. The same check runs
+the sampler reads what ``lora_sampler`` picks (``grpax.rl.policy.sampler_mode``; auto: adapters on a TPU or
+GPU): with ``merged`` the merge is compiled too and its merged weights are counted while the rollout and the
+reference pass hold them; with ``adapters`` the prefill and decode are compiled on the base with its adapters
+(``lora.apply``: no merged copy, no merge). The same check runs
 before a real run on an accelerator (``check_before_run``), against the device's memory limit; its arrays are
 placed as the trainer places its own, so the programs it compiles are the run's and go to JAX's persistent
 compilation cache (``jax_cache_dir``): the run's first update reads its program back instead of compiling it
@@ -37,13 +39,14 @@ from jax.sharding import PartitionSpec as P
 from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models import lora as lora_lib
+from grpax.models import quantize as quant
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
 from grpax.rl.batch import Batch
 from grpax.rl.collectives import count_collectives, fsdp_minimum
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.rl.optim import optimizer_from_config
-from grpax.rl.policy import _merge
+from grpax.rl.policy import _merge, sampler_mode
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, token_logprobs
@@ -178,6 +181,10 @@ class Job:
     lora: lora_lib.LoraConfig | None = None
     base: Any = None  # LoRA: the frozen base params on the trainer's mesh (also the reference)
     merged_copy: int = 0  # LoRA: the merged weights the rollout samples with (``lora.merge``), per chip
+    sampler: str = ""  # LoRA: what the sampler reads, "merged" or "adapters" (``policy.sampler_mode``)
+    dense_base: Any = (
+        None  # LoRA: the base unquantised (QLoRA's ``base`` is quantised), on the trainer's mesh
+    )
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -188,9 +195,13 @@ NO_REFERENCE_ROW = "reference copy: none (the base, adapters off)"
 
 
 def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
-    """Bytes per parameter of the weights the run holds frozen (LoRA's base) or trains: ``weight_dtype``'s.
-    The one place a quantised base (QLoRA: 1 for int8, 0.5 + scales for nf4) changes the count."""
-    del cfg
+    """Bytes per parameter of a layer's projection weights the run holds frozen (LoRA's base) or trains:
+    ``weight_dtype``'s, or QLoRA's (``lora_base_dtype``): int8 1 (its float32 scale per output channel, 4 / in
+    bytes a value, left out), nf4 0.5 + one float32 scale per block of ``quantize.NF4_BLOCK`` values."""
+    if cfg.lora_rank and cfg.lora_base_dtype == "int8":
+        return 1.0
+    if cfg.lora_rank and cfg.lora_base_dtype == "nf4":
+        return 0.5 + 4 / quant.NF4_BLOCK
     return jnp.dtype(model_cfg.weight_dtype).itemsize
 
 
@@ -210,14 +221,42 @@ def _same_layout(a, b) -> bool:
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
 
 
+def _platform(mesh) -> str:
+    """The platform of ``mesh``'s devices; an ``AbstractMesh`` is the NVIDIA estimate's: "gpu"."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return "gpu"
+    return mesh.devices.flat[0].platform
+
+
+def _rounded(tree, compute_dtype):
+    """``tree``'s ``ShapeDtypeStruct``s with wider floats rounded to ``compute_dtype`` (``reshard_for_rollout``;
+    a QLoRA weight's codes and scales are copied as they are)."""
+    quantised = lambda x: isinstance(x, quant.QuantizedWeight)  # noqa: E731
+    return jax.tree.map(
+        lambda x: (
+            x
+            if quantised(x)
+            else jax.ShapeDtypeStruct(
+                x.shape, sharding.rounded_dtype(x.dtype, compute_dtype), sharding=x.sharding
+            )
+        ),
+        tree,
+        is_leaf=quantised,
+    )
+
+
 def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | None = None) -> Job:
     """Every array of the run as a ``ShapeDtypeStruct`` placed by the rules table on the trainer's and the
     sampler's meshes (device meshes or ``jax.sharding.AbstractMesh``es); ``model_cfg`` default
     ``model_config(cfg)``."""
     model_cfg = model_cfg or model_config(cfg)
     grpo, lora = cfg.grpo(), cfg.lora()
+    sampler = "" if lora is None else sampler_mode(cfg.lora_sampler, _platform(mesh))
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
+    # LoRA's frozen base; QLoRA's with its projections quantised as Policy quantises them (lora.quantize_base)
+    qtype = cfg.lora_base_dtype if lora is not None else ""
+    base = lora_lib.quantize_base(params, qtype) if qtype else params
     # What the optimizer trains: the params, or the float32 adapters beside the frozen base (trainer._init_state).
     trainable = params if lora is None else _abstract_adapters(model_cfg, lora, mesh)
     optimizer, lr_schedule = optimizer_from_config(
@@ -234,32 +273,37 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         merged_copy = 0
     else:
         resident = {
-            BASE_ROW: per_chip_bytes(params),
+            BASE_ROW: per_chip_bytes(base),
             ADAPTERS_ROW: per_chip_bytes(trainable),
             ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
         }
         if with_ref:
             resident[NO_REFERENCE_ROW] = 0
-        # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged), placed
-        # as the base; it lives from the rollout to the reference pass (Rollout.update_params(None) after).
-        merged_copy = per_chip_bytes(params)
-    if grpo.max_staleness > 0:  # grpax.rl.ahead: each version a rollout ahead needs is a copy (LoRA: merged)
+        # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged; QLoRA's
+        # dequantised, in weight_dtype), placed as the base; it lives from the rollout to the reference pass
+        # (Rollout.update_params(None) after). The adapters sampler reads the base and the adapters as they are
+        # (lora.apply): no copy.
+        merged_copy = per_chip_bytes(params) if sampler == "merged" else 0
+    # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
+    # the base with its adapters.
+    sampled = params if sampler != "adapters" else lora_lib.apply(base, trainable, lora)
+    if grpo.max_staleness > 0:  # grpax.rl.ahead: each version a rollout ahead needs is a copy of all of it
         resident[f"params versions for rollouts ahead ({grpo.max_staleness + 1})"] = (
             grpo.max_staleness + 1
-        ) * per_chip_bytes(params)
+        ) * per_chip_bytes(sampled)
         merged_copy = 0  # the versions are the merged weights
     rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
+    if sampler == "adapters":
+        rollout_base = lora_lib.quantize_base(rollout_params, qtype) if qtype else rollout_params
+        rollout_params = lora_lib.apply(rollout_base, _abstract_adapters(model_cfg, lora, rollout_mesh), lora)
     same = all(
         _same_layout(a, b)
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(rollout_params), strict=True)
+        for a, b in zip(jax.tree.leaves(sampled), jax.tree.leaves(rollout_params), strict=True)
     )
-    if not same:  # reshard_for_rollout copies them rounded to the compute dtype
-        rollout_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape, sharding.rounded_dtype(x.dtype, model_cfg.dtype), sharding=x.sharding
-            ),
-            rollout_params,
-        )
+    if same:
+        rollout_params = sampled  # the sampler reads the trainer's arrays (the adapters: float32)
+    else:  # reshard_for_rollout copies them rounded to the compute dtype
+        rollout_params = _rounded(rollout_params, model_cfg.dtype)
     stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
     rows = cfg.batch_size * grpo.num_generations
@@ -279,13 +323,13 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
         cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length, adapter_params, adapted,
-        0 if lora is None else lora.rank,
+        0 if lora is None else lora.rank, sampler == "adapters",
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
         TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
-        lora, None if lora is None else params, merged_copy,
+        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params,
     )  # fmt: skip
 
 
@@ -330,7 +374,7 @@ def compile_job(
     phases: dict[str, int] = {}
     n = len(devices)
     mesh = dict(job.mesh.shape)
-    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(job.dense_base or params))
     minimum = lambda passes, grads: fsdp_minimum(  # noqa: E731
         num_params, jnp.dtype(model_cfg.dtype).itemsize, mesh["fsdp"], mesh["tensor"], passes, grads
     )
@@ -440,12 +484,6 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     """
     devices = list(devices or jax.devices())
     if not cfg.check_fit or devices[0].platform == "cpu":
-        return
-    if cfg.lora_base_dtype:
-        log.warning(
-            "the fit check plans LoRA's base in weight_dtype, not quantised: skipped for lora_base_dtype=%s",
-            cfg.lora_base_dtype,
-        )
         return
     limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
     if not limit:

@@ -108,8 +108,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
             out.append(f"remat_policy=full (now {cfg.remat_policy})")
     if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
         out.append(
-            f"room for the merged weights the sampler reads ({report.merged_copy / GIB:.2f} GiB per chip, held "
-            "from the merge to the reference pass): a larger compile_topology"
+            f"lora_sampler=adapters (no merged weights for the sampler: {report.merged_copy / GIB:.2f} GiB per "
+            "chip, held from the merge to the reference pass)"
             + (", or weight_dtype=bfloat16" if cfg.weight_dtype == "float32" else "")
         )
     if phase == "rollout":

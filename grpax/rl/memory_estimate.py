@@ -18,10 +18,12 @@ temporaries of each function, from the shapes of what it holds at its largest:
 With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_param`` bytes per parameter),
 the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
 the adapters' (float32) and the weights it gathers are the base's; the merged weights the sampler reads
-(``lora.merge``) are exact and held by the merge, the rollout and the reference pass; the merge's temporaries
-are, with a 16-bit base, the float32 sums of every adapted weight, all layers (the TPU compiler's plan of Llama
-3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of temporaries; this gives 31.9), and none with a float32 base
-(the compiler's plan of 8B's float32 merge: 0).
+(``lora.merge``, ``lora_sampler=merged``) are exact and held by the merge, the rollout and the reference pass;
+the merge's temporaries are, with a 16-bit base, the float32 sums of every adapted weight, all layers (the TPU
+compiler's plan of Llama 3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of temporaries; this gives 31.9), and
+none with a float32 base (the compiler's plan of 8B's float32 merge: 0). With ``lora_sampler=adapters`` (auto's
+choice on GPUs) there is no merge and no merged copy: the decode reads the base in place and rounds the
+float32 adapters to the compute dtype (``prepare_decode``).
 
 Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
 update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
@@ -36,6 +38,7 @@ from jax.sharding import AbstractMesh
 
 from grpax import sharding
 from grpax.config import ConfigError
+from grpax.models.quantize import QuantizedWeight
 from grpax.rl import compile_check
 from grpax.rl.compile_check import base_bytes_per_param, build_job, step_count
 from grpax.rl.fit_report import Compiled, Report, format_report
@@ -111,13 +114,17 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
     # The decode reads each layer's weights in place; only weights wider than the compute dtype that reached
     # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
-    rollout_w = max(x.dtype.itemsize for x in jax.tree.leaves(job.rollout_params))
-    decode = compile_check.per_chip_bytes(job.rollout_params) * act / w if rollout_w > act else 0
+    quantised = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731  (QLoRA's: read as they are)
+    decode = sum(
+        compile_check.per_chip_bytes([x]) * act / x.dtype.itemsize
+        for x in jax.tree.leaves(job.rollout_params, is_leaf=quantised)
+        if not quantised(x) and x.dtype.itemsize > act
+    )
     decode += job.kv_cache
     decode += 3 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
     estimates = [("update", update)]
     if job.merged_copy:  # the float32 W + s * A @ B of every adapted weight, all layers at once
-        layers = job.base["layers"]
+        layers = job.dense_base["layers"]  # QLoRA: the dequantised weights, in weight_dtype
         stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
         adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
         # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds

@@ -4,16 +4,25 @@ A full fine-tune trains the params themselves. With LoRA (``lora_rank > 0``, ``g
 update trains only the adapters, and only they have optimizer state; the base weights are frozen and held once:
 the update reads them beside the adapters (``lora.apply``, never donated), the reference pass reads them as they
 are (beta > 0: the reference policy is the base, the adapters switched off, with no second copy), and the
-sampler reads ``lora.merge(base, adapters)``, built once per rollout and dropped after it (the choice and its
-measurement: docs/benchmarks.md, "LoRA"). The checkpoint's ``train_meta`` records the base's path and
+sampler reads one of two (``lora_sampler``, ``sampler_mode``): ``merged``, ``lora.merge(base, adapters)`` built
+once per rollout and dropped after it, a whole copy of the weights that every sampler backend decodes at the
+base's speed; or ``adapters``, ``lora.apply(base, adapters)``, nothing copied, each decoded token computing
+``x @ W + s * (x @ A) @ B`` in every adapted layer. ``auto`` is ``merged`` where the base is on CPU devices
+(measured faster there, and the CPU backend's kernels take plain weights only: docs/benchmarks.md, "LoRA") and
+``adapters`` on accelerators, where the decode is bound by reading the weights (the adapters add r (in + out) /
+(in out) of each adapted weight's bytes, under 1% at r = 16 for Llama 3.1 8B) and the merged copy is a whole
+second copy of the base in device memory (70B on a v6e-8 fits only without it: docs/scaling.md, "LoRA").
+The checkpoint's ``train_meta`` records the base's path and
 fingerprint (``fingerprint``): a resume or an export against other base weights is refused.
 
 QLoRA (``base_dtype`` int8 or nf4, ``grpax.models.quantize``): the base's projection weights are quantised once
 here, at load, and only the quantised base is kept. The update dequantises them in each matmul; the reference is
-that quantised base, the adapters off; the sampler reads ``lora.merge``, the dequantised base plus the adapters
-in the base's loaded dtype, built per rollout as for LoRA: the decode then runs every sampler backend at the
-base's speed (the CPU backend's kernels take plain weights only) instead of dequantising every layer at every
-decoded token, at the cost of one unquantised copy of the projections while the rollout runs. The fingerprint
+that quantised base, the adapters off; a ``merged`` sampler reads ``lora.merge``, the dequantised base plus the
+adapters in the base's loaded dtype, built per rollout as for LoRA: the decode then runs every sampler backend at
+the base's speed (the CPU backend's kernels take plain weights only) instead of dequantising every layer at every
+decoded token, at the cost of one unquantised copy of the projections while the rollout runs; an ``adapters``
+sampler reads the quantised base as the update does, dequantising each layer's weights at each token. The
+fingerprint
 digests the quantisation too, and ``train_meta`` records it: a resume with another ``lora_base_dtype`` is
 refused.
 """
@@ -53,6 +62,25 @@ def fingerprint(params: Any, quantization: str = "") -> str:
     return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
 
 
+LORA_SAMPLERS = ("auto", "merged", "adapters")
+
+
+def sampler_mode(lora_sampler: str, platform: str) -> str:
+    """What a LoRA policy's sampler reads: "merged" or "adapters" (``lora_sampler``; "auto": merged where
+    ``platform``, the base's devices', is "cpu", else adapters: the module docstring's reasons)."""
+    assert lora_sampler in LORA_SAMPLERS, lora_sampler
+    if lora_sampler != "auto":
+        return lora_sampler
+    return "merged" if platform == "cpu" else "adapters"
+
+
+def _platform(tree: Any) -> str:
+    """The platform of the devices holding ``tree``'s first leaf (host arrays: JAX's default backend)."""
+    leaf = jax.tree.leaves(tree)[0]
+    sharding_ = getattr(leaf, "sharding", None)
+    return next(iter(sharding_.device_set)).platform if sharding_ is not None else jax.default_backend()
+
+
 @functools.partial(jax.jit, static_argnames=("lora",))
 def _merge(base, adapters, lora):
     return lora_lib.merge(base, adapters, lora)
@@ -67,6 +95,8 @@ class Policy:
       base_path: where the base was loaded from (recorded in checkpoints).
       base_dtype: QLoRA: "int8" or "nf4", the base's projection weights quantised here (``self.base`` then
         holds only the quantised base); "" keeps the base as loaded.
+      sampler: ``lora_sampler``: "auto", "merged" or "adapters" (``sampler_mode``); ``self.sampler`` holds the
+        resolved one (LoRA only).
     """
 
     def __init__(
@@ -75,8 +105,10 @@ class Policy:
         base: Any = None,
         base_path: str = "",
         base_dtype: str = "",
+        sampler: str = "auto",
     ):
         self.lora, self.base, self.base_path, self.base_dtype = lora, base, base_path, base_dtype
+        self.sampler = sampler_mode(sampler, _platform(base)) if lora is not None else ""
         self.base_fingerprint = fingerprint(base, base_dtype) if lora is not None else ""
         self.weight_dtype = str(jax.tree.leaves(base)[0].dtype) if lora is not None else ""
         if lora is not None and base_dtype:
@@ -99,8 +131,13 @@ class Policy:
         return jax.tree.map(jax.device_put, adapters, shardings)
 
     def sampler_params(self, trainable: Any) -> Any:
-        """Plain params for the sampler and the evaluation: ``trainable`` itself, or the merged weights."""
-        return trainable if self.lora is None else _merge(self.base, trainable, self.lora)
+        """The params the sampler and the evaluation read: ``trainable`` itself (full fine-tune), the merged
+        weights (``sampler == "merged"``) or the base with its adapters (``"adapters"``: ``lora.apply``)."""
+        if self.lora is None:
+            return trainable
+        if self.sampler == "merged":
+            return _merge(self.base, trainable, self.lora)
+        return lora_lib.apply(self.base, trainable, self.lora)
 
     def forward_params(self, trainable: Any) -> Any:
         """The params ``forward`` runs: ``trainable``, or the base with its adapters (``lora.apply``)."""

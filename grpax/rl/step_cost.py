@@ -14,8 +14,10 @@ up to C steps), so its figures are low by factors of L, M and C. The count follo
 With LoRA (``StepShape.adapter_params > 0``) the backward computes the activations' gradients through the frozen
 weights (1x forward) and the weights' gradients of the adapters only; each pass adds the adapters' own matmuls
 (``x @ A``, then ``@ B``: 2 FLOPs per adapter parameter per token); the optimizer reads and writes the adapters and
-their moments only; and each rollout first merges them (``lora.merge``: ``W + s * A @ B`` of every adapted weight,
-2r FLOPs per adapted parameter; it reads the base and writes the merged copy).
+their moments only; and with the merged sampler each rollout first merges them (``lora.merge``: ``W + s * A @ B``
+of every adapted weight, 2r FLOPs per adapted parameter; it reads the base and writes the merged copy), while the
+adapters sampler (``StepShape.sampler_adapters``) merges nothing and its prefill and decode add the adapters'
+matmuls per token, and the decode reads the adapters (in the compute dtype) at every step beside the weights.
 
 A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
 (whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
@@ -57,6 +59,7 @@ class StepShape:
     adapter_params: int = 0  # LoRA: the adapters' parameters (0: a full fine-tune)
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
     lora_rank: int = 0  # LoRA: r
+    sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
@@ -113,9 +116,14 @@ def step_phases(
         seconds = max(flops / (num_chips * peak_flops), bytes_per_chip / hbm_bandwidth)
         return Phase(name, flops, bytes_per_chip, seconds)
 
+    # The adapters sampler: 2 FLOPs per adapter parameter per token, and the adapters read per pass (split
+    # as the weights, for the count: their rank axis is replicated, a few MB).
+    adapter_flops = 2.0 * s.adapter_params if s.sampler_adapters else 0.0
+    adapter_bytes = s.adapter_params * min(4, _BYTES[cfg.dtype]) if s.sampler_adapters else 0.0
+    sampler_weights += adapter_bytes
     prefill = 2.0 * layer_params * s.num_prompts * P + _attention_flops(cfg, s.num_prompts * P, P)
-    prefill += head * s.num_prompts
-    phases = [phase("prefill", prefill, weights / rollout_tensor)]
+    prefill += head * s.num_prompts + adapter_flops * s.num_prompts * P
+    phases = [phase("prefill", prefill, (weights + adapter_bytes) / rollout_tensor)]
     # Decode, phase by phase: each step reads the weights and the phase's whole cache (P + phase end slots).
     rows_per_chip = rows / rollout_data / min(rollout_tensor, cfg.num_kv_heads)
     step_length = s.decode_phase_length or C
@@ -124,7 +132,9 @@ def step_phases(
     start = 0
     for end in ends:
         steps = end - start
-        flops = steps * (rows * (2.0 * layer_params + head) + _attention_flops(cfg, rows, P + end))
+        flops = steps * (
+            rows * (2.0 * layer_params + head + adapter_flops) + _attention_flops(cfg, rows, P + end)
+        )
         per_chip = steps * (sampler_weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
         decode_flops += flops
         decode_bytes += per_chip
@@ -146,10 +156,11 @@ def step_phases(
         adapter = 2.0 * s.adapter_params * tokens
         update_flops = (forwards + 1) * layers + (forwards + 2) * adapter + 3 * vocab
         optimizer_bytes = shard * (2 * 4 + 4 * 5)  # float32 adapters: read + write, grads, mu, nu
-        merge_flops = 2.0 * s.lora_rank * s.adapted_params
-        # Read the base, write the merged copy (every weight: the jitted merge returns them all), on the
-        # trainer's mesh.
-        phases.insert(0, phase("merge", merge_flops, 2 * weights / num_chips))
+        if not s.sampler_adapters:
+            merge_flops = 2.0 * s.lora_rank * s.adapted_params
+            # Read the base, write the merged copy (every weight: the jitted merge returns them all), on the
+            # trainer's mesh.
+            phases.insert(0, phase("merge", merge_flops, 2 * weights / num_chips))
     else:
         update_flops = (forwards + 2) * layers + 4 * vocab  # the backward is 2x forward
         # Read + write params, read float32 grads, read + write float32 mu and nu (and a float32 master copy's

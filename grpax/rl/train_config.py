@@ -21,6 +21,7 @@ from grpax.models.lora import LoraConfig
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
 from grpax.rl.config import GRPOConfig
+from grpax.rl.policy import LORA_SAMPLERS
 from grpax.sampler.engine import SamplerConfig
 from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
@@ -170,6 +171,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "dequantised in the matmul; the reference is then this quantised base; needs lora_rank > 0 and qwix "
         "(pip install 'grpax[qlora]'); unset = the base in weight_dtype",
     )
+    lora_sampler: str = field(
+        "auto",
+        "what the LoRA rollout decodes: merged (W + s A B built per rollout, a whole copy of the weights; the "
+        "base's decode speed, any backend), adapters (the base and its adapters, nothing copied, the XLA "
+        "backend), or auto: merged on CPU, adapters on accelerators",
+    )
 
     @property
     def micro_batches(self) -> int:
@@ -276,11 +283,9 @@ def validate(cfg: TrainConfig) -> None:
                 "lora_rank=0 trains all the weights: set lora_rank > 0 (e.g. lora_rank=16) or drop lora_base_dtype"
             )
         require_qwix()
-    if cfg.lora_base_dtype and cfg.compile_topology:
+    if cfg.lora_sampler not in LORA_SAMPLERS:
         raise ConfigError(
-            f"compile_topology={cfg.compile_topology!r} with lora_base_dtype={cfg.lora_base_dtype}: the compiled "
-            "plan models LoRA's base in weight_dtype, not quantised, so far; drop lora_base_dtype to see the LoRA "
-            "plan (an upper bound for QLoRA)"
+            f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"
         )
     _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)

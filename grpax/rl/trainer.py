@@ -153,7 +153,13 @@ def _train(
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
     policy = (
-        Policy(cfg.lora(), params, str(Path(cfg.load_parameters_path).absolute()), cfg.lora_base_dtype)
+        Policy(
+            cfg.lora(),
+            params,
+            str(Path(cfg.load_parameters_path).absolute()),
+            cfg.lora_base_dtype,
+            cfg.lora_sampler,
+        )
         if cfg.lora_rank
         else Policy()
     )

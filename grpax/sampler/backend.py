@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from grpax.models.llama import forward, logits_from_hidden
+from grpax.models.lora import LoraWeight
 from grpax.models.params import Params, convert_layout
+from grpax.models.quantize import QuantizedWeight
 from grpax.models.registry import ModelConfig
 
 BACKENDS = ("auto", "xla", "cpu")
@@ -101,12 +103,21 @@ class XlaBackend:
         the TPU compiler reads it in place; cut into per-layer buffers here, outside the loop, they were a
         second copy of every weight (docs/scaling.md).
 
+        LoRA's adapters (``lora.LoraWeight``: the LoRA sampler's ``lora_sampler=adapters``) are rounded with
+        their weight, as the forward rounds them; a QLoRA weight's codes and scales are left as they are (its
+        matmul dequantises them into the compute dtype).
+
         Args:
           num_slots: the most cache slots the loop reaches (P + C).
         """
         dtype = jnp.dtype(cfg.dtype)
-        narrow = lambda x: x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x  # noqa: E731
-        return jax.tree.map(narrow, params)
+
+        def narrow(x):
+            if isinstance(x, QuantizedWeight):
+                return x
+            return x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x
+
+        return jax.tree.map(narrow, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
     def decode_step(
         self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
@@ -140,13 +151,19 @@ def _param_devices(params: Params) -> set | None:
     )
 
 
+def _plain(params: Params) -> bool:
+    """Whether every weight is an array (not LoRA's ``LoraWeight`` nor QLoRA's ``QuantizedWeight``)."""
+    wrapped = lambda x: isinstance(x, LoraWeight | QuantizedWeight)  # noqa: E731
+    return not any(wrapped(x) for x in jax.tree.leaves(params, is_leaf=wrapped))
+
+
 def select_backend(
     name: str, params: Params, cfg: ModelConfig, cache_dtype: str | None = None, concrete: bool = True
 ) -> Any:
     """The backend that runs one ``generate`` call: the one place that chooses (and imports) a backend.
 
     "cpu" runs a Llama-family model (``cfg.family == "llama"``: its kernels implement that block only) where
-    every param is a concrete array on one CPU device, the prompts are concrete (``concrete``) and
+    every param is a concrete array (no LoRA adapters beside a weight, no quantised weight) on one CPU device, the prompts are concrete (``concrete``) and
     ``grpax.backends.cpu.unavailable_reason`` finds nothing against it (dtypes, group size, the kernels
     build); "auto" picks it there and "xla" anywhere else.
 
@@ -177,6 +194,13 @@ def select_backend(
             raise ValueError(
                 "backend='cpu' runs on one CPU device with concrete params and prompts; these are sharded, on an "
                 "accelerator or traced: use backend='auto' or 'xla'"
+            )
+        return XlaBackend(compiler_options=options)
+    if not _plain(params):
+        if name == "cpu":
+            raise ValueError(
+                "backend='cpu' runs plain weights only; these hold LoRA adapters beside their weights "
+                "(lora_sampler=adapters) or quantised weights: use backend='auto' or 'xla', or lora_sampler=merged"
             )
         return XlaBackend(compiler_options=options)
     from grpax.backends import cpu  # only here, and only for params on one CPU device
