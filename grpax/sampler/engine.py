@@ -218,15 +218,13 @@ def generate_padded(
     concrete = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_lengths))
     backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, concrete)
     plan = backend.plan(prompt_tokens, prompt_lengths) if concrete else None
-    cache, logits = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
+    cache, logits = compiled_prefill(backend)(
         params, prompt_tokens, prompt_lengths, cfg, sc, num_generations, backend, plan
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
     if concrete and sc.retire_rows and len(_phase_ends(sc)) > 1:
         return _decode_retiring(params, cache, logits, lengths, key, cfg, sc, backend)
-    return _compiled(_decode, _DECODE_STATIC, backend.compiler_options)(
-        params, cache, logits, lengths, key, cfg, sc, backend
-    )
+    return compiled_decode(backend)(params, cache, logits, lengths, key, cfg, sc, backend)
 
 
 def _phase_ends(sc: SamplerConfig) -> list[int]:
@@ -490,10 +488,15 @@ def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
     return backend.prepare_decode(params, cfg, num_slots)
 
 
-# The compiled prefill and decode without compiler options (as on accelerators); ``generate_padded`` picks
-# the twin with its backend's options.
-prefill = _compiled(_prefill, _PREFILL_STATIC, ())
-decode = _compiled(_decode, _DECODE_STATIC, ())
+def compiled_prefill(backend):
+    """The jitted prefill with ``backend``'s compiler options (what ``generate_padded`` runs; for the compile
+    check: ``compiled_prefill(backend).lower(params, tokens, lengths, cfg, sc, G, backend, None)``)."""
+    return _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)
+
+
+def compiled_decode(backend):
+    """The jitted decode of every phase and row (``_decode``) with ``backend``'s compiler options."""
+    return _compiled(_decode, _DECODE_STATIC, backend.compiler_options)
 
 
 def prepare_prompts(
