@@ -1,10 +1,11 @@
 """The sampler's decode loop compiled for a TPU slice: its temporaries per chip and the copies in its HLO.
 
-Compiles only ``grpax.sampler.engine.decode`` (every phase, all rows: the program ``compile_topology`` sizes) of a
+Compiles only ``grpax.sampler.engine.compiled_decode`` (every phase, all rows: the program ``compile_topology`` sizes) of a
 ``grpax train_rl`` job for ``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU
 and no weights needed), from an abstract prefilled cache placed as the prefill leaves it, and prints per chip
 the decode's temporaries and arguments, and the data movement the compiler left in the program: every
-``copy`` / ``copy-start`` in HBM (prefetches into on-chip memory, memory space 1, are not counted) and every
+``copy`` / ``copy-start`` into HBM (prefetches into on-chip memory, memory space 1, are not counted; write-backs
+of a buffer staged there are, and are also shown apart) and every
 fusion whose output is at least ``--min_mib`` MiB (weight- or cache-sized),
 inside the decode loops (executed at every step) and outside them (once per call), with their bytes. Faster
 than the whole job's compile (no update, no prefill).
@@ -41,6 +42,7 @@ from grpax.topology import get_topology
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
 _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64)\[([0-9,]*)\]")
+_COPIES = ("copy", "copy-start", "write-back")  # the kinds counted as copies in HBM
 _INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.+?) (copy|copy-start|fusion|dynamic-update-slice)\(")
 
 
@@ -83,12 +85,15 @@ def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int
             if not m:
                 continue
             kind, result = m.group(4), m.group(3)
-            if kind == "copy-start":  # (source, destination, context): count the destination
-                result = result.split("}, ")[1] if "}, " in result else result
+            if kind == "copy-start":  # (destination, source, context), as copy-done's result shows
+                destination, source = result.split("}, ")[:2]
+                result = destination + "}"
+                if "S(1)" in source and "S(1)" not in result:
+                    kind = "write-back"  # a buffer staged in VMEM (and changed there) copied back to HBM
             if kind in ("copy", "copy-start") and "S(1)" in result:
                 kind = "to on-chip memory"  # a prefetch into VMEM (memory space 1), not an HBM copy
             size = _bytes(result)
-            if kind in ("copy", "copy-start") or size >= min_bytes:
+            if kind in _COPIES or size >= min_bytes:
                 out[where].append((kind, m.group(2), size))
     return out
 
@@ -128,7 +133,11 @@ def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     with jax.set_mesh(mesh):
         start = time.perf_counter()
-        compiled = engine.decode.lower(params, cache, logits, lengths, key, model_cfg, sc, backend).compile()
+        compiled = (
+            engine.compiled_decode(backend)
+            .lower(params, cache, logits, lengths, key, model_cfg, sc, backend)
+            .compile()
+        )
         print(f"decode compiled in {time.perf_counter() - start:.0f} s", flush=True)
     return compiled.as_text(), compiled.memory_analysis()
 
@@ -137,10 +146,12 @@ def report(text: str, min_bytes: int) -> None:
     moves = count_moves(text, min_bytes)
     for where, label in (("loop", "inside the decode loops (every step)"), ("once", "outside them (once)")):
         items = moves[where]
-        copies = [m for m in items if m[0] in ("copy", "copy-start")]
+        copies = [m for m in items if m[0] in _COPIES]
+        backs = [m for m in items if m[0] == "write-back"]
         big = sorted((m for m in items if m[2] >= min_bytes), key=lambda m: -m[2])
         print(
-            f"{label}: {len(copies)} copies, {sum(m[2] for m in copies) / 2**30:.3f} GiB; "
+            f"{label}: {len(copies)} copies, {sum(m[2] for m in copies) / 2**30:.3f} GiB (write-backs from VMEM: "
+            f"{len(backs)}, {sum(m[2] for m in backs) / 2**30:.3f} GiB); "
             f"{len(big)} ops with an output >= {min_bytes / 2**20:.0f} MiB, {sum(m[2] for m in big) / 2**30:.3f} GiB"
         )
         for kind, name, size in big[:12]:

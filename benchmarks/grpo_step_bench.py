@@ -27,7 +27,8 @@ per useful token and the fraction of the decode's row-steps spent on rows alread
 step where the sampler does not count them, as before finished rows were retired).
 
 Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations 4] [--new_tokens 128]
-       [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--stop_tokens] [--json_out FILE]
+       [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--stop_tokens] [--rollout_only]
+       [--json_out FILE]
        [--gsm8k_dir DIR]
 """
 
@@ -68,7 +69,7 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import SamplerConfig, decode, prefill
+from grpax.sampler.engine import SamplerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import add_gsm8k_dir_option, gsm8k_file, measure_bandwidth, measure_matmul  # noqa: E402
@@ -109,6 +110,20 @@ def reward_total(questions, completions, golds) -> list[float]:
 
 def _cache_size(fn) -> int:
     return fn._cache_size() if hasattr(fn, "_cache_size") else -1
+
+
+# XLA programs compiled in this process and their compile seconds (JAX's backend-compile event: every jit,
+# whichever tree's grpax runs, e.g. the retiring decode's phase programs).
+COMPILES = {"programs": 0, "seconds": 0.0}
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES["programs"] += 1
+        COMPILES["seconds"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 class _Batches:
@@ -162,7 +177,12 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
         return {"total": total}, np.zeros(len(rows))
 
     rollout = Rollout(
-        cfg, sampler_cfg, grpo, score, reference=ref_params, num_micro_batches=args.num_micro_batches
+        cfg,
+        sampler_cfg,
+        grpo,
+        score,
+        reference=None if args.rollout_only else ref_params,
+        num_micro_batches=args.num_micro_batches,
     )
     outs = []  # the sampler's outputs of the current step (several with dynamic sampling)
 
@@ -174,6 +194,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
 
     rollout_module.generate = generate
     setup_s = time.perf_counter() - t0
+    compiled_before = dict(COMPILES)
     steps = []
     ahead = None
     if max_staleness > 0:
@@ -195,8 +216,11 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
         else:
             batch = ahead.get(i)
         t_update = time.perf_counter()
-        state, update_metrics = update(state, batch)
-        jax.block_until_ready(state)
+        if args.rollout_only:  # the same params every step; no update metrics
+            update_metrics = {}
+        else:
+            state, update_metrics = update(state, batch)
+            jax.block_until_ready(state)
         if ahead is not None:
             ahead.publish(state.params, i + 1)
         t_end = time.perf_counter()
@@ -215,10 +239,10 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
             "mean_completion_len": float(batch.host.completion_lengths.mean()),
             "reward_mean": m["rewards/total/mean"],
             "compiled": {
-                "prefill": _cache_size(prefill),
-                "decode": _cache_size(decode),
                 "reference": _cache_size(token_logprobs),
                 "train_step": _cache_size(train_step),
+                "programs_so_far": COMPILES["programs"],  # every program, the sampler's included
+                "compile_s_so_far": round(COMPILES["seconds"], 2),
             },
         }
         step.update(decode_work(outs))
@@ -230,7 +254,7 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
     if ahead is not None:
         ahead.close()
     rollout_module.generate = sampled
-    return {"setup_s": setup_s, "steps": steps}
+    return {"setup_s": setup_s, "steps": steps, "compiled_before_steps": compiled_before}
 
 
 def decode_work(outs) -> dict:
@@ -451,6 +475,12 @@ def main() -> None:
         "--stop_tokens",
         action="store_true",
         help="grpax stops rows at the model's stop tokens (TRL still decodes new_tokens: use with --skip_trl)",
+    )
+    ap.add_argument(
+        "--rollout_only",
+        action="store_true",
+        help="grpax: the rollout only (no reference pass, no update; the params stay the initial ones), e.g. "
+        "to compare samplers on the same batches where the update is too slow to repeat",
     )
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_grpax", action="store_true")

@@ -509,3 +509,38 @@ def test_lora_step_flops_equal_a_hand_count():
     assert adapters["decode"].flops == full["decode"].flops + 2 * adapter_params * 2 * 2
     itemsize = {"float32": 4, "bfloat16": 2}[cfg.dtype]
     assert adapters["decode"].bytes_per_chip == full["decode"].bytes_per_chip + 2 * adapter_params * itemsize
+
+
+def _decode_compile_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_compile", "benchmarks/decode_compile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evictions", [True, False])
+def test_the_tpu_decode_updates_its_cache_in_hbm(monkeypatch, evictions):
+    """llama3.1-8b's decode loop cut to 4 layers, compiled for v6e-8 (the seed's sampler keys, 20 s): with the
+    TPU compiler's default memory-space assignment a layer's cache buffers are staged in VMEM, updated there
+    and written back to HBM at every step (a tiny model's are not); with the XLA backend's TPU options (no
+    eviction) the loop bodies write nothing back."""
+    from grpax.sampler import backend
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    if evictions:
+        monkeypatch.setattr(backend, "XLA_TPU_OPTIONS", ())
+    keys = [
+        "model_name=llama3.1-8b-Instruct", "chips_per_vm=8", "rollout_data_parallelism=1",
+        "rollout_tensor_parallelism=-1", "compile_topology=v6e-8",
+    ]  # fmt: skip
+    decode_compile = _decode_compile_module()
+    text, _ = decode_compile.compile_decode(build_config(TrainConfig, keys), num_layers=4)
+    backs = [
+        size for kind, _, size in decode_compile.count_moves(text, 2**40)["loop"] if kind == "write-back"
+    ]
+    # A key or value buffer per chip: 16 rows x 1 kv head x 128 x (256 + 64 slots) in bfloat16 (first phase).
+    assert (16 * 128 * 320 * 2 in backs) == evictions, backs

@@ -425,7 +425,9 @@ def compile_job(
     G = grpo.num_generations
     with jax.set_mesh(job.rollout_mesh):
         prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
-        functions["prefill"], compiled = _compile("the sampler's prefill", n, engine.prefill, *prefill_args)
+        functions["prefill"], compiled = _compile(
+            "the sampler's prefill", n, engine.compiled_prefill(backend), *prefill_args
+        )
         if compiled is not None:  # the decode starts from the prefill's cache and logits
             cache, logits = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
@@ -433,7 +435,9 @@ def compile_job(
             row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)
             key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
             decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
-            functions["decode"], _ = _compile("the sampler's decode loop", n, engine.decode, *decode_args)
+            functions["decode"], _ = _compile(
+                "the sampler's decode loop", n, engine.compiled_decode(backend), *decode_args
+            )
     rollout_resident = per_chip_bytes(rollout_params)
     # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
     merged = 0 if cfg.rollout_devices else job.merged_copy

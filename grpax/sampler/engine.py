@@ -7,8 +7,10 @@ token. The decode runs in phases of ``decode_phase_length`` steps, each on a cac
 (grown between phases), so attention work follows the filled length. Prefill and decode are two compiled
 functions; the cache passes from one to the other and lives in the decode loop's carry, where XLA updates it
 in place: one copy per phase, none per step (a donated input cannot help: XLA aliases donations only to
-outputs of the same shape). Layers run unrolled, with per-layer weight and cache buffers: scanning stacked
-layers copies each layer's weights and cache slice every step. Compiled functions are cached per shape
+outputs of the same shape; on TPU the XLA backend's compiler options keep the TPU compiler from staging it
+through on-chip memory and writing it back at every step, ``grpax.sampler.backend.XLA_TPU_OPTIONS``). Layers
+run unrolled, with per-layer weight and cache buffers: scanning stacked layers copies each layer's weights and
+cache slice every step. Compiled functions are cached per shape
 (batch size, prompt bucket) and config: a new prompt length inside the same bucket reuses the compiled decode.
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``) keep the same full-length cache
@@ -218,15 +220,13 @@ def generate_padded(
     concrete = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_lengths))
     backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, concrete)
     plan = backend.plan(prompt_tokens, prompt_lengths) if concrete else None
-    cache, logits = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
+    cache, logits = compiled_prefill(backend)(
         params, prompt_tokens, prompt_lengths, cfg, sc, num_generations, backend, plan
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
     if concrete and sc.retire_rows and len(_phase_ends(sc)) > 1:
         return _decode_retiring(params, cache, logits, lengths, key, cfg, sc, backend)
-    return _compiled(_decode, _DECODE_STATIC, backend.compiler_options)(
-        params, cache, logits, lengths, key, cfg, sc, backend
-    )
+    return compiled_decode(backend)(params, cache, logits, lengths, key, cfg, sc, backend)
 
 
 def _phase_ends(sc: SamplerConfig) -> list[int]:
@@ -490,10 +490,15 @@ def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
     return backend.prepare_decode(params, cfg, num_slots)
 
 
-# The compiled prefill and decode without compiler options (as on accelerators); ``generate_padded`` picks
-# the twin with its backend's options.
-prefill = _compiled(_prefill, _PREFILL_STATIC, ())
-decode = _compiled(_decode, _DECODE_STATIC, ())
+def compiled_prefill(backend):
+    """The jitted prefill with ``backend``'s compiler options (what ``generate_padded`` runs; for the compile
+    check: ``compiled_prefill(backend).lower(params, tokens, lengths, cfg, sc, G, backend, None)``)."""
+    return _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)
+
+
+def compiled_decode(backend):
+    """The jitted decode of every phase and row (``_decode``) with ``backend``'s compiler options."""
+    return _compiled(_decode, _DECODE_STATIC, backend.compiler_options)
 
 
 def prepare_prompts(
