@@ -9,7 +9,7 @@ median over rounds and steady steps of the step, rollout and update seconds, the
 token, the decode row-steps and the fraction past EOS, and the programs compiled during the steps and their
 compile seconds (JAX's backend-compile events: retirement compiles one decode program per phase and row count).
 
-Usage: python benchmarks/retire_ab.py --parent /work/wt29parent [--this .] [--rounds 2] [--out DIR]
+Usage: python benchmarks/retire_ab.py --parent <parent worktree> [--this .] [--rounds 2] [--out DIR]
        -- --num_prompts 4 --num_generations 8 --new_tokens 256 --warmup_steps 1 --steady_steps 2
 """
 
