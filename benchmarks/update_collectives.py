@@ -100,54 +100,20 @@ def print_memory(memory: dict[str, dict[str, int]], resident: dict[str, int]) ->
 
 def top_collectives(text: str, num_devices: int, n: int) -> list[str]:
     """The ``n`` collectives that move the most bytes per chip in a program, by kind, array and the JAX op that
-    made them (its ``op_name``), loop trips counted as ``grpax.rl.collectives.count_collectives`` does."""
+    made them (its ``op_name``), loop trips counted and an async collective fusion chain counted once, as
+    ``grpax.rl.collectives.count_collectives`` does."""
     import collections
     import re
 
     from grpax.rl import collectives as c
 
-    computations, entry = c._computations(text)
-    callees = collections.defaultdict(list)
-    for name, lines in computations.items():
-        for line in lines:
-            if not (m := c._INSTRUCTION.match(line)):
-                continue
-            if m.group(3) == "while":
-                cond = re.search(r"condition=%([\w.\-]+)", m.group(4)).group(1)
-                trips = c._trip_count(computations.get(cond, [])) or 1
-                callees[name].append((re.search(r"body=%([\w.\-]+)", m.group(4)).group(1), trips))
-                continue
-            for callee in re.findall(r"(?:calls|true_computation|false_computation)=%([\w.\-]+)", m.group(4)):
-                callees[name].append((callee, 1))
-            if branches := re.search(r"branch_computations=\{([^}]*)\}", m.group(4)):
-                callees[name] += [(x, 1) for x in re.findall(r"%([\w.\-]+)", branches.group(1))]
-    runs = collections.Counter()
-
-    def visit(name: str, times: int) -> None:
-        runs[name] += times
-        for callee, trips in callees.get(name, ()):
-            visit(callee, times * trips)
-
-    visit(entry, 1)
+    executed, _ = c.executed_collectives(text, num_devices)
     rows = collections.defaultdict(lambda: [0, 0.0])
-    for name, lines in computations.items():
-        for line in lines:
-            m = c._INSTRUCTION.match(line)
-            if not runs[name] or not m or m.group(3).removesuffix("-start") not in c.KINDS:
-                continue
-            kind = m.group(3).removesuffix("-start")
-            kind = (
-                "reduce-scatter" if kind == "all-reduce" and name.startswith("all-reduce-scatter") else kind
-            )
-            op = re.search(r'op_name="([^"]*)"', line)
-            key = (
-                kind,
-                m.group(2).split("{")[0],
-                c._group_size(m.group(4), num_devices),
-                op.group(1) if op else "",
-            )
-            rows[key][0] += runs[name]
-            rows[key][1] += runs[name] * c._array_bytes(m.group(2))
+    for kind, type_text, rest, times in executed:
+        op = re.search(r'op_name="([^"]*)"', rest)
+        key = (kind, type_text.split("{")[0], c._group_size(rest, num_devices), op.group(1) if op else "")
+        rows[key][0] += times
+        rows[key][1] += times * c._array_bytes(type_text)
     top = sorted(rows.items(), key=lambda r: -r[1][1])[:n]
     return [f"  {k[0]} {k[1]} over {k[2]} chips: {count} x, {size / 1e9:.3f} GB (arrays), {k[3][-90:]}"
             for k, (count, size) in top]  # fmt: skip

@@ -1,5 +1,8 @@
 """Collectives counted from a compiled program's HLO text: loop trips, the TPU reduce-scatter fusion, group
-sizes in each of the three replica-group notations, and the bytes per chip by hand."""
+sizes in each of the three replica-group notations, the TPU async collective fusion chain counted once, and
+the bytes per chip by hand."""
+
+import re
 
 from grpax.rl.collectives import count_collectives, fsdp_minimum
 
@@ -64,6 +67,101 @@ def test_collectives_by_hand():
 def test_a_loop_of_unknown_trip_count_is_counted_once_and_reported():
     counted, unknown = count_collectives(HLO.replace("direction=LT", "direction=NE"), num_devices=8)
     assert unknown == 1 and counted["all-gather"].count == 1
+
+
+# The TPU compiler's async collective fusion (as v5e's update compiles, trimmed): one all-gather of bf16[16,4]
+# (128 bytes) over 8 chips spread over a start fusion, two continuation fusions that each also run a dot, and a
+# done fusion, in a 5-trip loop; each fusion holds a copy of the all-gather with channel_id 7; the shard and the
+# gathered buffer are threaded through the chain. One transfer per trip, not four.
+_CONFIG = (
+    'backend_config={"flag_configs":[],"async_collective_fusion_config":{"flag_start":"%s","flag_end":"%s"}}'
+)
+_GATHER = (
+    "all-gather(%%%s), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}, "
+    'use_global_device_ids=true, frontend_attributes={chain_id="0"}, '
+)
+CHAIN_HLO = f"""HloModule jit_step, entry_computation_layout={{()->bf16[2,4]}}
+
+%start (s0: bf16[2,4]) -> (bf16[2,4], bf16[16,4], u32[]) {{
+  %s0 = bf16[2,4]{{1,0}} parameter(0)
+  %all-gather.1 = bf16[16,4]{{1,0}} {_GATHER % "s0"}{_CONFIG % (-1, -1)}
+  ROOT %custom-call.1 = (bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%async_collective_fusion.2 (c0: bf16[2,4], c1: bf16[16,4], c2: u32[], w: bf16[4,4]) -> (bf16[2,4], bf16[2,4], bf16[16,4], bf16[16,4], u32[]) {{
+  %c0 = bf16[2,4]{{1,0}} parameter(0)
+  %c1 = bf16[16,4]{{1,0}} parameter(1)
+  %c2 = u32[] parameter(2)
+  %w = bf16[4,4]{{1,0}} parameter(3)
+  %dot.2 = bf16[2,4]{{1,0}} dot(%c0, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %all-gather.2 = bf16[16,4]{{1,0}} {_GATHER % "c0"}{_CONFIG % (2, 8)}
+  ROOT %tuple.2 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) tuple(%dot.2, %c0, %c1, %all-gather.2, %c2)
+}}
+
+%async_collective_fusion.3 (d0: bf16[2,4], d1: bf16[16,4], d2: u32[], v: bf16[4,4]) -> (bf16[2,4], bf16[2,4], bf16[16,4], bf16[16,4], u32[]) {{
+  %d0 = bf16[2,4]{{1,0}} parameter(0)
+  %d1 = bf16[16,4]{{1,0}} parameter(1)
+  %d2 = u32[] parameter(2)
+  %v = bf16[4,4]{{1,0}} parameter(3)
+  %dot.3 = bf16[2,4]{{1,0}} dot(%d0, %v), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %all-gather.3 = bf16[16,4]{{1,0}} {_GATHER % "d0"}{_CONFIG % (2, 8)}
+  ROOT %tuple.3 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) tuple(%dot.3, %d0, %d1, %all-gather.3, %d2)
+}}
+
+%done (e0: bf16[2,4], e1: bf16[16,4], e2: u32[]) -> bf16[16,4] {{
+  %e0 = bf16[2,4]{{1,0}} parameter(0)
+  %e1 = bf16[16,4]{{1,0}} parameter(1)
+  %e2 = u32[] parameter(2)
+  %all-gather.4 = bf16[16,4]{{1,0}} {_GATHER % "e0"}{_CONFIG % (2, 8)}
+  ROOT %custom-call.4 = bf16[16,4]{{1,0}} custom-call(%e0, %e1, %all-gather.4, %e2), custom_call_target="AsyncCollectiveDone"
+}}
+
+%body (p: (s32[], bf16[2,4])) -> (s32[], bf16[2,4]) {{
+  %p = (s32[], bf16[2,4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[2,4]{{1,0}} get-tuple-element(%p), index=1
+  %w4 = bf16[4,4]{{1,0}} constant({{...}})
+  %async-collective-start.1 = (bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) fusion(%x), kind=kCustom, calls=%start
+  %g0 = bf16[2,4]{{1,0}} get-tuple-element(%async-collective-start.1), index=0
+  %g1 = bf16[16,4]{{1,0}} get-tuple-element(%async-collective-start.1), index=1
+  %g2 = u32[] get-tuple-element(%async-collective-start.1), index=2
+  %fusion.2 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) fusion(%g0, %g1, %g2, %w4), kind=kOutput, calls=%async_collective_fusion.2
+  %h1 = bf16[2,4]{{1,0}} get-tuple-element(%fusion.2), index=1
+  %h2 = bf16[16,4]{{1,0}} get-tuple-element(%fusion.2), index=2
+  %h4 = u32[] get-tuple-element(%fusion.2), index=4
+  %fusion.3 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) fusion(%h1, %h2, %h4, %w4), kind=kOutput, calls=%async_collective_fusion.3
+  %k1 = bf16[2,4]{{1,0}} get-tuple-element(%fusion.3), index=1
+  %k2 = bf16[16,4]{{1,0}} get-tuple-element(%fusion.3), index=2
+  %k4 = u32[] get-tuple-element(%fusion.3), index=4
+  %async-collective-done.1 = bf16[16,4]{{1,0}} fusion(%k1, %k2, %k4), kind=kCustom, calls=%done
+  ROOT %t = (s32[], bf16[2,4]) tuple(%i, %x)
+}}
+
+%cond (q: (s32[], bf16[2,4])) -> pred[] {{
+  %q = (s32[], bf16[2,4]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %constant.7 = s32[] constant(5)
+  ROOT %compare.8 = pred[] compare(%j, %constant.7), direction=LT
+}}
+
+ENTRY %main () -> bf16[2,4] {{
+  %init = (s32[], bf16[2,4]) constant({{...}})
+  %while.1 = (s32[], bf16[2,4]) while(%init), condition=%cond, body=%body
+  ROOT %y = bf16[2,4]{{1,0}} get-tuple-element(%while.1), index=1
+}}
+"""
+
+
+def test_an_async_collective_fusion_chain_is_one_transfer():
+    counted, unknown = count_collectives(CHAIN_HLO, num_devices=8)
+    assert unknown == 0
+    # 5 trips of one all-gather receiving 7/8 of its 128-byte output; the chain's 4 copies counted 20 x before
+    assert {k: (c.count, c.bytes_per_chip) for k, c in counted.items()} == {
+        "all-gather": (5, 5 * 128 * 7 / 8)
+    }
+    # the same copies without the chain's config are 4 collectives, 20 transfers (what was counted before)
+    plain = re.sub(r',"async_collective_fusion_config":\{[^}]*\}', "", CHAIN_HLO)
+    assert count_collectives(plain, num_devices=8)[0]["all-gather"].count == 20
 
 
 def test_fsdp_minimum_by_hand():

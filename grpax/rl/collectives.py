@@ -7,6 +7,14 @@ a collective inside a ``while`` loop (scanned layers, micro-batches, logit chunk
 compiler's own ``cost_analysis()`` counts a loop body once. The TPU compiler emits a reduce-scatter as a fusion
 named ``all-reduce-scatter...`` holding an all-reduce and a slice: it is counted as the reduce-scatter it is.
 
+The TPU compiler's async collective fusion (the v5e default; ``xla_tpu_enable_async_collective_fusion*``) spreads
+one collective over a chain of fusions so that its transfer overlaps compute: a start fusion (custom call
+``AsyncCollectiveStart``), continuation fusions that each run a compute op and advance the transfer, and a done
+fusion (``AsyncCollectiveDone``). Each fusion of the chain holds a copy of the collective with the same
+``channel_id`` and ``async_collective_fusion_config`` in its backend config, the shard and the gathered buffer
+are threaded through them (aliased), and only the start's copy has ``flag_start`` -1: the chain is one transfer,
+counted once per execution of its start.
+
 Bytes per chip follow the ring algorithms over a group of g chips, for an array of S bytes: an all-gather
 receives S (g - 1) / g (S its output), a reduce-scatter sends S (g - 1) / g (S its input), an all-reduce
 2 S (g - 1) / g, an all-to-all S (g - 1) / g, a collective-permute S. Their time at the chip's ICI bandwidth is
@@ -90,17 +98,18 @@ def _trip_count(condition: list[str]) -> int | None:
     return None
 
 
-def count_collectives(hlo_text: str, num_devices: int) -> tuple[dict[str, Collective], int]:
-    """The collectives of a compiled program (``compiled.as_text()``), loop trips counted.
+def executed_collectives(hlo_text: str, num_devices: int) -> tuple[list[tuple[str, str, str, int]], int]:
+    """Each collective instruction of a compiled program that moves bytes, with how many times it runs.
 
     Args:
       hlo_text: the optimised, partitioned HLO module (one chip's program).
       num_devices: devices of the program (the group of a collective without replica groups).
 
     Returns:
-      ({kind: Collective} for the kinds in ``KINDS`` that occur, loops whose trip count was not found and were
-      counted once). A conditional's branches are all counted (the update's optimizer branch is the one that
-      runs).
+      ([(kind, its result type text, the rest of its instruction line, executions)], loops whose trip count was
+      not found and were counted once). The copies of an async collective fusion chain are one entry (the
+      module docstring); a conditional's branches are all counted (the update's optimizer branch is the one
+      that runs).
     """
     computations, entry = _computations(hlo_text)
     callees: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
@@ -129,7 +138,9 @@ def count_collectives(hlo_text: str, num_devices: int) -> tuple[dict[str, Collec
             visit(callee, times * trips)
 
     visit(entry, 1)
-    out: dict[str, Collective] = {}
+    out: list[tuple[str, str, str, int]] = []
+    # (kind, channel_id) of a chain: (kind, type, rest, runs of its start, runs of its other copies)
+    chains: dict[tuple[str, str], tuple[str, str, str, list[int], list[int]]] = {}
     for name, lines in computations.items():
         for line in lines:
             m = _INSTRUCTION.match(line)
@@ -138,16 +149,46 @@ def count_collectives(hlo_text: str, num_devices: int) -> tuple[dict[str, Collec
             kind = m.group(3).removesuffix("-start")
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                 kind = "reduce-scatter"  # the TPU compiler's reduce-scatter fusion: all-reduce + slice
-            size = _array_bytes(m.group(2))
-            if m.group(3).endswith("-start") and m.group(2).startswith("("):  # (operand, result, ...)
-                size = max(_array_bytes(f"{d}[{s}]") for d, s in _ARRAY.findall(m.group(2)))
-            g = _group_size(m.group(4), num_devices)
-            moved = {"all-reduce": 2 * size * (g - 1) / g, "collective-permute": size}.get(
-                kind, size * (g - 1) / g
-            )
-            c = out.setdefault(kind, Collective())
-            c.count += runs[name]
-            c.bytes_per_chip += runs[name] * moved
+            type_text, rest = m.group(2), m.group(4)
+            if m.group(3).endswith("-start") and type_text.startswith("("):  # (operand, result, ...)
+                type_text = max((f"{d}[{s}]" for d, s in _ARRAY.findall(type_text)), key=_array_bytes)
+            step = re.search(r'"async_collective_fusion_config":\{"flag_start":"(-?\d+)"', rest)
+            channel = re.search(r"channel_id=(\d+)", rest)
+            if step and channel:  # one copy of an async collective fusion chain
+                chain = chains.setdefault((kind, channel.group(1)), (kind, type_text, rest, [], []))
+                chain[3 if step.group(1) == "-1" else 4].append(runs[name])
+                continue
+            out.append((kind, type_text, rest, runs[name]))
+    for kind, type_text, rest, starts, copies in chains.values():
+        out.append((kind, type_text, rest, sum(starts) if starts else max(copies)))
+    return out, unknown
+
+
+def bytes_moved(kind: str, type_text: str, rest: str, num_devices: int) -> float:
+    """Bytes per chip one execution of a collective moves (the ring algorithms of the module docstring)."""
+    size = _array_bytes(type_text)
+    g = _group_size(rest, num_devices)
+    return {"all-reduce": 2 * size * (g - 1) / g, "collective-permute": size}.get(kind, size * (g - 1) / g)
+
+
+def count_collectives(hlo_text: str, num_devices: int) -> tuple[dict[str, Collective], int]:
+    """The collectives of a compiled program (``compiled.as_text()``), loop trips counted.
+
+    Args:
+      hlo_text: the optimised, partitioned HLO module (one chip's program).
+      num_devices: devices of the program (the group of a collective without replica groups).
+
+    Returns:
+      ({kind: Collective} for the kinds in ``KINDS`` that occur, loops whose trip count was not found and were
+      counted once). A conditional's branches are all counted (the update's optimizer branch is the one that
+      runs); an async collective fusion chain counts once (the module docstring).
+    """
+    executed, unknown = executed_collectives(hlo_text, num_devices)
+    out: dict[str, Collective] = {}
+    for kind, type_text, rest, times in executed:
+        c = out.setdefault(kind, Collective())
+        c.count += times
+        c.bytes_per_chip += times * bytes_moved(kind, type_text, rest, num_devices)
     return {k: out[k] for k in KINDS if k in out}, unknown
 
 
