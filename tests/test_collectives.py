@@ -4,7 +4,9 @@ the bytes per chip by hand."""
 
 import re
 
-from grpax.rl.collectives import count_collectives, fsdp_minimum
+import pytest
+
+from grpax.rl.collectives import count_collectives, executed_collectives, fsdp_minimum
 
 # An entry computation with a 5-trip loop whose body all-gathers bf16[8,4] (64 bytes) over groups of 4 chips
 # and calls a TPU reduce-scatter fusion (an all-reduce of f32[16], 64 bytes, over 8 chips, then a slice);
@@ -182,8 +184,6 @@ def test_update_collectives_counts_a_saved_folder(tmp_path):
     import sys
     from pathlib import Path
 
-    import pytest
-
     pytest.importorskip("libtpu", reason="the slice's devices come from libtpu's topology")
     (tmp_path / "update.hlo").write_text(HLO)
     gib = 2**30
@@ -208,3 +208,41 @@ def test_update_collectives_counts_a_saved_folder(tmp_path):
     # --top: the two largest by array bytes, loop trips counted (5 x 64 bytes each)
     assert "  all-gather bf16[8,4] over 4 chips: 5 x, 0.000 GB (arrays)" in out, out
     assert "  reduce-scatter f32[16] over 8 chips: 5 x, 0.000 GB (arrays)" in out, out
+
+
+@pytest.mark.slow  # one compile of a 2-layer cut of llama3.2-1b's reference pass for v5e-8: ~30-60 s on 2 cores
+def test_v5e_gathers_each_layer_weight_once_per_pass():
+    """On v5e the TPU compiler spreads each layer weight's all-gather over an async collective fusion chain
+    (several fusions, each with a copy of the gather): counted as chains, the reference pass gathers each MLP
+    input weight once per layer, as on v6e (docs/scaling.md, "Chip-to-chip traffic of the update")."""
+    import dataclasses
+
+    import jax
+
+    from grpax import sharding
+    from grpax.config import build_config
+    from grpax.rl import compile_check
+    from grpax.rl.train_config import TrainConfig
+    from grpax.rl.train_step import token_logprobs
+    from grpax.topology import get_topology
+
+    pytest.importorskip("libtpu", reason="the slice's devices come from libtpu's topology")
+    cfg = build_config(TrainConfig, ["model_name=llama3.2-1b", "compile_topology=v5e-8"])
+    model_cfg = dataclasses.replace(compile_check.model_config(cfg), num_layers=2)
+    devices = get_topology("v5e-8", 1, 0).devices
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
+    mesh = sharding.create_mesh(mesh_cfg, devices)
+    job = compile_check.build_job(cfg, mesh, sharding.create_rollout_mesh(mesh_cfg, devices), model_cfg)
+    with jax.set_mesh(job.mesh):
+        args = (job.state.params, job.batch.tokens(), model_cfg, cfg.grpo().temperature, cfg.micro_batches)
+        text = token_logprobs.lower(*args).compile().as_text()
+    gathers = [(t, rest, n) for kind, t, rest, n in executed_collectives(text, 8)[0] if kind == "all-gather"]
+    # w_gate and w_up, [D, F] = [2048, 8192] gathered over fsdp = 8: one each per layer
+    mlp_in = [n for t, rest, n in gathers if t.startswith("bf16[1,2048,8192]") and "mlp/dot_general" in rest]
+    assert sum(mlp_in) == 2 * 2, gathers
+    # the premise: v5e's program holds the chains this counts once (each copy counted, as before, is more)
+    plain = re.sub(r',"async_collective_fusion_config":\{[^}]*\}', "", text)
+    copies = [
+        n for kind, t, rest, n in executed_collectives(plain, 8)[0] if t.startswith("bf16[1,2048,8192]")
+    ]
+    assert sum(copies) > 2 * 2, "no async collective fusion chain in v5e's program: the compiler changed"
