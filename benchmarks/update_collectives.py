@@ -16,7 +16,8 @@ are saved beside them in memory.json):
       model_name=llama3.2-1b compile_topology=v6e-8
   python benchmarks/update_collectives.py --count /tmp/before model_name=llama3.2-1b compile_topology=v6e-8
 
-Usage: python benchmarks/update_collectives.py [--save_hlo DIR] [--no_count] [--update_only] [--count DIR] [--top N] KEY=VALUE...
+Usage: python benchmarks/update_collectives.py [--save_hlo DIR] [--no_count] [--update_only] [--count DIR] [--top N]
+    [--compiler_option KEY=VALUE] KEY=VALUE...
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from grpax.topology import get_topology
 
 
 def compile_programs(
-    cfg: TrainConfig, update_only: bool
+    cfg: TrainConfig, update_only: bool, options: dict[str, str] | None = None
 ) -> tuple[dict[str, tuple[str, dict[str, int]]], dict]:
     """({program: (its optimised HLO text, its memory per chip)}, the resident arrays per chip) compiled for
     ``cfg.compile_topology``; a program's memory: arguments, outputs, aliased, temporaries and its phase's bytes
@@ -60,13 +61,13 @@ def compile_programs(
             job.model_cfg, grpo, job.optimizer, cfg.micro_batches, job.lr_schedule, **kwargs
         )
         start = time.perf_counter()
-        compiled = step.lower(job.state, job.batch).compile()
+        compiled = step.lower(job.state, job.batch).compile(compiler_options=options)
         print(f"update compiled in {time.perf_counter() - start:.0f} s", flush=True)
         out["update"] = (compiled.as_text(), _memory(compiled, compile_check.per_chip_bytes(job.state)))
         if not update_only:
             start = time.perf_counter()
             args = (job.state.params, job.batch.tokens(), job.model_cfg, grpo.temperature, cfg.micro_batches)
-            compiled = token_logprobs.lower(*args).compile()
+            compiled = token_logprobs.lower(*args).compile(compiler_options=options)
             print(f"reference compiled in {time.perf_counter() - start:.0f} s", flush=True)
             out["reference"] = (compiled.as_text(), _memory(compiled, job.resident["params"]))
     return out, job.resident
@@ -179,6 +180,11 @@ def main() -> None:
     ap.add_argument("--update_only", action="store_true", help="skip the reference pass")
     ap.add_argument("--top", type=int, default=0, help="also list each program's N largest collectives by op")
     ap.add_argument("--count", default="", help="count the .hlo files saved in this folder; compile nothing")
+    ap.add_argument(
+        "--compiler_option", action="append", default=[], metavar="KEY=VALUE",
+        help="an XLA / libtpu compiler option for both programs (repeatable), e.g. "
+        "xla_tpu_enable_async_collective_fusion=false: an experiment, not what a run compiles",
+    )  # fmt: skip
     args, keys = ap.parse_known_args()
     cfg = build_config(TrainConfig, keys)
     if args.count:
@@ -186,7 +192,12 @@ def main() -> None:
             print_memory(**json.loads(saved.read_text()))
         report(cfg, {p.stem: p.read_text() for p in sorted(Path(args.count).glob("*.hlo"))}, args.top)
         return
-    programs, resident = compile_programs(cfg, args.update_only)
+    if bad := [kv for kv in args.compiler_option if "=" not in kv]:
+        ap.error(
+            f"--compiler_option {bad[0]!r}: write KEY=VALUE, e.g. xla_tpu_enable_async_collective_fusion=false"
+        )
+    options = dict(kv.split("=", 1) for kv in args.compiler_option) or None
+    programs, resident = compile_programs(cfg, args.update_only, options)
     memory = {name: m for name, (_, m) in programs.items()}
     print_memory(memory, resident)
     if args.save_hlo:
