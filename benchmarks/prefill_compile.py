@@ -1,0 +1,103 @@
+"""The sampler's prefill compiled for a TPU slice: its compile time, temporaries per chip and HLO size.
+
+Compiles only ``grpax.sampler.engine.compiled_prefill`` of a ``grpax train_rl`` job for ``compile_topology``
+with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), on the rollout mesh and
+with the sampler's own weights (LoRA: the base and its adapters with ``lora_sampler=adapters``), exactly as
+``compile_topology`` does, and prints the compile time, the memory per chip and the optimised HLO's line count.
+Run it under another commit's tree to compare (the same script, that tree's grpax):
+
+  PYTHONPATH=<other worktree> python benchmarks/prefill_compile.py model_name=llama3.2-1b compile_topology=v6e-8
+  PYTHONPATH=. python benchmarks/prefill_compile.py model_name=llama3.2-1b compile_topology=v6e-8
+
+Usage: python benchmarks/prefill_compile.py [--num_layers N] KEY=VALUE...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from decode_compile import count_moves
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from grpax import sharding
+from grpax.config import build_config
+from grpax.rl import compile_check
+from grpax.rl.train_config import TrainConfig
+from grpax.sampler import engine
+from grpax.sampler.backend import select_backend
+from grpax.topology import get_topology
+
+
+def compile_prefill(cfg: TrainConfig, num_layers: int = 0):
+    """(compile seconds, the compiled prefill) for ``cfg.compile_topology`` (``num_layers``: the model cut to
+    that many layers; 0 = all)."""
+    topology = get_topology(cfg.compile_topology, 1, cfg.chips_per_vm or 0)
+    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
+    meshes = sharding.create_meshes(mesh_cfg, topology.devices)
+    model_cfg = compile_check.model_config(cfg)
+    if num_layers:
+        model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
+    job = compile_check.build_job(cfg, *meshes, model_cfg)
+    model_cfg, sc, mesh, params = job.model_cfg, job.sampler_cfg, job.rollout_mesh, job.rollout_params
+    replicated = NamedSharding(mesh, P())
+    prompts = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
+    )
+    lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
+    backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
+    G = cfg.grpo().num_generations
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        lowered = engine.compiled_prefill(backend).lower(
+            params, prompts, lengths, model_cfg, sc, G, backend, None
+        )
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        end = time.perf_counter()
+    print(f"prefill lowered in {lowered_at - start:.0f} s, compiled in {end - lowered_at:.0f} s", flush=True)
+    return end - start, compiled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num_layers", type=int, default=0, help="cut the model to this many layers (0 = all)")
+    ap.add_argument(
+        "--min_mib", type=float, default=16.0, help="list ops whose output is at least this large"
+    )
+    args, keys = ap.parse_known_args()
+    cfg = build_config(TrainConfig, keys)
+    seconds, compiled = compile_prefill(cfg, args.num_layers)
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    lines = text.count("\n")
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    print(
+        f"prefill per chip: temporaries {memory.temp_size_in_bytes / 2**30:.3f} GiB "
+        f"({memory.temp_size_in_bytes:,} bytes), arguments {memory.argument_size_in_bytes / 2**30:.3f} GiB, "
+        f"outputs {memory.output_size_in_bytes / 2**30:.3f} GiB; optimised HLO {lines:,} lines; "
+        f"{seconds:.0f} s in all"
+    )
+    print(
+        f"cost analysis per chip: {cost.get('flops', 0) / 1e12:.3f} TFLOP, {cost.get('bytes accessed', 0) / 2**30:.3f} GiB accessed"
+    )
+    min_bytes = int(args.min_mib * 2**20)
+    for where, label in (("loop", "inside loops (per layer with the scan)"), ("once", "outside loops")):
+        items = count_moves(text, min_bytes)[where]
+        copies = [m for m in items if m[0] in ("copy", "copy-start", "write-back")]
+        big = sorted((m for m in items if m[2] >= min_bytes), key=lambda m: -m[2])
+        print(
+            f"{label}: {len(copies)} copies ({sum(m[2] for m in copies) / 2**30:.3f} GiB), {len(big)} ops with an "
+            f"output >= {args.min_mib:.0f} MiB ({sum(m[2] for m in big) / 2**30:.3f} GiB)"
+        )
+        for kind, name, size in big[:6]:
+            print(f"    {kind:<22}{name:<48}{size / 2**20:>10.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
