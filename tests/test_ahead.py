@@ -218,3 +218,27 @@ def test_several_processes_refuse_max_staleness(tiny_checkpoint, tmp_path, monke
     with pytest.raises(ConfigError, match=r"^max_staleness=1 runs in single-process jobs only"):
         train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path, max_staleness=1)))
     assert not Path(tmp_path / "run" / "checkpoints").exists()
+
+
+def test_publish_copies_only_the_trained_params():
+    # With LoRA the next update donates the adapters only: publish copies them and builds the sampler's params
+    # from the copy; the frozen base (a whole model) is shared with the sampler, never copied.
+    import threading
+
+    base, adapters = jnp.arange(4.0), {"lora_a": jnp.ones(3)}
+    received, got = [], threading.Event()
+
+    class Recorder:  # the thread's rollout: records the params it is given, then stops the thread
+        def update_params(self, params, version):
+            received.append((params, version))
+            got.set()
+            raise RuntimeError("recorded")
+
+    ahead = AheadRollouts(Recorder(), iter([]), jax.random.key, 1, 0, 3)
+    ahead.publish(adapters, 0, lambda trainable: {"base": base, **trainable})
+    assert got.wait(timeout=30)
+    ahead.close()
+    ((params, version),) = received
+    assert version == 0 and params["base"] is base  # shared, not copied
+    assert params["lora_a"] is not adapters["lora_a"]  # a copy: the caller's array is donated next
+    np.testing.assert_array_equal(params["lora_a"], adapters["lora_a"])

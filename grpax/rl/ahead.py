@@ -74,13 +74,20 @@ class AheadRollouts:
         """The params version (updates applied) that samples ``step``'s batch."""
         return max(self.start, step - self.max_staleness)
 
-    def publish(self, params: Any, version: int) -> None:
-        """Hands the thread a copy of ``params`` after ``version`` updates, if a future batch needs it (the
-        caller's arrays are donated to the next update, so they are copied here, before it runs)."""
+    def publish(self, params: Any, version: int, sampler_params: Callable[[Any], Any] = lambda p: p) -> None:
+        """Hands the thread the sampler's params after ``version`` updates, if a future batch needs it.
+
+        Args:
+          params: the trained params (the full model, or LoRA's adapters). They are donated to the next update,
+            so they are copied here, before it runs; nothing else is.
+          version: updates applied to ``params``.
+          sampler_params: what the sampler reads, built from the copy (``Policy.sampler_params``: with LoRA the
+            frozen base with the copied adapters, shared and never copied, or the weights merged from them).
+        """
         needed = any(self.version_for(j) == version for j in range(self.start, self.end))
         if not needed:
             return
-        copy = jax.tree.map(jnp.copy, params)
+        copy = sampler_params(jax.tree.map(jnp.copy, params))
         with self._cond:
             self._versions[version] = copy
             self._cond.notify_all()

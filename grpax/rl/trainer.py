@@ -418,7 +418,7 @@ def _loop(
             start_step,
             cfg.num_batches,
         )
-        run.ahead.publish(run.policy.sampler_params(state.params), start_step)
+        run.ahead.publish(state.params, start_step, run.policy.sampler_params)
     with contextlib.ExitStack() as stop_thread:
         if run.ahead is not None:
             stop_thread.callback(run.ahead.close)
@@ -480,7 +480,7 @@ def _one_step(
     with mesh_context(run.mesh):
         state, update_metrics = run.update(state, batch)
     if run.ahead is not None:  # before the next update donates these params
-        run.ahead.publish(run.policy.sampler_params(state.params), step + 1)
+        run.ahead.publish(state.params, step + 1, run.policy.sampler_params)
     release_host_memory()
     t_end = time.perf_counter()
     metrics = step_metrics(
