@@ -25,6 +25,9 @@ With ``--stop_tokens`` grpax stops each row at the model's real stop tokens (GRP
 per useful token and the fraction of the decode's row-steps spent on rows already finished (``past_eos``:
 1 - sum(length - 1) / rows x decode steps run; ``GenerateOutput.decode_row_steps``, or every row for every
 step where the sampler does not count them, as before finished rows were retired).
+Each step also reports ``completions_sha256``, a hash of the sampled tokens (equal in two runs = the same
+completions). The bench also runs an older grpax put first on ``PYTHONPATH`` (``retire_ab.py``): one whose
+sampler does not count decode row-steps (see above) or that has no ``grpax.rl.ahead`` (``--max_staleness`` 0 only).
 
 Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations 4] [--new_tokens 128]
        [--warmup_steps 1] [--steady_steps 3] [--skip_trl] [--skip_grpax] [--stop_tokens] [--rollout_only]
@@ -35,6 +38,7 @@ Usage: python benchmarks/grpo_step_bench.py [--num_prompts 4] [--num_generations
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -63,13 +67,17 @@ from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
 from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl import rollout as rollout_module
-from grpax.rl.ahead import AheadRollouts
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
 from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
+
+try:  # an older grpax (a parent commit run through PYTHONPATH) has no rollouts ahead
+    from grpax.rl.ahead import AheadRollouts
+except ImportError:
+    AheadRollouts = None
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import add_gsm8k_dir_option, gsm8k_file, measure_bandwidth, measure_matmul  # noqa: E402
@@ -145,13 +153,17 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
     ahead in ``grpax.rl.ahead.AheadRollouts``'s thread, as train_rl) on each batch; returns per-step phase
     times and compile-cache sizes."""
     G = args.num_generations
+    if max_staleness > 0 and AheadRollouts is None:
+        raise SystemExit(f"--max_staleness {max_staleness}: this grpax has no grpax.rl.ahead; use 0")
+    # max_staleness only when set: an older GRPOConfig has no such field
+    ahead_cfg = {"max_staleness": max_staleness} if max_staleness else {}
     grpo = GRPOConfig(
         num_generations=G,
         beta=BETA,
         temperature=TEMPERATURE,
         lr_schedule="constant",
         warmup_ratio=0.0,
-        max_staleness=max_staleness,
+        **ahead_cfg,
     )
     t0 = time.perf_counter()
     params = jax.device_put(params)
@@ -258,8 +270,14 @@ def bench_grpax(params, cfg, tokenizer, batches, args, max_staleness: int = 0) -
 
 
 def decode_work(outs) -> dict:
-    """Useful tokens, decode row-steps and the fraction of them past EOS of one step's sampler outputs."""
+    """Useful tokens, decode row-steps and the fraction of them past EOS of one step's sampler outputs, and a
+    hash of the sampled tokens (each row's completion up to its length: equal hashes = the same completions)."""
     useful = sum(int(np.asarray(o.lengths).sum()) for o in outs)
+    digest = hashlib.sha256()
+    for o in outs:
+        ids = np.asarray(o.completion_ids)
+        for row, length in zip(ids, np.asarray(o.lengths), strict=True):
+            digest.update(np.asarray(row[:length], np.int64).tobytes() + b"|")
     row_steps = 0
     for o in outs:
         lengths = np.asarray(o.lengths)
@@ -273,6 +291,7 @@ def decode_work(outs) -> dict:
         "decode_row_steps": row_steps,
         "past_eos": 1 - after_first / max(row_steps, 1),
         "past_eos_without_retirement": 1 - after_first / max(full, 1),
+        "completions_sha256": digest.hexdigest()[:16],
     }
 
 
