@@ -98,16 +98,23 @@ def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int
     return out
 
 
-def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
-    """(the decode's optimised HLO text, its memory analysis) compiled for ``cfg.compile_topology``
-    (``num_layers``: the model cut to that many layers, for a quicker look; 0 = all)."""
+def topology_job(cfg: TrainConfig, num_layers: int = 0):
+    """``compile_check.build_job`` on ``cfg.compile_topology``'s devices, as ``compile_topology`` builds it
+    (``num_layers``: the model cut to that many layers, for a quicker look; 0 = all). Only APIs an older grpax
+    has too, so the scripts that import it also run under a parent commit's tree."""
     topology = get_topology(cfg.compile_topology, 1, cfg.chips_per_vm or 0)
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
     meshes = sharding.create_meshes(mesh_cfg, topology.devices)
     model_cfg = compile_check.model_config(cfg)
     if num_layers:
         model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
-    job = compile_check.build_job(cfg, *meshes, model_cfg)
+    return compile_check.build_job(cfg, *meshes, model_cfg)
+
+
+def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
+    """(the decode's optimised HLO text, its memory analysis) compiled for ``cfg.compile_topology``
+    (``num_layers`` as in ``topology_job``)."""
+    job = topology_job(cfg, num_layers)
     model_cfg, sc, mesh = job.model_cfg, job.sampler_cfg, job.rollout_mesh
     rows = cfg.batch_size * cfg.grpo().num_generations
     slots = cfg.max_prefill_predict_length + engine._phase_ends(sc)[0]  # the prefill's cache: P + first phase
@@ -142,9 +149,12 @@ def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
     return compiled.as_text(), compiled.memory_analysis()
 
 
-def report(text: str, min_bytes: int) -> None:
+def report(
+    text: str, min_bytes: int, loop_label: str = "inside the decode loops (every step)", shown: int = 12
+) -> None:
+    """Prints ``count_moves``'s copies and large ops inside the program's loops and outside them."""
     moves = count_moves(text, min_bytes)
-    for where, label in (("loop", "inside the decode loops (every step)"), ("once", "outside them (once)")):
+    for where, label in (("loop", loop_label), ("once", "outside them (once)")):
         items = moves[where]
         copies = [m for m in items if m[0] in _COPIES]
         backs = [m for m in items if m[0] == "write-back"]
@@ -154,7 +164,7 @@ def report(text: str, min_bytes: int) -> None:
             f"{len(backs)}, {sum(m[2] for m in backs) / 2**30:.3f} GiB); "
             f"{len(big)} ops with an output >= {min_bytes / 2**20:.0f} MiB, {sum(m[2] for m in big) / 2**30:.3f} GiB"
         )
-        for kind, name, size in big[:12]:
+        for kind, name, size in big[:shown]:
             print(f"    {kind:<22}{name:<48}{size / 2**20:>10.1f} MiB")
 
 

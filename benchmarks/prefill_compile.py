@@ -15,34 +15,24 @@ Usage: python benchmarks/prefill_compile.py [--num_layers N] KEY=VALUE...
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
-from decode_compile import count_moves
+from decode_compile import report, topology_job
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpax import sharding
 from grpax.config import build_config
-from grpax.rl import compile_check
 from grpax.rl.train_config import TrainConfig
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
-from grpax.topology import get_topology
 
 
 def compile_prefill(cfg: TrainConfig, num_layers: int = 0):
-    """(compile seconds, the compiled prefill) for ``cfg.compile_topology`` (``num_layers``: the model cut to
-    that many layers; 0 = all)."""
-    topology = get_topology(cfg.compile_topology, 1, cfg.chips_per_vm or 0)
-    mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)
-    meshes = sharding.create_meshes(mesh_cfg, topology.devices)
-    model_cfg = compile_check.model_config(cfg)
-    if num_layers:
-        model_cfg = dataclasses.replace(model_cfg, num_layers=num_layers)
-    job = compile_check.build_job(cfg, *meshes, model_cfg)
+    """(compile seconds, the compiled prefill) for ``cfg.compile_topology`` (``num_layers`` as in
+    ``decode_compile.topology_job``); its arguments as ``compile_check.compile_job`` gives them."""
+    job = topology_job(cfg, num_layers)
     model_cfg, sc, mesh, params = job.model_cfg, job.sampler_cfg, job.rollout_mesh, job.rollout_params
     replicated = NamedSharding(mesh, P())
     prompts = jax.ShapeDtypeStruct(
@@ -86,17 +76,7 @@ def main() -> None:
     print(
         f"cost analysis per chip: {cost.get('flops', 0) / 1e12:.3f} TFLOP, {cost.get('bytes accessed', 0) / 2**30:.3f} GiB accessed"
     )
-    min_bytes = int(args.min_mib * 2**20)
-    for where, label in (("loop", "inside loops (per layer with the scan)"), ("once", "outside loops")):
-        items = count_moves(text, min_bytes)[where]
-        copies = [m for m in items if m[0] in ("copy", "copy-start", "write-back")]
-        big = sorted((m for m in items if m[2] >= min_bytes), key=lambda m: -m[2])
-        print(
-            f"{label}: {len(copies)} copies ({sum(m[2] for m in copies) / 2**30:.3f} GiB), {len(big)} ops with an "
-            f"output >= {args.min_mib:.0f} MiB ({sum(m[2] for m in big) / 2**30:.3f} GiB)"
-        )
-        for kind, name, size in big[:6]:
-            print(f"    {kind:<22}{name:<48}{size / 2**20:>10.1f} MiB")
+    report(text, int(args.min_mib * 2**20), loop_label="inside loops (the scan: per layer)", shown=6)
 
 
 if __name__ == "__main__":
