@@ -8,11 +8,12 @@ token. The decode runs in phases of ``decode_phase_length`` steps, each on a cac
 functions; the cache passes from one to the other and lives in the decode loop's carry, where XLA updates it
 in place: one copy per phase, none per step (a donated input cannot help: XLA aliases donations only to
 outputs of the same shape; on TPU the XLA backend's compiler options keep the TPU compiler from staging it
-through on-chip memory and writing it back at every step, ``grpax.sampler.backend.XLA_TPU_OPTIONS``). The decode
-runs its layers unrolled, with per-layer weight and cache buffers: scanning stacked layers copies each layer's
-weights and cache slice every step. The prefill, one pass, scans stacked layers (one compiled layer: the TPU
-compiler spent most of an hour on 70B's 80 unrolled ones) and cuts its cache into the decode's per-layer buffers. Compiled functions are cached per shape
-(batch size, prompt bucket) and config: a new prompt length inside the same bucket reuses the compiled decode.
+through on-chip memory and writing it back at every step, ``grpax.sampler.backend.XLA_TPU_OPTIONS``). The
+decode runs its layers unrolled, with per-layer weight and cache buffers: scanning stacked layers copies each
+layer's weights and cache slice every step. The prefill, one pass, scans stacked layers (one compiled layer:
+the TPU compiler spent most of an hour on 70B's 80 unrolled ones) and cuts its cache into the decode's
+per-layer buffers. Compiled functions are cached per shape (batch size, prompt bucket) and config: a new
+prompt length inside the same bucket reuses the compiled decode.
 
 Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``) keep the same full-length cache
 and attend through a mask, ``position - slot < sliding_window``, in prefill and decode alike. A ring buffer of
