@@ -82,6 +82,21 @@ _GATHER = (
     "all-gather(%%%s), channel_id=7, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}, "
     'use_global_device_ids=true, frontend_attributes={chain_id="0"}, '
 )
+
+
+def _continuation(n: int, p: str, w: str) -> str:
+    """Continuation fusion ``n`` of the chain: a dot on the shard, and its copy of the all-gather."""
+    return f"""%async_collective_fusion.{n} ({p}0: bf16[2,4], {p}1: bf16[16,4], {p}2: u32[], {w}: bf16[4,4]) -> (bf16[2,4], bf16[2,4], bf16[16,4], bf16[16,4], u32[]) {{
+  %{p}0 = bf16[2,4]{{1,0}} parameter(0)
+  %{p}1 = bf16[16,4]{{1,0}} parameter(1)
+  %{p}2 = u32[] parameter(2)
+  %{w} = bf16[4,4]{{1,0}} parameter(3)
+  %dot.{n} = bf16[2,4]{{1,0}} dot(%{p}0, %{w}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %all-gather.{n} = bf16[16,4]{{1,0}} {_GATHER % (p + "0")}{_CONFIG % (2, 8)}
+  ROOT %tuple.{n} = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) tuple(%dot.{n}, %{p}0, %{p}1, %all-gather.{n}, %{p}2)
+}}"""
+
+
 CHAIN_HLO = f"""HloModule jit_step, entry_computation_layout={{()->bf16[2,4]}}
 
 %start (s0: bf16[2,4]) -> (bf16[2,4], bf16[16,4], u32[]) {{
@@ -90,25 +105,9 @@ CHAIN_HLO = f"""HloModule jit_step, entry_computation_layout={{()->bf16[2,4]}}
   ROOT %custom-call.1 = (bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
 }}
 
-%async_collective_fusion.2 (c0: bf16[2,4], c1: bf16[16,4], c2: u32[], w: bf16[4,4]) -> (bf16[2,4], bf16[2,4], bf16[16,4], bf16[16,4], u32[]) {{
-  %c0 = bf16[2,4]{{1,0}} parameter(0)
-  %c1 = bf16[16,4]{{1,0}} parameter(1)
-  %c2 = u32[] parameter(2)
-  %w = bf16[4,4]{{1,0}} parameter(3)
-  %dot.2 = bf16[2,4]{{1,0}} dot(%c0, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  %all-gather.2 = bf16[16,4]{{1,0}} {_GATHER % "c0"}{_CONFIG % (2, 8)}
-  ROOT %tuple.2 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) tuple(%dot.2, %c0, %c1, %all-gather.2, %c2)
-}}
+{_continuation(2, "c", "w")}
 
-%async_collective_fusion.3 (d0: bf16[2,4], d1: bf16[16,4], d2: u32[], v: bf16[4,4]) -> (bf16[2,4], bf16[2,4], bf16[16,4], bf16[16,4], u32[]) {{
-  %d0 = bf16[2,4]{{1,0}} parameter(0)
-  %d1 = bf16[16,4]{{1,0}} parameter(1)
-  %d2 = u32[] parameter(2)
-  %v = bf16[4,4]{{1,0}} parameter(3)
-  %dot.3 = bf16[2,4]{{1,0}} dot(%d0, %v), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  %all-gather.3 = bf16[16,4]{{1,0}} {_GATHER % "d0"}{_CONFIG % (2, 8)}
-  ROOT %tuple.3 = (bf16[2,4]{{1,0}}, bf16[2,4]{{1,0}}, bf16[16,4]{{1,0}}, bf16[16,4]{{1,0}}, u32[]) tuple(%dot.3, %d0, %d1, %all-gather.3, %d2)
-}}
+{_continuation(3, "d", "v")}
 
 %done (e0: bf16[2,4], e1: bf16[16,4], e2: u32[]) -> bf16[16,4] {{
   %e0 = bf16[2,4]{{1,0}} parameter(0)
