@@ -25,7 +25,7 @@ It then measures, in this order (the likeliest to be cut by the time budget last
 Each part runs in its own ``try``: a failure prints one line and the table keeps the other parts' figures.
 Every figure is printed as a table and written to ``$OUT/device_check.{txt,json}`` (``$OUT`` defaults to
 ``runs/device_check``). With ``DEVICE_CHECK_TINY=1``, or automatically on CPU, a tiny Llama replaces the 8B
-model so the whole script runs in about a minute on a CPU. ``DEVICE_CHECK_BUDGET_S`` (default 330) stops
+model so the whole script runs in about a minute on a CPU. ``DEVICE_CHECK_BUDGET_S`` (default 240) stops
 starting new parts after that many seconds. Peak bandwidth and bf16 dense FLOP/s come from ``PEAKS`` by
 ``device_kind``; an unknown device is measured (a device-side copy, a 4096^3 bf16 matmul).
 """
@@ -75,7 +75,7 @@ PEAKS: tuple[tuple[str, float, float], ...] = (
     ("TPU v5", 2.765e12, 459e12),  # v5p reports "TPU v5"
     ("TPU v4", 1.2e12, 275e12),
 )
-BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 330))  # no new part starts after this
+BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 240))  # no new part starts after this
 
 # The GRPO job of the check, as train_rl keys (the 8B run and the tiny one share every key but the shapes).
 JOB_KEYS = dict(

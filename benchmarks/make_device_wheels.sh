@@ -8,7 +8,7 @@
 # uses random weights.) Run here, where pip reaches PyPI; carry .whl with the working tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(gguf==0.19.0 tensorboardX==2.6.5)
+WHEELS=(gguf==0.19.0 tensorboardX==2.6.5 qwix==0.1.8)  # qwix: QLoRA (its needs are in the image)
 rm -rf .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -401,7 +401,13 @@ def test_retired_rows_give_the_same_rollout(params, backend):
     full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
     np.testing.assert_array_equal(retired.completion_ids, full.completion_ids)
     np.testing.assert_array_equal(retired.completion_mask, full.completion_mask)
-    np.testing.assert_array_equal(retired.logprobs, full.logprobs)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(retired.logprobs, full.logprobs)
+    else:
+        # A GPU's matmul kernel is chosen by the row count (12 rows, then 6, ... against 24): the same float32
+        # products summed in another order. Measured on an H200: 33 of 960 logprobs differ, by at most
+        # 9.5e-7; the bound is test_rows_do_not_depend_on_the_batch's.
+        np.testing.assert_allclose(retired.logprobs, full.logprobs, rtol=0, atol=1e-5)
     assert retired.finish_reason == full.finish_reason
     lengths = full.lengths
     assert lengths.min() <= 3 and lengths.max() == 40 and (lengths == 40).sum() < 6  # rows end far apart
