@@ -97,6 +97,25 @@ def test_nf4_error_is_within_half_the_widest_code_gap_and_codes_are_packed():
     g = quant.quantize(grid, "nf4", num_out_axes=1)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(g)), np.asarray(grid))
     assert np.asarray(g.qvalue)[0, :8, 0].tolist() == [16 * (2 * i + 1) + 2 * i for i in range(8)]
+    np.testing.assert_array_equal(quant.NF4_LEVELS, np.asarray(codes))  # grpax's copy of qwix's levels
+
+
+def test_nf4_dequantises_as_qwix_does_without_flattening_the_weight():
+    """quant.dequantize computes nf4 in the weight's own shape (qwix's nf4_to_fp flattens the codes and gathers,
+    which loses the weight's sharding); the values are qwix's dequantisation of the unpacked codes, bit for bit:
+    every code in every nibble, blocks along the innermost input axis of a stacked [L, N, H, D] weight.
+    tests/test_sharding.py checks that a sharded weight is dequantised chip by chip."""
+    qwix = pytest.importorskip("qwix")
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(2, 4, 128, 24)), jnp.float32)
+    q = quant.quantize(w, "nf4", num_out_axes=1, num_lead_axes=1)
+    codes = np.asarray(q.qvalue)
+    assert set(np.unique(codes & 0xF)) == set(range(16)) == set(np.unique(codes >> 4))
+    want = qwix.dequantize(qwix.QArray(quant._unpack(q.qvalue, q._inner), q.scale, None, "nf4"))
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(q)), np.asarray(want))
+    jaxpr = str(jax.make_jaxpr(quant.dequantize)(q))
+    size = math.prod(q.shape)
+    assert f"[{size}]" not in jaxpr and f"[{size // 2}]" not in jaxpr  # never flattened (qwix's nf4_to_fp is)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -358,3 +377,26 @@ def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
     assert (
         np.abs(got - plain).max() > 1e-4
     )  # the dequantised base plus the adapters, not the checkpoint's base
+
+
+def test_nf4_quantises_as_qwix_does_without_flattening_the_weight():
+    """quant.quantize's nf4 is qwix.quantize(w, "nf4", one block of 64 along the innermost input axis, every
+    other axis channelwise) bit for bit, scales and codes, computed in the weight's shape: values near every
+    level and every midpoint between two levels, a block of zeros (scale 1, as qwix), a stacked weight."""
+    qwix = pytest.importorskip("qwix")
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(2, 4, 128, 24)).astype(np.float32)
+    mids = (NF4_CODES[1:] + NF4_CODES[:-1]) / 2
+    w[0, 0, :64, 0] = 1.0  # the absmax: w / scale is the value itself below
+    w[0, 0, 1:31, 0] = np.concatenate([mids, np.nextafter(mids, np.float32(2))]).astype(np.float32)
+    w[0, 0, 31:47, 0] = NF4_CODES
+    w[1, 2, 64:, :] = 0.0
+    w = jnp.asarray(w)
+    q = quant.quantize(w, "nf4", num_out_axes=1, num_lead_axes=1)
+    want = qwix.quantize(w, "nf4", channelwise_axes=(0, 1, 3), tiled_axes={2: 64})
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(want.scale))
+    assert np.asarray(q.scale)[1, 2, 1].tolist() == [1.0] * 24
+    np.testing.assert_array_equal(np.asarray(quant._unpack(q.qvalue, 2)), np.asarray(want.qvalue))
+    jaxpr = str(jax.make_jaxpr(lambda x: quant.quantize(x, "nf4", 1, 1))(w))
+    size = math.prod(w.shape)
+    assert f"[{size}]" not in jaxpr and f"[{size},16]" not in jaxpr and f"[{size}, 16]" not in jaxpr

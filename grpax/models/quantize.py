@@ -3,8 +3,11 @@
 QLoRA (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs") trains LoRA adapters on a base
 whose weights are stored in 4 bits and dequantised to the compute dtype where they are multiplied; gradients
 flow through the dequantised weight to the activations and the adapters, never to the base. The quantisation
-itself is qwix's (``qwix.quantize`` / ``qwix.dequantize``, the library Tunix's QLoRA uses), with its
-conventions for a weight multiplied on the right (``x @ W``, W [*in, *out]):
+is qwix's (the library Tunix's QLoRA uses), with its conventions for a weight multiplied on the right
+(``x @ W``, W [*in, *out]): int8 through ``qwix.quantize`` / ``qwix.dequantize``; nf4 computed here, equal to
+qwix's bit for bit (tests/test_qlora.py), because qwix's nf4 flattens the weight to encode and decode it, which
+drops a sharded weight's placement (each chip would build the whole weight: 184 GiB of temporaries in 70B's
+decode on a v6e-8); here every step is elementwise or splits an axis in place.
 
 * ``int8``: symmetric absmax, one float32 scale per output channel (qwix's default for a weight: channelwise
   on every non-contracting axis). ``scale = absmax / 127.5``, ``q = round(w / scale)`` saturated to
@@ -32,11 +35,18 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpax.errors import ConfigError
 
 QUANT_DTYPES = ("int8", "nf4")
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's block size)
+# The 16 NF4 levels, code 0..15 (QLoRA's appendix E; qwix's ``get_nf4_buckets``, equal bit for bit).
+NF4_LEVELS = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], np.float32)  # fmt: skip
 
 
 def _qwix():
@@ -139,7 +149,7 @@ def scheme(qtype: str) -> str:
 
 
 def quantize(w: jax.Array, qtype: str, num_out_axes: int, num_lead_axes: int = 0) -> QuantizedWeight:
-    """Quantises one weight [*lead, *in, *out] with qwix (the module docstring's scheme).
+    """Quantises one weight [*lead, *in, *out] (the module docstring's scheme).
 
     Args:
       w: the weight, any float dtype (quantised from its float32 values).
@@ -148,15 +158,14 @@ def quantize(w: jax.Array, qtype: str, num_out_axes: int, num_lead_axes: int = 0
       num_lead_axes: its leading stacked-layer axes (each layer gets its own scales).
 
     Raises:
-      ConfigError: qwix is missing; nf4 on an innermost input axis of odd size (no byte packing).
+      ConfigError: qwix is missing (int8); nf4 on an innermost input axis of odd size (no byte packing).
     """
-    qwix = _qwix()
     ndim = w.ndim
     lead, out = tuple(range(num_lead_axes)), tuple(range(ndim - num_out_axes, ndim))
     inner = ndim - num_out_axes - 1
     w32 = w.astype(jnp.float32)
     if qtype == "int8":
-        q = qwix.quantize(w32, jnp.int8, channelwise_axes=lead + out)
+        q = _qwix().quantize(w32, jnp.int8, channelwise_axes=lead + out)
         return QuantizedWeight(q.qvalue, q.scale, qtype, num_out_axes, jnp.dtype(w.dtype))
     size = w.shape[inner]
     if size % 2:
@@ -164,30 +173,83 @@ def quantize(w: jax.Array, qtype: str, num_out_axes: int, num_lead_axes: int = 0
             f"lora_base_dtype=nf4: a weight of shape {tuple(w.shape)} has an odd input axis ({size}), whose "
             "4-bit codes cannot be packed in pairs: use lora_base_dtype=int8"
         )
-    other_in = tuple(range(num_lead_axes, inner))  # a block never spans two rows of these
-    q = qwix.quantize(
-        w32, "nf4", channelwise_axes=lead + other_in + out, tiled_axes={inner: math.gcd(size, NF4_BLOCK)}
-    )
-    return QuantizedWeight(_pack(q.qvalue, inner), q.scale, qtype, num_out_axes, jnp.dtype(w.dtype))
+    codes, scale = _nf4_encode(w32, inner, math.gcd(size, NF4_BLOCK))
+    return QuantizedWeight(_pack(codes, inner), scale, qtype, num_out_axes, jnp.dtype(w.dtype))
+
+
+def _nf4_encode(w32: jax.Array, axis: int, block: int) -> tuple[jax.Array, jax.Array]:
+    """qwix's nf4 quantisation (``qwix.quantize(w, "nf4", tiled_axes={axis: block}, every other axis
+    channelwise)``), bit for bit, computed in the weight's own shape.
+
+    scale = the block's absmax (1 where below sqrt(float32 tiny), as qwix), the code = the first of the
+    nearest NF4 levels to ``w / scale`` (qwix's ``argmin``). qwix's ``fp_to_nf4`` flattens the weight and
+    compares each value with the 16 levels at once, which drops the weight's sharding and holds 16 float32
+    distances a value.
+
+    Returns:
+      uint8 codes [*w.shape] and float32 scales [*w.shape with ``axis`` divided by ``block``].
+    """
+    shape = w32.shape
+    split = w32.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
+    absmax = jnp.max(jnp.abs(split), axis=axis + 1, keepdims=True)
+    scale = jnp.where(absmax < np.sqrt(np.finfo(np.float32).tiny), jnp.float32(1), absmax)
+    x = (split / scale).reshape(shape)
+    codes, nearest = jnp.zeros(shape, jnp.uint8), jnp.abs(NF4_LEVELS[0] - x)
+    for k in range(1, 16):
+        distance = jnp.abs(NF4_LEVELS[k] - x)
+        closer = distance < nearest  # strict: ties keep the lower code, as argmin does
+        codes, nearest = jnp.where(closer, np.uint8(k), codes), jnp.where(closer, distance, nearest)
+    return codes, jnp.squeeze(scale, axis + 1)
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The weight's float32 values [*shape] (qwix's ``dequantize``; nf4 unpacked first)."""
-    qwix = _qwix()
+    """The weight's float32 values [*shape]: ``code value * scale`` (qwix's ``dequantize``, bit for bit).
+
+    int8 goes through qwix. nf4 is computed here in the weight's own shape, every step elementwise or a split
+    of an axis in place: qwix's ``nf4_to_fp`` flattens the codes and gathers, which drops the weight's
+    sharding (every chip then dequantises the whole weight: 184 GiB of temporaries in 70B's decode on a
+    v6e-8) and materialises the gather.
+    """
     if w.qtype == "int8":
+        qwix = _qwix()
         return qwix.dequantize(qwix.QArray(w.qvalue, w.scale, None, jnp.int8))
-    return qwix.dequantize(qwix.QArray(_unpack(w.qvalue, w._inner), w.scale, None, "nf4"))
+    inner = w._inner
+    codes = jnp.stack([w.qvalue & 0xF, w.qvalue >> 4], axis=inner + 1)  # code 2j (low nibble), then 2j + 1
+    return _times_block_scale(_nf4_lookup(codes.reshape(w.shape)), w.scale, inner)
+
+
+def _nf4_lookup(codes: jax.Array) -> jax.Array:
+    """NF4_LEVELS[codes] for uint8 codes in [0, 16), float32, elementwise: a tree of selects on the 4 bits.
+
+    The 16 levels enter as ``zero + level`` with ``zero`` computed from the codes (exactly 0.0): constants
+    broadcast to the weight's shape would not depend on the layer, and JAX's scan hoists such values out of
+    the layer loop under ``jax.grad``, as weight-sized buffers. (A table ``take`` is a gather: on a TPU it
+    writes compare masks the size of the weight at every decode step.)
+    """
+    zero = (codes & 0).astype(jnp.float32)
+    levels = [zero + v for v in NF4_LEVELS]
+    for bit in range(4):
+        set_ = (codes >> bit) & 1 == 1
+        levels = [jnp.where(set_, levels[j + 1], levels[j]) for j in range(0, len(levels), 2)]
+    return levels[0]
+
+
+def _times_block_scale(values: jax.Array, scale: jax.Array, axis: int) -> jax.Array:
+    """values [.., n, ..] times scale [.., n / b, ..]: each block of b consecutive values along ``axis``."""
+    blocks = scale.shape[axis]
+    split = values.reshape(*values.shape[:axis], blocks, -1, *values.shape[axis + 1 :])
+    return (split * jnp.expand_dims(scale, axis + 1)).reshape(values.shape)
 
 
 def _pack(codes: jax.Array, axis: int) -> jax.Array:
-    """uint4 codes -> uint8, two a byte along ``axis`` (index 2j in the low nibble, 2j + 1 in the high)."""
-    c = jnp.moveaxis(codes.astype(jnp.uint8), axis, -1)
-    c = c.reshape(*c.shape[:-1], -1, 2)
-    return jnp.moveaxis(c[..., 0] | (c[..., 1] << 4), -1, axis)
+    """uint8 codes < 16 -> uint8, two a byte along ``axis`` (index 2j in the low nibble, 2j + 1 in the high)."""
+    pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:axis], -1, 2, *codes.shape[axis + 1 :])
+    low, high = (jax.lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
+    return low | (high << 4)
 
 
 def _unpack(packed: jax.Array, axis: int) -> jax.Array:
-    """The inverse of ``_pack``: uint4 codes with ``axis`` twice as long."""
+    """The inverse of ``_pack``: uint4 codes with ``axis`` twice as long (qwix's layout, for the tests)."""
     p = jnp.moveaxis(packed, axis, -1)
     c = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
     return jnp.moveaxis(c, -1, axis).astype(jnp.uint4)
