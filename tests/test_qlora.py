@@ -9,6 +9,7 @@ adapters, and the quantised base takes about 1/2 (int8) or 1/4 (nf4) of bfloat16
 
 import contextlib
 import math
+import sys
 from pathlib import Path
 
 import jax
@@ -400,3 +401,16 @@ def test_nf4_quantises_as_qwix_does_without_flattening_the_weight():
     jaxpr = str(jax.make_jaxpr(lambda x: quant.quantize(x, "nf4", 1, 1))(w))
     size = math.prod(w.shape)
     assert f"[{size}]" not in jaxpr and f"[{size},16]" not in jaxpr and f"[{size}, 16]" not in jaxpr
+
+
+def test_nf4_needs_no_qwix_and_int8_names_the_extra(monkeypatch):
+    """nf4 is grpax's own code: a run without qwix validates and quantises; int8 stops in one line naming
+    ``pip install 'grpax[qlora]'`` (qwix hidden from the import system here)."""
+    monkeypatch.setitem(sys.modules, "qwix", None)  # import qwix -> ImportError
+    keys = ["load_parameters_path=x", "lora_rank=8"]
+    validate(build_config(TrainConfig, [*keys, "lora_base_dtype=nf4"]))
+    q = quant.quantize(jnp.ones((64, 4), jnp.float32), "nf4", num_out_axes=1)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(q)), np.ones((64, 4), np.float32))
+    with pytest.raises(ConfigError) as e:
+        validate(build_config(TrainConfig, [*keys, "lora_base_dtype=int8"]))
+    assert "pip install 'grpax[qlora]'" in str(e.value) and "\n" not in str(e.value)

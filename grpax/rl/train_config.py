@@ -168,8 +168,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     lora_base_dtype: str = field(
         "",
         "QLoRA: the frozen base's projection weights held as int8 (per-channel scales) or nf4 (blocks of 64), "
-        "dequantised in the matmul; the reference is then this quantised base; needs lora_rank > 0 and qwix "
-        "(pip install 'grpax[qlora]'); unset = the base in weight_dtype",
+        "dequantised in the matmul; the reference is then this quantised base; needs lora_rank > 0, and int8 "
+        "needs qwix (pip install 'grpax[qlora]'); unset = the base in weight_dtype",
     )
     lora_sampler: str = field(
         "auto",
@@ -282,7 +282,8 @@ def validate(cfg: TrainConfig) -> None:
                 f"lora_base_dtype={cfg.lora_base_dtype} quantises the frozen base under LoRA adapters, but "
                 "lora_rank=0 trains all the weights: set lora_rank > 0 (e.g. lora_rank=16) or drop lora_base_dtype"
             )
-        require_qwix()
+        if cfg.lora_base_dtype == "int8":  # nf4 is grpax's own (grpax.models.quantize)
+            require_qwix()
     if cfg.lora_sampler not in LORA_SAMPLERS:
         raise ConfigError(
             f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"
