@@ -322,7 +322,6 @@ def test_nf4_quantises_and_dequantises_each_chips_own_block_of_the_weight(params
     fsdp, F on tensor) encodes only that quarter and builds only that quarter in float32. (qwix's nf4 flattens
     the weight: there every chip built the whole weight, 184 GiB of temporaries in 70B's decode on a v6e-8, and
     16 float32 distances a value to encode it.)"""
-    pytest.importorskip("qwix")
     from grpax.models import lora as lora_lib
     from grpax.models import quantize as quant
 

@@ -203,19 +203,12 @@ def _nf4_encode(w32: jax.Array, axis: int, block: int) -> tuple[jax.Array, jax.A
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The weight's float32 values [*shape]: ``code value * scale`` (qwix's ``dequantize``, bit for bit).
-
-    int8 goes through qwix. nf4 is computed here in the weight's own shape, every step elementwise or a split
-    of an axis in place: qwix's ``nf4_to_fp`` flattens the codes and gathers, which drops the weight's
-    sharding (every chip then dequantises the whole weight: 184 GiB of temporaries in 70B's decode on a
-    v6e-8) and materialises the gather.
-    """
+    """The weight's float32 values [*shape]: ``code value * scale`` (qwix's ``dequantize``, bit for bit; nf4
+    in the weight's own shape, as the module docstring says why)."""
     if w.qtype == "int8":
         qwix = _qwix()
         return qwix.dequantize(qwix.QArray(w.qvalue, w.scale, None, jnp.int8))
-    inner = w._inner
-    codes = jnp.stack([w.qvalue & 0xF, w.qvalue >> 4], axis=inner + 1)  # code 2j (low nibble), then 2j + 1
-    return _times_block_scale(_nf4_lookup(codes.reshape(w.shape)), w.scale, inner)
+    return _times_block_scale(_nf4_lookup(_unpack(w.qvalue, w._inner)), w.scale, w._inner)
 
 
 def _nf4_lookup(codes: jax.Array) -> jax.Array:
@@ -250,7 +243,6 @@ def _pack(codes: jax.Array, axis: int) -> jax.Array:
 
 
 def _unpack(packed: jax.Array, axis: int) -> jax.Array:
-    """The inverse of ``_pack``: uint4 codes with ``axis`` twice as long (qwix's layout, for the tests)."""
-    p = jnp.moveaxis(packed, axis, -1)
-    c = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
-    return jnp.moveaxis(c, -1, axis).astype(jnp.uint4)
+    """The inverse of ``_pack``: uint8 codes < 16 with ``axis`` twice as long, split in place."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)  # code 2j (low nibble), then 2j + 1
+    return codes.reshape(*packed.shape[:axis], -1, *packed.shape[axis + 1 :])
