@@ -137,7 +137,7 @@ def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
 def test_step_flops_equal_a_hand_count():
     # One prompt of P=4 tokens, G=2 completions of C=2 tokens, one decode phase, no reference, remat none.
     cfg = TINY.replace(remat_policy="none")
-    s = StepShape(1, 2, 4, 2, 1, 1, False, 0)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
     phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
     V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
     per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)  # 2 x layer matmul params
@@ -150,10 +150,22 @@ def test_step_flops_equal_a_hand_count():
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
 
 
+def test_the_old_logprob_pass_is_counted_whenever_the_run_computes_it():
+    """Issue 40 item 4: the rollout computes pi_old with max_staleness > 0 too (``needs_old_logprobs``); the
+    step count once counted that pass only for num_iterations > 1."""
+    from grpax.rl.config import GRPOConfig
+
+    for num_iterations, max_staleness in [(1, 0), (2, 0), (1, 1)]:
+        grpo = GRPOConfig(num_iterations=num_iterations, max_staleness=max_staleness)
+        s = StepShape(1, 2, 4, 2, 1, num_iterations, False, grpo.needs_old_logprobs, 0)
+        names = [p.name for p in step_phases(TINY, s, 1, 1, 1, 1, 1.0, 1.0)]
+        assert ("old logprobs" in names) == (num_iterations > 1 or max_staleness > 0), names
+
+
 def test_sampler_reads_the_weights_in_the_compute_dtype():
     """float32 master weights with bfloat16 compute: the decode reads the bfloat16 rounding (prepare_decode), the
     update reads float32 weights plus a float32 optimizer state, a bfloat16 one a float32 master copy too."""
-    s = StepShape(1, 2, 4, 2, 1, 1, False, 0)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
     count = lambda **kw: {p.name: p for p in step_phases(TINY.replace(**kw), s, 1, 1, 1, 1, 1.0, 1.0)}  # noqa: E731
     master, half = (
         count(weight_dtype="float32", dtype="bfloat16"),
@@ -485,9 +497,10 @@ def test_lora_step_flops_equal_a_hand_count():
     counted = jax.eval_shape(lambda: init_adapters(cfg, LoraConfig(r, 4.0, ALL_MODULES), jax.random.key(0)))
     assert sum(x.size for x in jax.tree.leaves(counted)) == adapter_params
     adapted = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
-    s = StepShape(1, 2, 4, 2, 1, 1, False, 0, adapter_params, adapted, r)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0, adapter_params, adapted, r)
     phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
-    full = {p.name: p for p in step_phases(cfg, StepShape(1, 2, 4, 2, 1, 1, False, 0), 1, 1, 1, 1, 1.0, 1.0)}
+    no_lora = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
+    full = {p.name: p for p in step_phases(cfg, no_lora, 1, 1, 1, 1, 1.0, 1.0)}
     per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
     attention = lambda q, k: 4 * L * N * H * q * k  # noqa: E731
     layers = per_token * (4 + 4) + attention(4, 4) + attention(4, 6)  # forward_grouped: 4 prompt + 2x2 tokens
@@ -502,7 +515,7 @@ def test_lora_step_flops_equal_a_hand_count():
     assert phases["decode"] == full["decode"]  # the sampler reads merged plain weights
     # The adapters sampler: no merge; prefill and decode add the adapters' matmuls, 2 FLOPs per adapter
     # parameter per token (P = 4 prompt tokens; C = 2 decode steps of 2 rows), and each step reads them.
-    s = StepShape(1, 2, 4, 2, 1, 1, False, 0, adapter_params, adapted, r, sampler_adapters=True)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0, adapter_params, adapted, r, sampler_adapters=True)
     adapters = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
     assert "merge" not in adapters and adapters["update"] == phases["update"]
     assert adapters["prefill"].flops == full["prefill"].flops + 2 * adapter_params * 4

@@ -121,7 +121,9 @@ def _perturbed(scale, num_samples=20000, vocab=8, seed=0):
 
 @pytest.mark.parametrize("scale", [0.0, 0.3, 1.0])
 def test_a_perturbed_behaviour_policy_moves_the_metrics_as_the_maths_says(scale):
-    """Samples of mu, scored by pi: the mismatch metrics estimate their exact values, E_mu[w] = 1 whatever mu.
+    """Samples of mu, scored by pi: the mismatch metrics estimate their exact values, E_mu[w] = 1 for any mu
+    that gives every token of pi's a non-zero probability (a top-k filter does not: there E_mu[w] = Z, the kept
+    mass).
 
     KL(mu || pi) = sum mu log(mu / pi) (estimated by mismatch/kl); the fraction truncated at C is
     P_mu(pi / mu > C); the fraction masked outside IcePop's [0.5, 5] is P_mu(w < 0.5 or w > 5)."""

@@ -173,6 +173,62 @@ def sampler_rollouts(scan_layers: bool, base_dtype: str = ""):
     return got, want, plain
 
 
+def _adapters_at(adapters, lora, base, ratio):
+    """``adapters`` with B rescaled so that every adapted weight's |s B A| / |W| (Frobenius) is ``ratio``."""
+    merged = lora_lib.merge(base, adapters, lora)["layers"]
+
+    def scaled(name, pair):
+        w = base["layers"][name]
+        factor = ratio * jnp.linalg.norm(w) / jnp.linalg.norm(merged[name] - w)
+        return {"a": pair["a"], "b": pair["b"] * factor}
+
+    return {"layers": {name: scaled(name, pair) for name, pair in adapters["layers"].items()}}
+
+
+def _effective_delta(weight, base_weight, dtype):
+    """What a sampler's weight adds to the base's once cast to the compute ``dtype`` as the forward casts it
+    (float32 [in, out]): a plain (merged) weight's rounded sum minus the rounded base, or a ``LoraWeight``'s
+    s A B from its rounded adapters (kept apart from W, as the update computes it)."""
+    if isinstance(weight, lora_lib.LoraWeight):
+        w = weight.astype(dtype).reshape(weight.shape[0], -1)
+        return weight.scale * (w.a.astype(jnp.float32) @ w.b.astype(jnp.float32))
+    rounded = lambda x: x.astype(dtype).astype(jnp.float32).reshape(x.shape[0], -1)  # noqa: E731
+    return rounded(weight) - rounded(base_weight)
+
+
+@pytest.mark.parametrize("ratio", [7e-5, 7e-4])
+def test_a_merged_bfloat16_sampler_loses_the_adapters_update_and_auto_picks_the_adapters(ratio):
+    """Issue 40 item 3: with bfloat16 compute the merged sampler's weight is W + s B A rounded to bfloat16, whose
+    ulp at |W| is far above a young adapter's s B A (|s B A| / |W| = ``ratio``): the update it samples with is
+    mostly rounding error, while the adapters sampler keeps s B A apart from W, as the update does. Measured on
+    layer 0's q projection: the error of the update each sampler applies, relative to s B A itself."""
+    cfg = _cfg()
+    base = init_params(cfg, jax.random.key(0))
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    adapters = _adapters_at(
+        _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1))), lora, base, ratio
+    )
+    layer0 = lambda x: jax.tree.map(lambda leaf: leaf[0], x)  # noqa: E731
+    w = layer0(base["layers"]["wq"])
+    exact = (layer0(lora_lib.merge(base, adapters, lora)["layers"]["wq"]) - w).reshape(w.shape[0], -1)
+
+    def relative_error(sampler: str) -> float:
+        policy = Policy(lora, base, sampler=sampler, compute_dtype="bfloat16")
+        weight = layer0(policy.sampler_params(adapters)["layers"]["wq"])
+        delta = _effective_delta(weight, w, jnp.bfloat16)
+        return float(jnp.linalg.norm(delta - exact) / jnp.linalg.norm(exact))
+
+    merged, kept = relative_error("merged"), relative_error("adapters")
+    assert merged > 1.0, merged  # the rounding error exceeds the update itself
+    assert kept < 0.01, kept  # bfloat16's rounding of A and B only
+    assert Policy(lora, base, compute_dtype="bfloat16").sampler == "adapters"  # auto, 16-bit compute
+    assert Policy(lora, base, compute_dtype="float16").sampler == "adapters"
+    assert Policy(lora, base, compute_dtype="float32").sampler == "merged"  # auto on CPU in float32
+    print(
+        f"|sBA|/|W| = {ratio:g}: merged bf16 sampler's error {merged:.3g}x the update, adapters {kept:.3g}x"
+    )
+
+
 def test_a_misspelled_target_module_is_one_line():
     cfg = build_config(TrainConfig, ["lora_rank=4", "lora_target_modules=[q_proj,v_prj]"])
     with pytest.raises(ConfigError) as e:

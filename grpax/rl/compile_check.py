@@ -3,7 +3,7 @@
 ``grpax train_rl <keys> compile_topology=v6e-8`` builds every array of the run abstractly (``ShapeDtypeStruct``s:
 no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
 devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
-(``make_train_step`` as the trainer builds it: micro-batches, remat), the reference logprobs
+(``make_run_update``, the trainer's own builder: micro-batches, remat), the reference logprobs
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
 adds what stays resident (params, optimizer state, reference params) to the largest phase. With LoRA
@@ -45,11 +45,10 @@ from grpax.models.registry import ModelConfig, find_hf_config, get_model_config,
 from grpax.rl.batch import Batch
 from grpax.rl.collectives import count_collectives, fsdp_minimum
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
-from grpax.rl.optim import optimizer_from_config
 from grpax.rl.policy import _merge, sampler_mode
 from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
-from grpax.rl.train_step import TrainState, make_train_step, token_logprobs
+from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
 from grpax.topology import chip_of, get_topology
@@ -59,13 +58,7 @@ log = logging.getLogger("grpax.compile_check")
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
     """The run's model: the checkpoint's config.json when there is one, else the registered ``model_name``."""
-    runtime = dict(
-        weight_dtype=cfg.weight_dtype,
-        dtype=cfg.dtype,
-        scan_layers=cfg.scan_layers,
-        remat_policy=cfg.remat_policy,
-        attention=cfg.attention,
-    )
+    runtime = cfg.model_keys()
     found = find_hf_config(cfg.load_parameters_path) if cfg.load_parameters_path else None
     if found is not None:
         return load_hf_config(found, **runtime)
@@ -111,7 +104,7 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> Batch:
         cfg.max_prefill_predict_length,
         cfg.max_completion_length,
         with_ref=with_ref,
-        with_old=cfg.num_iterations > 1,
+        with_old=cfg.needs_old_logprobs,
         sharding_of=placed,
     )
 
@@ -185,6 +178,9 @@ class Job:
     dense_base: Any = (
         None  # LoRA: the base unquantised (QLoRA's ``base`` is quantised), on the trainer's mesh
     )
+    train_step: Any = (
+        None  # the run's jitted update (``train_step.make_run_update``, as the trainer builds it)
+    )
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -251,7 +247,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     ``model_config(cfg)``."""
     model_cfg = model_cfg or model_config(cfg)
     grpo, lora = cfg.grpo(), cfg.lora()
-    sampler = "" if lora is None else sampler_mode(cfg.lora_sampler, _platform(mesh))
+    sampler = "" if lora is None else sampler_mode(cfg.lora_sampler, _platform(mesh), model_cfg.dtype)
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
     # LoRA's frozen base; QLoRA's with its projections quantised as Policy quantises them (lora.quantize_base)
@@ -259,8 +255,10 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     base = lora_lib.quantize_base(params, qtype) if qtype else params
     # What the optimizer trains: the params, or the float32 adapters beside the frozen base (trainer._init_state).
     trainable = params if lora is None else _abstract_adapters(model_cfg, lora, mesh)
-    optimizer, lr_schedule = optimizer_from_config(
-        grpo, cfg.num_batches * grpo.num_iterations, model_cfg.weight_dtype if lora is None else "float32"
+    # The run's own optimizer and update (the trainer builds them with the same call); LoRA's base is an argument
+    # of the compiled update (``train_step.func``), not bound.
+    optimizer, lr_schedule, train_step = make_run_update(
+        grpo, model_cfg, cfg.num_batches, cfg.micro_batches, cfg.max_completion_length, lora=lora
     )
     opt_shapes = jax.eval_shape(optimizer.init, trainable)
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
@@ -322,14 +320,14 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
-        cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length, adapter_params, adapted,
-        0 if lora is None else lora.rank, sampler == "adapters",
+        cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
+        adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
         TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
-        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params,
+        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, train_step,
     )  # fmt: skip
 
 
@@ -378,16 +376,8 @@ def compile_job(
     minimum = lambda passes, grads: fsdp_minimum(  # noqa: E731
         num_params, jnp.dtype(model_cfg.dtype).itemsize, mesh["fsdp"], mesh["tensor"], passes, grads
     )
+    train_step = job.train_step
     with jax.set_mesh(job.mesh):
-        train_step = make_train_step(
-            model_cfg,
-            grpo,
-            job.optimizer,
-            cfg.micro_batches,
-            job.lr_schedule,
-            lora=job.lora,
-            max_completion_length=cfg.max_completion_length,
-        )
         if job.lora is None:
             functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
             functions["update"].fsdp_minimum = minimum(2, True)
@@ -406,7 +396,7 @@ def compile_job(
                 c, _ = _compile("the LoRA merge", n, _merge, job.base, job.state.params, job.lora)
                 functions["merge"] = c
                 phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
-        if grpo.beta > 0 or grpo.num_iterations > 1:
+        if grpo.beta > 0 or grpo.needs_old_logprobs:
             c, _ = _compile(
                 "the reference logprobs", n, token_logprobs, params, job.batch.tokens(), model_cfg,
                 grpo.temperature, cfg.micro_batches,

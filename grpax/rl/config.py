@@ -172,6 +172,14 @@ class GRPOConfig:
         return self.max_staleness > 0 if on is None else on
 
     @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the update reads ``old_logprobs`` (pi_old recomputed by the trainer at the sampling params):
+        with num_iterations > 1 (the later updates move away from pi_old) or max_staleness > 0 (the update runs
+        at a later version than the one that sampled). Otherwise pi_old is the update's own logprobs (ratio 1).
+        The rollout, the compile check, the memory estimate and the step cost all read this one predicate."""
+        return self.num_iterations > 1 or self.max_staleness > 0
+
+    @property
     def clip_high(self) -> float:
         """eps_high, defaulting to eps."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high

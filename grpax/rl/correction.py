@@ -1,15 +1,19 @@
 """Rollout correction: importance weights between the trainer's and the sampler's policy (pure jnp, jittable).
 
 The sampler (the behaviour policy mu, whose per-token logprobs travel as ``rollout_logprobs``) and the trainer
-(pi_old, ``old_logprobs``: recomputed by the trainer, or ``stop_gradient(logprobs)`` on-policy) score the same
-tokens differently: 16-bit rounding, a top-k / top-p filter, or, once rollouts run ahead of the update, older
-weights. The GRPO gradient assumes the tokens were drawn from pi_old; weighting each token's loss by
+(pi_old, ``old_logprobs``: recomputed by the trainer at the very params that sampled, or ``stop_gradient(logprobs)``
+on-policy) score the same tokens differently: 16-bit rounding, a top-k / top-p filter, or a sampler that computes
+another function. Staleness never enters the weight (pi_old is of the sampling params; the updates a stale batch
+has not seen are in the clipped ratio pi_theta / pi_old). The GRPO gradient assumes the tokens were drawn from
+pi_old; weighting each token's loss by
 
     w_it = pi_old(o_it) / mu(o_it) = exp(old_logp_it - rollout_logp_it)            (token level)
     w_i  = prod_t pi_old(o_it) / mu(o_it) = exp(sum_t (old_logp_it - rollout_logp_it))   (sequence level)
 
-turns the expectation under mu into one under pi_old (importance sampling). Its variance is unbounded, so the
-weight is bounded to [C_min, C_max] in one of two ways:
+turns the expectation under mu into one under pi_old (importance sampling), where mu gives every token pi_old
+can draw a non-zero probability. A top-k / top-p filter does not: it draws from the kept set renormalised, so
+every drawn token gets w = Z (the kept mass at its position), E_mu[w] = Z < 1, and no weight restores the tail
+that is never drawn. Its variance is unbounded, so the weight is bounded to [C_min, C_max] in one of two ways:
 
 - truncate (TIS; Ionides 2008, "Truncated importance sampling", JCGS; Yao et al. 2025, "Your efficient RL
   framework secretly brings you off-policy RL training", blog): w <- clip(w, C_min, C_max). Biased (tokens

@@ -130,7 +130,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds
         # the float32 sums before rounding them.
         estimates.append(("merge", adapted * 4 / w if w < 4 else 0))
-    if s.with_reference or s.num_iterations > 1:
+    if s.with_reference or s.with_old_logprobs:
         estimates.append(("reference logprobs", reference))
     estimates += [("prefill", prefill), ("decode", decode)]
     functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}

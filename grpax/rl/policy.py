@@ -7,11 +7,15 @@ are (beta > 0: the reference policy is the base, the adapters switched off, with
 sampler reads one of two (``lora_sampler``, ``sampler_mode``): ``merged``, ``lora.merge(base, adapters)`` built
 once per rollout and dropped after it, a whole copy of the weights that every sampler backend decodes at the
 base's speed; or ``adapters``, ``lora.apply(base, adapters)``, nothing copied, each decoded token computing
-``x @ W + s * (x @ A) @ B`` in every adapted layer. ``auto`` is ``merged`` where the base is on CPU devices
-(measured faster there, and the CPU backend's kernels take plain weights only: docs/benchmarks.md, "LoRA") and
-``adapters`` on accelerators, where the decode is bound by reading the weights (the adapters add r (in + out) /
-(in out) of each adapted weight's bytes, under 1% at r = 16 for Llama 3.1 8B) and the merged copy is a whole
-second copy of the base in device memory (70B on a v6e-8 fits only without it: docs/scaling.md, "LoRA").
+``x @ W + s * (x @ A) @ B`` in every adapted layer. ``auto`` is ``adapters`` on accelerators, where the decode
+is bound by reading the weights (the adapters add r (in + out) / (in out) of each adapted weight's bytes, under 1%
+at r = 16 for Llama 3.1 8B) and the merged copy is a whole second copy of the base in device memory (70B on a
+v6e-8 fits only without it: docs/scaling.md, "LoRA"), and wherever the compute dtype is 16-bit; ``merged`` only
+on CPU devices computing in float32 (measured faster there, and the CPU backend's kernels take plain weights
+only: docs/benchmarks.md, "LoRA"). A merged sampler in a 16-bit compute dtype samples a policy that lags the
+trained one: the sum W + s B A is rounded to the compute dtype, whose ulp at |W| is far above a young
+adapter's contribution (|s B A| / |W| ~ 1e-4 after a few steps), so the sampler's weights lose most of the
+adapters' update while the trainer keeps the adapter path apart (``tests/test_lora.py`` measures it).
 The checkpoint's ``train_meta`` records the base's path and
 fingerprint (``fingerprint``): a resume or an export against other base weights is refused.
 
@@ -65,13 +69,14 @@ def fingerprint(params: Any, quantization: str = "") -> str:
 LORA_SAMPLERS = ("auto", "merged", "adapters")
 
 
-def sampler_mode(lora_sampler: str, platform: str) -> str:
+def sampler_mode(lora_sampler: str, platform: str, compute_dtype: str = "float32") -> str:
     """What a LoRA policy's sampler reads: "merged" or "adapters" (``lora_sampler``; "auto": merged where
-    ``platform``, the base's devices', is "cpu", else adapters: the module docstring's reasons)."""
+    ``platform``, the base's devices', is "cpu" and ``compute_dtype`` is float32, else adapters: the module
+    docstring's reasons)."""
     assert lora_sampler in LORA_SAMPLERS, lora_sampler
     if lora_sampler != "auto":
         return lora_sampler
-    return "merged" if platform == "cpu" else "adapters"
+    return "merged" if platform == "cpu" and compute_dtype == "float32" else "adapters"
 
 
 def _platform(tree: Any) -> str:
@@ -97,6 +102,8 @@ class Policy:
         holds only the quantised base); "" keeps the base as loaded.
       sampler: ``lora_sampler``: "auto", "merged" or "adapters" (``sampler_mode``); ``self.sampler`` holds the
         resolved one (LoRA only).
+      compute_dtype: the model's compute dtype (``ModelConfig.dtype``): auto picks the adapters sampler when it
+        is 16-bit.
     """
 
     def __init__(
@@ -106,9 +113,22 @@ class Policy:
         base_path: str = "",
         base_dtype: str = "",
         sampler: str = "auto",
+        compute_dtype: str = "float32",
     ):
         self.lora, self.base, self.base_path, self.base_dtype = lora, base, base_path, base_dtype
-        self.sampler = sampler_mode(sampler, _platform(base)) if lora is not None else ""
+        self.sampler = sampler_mode(sampler, _platform(base), compute_dtype) if lora is not None else ""
+        if lora is not None:
+            log.info(
+                "LoRA sampler: %s (lora_sampler=%s, compute dtype %s)", self.sampler, sampler, compute_dtype
+            )
+        if self.sampler == "merged" and compute_dtype != "float32":
+            log.warning(
+                "lora_sampler=merged with dtype=%s: the merged weights W + s B A are rounded to %s, which drops "
+                "most of a young adapter's update, so the rollouts sample a policy that lags the trained one; "
+                "lora_sampler=adapters (or auto) samples what the update trains",
+                compute_dtype,
+                compute_dtype,
+            )
         self.base_fingerprint = fingerprint(base, base_dtype) if lora is not None else ""
         self.weight_dtype = str(jax.tree.leaves(base)[0].dtype) if lora is not None else ""
         if lora is not None and base_dtype:

@@ -5,8 +5,8 @@
 resharded when its layout differs from the trainer's), scores them with the task (``scorer``), adds DAPO's
 overlong punishment, refills zero-std groups from more prompt batches (DAPO dynamic sampling,
 ``grpax.rl.dapo``), turns the rewards into group-relative advantages (``grpax.rl.advantages``), places the
-batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0) and, with num_iterations > 1,
-the sampling params' own ``old_logprobs``. ``num_generations`` is handled here and nowhere else in the step:
+batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0) and, where the update's ratio
+needs them (``GRPOConfig.needs_old_logprobs``), the sampling params' own ``old_logprobs``. ``num_generations`` is handled here and nowhere else in the step:
 the sampler returns each prompt once, the batch holds one prompt row per group.
 
 The shape follows Tunix's ``BaseRollout`` (``update_params``, ``generate``, ``get_per_token_logps``) and
@@ -49,6 +49,18 @@ def task_scorer(task: Any, tokenizer: Any) -> Scorer:
         return scores, task.step_correct(rows, completions, scores)
 
     return score
+
+
+def decode_work(outs: list[GenerateOutput]) -> dict[str, float]:
+    """``decode/row_steps`` (rows x decode steps the model ran over the sampling rounds ``outs``) and
+    ``decode/past_eos_fraction`` (the share of them spent on rows that had already finished: 0 when every row
+    ran exactly to its end), where the sampler counted them."""
+    row_steps = sum(int(out.decode_row_steps) for out in outs)
+    if row_steps <= 0:
+        return {}
+    # each row needs lengths - 1 decode steps: its first token comes from the prefill
+    needed = sum(int(np.maximum(np.asarray(out.lengths) - 1, 0).sum()) for out in outs)
+    return {"decode/row_steps": float(row_steps), "decode/past_eos_fraction": 1.0 - needed / row_steps}
 
 
 def mesh_context(mesh: jax.sharding.Mesh | None):
@@ -117,6 +129,7 @@ class Rollout:
         grpo, G = self.grpo, self.grpo.num_generations
         t_start = time.perf_counter()
         self._times = {"time/rollout_s": 0.0, "time/reshard_s": 0.0}
+        self._rounds: list[GenerateOutput] = []  # every sampling round's output (dynamic sampling: several)
         out, scores, correct = self._sample(rows, key)
         zero_std = dapo.zero_std_groups(scores["total"], G)
         extra = {"zero_std_fraction": float(zero_std.mean())}
@@ -124,8 +137,13 @@ class Rollout:
             out, scores, correct, extra = self._dynamic_sampling(
                 out, scores, correct, zero_std, extra_rows, key, extra
             )
+        extra.update(decode_work(self._rounds))
+        self._rounds = []
         advantages = compute_advantages(
-            scores["total"].astype(np.float32), G, scale_rewards=grpo.scale_rewards
+            scores["total"].astype(np.float32),
+            G,
+            scale_rewards=grpo.scale_rewards,
+            estimator=grpo.adv_estimator,
         )
         batch = self._place(out, advantages)
         info = RolloutInfo(
@@ -169,6 +187,7 @@ class Rollout:
         del params
         release_host_memory()
         self._times["time/rollout_s"] += time.perf_counter() - t0
+        self._rounds.append(out)
         repeated = [rows[i] for i in out.prompt_indices for _ in range(self.grpo.num_generations)]
         raw, correct = self.scorer(repeated, out)
         scores = {name: np.asarray(values, np.float64) for name, values in raw.items()}
@@ -233,7 +252,7 @@ class Rollout:
         return jax.tree.map(jnp.asarray, batch)
 
     def _logprobs(self, batch: Batch) -> Batch:
-        """The reference's logprobs (beta > 0) and, with num_iterations > 1 or max_staleness > 0, the sampling
+        """The reference's logprobs (beta > 0) and, where ``GRPOConfig.needs_old_logprobs``, the sampling
         params' own (pi_old of the clipped ratio)."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         with mesh_context(self.mesh):
@@ -242,7 +261,7 @@ class Rollout:
                 ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M)
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
-            if self.grpo.num_iterations > 1 or self.grpo.max_staleness > 0:  # pi_old: the sampling params'
+            if self.grpo.needs_old_logprobs:  # pi_old: the sampling params'
                 old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M)
                 batch = batch.replace(old_logprobs=old)
         return batch

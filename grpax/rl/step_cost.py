@@ -55,6 +55,7 @@ class StepShape:
     num_micro_batches: int
     num_iterations: int
     with_reference: bool
+    with_old_logprobs: bool  # GRPOConfig.needs_old_logprobs: the pi_old pass of the sampling params
     decode_phase_length: int  # SamplerConfig.decode_phase_length
     adapter_params: int = 0  # LoRA: the adapters' parameters (0: a full fine-tune)
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
@@ -145,7 +146,7 @@ def step_phases(
     forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
     if s.with_reference:
         phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes))
-    if s.num_iterations > 1:
+    if s.with_old_logprobs:
         phases.append(phase("old logprobs", layers + vocab, forward_pass_bytes))
     forwards = 2 if cfg.remat_policy == "full" else 1  # the forward (and its recomputation)
     lora = s.adapter_params > 0

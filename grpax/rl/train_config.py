@@ -175,7 +175,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "auto",
         "what the LoRA rollout decodes: merged (W + s A B built per rollout, a whole copy of the weights; the "
         "base's decode speed, any backend), adapters (the base and its adapters, nothing copied, the XLA "
-        "backend), or auto: merged on CPU, adapters on accelerators",
+        "backend), or auto: merged on CPU computing in float32, else adapters (a merged sampler in a 16-bit dtype "
+        "rounds away most of a young adapter's update)",
     )
 
     @property
@@ -188,6 +189,17 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     @property
     def max_completion_length(self) -> int:
         return self.max_target_length - self.max_prefill_predict_length
+
+    def model_keys(self) -> dict:
+        """The run's keys of the model's config (layout, dtypes, remat, attention): what the checkpoint's
+        config.json is read with (``grpax.models.registry.load_hf_config``), by the run and by its plan."""
+        return dict(
+            scan_layers=self.scan_layers,
+            weight_dtype=self.weight_dtype,
+            dtype=self.dtype,
+            remat_policy=self.remat_policy,
+            attention=self.attention,
+        )
 
     def lora(self) -> LoraConfig | None:
         """The adapters' config, or None for a full fine-tune (lora_rank=0)."""
@@ -382,14 +394,7 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
-    model_cfg, source = checkpoint_config(
-        cfg.load_parameters_path,
-        scan_layers=cfg.scan_layers,
-        weight_dtype=cfg.weight_dtype,
-        dtype=cfg.dtype,
-        remat_policy=cfg.remat_policy,
-        attention=cfg.attention,
-    )
+    model_cfg, source = checkpoint_config(cfg.load_parameters_path, **cfg.model_keys())
     what = f"max_target_length={cfg.max_target_length}"
     check_context_length(cfg.max_target_length, what, model_cfg, source)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")

@@ -45,7 +45,7 @@ from grpax.rl.losses import (
     loss_normalizer,
     policy_loss,
 )
-from grpax.rl.optim import apply_updates
+from grpax.rl.optim import apply_updates, optimizer_from_config
 
 # Metrics averaged over tokens (weighted by each micro-batch's token count when accumulating).
 _MAX_METRICS = ("mismatch/logprob_diff_max", "mismatch/is_ratio_max")
@@ -209,26 +209,32 @@ def _micro_loss(
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, mb.truncated)
     aux["entropy"] = jnp.sum(jnp.where(mask > 0, entropy, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
-    aux.update(_mismatch(jax.lax.stop_gradient(logprobs), mb.rollout_logprobs, mask))
+    # pi_old: the trainer's logprobs at the params that sampled (the batch's, when the update runs later)
+    old = jax.lax.stop_gradient(logprobs) if mb.old_logprobs is None else mb.old_logprobs
+    aux.update(_mismatch(old, mb.rollout_logprobs, mask))
     return loss, aux
 
 
 def _mismatch(
-    logprobs: jax.Array, rollout_logprobs: jax.Array | None, mask: jax.Array
+    old_logprobs: jax.Array, rollout_logprobs: jax.Array | None, mask: jax.Array
 ) -> dict[str, jax.Array]:
-    """How far the sampler's logprobs are from the trainer's, over the counted tokens (``mask`` [B, C]).
+    """How far the sampler's logprobs (mu) are from the trainer's pi_old, over the counted tokens (``mask``
+    [B, C]).
 
-    Before the first update of a batch both score the same params: ~1e-5 nats in float32; bfloat16 compute,
+    pi_old is the trainer's own logprobs at the params that sampled: the batch's ``old_logprobs`` when the
+    update runs at a later version (num_iterations > 1, max_staleness > 0), else this update's own (the same
+    params). Both score the same params, so staleness never shows here: ~1e-5 nats in float32; bfloat16 compute,
     a top-k / top-p filter (the sampler reports the filtered distribution's logprobs) or a sampler that
-    computes another distribution show here. ``mismatch/kl`` is the k3 estimate of KL(sampler || trainer)
-    from the sampler's own draws (Schulman 2020), the two others the mean and max |logprob difference|.
+    computes another distribution do. ``mismatch/kl`` is the k3 estimate of KL(mu || pi_old) from the sampler's
+    own draws (Schulman 2020), the two others the mean and max |logprob difference|, as TRL and verl compare
+    the old and the rollout logprobs.
     """
     if rollout_logprobs is None:
         zero = jnp.float32(0.0)
         return {"mismatch/kl": zero, "mismatch/logprob_diff_mean": zero, "mismatch/logprob_diff_max": zero}
     counted = mask > 0
-    # log(p_trainer / p_sampler) of each counted token
-    log_rho = jnp.where(counted, logprobs - rollout_logprobs.astype(jnp.float32), 0.0)
+    # log(pi_old / mu) of each counted token
+    log_rho = jnp.where(counted, old_logprobs.astype(jnp.float32) - rollout_logprobs.astype(jnp.float32), 0.0)
     num = jnp.maximum(jnp.sum(mask), 1.0)
     k3 = jnp.expm1(jnp.clip(log_rho, -20.0, 20.0)) - log_rho
     return {
@@ -392,6 +398,46 @@ def make_train_step(
 
     jitted = jax.jit(step, donate_argnums=(0,))
     return jitted if lora is None else functools.partial(jitted, base=base)
+
+
+def make_run_update(
+    grpo: GRPOConfig,
+    cfg: ModelConfig,
+    num_batches: int,
+    num_micro_batches: int,
+    max_completion_length: int,
+    lora: lora_lib.LoraConfig | None = None,
+    base=None,
+) -> tuple[optax.GradientTransformation, optax.Schedule, Any]:
+    """A run's optimizer, its learning-rate schedule and its jitted update: the one builder the trainer and the
+    compile check (``compile_topology``, ``check_fit``) share, so the planner compiles the run's own program.
+
+    Args:
+      grpo: the algorithm and optimizer keys.
+      cfg: the policy's model config (``weight_dtype``: a 16-bit one trains through float32 master weights).
+      num_batches: training steps; the schedule spans ``num_batches * grpo.num_iterations`` optimizer updates.
+      num_micro_batches: micro-batches of the update (``TrainConfig.micro_batches``).
+      max_completion_length: L_max in tokens (the sampler's; the batches are trimmed below it).
+      lora, base: LoRA: the adapters' config and the frozen base (float32 adapters are what the optimizer
+        trains); None = a full fine-tune.
+
+    Returns:
+      (optimizer, lr schedule, ``make_train_step``'s jitted step).
+    """
+    optimizer, lr_schedule = optimizer_from_config(
+        grpo, num_batches * grpo.num_iterations, "float32" if lora is not None else cfg.weight_dtype
+    )
+    step = make_train_step(
+        cfg,
+        grpo,
+        optimizer,
+        num_micro_batches,
+        lr_schedule,
+        lora=lora,
+        base=base,
+        max_completion_length=max_completion_length,
+    )
+    return optimizer, lr_schedule, step
 
 
 def make_update(train_step, num_iterations: int):

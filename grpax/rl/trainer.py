@@ -51,7 +51,6 @@ from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
-from grpax.rl.optim import optimizer_from_config
 from grpax.rl.policy import Policy
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
@@ -59,7 +58,7 @@ from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_mode
 from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
-from grpax.rl.train_step import TrainState, make_train_step, make_update
+from grpax.rl.train_step import TrainState, make_run_update, make_update
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks import RewardFunctionError, Task, build_task, environment_factory, multi_turn_config
 
@@ -159,6 +158,7 @@ def _train(
             str(Path(cfg.load_parameters_path).absolute()),
             cfg.lora_base_dtype,
             cfg.lora_sampler,
+            model_cfg.dtype,
         )
         if cfg.lora_rank
         else Policy()
@@ -325,10 +325,14 @@ def _init_state(
     ``params`` is what the optimizer trains: the weights, or with LoRA the float32 adapters (``policy``; None =
     the full fine-tune)."""
     policy = Policy() if policy is None else policy
-    optimizer, lr_schedule = optimizer_from_config(
+    optimizer, _, train_step = make_run_update(
         grpo,
-        cfg.num_batches * grpo.num_iterations,
-        "float32" if policy.lora is not None else model_cfg.weight_dtype,
+        model_cfg,
+        cfg.num_batches,
+        cfg.micro_batches,
+        cfg.max_completion_length,
+        lora=policy.lora,
+        base=policy.base,
     )
     state = TrainState(
         params=params,
@@ -336,16 +340,7 @@ def _init_state(
         # Placed as the update returns it: an unplaced step made the second update compile again.
         step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
     )
-    return state, make_train_step(
-        model_cfg,
-        grpo,
-        optimizer,
-        cfg.micro_batches,
-        lr_schedule,
-        lora=policy.lora,
-        base=policy.base,
-        max_completion_length=cfg.max_completion_length,
-    )
+    return state, train_step
 
 
 def _trajectories(run: _Run, sampler_cfg: SamplerConfig):
