@@ -73,6 +73,9 @@ def test_a_gpu_trace_is_split_by_scope_kind_and_step():
     assert figures["kinds"]["matmul"] == pytest.approx(12 / 15.5)
     assert figures["kinds"]["sort / top-k"] == pytest.approx(2 / 15.5)
     assert "nvjet_tst_64x8_64x16 [gemm_fusion.3]" in text and "per step (2 steps)" in text
+    # a trace whose events name no module of those asked for: all its events, and the title says so
+    text, figures = ps.summarize(ps.attribute(events, None), "decode", steps=2, modules=("prefill",))
+    assert figures["kernels"] == 5 and "no event names a module of prefill" in text
 
 
 def test_a_cpu_trace_is_named_by_the_modules_hlo(tmp_path):
