@@ -348,7 +348,6 @@ class Check:
         self.outputs: dict[tuple[str, int], np.ndarray] = {}  # (variant, prompts) -> completion_ids
         self.results: dict[str, dict[str, dict]] = {}  # variant -> {"decode 8x8": ..., "update": ...}
         self.profiles: list[str] = []
-        self.traces: list[Path] = []
         # The weights every decode samples: the default's decodes read the train state's (a host copy is kept),
         # the variants, after updates have moved the state, that copy put back (so their tokens compare).
         self.decode_weights = None
@@ -452,7 +451,6 @@ class Check:
             folder, "update", {profile_summary.module_name(hlo): hlo}, by_pass=True
         )
         self.profiles.append(text)
-        self.traces.append(folder)
         passes = figures.get("passes", {})
         self.add(
             "profile of one update",
@@ -465,6 +463,7 @@ class Check:
             note="$OUT/profiles.txt",
         )
         print(text, flush=True)
+        self.pack(folder)
 
     def part_threshold(self) -> None:
         """The sampler's block threshold against lax.top_k's k-th value on this device: equal, and their times."""
@@ -556,7 +555,6 @@ class Check:
             folder, f"decode {num_prompts}x{G} rows", hlo_dumps(decode), steps=steps, modules=decode
         )
         self.profiles.append(text)
-        self.traces.append(folder)
         shares = figures.get("shares", {})
         self.add(
             "profile of one decode",
@@ -571,6 +569,7 @@ class Check:
             note="$OUT/profiles.txt",
         )
         print(text, flush=True)
+        self.pack(folder)
 
     def part_grpo_step(self) -> None:
         """Three GRPO steps of the trainer's own objects (the first compiles); the last one's phases."""
@@ -681,18 +680,16 @@ class Check:
         with applied(variant):
             self.part_decode(variant.rows, variant.name, sc)
 
-    def write_profiles(self) -> None:
-        """The profiles' text to ``profiles.txt``; each trace packed as ``<its folder>.tar.gz`` (the device tool
-        brings back no file nested as deep as a trace's own), dropped when over 15 MiB (the tool's 16 MiB)."""
-        (self.out / "profiles.txt").write_text("\n\n".join(self.profiles) + "\n")
-        for folder in self.traces:
-            pack = self.out / f"{folder.name}.tar.gz"
-            with tarfile.open(pack, "w:gz") as tar:
-                tar.add(folder, arcname=folder.name)
-            if pack.stat().st_size > 15 * 2**20:
-                print(f"{pack.name}: {pack.stat().st_size / 2**20:.0f} MiB, over what comes back: removed")
-                pack.unlink()
-            shutil.rmtree(folder, ignore_errors=True)
+    def pack(self, folder: Path) -> None:
+        """A trace folder packed as ``<folder>.tar.gz`` beside it (the device tool brings back no file nested as
+        deep as a trace's own), dropped when over 15 MiB (the tool's limit is 16); the folder removed."""
+        pack = self.out / f"{folder.name}.tar.gz"
+        with tarfile.open(pack, "w:gz") as tar:
+            tar.add(folder, arcname=folder.name)
+        if pack.stat().st_size > 15 * 2**20:
+            print(f"{pack.name}: {pack.stat().st_size / 2**20:.0f} MiB, over what comes back: removed")
+            pack.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fmt(v) -> str:
@@ -774,6 +771,7 @@ def main() -> int:
         if tiny:
             table += "\n(tiny model: its weights fit in cache, so the HBM roofline does not bound it; a smoke test)"
         (out / "device_check.txt").write_text(table + "\n")
+        (out / "profiles.txt").write_text("\n\n".join(check.profiles) + "\n")
         result = {
             "header": header,
             "rows": check.rows,
@@ -806,10 +804,6 @@ def main() -> int:
                 break
         finally:
             write(final=False)
-    try:
-        check.write_profiles()
-    except Exception:  # noqa: BLE001 - the figures are written; the trace pack is a convenience
-        traceback.print_exc(file=sys.stderr)
     print(f"\n{write(final=True)}")
     return 1 if failed else 0
 
