@@ -1,37 +1,61 @@
-"""Accelerator check: GRPO update MFU, sampled decode, one whole GRPO step, peak memory, a profile; one table.
+"""Accelerator check: the GRPO update's MFU / HFU, sampled decode, a GRPO step, peak memory, profiles, variants.
 
 Run by ``benchmarks/device_check.sh`` (which puts the repository and the carried wheels on ``PYTHONPATH``: no
 install, no network). On a GPU or TPU it builds a randomly initialised llama3.2-3b in bfloat16 on the device
 (``DEVICE_CHECK_MODEL`` names another registered model) and one GRPO job around it, as ``train_rl`` would build
 it from its keys (``JOB_KEYS``: 8 prompts x 8 completions, prompts up to 128 tokens, completions up to 256, beta
 0.04, temperature 0.9, top-k 50, the model's stop tokens). The whole job of llama3.1-8b does not fit one H200
-(``compile_topology=h200-1``: 156 GiB of 140 with AdamW's float32 master copy and the reference); 3B needs 64 GiB.
-It then measures, in this order (the likeliest to be cut by the time budget last):
+(``compile_topology=h200-1``: 156 GiB of 140 with AdamW's float32 master copy and the reference); 3B needs 64 GiB;
+the 8B step has its own command (``benchmarks/h200_8b_step.py``). It measures, in this order (the likeliest to be
+cut by the time budget last):
 
 1. ``update``: the job's jitted GRPO update (``make_train_step``: forward, backward, AdamW) on a batch of the
-   job's full shape; tokens/s and ``MFU = 6 * params * tokens / time / peak_flops``; one more call is traced
-   with ``jax.profiler`` (``$OUT/trace.tar.gz``, for TensorBoard's profile plugin or Perfetto);
-2. ``decode``: the rollout's sampler exactly as GRPO samples (``generate``: each prompt prefilled once, G
+   job's full shape; tokens/s, ``MFU = 6 * params * rows * (P + C) / time / peak_flops`` and ``HFU``: the FLOPs
+   the hardware runs (``grpax.rl.step_cost``: each prompt once per group, the remat recompute, attention) over
+   the same time;
+2. ``profile of one update``: one more call under ``jax.profiler``, summarised as text
+   (``benchmarks/profile_summary.py``: top kernels, idle gaps, shares by named scope and by pass: forward,
+   backward, recompute);
+3. ``top-k threshold``: the sampler's block threshold (``sampling._kth_largest_by_blocks``, a GPU's path) against
+   ``lax.top_k``'s k-th value on rows of random and tied logits of the vocabulary's width: equal, and each one's
+   time;
+4. ``decode``: the rollout's sampler exactly as GRPO samples (``generate``: each prompt prefilled once, G
    completions, temperature, top-k, stop tokens), at the job's 8 x 8 rows and at 32 x 8; useful tokens/s
-   (completion tokens before each row's stop) against the HBM roofline, the rows' mean length, the fraction
-   of decode row-steps spent past a row's stop;
-3. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
-   own objects, split into rollout / reference / update seconds (the second step: the first compiles);
-4. ``memory``: the device's peak bytes in use (``memory_stats``) against the fit check's per-device table of
+   (completion tokens before each row's stop) against the HBM roofline, ms per decode step, the rows' mean
+   length, the fraction of decode row-steps spent past a row's stop;
+5. ``profile of one decode`` (32 x 8 rows): kernels per decode step, idle gaps between kernels, the shares of
+   the matmuls, attention, sampling (top-k, top-p, rng, draw, logprobs), cache writes, stop bookkeeping and the
+   loop's condition;
+6. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
+   own objects, split into rollout / reference / update seconds (the third step: the first compiles);
+7. ``memory``: the device's peak bytes in use (``memory_stats``) against the fit check's per-device table of
    the same job (``grpax.rl.compile_check.compile_job``, the check ``train_rl`` runs before a run), and how
-   many of the fit check's programs were read from JAX's persistent compilation cache (a fresh folder for
-   this process, as ``jax_cache_dir`` sets it for a run) instead of being compiled again.
+   many of the fit check's programs were read from JAX's persistent compilation cache;
+8. ``variant ...``: ``VARIANTS``, each beside the default in the same process, after the memory part (so the
+   peak is the job's): a sampler key, XLA GPU compiler options of the sampler's jits
+   (``grpax.sampler.backend.XLA_GPU_OPTIONS``, per program: not process-wide as ``XLA_FLAGS``), main's top-k
+   (``lax.top_k`` on every platform: the "before" of this change), or the update's model keys. A decode variant
+   samples the default's prompts with its keys and reports the fraction of rows with the same tokens.
 
-Each part runs in its own ``try``: a failure prints one line and the table keeps the other parts' figures.
-Every figure is printed as a table and written to ``$OUT/device_check.{txt,json}`` (``$OUT`` defaults to
-``runs/device_check``). With ``DEVICE_CHECK_TINY=1``, or automatically on CPU, a tiny Llama replaces the 8B
-model so the whole script runs in about a minute on a CPU. ``DEVICE_CHECK_BUDGET_S`` (default 240) stops
-starting new parts after that many seconds. Peak bandwidth and bf16 dense FLOP/s come from ``PEAKS`` by
-``device_kind``; an unknown device is measured (a device-side copy, a 4096^3 bf16 matmul).
+Each part runs in its own ``try``: a failure prints one line and the table keeps the other parts' figures. A
+part starts only if the elapsed time plus its H200 estimate (``Variant.seconds``, ``PART_SECONDS``) stays within
+``DEVICE_CHECK_BUDGET_S`` (default 480: with the shell's start about 8.5 minutes, under the device tool's 10);
+the order puts the likeliest causes first. How the H200 time was budgeted, from its first run (compiles: the
+decode's programs 35 s per row count, the update 23 s): setup 5 s, update 30, its profile 10, threshold check 5,
+decode 45 + 45, its profile 20, GRPO step 40, memory 30 (~235 s), then variants of 30-45 s each.
+Every figure is printed and written to ``$OUT/device_check.{txt,json}`` (``$OUT`` defaults to
+``runs/device_check``), the profiles' text to ``$OUT/profiles.txt``, the traces to ``$OUT/trace_update.tar.gz``
+and ``trace_decode.tar.gz`` (each kept only under 15 MiB, what the device tool brings back). With
+``DEVICE_CHECK_TINY=1``, or automatically on CPU, a tiny Llama replaces the model so the whole script runs in a
+few minutes on a CPU; GPU-only variants are then checked for accepted compiler options, not measured. Peak
+bandwidth and bf16 dense FLOP/s come from ``PEAKS`` by ``device_kind``; an unknown device is measured (a
+device-side copy, a 4096^3 bf16 matmul). ``DEVICE_CHECK_HLO_DUMP``: a folder of XLA's HLO dumps of the decode
+(``--xla_dump_to``, set by the shell script), read to name a CPU trace's thunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -46,6 +70,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import profile_summary
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpax import sharding
@@ -58,8 +83,11 @@ from grpax.rl.compile_check import compile_job, model_config
 from grpax.rl.fit_report import GIB, format_report
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
+from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, make_update
+from grpax.sampler import backend as sampler_backend
+from grpax.sampler import sampling
 from grpax.sampler.engine import generate
 
 # device_kind substring -> (HBM bytes/s, bf16 dense FLOP/s), per chip (vendor data sheets).
@@ -75,7 +103,7 @@ PEAKS: tuple[tuple[str, float, float], ...] = (
     ("TPU v5", 2.765e12, 459e12),  # v5p reports "TPU v5"
     ("TPU v4", 1.2e12, 275e12),
 )
-BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 240))  # no new part starts after this
+BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 480))  # no part starts that would end after this
 
 # The GRPO job of the check, as train_rl keys (the 8B run and the tiny one share every key but the shapes).
 JOB_KEYS = dict(
@@ -112,6 +140,78 @@ TINY_MODEL = ModelConfig(
     dtype="float32",
     weight_dtype="float32",
 )
+
+# XLA's GPU command buffers (CUDA graphs) as XLA enables them by default (FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL,
+# CUDNN, DYNAMIC_SLICE_FUSION), plus the decode's while loop and conditionals: the whole decode phase one graph,
+# its loop condition evaluated on the device instead of a copy to the host and a launch per step.
+COMMAND_BUFFERS_WHILE = (
+    "xla_gpu_enable_command_buffer",
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One setting measured beside the default, in the same process.
+
+    Attributes:
+      name: what it changes.
+      rows: a decode variant's prompts as a multiple of the job's batch_size (1: 8 x 8 rows, 4: 32 x 8); 0: an
+        update variant.
+      sampler: ``SamplerConfig`` fields; gpu_options: the sampler's XLA GPU compiler options
+        (``XLA_GPU_OPTIONS``); model: ``ModelConfig`` fields of the update; sort_top_k: main's top-k
+        threshold (``lax.top_k``) on every platform.
+      gpu_only: measured on GPUs only (elsewhere its options are only checked).
+      seconds: its H200 estimate (compile + 2 runs), for the budget.
+    """
+
+    name: str
+    rows: int = 0
+    sampler: tuple[tuple[str, object], ...] = ()
+    gpu_options: tuple[tuple[str, str], ...] = ()
+    model: tuple[tuple[str, object], ...] = ()
+    sort_top_k: bool = False
+    gpu_only: bool = False
+    seconds: float = 45.0
+
+
+# In the order they run: the likeliest to explain the decode's 22% of the HBM roofline first (one decode step
+# launches hundreds of kernels and XLA's GPU top-k sorts the vocabulary for k > 16), then the update's remat.
+VARIANTS: tuple[Variant, ...] = (
+    Variant("main's sampler (lax.top_k threshold)", rows=4, sort_top_k=True, seconds=45),
+    Variant(
+        "command buffers +WHILE,+CONDITIONAL", rows=4, gpu_options=(COMMAND_BUFFERS_WHILE,), gpu_only=True
+    ),
+    Variant("update remat_policy=dots", model=(("remat_policy", "dots"),), seconds=30),
+    Variant(
+        "command buffers +WHILE,+CONDITIONAL", rows=1, gpu_options=(COMMAND_BUFFERS_WHILE,), gpu_only=True
+    ),
+    Variant(
+        "one decode phase (decode_phase_length=0)", rows=4, sampler=(("decode_phase_length", 0),), seconds=30
+    ),
+    Variant(
+        "one phase + command buffers +WHILE,+CONDITIONAL",
+        rows=4,
+        sampler=(("decode_phase_length", 0),),
+        gpu_options=(COMMAND_BUFFERS_WHILE,),
+        gpu_only=True,
+        seconds=30,
+    ),
+    Variant("update attention=cudnn", model=(("attention", "cudnn"),), gpu_only=True, seconds=30),
+    Variant("main's sampler (lax.top_k threshold)", rows=1, sort_top_k=True, seconds=40),
+    Variant(
+        "no command buffers", rows=4, gpu_options=(("xla_gpu_enable_command_buffer", ""),), gpu_only=True
+    ),
+    Variant(
+        "latency-hiding scheduler",
+        rows=4,
+        gpu_options=(("xla_gpu_enable_latency_hiding_scheduler", "True"),),
+        gpu_only=True,
+    ),
+)
+# H200 estimates of the other parts (s), from its first run, for the budget.
+PART_SECONDS = {"setup": 10, "update": 30, "profile": 10, "top-k threshold": 5, "decode 1": 45, "decode 4": 45,
+                "decode profile": 20, "grpo step": 40, "memory": 30}  # fmt: skip
 
 
 def _timed(fn):
@@ -165,6 +265,24 @@ def decode_roofline(cfg: ModelConfig, rows: int, P: int, C: int, bw: float, flop
     return rows / max(step_bytes / bw, step_flops / flops)
 
 
+def update_hardware_flops(model_cfg: ModelConfig, cfg: TrainConfig, micro_batches: int) -> float:
+    """FLOPs one update runs (``grpax.rl.step_cost``): each prompt once per group, forward + backward, the remat
+    recompute of ``model_cfg.remat_policy``, attention, the vocabulary projection."""
+    grpo = cfg.grpo()
+    shape = StepShape(
+        num_prompts=cfg.batch_size,
+        num_generations=grpo.num_generations,
+        prompt_length=cfg.max_prefill_predict_length,
+        completion_length=cfg.max_completion_length,
+        num_micro_batches=micro_batches,
+        num_iterations=1,
+        with_reference=False,
+        decode_phase_length=64,
+    )
+    phases = step_phases(model_cfg, shape, 1, 1, 1, 1, peak_flops=1.0, hbm_bandwidth=1.0)
+    return next(phase.flops for phase in phases if phase.name == "update")
+
+
 def random_prompts(rng, vocab: int, num: int, longest: int) -> list[list[int]]:
     """``num`` prompts of random tokens, lengths spread over [longest / 2, longest] as real prompts are, the
     first one ``longest`` tokens."""
@@ -180,6 +298,35 @@ def stop_tokens(model_cfg: ModelConfig, tiny: bool) -> tuple[int, ...]:
     return tuple(model_cfg.eos_token_ids or (model_cfg.vocab_size - 1,))
 
 
+def hlo_dumps(modules: tuple[str, ...]) -> dict[str, str]:
+    """{module name: its optimised HLO text} of the modules XLA dumped into ``DEVICE_CHECK_HLO_DUMP`` whose names
+    contain one of ``modules`` (several programs of one name, e.g. the decode phases, joined)."""
+    folder = os.environ.get("DEVICE_CHECK_HLO_DUMP")
+    texts: dict[str, list[str]] = {}
+    for path in sorted(Path(folder).glob("*after_optimizations.txt")) if folder else []:
+        text = path.read_text()
+        name = profile_summary.module_name(text)
+        if any(m in name for m in modules):
+            texts.setdefault(name, []).append(text)
+    return {name: "\n".join(parts) for name, parts in texts.items()}
+
+
+@contextlib.contextmanager
+def applied(variant: Variant):
+    """The sampler's GPU options and top-k threshold of ``variant`` while inside (restored after)."""
+    options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
+    sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
+    if variant.sort_top_k:
+        sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
+        jax.clear_caches()  # the sampler's programs traced again with the patched threshold
+    try:
+        yield
+    finally:
+        sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks = options, blocks
+        if variant.sort_top_k:
+            jax.clear_caches()
+
+
 class Check:
     """The check's job and its measurements: each ``part_*`` method adds rows to ``self.rows``."""
 
@@ -187,6 +334,7 @@ class Check:
         self.start = time.perf_counter()
         self.out, self.tiny = out, tiny
         self.devices = jax.local_devices()
+        self.platform = self.devices[0].platform
         self.bw, self.flops, self.peak_source = peak_numbers(self.devices)
         self.cfg, self.model_cfg = job_config(tiny)
         mesh_cfg = dataclasses.replace(self.cfg.mesh(), chips_per_vm=0)
@@ -196,6 +344,14 @@ class Check:
         self.sampler_cfg = self.cfg.sampler_config(stop_tokens(self.model_cfg, tiny), 0)
         self.rows: list[dict] = []
         self.rng = np.random.default_rng(0)
+        self.prompts: dict[int, list[list[int]]] = {}  # per prompt count: the same prompts for every variant
+        self.outputs: dict[tuple[str, int], np.ndarray] = {}  # (variant, prompts) -> completion_ids
+        self.results: dict[str, dict[str, dict]] = {}  # variant -> {"decode 8x8": ..., "update": ...}
+        self.profiles: list[str] = []
+        # The weights every decode samples: the default's decodes read the train state's (a host copy is kept),
+        # the variants, after updates have moved the state, that copy put back (so their tokens compare).
+        self.decode_weights = None
+        self.variant_params = None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -214,28 +370,30 @@ class Check:
             lambda k: init_params(model_cfg, k), out_shardings=sharding.param_shardings(model_cfg, mesh)
         )
         params = jax.block_until_ready(init(jax.random.key(0)))
-        optimizer, schedule = optimizer_from_config(
+        self.optimizer, self.schedule = optimizer_from_config(
             self.grpo, cfg.num_batches * self.grpo.num_iterations, model_cfg.weight_dtype
         )
         self.state = TrainState(
             params=params,
-            opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
+            opt_state=sharding.init_optimizer_state(self.optimizer, params, mesh),
             step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, PartitionSpec())),
         )
-        self.train_step = make_train_step(model_cfg, self.grpo, optimizer, cfg.micro_batches, schedule)
+        self.train_step = make_train_step(
+            model_cfg, self.grpo, self.optimizer, cfg.micro_batches, self.schedule
+        )
         self.add("setup", seconds=time.perf_counter() - t0, note="random init on the devices, AdamW state")
 
-    def part_update(self) -> None:
-        """The job's update on a full-shape batch: compile, then two timed calls (the last one counts)."""
-        cfg, model_cfg, rng = self.cfg, self.model_cfg, self.rng
+    def full_batch(self) -> Batch:
+        """A batch of the job's full shape (random tokens; every completion C long)."""
+        cfg, rng, V = self.cfg, self.rng, self.model_cfg.vocab_size
         P, G, Lp, C = (
             cfg.batch_size,
             self.grpo.num_generations,
             cfg.max_prefill_predict_length,
             cfg.max_completion_length,
         )
-        B, V = P * G, model_cfg.vocab_size
-        batch = Batch(
+        B = P * G
+        return Batch(
             prompt_ids=rng.integers(1, V, (P, Lp), dtype=np.int32),
             prompt_mask=np.ones((P, Lp), np.int32),
             completion_ids=rng.integers(1, V, (B, C), dtype=np.int32),
@@ -245,62 +403,173 @@ class Check:
             truncated=np.zeros((B,), bool),
             ref_logprobs=np.full((B, C), -np.log(V), np.float32) if self.grpo.beta > 0 else None,
         )
+
+    def part_update(self, label: str = "default", model_cfg: ModelConfig | None = None) -> None:
+        """The update on a full-shape batch: compile, then two timed calls (the last one counts); MFU and HFU."""
+        cfg, G = self.cfg, self.grpo.num_generations
+        model_cfg = model_cfg or self.model_cfg
+        train_step = self.train_step
+        if model_cfg is not self.model_cfg:
+            train_step = make_train_step(
+                model_cfg, self.grpo, self.optimizer, cfg.micro_batches, self.schedule
+            )
+        P, Lp, C = cfg.batch_size, cfg.max_prefill_predict_length, cfg.max_completion_length
         with jax.set_mesh(self.mesh):
-            batch = sharding.shard_global_batch(batch, self.mesh)
-            (self.state, metrics), first = _timed(lambda: self.train_step(self.state, batch))
-            (self.state, metrics), second = _timed(lambda: self.train_step(self.state, batch))
-            (self.state, metrics), run = _timed(lambda: self.train_step(self.state, batch))
-        self.batch = batch
+            batch = sharding.shard_global_batch(self.full_batch(), self.mesh)
+            (self.state, metrics), first = _timed(lambda: train_step(self.state, batch))
+            (self.state, metrics), second = _timed(lambda: train_step(self.state, batch))
+            (self.state, metrics), run = _timed(lambda: train_step(self.state, batch))
+        if label == "default":
+            self.batch = batch
         assert not bool(metrics["nonfinite"]), metrics
-        tokens = B * (Lp + C)
-        self.add(
-            f"update {P}x{G} rows of {Lp}+{C}",
-            compile_s=max(first - run, 0.0),
-            run_s=run,
+        tokens = P * G * (Lp + C)
+        figures = dict(
             tokens_per_s=tokens / run,
             mfu=6 * model_cfg.num_params() * tokens / run / self.flops,
-            compiles=self.train_step._cache_size(),
-            note=f"second call {second:.3f} s",
+            hfu=update_hardware_flops(model_cfg, cfg, cfg.micro_batches) / run / self.flops,
+        )
+        self.results.setdefault(label, {})["update"] = figures
+        self.add(
+            f"update {P}x{G} rows of {Lp}+{C}" + ("" if label == "default" else f": {label}"),
+            compile_s=max(first - run, 0.0),
+            run_s=run,
+            **figures,
+            compiles=train_step._cache_size(),
+            note=f"second call {second:.3f} s; remat_policy={model_cfg.remat_policy}, attention={model_cfg.attention}",
         )
 
     def part_profile(self) -> None:
-        """One more update under ``jax.profiler.trace``, packed as ``$OUT/trace.tar.gz`` (the trace's own folders
-        are nested deeper than the device tool brings files back from)."""
-        folder = self.out / "trace"
+        """One more update under ``jax.profiler.trace``, summarised (top kernels, scopes, passes)."""
+        folder = self.out / "trace_update"
         with jax.set_mesh(self.mesh), jax.profiler.trace(str(folder)):
             (self.state, _), traced = _timed(lambda: self.train_step(self.state, self.batch))
-        with tarfile.open(self.out / "trace.tar.gz", "w:gz") as tar:
-            tar.add(folder, arcname="trace")
-        shutil.rmtree(folder, ignore_errors=True)
-        size = (self.out / "trace.tar.gz").stat().st_size
-        self.add("profile of one update", seconds=traced, mib=size / 2**20, note="$OUT/trace.tar.gz")
+        with jax.set_mesh(self.mesh):
+            hlo = (
+                self.train_step.lower(self.state, self.batch).compile().as_text()
+            )  # compiled already: no compile
+        text, figures = profile_summary.summarize_trace(
+            folder, "update", {profile_summary.module_name(hlo): hlo}, by_pass=True
+        )
+        self.profiles.append(text)
+        passes = figures.get("passes", {})
+        self.add(
+            "profile of one update",
+            seconds=traced,
+            kernels=figures["kernels"],
+            busy=figures.get("busy_fraction", 0.0),
+            recompute=passes.get("recompute (remat)", 0.0),
+            backward=passes.get("backward", 0.0),
+            matmul=figures.get("kinds", {}).get("matmul", 0.0),
+            note="$OUT/profiles.txt",
+        )
+        print(text, flush=True)
+        self.pack(folder)
 
-    def part_decode(self, num_prompts: int) -> None:
-        """The rollout's sampling at ``num_prompts`` x G rows: compile + run, then a timed run (new key)."""
-        model_cfg, sc, G = self.model_cfg, self.sampler_cfg, self.grpo.num_generations
-        prompts = random_prompts(self.rng, model_cfg.vocab_size, num_prompts, sc.max_prompt_length)
+    def part_threshold(self) -> None:
+        """The sampler's block threshold against lax.top_k's k-th value on this device: equal, and their times."""
+        rows, V, k = (
+            4 * self.cfg.batch_size * self.grpo.num_generations,
+            self.model_cfg.vocab_size,
+            self.sampler_cfg.top_k,
+        )
+        if not 0 < k < V:
+            self.add("top-k threshold", note=f"n/a: top-k {k} filters nothing")
+            return
+        key = jax.random.key(5)
+        spread = 3.0 * jax.random.normal(key, (rows, V), jnp.float32)
+        ties = jnp.round(spread)  # many equal logits, ties at the threshold
+        blocks = jax.jit(lambda x: sampling._kth_largest_by_blocks(x, k))
+        by_sort = jax.jit(lambda x: sampling._kth_largest_by_sort(x, k))
+        equal = all(bool(jnp.all(blocks(x) == by_sort(x))) for x in (spread, ties))
+        times = {}
+        for name, fn in (("blocks", blocks), ("sort", by_sort)):
+            times[name] = min(_timed(lambda fn=fn: fn(spread))[1] for _ in range(5))
+        self.add(
+            f"top-k threshold {rows}x{V}, k {k}",
+            equal=equal,
+            blocks_ms=times["blocks"] * 1e3,
+            sort_ms=times["sort"] * 1e3,
+            note="the block maxima's threshold (a GPU's path) vs lax.top_k's k-th value, random and tied logits",
+        )
+        assert equal, "the block threshold differs from lax.top_k's k-th value"
+
+    def part_decode(self, factor: int, label: str = "default", sc=None) -> None:
+        """The rollout's sampling at ``factor * batch_size`` x G rows: compile + run, then a timed run (new key);
+        the same prompts and keys for every variant."""
+        model_cfg, G = self.model_cfg, self.grpo.num_generations
+        sc = sc or self.sampler_cfg
+        num_prompts = factor * self.cfg.batch_size
+        prompts = self.prompts.setdefault(
+            num_prompts, random_prompts(self.rng, model_cfg.vocab_size, num_prompts, sc.max_prompt_length)
+        )
+        if self.decode_weights is None:  # on the host: not counted in the device's peak
+            self.decode_weights = jax.device_get(self.state.params)
+        weights = self.state.params
+        if label != "default":
+            if self.variant_params is None:
+                shardings = sharding.param_shardings(model_cfg, self.mesh)
+                self.variant_params = jax.device_put(self.decode_weights, shardings)
+            weights = self.variant_params
         # As the rollout reads them: on the sampler's mesh (a copy only when its layout differs).
-        params, _ = sharding.reshard_for_rollout(self.state.params, self.mesh, self.rollout_mesh)
+        params, _ = sharding.reshard_for_rollout(weights, self.mesh, self.rollout_mesh)
         with jax.set_mesh(self.rollout_mesh):
             _, first = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(1), G))
             out, run = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(2), G))
         lengths = np.asarray(out.completion_mask).sum(axis=1)
         rows = len(lengths)
+        steps = max(int(lengths.max()), 1)
         # The decode loop runs every row until the longest one stops (or C): the rest is past a row's stop.
-        past_stop = 1.0 - lengths.sum() / (rows * max(int(lengths.max()), 1))
+        past_stop = 1.0 - lengths.sum() / (rows * steps)
         mean_prompt = float(np.mean([len(p) for p in prompts]))
         roof = decode_roofline(model_cfg, rows, int(mean_prompt), int(lengths.mean()), self.bw, self.flops)
         tps = lengths.sum() / run
+        figures = dict(tokens_per_s=tps, roofline=tps / roof, step_ms=run / steps * 1e3)
+        default = self.outputs.get(("default", num_prompts))
+        if default is not None and label != "default":
+            figures["same_rows"] = float(np.mean(np.all(out.completion_ids == default, axis=1)))
+        self.outputs[(label, num_prompts)] = out.completion_ids
+        self.results.setdefault(label, {})[f"decode {num_prompts}x{G}"] = figures
         self.add(
-            f"decode {num_prompts}x{G} rows, sampled",
+            f"decode {num_prompts}x{G} rows, sampled" + ("" if label == "default" else f": {label}"),
             compile_s=max(first - run, 0.0),
             run_s=run,
-            tokens_per_s=tps,
+            **figures,
             mean_length=float(lengths.mean()),
             stopped=float(np.mean([r == "stop" for r in out.finish_reason])),
             past_stop=past_stop,
-            note=f"T {sc.temperature}, top-k {sc.top_k}; roofline {roof:,.0f} tok/s, {tps / roof:.1%} of it",
+            note=f"T {sc.temperature}, top-k {sc.top_k}; roofline {roof:,.0f} tok/s",
         )
+
+    def part_decode_profile(self) -> None:
+        """One more 32 x 8 decode (the default's prompts and key) under ``jax.profiler.trace``, summarised."""
+        model_cfg, sc, G = self.model_cfg, self.sampler_cfg, self.grpo.num_generations
+        num_prompts = 4 * self.cfg.batch_size
+        prompts = self.prompts[num_prompts]
+        params, _ = sharding.reshard_for_rollout(self.state.params, self.mesh, self.rollout_mesh)
+        folder = self.out / "trace_decode"
+        with jax.set_mesh(self.rollout_mesh), jax.profiler.trace(str(folder)):
+            out, traced = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(2), G))
+        steps = max(int(np.asarray(out.lengths).max()) - 1, 1)  # loop steps after the prefill's first token
+        decode = ("retire_phase", "_decode")
+        text, figures = profile_summary.summarize_trace(
+            folder, f"decode {num_prompts}x{G} rows", hlo_dumps(decode), steps=steps, modules=decode
+        )
+        self.profiles.append(text)
+        shares = figures.get("shares", {})
+        self.add(
+            "profile of one decode",
+            seconds=traced,
+            kernels_per_step=figures.get("kernels_per_step", 0.0),
+            step_ms=figures.get("step_ms", 0.0),
+            busy=figures.get("busy_fraction", 0.0),
+            sampling=sum(v for k, v in shares.items() if k.startswith("sampling")),
+            top_k=shares.get("sampling: top-k", 0.0),
+            attention=shares.get("attention", 0.0),
+            matmul=figures.get("kinds", {}).get("matmul", 0.0),
+            note="$OUT/profiles.txt",
+        )
+        print(text, flush=True)
+        self.pack(folder)
 
     def part_grpo_step(self) -> None:
         """Three GRPO steps of the trainer's own objects (the first compiles); the last one's phases."""
@@ -391,6 +660,37 @@ class Check:
             note=f"measured peak / fit check's peak {peak / max(report.peak, 1):.2f}",
         )
 
+    def part_variant(self, variant: Variant) -> None:
+        """``variant`` beside the default: its decode at its rows (the default's prompts and keys), or its
+        update; GPU-only variants elsewhere only have their compiler options checked."""
+        if variant.gpu_only and self.platform != "gpu":
+            if (
+                variant.gpu_options
+            ):  # the option names and values this jaxlib accepts, compiled on this device
+                jax.jit(lambda x: x + 1, compiler_options=dict(variant.gpu_options)).lower(1.0).compile()
+            self.add(
+                f"variant {variant.name}",
+                note=f"n/a on {self.platform}: a GPU's; its compiler options compile",
+            )
+            return
+        if not variant.rows:
+            self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
+            return
+        sc = dataclasses.replace(self.sampler_cfg, **dict(variant.sampler))
+        with applied(variant):
+            self.part_decode(variant.rows, variant.name, sc)
+
+    def pack(self, folder: Path) -> None:
+        """A trace folder packed as ``<folder>.tar.gz`` beside it (the device tool brings back no file nested as
+        deep as a trace's own), dropped when over 15 MiB (the tool's limit is 16); the folder removed."""
+        pack = self.out / f"{folder.name}.tar.gz"
+        with tarfile.open(pack, "w:gz") as tar:
+            tar.add(folder, arcname=folder.name)
+        if pack.stat().st_size > 15 * 2**20:
+            print(f"{pack.name}: {pack.stat().st_size / 2**20:.0f} MiB, over what comes back: removed")
+            pack.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
+
 
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -408,6 +708,30 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(results: dict[str, dict[str, dict]], decode_parts: list[str]) -> str:
+    """Variants side by side: decode tokens/s, % of the HBM roofline, ms per step and rows with the default's
+    tokens, per row count; the update's MFU and HFU."""
+    head = f"{'variant':<48}" + "".join(
+        f"{part + ': tok/s, roof, ms/step, same':<46}" for part in decode_parts
+    )
+    lines = [head + "update: MFU, HFU"]
+    for label, parts in results.items():
+        cells = []
+        for part in decode_parts:
+            d = parts.get(part)
+            same = f"{d['same_rows']:.0%}" if d and "same_rows" in d else "-"
+            cells.append(
+                f"{d['tokens_per_s']:>9,.0f} {d['roofline']:6.1%} {d['step_ms']:7.2f} {same:>5}".ljust(46)
+                if d
+                else "-".ljust(46)
+            )
+        u = parts.get("update")
+        update = f"{u['mfu']:.1%} {u['hfu']:.1%}" if u else "-"
+        name = "this commit (the defaults)" if label == "default" else label
+        lines.append(f"{name[:47]:<48}{''.join(cells)}{update}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT") or "runs/device_check")
     out.mkdir(parents=True, exist_ok=True)
@@ -422,30 +746,51 @@ def main() -> int:
         f"{check.flops / 1e12:.1f} TFLOP/s [{check.peak_source}]"
     )
     print(header, flush=True)
+    G = check.grpo.num_generations
+    decode_parts = [f"decode {f * check.cfg.batch_size}x{G}" for f in (1, 4)]
     parts = [
-        ("setup", check.setup),
-        ("update", check.part_update),
-        ("profile", check.part_profile),
-        ("decode", lambda: check.part_decode(check.cfg.batch_size)),
-        ("decode", lambda: check.part_decode(4 * check.cfg.batch_size)),
-        ("grpo step", check.part_grpo_step),
-        ("memory", check.part_memory),
+        ("setup", PART_SECONDS["setup"], check.setup),
+        ("update", PART_SECONDS["update"], check.part_update),
+        ("profile", PART_SECONDS["profile"], check.part_profile),
+        ("top-k threshold", PART_SECONDS["top-k threshold"], check.part_threshold),
+        ("decode", PART_SECONDS["decode 1"], lambda: check.part_decode(1)),
+        ("decode", PART_SECONDS["decode 4"], lambda: check.part_decode(4)),
+        ("decode profile", PART_SECONDS["decode profile"], check.part_decode_profile),
+        ("grpo step", PART_SECONDS["grpo step"], check.part_grpo_step),
+        ("memory", PART_SECONDS["memory"], check.part_memory),
     ]
+    parts += [(f"variant {v.name}", v.seconds, lambda v=v: check.part_variant(v)) for v in VARIANTS]
     failed = 0
 
     def write(final: bool) -> str:
-        """The table and the JSON so far (after every part: a run killed by its timeout keeps its figures)."""
-        table = f"{header}\n\n{format_table(check.rows)}\n\n{'total' if final else 'so far'} {check.elapsed():.1f} s"
+        """The tables and the JSON so far (after every part: a run killed by its timeout keeps its figures)."""
+        table = (
+            f"{header}\n\n{format_table(check.rows)}\n\n{format_comparison(check.results, decode_parts)}\n\n"
+            f"{'total' if final else 'so far'} {check.elapsed():.1f} s"
+        )
         if tiny:
             table += "\n(tiny model: its weights fit in cache, so the HBM roofline does not bound it; a smoke test)"
         (out / "device_check.txt").write_text(table + "\n")
-        result = {"header": header, "rows": check.rows, "failed": failed, "finished": final}
+        (out / "profiles.txt").write_text("\n\n".join(check.profiles) + "\n")
+        result = {
+            "header": header,
+            "rows": check.rows,
+            "results": check.results,
+            "failed": failed,
+            "finished": final,
+        }
         (out / "device_check.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         return table
 
-    for name, part in parts:
-        if check.elapsed() > BUDGET_S:
-            check.add(name, note=f"skipped: past the {BUDGET_S:.0f} s budget")
+    # The budget guards a lease; a tiny run (CI, on a CPU) runs every part unless a budget is given.
+    budget = BUDGET_S if not tiny or "DEVICE_CHECK_BUDGET_S" in os.environ else float("inf")
+    for name, seconds, part in parts:
+        estimate = 0.0 if tiny else seconds  # the H200's estimate; the tiny model's parts take seconds each
+        if check.elapsed() + estimate > budget:
+            check.add(
+                name,
+                note=f"skipped: {check.elapsed():.0f} s + ~{estimate:.0f} s > the {budget:.0f} s budget",
+            )
             continue
         try:
             part()

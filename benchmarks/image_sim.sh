@@ -84,13 +84,22 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 result = json.loads((out / "device_check.json").read_text())
-parts = [row["part"].split()[0] for row in result["rows"]]
-bad = [row for row in result["rows"] if "FAILED" in row.get("note", "") or "skipped" in row.get("note", "")]
-want = ["setup", "update", "profile", "decode", "decode", "grpo", "memory"]
-for name in ("device_check.txt", "trace.tar.gz", "fit_report.txt"):
+rows = result["rows"]
+parts = [row["part"].split()[0] for row in rows]
+bad = [row for row in rows if "FAILED" in row.get("note", "") or "skipped" in row.get("note", "")]
+want = ["setup", "update", "profile", "top-k", "decode", "decode", "profile", "grpo", "memory"]
+for name in ("device_check.txt", "trace_update.tar.gz", "trace_decode.tar.gz", "fit_report.txt", "profiles.txt"):
     assert (out / name).stat().st_size > 0, f"no {name} under {out}"
-assert parts == want and not bad and result["failed"] == 0 and result["finished"], (parts, bad)
-print(f"device check: {len(parts)} parts measured, none failed; files: {sorted(p.name for p in out.iterdir())}")
+assert parts[: len(want)] == want and not bad and result["failed"] == 0 and result["finished"], (parts, bad)
+profiles = (out / "profiles.txt").read_text()
+assert "per step (" in profiles and "by scope:" in profiles and "by pass:" in profiles, profiles
+# Every variant ran (or, a GPU's, had its options compiled); on a CPU each decode variant that runs samples the
+# default's tokens (the same threshold, phases that change no token): the comparison itself is sound.
+assert len(rows) - len(want) >= 8, rows[len(want) :]
+same = {label: f["same_rows"] for label, r in result["results"].items() for f in r.values() if "same_rows" in f}
+assert same and all(v == 1.0 for v in same.values()), same
+print(f"device check: {len(rows)} parts, none failed; decode variants with the default's tokens: {sorted(same)}")
+print(f"files: {sorted(p.name for p in out.iterdir())}")
 EOF
 rm -rf "$tmp"
 echo "image_sim: passed"

@@ -12,6 +12,7 @@ from grpax.backends.cpu import build
 from grpax.models.llama import forward, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.sampler import sampling
 from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
 
 CFG = ModelConfig(
@@ -163,6 +164,31 @@ def test_filtered_sampling_reports_the_filtered_distributions_logprobs(params, b
         unfiltered = np.take_along_axis(_log_softmax(scaled), chosen[:, None], -1)[:, 0]
         gaps += list(out.logprobs[i, :n] - unfiltered)
     assert min(gaps) >= -1e-5 and max(gaps) > 1e-2  # -log(kept mass) >= 0, and the filter did drop mass
+
+
+def test_the_gpus_top_k_threshold_samples_the_same_rollout(monkeypatch):
+    # A GPU finds top-k's threshold from block maxima (sampling._kth_largest_by_blocks), CPU and TPU by lax.top_k:
+    # run the blocks on this CPU in the sort's place and the rollout is the same, token for token, bit for bit.
+    cfg = dataclasses.replace(CFG, vocab_size=4096)  # 128 blocks of 32: the blocks path engages at k = 20
+    params = jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.key(1)))
+    sc = _sc(greedy=False, temperature=1.0, top_k=20, backend="xla")
+    expected = generate(params, PROMPTS, cfg, sc, jax.random.key(3))
+    calls = []
+
+    def by_blocks(logits, top_k):
+        calls.append(top_k)
+        return sampling._kth_largest_by_blocks(logits, top_k)
+
+    monkeypatch.setattr(sampling, "_kth_largest_by_sort", by_blocks)
+    jax.clear_caches()  # the sampler's programs traced again, with the blocks
+    try:
+        got = generate(params, PROMPTS, cfg, sc, jax.random.key(3))
+    finally:
+        jax.clear_caches()  # and again without them, for the tests after this one
+    assert calls  # the blocks ran
+    np.testing.assert_array_equal(got.completion_ids, expected.completion_ids)
+    np.testing.assert_array_equal(got.logprobs, expected.logprobs)
+    assert len(set(expected.completion_ids.ravel().tolist())) > 20  # sampled, not one token over and over
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

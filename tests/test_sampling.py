@@ -1,9 +1,12 @@
 """Sampling filters and draws on known distributions (grpax.sampler.sampling)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpax.sampler import sampling
 from grpax.sampler.sampling import (
     apply_top_k,
     apply_top_p,
@@ -106,3 +109,38 @@ def test_top_p_bisection_equals_the_sorting_definition():
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         expected = np.asarray(logits >= threshold)
         np.testing.assert_array_equal(np.isfinite(np.asarray(apply_top_p(logits, p))), expected)
+
+
+def test_block_threshold_is_the_sorted_kth_value_ties_and_filtered_tokens_included():
+    # The GPU's top-k threshold (the largest logit of each block of 32 tokens) against lax.top_k's k-th value,
+    # bit for bit: spread logits, heavy ties (integers), tokens already at -inf, the top k crowded into one
+    # block, a vocabulary that is not a multiple of the block.
+    rng = np.random.default_rng(0)
+    V = 5003
+    spread = 3.0 * rng.standard_normal((6, V))
+    ties = np.round(2.0 * rng.standard_normal((6, V)))
+    filtered = np.where(rng.random((6, V)) < 0.9, -np.inf, spread)
+    crowded = spread.copy()
+    crowded[:, 64:96] = 50.0 + np.arange(32)  # one block holds the 32 largest
+    for logits in (spread, ties, filtered, crowded):
+        logits = jnp.asarray(logits, jnp.float32)
+        for k in (1, 7, 50, 77):
+            blocks = sampling._kth_largest_by_blocks(logits, k)
+            np.testing.assert_array_equal(blocks, sampling._kth_largest_by_sort(logits, k))
+
+
+def test_top_k_on_a_gpu_sorts_no_vocabulary_sized_row():
+    # Lowered for CUDA (no GPU needed), apply_top_k's top-k's run on V / 32 block maxima and k * 32 candidates;
+    # for CPU (and TPU: the default branch) it stays lax.top_k over the whole row.
+    logits = jax.ShapeDtypeStruct((4, 128256), jnp.float32)
+    lowered = {
+        platform: jax.jit(apply_top_k, static_argnums=1)
+        .trace(logits, 50)
+        .lower(lowering_platforms=(platform,))
+        for platform in ("cuda", "cpu")
+    }
+    top_k_inputs = {
+        p: re.findall(r"top_k\(%\S+, k = 50\) : tensor<(\S+?)>", low.as_text()) for p, low in lowered.items()
+    }
+    assert sorted(top_k_inputs["cuda"]) == ["4x1600xf32", "4x4008xf32"], top_k_inputs
+    assert top_k_inputs["cpu"] == ["4x128256xf32"], top_k_inputs

@@ -10,8 +10,8 @@ scaled by sqrt(D), ``query_pre_attn_scalar``, attention and final logit soft-cap
 sliding-window attention on the local layers, with Gemma 3's local RoPE base (Gemma 3 report).
 
 Attention is ``grpax.models.attention`` (one implementation, ``cfg.attention``, resolved once per trace);
-each block step runs under ``jax.named_scope`` (qkv, rope, kv_cache, attention, attention_out, mlp), so
-profiles read like this code.
+each block step runs under ``jax.named_scope`` (qkv, rope, kv_cache, attention, attention_out, mlp; the vocabulary
+projection under logits), so profiles read like this code.
 
 Positions are per row, so left-padded, right-padded and packed-by-mask batches give the same logits for their
 real tokens as unpadded rows. The KV cache layout keeps the token of position p at cache slot p of its row:
@@ -435,12 +435,13 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> j
     """Projects final hidden states [..., D] to float32 logits [..., V] (tied embeddings when no lm_head),
     soft-capped by ``cfg.final_logit_softcap`` (Gemma 2): the logits the sampler samples and the trainer scores."""
     dtype = jnp.dtype(cfg.dtype)
-    if "lm_head" in params:
-        logits = jnp.einsum(
-            "...D,DV->...V", hidden, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
-        )
-    else:
-        logits = jnp.einsum(
-            "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
-        )
-    return softcap(logits, cfg.final_logit_softcap)
+    with jax.named_scope("logits"):
+        if "lm_head" in params:
+            logits = jnp.einsum(
+                "...D,DV->...V", hidden, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32
+            )
+        else:
+            logits = jnp.einsum(
+                "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
+            )
+        return softcap(logits, cfg.final_logit_softcap)

@@ -41,6 +41,12 @@ XLA_CPU_OPTIONS = (("xla_cpu_experimental_ynn_fusion_type", ""),)
 # slot per row; read-only operands are still prefetched (docs/scaling.md, "The decode on a TPU slice").
 XLA_TPU_OPTIONS = (("xla_msa_max_outstanding_evictions", "0"),)
 
+# XLA's GPU compiler options of the sampler's jits (the XLA backend, params on GPUs): none yet. The candidates
+# (command buffers that capture the decode's while loop, the latency-hiding scheduler, ...) are measured side by
+# side by benchmarks/device_check.py, which sets this tuple per variant; the fastest becomes the default here,
+# with its figures in docs/benchmarks.md.
+XLA_GPU_OPTIONS: tuple[tuple[str, str], ...] = ()
+
 
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
@@ -174,6 +180,16 @@ def _plain(params: Params) -> bool:
     return not any(wrapped(x) for x in jax.tree.leaves(params, is_leaf=wrapped))
 
 
+def _compiler_options(devices: set | None) -> tuple[tuple[str, str], ...]:
+    """The sampler's XLA options for params on ``devices`` (None: traced; one CPU device only for the CPU's)."""
+    platforms = {d.platform for d in devices} if devices else set()
+    if platforms == {"cpu"}:
+        return XLA_CPU_OPTIONS if len(devices) == 1 else ()
+    if platforms == {"tpu"}:
+        return XLA_TPU_OPTIONS
+    return XLA_GPU_OPTIONS if platforms == {"gpu"} else ()
+
+
 def select_backend(
     name: str, params: Params, cfg: ModelConfig, cache_dtype: str | None = None, concrete: bool = True
 ) -> Any:
@@ -196,8 +212,7 @@ def select_backend(
     """
     devices = _param_devices(params)
     on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
-    on_tpu = devices is not None and all(d.platform == "tpu" for d in devices)
-    options = XLA_CPU_OPTIONS if on_cpu and len(devices) == 1 else XLA_TPU_OPTIONS if on_tpu else ()
+    options = _compiler_options(devices)
     if name == "xla":
         return XlaBackend(compiler_options=options)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only

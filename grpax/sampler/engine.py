@@ -164,9 +164,10 @@ class GenerateOutput(NamedTuple):
 def _row_uniforms(key: jax.Array, step: jax.Array, rows: jax.Array) -> jax.Array:
     """float32 [b, 2] uniforms, row i's from fold_in(fold_in(key, step), rows[i]): keyed by the row's id in the
     whole batch (``rows`` int32 [b]), so neither the batch nor the row's place in it changes its noise."""
-    step_key = jax.random.fold_in(key, step)
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, rows)
-    return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
+    with jax.named_scope("rng"):
+        step_key = jax.random.fold_in(key, step)
+        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, rows)
+        return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
 
 
 def _sample_rows(
@@ -175,12 +176,13 @@ def _sample_rows(
     """Samples int32 [b] with the noise of ``_row_uniforms`` (rows int32 [b]: the rows' ids); returns the tokens
     and their float32 [b] log-probabilities under the distribution drawn from (``filter_logits``; greedy: the
     unfiltered softmax at temperature 1)."""
-    if sc.greedy:
-        token = sample_tokens(logits, key, greedy=True)
-        return token, token_logprobs(logits, token)
-    scaled = filter_logits(logits, sc.temperature, sc.top_k, sc.top_p)
-    token = draw_from_uniform(scaled, _row_uniforms(key, step, rows))
-    return token, token_logprobs(scaled, token)
+    with jax.named_scope("sampling"):  # profiles split it: top_k, top_p, rng, draw, logprobs
+        if sc.greedy:
+            token = sample_tokens(logits, key, greedy=True)
+            return token, token_logprobs(logits, token)
+        scaled = filter_logits(logits, sc.temperature, sc.top_k, sc.top_p)
+        token = draw_from_uniform(scaled, _row_uniforms(key, step, rows))
+        return token, token_logprobs(scaled, token)
 
 
 def generate_padded(
@@ -298,14 +300,15 @@ def _record(state: tuple, step, logits: jax.Array, rows: jax.Array, key: jax.Arr
     (state, the token fed next, int32 [b]: pad for finished rows)."""
     ids, mask, logprobs, done = state
     token, token_logprob = _sample_rows(logits, key, step, rows, sc)
-    stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
-    live = ~done[rows]
-    fed = jnp.where(live, token, sc.pad_token_id)
-    ids = ids.at[rows, step].set(fed)
-    mask = mask.at[rows, step].set(live.astype(jnp.int32))
-    logprobs = logprobs.at[rows, step].set(jnp.where(live, token_logprob, 0.0))
-    is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
-    done = done.at[rows].set(~live | is_stop)
+    with jax.named_scope("record"):
+        stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
+        live = ~done[rows]
+        fed = jnp.where(live, token, sc.pad_token_id)
+        ids = ids.at[rows, step].set(fed)
+        mask = mask.at[rows, step].set(live.astype(jnp.int32))
+        logprobs = logprobs.at[rows, step].set(jnp.where(live, token_logprob, 0.0))
+        is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+        done = done.at[rows].set(~live | is_stop)
     return (ids, mask, logprobs, done), fed
 
 

@@ -9,14 +9,27 @@ log-probability under that distribution (``token_logprobs`` of the filtered logi
 the rollout. Without a filter it is the temperature-scaled softmax the trainer scores; with one the two differ
 by -log(kept mass) at each step (a biased GRPO ratio and KL, which is why training samples unfiltered by
 default).
+
+On a GPU no step sorts the vocabulary: top-k's threshold comes from the largest logit of each block of
+``_TOP_K_BLOCK`` tokens (``_kth_largest_by_blocks``; XLA's GPU top-k sorts the whole row for k > 16), top-p's by
+bisection. CPU and TPU keep ``lax.top_k`` for top-k (XLA:CPU's partial top-k measured faster than the blocks
+there, docs/benchmarks.md; the TPU's program stays as it was). Each step runs under a ``jax.named_scope`` (top_k,
+top_p, draw, logprobs), so profiles name it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
+
+# Tokens per block of ``_kth_largest_by_blocks``: near sqrt(V / k), which balances its two top-k's (V / block
+# block maxima, k * block candidates: 4008 and 1600 at V = 128256, k = 50), and a power of two that divides a
+# vocabulary split over up to 8 devices (128256 = 8 * 16032), so that each block stays inside one device's part.
+_TOP_K_BLOCK = 32
 
 
 def apply_top_k(logits: jax.Array, top_k: int) -> jax.Array:
@@ -31,10 +44,50 @@ def apply_top_k(logits: jax.Array, top_k: int) -> jax.Array:
     """
     if top_k <= 0 or top_k >= logits.shape[-1]:
         return logits
+    with jax.named_scope("top_k"):
+        # The k-th largest logit [B, 1]: the same value both ways, so the same tokens on every platform.
+        kth = jax.lax.platform_dependent(
+            logits,
+            cuda=functools.partial(_kth_largest_by_blocks, top_k=top_k),
+            default=functools.partial(_kth_largest_by_sort, top_k=top_k),
+        )
+        return jnp.where(logits >= kth, logits, _NEG_INF)
+
+
+def _kth_largest_by_sort(logits: jax.Array, top_k: int) -> jax.Array:
+    """float32 [B, 1]: the ``top_k``-th largest of each row of ``logits`` [B, V] by ``lax.top_k`` (CPU, TPU)."""
     # The barrier keeps XLA from fusing the slice into the TopK: on CPU, "top_k then take the k-th value" is
     # otherwise rewritten into a path ~100x slower than the top_k itself (150 ms vs 1.4 ms at B=16, V=49152).
-    kth = jax.lax.optimization_barrier(jax.lax.top_k(logits, top_k)[0])[..., -1:]  # [B, 1]
-    return jnp.where(logits >= kth, logits, _NEG_INF)
+    return jax.lax.optimization_barrier(jax.lax.top_k(logits, top_k)[0])[..., -1:]
+
+
+def _kth_largest_by_blocks(logits: jax.Array, top_k: int, block: int = _TOP_K_BLOCK) -> jax.Array:
+    """``_kth_largest_by_sort``'s value without sorting the vocabulary (the GPU's path).
+
+    Each row is cut into blocks of ``block`` tokens (the last one padded with -inf). The ``top_k`` blocks with
+    the largest maxima hold ``top_k`` tokens at least as large as the row's k-th largest value T: when one of the
+    row's top k lies in another block, that block's maximum bounds each chosen block's maximum from below, and
+    it is >= T. So the k-th largest of the chosen blocks' ``top_k * block`` tokens is T exactly, ties included.
+    Two small top-k's per row (V / block block maxima, then ``top_k * block`` candidates) replace the top-k of V
+    tokens, which XLA's GPU backend sorts whole for k > 16 (its top-k kernel takes k <= 16).
+
+    Args:
+      logits: float32 [B, V].
+      top_k: static, 1 <= top_k < V.
+      block: tokens per block.
+
+    Returns:
+      float32 [B, 1].
+    """
+    B, V = logits.shape
+    num_blocks = -(-V // block)
+    if num_blocks <= 2 * top_k:  # too few blocks to leave many tokens out
+        return _kth_largest_by_sort(logits, top_k)
+    padded = jnp.pad(logits, ((0, 0), (0, num_blocks * block - V)), constant_values=_NEG_INF)
+    blocks = padded.reshape(B, num_blocks, block)
+    _, chosen = jax.lax.top_k(blocks.max(axis=-1), top_k)  # [B, k] the blocks with the largest maxima
+    candidates = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(B, top_k * block)
+    return jax.lax.top_k(candidates, top_k)[0][..., -1:]
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -60,6 +113,12 @@ def apply_top_p(logits: jax.Array, top_p: float) -> jax.Array:
     """
     if top_p >= 1.0:
         return logits
+    with jax.named_scope("top_p"):
+        return _nucleus(logits, top_p)
+
+
+def _nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """``apply_top_p`` for top_p < 1."""
     probs = jax.nn.softmax(logits, axis=-1)
     keys = _sortable(logits)
 
@@ -133,12 +192,14 @@ def sample_from_uniform(
 def draw_from_uniform(scaled: jax.Array, u: jax.Array, block_size: int = 256) -> jax.Array:
     """``sample_from_uniform``'s draw from logits already filtered (``filter_logits``): int32 [B]."""
     B, V = scaled.shape
-    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [B, V], 0 where filtered
-    num_blocks = -(-V // block_size)
-    weights = jnp.pad(weights, ((0, 0), (0, num_blocks * block_size - V))).reshape(B, num_blocks, block_size)
-    block = _pick(weights.sum(axis=-1), u[:, 0])
-    inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [B, block_size]
-    return block * block_size + _pick(inner, u[:, 1])
+    with jax.named_scope("draw"):
+        weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [B, V], 0 where filtered
+        num_blocks = -(-V // block_size)
+        weights = jnp.pad(weights, ((0, 0), (0, num_blocks * block_size - V)))
+        weights = weights.reshape(B, num_blocks, block_size)
+        block = _pick(weights.sum(axis=-1), u[:, 0])
+        inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [B, block_size]
+        return block * block_size + _pick(inner, u[:, 1])
 
 
 def sample_tokens(
@@ -180,7 +241,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
     Returns:
       float32 [...] log-probabilities.
     """
-    scaled = logits.astype(jnp.float32) / temperature
-    logz = jax.nn.logsumexp(scaled, axis=-1)
-    picked = jnp.take_along_axis(scaled, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - logz
+    with jax.named_scope("logprobs"):
+        scaled = logits.astype(jnp.float32) / temperature
+        logz = jax.nn.logsumexp(scaled, axis=-1)
+        picked = jnp.take_along_axis(scaled, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return picked - logz

@@ -1,0 +1,128 @@
+"""The device check's profile reader (benchmarks/profile_summary.py) on a real CPU trace and on a GPU-shaped one."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import profile_summary as ps  # noqa: E402
+
+# A GPU trace as CUPTI and XLA write it: kernels on a stream line, each launch annotated by XLA with its module,
+# JAX name stack and HLO instruction; a copy of the loop's predicate to the host without one. Times in ps.
+KERNELS = (  # (kernel, start ps, duration ps, name stack, HLO instruction)
+    ("nvjet_tst_64x8_64x16", 0, 6000000, "while/body/mlp/dot_general", "gemm_fusion.3"),
+    ("sort_4", 7000000, 2000000, "while/body/sampling/top_k/sort", "sort.4"),
+    ("MemcpyD2H", 9500000, 500000, "", ""),
+    ("nvjet_tst_64x8_64x16", 12000000, 6000000, "while/body/mlp/dot_general", "gemm_fusion.3"),
+    ("loop_add_fusion", 18000000, 1000000, "while/body/record/scatter", "loop_add_fusion"),
+)
+
+
+def _gpu_xspace() -> str:
+    names = sorted({k[0] for k in KERNELS})
+    events = []
+    for kernel, start, duration, stack, op in KERNELS:
+        annotation = (
+            f"XlaModule:#hlo_module=jit__retire_phase,program_id=7#::Thunk:#name={stack},hlo_op={op}#"
+        )
+        stats = f'stats {{ metadata_id: 100 str_value: "{annotation}" }}' if op else ""
+        events.append(
+            f"events {{ metadata_id: {names.index(kernel) + 1} offset_ps: {start} duration_ps: {duration} {stats} }}"
+        )
+    metadata = [
+        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names)
+    ]
+    return "\n".join(
+        [
+            'planes { id: 1 name: "/device:GPU:0"',
+            'lines { id: 13 name: "Stream #13(compute)" timestamp_ns: 1000',
+            *events,
+            "}",
+            *metadata,
+            'stat_metadata { key: 100 value { id: 100 name: "kernel_annotation" } }',
+            "}",
+        ]
+    )
+
+
+def test_a_gpu_trace_is_split_by_scope_kind_and_step():
+    events, where = ps.read_events_from(jax.profiler.ProfileData.from_text_proto(_gpu_xspace()))
+    assert where.startswith("/device:GPU:0") and len(events) == 5
+    gemm = events[0]
+    assert (gemm.hlo_op, gemm.module, gemm.op_name) == (
+        "gemm_fusion.3",
+        "jit__retire_phase",
+        "while/body/mlp/dot_general",
+    )
+    text, figures = ps.summarize(ps.attribute(events, None), "decode", steps=2, modules=("retire_phase",))
+    # 15.5 us of kernels in a 19 us window (1000 ns .. 20000 ns): gaps of 1, 0.5 and 2 us
+    assert figures["kernels"] == 5 and figures["kernels_per_step"] == 2.5
+    assert figures["busy_fraction"] == pytest.approx(15.5 / 19)
+    assert figures["idle_gaps"] == 3 and figures["idle_gap_us_median"] == pytest.approx(1.0)
+    assert figures["shares"] == pytest.approx(
+        {
+            "mlp (norm + matmuls)": 12 / 15.5,
+            "sampling: top-k": 2 / 15.5,
+            "stop bookkeeping": 1 / 15.5,
+            "unattributed": 0.5 / 15.5,
+        }  # fmt: skip
+    )
+    assert figures["kinds"]["matmul"] == pytest.approx(12 / 15.5)
+    assert figures["kinds"]["sort / top-k"] == pytest.approx(2 / 15.5)
+    assert "nvjet_tst_64x8_64x16 [gemm_fusion.3]" in text and "per step (2 steps)" in text
+    # a trace whose events name no module of those asked for: all its events, and the title says so
+    text, figures = ps.summarize(ps.attribute(events, None), "decode", steps=2, modules=("prefill",))
+    assert figures["kernels"] == 5 and "no event names a module of prefill" in text
+
+
+def test_a_cpu_trace_is_named_by_the_modules_hlo(tmp_path):
+    # On CPU the thunks carry no name stack: it comes from the compiled module's HLO text; the while thunk that
+    # contains the others is left out.
+    def body(i, x):
+        with jax.named_scope("mlp"):
+            x = jnp.tanh(x @ x)
+        with jax.named_scope("sampling"), jax.named_scope("top_k"):
+            kth = jax.lax.top_k(x, 8)[0][..., -1:]
+        return jnp.where(x >= kth, x, 0.0)
+
+    step = jax.jit(lambda x: jax.lax.fori_loop(0, 6, body, x))
+    x = jax.random.normal(jax.random.key(0), (128, 128))
+    step(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        step(x).block_until_ready()
+    hlo = step.lower(x).compile().as_text()
+    assert ps.module_name(hlo) == "jit__lambda"
+    text, figures = ps.summarize_trace(tmp_path, "loop", {ps.module_name(hlo): hlo}, steps=6)
+    assert "host XLA thunks" in text, text
+    assert figures["kernels"] >= 12 and figures["kernels_per_step"] >= 2
+    assert figures["shares"]["mlp (norm + matmuls)"] > 0 and figures["shares"]["sampling: top-k"] > 0, text
+    assert sum(figures["shares"].values()) == pytest.approx(1.0)
+    assert figures["kinds"]["matmul"] > 0 and figures["kinds"]["sort / top-k"] > 0, text
+    assert not any(line.split()[-1].startswith("while") for line in text.splitlines()[4:]), text
+
+
+def test_an_empty_folder_says_so(tmp_path):
+    text, figures = ps.summarize_trace(tmp_path, "decode")
+    assert "no .xplane.pb" in text and figures == {"kernels": 0}
+
+
+def test_hlo_instructions_name_a_fusion_by_what_it_calls():
+    hlo = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %tanh.1 = f32[4]{0} tanh(%param_0), metadata={op_name="jit(f)/mlp/tanh"}
+}
+
+ENTRY %main.3 (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %fusion = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+}
+"""
+    table = ps.hlo_instructions(hlo)
+    assert table["fusion"] == ("fusion", "jit(f)/mlp/tanh", "fusion parameter tanh")
+    assert table["tanh.1"] == ("tanh", "jit(f)/mlp/tanh", "tanh")
+    assert ps.module_name(hlo) == "jit_f"
