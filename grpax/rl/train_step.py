@@ -189,21 +189,11 @@ def _micro_loss(
         mb.ref_logprobs,
         mb.advantages,
         mb.completion_mask,
-        epsilon=grpo.epsilon,
-        epsilon_high=grpo.epsilon_high,
-        beta=grpo.beta,
-        kl_estimator=grpo.kl_estimator,
-        loss_agg_mode=grpo.loss_agg_mode,
-        importance_sampling_level=grpo.importance_sampling_level,
+        grpo,
         max_completion_length=max_completion_length,
         normalizer=normalizer,
         truncated=mb.truncated,
-        mask_truncated_completions=grpo.mask_truncated_completions,
-        loss_type=grpo.loss_type,
         rollout_logprobs=mb.rollout_logprobs,
-        rollout_is_mode=grpo.rollout_is_mode,
-        rollout_is_clip_max=grpo.vllm_importance_sampling_clip_max,
-        rollout_is_clip_min=grpo.vllm_importance_sampling_clip_min,
     )
     mask = mb.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
