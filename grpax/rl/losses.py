@@ -231,17 +231,8 @@ def policy_loss(
     adv = advantages.astype(jnp.float32)[:, None]
     surrogate, clipped_low, clipped_high = _surrogate(ratio, adv, logprobs, grpo)
     correction = {}
-    if rollout_logprobs is not None:  # without a mode: the token ratio's statistics only, no bound
-        weights, correction = importance_weights(
-            old_logprobs,
-            rollout_logprobs,
-            mask,
-            mode or "token_truncate",
-            grpo.vllm_importance_sampling_clip_max if mode else None,
-            grpo.vllm_importance_sampling_clip_min if mode else None,
-        )
-        if mode is not None:
-            surrogate = surrogate * weights
+    if rollout_logprobs is not None:
+        surrogate, correction = _corrected(surrogate, old_logprobs, rollout_logprobs, mask, grpo)
     per_token, kl = surrogate, None
     if ref_logprobs is not None:
         ref_logprobs = jnp.where(bmask, ref_logprobs.astype(jnp.float32), 0.0)
@@ -260,6 +251,21 @@ def policy_loss(
         **correction,
     }
     return aggregate(per_token), {k: jax.lax.stop_gradient(v) for k, v in aux.items()}
+
+
+def _corrected(surrogate, old_logprobs, rollout_logprobs, mask, grpo: GRPOConfig):
+    """The surrogate times the rollout-correction weights (with ``grpo.rollout_is_mode``; without one it is
+    returned as it is) and the weights' ``mismatch/is_*`` statistics (of the unbounded token ratio when off)."""
+    mode = grpo.rollout_is_mode
+    weights, stats = importance_weights(
+        old_logprobs,
+        rollout_logprobs,
+        mask,
+        mode or "token_truncate",
+        grpo.vllm_importance_sampling_clip_max if mode else None,
+        grpo.vllm_importance_sampling_clip_min if mode else None,
+    )
+    return (surrogate if mode is None else surrogate * weights), stats
 
 
 def _ratio(logprobs: jax.Array, old_logprobs: jax.Array, mask: jax.Array, level: str) -> jax.Array:
