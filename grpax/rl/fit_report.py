@@ -104,8 +104,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
         if prompts > 1:
             fit = _divisor_at_most(cfg.batch_size, prompts * room)
             out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
-        if cfg.remat_policy != "full":
-            out.append(f"remat_policy=full (now {cfg.remat_policy})")
+        if cfg.remat != "full":
+            out.append(f"remat_policy=full (now {cfg.remat})")
     if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
         out.append(
             f"lora_sampler=adapters (no merged weights for the sampler: {report.merged_copy / GIB:.2f} GiB per "
