@@ -83,3 +83,8 @@ def test_the_seeds_8b_job_fits_one_h200_with_a_tenth_of_it_free(capsys):
     assert main([*SEED_8B, "reference_memory=device"]) == 0
     assert 0.9 * hbm < _peak(capsys.readouterr().out)[0] <= hbm
     assert main([*SEED_8B, "reference_memory=device", "reference_dtype=weight"]) == 1
+    tries = capsys.readouterr().out.split("to make it fit, try: ")[1]
+    assert tries.startswith(
+        "mu_dtype=bfloat16 (AdamW's first moment in half the memory); reference_dtype=compute"
+    )
+    assert "; reference_memory=pinned_host (the reference copy in host memory" in tries
