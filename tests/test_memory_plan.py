@@ -85,3 +85,23 @@ def test_a_bad_value_is_one_line_naming_the_key():
     for key, value in (("remat_policy", "ful"), ("reference_memory", "host"), ("reference_dtype", "bf16")):
         with pytest.raises(ConfigError, match=rf"^{key}='{value}': expected one of "):
             validate(_cfg(f"{key}={value}"))
+
+
+@pytest.mark.slow
+def test_the_8b_step_script_runs_its_tiny_job_on_cpu(tmp_path):
+    """benchmarks/h200_8b_step.py, as the H200 runs it but on a 2-layer model: its plan, two GRPO steps of the
+    trainer's objects with the reference in host memory, the reference logprobs from the float32 params equal
+    to its bfloat16 copy's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    args = ["--tiny", "--steps", "2", "--no_fit_check", "reference_memory=pinned_host"]
+    subprocess.run([sys.executable, "benchmarks/h200_8b_step.py", *args], env=env, check=True, timeout=900)
+    rows = {r["part"]: r for r in json.loads((tmp_path / "h200_8b_step.json").read_text())["rows"]}
+    assert list(rows) == ["plan", "setup", "reference", "step 1", "step 2"]
+    assert rows["reference"]["max_abs_diff"] == 0.0
+    assert "reference_memory=pinned_host" in rows["plan"]["note"]
+    assert rows["step 2"]["update_s"] > 0 and rows["step 2"]["tokens_per_s"] > 0
