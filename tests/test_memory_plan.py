@@ -81,6 +81,38 @@ def test_when_the_compiler_refuses_an_auto_choice_full_remat_then_host_memory_ar
     assert memory_plan.fallbacks(_cfg("remat_policy=none", "reference_memory=device"), chosen) == []
 
 
+class _GPU:
+    """A device as ``fit_before_run`` reads it: an H200 whose JAX allocator may use 80 GiB."""
+
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def memory_stats(self):
+        return {"bytes_limit": 80 * 2**30}
+
+
+def test_before_a_run_the_choice_is_compiled_and_full_remat_taken_where_the_compiler_refuses_it(monkeypatch):
+    compiled = []
+
+    def check_before_run(cfg, devices, limit):  # the compiled fit check, refusing all but remat full
+        compiled.append((cfg.remat_policy, cfg.reference_memory, limit))
+        if cfg.remat_policy != "full":
+            raise ConfigError("this run does not fit: peak 90 GiB per device > 80 GiB; try: ...")
+
+    monkeypatch.setattr(memory_plan.compile_check, "check_before_run", check_before_run)
+    run = memory_plan.fit_before_run(_cfg(), [_GPU()])
+    assert compiled == [("none", "device", 80 * 2**30), ("full", "device", 80 * 2**30)]
+    assert (run.remat_policy, run.reference_memory) == ("full", "device")
+    # No choice left to fall back on: the compiler's refusal stops the run.
+    compiled.clear()
+    with pytest.raises(ConfigError, match="this run does not fit"):
+        memory_plan.fit_before_run(_cfg("remat_policy=dots", "reference_memory=device"), [_GPU()])
+    assert compiled == [("dots", "device", 80 * 2**30)]
+    # check_fit=false compiles nothing to check a choice against: full remat on the devices, as before auto.
+    compiled.clear()
+    unchecked = memory_plan.fit_before_run(_cfg("check_fit=false"), [_GPU()])
+    assert (unchecked.remat_policy, unchecked.reference_memory) == ("full", "device")
+
+
 def test_a_bad_value_is_one_line_naming_the_key():
     for key, value in (("remat_policy", "ful"), ("reference_memory", "host"), ("reference_dtype", "bf16")):
         with pytest.raises(ConfigError, match=rf"^{key}='{value}': expected one of "):
