@@ -159,17 +159,15 @@ def compile_topology(cfg: TrainConfig) -> int:
     0 if it fits, else 1."""
     gpus = memory_estimate.gpu_target(cfg.compile_topology)
     if gpus:
-        chosen = choose(cfg, *gpus, "gpu")
-        if describe(cfg, chosen):
-            print(describe(cfg, chosen))
-        return memory_estimate.run(chosen)
-    topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
-    chosen = choose(cfg, topology.chip, topology.num_chips, "tpu", estimable=topology.num_slices == 1)
-    code = 1
-    for option in [chosen, *fallbacks(cfg, chosen)]:
+        options = [choose(cfg, *gpus, "gpu")]
+    else:
+        topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
+        chosen = choose(cfg, topology.chip, topology.num_chips, "tpu", estimable=topology.num_slices == 1)
+        options = [chosen, *fallbacks(cfg, chosen)]
+    for option in options:
+        code = memory_estimate.run(option) if gpus else compile_check.run(option)
         if describe(cfg, option):
-            print(describe(cfg, option))
-        code = compile_check.run(option)
+            print(f"chosen by the memory plan: {describe(cfg, option)}")
         if code == 0:
             break
     return code
