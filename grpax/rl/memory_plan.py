@@ -132,25 +132,26 @@ def fit_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -> 
     """
     devices = list(devices or jax.devices())
     platform = devices[0].platform
-    limit = limit or (platform != "cpu" and int((devices[0].memory_stats() or {}).get("bytes_limit", 0)))
-    if platform == "cpu" or not cfg.check_fit or not limit:
-        compile_check.check_before_run(_settled(cfg), devices, limit)  # skipped (no limit: it says so)
+    if platform == "cpu" or not cfg.check_fit:  # no compiled check (check_before_run skips these too)
+        return _settled(cfg)
+    limit = limit or int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
+    if not limit:
+        compile_check.check_before_run(_settled(cfg), devices, limit)  # it says the check is skipped
         return _settled(cfg)
     chip = chip_of(devices[0].device_kind) or Chip(devices[0].device_kind, limit, 0.0, 0.0, 1)
     chip = dataclasses.replace(chip, hbm_bytes=limit)
     chosen = choose(cfg, chip, len(devices), platform, estimable=jax.process_count() == 1)
-    tries = [chosen, *fallbacks(cfg, chosen)]
-    for i, option in enumerate(tries):
+    *tries, last = [chosen, *fallbacks(cfg, chosen)]
+    for option in tries:
         try:
             compile_check.check_before_run(option, devices, limit)
             return option
         except ConfigError as e:
-            if i == len(tries) - 1 or not str(e).startswith("this run does not fit"):
+            if not str(e).startswith("this run does not fit"):
                 raise
-            log.warning(
-                "%s does not fit (%s); trying %s", describe(cfg, option), e, describe(cfg, tries[i + 1])
-            )
-    raise AssertionError("unreachable")
+            log.warning("%s does not fit, the next setting is compiled: %s", describe(cfg, option), e)
+    compile_check.check_before_run(last, devices, limit)
+    return last
 
 
 def compile_topology(cfg: TrainConfig) -> int:
