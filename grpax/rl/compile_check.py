@@ -225,7 +225,7 @@ def _same_layout(a, b) -> bool:
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
 
 
-def _largest(tree):
+def largest_leaf(tree):
     """The leaf of ``tree`` with the most elements."""
     return max(jax.tree.leaves(tree), key=lambda x: math.prod(x.shape))
 
@@ -338,7 +338,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
         cfg.micro_batches, grpo.num_iterations, with_ref, sc.decode_phase_length, adapter_params, adapted,
         0 if lora is None else lora.rank, sampler == "adapters",
-        reference_dtype="" if reference is None else str(_largest(reference).dtype),
+        reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,

@@ -12,8 +12,8 @@ from the shapes of what it holds at its largest:
   (attention inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
   micro-batches, a second gradient tree (the running sum); with a cheaper remat policy, what the backward keeps
   beyond full's, traced from the model's own ``jax.vjp`` (``remat_extra``);
-* reference logprobs: one layer's gathered weights, its activations, three chunks of logits, the output; a
-  reference in host memory is on the devices for this pass;
+* reference logprobs: one layer's gathered weights (the reference's copy: rounded to the compute dtype), its
+  activations, three chunks of logits, the output; a reference in host memory is on the devices for this pass;
 * prefill: its output cache (P + the first decode phase's slots, G rows a prompt), the prompts' cache and one
   layer's activations; decode: a copy of the weights in the compute dtype only where wider weights reach it
   unrounded (``prepare_decode``: no copy to the sampler's layout, which rounds them), the KV caches the rollout
@@ -191,7 +191,9 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     share = tokens / (micro[0] * P + micro[1] * C)  # this device's tokens of it
     update += m.num_layers * remat_extra(m, *micro, P, C, tensor, share)
     outputs = rows * M * s.completion_length * 4
-    reference = gathered + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
+    # The reference pass gathers the reference's copy (rounded to the compute dtype: half of float32 weights).
+    read = 1.0 if job.reference is None else compile_check.largest_leaf(job.reference).dtype.itemsize / w
+    reference = gathered * read + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
     # A reference held in host memory is on the devices during its own pass only.
     copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
