@@ -60,9 +60,7 @@ class StepShape:
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
     lora_rank: int = 0  # LoRA: r
     sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
-    reference_dtype: str = (
-        ""  # the reference copy's dtype (``reference_dtype=compute``: rounded); "": weight_dtype
-    )
+    reference_dtype: str = ""  # the reference copy's dtype (rounded to the compute dtype); "": weight_dtype
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
