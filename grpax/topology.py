@@ -30,6 +30,7 @@ class Chip:
     hbm_bandwidth: float  # bytes/s per chip
     chips_per_host: int  # chips of one host (VM) in a multi-host slice
     ici_bandwidth: float = 0.0  # bytes/s per chip over the inter-chip interconnect, all links together
+    host_bandwidth: float = 0.0  # bytes/s per chip from its host (PCIe), one direction; 0: not published here
 
 
 GIB = 2**30

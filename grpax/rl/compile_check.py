@@ -40,13 +40,14 @@ from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models import lora as lora_lib
 from grpax.models import quantize as quant
+from grpax.models.llama import round_as_read
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
 from grpax.rl.batch import Batch
 from grpax.rl.collectives import count_collectives, fsdp_minimum
 from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.rl.policy import _merge, sampler_mode
-from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.step_cost import Phase, StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
@@ -178,6 +179,8 @@ class Job:
     dense_base: Any = (
         None  # LoRA: the base unquantised (QLoRA's ``base`` is quantised), on the trainer's mesh
     )
+    reference: Any = None  # beta > 0, full fine-tune: the frozen reference's copy as the trainer stores it
+    reference_on_host: bool = False  # that copy in host memory (``reference_memory=pinned_host``)
     train_step: Any = (
         None  # the run's jitted update (``train_step.make_run_update``, as the trainer builds it)
     )
@@ -188,6 +191,7 @@ BASE_ROW = "base weights (frozen; the reference too)"
 ADAPTERS_ROW = "adapters (float32)"
 ADAPTER_OPT_ROW = "adapter optimizer state"
 NO_REFERENCE_ROW = "reference copy: none (the base, adapters off)"
+REFERENCE_ON_HOST_ROW = "reference params: in host memory (pinned_host)"
 
 
 def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
@@ -215,6 +219,11 @@ def _same_layout(a, b) -> bool:
             dict(a.sharding.mesh.shape) == dict(b.sharding.mesh.shape) and a.sharding.spec == b.sharding.spec
         )
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+
+
+def largest_leaf(tree):
+    """The leaf of ``tree`` with the most elements."""
+    return max(jax.tree.leaves(tree), key=lambda x: math.prod(x.shape))
 
 
 def _platform(mesh) -> str:
@@ -264,10 +273,15 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
+    reference = None
     if lora is None:
         resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
-        if with_ref:  # the state is donated: the reference is a copy
-            resident["reference params"] = resident["params"]
+        if with_ref:  # the state is donated: the reference is a copy (trainer._reference), rounded as read
+            reference = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
+            if cfg.reference_on_host:  # on the devices only during its pass (a phase's bytes)
+                resident[REFERENCE_ON_HOST_ROW] = 0
+            else:
+                resident["reference params"] = per_chip_bytes(reference)
         merged_copy = 0
     else:
         resident = {
@@ -322,24 +336,39 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
         cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
         adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
+        reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
         TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
-        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, train_step,
+        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
+        reference is not None and cfg.reference_on_host, train_step,
     )  # fmt: skip
 
 
-def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None) -> list:
-    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks."""
-    if peak_flops is None:
+HOST_COPY_PHASE = "reference from host"
+
+
+def step_count(
+    job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None, host_bandwidth: float = 0.0
+) -> list:
+    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks (None or 0).
+
+    A reference held in host memory adds its copy to the devices before each reference pass
+    (``HOST_COPY_PHASE``), at ``host_bandwidth`` (bytes/s per chip; 0: not published, counted as 0 s)."""
+    if not peak_flops:
         return []
     mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
-    return step_phases(
+    phases = step_phases(
         job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
         bandwidth,
     )  # fmt: skip
+    if job.reference_on_host:
+        copied = per_chip_bytes(job.reference)
+        seconds = copied / host_bandwidth if host_bandwidth else 0.0
+        phases.insert(-job.shape.num_iterations, Phase(HOST_COPY_PHASE, 0.0, copied, seconds))
+    return phases
 
 
 def compile_job(
@@ -351,6 +380,7 @@ def compile_job(
     bandwidth: float | None,
     ici_bandwidth: float = 0.0,
     model_cfg: ModelConfig | None = None,
+    host_bandwidth: float = 0.0,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -360,6 +390,7 @@ def compile_job(
       target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
         no step count); ici_bandwidth: bytes/s per chip between chips (0: no ICI time).
       model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
+      host_bandwidth: bytes/s per chip to and from its host (0: unknown), for a reference in host memory.
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
@@ -397,14 +428,18 @@ def compile_job(
                 functions["merge"] = c
                 phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
         if grpo.beta > 0 or grpo.needs_old_logprobs:
+            # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
+            read = params if job.reference is None else job.reference
             c, _ = _compile(
-                "the reference logprobs", n, token_logprobs, params, job.batch.tokens(), model_cfg,
+                "the reference logprobs", n, token_logprobs, read, job.batch.tokens(), model_cfg,
                 grpo.temperature, cfg.micro_batches,
             )  # fmt: skip
             functions["reference logprobs"] = c
             c.fsdp_minimum = minimum(1, False)
-            # LoRA: the merged weights are still held (dropped after the whole rollout, reference included).
-            phases["reference logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(params))
+            # LoRA: the merged weights are still held (dropped after the whole rollout, reference included); a
+            # reference in host memory is on the devices for this pass only.
+            resident = 0 if job.reference_on_host else per_chip_bytes(read)
+            phases["reference logprobs"] = job.merged_copy + _extra(c, resident)
     sc, rollout_params = job.sampler_cfg, job.rollout_params
     replicated = NamedSharding(job.rollout_mesh, P())
     prompts = jax.ShapeDtypeStruct(
@@ -438,7 +473,7 @@ def compile_job(
             _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
         )
     )
-    flops = step_count(job, len(devices), peak_flops, bandwidth)
+    flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
         rollout_chips=cfg.rollout_devices,
@@ -458,8 +493,9 @@ def run(cfg: TrainConfig) -> int:
     )
     start = time.perf_counter()
     report = compile_job(
-        cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth
-    )
+        cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth,
+        host_bandwidth=chip.host_bandwidth,
+    )  # fmt: skip
     print(format_report(cfg, report, topology.num_chips))
     print(f"total compile time {time.perf_counter() - start:.1f} s")
     return 0 if report.fits else 1
@@ -485,7 +521,10 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
         return
     chip = chip_of(devices[0].device_kind)
     peaks = (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) if chip else (None, None, 0.0)
-    report = compile_job(cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks)
+    report = compile_job(
+        cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks,
+        host_bandwidth=chip.host_bandwidth if chip else 0.0,
+    )  # fmt: skip
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:
         raise ConfigError(

@@ -61,6 +61,7 @@ class StepShape:
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
     lora_rank: int = 0  # LoRA: r
     sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
+    reference_dtype: str = ""  # the reference copy's dtype (rounded to the compute dtype); "": weight_dtype
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
@@ -145,7 +146,8 @@ def step_phases(
     layers, vocab = grouped_forward_flops(cfg, s)
     forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
     if s.with_reference:
-        phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes))
+        read = _BYTES[s.reference_dtype] / w if s.reference_dtype else 1.0  # its copy's bytes per weight's
+        phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes * read))
     if s.with_old_logprobs:
         phases.append(phase("old logprobs", layers + vocab, forward_pass_bytes))
     forwards = 2 if cfg.remat_policy == "full" else 1  # the forward (and its recomputation)

@@ -16,6 +16,7 @@ import jax
 from grpax import sharding
 from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
+from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.lora import LoraConfig
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
@@ -27,6 +28,11 @@ from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 log = logging.getLogger("grpax.train")
+
+# remat_policy's values from the least recompute (and the most memory) to the most: auto's order of preference.
+REMAT_ORDER = ("none", "minimal", "dots", "full")
+REFERENCE_DTYPES = ("compute", "weight")
+REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +79,23 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "compute dtype: activations, matmul inputs, KV cache (the accelerator presets: bfloat16); float32 is "
         "faster than bfloat16 on CPU",
     )
+    reference_dtype: str = field(
+        "compute",
+        "the frozen reference's copy (beta > 0, full fine-tune): compute = rounded to dtype as the forward reads "
+        "every weight (the same reference logprobs bit for bit; float32 weights, bfloat16 compute: half the "
+        "memory), weight = as stored (weight_dtype)",
+    )
+    reference_memory: str = field(
+        "auto",
+        "where the frozen reference's copy lives: device | pinned_host (host memory, copied to the devices for "
+        "each reference pass: its bytes over the host link every step) | auto (device, unless the memory plan "
+        "fits with a 10% margin only with it in host memory; device on CPU)",
+    )
     remat_policy: str = field(
-        "full",
-        "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
-        "least memory, and on CPU also the fastest)",
+        "auto",
+        "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full (full: the "
+        "least memory, and on CPU also the fastest; auto: on CPU full, on an accelerator the one with the least "
+        "recompute, in that order, that the memory plan fits with a 10% margin, full if the fit check refuses it)",
     )
     attention: str = field(
         "dot_product",
@@ -197,9 +216,21 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
             scan_layers=self.scan_layers,
             weight_dtype=self.weight_dtype,
             dtype=self.dtype,
-            remat_policy=self.remat_policy,
+            remat_policy=self.remat,
             attention=self.attention,
         )
+
+    @property
+    def remat(self) -> str:
+        """``remat_policy`` as the model takes it: ``auto`` before ``grpax.rl.memory_plan`` resolves it is full
+        (the least memory)."""
+        return "full" if self.remat_policy == "auto" else self.remat_policy
+
+    @property
+    def reference_on_host(self) -> bool:
+        """The frozen reference's copy lives in host memory (``reference_memory=pinned_host``; auto before
+        ``grpax.rl.memory_plan`` resolves it is the devices)."""
+        return self.reference_memory == "pinned_host"
 
     def lora(self) -> LoraConfig | None:
         """The adapters' config, or None for a full fine-tune (lora_rank=0)."""
@@ -296,6 +327,17 @@ def validate(cfg: TrainConfig) -> None:
             )
         if cfg.lora_base_dtype == "int8":  # nf4 is grpax's own (grpax.models.quantize)
             require_qwix()
+    choices = {
+        "remat_policy": ("auto", *REMAT_ORDER),
+        "reference_dtype": REFERENCE_DTYPES,
+        "reference_memory": REFERENCE_MEMORIES,
+    }
+    for key, allowed in choices.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(allowed)}"
+                f".{suggest(str(getattr(cfg, key)), allowed)}"
+            )
     if cfg.lora_sampler not in LORA_SAMPLERS:
         raise ConfigError(
             f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"

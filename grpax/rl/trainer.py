@@ -44,11 +44,12 @@ from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
+from grpax.models.llama import round_as_read
 from grpax.models.registry import ModelConfig, check_matches
 from grpax.rl.ahead import AheadRollouts
 from grpax.rl.batch import Batch
-from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
+from grpax.rl.memory_plan import fit_before_run
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
 from grpax.rl.policy import Policy
@@ -98,7 +99,13 @@ def train(cfg: TrainConfig) -> dict:
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
             "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
         )
-    check_before_run(cfg)  # an accelerator run that cannot fit stops here, before any weight is read
+    # The auto keys chosen from the memory plan; an accelerator run that cannot fit stops here, before any
+    # weight is read.
+    cfg = fit_before_run(cfg)
+    if inputs.model_cfg is not None:
+        inputs = dataclasses.replace(
+            inputs, model_cfg=dataclasses.replace(inputs.model_cfg, remat_policy=cfg.remat_policy)
+        )
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
@@ -168,7 +175,7 @@ def _train(
         policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
     # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
     frozen = policy.lora is not None
-    ref_params = _reference(policy.base if frozen else params, grpo, paths, closing, frozen=frozen)
+    ref_params = _reference(cfg, policy.base if frozen else params, model_cfg, paths, closing, frozen=frozen)
     iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
@@ -253,17 +260,26 @@ def _load_policy(cfg: TrainConfig, model_cfg: ModelConfig | None):
 
 
 def _reference(
-    params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextlib.ExitStack, frozen: bool = False
+    cfg: TrainConfig,
+    params: Any,
+    model_cfg: ModelConfig,
+    paths: RunPaths,
+    closing: contextlib.ExitStack,
+    frozen: bool = False,
 ) -> Any:
     """The frozen reference (``FrozenParams``), or None when beta == 0. ``frozen``: ``params`` never change
-    (LoRA's base): the reference is those very arrays, no copy."""
-    if grpo.beta <= 0:
+    (LoRA's base): the reference is those very arrays, no copy. Otherwise a copy (the state is donated), rounded
+    as the forward reads it with ``reference_dtype=compute`` (``round_as_read``: the same logprobs), in host
+    memory with ``reference_memory=pinned_host``, else on the devices (a single CPU process: mapped files)."""
+    if cfg.beta <= 0:
         return None
     if frozen:
         return FrozenParams(params)
-    # The state is donated: in device memory the reference is a copy.
-    folder = offload_folder(paths.run_dir)
-    ref_params = FrozenParams(params if folder else jax.tree.map(jnp.copy, params), folder)
+    ref = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
+    folder = None if cfg.reference_on_host else offload_folder(paths.run_dir)
+    if folder is None and not cfg.reference_on_host:  # on the devices: no leaf may be a donated one of params
+        ref = jax.tree.map(lambda r, p: jnp.copy(r) if r is p else r, ref, params)
+    ref_params = FrozenParams(ref, folder, host_memory=cfg.reference_on_host)
     closing.callback(ref_params.close)  # its files go on any exit (an interrupt ends with os._exit)
     return ref_params
 
