@@ -6,8 +6,8 @@ the forward reads it (``reference_dtype=compute``) and kept in host memory (``re
 ``pinned_host``; docs/scaling.md, "One H200"). This script runs that job as ``train_rl`` builds it, on random
 weights (no checkpoint, no tokenizer, no dataset: random prompts, a fixed reward of the completions' tokens):
 
-1. ``plan``: the auto keys chosen from the device's memory limit (``grpax.rl.memory_plan.choose``), the NVIDIA
-   estimate of the chosen job (``grpax.rl.memory_estimate``: what ``compile_topology=h200-1`` prints) and, unless
+1. ``plan``: the auto keys chosen from the device's memory limit (``grpax.plan.memory_plan.choose``), the NVIDIA
+   estimate of the chosen job (``grpax.plan.memory_estimate``: what ``compile_topology=h200-1`` prints) and, unless
    ``--no_fit_check``, the fit check compiled for this device (``compile_check.compile_job``: what ``train_rl``
    runs before a run; its programs go to a fresh compilation cache the steps read back);
 2. ``setup``: random init in float32 on the device, the reference as the trainer makes it
@@ -52,14 +52,15 @@ from grpax.cli.common import enable_compilation_cache  # noqa: E402
 from grpax.config import build_config  # noqa: E402
 from grpax.models.params import init_params  # noqa: E402
 from grpax.models.registry import ModelConfig, to_hf_config  # noqa: E402
-from grpax.rl import compile_check, memory_estimate, memory_plan, trainer  # noqa: E402
-from grpax.rl.fit_report import GIB, format_report  # noqa: E402
+from grpax.plan import compile_check, memory_estimate, memory_plan  # noqa: E402
+from grpax.plan.fit_report import GIB, format_report  # noqa: E402
+from grpax.plan.topology import Chip, chip_of  # noqa: E402
+from grpax.rl import trainer  # noqa: E402
 from grpax.rl.optim import optimizer_from_config  # noqa: E402
 from grpax.rl.resume import RunPaths  # noqa: E402
 from grpax.rl.rollout import Rollout  # noqa: E402
 from grpax.rl.train_config import TrainConfig  # noqa: E402
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step, make_update  # noqa: E402
-from grpax.topology import Chip, chip_of  # noqa: E402
 
 # The seed's 8B command (README), one GPU.
 SEED_KEYS = dict(

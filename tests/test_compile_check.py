@@ -14,11 +14,11 @@ import pytest
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.compile_check import check_before_run, per_chip_bytes
-from grpax.rl.step_cost import StepShape, step_phases
+from grpax.plan.compile_check import check_before_run, per_chip_bytes
+from grpax.plan.step_cost import StepShape, step_phases
+from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
 from grpax.sharding import MeshConfig, create_rollout_mesh
-from grpax.topology import get_topology
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
 
@@ -424,7 +424,7 @@ def test_lora_update_compiles_with_the_adapters_on_their_weights_axes(config_onl
     import dataclasses
 
     from grpax import sharding
-    from grpax.rl.compile_check import build_job
+    from grpax.plan.compile_check import build_job
     from grpax.rl.train_step import make_train_step
 
     cfg = build_config(TrainConfig, [*_keys(config_only, lora_rank=4, compile_topology="")[1:]])

@@ -1,10 +1,10 @@
-"""The NVIDIA estimate (``grpax.rl.memory_estimate``) against what was measured on an H200, and the 8B plan."""
+"""The NVIDIA estimate (``grpax.plan.memory_estimate``) against what was measured on an H200, and the 8B plan."""
 
 import re
 
 from grpax.cli.main import main
 from grpax.config import build_config
-from grpax.rl.memory_estimate import GPUS, estimate_job, rollout_cache_slots
+from grpax.plan.memory_estimate import GPUS, estimate_job, rollout_cache_slots
 from grpax.rl.train_config import TrainConfig
 
 GIB = 2**30

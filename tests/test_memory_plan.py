@@ -6,8 +6,8 @@ import math
 import pytest
 
 from grpax.config import ConfigError, build_config
-from grpax.rl import memory_plan
-from grpax.rl.memory_estimate import GPUS, estimate_job
+from grpax.plan import memory_plan
+from grpax.plan.memory_estimate import GPUS, estimate_job
 from grpax.rl.train_config import TrainConfig, validate
 
 # SmolLM2-135M in bfloat16 compute with float32 weights, 4 prompts x 4 of 128 + 128 tokens, beta 0.04.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpax.rl import memory_plan
+from grpax.plan import memory_plan
 from grpax.rl.results import format_before_after
 from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths
 from grpax.rl.train_config import TrainConfig, validate
@@ -45,7 +45,7 @@ def run(config: TrainConfig) -> int:
         validate(config)
         return memory_plan.compile_topology(config)
     try:
-        results = train(config)
+        results = train(config, fit=memory_plan.fit_before_run)
     except KeyboardInterrupt as e:  # said by grpax.cli.main after "interrupted (SIGINT)"
         e.hint = interrupt_hint(config)
         raise

@@ -222,14 +222,14 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
 
     @property
     def remat(self) -> str:
-        """``remat_policy`` as the model takes it: ``auto`` before ``grpax.rl.memory_plan`` resolves it is full
+        """``remat_policy`` as the model takes it: ``auto`` before ``grpax.plan.memory_plan`` resolves it is full
         (the least memory)."""
         return "full" if self.remat_policy == "auto" else self.remat_policy
 
     @property
     def reference_on_host(self) -> bool:
         """The frozen reference's copy lives in host memory (``reference_memory=pinned_host``; auto before
-        ``grpax.rl.memory_plan`` resolves it is the devices)."""
+        ``grpax.plan.memory_plan`` resolves it is the devices)."""
         return self.reference_memory == "pinned_host"
 
     def lora(self) -> LoraConfig | None:

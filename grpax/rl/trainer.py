@@ -49,7 +49,6 @@ from grpax.models.registry import ModelConfig, check_matches
 from grpax.rl.ahead import AheadRollouts
 from grpax.rl.batch import Batch
 from grpax.rl.config import GRPOConfig
-from grpax.rl.memory_plan import fit_before_run
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
 from grpax.rl.policy import Policy
@@ -71,8 +70,13 @@ class NonFiniteError(ConfigError):
     checkpoint is kept."""
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = None) -> dict:
     """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
+
+    ``fit``: the plan's check before any weight is read (``grpax.plan.memory_plan.fit_before_run``, which
+    ``grpax train_rl`` passes): the run's keys with the auto ones chosen, or a ConfigError when the job cannot fit
+    the devices. Without it the auto keys take their least-memory meaning (``TrainConfig.remat``) and nothing is
+    compiled ahead.
 
     A summary is None where that evaluation did not run (num_test_batches=0, or eval_before=false for
     "before"); with both, ``paired`` holds their paired test (``grpax.eval.compare.compare``).
@@ -99,13 +103,14 @@ def train(cfg: TrainConfig) -> dict:
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
             "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
         )
-    # The auto keys chosen from the memory plan; an accelerator run that cannot fit stops here, before any
-    # weight is read.
-    cfg = fit_before_run(cfg)
-    if inputs.model_cfg is not None:
-        inputs = dataclasses.replace(
-            inputs, model_cfg=dataclasses.replace(inputs.model_cfg, remat_policy=cfg.remat_policy)
-        )
+    if (
+        fit is not None
+    ):  # the auto keys chosen; an accelerator run that cannot fit stops before any weight is read
+        cfg = fit(cfg)
+        if inputs.model_cfg is not None:
+            inputs = dataclasses.replace(
+                inputs, model_cfg=dataclasses.replace(inputs.model_cfg, remat_policy=cfg.remat)
+            )
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn

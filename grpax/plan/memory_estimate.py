@@ -1,6 +1,6 @@
 """An analytical estimate of a GRPO job's per-GPU memory, for NVIDIA targets that JAX cannot compile for here.
 
-JAX compiles for a TPU slice without the TPU (``grpax.rl.compile_check``), but this JAX has no way to compile
+JAX compiles for a TPU slice without the TPU (``grpax.plan.compile_check``), but this JAX has no way to compile
 for an absent GPU, so ``compile_topology=h100-8`` (``GPUS``) gets the same table as an ESTIMATE. What is exact:
 the resident arrays (params, optimizer state, the reference's copy as the trainer stores it: rounded to the
 compute dtype, or in host memory), the params copied for the sampler and the KV cache, all placed by the rules
@@ -9,7 +9,7 @@ from the shapes of what it holds at its largest:
 
 * update: the gradients (params-shaped, float32), two layers' gathered weights (FSDP: one in use, one prefetched), the
   residual stream saved at each layer boundary (``remat_policy=full``), one layer's recomputed activations
-  (attention inputs and MLP hidden, the longer of them), three chunks of logits (``_LOGITS_CHUNK_ELEMENTS``); with
+  (attention inputs and MLP hidden, the longer of them), three chunks of logits (``LOGITS_CHUNK_ELEMENTS``); with
   micro-batches, a second gradient tree (the running sum); with a cheaper remat policy, what the backward keeps
   beyond full's, traced from the model's own ``jax.vjp`` (``remat_extra``);
 * reference logprobs: one layer's gathered weights (the reference's copy: rounded to the compute dtype), its
@@ -56,12 +56,12 @@ from grpax.models.llama import forward_grouped
 from grpax.models.params import abstract_params
 from grpax.models.quantize import QuantizedWeight
 from grpax.models.registry import ModelConfig
-from grpax.rl import compile_check
-from grpax.rl.compile_check import base_bytes_per_param, build_job, step_count
-from grpax.rl.fit_report import Compiled, Report, format_report
+from grpax.plan import compile_check
+from grpax.plan.compile_check import base_bytes_per_param, build_job, step_count
+from grpax.plan.fit_report import Compiled, Report, format_report
+from grpax.plan.topology import Chip
 from grpax.rl.train_config import TrainConfig
-from grpax.rl.train_step import _LOGITS_CHUNK_ELEMENTS
-from grpax.topology import Chip
+from grpax.rl.train_step import LOGITS_CHUNK_ELEMENTS
 
 # Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
 _MIB = 2**20
@@ -160,12 +160,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
             "rollout_devices=0, or compile for a TPU slice (compile_topology=v6e-8 ...)"
         )
     mesh_cfg = cfg.mesh()
-    ici = sharding._fill(
-        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
-        num_gpus,
-        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
-        "the number of GPUs",
-    )
+    ici = sharding.ici_shape(mesh_cfg, num_gpus, "the number of GPUs")
     dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
     mesh = AbstractMesh(ici, sharding.MESH_AXES)
     job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
@@ -180,7 +175,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     tokens = prompts * s.prompt_length + rows * s.completion_length
     widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
     activations = tokens * widest * act
-    logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
+    logits = 3 * LOGITS_CHUNK_ELEMENTS * 4
     trained = compile_check.per_chip_bytes(job.state.params)
     # float32 gradients whatever the trained dtype (summed in float32): the params', or the adapters' (float32)
     grads = trained * 4 / (w if job.lora is None else 4)

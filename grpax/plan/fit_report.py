@@ -1,4 +1,4 @@
-"""The per-chip memory table of a GRPO job (``grpax.rl.compile_check``, ``grpax.rl.memory_estimate``): its
+"""The per-chip memory table of a GRPO job (``grpax.plan.compile_check``, ``grpax.plan.memory_estimate``): its
 data, the verdict against the chip's HBM, the keys to change when it does not fit, and its printed form.
 
 The peak is what is resident for the whole step (params, optimizer state, reference params; with LoRA the frozen
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpax.rl.collectives import Collective
+from grpax.plan.collectives import Collective
 from grpax.rl.train_config import TrainConfig
 
 GIB = 2**30
@@ -48,7 +48,7 @@ class Report:
     functions: dict[str, Compiled]
     phases: dict[str, int]  # phase -> bytes beyond the resident arrays
     flops: list  # step_cost.Phase
-    estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
+    estimated: bool = False  # temporaries from formulas (grpax.plan.memory_estimate), not from a compiler
     rollout_chips: int = 0  # rollout_devices: the sampler's own chips (0: colocated with the trainer)
     merged_copy: int = (
         0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases

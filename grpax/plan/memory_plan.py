@@ -3,7 +3,7 @@
 Each key trades step time for memory. A remat policy that recomputes less in the backward pass keeps more
 activations (``none`` keeps them all, ``full`` only each layer's input); the frozen reference in host memory
 (``pinned_host``) frees its bytes on the devices but crosses the host link at each reference pass. ``choose``
-takes the cheapest setting whose estimated peak (``grpax.rl.memory_estimate``: the fit check's table with its
+takes the cheapest setting whose estimated peak (``grpax.plan.memory_estimate``: the fit check's table with its
 temporaries from formulas; a remat policy's activations traced from the model's own autodiff) leaves ``MARGIN``
 of the devices' memory free, in this order: the reference on the devices before host memory, and for each the
 remat policies from the least recompute to the most (``REMAT_ORDER``: none, minimal, dots, full). When none
@@ -25,10 +25,10 @@ import logging
 import jax
 
 from grpax.errors import ConfigError
-from grpax.rl import compile_check, memory_estimate
-from grpax.rl.fit_report import GIB
+from grpax.plan import compile_check, memory_estimate
+from grpax.plan.fit_report import GIB
+from grpax.plan.topology import Chip, chip_of, get_topology
 from grpax.rl.train_config import REMAT_ORDER, TrainConfig
-from grpax.topology import Chip, chip_of, get_topology
 
 log = logging.getLogger("grpax.memory_plan")
 

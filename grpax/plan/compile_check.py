@@ -2,7 +2,7 @@
 
 ``grpax train_rl <keys> compile_topology=v6e-8`` builds every array of the run abstractly (``ShapeDtypeStruct``s:
 no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
-devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
+devices (``grpax.plan.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
 (``make_run_update``, the trainer's own builder: micro-batches, remat), the reference logprobs
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
@@ -43,16 +43,16 @@ from grpax.models import quantize as quant
 from grpax.models.llama import round_as_read
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.plan.collectives import count_collectives, fsdp_minimum
+from grpax.plan.fit_report import GIB, Compiled, Report, format_report, suggestions
+from grpax.plan.step_cost import Phase, StepShape, step_phases
+from grpax.plan.topology import chip_of, get_topology
 from grpax.rl.batch import Batch
-from grpax.rl.collectives import count_collectives, fsdp_minimum
-from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
-from grpax.rl.policy import _merge, sampler_mode
-from grpax.rl.step_cost import Phase, StepShape, step_phases
+from grpax.rl.policy import merge_adapters, sampler_mode
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
-from grpax.topology import chip_of, get_topology
 
 log = logging.getLogger("grpax.compile_check")
 
@@ -156,7 +156,7 @@ def _extra(c: Compiled, counted: int) -> int:
 @dataclasses.dataclass
 class Job:
     """The run's arrays, abstract and placed on its meshes: what ``compile_job`` compiles and
-    ``grpax.rl.memory_estimate`` sizes by formula."""
+    ``grpax.plan.memory_estimate`` sizes by formula."""
 
     cfg: TrainConfig
     model_cfg: ModelConfig
@@ -353,7 +353,7 @@ HOST_COPY_PHASE = "reference from host"
 def step_count(
     job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None, host_bandwidth: float = 0.0
 ) -> list:
-    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks (None or 0).
+    """The counted phases of one step (``grpax.plan.step_cost``); [] without the chip's peaks (None or 0).
 
     A reference held in host memory adds its copy to the devices before each reference pass
     (``HOST_COPY_PHASE``), at ``host_bandwidth`` (bytes/s per chip; 0: not published, counted as 0 s)."""
@@ -424,7 +424,7 @@ def compile_job(
                 functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base)
             )
             if job.merged_copy:
-                c, _ = _compile("the LoRA merge", n, _merge, job.base, job.state.params, job.lora)
+                c, _ = _compile("the LoRA merge", n, merge_adapters, job.base, job.state.params, job.lora)
                 functions["merge"] = c
                 phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
         if grpo.beta > 0 or grpo.needs_old_logprobs:
