@@ -20,8 +20,8 @@ from pathlib import Path
 from grpax.data.prompts import get_prompt_preset
 from grpax.eval.compare import compare, sign_test_p_value
 from grpax.eval.metrics import mean_reward, proportion
-from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.gsm8k_rewards import get_reward_config
 
 
 def _load(folder: Path) -> tuple[dict, list[dict]]:

@@ -13,8 +13,8 @@ from grpax.eval.compare import (
     question_values,
     sign_test_p_value,
 )
-from grpax.rewards.gsm8k import is_correct
 from grpax.rl.results import format_before_after, publish
+from grpax.tasks.answers import is_correct
 from grpax.tasks.base import UserRewards
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.math import MathTask

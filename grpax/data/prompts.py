@@ -4,7 +4,7 @@ calculator environment) and math (boxed).
 A preset fixes three strings: the system prompt, the user-turn template (with a ``{question}`` slot) and an
 optional ``response_prefix`` that is pre-filled after the chat template's generation prompt, so the model
 starts its reply inside the reasoning block. The tag names match the ones the reward functions in
-``grpax.rewards.gsm8k`` check, following the MaxText / Tunix GRPO GSM8K recipe (reasoning between
+``grpax.tasks.gsm8k_rewards`` check, following the MaxText / Tunix GRPO GSM8K recipe (reasoning between
 ``<reasoning>`` tags, the final answer between ``<answer>`` tags).
 
 Example:

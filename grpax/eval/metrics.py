@@ -22,15 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from grpax.data.gsm8k import extract_gold
-from grpax.rewards.gsm8k import (
-    RewardConfig,
-    extract_answer,
-    is_close,
-    is_correct,
-    is_format_exact,
-    normalize_number,
-    score_completions,
-)
+from grpax.tasks.answers import extract_answer, is_close, is_correct, normalize_number
+from grpax.tasks.gsm8k_rewards import RewardConfig, is_format_exact, score_completions
 
 Z_95 = 1.959963984540054
 

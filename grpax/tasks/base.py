@@ -11,7 +11,7 @@ GRPOTrainer (every dataset column as a keyword argument)::
     fn(prompts=[...], completions=[...], tmvp_config=<the run's config>, **columns) -> list[float]
 
 with one value per completion; None or NaN abstains (adds nothing to the weighted total). Built-in rewards that
-fail abstain with a warning (``grpax.rewards.gsm8k.score_completions``); a user's function that raises (or calls
+fail abstain with a warning (``grpax.tasks.gsm8k_rewards.score_completions``); a user's function that raises (or calls
 ``sys.exit``), returns the wrong number of values or a value that is not a number, or runs past
 ``reward_timeout_seconds``, stops the run with ``RewardFunctionError`` before the update, so that a broken reward
 file never trains a policy on garbage. Each call gets its own copies of the prompts, completions and columns: a

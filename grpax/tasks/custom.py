@@ -24,7 +24,7 @@ from grpax.data.gsm8k import (
     with_all_columns,
 )
 from grpax.data.prompts import PromptPreset
-from grpax.rewards.gsm8k import extract_answer
+from grpax.tasks.answers import extract_answer
 from grpax.tasks.base import Task, UserRewards
 
 

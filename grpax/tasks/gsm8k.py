@@ -2,7 +2,7 @@
 
 Rows are read with ``grpax.data.gsm8k.read_rows`` and checked here (a prompt that is text, a gold answer that is a
 finite number; the file, row and column named otherwise): ``question``, ``answer`` = the worked solution, ``gold`` =
-its final number, and every column of the row (for user reward functions, TRL's convention). The rewards are the MaxText / Tunix point values of ``grpax.rewards.gsm8k`` picked by
+its final number, and every column of the row (for user reward functions, TRL's convention). The rewards are the MaxText / Tunix point values of ``grpax.tasks.gsm8k_rewards`` picked by
 ``reward_preset``, and a completion is correct when the last ``<answer>`` block equals the gold number
 (``is_correct``). This is grpax's default task and what train_rl did before tasks existed.
 """
@@ -15,15 +15,9 @@ from typing import Any
 
 from grpax.data.gsm8k import extract_gold, read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
-from grpax.rewards.gsm8k import (
-    RewardConfig,
-    extract_answer,
-    is_close,
-    is_correct,
-    is_format_exact,
-    score_completions,
-)
+from grpax.tasks.answers import extract_answer, is_close, is_correct
 from grpax.tasks.base import Task, UserRewards
+from grpax.tasks.gsm8k_rewards import RewardConfig, is_format_exact, score_completions
 
 
 class GSM8KTask(Task):

@@ -19,7 +19,7 @@ from typing import Any
 from grpax.data.gsm8k import read_rows, require_columns, require_text, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
-from grpax.rewards.gsm8k import extract_answer
+from grpax.tasks.answers import extract_answer
 from grpax.tasks.base import Task, UserRewards, weighted_total
 
 log = logging.getLogger(__name__)
