@@ -61,7 +61,6 @@ from grpax.data.gsm8k import (
     render_prompt,
     tokenize_prompts,
 )
-from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import stop_token_ids
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
@@ -73,6 +72,7 @@ from grpax.rl.train_step import TrainState, make_train_step, make_update, token_
 from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks.gsm8k_rewards import get_reward_config, score_completions
+from grpax.tasks.prompts import get_prompt_preset
 
 try:  # an older grpax (a parent commit run through PYTHONPATH) has no rollouts ahead
     from grpax.rl.ahead import AheadRollouts

@@ -485,7 +485,7 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
     from grpax.checkpoint.gguf import read_gguf
     from grpax.cli.generate import GenerateConfig, render_prompts
     from grpax.data.gsm8k import load_dataset_rows, prepare_rows
-    from grpax.data.prompts import get_prompt_preset
+    from grpax.tasks.prompts import get_prompt_preset
 
     data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
     questions = [row["question"] for row in load_dataset_rows(data, "train")]

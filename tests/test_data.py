@@ -18,14 +18,10 @@ from grpax.data.gsm8k import (
     render_prompt,
     tokenize_prompts,
 )
-from grpax.data.prompts import (
-    ANSWER_END,
-    ANSWER_START,
-    PROMPT_PRESETS,
-    REASONING_END,
-    REASONING_START,
-    PromptPreset,
-)
+from grpax.data.prompts import PromptPreset
+from grpax.tasks.answers import ANSWER_END, ANSWER_START
+from grpax.tasks.gsm8k_rewards import REASONING_END, REASONING_START
+from grpax.tasks.prompts import PROMPT_PRESETS, get_prompt_preset
 
 
 def write_jsonl(path, rows):
@@ -222,16 +218,16 @@ def test_render_and_tokenize(tokenizer):
 
 
 def test_render_presets(tokenizer):
-    demo = render_prompt(tokenizer, "How many?", "smollm2_demo")
+    demo = render_prompt(tokenizer, "How many?", get_prompt_preset("smollm2_demo"))
     assert demo.startswith("<s><|system|> ")
     assert "Problem: How many? <|end|> <|assistant|> <reasoning>\n" in demo
-    maxtext = render_prompt(tokenizer, "How many?", "maxtext")
+    maxtext = render_prompt(tokenizer, "How many?", get_prompt_preset("maxtext"))
     assert maxtext.endswith("<|user|> How many? <|end|> <|assistant|> ")
     for preset in (PROMPT_PRESETS["maxtext"], PROMPT_PRESETS["smollm2_demo"]):  # the GSM8K presets
         for tag in (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END):
             assert tag in preset.system_prompt + preset.user_template
     with pytest.raises(ValueError, match="unknown prompt preset"):
-        render_prompt(tokenizer, "q", "nope")
+        get_prompt_preset("nope")
 
 
 def test_filter_by_length(caplog):

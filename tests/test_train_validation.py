@@ -266,7 +266,7 @@ def test_too_few_training_rows_name_the_dataset_split_and_key(tmp_path):
 
 def test_too_few_rows_after_the_length_filter_name_the_dataset_split_and_key(tmp_path):
     from grpax.checkpoint.gguf import read_gguf
-    from grpax.data.prompts import get_prompt_preset
+    from grpax.tasks.prompts import get_prompt_preset
 
     data = _jsonl(tmp_path / "gsm8k" / "train.jsonl", 5)
     tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("maxtext")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from grpax.data.prompts import PromptPreset, get_prompt_preset
+from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -451,29 +451,24 @@ def build_messages(
     return [*messages, {"role": "user", "content": user}]
 
 
-def render_prompt(
-    tokenizer: Any, question: str, prompt_config: PromptPreset | str, system_role: bool = True
-) -> str:
+def render_prompt(tokenizer: Any, question: str, preset: PromptPreset, system_role: bool = True) -> str:
     """Renders one question as prompt text with the tokenizer's chat template.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         question: the problem text.
-        prompt_config: a PromptPreset or preset name (``"maxtext"``, ``"smollm2_demo"``).
+        preset: the system prompt, user template and response prefix (a named one:
+            ``grpax.tasks.prompts.get_prompt_preset``).
         system_role: see ``build_messages``.
 
     Returns:
         ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` followed by the
         preset's ``response_prefix``.
 
-    Raises:
-        ValueError: if the preset name is unknown.
-
     Example:
-        >>> render_prompt(tok, "1+1?", "smollm2_demo").endswith("<reasoning>\\n")  # doctest: +SKIP
+        >>> render_prompt(tok, "1+1?", PromptPreset("", response_prefix="<reasoning>\\n")).endswith("<reasoning>\\n")  # doctest: +SKIP
         True
     """
-    preset = get_prompt_preset(prompt_config) if isinstance(prompt_config, str) else prompt_config
     messages = build_messages(question, preset.system_prompt, preset.user_template, system_role)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text + preset.response_prefix

@@ -13,9 +13,10 @@ import logging
 import math
 import re
 
-from grpax.data.prompts import ANSWER_END, ANSWER_START
-
 logger = logging.getLogger(__name__)
+
+ANSWER_START = "<answer>"
+ANSWER_END = "</answer>"
 
 _MINUS = "\u2212"  # unicode minus sign, seen in model output
 # One number: optional sign, optional $, digits with optional thousands groups, optional decimals; or a bare

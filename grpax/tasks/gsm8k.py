@@ -15,9 +15,60 @@ from typing import Any
 
 from grpax.data.gsm8k import extract_gold, read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
-from grpax.tasks.answers import extract_answer, is_close, is_correct
+from grpax.tasks.answers import ANSWER_END, ANSWER_START, extract_answer, is_close, is_correct
 from grpax.tasks.base import Task, UserRewards
-from grpax.tasks.gsm8k_rewards import RewardConfig, is_format_exact, score_completions
+from grpax.tasks.gsm8k_rewards import (
+    REASONING_END,
+    REASONING_START,
+    RewardConfig,
+    is_format_exact,
+    score_completions,
+)
+
+_MAXTEXT_SYSTEM = (
+    "You will be given a math word problem. Work it out step by step and write all of your working "
+    f"between {REASONING_START} and {REASONING_END}. After that, give only the final number between "
+    f"{ANSWER_START} and {ANSWER_END}."
+)
+
+# A 135M model rarely invents the tag layout from an instruction alone; one short worked example in the
+# user turn plus a pre-filled opening tag gives it a pattern to copy.
+_SMOLLM2_SYSTEM = "You are a careful assistant who solves grade-school math problems."
+_SMOLLM2_TEMPLATE = (
+    f"Solve the problem. Write your steps inside {REASONING_START} {REASONING_END} and the final number "
+    f"inside {ANSWER_START} {ANSWER_END}.\n\n"
+    "Example problem: A shop sells pens at $2 each. Sam buys 4 pens. How much does he pay?\n"
+    f"{REASONING_START}\n4 pens cost 4 * 2 = 8 dollars.\n{REASONING_END}\n"
+    f"{ANSWER_START}\n8\n{ANSWER_END}\n\n"
+    "Problem: {question}"
+)
+
+# environment=calculator for a small model: it copies the worked example and overlooks a system prompt's tool
+# instructions, so here the example itself calls the calculator, with the environment's exact answers.
+_SMOLLM2_CALCULATOR_TEMPLATE = (
+    f"Solve the problem. Write your steps inside {REASONING_START} {REASONING_END} and the final number "
+    f"inside {ANSWER_START} {ANSWER_END}. Do each calculation with the calculator: write it between "
+    "<calculator> and </calculator>, and its result follows between <result> and </result>.\n\n"
+    "Example problem: A shop sells pens at $2 each. Sam buys 4 pens and pays with a $10 bill. How much change "
+    "does he get?\n"
+    f"{REASONING_START}\n4 pens cost <calculator>4 * 2</calculator><result>8</result>\n8 dollars. His change is "
+    f"<calculator>10 - 8</calculator><result>2</result>\n2 dollars.\n{REASONING_END}\n"
+    f"{ANSWER_START}\n2\n{ANSWER_END}\n\n"
+    "Problem: {question}"
+)
+
+# GSM8K's prompt presets (prompt_preset=...): each asks for a number between <answer> tags.
+PROMPTS: dict[str, PromptPreset] = {
+    "maxtext": PromptPreset(system_prompt=_MAXTEXT_SYSTEM, user_template="{question}", response_prefix=""),
+    "smollm2_demo": PromptPreset(
+        system_prompt=_SMOLLM2_SYSTEM, user_template=_SMOLLM2_TEMPLATE, response_prefix=f"{REASONING_START}\n"
+    ),
+    "smollm2_calculator": PromptPreset(
+        system_prompt=_SMOLLM2_SYSTEM,
+        user_template=_SMOLLM2_CALCULATOR_TEMPLATE,
+        response_prefix=f"{REASONING_START}\n",
+    ),
+}
 
 
 class GSM8KTask(Task):

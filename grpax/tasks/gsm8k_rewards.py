@@ -25,8 +25,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from grpax.data.prompts import ANSWER_END, ANSWER_START, REASONING_END, REASONING_START, TAGS
 from grpax.tasks.answers import (
+    ANSWER_END,
+    ANSWER_START,
     extract_answer,
     extract_last_number,
     is_close,
@@ -38,6 +39,12 @@ from grpax.tasks.answers import (
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list[float]]
+
+# The layout the GSM8K prompts ask for: working between the reasoning tags, then the final number between the
+# answer tags (grpax.tasks.answers).
+REASONING_START = "<reasoning>"
+REASONING_END = "</reasoning>"
+TAGS = (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)
 
 # Whole-completion layout: optional leading whitespace, one reasoning block, then the answer block, then only
 # whitespace. The reasoning must be non-empty; the answer block is captured.

@@ -29,6 +29,13 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 ANSWER_CORRECT = 1.0  # points of answer_correct
 ANSWER_FORMAT = 0.1  # points of answer_format
 
+# Competition problems whose answers are expressions, judged by math-verify on the last \boxed{}.
+_MATH_SYSTEM = (
+    "You will be given a math problem. Reason step by step, then write the final answer in LaTeX inside "
+    "\\boxed{}, e.g. \\boxed{\\frac{1}{2}}."
+)
+PROMPTS: dict[str, PromptPreset] = {"math": PromptPreset(system_prompt=_MATH_SYSTEM)}
+
 
 def check_math_verify() -> None:
     """Raises ConfigError naming the extra when math-verify is not installed."""
