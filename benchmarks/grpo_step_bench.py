@@ -54,13 +54,8 @@ import numpy as np
 from grpax.checkpoint.convert import generation_config
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
-from grpax.data.gsm8k import (
-    PromptIterator,
-    filter_by_length,
-    load_dataset_rows,
-    render_prompt,
-    tokenize_prompts,
-)
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import filter_by_length, render_prompt, tokenize_prompts
 from grpax.data.tokenizer import stop_token_ids
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
@@ -71,6 +66,7 @@ from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
 from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
+from grpax.tasks.gsm8k import load_dataset_rows
 from grpax.tasks.gsm8k_rewards import get_reward_config, score_completions
 from grpax.tasks.prompts import get_prompt_preset
 

@@ -1,4 +1,5 @@
-"""GSM8K loading, the resumable prompt iterator, and chat-template prompt rendering (no downloads)."""
+"""Reading datasets (GSM8K's rows: tasks/gsm8k.py), the resumable prompt iterator, and chat-template prompt
+rendering (no downloads)."""
 
 import json
 import sys
@@ -7,19 +8,12 @@ import time
 import pytest
 from conftest import gsm8k_dir
 
-from grpax.data import gsm8k as D
-from grpax.data.gsm8k import (
-    DatasetUnavailableError,
-    PromptIterator,
-    build_messages,
-    extract_gold,
-    filter_by_length,
-    load_dataset_rows,
-    render_prompt,
-    tokenize_prompts,
-)
-from grpax.data.prompts import PromptPreset
+from grpax.data import datasets as D
+from grpax.data.datasets import DatasetUnavailableError
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import PromptPreset, build_messages, filter_by_length, render_prompt, tokenize_prompts
 from grpax.tasks.answers import ANSWER_END, ANSWER_START
+from grpax.tasks.gsm8k import extract_gold, load_dataset_rows
 from grpax.tasks.gsm8k_rewards import REASONING_END, REASONING_START
 from grpax.tasks.prompts import PROMPT_PRESETS, get_prompt_preset
 

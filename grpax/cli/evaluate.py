@@ -141,7 +141,7 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
       ConfigError: the file is missing, empty, has a line without ``completion`` or not an object, or does not
         split into groups of num_eval_passes consecutive lines of one question.
     """
-    from grpax.data.gsm8k import read_rows
+    from grpax.data.datasets import read_rows
     from grpax.eval.metrics import load_completions_file, summarize
 
     path = Path(config.completions_path).expanduser()
@@ -200,7 +200,7 @@ def run(config: EvaluateConfig) -> int:
         raise ConfigError("pass load_parameters_path=<checkpoint> or completions_path=<file.jsonl>")
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
-    from grpax.data.gsm8k import prepare_rows
+    from grpax.data.prompts import prepare_rows
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES

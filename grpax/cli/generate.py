@@ -134,7 +134,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
         object whose ``prompt`` field holds text (a null, a number or a list of chat messages would be sampled
         as its printed form; names the file and line).
     """
-    from grpax.data.gsm8k import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
+    from grpax.data.datasets import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
 
     prompts = [config.prompt] if config.prompt else []
     if config.prompts_path:
@@ -187,7 +187,7 @@ def check_prompt_preset(config: GenerateConfig) -> None:
 
 def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[str]:
     """The prompt texts the model continues: train_rl's rendering with prompt_preset, else a bare user turn."""
-    from grpax.data.gsm8k import render_prompt
+    from grpax.data.prompts import render_prompt
     from grpax.tasks.prompts import get_prompt_preset
 
     if config.prompt_preset:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from grpax.data.gsm8k import extract_gold
 from grpax.tasks.answers import extract_answer, is_close, is_correct, normalize_number
+from grpax.tasks.gsm8k import extract_gold
 from grpax.tasks.gsm8k_rewards import RewardConfig, is_format_exact, score_completions
 
 Z_95 = 1.959963984540054

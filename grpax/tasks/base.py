@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from grpax.data.datasets import read_rows
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 
@@ -58,6 +59,18 @@ class UserRewards:
     source: str = ""
     extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = 0.0
+
+
+def read_dataset(dataset: str, split: str) -> tuple[list[dict], str]:
+    """``grpax.data.datasets.read_rows`` of a task's dataset: its raw rows and their source, for ``Task.load_rows``.
+
+    GSM8K's Hub copy (``openai/gsm8k``) has two configs, ``main`` and ``socratic``: a Hub name ending in ``gsm8k``
+    reads ``main``, whichever task reads it.
+
+    Raises:
+      FileNotFoundError, DatasetUnavailableError, ValueError: as ``read_rows``.
+    """
+    return read_rows(dataset, split, "main" if dataset.rstrip("/").endswith("gsm8k") else None)
 
 
 def _short(value: Any) -> str:

@@ -1,10 +1,14 @@
 """GSM8K (Cobbe et al. 2021) as a task: grade-school word problems with a numeric final answer.
 
-Rows are read with ``grpax.data.gsm8k.read_rows`` and checked here (a prompt that is text, a gold answer that is a
-finite number; the file, row and column named otherwise): ``question``, ``answer`` = the worked solution, ``gold`` =
-its final number, and every column of the row (for user reward functions, TRL's convention). The rewards are the MaxText / Tunix point values of ``grpax.tasks.gsm8k_rewards`` picked by
-``reward_preset``, and a completion is correct when the last ``<answer>`` block equals the gold number
-(``is_correct``). This is grpax's default task and what train_rl did before tasks existed.
+GSM8K ("Training Verifiers to Solve Math Word Problems") stores each row as a ``question`` and an ``answer``
+holding the worked solution, whose last line is ``#### <number>`` (``extract_gold`` reads it). Rows are read with
+``grpax.data.datasets.read_rows`` and checked here (a prompt that is text, a gold answer that is a finite number;
+the file, row and column named otherwise): ``question``, ``answer`` = the worked solution, ``gold`` = its final
+number, and every column of the row (for user reward functions, TRL's convention). The prompts (``PROMPTS``) ask
+for the working between ``<reasoning>`` tags and the number between ``<answer>`` tags; the rewards are the
+MaxText / Tunix point values of ``grpax.tasks.gsm8k_rewards`` picked by ``reward_preset``, and a completion is
+correct when the last ``<answer>`` block equals the gold number (``is_correct``). This is grpax's default task and
+what train_rl did before tasks existed.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import extract_gold, read_rows, require_columns, require_values, with_all_columns
+from grpax.data.datasets import require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.tasks.answers import ANSWER_END, ANSWER_START, extract_answer, is_close, is_correct
-from grpax.tasks.base import Task, UserRewards
+from grpax.tasks.base import Task, UserRewards, read_dataset
 from grpax.tasks.gsm8k_rewards import (
     REASONING_END,
     REASONING_START,
@@ -71,6 +75,76 @@ PROMPTS: dict[str, PromptPreset] = {
 }
 
 
+def extract_gold(answer_text: str) -> str | None:
+    """Returns the gold number of a GSM8K solution.
+
+    Args:
+        answer_text: a full solution ending in ``#### <number>``, or a bare number.
+
+    Returns:
+        The text after the last ``####``, stripped, with thousands separators removed (``"1,000"`` ->
+        ``"1000"``); for text without ``####`` that is a bare number, that number; else None.
+
+    Example:
+        >>> extract_gold("48/2 = 24\\n#### 1,000"), extract_gold(" 72 "), extract_gold("no marker")
+        ('1000', '72', None)
+    """
+    if "####" in answer_text:
+        return answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+    candidate = answer_text.strip().replace(",", "")
+    try:
+        float(candidate)
+    except ValueError:
+        return None
+    return candidate
+
+
+def load_dataset_rows(
+    path_or_name: str,
+    split: str,
+    question_field: str = "question",
+    answer_field: str = "answer",
+) -> list[dict]:
+    """Loads GSM8K-style rows from a file, a folder or the Hugging Face Hub.
+
+    Args:
+        path_or_name: a ``.jsonl`` or ``.parquet`` file; a folder with ``{split}.jsonl``, ``{split}.parquet``,
+            ``{split}-*.parquet`` or ``main/{split}-*.parquet``; or a Hub name ``owner/name`` such as ``openai/gsm8k``
+            (config ``main``), which needs the ``datasets`` library and a network.
+        split: ``"train"`` or ``"test"`` (used for folders and Hub names).
+        question_field: the column holding the question.
+        answer_field: the column holding the solution (ending in ``#### N``) or a bare number.
+
+    Returns:
+        Rows ``{"question": str, "answer": str, "gold": str}``, ``gold`` being the final number without
+        thousands separators.
+
+    Raises:
+        FileNotFoundError: if a path does not exist or a folder lacks the split.
+        DatasetUnavailableError: (a ValueError) if a Hub name cannot be loaded here (raised at once offline), or
+            a Parquet file needs pyarrow.
+        ValueError: if a row lacks a field or its answer has no final number (file, row and field named).
+
+    Example:
+        >>> rows = load_dataset_rows("../shared/data/gsm8k", "test")  # doctest: +SKIP
+        >>> rows[0]["gold"]  # doctest: +SKIP
+        '18'
+    """
+    raw, source = read_dataset(path_or_name, split)
+    rows = []
+    for i, r in enumerate(raw):
+        require_columns(r, source, i, {"prompt_field": question_field, "answer_field": answer_field})
+        answer = str(r[answer_field])
+        gold = extract_gold(answer)
+        if gold is None:
+            raise ValueError(
+                f"{source}: row {i + 1} field {answer_field!r} has no '#### <number>' line and is not a number: "
+                f"{answer[-80:]!r}; the {answer_field!r} column must hold the gold answer"
+            )
+        rows.append({"question": str(r[question_field]), "answer": answer, "gold": gold})
+    return rows
+
+
 class GSM8KTask(Task):
     """GSM8K: ``<answer>`` tags holding a number; user reward functions get every dataset column by its own name
     and, beside them, MaxText's ``question``, ``answer`` (the gold number, as MaxText passes it) and ``solution``
@@ -98,7 +172,7 @@ class GSM8KTask(Task):
           ValueError: a row lacks the prompt or answer column, or holds a null, a non-text prompt, or an answer
             without a final finite number (file, row, column and value named).
         """
-        raw, source = read_rows(dataset, split)
+        raw, source = read_dataset(dataset, split)
         return [self._row(r, source, i) for i, r in enumerate(with_all_columns(raw))]
 
     def _row(self, r: dict, source: str, i: int) -> dict:

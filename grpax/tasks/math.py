@@ -16,11 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns, require_text, require_values, with_all_columns
+from grpax.data.datasets import require_columns, require_text, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 from grpax.tasks.answers import extract_answer
-from grpax.tasks.base import Task, UserRewards, weighted_total
+from grpax.tasks.base import Task, UserRewards, read_dataset, weighted_total
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class MathTask(Task):
         self.answer_field = answer_field
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
-        return self.rows_from(*read_rows(dataset, split))
+        return self.rows_from(*read_dataset(dataset, split))
 
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}
