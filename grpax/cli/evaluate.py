@@ -142,7 +142,8 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
         split into groups of num_eval_passes consecutive lines of one question.
     """
     from grpax.data.datasets import read_rows
-    from grpax.eval.metrics import load_completions_file, summarize
+    from grpax.eval.metrics import summarize
+    from grpax.tasks.gsm8k import load_completions_file
 
     path = Path(config.completions_path).expanduser()
     if not path.is_file():

@@ -13,8 +13,10 @@ what train_rl did before tasks existed.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from grpax.data.datasets import require_columns, require_values, with_all_columns
@@ -142,6 +144,61 @@ def load_dataset_rows(
                 f"{answer[-80:]!r}; the {answer_field!r} column must hold the gold answer"
             )
         rows.append({"question": str(r[question_field]), "answer": answer, "gold": gold})
+    return rows
+
+
+def load_completions_file(path: str | Path) -> list[dict]:
+    """Reads completions made elsewhere (e.g. vLLM) from a JSONL file.
+
+    Each line needs ``question``, ``answer`` (a bare number or a full GSM8K solution ending in ``#### N``)
+    and ``completion``. Keep a question's samples on consecutive lines for ``grpax.eval.metrics.summarize``.
+
+    Args:
+        path: the JSONL file.
+
+    Returns:
+        Rows ``{"question": str, "answer": str (gold number), "completion": str}``.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if a line is not a JSON object, lacks a field, or its answer has no number (file and line
+            named), or the file holds no completions.
+
+    Example:
+        >>> rows = load_completions_file("runs/vllm_samples.jsonl")  # doctest: +SKIP
+        >>> rows[0]["answer"]  # doctest: +SKIP
+        '72'
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"completions file {path} does not exist")
+    rows = []
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
+            if not isinstance(r, dict):
+                raise ValueError(
+                    f"{path}: line {line_no} is a JSON {type(r).__name__}, not an object with question, "
+                    "answer, completion"
+                )
+            missing = [k for k in ("question", "answer", "completion") if k not in r]
+            if missing:
+                raise ValueError(
+                    f"{path}: line {line_no} lacks field(s) {missing}; each line needs question, answer, completion"
+                )
+            gold = extract_gold(str(r["answer"]))
+            if gold is None:
+                raise ValueError(
+                    f"{path}: line {line_no} field 'answer' is neither a number nor a solution ending in '#### N'"
+                )
+            rows.append({"question": str(r["question"]), "answer": gold, "completion": str(r["completion"])})
+    if not rows:
+        raise ValueError(f"{path} holds no completions: each line needs question, answer, completion")
     return rows
 
 
