@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from grpax.data.datasets import require_columns, require_values, with_all_columns
+from grpax.data.datasets import read_rows, require_columns, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.tasks.answers import ANSWER_END, ANSWER_START, extract_answer, is_close, is_correct
 from grpax.tasks.base import Task, UserRewards, read_dataset
@@ -208,6 +208,7 @@ class GSM8KTask(Task):
     (the worked solution) as keywords."""
 
     name = "gsm8k"
+    completions_file = "a .jsonl file of question, answer"
 
     def __init__(
         self,
@@ -258,6 +259,14 @@ class GSM8KTask(Task):
                 "number: the gold answer must be one (fix the row or drop it)"
             )
         return {"question": question, "answer": str(answer), "gold": gold, "columns": r}
+
+    def read_completions(self, path: Path, key: str) -> tuple[list[dict], list[str], list[Any]]:
+        """GSM8K's completions file: JSONL lines of ``question``, ``answer`` (a number or a solution ending in
+        ``#### N``) and ``completion`` (``load_completions_file``; its errors name the file and line)."""
+        lines = load_completions_file(path)
+        rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
+        stored, _ = read_rows(str(path), "")  # as written, with any response_prefix
+        return rows, [str(r["completion"]) for r in lines], stored
 
     def columns(self, row: dict) -> dict[str, Any]:
         # The dataset's own columns (a user's target column by its name), then MaxText's three names.
