@@ -141,38 +141,19 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
       ConfigError: the file is missing, empty, has a line without ``completion`` or not an object, or does not
         split into groups of num_eval_passes consecutive lines of one question.
     """
-    from grpax.data.gsm8k import read_rows
-    from grpax.eval.metrics import load_completions_file, summarize
+    from grpax.eval.metrics import summarize
 
     path = Path(config.completions_path).expanduser()
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
-        kind = (
-            "a .jsonl file of question, answer" if config.task == "gsm8k" else "a .jsonl / .parquet file of"
-        )
         raise ConfigError(
-            f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass {kind} "
-            "completion and the task's columns"
+            f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass "
+            f"{task.completions_file} completion and the task's columns"
         )
-    if config.task == "gsm8k":
-        lines = load_completions_file(path)
-        rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
-        raw, _ = read_rows(str(path), "")
-    else:
-        lines, source = read_rows(str(path), "")
-        raw = lines
-        for i, line in enumerate(lines):
-            if not isinstance(line, dict) or "completion" not in line:
-                what = f"is a JSON {type(line).__name__}, not an object" if not isinstance(line, dict) else ""
-                raise ConfigError(
-                    f"completions_path={config.completions_path!r}: line {i + 1} {what or 'has no field completion'}; "
-                    "each line needs completion and the task's columns"
-                )
-        stored = ("completion", "response_prefix")  # the record's own fields, not the task's columns
-        rows = task.rows_from([{k: v for k, v in r.items() if k not in stored} for r in lines], source)
-    task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, raw))
+    rows, completions, lines = task.read_completions(path, f"completions_path={config.completions_path!r}")
+    task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, lines))
     _check_groups(config, [r["question"] for r in rows])
-    records = task.records(rows, [str(r["completion"]) for r in lines])
+    records = task.records(rows, completions)
     return records, summarize(records, config.num_eval_passes, task.is_correct)
 
 
@@ -200,7 +181,7 @@ def run(config: EvaluateConfig) -> int:
         raise ConfigError("pass load_parameters_path=<checkpoint> or completions_path=<file.jsonl>")
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
-    from grpax.data.gsm8k import prepare_rows
+    from grpax.data.prompts import prepare_rows
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES

@@ -134,7 +134,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
         object whose ``prompt`` field holds text (a null, a number or a list of chat messages would be sampled
         as its printed form; names the file and line).
     """
-    from grpax.data.gsm8k import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
+    from grpax.data.datasets import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
 
     prompts = [config.prompt] if config.prompt else []
     if config.prompts_path:
@@ -172,7 +172,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
 
 def check_prompt_preset(config: GenerateConfig) -> None:
     """Raises ConfigError for an unknown prompt_preset, or one without the chat template it renders with."""
-    from grpax.data.prompts import PROMPT_PRESETS
+    from grpax.tasks.prompts import PROMPT_PRESETS
 
     if config.prompt_preset and config.prompt_preset not in PROMPT_PRESETS:
         raise ConfigError(
@@ -187,10 +187,12 @@ def check_prompt_preset(config: GenerateConfig) -> None:
 
 def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[str]:
     """The prompt texts the model continues: train_rl's rendering with prompt_preset, else a bare user turn."""
-    from grpax.data.gsm8k import render_prompt
+    from grpax.data.prompts import render_prompt
+    from grpax.tasks.prompts import get_prompt_preset
 
     if config.prompt_preset:
-        return [render_prompt(tokenizer, t, config.prompt_preset) for t in texts]
+        preset = get_prompt_preset(config.prompt_preset)
+        return [render_prompt(tokenizer, t, preset) for t in texts]
     if not config.use_chat_template:
         return list(texts)
     messages = [[{"role": "user", "content": t}] for t in texts]
@@ -305,9 +307,10 @@ def _generate_with_environment(
 
     import jax
 
-    from grpax.data.prompts import PromptPreset, get_prompt_preset
+    from grpax.data.prompts import PromptPreset
     from grpax.rl.multi_turn import sample_trajectories
     from grpax.tasks import environment_factory, multi_turn_config
+    from grpax.tasks.prompts import get_prompt_preset
 
     preset = (
         get_prompt_preset(config.prompt_preset) if config.prompt_preset else PromptPreset(system_prompt="")

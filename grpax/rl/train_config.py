@@ -15,7 +15,7 @@ import jax
 
 from grpax import sharding
 from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
-from grpax.data.gsm8k import dataset_source, too_few_rows
+from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.lora import LoraConfig

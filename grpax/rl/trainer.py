@@ -39,7 +39,8 @@ from tqdm.auto import tqdm
 from grpax import distributed, interrupts, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
-from grpax.data.gsm8k import PromptIterator, prepare_rows
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import prepare_rows
 from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate

@@ -12,14 +12,14 @@ from math import isfinite  # not "import math": the submodule grpax.tasks.math w
 from typing import Any
 
 from grpax.config import field
-from grpax.data.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
 from grpax.errors import ConfigError
-from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.base import RewardFunctionError, Task, UserRewards
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.environment import BUILTIN_ENVIRONMENTS, TOOL_FORMATS, MultiTurnConfig, load_environment
 from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.gsm8k_rewards import get_reward_config
 from grpax.tasks.math import MathTask, check_math_verify
+from grpax.tasks.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
 from grpax.tasks.user import load_prompt_template, load_reward_functions
 
 TASKS = ("gsm8k", "math", "custom")
