@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -22,7 +22,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig):
+class EvaluateConfig(TaskConfig, ModelKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
@@ -60,14 +60,6 @@ class EvaluateConfig(TaskConfig):
         "store, as a run's eval/<tag>/results.jsonl does; the prompt preset's own is not applied to a file)",
     )
     seed: int = field(0, "sampling seed")
-    scan_layers: bool = field(True, "stacked layers")
-    weight_dtype: str = field("float32", "parameter dtype")
-    dtype: str = field("float32", "activation dtype")
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
-    )
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
     hardware: str = field("cpu", "cpu | gpu | tpu")
@@ -185,19 +177,11 @@ def run(config: EvaluateConfig) -> int:
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
-    from grpax.models.registry import check_context_length, checkpoint_config
     from grpax.sampler.keys import sampler_config
 
     # The checkpoint's config.json, read once: the context check here, the load below.
-    model_cfg, source = checkpoint_config(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-        attention=config.attention,
-    )
     what = f"max_target_length={config.max_target_length}"
-    check_context_length(config.max_target_length, what, model_cfg, source)
+    model_cfg, _ = read_model_config(config.load_parameters_path, config, config.max_target_length, what)
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
         task_rows = task.load_rows(config.dataset_name, config.eval_split)
     except (FileNotFoundError, ValueError) as e:

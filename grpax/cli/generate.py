@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -35,7 +35,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig):
+class GenerateConfig(EnvironmentConfig, ModelKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -61,16 +61,6 @@ class GenerateConfig(EnvironmentConfig):
     num_generations: int = field(1, "completions per prompt")
     batch_size: int = field(8, "rows per generate call (prompts x generations are split into batches)")
     seed: int = field(0, "sampling seed")
-    weight_dtype: str = field("float32", "parameter dtype")
-    dtype: str = field(
-        "float32", "activation dtype (on CPU float32 is fastest, but with AMX bfloat16 samples ~1.7x faster)"
-    )
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
-    )
-    scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
     overwrite: bool = field(False, "replace the file at output_path if it exists")
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
@@ -206,7 +196,7 @@ def run(config: GenerateConfig) -> int:
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_context_length, check_matches, checkpoint_config
+    from grpax.models.registry import check_matches
     from grpax.sampler.engine import generate
     from grpax.sampler.keys import sampler_config
 
@@ -247,14 +237,7 @@ def run(config: GenerateConfig) -> int:
     if config.max_completion_length > 0:
         what = f"max_prefill_predict_length + max_completion_length = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
-    model_cfg, source = checkpoint_config(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-        attention=config.attention,
-    )
-    check_context_length(total, what, model_cfg, source)
+    model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:

@@ -14,13 +14,13 @@ from typing import ClassVar
 import jax
 
 from grpax import sharding
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
+from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.lora import LoraConfig
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
-from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
+from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.policy import LORA_SAMPLERS
 from grpax.sampler.engine import SamplerConfig
@@ -36,7 +36,7 @@ REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -67,17 +67,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
     jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
-    scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
     weight_dtype: str = field(
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
         "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
         "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
-    )
-    dtype: str = field(
-        "float32",
-        "compute dtype: activations, matmul inputs, KV cache (the accelerator presets: bfloat16); float32 is "
-        "faster than bfloat16 on CPU",
     )
     reference_dtype: str = field(
         "compute",
@@ -96,11 +90,6 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full (full: the "
         "least memory, and on CPU also the fastest; auto: on CPU full, on an accelerator the one with the least "
         "recompute, in that order, that the memory plan fits with a 10% margin, full if the fit check refuses it)",
-    )
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
@@ -210,15 +199,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         return self.max_target_length - self.max_prefill_predict_length
 
     def model_keys(self) -> dict:
-        """The run's keys of the model's config (layout, dtypes, remat, attention): what the checkpoint's
-        config.json is read with (``grpax.models.registry.load_hf_config``), by the run and by its plan."""
-        return dict(
-            scan_layers=self.scan_layers,
-            weight_dtype=self.weight_dtype,
-            dtype=self.dtype,
-            remat_policy=self.remat,
-            attention=self.attention,
-        )
+        """``ModelKeys.model_keys`` and ``remat_policy`` (``remat``: auto read as full until the plan chooses)."""
+        return {**super().model_keys(), "remat_policy": self.remat}
 
     @property
     def remat(self) -> str:
@@ -436,9 +418,8 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
-    model_cfg, source = checkpoint_config(cfg.load_parameters_path, **cfg.model_keys())
     what = f"max_target_length={cfg.max_target_length}"
-    check_context_length(cfg.max_target_length, what, model_cfg, source)
+    model_cfg, _ = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
