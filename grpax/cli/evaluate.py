@@ -171,6 +171,14 @@ def run(config: EvaluateConfig) -> int:
         return 0
     if not config.load_parameters_path:
         raise ConfigError("pass load_parameters_path=<checkpoint> or completions_path=<file.jsonl>")
+    summary = _sample_and_score(config, task)
+    _print_summary(summary)
+    return 0
+
+
+def _sample_and_score(config: EvaluateConfig, task) -> dict:
+    """The checkpoint's completions of the evaluation rows, scored with ``task`` (written to output_path): the
+    summary."""
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
     from grpax.data.prompts import prepare_rows
@@ -209,7 +217,7 @@ def run(config: EvaluateConfig) -> int:
         model_cfg.pad_token_id,
         **EVAL_STRATEGIES[config.eval_sampling_strategy],
     )
-    summary = evaluate(
+    return evaluate(
         params,
         model_cfg,
         tokenizer,
@@ -222,8 +230,6 @@ def run(config: EvaluateConfig) -> int:
         output_path=config.output_path or None,
         trajectories=_trajectories(config, task, tokenizer, model_cfg, sampler_cfg),
     )
-    _print_summary(summary)
-    return 0
 
 
 def _renderer(config: EvaluateConfig, task, tokenizer):

@@ -189,36 +189,35 @@ def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
 
 
-def run(config: GenerateConfig) -> int:
-    import jax
-    from tqdm import tqdm
+def completion_length(config: GenerateConfig) -> int:
+    """New tokens per row: ``max_completion_length``, or (-1) max_target_length - max_prefill_predict_length.
 
-    from grpax import distributed
-    from grpax.checkpoint.orbax import load_model
-    from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_matches
-    from grpax.sampler.engine import generate
-    from grpax.sampler.keys import sampler_config
-
-    if not config.load_parameters_path:
-        raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
-    completion_length = config.max_completion_length
-    if completion_length < 0:
-        completion_length = config.max_target_length - config.max_prefill_predict_length
+    Raises:
+      ConfigError: 0 new tokens asked for, or none left after the prompt budget.
+    """
     if config.max_completion_length == 0:
         raise ConfigError(
             "max_completion_length=0: expected >= 1 new tokens (or -1: max_target_length - prefill)"
         )
-    if completion_length < 1:
+    length = config.max_completion_length
+    if length < 0:
+        length = config.max_target_length - config.max_prefill_predict_length
+    if length < 1:
         raise ConfigError(
             f"max_target_length={config.max_target_length} leaves no completion tokens after "
             f"max_prefill_predict_length={config.max_prefill_predict_length}"
         )
+    return length
+
+
+def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
+    """The keys checked before anything is read (ConfigError naming the key)."""
+    if not config.load_parameters_path:
+        raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
     for key in ("num_generations", "batch_size"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
-    sampling = sampling_kwargs(config)
-    check_sampling(config, completion_length, sampling)
+    check_sampling(config, length, sampling)
     check_prompt_preset(config)
     if config.environment:
         from grpax.tasks import validate_environment_keys
@@ -231,8 +230,22 @@ def run(config: GenerateConfig) -> int:
             )
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite)
+
+
+def run(config: GenerateConfig) -> int:
+    import jax
+
+    from grpax import distributed
+    from grpax.checkpoint.orbax import load_model
+    from grpax.data.tokenizer import stop_token_ids
+    from grpax.models.registry import check_matches
+    from grpax.sampler.keys import sampler_config
+
+    length = completion_length(config) if config.load_parameters_path else 0
+    sampling = sampling_kwargs(config)
+    _check_keys(config, length, sampling)
     texts = read_prompts(config)
-    total = config.max_prefill_predict_length + completion_length
+    total = config.max_prefill_predict_length + length
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
         what = f"max_prefill_predict_length + max_completion_length = {total}"
@@ -243,23 +256,30 @@ def run(config: GenerateConfig) -> int:
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
     params = jax.device_put(params)
+    stops = stop_token_ids(tokenizer, model_cfg)
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length, length, stops, model_cfg.pad_token_id, **sampling
+    )
+    key = jax.random.key(config.seed)
+    generate_rows = _generate_with_environment if config.environment else _generate_single_turn
+    records, record_prompts = generate_rows(config, params, model_cfg, tokenizer, sampler_cfg, texts, key)
+    return _report(config, records, record_prompts)
+
+
+def _generate_single_turn(
+    config, params, model_cfg, tokenizer, sampler_cfg, texts, key
+) -> tuple[list[dict], list[int]]:
+    """``num_generations`` completions of every prompt in blocks of ``batch_size`` rows (each block's key folded
+    from ``key`` by its first row), as records, and the prompt index of each."""
+    import jax
+    from tqdm import tqdm
+
+    from grpax.sampler.engine import generate
+
     token_ids = [
         tokenizer.encode(t, add_special_tokens=False) for t in render_prompts(config, tokenizer, texts)
     ]
-    sampler_cfg = sampler_config(
-        config.max_prefill_predict_length,
-        completion_length,
-        stop_token_ids(tokenizer, model_cfg),
-        model_cfg.pad_token_id,
-        **sampling,
-    )
     rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]
-    key = jax.random.key(config.seed)
-    if config.environment:
-        records, record_prompts = _generate_with_environment(
-            config, params, model_cfg, tokenizer, sampler_cfg, texts, key
-        )
-        return _report(config, records, record_prompts)
     records, record_prompts = [], []
     for start in tqdm(range(0, len(rows), config.batch_size), desc="generate", unit="batch"):
         batch = rows[start : start + config.batch_size]
@@ -278,7 +298,7 @@ def run(config: GenerateConfig) -> int:
                     "finish_reason": out.finish_reason[r],
                 }
             )
-    return _report(config, records, record_prompts)
+    return records, record_prompts
 
 
 def _generate_with_environment(
