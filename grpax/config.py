@@ -430,6 +430,15 @@ ATTENTION_HELP = (
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeKeys:
+    """Where a command runs (MaxText's keys): the JAX platform, the compilation cache, several hosts."""
+
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelKeys:
     """The keys a command reads a checkpoint's config.json with (``ModelConfig``'s layout, dtypes and attention):
     train_rl, evaluate and generate take them alike (``read_model_config``)."""

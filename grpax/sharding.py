@@ -83,12 +83,6 @@ class MeshConfig:
         "copied over after each update: time/reshard_s); 0 = the sampler shares the trainer's devices",
     )
 
-    @classmethod
-    def from_config(cls, config: Any) -> MeshConfig:
-        """Picks the mesh keys from any config object (a command's ``CONFIG`` instance) that has them."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-
 
 # ---------------------------------------------------------------------------------------------- meshes
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -22,7 +22,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig, ModelKeys):
+class EvaluateConfig(TaskConfig, ModelKeys, RuntimeKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
@@ -45,15 +45,6 @@ class EvaluateConfig(TaskConfig, ModelKeys):
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    prompt_preset: str = field(
-        "maxtext",
-        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
-        "| math | plain (model presets pick one)",
-    )
-    reward_preset: str = field(
-        "maxtext",
-        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
-    )
     response_prefix: str = field(
         "",
         "with completions_path: text the completions continue from ('' = the response_prefix the file's lines "
@@ -62,9 +53,6 @@ class EvaluateConfig(TaskConfig, ModelKeys):
     seed: int = field(0, "sampling seed")
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
-    hardware: str = field("cpu", "cpu | gpu | tpu")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 
 CONFIG = EvaluateConfig

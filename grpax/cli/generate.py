@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -35,7 +35,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig, ModelKeys):
+class GenerateConfig(EnvironmentConfig, ModelKeys, RuntimeKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -63,9 +63,6 @@ class GenerateConfig(EnvironmentConfig, ModelKeys):
     seed: int = field(0, "sampling seed")
     output_path: str = field("", "JSONL file for the completions")
     overwrite: bool = field(False, "replace the file at output_path if it exists")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 
 CONFIG = GenerateConfig

@@ -273,29 +273,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
-    reference = None
-    if lora is None:
-        resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
-        if with_ref:  # the state is donated: the reference is a copy (trainer._reference), rounded as read
-            reference = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
-            if cfg.reference_on_host:  # on the devices only during its pass (a phase's bytes)
-                resident[REFERENCE_ON_HOST_ROW] = 0
-            else:
-                resident["reference params"] = per_chip_bytes(reference)
-        merged_copy = 0
-    else:
-        resident = {
-            BASE_ROW: per_chip_bytes(base),
-            ADAPTERS_ROW: per_chip_bytes(trainable),
-            ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
-        }
-        if with_ref:
-            resident[NO_REFERENCE_ROW] = 0
-        # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged; QLoRA's
-        # dequantised, in weight_dtype), placed as the base; it lives from the rollout to the reference pass
-        # (Rollout.update_params(None) after). The adapters sampler reads the base and the adapters as they are
-        # (lora.apply): no copy.
-        merged_copy = per_chip_bytes(params) if sampler == "merged" else 0
+    resident, reference, merged_copy = _resident(cfg, model_cfg, params, base, trainable, opt_state, sampler)
     # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
     # the base with its adapters.
     sampled = params if sampler != "adapters" else lora_lib.apply(base, trainable, lora)
@@ -304,31 +282,11 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
             grpo.max_staleness + 1
         ) * per_chip_bytes(sampled)
         merged_copy = 0  # the versions are the merged weights
-    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
-    if sampler == "adapters":
-        rollout_base = lora_lib.quantize_base(rollout_params, qtype) if qtype else rollout_params
-        rollout_params = lora_lib.apply(rollout_base, _abstract_adapters(model_cfg, lora, rollout_mesh), lora)
-    same = all(
-        _same_layout(a, b)
-        for a, b in zip(jax.tree.leaves(sampled), jax.tree.leaves(rollout_params), strict=True)
-    )
-    if same:
-        rollout_params = sampled  # the sampler reads the trainer's arrays (the adapters: float32)
-    else:  # reshard_for_rollout copies them rounded to the compute dtype
-        rollout_params = _rounded(rollout_params, model_cfg.dtype)
+    rollout_params, same = _rollout_params(cfg, model_cfg, rollout_mesh, sampled, sampler)
     stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
-    rows = cfg.batch_size * grpo.num_generations
-    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
-    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
-    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
-    kv_cache = per_chip_bytes(
-        {
-            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
-            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
-        }
-    )
+    kv_cache = _kv_cache_bytes(cfg, model_cfg, rollout_mesh, sc)
+    L = model_cfg.num_layers
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
     specs = layer_specs(model_cfg)
     adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
@@ -345,6 +303,68 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
         reference is not None and cfg.reference_on_host, train_step,
     )  # fmt: skip
+
+
+def _resident(cfg: TrainConfig, model_cfg: ModelConfig, params, base, trainable, opt_state, sampler: str):
+    """What stays on each chip for the whole step (table rows, bytes per chip), the frozen reference's copy
+    (full fine-tune with beta > 0: rounded as read with ``reference_dtype=compute``; else None) and the merged
+    weights LoRA's merged sampler holds (bytes per chip)."""
+    if cfg.lora_rank == 0:
+        resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+        if cfg.beta <= 0:
+            return resident, None, 0
+        # the state is donated: the reference is a copy (trainer._reference), rounded as read
+        reference = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
+        if cfg.reference_on_host:  # on the devices only during its pass (a phase's bytes)
+            resident[REFERENCE_ON_HOST_ROW] = 0
+        else:
+            resident["reference params"] = per_chip_bytes(reference)
+        return resident, reference, 0
+    resident = {
+        BASE_ROW: per_chip_bytes(base),
+        ADAPTERS_ROW: per_chip_bytes(trainable),
+        ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
+    }
+    if cfg.beta > 0:
+        resident[NO_REFERENCE_ROW] = 0
+    # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged; QLoRA's
+    # dequantised, in weight_dtype), placed as the base; it lives from the rollout to the reference pass
+    # (Rollout.update_params(None) after). The adapters sampler reads the base and the adapters as they are
+    # (lora.apply): no copy.
+    return resident, None, per_chip_bytes(params) if sampler == "merged" else 0
+
+
+def _rollout_params(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, sampled, sampler: str):
+    """What the sampler reads on its mesh, and whether that is the trainer's arrays themselves (the same layout:
+    no copy) rather than ``reshard_for_rollout``'s copy rounded to the compute dtype."""
+    lora, qtype = cfg.lora(), cfg.lora_base_dtype if cfg.lora_rank else ""
+    shapes = abstract_params(model_cfg)
+    rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
+    if sampler == "adapters":
+        rollout_base = lora_lib.quantize_base(rollout_params, qtype) if qtype else rollout_params
+        rollout_params = lora_lib.apply(rollout_base, _abstract_adapters(model_cfg, lora, rollout_mesh), lora)
+    same = all(
+        _same_layout(a, b)
+        for a, b in zip(jax.tree.leaves(sampled), jax.tree.leaves(rollout_params), strict=True)
+    )
+    if same:
+        return sampled, True  # the sampler reads the trainer's arrays (the adapters: float32)
+    return _rounded(rollout_params, model_cfg.dtype), False
+
+
+def _kv_cache_bytes(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, sc) -> int:
+    """Per chip, the full-length KV cache (P + C slots) of the rollout's rows, placed as the sampler places it."""
+    rows = cfg.batch_size * cfg.num_generations
+    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
+    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
+    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
+    return per_chip_bytes(
+        {
+            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
+            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
+        }
+    )
 
 
 HOST_COPY_PHASE = "reference from host"
@@ -397,57 +417,84 @@ def compile_job(
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices), model_cfg)
-    model_cfg, grpo = job.model_cfg, cfg.grpo()
-    params = job.state.params if job.lora is None else job.base  # the weights the forward reads
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
-    n = len(devices)
-    mesh = dict(job.mesh.shape)
-    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(job.dense_base or params))
-    minimum = lambda passes, grads: fsdp_minimum(  # noqa: E731
-        num_params, jnp.dtype(model_cfg.dtype).itemsize, mesh["fsdp"], mesh["tensor"], passes, grads
-    )
-    train_step = job.train_step
     with jax.set_mesh(job.mesh):
-        if job.lora is None:
-            functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
-            functions["update"].fsdp_minimum = minimum(2, True)
-            phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
-        else:  # the adapters' update: the base an argument beside the donated state (make_train_step's partial)
-            functions["update"], _ = _compile(
-                "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
-            )
-            functions["update"].fsdp_minimum = minimum(
-                2, False
-            )  # the base gathered twice, no weight gradient
-            phases["update"] = _extra(
-                functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base)
-            )
-            if job.merged_copy:
-                c, _ = _compile("the LoRA merge", n, merge_adapters, job.base, job.state.params, job.lora)
-                functions["merge"] = c
-                phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
-        if grpo.beta > 0 or grpo.needs_old_logprobs:
-            # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
-            read = params if job.reference is None else job.reference
-            c, _ = _compile(
-                "the reference logprobs", n, token_logprobs, read, job.batch.tokens(), model_cfg,
-                grpo.temperature, cfg.micro_batches,
-            )  # fmt: skip
-            functions["reference logprobs"] = c
-            c.fsdp_minimum = minimum(1, False)
-            # LoRA: the merged weights are still held (dropped after the whole rollout, reference included); a
-            # reference in host memory is on the devices for this pass only.
-            resident = 0 if job.reference_on_host else per_chip_bytes(read)
-            phases["reference logprobs"] = job.merged_copy + _extra(c, resident)
-    sc, rollout_params = job.sampler_cfg, job.rollout_params
+        _compile_update(job, len(devices), functions, phases)
+        _compile_reference(job, len(devices), functions, phases)
+    _compile_sampler(job, len(devices), functions, phases)
+    flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
+    return Report(
+        target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        rollout_chips=cfg.rollout_devices,
+        ici_bandwidth=ici_bandwidth,
+        merged_copy=job.merged_copy,
+    )  # fmt: skip
+
+
+def _forward_params(job: Job):
+    """The weights the forward reads: the params, or LoRA's frozen base."""
+    return job.state.params if job.lora is None else job.base
+
+
+def _fsdp_minimum(job: Job, passes: int, grads: bool) -> float:
+    """FSDP's least all-gather / reduce-scatter traffic per chip for ``passes`` passes over the weights."""
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(job.dense_base or _forward_params(job)))
+    mesh, itemsize = dict(job.mesh.shape), jnp.dtype(job.model_cfg.dtype).itemsize
+    return fsdp_minimum(num_params, itemsize, mesh["fsdp"], mesh["tensor"], passes, grads)
+
+
+def _compile_update(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The run's update (LoRA: the adapters', the base an argument beside the donated state; with the merged
+    sampler, the merge too) into ``functions`` and its phase's bytes into ``phases``."""
+    train_step = job.train_step
+    if job.lora is None:
+        functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
+        functions["update"].fsdp_minimum = _fsdp_minimum(job, 2, True)
+        phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        return
+    functions["update"], _ = _compile(
+        "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
+    )
+    functions["update"].fsdp_minimum = _fsdp_minimum(
+        job, 2, False
+    )  # the base gathered twice, no weight gradient
+    phases["update"] = _extra(functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base))
+    if job.merged_copy:
+        c, _ = _compile("the LoRA merge", n, merge_adapters, job.base, job.state.params, job.lora)
+        functions["merge"] = c
+        phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
+
+
+def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The reference / pi_old logprob pass (``token_logprobs``), where the run computes one."""
+    cfg, grpo = job.cfg, job.cfg.grpo()
+    if not (grpo.beta > 0 or grpo.needs_old_logprobs):
+        return
+    # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
+    read = _forward_params(job) if job.reference is None else job.reference
+    c, _ = _compile(
+        "the reference logprobs", n, token_logprobs, read, job.batch.tokens(), job.model_cfg,
+        grpo.temperature, cfg.micro_batches,
+    )  # fmt: skip
+    functions["reference logprobs"] = c
+    c.fsdp_minimum = _fsdp_minimum(job, 1, False)
+    # LoRA: the merged weights are still held (dropped after the whole rollout, reference included); a
+    # reference in host memory is on the devices for this pass only.
+    resident = 0 if job.reference_on_host else per_chip_bytes(read)
+    phases["reference logprobs"] = job.merged_copy + _extra(c, resident)
+
+
+def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The sampler's prefill and decode loop on the rollout mesh, and the rollout phase's bytes."""
+    cfg, sc, rollout_params, model_cfg = job.cfg, job.sampler_cfg, job.rollout_params, job.model_cfg
     replicated = NamedSharding(job.rollout_mesh, P())
     prompts = jax.ShapeDtypeStruct(
         (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
     )
     lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
-    G = grpo.num_generations
+    G = cfg.num_generations
     with jax.set_mesh(job.rollout_mesh):
         prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
         functions["prefill"], compiled = _compile(
@@ -466,20 +513,10 @@ def compile_job(
     rollout_resident = per_chip_bytes(rollout_params)
     # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
     merged = 0 if cfg.rollout_devices else job.merged_copy
-    phases["rollout"] = (
-        merged
-        + job.rollout_copy
-        + max(
-            _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
-        )
-    )
-    flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
-    return Report(
-        target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
-        rollout_chips=cfg.rollout_devices,
-        ici_bandwidth=ici_bandwidth,
-        merged_copy=job.merged_copy,
-    )  # fmt: skip
+    sampled = [
+        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    ]
+    phases["rollout"] = merged + job.rollout_copy + max(sampled)
 
 
 def run(cfg: TrainConfig) -> int:

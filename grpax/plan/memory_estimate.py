@@ -59,6 +59,7 @@ from grpax.models.registry import ModelConfig
 from grpax.plan import compile_check
 from grpax.plan.compile_check import base_bytes_per_param, build_job, step_count
 from grpax.plan.fit_report import Compiled, Report, format_report
+from grpax.plan.step_cost import BYTES
 from grpax.plan.topology import Chip
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import LOGITS_CHUNK_ELEMENTS
@@ -70,7 +71,6 @@ GPUS: dict[str, Chip] = {
     "h100": Chip("NVIDIA H100 SXM", 81559 * _MIB, 989e12, 3.35e12, 8, host_bandwidth=64e9),  # PCIe Gen5 x16
     "h200": Chip("NVIDIA H200 SXM", 143771 * _MIB, 989e12, 4.8e12, 8, host_bandwidth=64e9),
 }
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def gpu_target(name: str) -> tuple[Chip, int] | None:
@@ -164,9 +164,39 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
     mesh = AbstractMesh(ici, sharding.MESH_AXES)
     job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
+    update, reference = _trainer_temporaries(cfg, job, ici[0] * ici[1], ici[2])
+    prefill, decode = _sampler_temporaries(job, dp, tp, ici[2])
+    estimates = [("update", update)]
+    if job.merged_copy:
+        estimates.append(("merge", _merge_temporaries(job)))
+    if job.shape.with_reference or job.shape.with_old_logprobs:
+        estimates.append(("reference logprobs", reference))
+    estimates += [("prefill", prefill), ("decode", decode)]
+    functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
+    batch = compile_check.per_chip_bytes(job.batch)
+    # A reference held in host memory is on the devices during its own pass only.
+    copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
+    phases = {
+        "update": int(update + batch),
+        "rollout": int(job.merged_copy + job.rollout_copy + max(prefill, decode)),
+    }
+    if "merge" in functions:
+        phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
+    if "reference logprobs" in functions:
+        phases["reference logprobs"] = int(job.merged_copy + copied + reference + batch)
+    flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
+    report = Report(
+        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        merged_copy=job.merged_copy,
+    )  # fmt: skip
+    report.estimated = True
+    return report
+
+
+def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int) -> tuple[float, float]:
+    """Bytes per GPU of the update's and the reference pass's temporaries on a (data x fsdp, tensor) mesh."""
     m, s = job.model_cfg, job.shape
-    act, w = _BYTES[m.dtype], _BYTES[m.weight_dtype]
-    data, tensor = ici[0] * ici[1], ici[2]
+    act, w = BYTES[m.dtype], BYTES[m.weight_dtype]
     layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
     # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
     gathered = layer * base_bytes_per_param(cfg, m) / tensor
@@ -189,8 +219,15 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     # The reference pass gathers the reference's copy (rounded to the compute dtype: half of float32 weights).
     read = 1.0 if job.reference is None else compile_check.largest_leaf(job.reference).dtype.itemsize / w
     reference = gathered * read + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
-    # A reference held in host memory is on the devices during its own pass only.
-    copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
+    return update, reference
+
+
+def _sampler_temporaries(job, dp: int, tp: int, tensor: int) -> tuple[float, float]:
+    """Bytes per GPU of the prefill's and the decode's temporaries on the sampler's (dp, tp) mesh (the
+    prefill's widest activation counted split ``tensor`` ways: the trainer mesh's tensor axis)."""
+    m, s = job.model_cfg, job.shape
+    act, P, C = BYTES[m.dtype], s.prompt_length, s.completion_length
+    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
     ends = [*range(s.decode_phase_length or C, C, s.decode_phase_length or C), C]
     # The prefill's output (G rows per prompt, P + the first phase's slots) beside the prompts' own cache.
@@ -207,34 +244,18 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     decode += job.kv_cache * rollout_cache_slots(P, C, s.decode_phase_length) / (P + C)
     # The rows' logits (float32): three at each step, and the prefill's first-token logits the caller keeps.
     decode += 4 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
-    estimates = [("update", update)]
-    if job.merged_copy:  # the float32 W + s * A @ B of every adapted weight, all layers at once
-        layers = job.dense_base["layers"]  # QLoRA: the dequantised weights, in weight_dtype
-        stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
-        adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
-        # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds
-        # the float32 sums before rounding them.
-        estimates.append(("merge", adapted * 4 / w if w < 4 else 0))
-    if s.with_reference or s.with_old_logprobs:
-        estimates.append(("reference logprobs", reference))
-    estimates += [("prefill", prefill), ("decode", decode)]
-    functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
-    batch = compile_check.per_chip_bytes(job.batch)
-    phases = {
-        "update": int(update + batch),
-        "rollout": int(job.merged_copy + job.rollout_copy + max(prefill, decode)),
-    }
-    if "merge" in functions:
-        phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
-    if "reference logprobs" in functions:
-        phases["reference logprobs"] = int(job.merged_copy + copied + reference + batch)
-    flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
-    report = Report(
-        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
-        merged_copy=job.merged_copy,
-    )  # fmt: skip
-    report.estimated = True
-    return report
+    return prefill, decode
+
+
+def _merge_temporaries(job) -> float:
+    """LoRA's merge: the float32 W + s * A @ B of every adapted weight, all layers at once. A float32 base takes
+    the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds the float32 sums before
+    rounding them (QLoRA: of the dequantised weights, in weight_dtype)."""
+    w = BYTES[job.model_cfg.weight_dtype]
+    layers = job.dense_base["layers"]
+    stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
+    adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
+    return adapted * 4 / w if w < 4 else 0
 
 
 def run(cfg: TrainConfig) -> int:

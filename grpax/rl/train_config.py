@@ -14,7 +14,7 @@ from typing import ClassVar
 import jax
 
 from grpax import sharding
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, ModelKeys, field, read_model_config
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
@@ -36,7 +36,7 @@ REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, RuntimeKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -64,9 +64,6 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys):
     )
     base_output_directory: str = field("outputs", "root folder of all runs")
     run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     weight_dtype: str = field(
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
@@ -100,15 +97,6 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys):
     )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
-    prompt_preset: str = field(
-        "maxtext",
-        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
-        "| math | plain (model presets pick one)",
-    )
-    reward_preset: str = field(
-        "maxtext",
-        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
-    )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(
         -1,

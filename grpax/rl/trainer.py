@@ -164,21 +164,7 @@ def _train(
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
-    policy = (
-        Policy(
-            cfg.lora(),
-            params,
-            str(Path(cfg.load_parameters_path).absolute()),
-            cfg.lora_base_dtype,
-            cfg.lora_sampler,
-            model_cfg.dtype,
-        )
-        if cfg.lora_rank
-        else Policy()
-    )
-    latest = checkpointer.latest_step()
-    if latest is not None:  # before anything is restored: adapters on other base weights are refused
-        policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
+    policy = _policy(cfg, params, model_cfg, checkpointer)
     # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
     frozen = policy.lora is not None
     ref_params = _reference(cfg, policy.base if frozen else params, model_cfg, paths, closing, frozen=frozen)
@@ -190,12 +176,7 @@ def _train(
     placement = dict(
         mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
     )
-    if cfg.environment:  # multi-turn: the same Batch, observation tokens masked out (grpax.rl.multi_turn)
-        env = environment_factory(cfg)
-        turns = multi_turn_config(cfg)
-        rollout = MultiTurnRollout(model_cfg, sampler_cfg, grpo, task, tokenizer, env, turns, **placement)
-    else:
-        rollout = Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
+    rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(
@@ -228,6 +209,28 @@ def _train(
         results["before"] = _evaluate(run, policy.sampler_params(state.params), "before", 0)
     state, history = _loop(run, state, iterator, start_step, results["before"])
     return _finish(run, state, history, results)
+
+
+def _policy(cfg: TrainConfig, params: Any, model_cfg: ModelConfig, checkpointer: TrainCheckpointer) -> Policy:
+    """What the run trains (all the weights, or LoRA adapters on ``params`` as the frozen base), refused in one
+    line when the run folder's latest checkpoint was trained on another base or in another mode."""
+    policy = Policy()
+    if cfg.lora_rank:
+        path = str(Path(cfg.load_parameters_path).absolute())
+        policy = Policy(cfg.lora(), params, path, cfg.lora_base_dtype, cfg.lora_sampler, model_cfg.dtype)
+    latest = checkpointer.latest_step()
+    if latest is not None:  # before anything is restored: adapters on other base weights are refused
+        policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
+    return policy
+
+
+def _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement: dict) -> Rollout:
+    """The run's ``Rollout``: single-turn, or with ``environment`` multi-turn (the same Batch, observation
+    tokens masked out: ``grpax.rl.multi_turn``); ``placement``: its meshes, reference and micro-batches."""
+    if not cfg.environment:
+        return Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
+    env, turns = environment_factory(cfg), multi_turn_config(cfg)
+    return MultiTurnRollout(model_cfg, sampler_cfg, grpo, task, tokenizer, env, turns, **placement)
 
 
 def _open_checkpointer(

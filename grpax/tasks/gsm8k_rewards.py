@@ -130,10 +130,10 @@ _SMOLLM2_DEMO = RewardConfig(
 )
 REWARD_PRESETS: dict[str, RewardConfig] = {
     "maxtext": RewardConfig(),
+    "tunix": RewardConfig(),  # Tunix's GSM8K rewards are MaxText's
     "simple": _SIMPLE,
     "smollm2_demo": _SMOLLM2_DEMO,
 }
-REWARD_PRESET_ALIASES = {"tunix": "maxtext"}
 
 
 def get_reward_config(name: str, **overrides) -> RewardConfig:
@@ -153,9 +153,8 @@ def get_reward_config(name: str, **overrides) -> RewardConfig:
         >>> get_reward_config("tunix", answer_wrong=0.0).answer_wrong
         0.0
     """
-    name = REWARD_PRESET_ALIASES.get(name, name)
     if name not in REWARD_PRESETS:
-        known = sorted([*REWARD_PRESETS, *REWARD_PRESET_ALIASES])
+        known = sorted(REWARD_PRESETS)
         raise ValueError(f"unknown reward preset {name!r}; known presets: {known}")
     unknown = set(overrides) - set(RewardConfig.__dataclass_fields__)
     if unknown:
