@@ -72,8 +72,8 @@ def _free_port() -> int:
 
 
 def _keys(ckpt: Path, out: Path, **overrides) -> dict:
-    # 2 steps on a data=2 sampler mesh, otherwise the tiny run of tests/test_trainer.py. No warmup: a
-    # ratio's warmup is rounded up (1 of 2 steps at learning rate 0), and both steps must move the weights.
+    # 2 steps on a data=2 sampler mesh, otherwise the tiny run of tests/test_trainer.py. No warmup: both steps
+    # at the full learning rate, and both must move the weights.
     defaults = dict(
         num_batches=2, warmup_ratio=0.0, rollout_data_parallelism=2, rollout_tensor_parallelism=-1
     )

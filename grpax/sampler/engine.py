@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax import distributed
+from grpax.host_memory import release_host_memory
 from grpax.models.llama import init_cache, logits_from_hidden
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
@@ -258,9 +259,19 @@ _DECODE_STATIC = ("cfg", "sampler_cfg", "backend")
 
 
 @functools.cache
-def _compiled(fn, static_argnames: tuple[str, ...], compiler_options: tuple[tuple[str, str], ...]):
+def _compiled(
+    fn,
+    static_argnames: tuple[str, ...],
+    compiler_options: tuple[tuple[str, str], ...],
+    donate_argnames: tuple[str, ...] = (),
+):
     """``fn`` jitted with these XLA compiler options (the backend's), once per process."""
-    return jax.jit(fn, static_argnames=static_argnames, compiler_options=dict(compiler_options) or None)
+    return jax.jit(
+        fn,
+        static_argnames=static_argnames,
+        compiler_options=dict(compiler_options) or None,
+        donate_argnames=donate_argnames,
+    )
 
 
 def _prefill(
@@ -453,6 +464,12 @@ def _decode_retiring(
     only those. Every row writes its tokens at its own row of the whole batch's state and draws the noise of
     its row id (``_row_uniforms``), so the rollout is the same as ``_decode``'s, token for token; only the
     rows x steps the model runs (``decode_row_steps``) shrink. The loop stops as soon as every row is done.
+
+    Memory: the first phase (the prefill's cache, its shape unchanged) takes its cache donated, so it decodes in
+    place and the prefill's cache is gone after it (it was held through the whole decode: one cache more at
+    every phase); later phases grow or gather the cache (a new buffer, which a donation could not reuse).
+    Between phases the host hands the freed caches back (``release_host_memory``): each phase's cache is
+    larger than the last one's, so glibc could not reuse their blocks and the process grew by a cache a phase.
     """
     sc = sampler_cfg
     B = logits.shape[0]
@@ -468,11 +485,16 @@ def _decode_retiring(
     rows = jnp.arange(B, dtype=jnp.int32)
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
     state, token = _compiled(_first_token, ("sampler_cfg",), options)(logits, key, sc)
-    phase = _compiled(_retire_phase, ("end", "grow", "num_slots", "cfg", "sc", "backend"), options)
+    statics = ("end", "grow", "num_slots", "cfg", "sc", "backend")
+    phases = [
+        _compiled(_retire_phase, statics, options, ("cache",)),
+        _compiled(_retire_phase, statics, options),
+    ]
     step, row_ids, row_steps = jnp.int32(1), np.arange(B), 0
     for j, end in enumerate(ends):
         keep = None
         if j:
+            release_host_memory()  # the last phase's input cache, freed when its output replaced it
             done = distributed.fetch(state[3])
             live = np.flatnonzero(~done[row_ids])  # indices into the current rows
             if live.size == 0:  # every row done: no phase left to run
@@ -483,7 +505,7 @@ def _decode_retiring(
                 keep = np.sort(np.concatenate([live, finished])).astype(np.int32)
                 row_ids = row_ids[keep]
         before = step
-        step, token, cache, state, lengths, rows = phase(
+        step, token, cache, state, lengths, rows = phases[min(j, 1)](
             prepared, token, cache, state, step, lengths, rows, keep, key,
             end=end, grow=end - ends[j - 1] if j else 0, num_slots=slots, cfg=cfg, sc=sc, backend=backend,
         )  # fmt: skip
@@ -580,6 +602,7 @@ def generate(
         prompt_mask[i, P - len(p) :] = 1
     # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
     out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc, num_generations))
+    release_host_memory()  # the cache, the prefill's and the decode's buffers: before the next call allocates
     finish = ["stop" if s else "length" for s in out["stopped"]]
     return GenerateOutput(
         prompt_ids=left,
