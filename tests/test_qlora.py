@@ -308,7 +308,9 @@ def test_the_merged_export_is_the_dequantised_base_plus_the_adapters(tmp_path):
     )
     deq = np.asarray(quant.dequantize(policy.base["layers"]["wq"]))
     np.testing.assert_allclose(wq, deq + delta, rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(merged_into["layers"]["wq"], deq)  # what the export's rounding is measured on
+    np.testing.assert_array_equal(
+        merged_into["layers"]["wq"], deq
+    )  # what the export's rounding is measured on
     assert np.abs(wq - (np.asarray(base["layers"]["wq"]) + delta)).max() > 1e-4  # not the unquantised base
     with pytest.raises(ConfigError, match="trained on other weights"):  # quantised otherwise: another model
         load_lora_step(

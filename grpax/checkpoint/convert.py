@@ -442,7 +442,9 @@ def to_native(
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
             out_cfg = {**_extra_keys(hf_config, out_cfg), **out_cfg}
-        out_cfg[CONVERTED_FROM] = converted_from  # the Hugging Face base of a PEFT export (checkpoint/peft.py)
+        out_cfg[CONVERTED_FROM] = (
+            converted_from  # the Hugging Face base of a PEFT export (checkpoint/peft.py)
+        )
         _write_json(staging / "config.json", out_cfg)
         if tokenizer_obj is not None:
             from grpax.data.tokenizer import save_tokenizer
@@ -819,4 +821,3 @@ def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) ->
     base = restore_params(base_path)
     base = convert_layout(base, cfg, scan_layers=cfg.scan_layers)
     return base, f"{base_path} ({how})"
-

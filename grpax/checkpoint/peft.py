@@ -27,7 +27,6 @@ from grpax.models import lora as lora_lib
 from grpax.models.params import unstack_layers
 from grpax.models.registry import ModelConfig
 
-
 # The key of a converted base's config.json that records its source: {"hub": repo}, {"hf_model_path": folder}
 # or {"gguf": file} (``grpax.checkpoint.convert.to_native``).
 CONVERTED_FROM = "grpax_converted_from"

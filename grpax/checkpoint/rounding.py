@@ -102,7 +102,9 @@ def measure(trained: Any, base: Any, dtype: np.dtype, base_name: str) -> Roundin
     for t, b in zip(t_leaves, b_leaves, strict=True):
         t, b = np.asarray(t).reshape(-1), np.asarray(b).reshape(-1)
         if t.shape != b.shape:
-            raise ValueError(f"{base_name} has a weight of {b.size:,} values where the checkpoint has {t.size:,}")
+            raise ValueError(
+                f"{base_name} has a weight of {b.size:,} values where the checkpoint has {t.size:,}"
+            )
         total += t.size
         for start in range(0, t.size, _CHUNK):
             t64 = t[start : start + _CHUNK].astype(np.float64)
