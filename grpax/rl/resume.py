@@ -49,7 +49,8 @@ class RunPaths:
 
 
 # Keys a resumed run cannot change: the saved data order, groups and weights (and their layout, scan_layers)
-# follow from them. The dataset keys may change (a new dataset continues at the saved position).
+# follow from them; lora_alpha and use_rslora scale the trained adapters (a new scale would rescale what they
+# learnt). The dataset keys may change (a new dataset continues at the saved position).
 RESUME_FIXED_KEYS = (
     "batch_size",
     "num_generations",
@@ -58,6 +59,8 @@ RESUME_FIXED_KEYS = (
     "load_parameters_path",
     "scan_layers",
     "lora_rank",
+    "lora_alpha",
+    "use_rslora",
     "lora_target_modules",
     "lora_base_dtype",
 )

@@ -17,7 +17,7 @@ from grpax import sharding
 from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
 from grpax.data.gsm8k import dataset_source, too_few_rows
 from grpax.eval.keys import validate_eval_keys
-from grpax.models.lora import LoraConfig
+from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
 from grpax.rl.config import GRPOConfig
@@ -270,6 +270,17 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.lora_rank and not cfg.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
+    if not cfg.lora_rank:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        lora_only = ("lora_alpha", "lora_target_modules", "use_rslora", "lora_sampler")
+        shown = {k: list(v) if isinstance(v, tuple) else v for k in lora_only for v in [getattr(cfg, k)]}
+        given = [f"{k}={shown[k]!r}" for k in lora_only if getattr(cfg, k) != defaults[k]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} LoRA adapters, but lora_rank=0 trains "
+                "all the weights (the full fine-tune): set lora_rank > 0 (e.g. lora_rank=16) or drop "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
     cfg.lora()  # the target modules' names
     if cfg.lora_base_dtype:
         if cfg.lora_base_dtype not in QUANT_DTYPES:
@@ -392,6 +403,9 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     )
     what = f"max_target_length={cfg.max_target_length}"
     check_context_length(cfg.max_target_length, what, model_cfg, source)
+    lora = cfg.lora()
+    if lora is not None and model_cfg is not None:
+        check_rank(lora, model_cfg, str(source))
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
