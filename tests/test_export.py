@@ -263,3 +263,15 @@ def test_a_peft_export_of_a_whole_model_is_refused_in_one_line(runs, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "lora_export=peft writes a LoRA run's adapters, but" in err and "holds a whole model" in err, err
     assert not (tmp / "p").exists()
+
+
+def test_a_base_parameters_path_that_does_not_exist_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    code, _, err = _export(
+        capsys,
+        f"load_parameters_path={tiny_checkpoint}",
+        f"base_output_directory={tmp_path / 'hf'}",
+        f"base_parameters_path={tmp_path / 'nope'}",
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"base_parameters_path='{tmp_path / 'nope'}' does not exist" in err, err
+    assert not (tmp_path / "hf").exists()

@@ -807,6 +807,11 @@ def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) ->
     fix = "pass base_parameters_path=<the run's load_parameters_path> to measure what weight_dtype keeps"
     if base_parameters_path:
         base_path, how = Path(base_parameters_path).absolute(), "base_parameters_path"
+        if not base_path.exists():
+            raise ConfigError(
+                f"base_parameters_path={base_parameters_path!r} does not exist: pass the params folder the run "
+                "started from (its load_parameters_path), or none to export without the comparison"
+            )
     elif training_step:
         run_config = params_path.parents[3] / "config.json"
         try:
