@@ -184,7 +184,8 @@ def test_the_export_of_a_2_step_run_says_how_much_of_the_update_its_dtype_keeps(
     assert kept < 0.5 * changed  # ... by less than bfloat16 can show
     report = to_huggingface(full, tmp / "bf16_again", progress=False)["rounding"]
     assert (report.changed, report.kept) == (changed, kept)
-    assert report.relative_error == pytest.approx(np.sqrt(error_sq / delta_sq), rel=1e-9)
+    # float32 sums along each weight's last axis, added in float64 (rounding.measure): 1e-5 of float64's
+    assert report.relative_error == pytest.approx(np.sqrt(error_sq / delta_sq), rel=1e-5)
     assert report.lost and f"{kept / changed:.1%} of the {changed:,} weights" in out
 
     code, out, err = _export(

@@ -23,12 +23,14 @@ own size (``RoundingReport.lost``), and names the fix: ``weight_dtype=float32``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-_CHUNK = 1 << 22  # elements compared at a time (float64 temporaries of 32 MB), so an 8B leaf fits in memory
+_CHUNK = 1 << 24  # elements compared in one call (float32 temporaries of 64 MB each): an 8B leaf fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,28 @@ class RoundingReport:
         return {**dataclasses.asdict(self), "kept_fraction": self.kept_fraction, "lost": self.lost}
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _chunk_stats(t: jax.Array, b: jax.Array, dtype: np.dtype) -> tuple[jax.Array, ...]:
+    """Per row of [R, C] chunks: changed and kept counts, and the float32 sums of squares of the update and of
+    the exported update's error (per row, so that each float32 sum is short; the caller adds them in float64).
+    XLA's casts and reductions here run on every core, tens of times faster than numpy's bfloat16 casts."""
+    t32, b32 = t.astype(jnp.float32), b.astype(jnp.float32)
+    rt, rb = t.astype(dtype).astype(jnp.float32), b.astype(dtype).astype(jnp.float32)
+    moved = t32 != b32
+    delta = t32 - b32
+    error = (rt - rb) - delta
+    return (
+        moved.sum(axis=1),
+        (moved & (rt != rb)).sum(axis=1),
+        (delta * delta).sum(axis=1),
+        (error * error).sum(axis=1),
+    )
+
+
 def measure(trained: Any, base: Any, dtype: np.dtype, base_name: str) -> RoundingReport:
     """Compares ``trained`` with ``base`` rounded to ``dtype`` (the module docstring's measures).
+
+    Counts are exact; the norms are float32 sums along each weight's last axis, added in float64.
 
     Args:
       trained: the params to export (numpy leaves, any float dtype).
@@ -100,23 +122,21 @@ def measure(trained: Any, base: Any, dtype: np.dtype, base_name: str) -> Roundin
     total = changed = kept = 0
     delta_sq = error_sq = 0.0
     for t, b in zip(t_leaves, b_leaves, strict=True):
-        t, b = np.asarray(t).reshape(-1), np.asarray(b).reshape(-1)
+        t, b = np.asarray(t), np.asarray(b)
         if t.shape != b.shape:
             raise ValueError(
-                f"{base_name} has a weight of {b.size:,} values where the checkpoint has {t.size:,}"
+                f"{base_name} has a weight of shape {list(b.shape)} where the checkpoint has {list(t.shape)}"
             )
         total += t.size
-        for start in range(0, t.size, _CHUNK):
-            t64 = t[start : start + _CHUNK].astype(np.float64)
-            b64 = b[start : start + _CHUNK].astype(np.float64)
-            rt = t[start : start + _CHUNK].astype(dtype).astype(np.float64)
-            rb = b[start : start + _CHUNK].astype(dtype).astype(np.float64)
-            moved = t64 != b64
-            changed += int(moved.sum())
-            kept += int((moved & (rt != rb)).sum())
-            delta = t64 - b64
-            delta_sq += float(delta @ delta)
-            error = (rt - rb) - delta
-            error_sq += float(error @ error)
+        cols = t.shape[-1] if t.ndim else 1
+        t2, b2 = t.reshape(-1, cols), b.reshape(-1, cols)
+        rows = max(1, _CHUNK // cols)
+        for start in range(0, t2.shape[0], rows):
+            stats = _chunk_stats(t2[start : start + rows], b2[start : start + rows], np.dtype(dtype))
+            moved, kept_rows, d2, e2 = (np.asarray(x) for x in stats)
+            changed += int(moved.sum(dtype=np.int64))
+            kept += int(kept_rows.sum(dtype=np.int64))
+            delta_sq += float(d2.sum(dtype=np.float64))
+            error_sq += float(e2.sum(dtype=np.float64))
     relative = float(np.sqrt(error_sq / delta_sq)) if delta_sq > 0 else 0.0
     return RoundingReport(base_name, str(np.dtype(dtype)), total, changed, kept, relative)
