@@ -95,21 +95,19 @@ def _closed_loop_callback(exc_type, exc: BaseException, tb) -> bool:
     )
 
 
-def _abandoned_orbax_read(exc_type, exc: BaseException, tb) -> bool:
-    """An Orbax read coroutine closed unfinished after another read of the same restore failed (a truncated
-    file): its ``except`` turns the ``GeneratorExit`` into "Exception: Encountered error while reading array
-    index" with a 40-line TensorStore spec, printed through ``sys.unraisablehook`` after the one-line error."""
-    if tb is None or not isinstance(exc.__cause__, GeneratorExit):
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return os.path.join("orbax", "checkpoint") in tb.tb_frame.f_code.co_filename
+def _abandoned_orbax_coroutine(unraisable) -> bool:
+    """An Orbax read or write coroutine collected unfinished after another of the same restore or save failed
+    (a truncated file, a full disk): its ``except`` turns the ``GeneratorExit`` into "Exception: Encountered
+    error while reading array index" with a 40-line TensorStore spec (or, at interpreter exit, an ImportError),
+    printed through ``sys.unraisablehook`` once per abandoned array after the one-line error."""
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine object
+    return code is not None and os.path.join("orbax", "checkpoint") in code.co_filename
 
 
 def _unraisablehook(previous):
     def hook(unraisable):
         args = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
-        if not (_closed_loop_callback(*args) or _abandoned_orbax_read(*args)):
+        if not (_closed_loop_callback(*args) or _abandoned_orbax_coroutine(unraisable)):
             previous(unraisable)
 
     hook.grpax_closed_loop_filter = True
