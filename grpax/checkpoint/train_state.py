@@ -84,7 +84,8 @@ _ASYNCIO_FILTER = _UnretrievedTensorstoreErrors()
 def _closed_loop_callback(exc_type, exc: BaseException, tb) -> bool:
     """A tensorstore write finishing after Orbax closed its event loop (a failed save): its native callback
     calls ``loop.call_soon_threadsafe`` and prints "RuntimeError: Event loop is closed" through
-    ``sys.unraisablehook``, once per pending write (40 lines on a full disk), around the save's one-line error."""
+    ``sys.unraisablehook`` or, from another callback, ``PyErr_Print`` (``sys.excepthook``), once per pending write
+    (40-170 lines on a full disk), around the save's one-line error."""
     if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or tb is None:
         return False
     while tb.tb_next is not None:
@@ -117,14 +118,26 @@ def _unraisablehook(previous):
 def quiet_orbax_thread_errors() -> None:
     """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through and
     ``_UnretrievedTensorstoreErrors`` on the ``asyncio`` logger, and drops tensorstore's "Event loop is closed"
-    callbacks of a failed save and Orbax's abandoned reads of a failed restore from ``sys.unraisablehook``
-    (once; every other exception is printed as before)."""
+    callbacks of a failed save (from ``sys.unraisablehook`` and ``sys.excepthook``) and Orbax's abandoned
+    coroutines of a failed restore or save (from ``sys.unraisablehook``); once; every other exception is printed
+    as before."""
     for name, log_filter in (("absl", _THREAD_FILTER), ("asyncio", _ASYNCIO_FILTER)):
         logger = logging.getLogger(name)
         if log_filter not in logger.filters:
             logger.addFilter(log_filter)
     if not getattr(sys.unraisablehook, "grpax_closed_loop_filter", False):
         sys.unraisablehook = _unraisablehook(sys.unraisablehook)
+    if not getattr(sys.excepthook, "grpax_closed_loop_filter", False):
+        sys.excepthook = _excepthook(sys.excepthook)
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if not _closed_loop_callback(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+
+    hook.grpax_closed_loop_filter = True
+    return hook
 
 
 class SaveFailedError(ConfigError):
