@@ -40,7 +40,8 @@ def hf_base(base_path: Path) -> tuple[str, str]:
 
     export = (
         f"export the base first (grpax to_huggingface load_parameters_path={base_path} "
-        "base_output_directory=BASE_HF weight_dtype=float32) and load the adapters on BASE_HF"
+        "base_output_directory=BASE_HF weight_dtype=float32) and load the adapters on BASE_HF (or export "
+        "them with base_model_name_or_path=BASE_HF to name it in adapter_config.json)"
     )
     try:
         source = json.loads((find_model_folder(base_path) / "config.json").read_text()).get(CONVERTED_FROM)
