@@ -276,3 +276,27 @@ def test_a_base_parameters_path_that_does_not_exist_is_one_line(tiny_checkpoint,
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"base_parameters_path='{tmp_path / 'nope'}' does not exist" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_hf_records_the_rounding_and_its_warning_names_a_fix_that_applies(
+    tmp_path, monkeypatch, caplog
+):
+    """train_rl's export_hf writes bfloat16 with no dtype key: its warning names the to_huggingface command that
+    keeps the update (weight_dtype=float32 of train_rl is the params' storage dtype, not the export's)."""
+    import logging
+
+    from grpax.checkpoint.rounding import RoundingReport
+    from grpax.rl import results as results_lib
+
+    report = RoundingReport("the base", "bfloat16", 10, 8, 1, 3.0)
+    summary = {"output_dir": str(tmp_path / "hf"), "rounding": report, "rounding_note": ""}
+    monkeypatch.setattr(results_lib, "to_huggingface", lambda path, folder: summary)
+    results = {"before": None, "after": None, "actor_path": "run/checkpoints/actor/2/model_params"}
+    with caplog.at_level(logging.INFO):
+        results_lib.publish(results, tmp_path, tmp_path / "eval", str(tmp_path / "hf"), 2, lambda a, b: True)
+    assert results["hf_rounding"]["kept_fraction"] == 1 / 8 and results["hf_rounding"]["lost"]
+    assert json.loads((tmp_path / "results.json").read_text())["hf_rounding"]["kept"] == 1
+    assert (
+        "export the step again with grpax to_huggingface load_parameters_path=run/checkpoints/actor/2/model_params "
+        "base_output_directory=<new folder> weight_dtype=float32 to keep them" in caplog.text
+    )

@@ -72,11 +72,11 @@ class RoundingReport:
             "the trained update's norm"
         )
 
-    def warning(self) -> str:
-        """The loud line of an export that loses the update, with the fix."""
+    def warning(self, fix: str = "export with weight_dtype=float32") -> str:
+        """The loud line of an export that loses the update, with ``fix``."""
         return (
             f"the {self.dtype} export loses most of the training: {self.line()}. The updates are below "
-            f"{self.dtype}'s precision: export with weight_dtype=float32 to keep them"
+            f"{self.dtype}'s precision: {fix} to keep them"
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -60,7 +60,11 @@ def publish(
         if report is not None:
             results["hf_rounding"] = report.as_dict()
             if report.lost:
-                log.warning("export_hf: %s", report.warning())
+                fix = (
+                    f"export the step again with grpax to_huggingface load_parameters_path={results['actor_path']} "
+                    "base_output_directory=<new folder> weight_dtype=float32"
+                )
+                log.warning("export_hf: %s", report.warning(fix))
             else:
                 log.info("export_hf: %s", report.line())
         elif summary["rounding_note"]:
