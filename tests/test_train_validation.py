@@ -160,6 +160,16 @@ def test_resume_refuses_a_changed_layer_layout(tmp_path):
         check_resume(_config(tmp_path, num_batches=4, scan_layers=False), paths, latest=2)
 
 
+def test_resume_refuses_a_changed_weight_dtype(tmp_path):
+    """Issue 45 trial: a resume with weight_dtype=bfloat16 (a float32 run) stopped after the model load with
+    Orbax's 5-line tree mismatch (a 16-bit run's optimizer state holds a float32 master copy)."""
+    paths = _saved_run(tmp_path, num_batches=4)
+    with pytest.raises(
+        ConfigError, match=r"weight_dtype='float32' \(now 'bfloat16'\).*cannot change weight_dtype"
+    ):
+        check_resume(_config(tmp_path, num_batches=4, weight_dtype="bfloat16"), paths, latest=2)
+
+
 def test_resume_compares_load_paths_as_absolute(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path / "a")

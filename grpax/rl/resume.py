@@ -49,8 +49,8 @@ class RunPaths:
 
 
 # Keys a resumed run cannot change: the saved data order, groups and weights (and their layout, scan_layers)
-# follow from them; lora_alpha and use_rslora scale the trained adapters (a new scale would rescale what they
-# learnt). The dataset keys may change (a new dataset continues at the saved position).
+# follow from them (weight_dtype: a 16-bit run's optimizer state also holds the float32 master copy); lora_alpha
+# and use_rslora scale the trained adapters (a new scale would rescale what they learnt). The dataset keys may change (a new dataset continues at the saved position).
 RESUME_FIXED_KEYS = (
     "batch_size",
     "num_generations",
@@ -58,6 +58,7 @@ RESUME_FIXED_KEYS = (
     "model_name",
     "load_parameters_path",
     "scan_layers",
+    "weight_dtype",
     "lora_rank",
     "lora_alpha",
     "use_rslora",

@@ -66,7 +66,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
         "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
-        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
+        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes; a "
+        "resumed run cannot change it",
     )
     dtype: str = field(
         "float32",
