@@ -376,7 +376,7 @@ def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
     tensors = {}
     for f in out.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
-    merged = load_lora_step(Path(actor), restore_params(actor), meta)
+    merged, _ = load_lora_step(Path(actor), restore_params(actor), meta)
     got = tensors["model.layers.1.mlp.down_proj.weight"]  # [out, in]
     np.testing.assert_array_equal(got, np.asarray(merged["layers"]["w_down"][1], np.float32).T)
     plain = np.asarray(restore_params(tiny_checkpoint)["layers"]["w_down"][1], np.float32).T
