@@ -442,9 +442,8 @@ def to_native(
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
             out_cfg = {**_extra_keys(hf_config, out_cfg), **out_cfg}
-        out_cfg[CONVERTED_FROM] = (
-            converted_from  # the Hugging Face base of a PEFT export (checkpoint/peft.py)
-        )
+        # The Hugging Face base a PEFT export of a run on this checkpoint names (checkpoint/peft.py).
+        out_cfg[CONVERTED_FROM] = converted_from
         _write_json(staging / "config.json", out_cfg)
         if tokenizer_obj is not None:
             from grpax.data.tokenizer import save_tokenizer
@@ -706,10 +705,9 @@ def to_huggingface(
             "hf_base": hf_base,
             "hf_base_note": note,
         }
-    base: Any = None
     if lora is not None:
         params, base = peft.load_lora_step(params_path, params, lora, chosen_base)
-        base_name = f"the LoRA base {chosen_base or lora['base_path']}"
+        base_name, note = f"the LoRA base {chosen_base or lora['base_path']}", ""
         if str(base_parameters_path) == "none":
             base = None
     stacked = isinstance(params["layers"], dict)
@@ -732,20 +730,16 @@ def to_huggingface(
         log.warning("checkpoint has lm_head but the config ties embeddings; lm_head is not exported")
         params = {k: v for k, v in params.items() if k != "lm_head"}
     if lora is None:
-        base, base_name = _run_base(params_path, str(base_parameters_path), cfg)
+        base, base_name, note = _run_base(params_path, str(base_parameters_path), cfg)
     report: rounding.RoundingReport | None = None
-    if isinstance(base, str):  # why nothing was compared
-        note, base = base, None
-    elif base is not None:
-        base = {k: v for k, v in base.items() if k in params}
+    if base is not None:
         try:
-            report = rounding.measure(params, base, dtype, base_name)
-            note = ""
-        except ValueError as e:
+            report = rounding.measure(
+                params, {k: v for k, v in base.items() if k in params}, dtype, base_name
+            )
+        except ValueError as e:  # another model's weights
             note = f"not compared with {base_name}: {e}"
-        base = None
-    else:
-        note = ""
+        del base
 
     tokenizer = None
     tokenizer_files: list[str] = []
@@ -791,19 +785,22 @@ def to_huggingface(
     }
 
 
-def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) -> tuple[Any, str]:
-    """The weights a full fine-tune's step started from, in the step's layout, and how they are named; or a
-    line saying why there are none to compare with (a str in place of the weights), or None for a checkpoint
-    that is no training step (a conversion: nothing was trained).
+def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) -> tuple[Any, str, str]:
+    """``(weights, name, note)``: the weights a full fine-tune's step started from, in ``cfg``'s layout, and how
+    they are named; or None and a note saying why there are none to compare with ("" for a checkpoint that is
+    no training step, a conversion: nothing was trained; and for ``base_parameters_path=none``).
 
     The base is ``base_parameters_path``, else the ``load_parameters_path`` of the run's ``config.json``
     (``<run>/checkpoints/actor/<step>/model_params`` -> ``<run>/config.json``).
+
+    Raises:
+      ConfigError: a ``base_parameters_path`` that does not exist.
     """
     from grpax.models.params import convert_layout
 
-    if base_parameters_path == "none":
-        return None, ""
     training_step = params_path.name == "model_params" and params_path.parent.parent.name == "actor"
+    if base_parameters_path == "none" or not (base_parameters_path or training_step):
+        return None, "", ""
     fix = "pass base_parameters_path=<the run's load_parameters_path> to measure what weight_dtype keeps"
     if base_parameters_path:
         base_path, how = Path(base_parameters_path).absolute(), "base_parameters_path"
@@ -812,17 +809,14 @@ def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) ->
                 f"base_parameters_path={base_parameters_path!r} does not exist: pass the params folder the run "
                 "started from (its load_parameters_path), or none to export without the comparison"
             )
-    elif training_step:
+    else:
         run_config = params_path.parents[3] / "config.json"
         try:
             base_path = Path(json.loads(run_config.read_text())["load_parameters_path"])
         except (OSError, ValueError, KeyError, TypeError):
-            return f"not compared with the run's base: {run_config} does not name it; {fix}", ""
+            return None, "", f"not compared with the run's base: {run_config} does not name it; {fix}"
         how = f"the run's load_parameters_path, {run_config}"
-    else:
-        return None, ""
-    if not base_path.exists():
-        return f"not compared with the run's base: {base_path} ({how}) does not exist; {fix}", ""
-    base = restore_params(base_path)
-    base = convert_layout(base, cfg, scan_layers=cfg.scan_layers)
-    return base, f"{base_path} ({how})"
+        if not base_path.exists():
+            return None, "", f"not compared with the run's base: {base_path} ({how}) does not exist; {fix}"
+    base = convert_layout(restore_params(base_path), cfg, scan_layers=cfg.scan_layers)
+    return base, f"{base_path} ({how})", ""

@@ -97,10 +97,14 @@ def load_lora_step(
     recorded = Path(meta["base_path"])
     base_path = Path(base_path) if base_path is not None else recorded
     if not base_path.exists():
-        moved = "" if base_path != recorded else ", or pass base_parameters_path=<where it is now>"
+        if base_path != recorded:
+            raise ConfigError(
+                f"base_parameters_path={str(base_path)!r} does not exist: pass the base's folder"
+            )
         raise ConfigError(
             f"{params_path} holds LoRA adapters of the base {base_path}, which does not exist: put the base "
-            f"back there{moved} to export the merged model (lora_export=peft needs no base)"
+            "back there, or pass base_parameters_path=<where it is now> to export the merged model "
+            "(lora_export=peft needs no base)"
         )
     base = cast_params(restore_params(base_path), meta["base_dtype"])
     quantization = meta.get("base_quantization", "")
