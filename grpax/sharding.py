@@ -241,6 +241,11 @@ def create_meshes(
     M = mesh_cfg.rollout_devices
     if M == 0:
         return create_mesh(mesh_cfg, devices), create_rollout_mesh(mesh_cfg, devices)
+    if len(devices) == 1 and M:
+        raise ConfigError(
+            f"rollout_devices={M} splits the devices between the sampler and the trainer, but there is 1 device: "
+            "use rollout_devices=0 (the sampler shares it)"
+        )
     if not 0 < M < len(devices):
         raise ConfigError(
             f"rollout_devices={M}: expected 0 (shared) or 1 .. {len(devices) - 1} of the {len(devices)} devices "

@@ -664,9 +664,10 @@ def test_deep_model_rollout_on_8_devices_equals_one_device(mesh_cfg, greedy):
 
 
 def test_rollout_devices_must_leave_the_trainer_some():
-    n = len(jax.devices())
+    n = max(2, len(jax.devices()))
+    devices = (jax.devices() * n)[:n]  # refused before any mesh is built
     with pytest.raises(ConfigError, match=rf"^rollout_devices={n}: expected 0 \(shared\) or 1 \.\. {n - 1}"):
-        sh.create_meshes(sh.MeshConfig(rollout_devices=n))
+        sh.create_meshes(sh.MeshConfig(rollout_devices=n), devices)
     with pytest.raises(ConfigError, match=r"^rollout_devices=-1"):
         sh.create_meshes(sh.MeshConfig(rollout_devices=-1))
 
@@ -892,3 +893,13 @@ def test_a_lora_step_on_8_devices_trains_the_adapters_on_their_weights_axes(para
         assert not np.array_equal(np.asarray(got), want)
     for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(base_bits), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_rollout_devices_on_one_device_says_there_is_one():
+    """Issue 45: it said "expected 0 (shared) or 1 .. 0 of the 1 devices"."""
+    with pytest.raises(ConfigError) as e:
+        sh.create_meshes(sh.MeshConfig(rollout_devices=1), jax.devices()[:1])
+    assert str(e.value) == (
+        "rollout_devices=1 splits the devices between the sampler and the trainer, but there is 1 device: use "
+        "rollout_devices=0 (the sampler shares it)"
+    )

@@ -30,7 +30,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from grpax.checkpoint import peft
+from grpax.checkpoint import peft, rounding
 from grpax.checkpoint.hf import (
     MissingTensorError,
     iter_hf_tensors,
@@ -46,6 +46,7 @@ from grpax.checkpoint.orbax import (
     save_params,
     steps_kept,
 )
+from grpax.checkpoint.peft import CONVERTED_FROM
 from grpax.checkpoint.safetensors_io import SafetensorsFile
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
@@ -253,7 +254,8 @@ def _extra_keys(source: dict, ours: dict) -> dict:
     Gemma3ForConditionalGeneration is exported as a Gemma3ForCausalLM, without the vision keys)."""
     if source.get("architectures", ours["architectures"]) != ours["architectures"]:
         return {k: v for k, v in source.items() if k == "transformers_version"}
-    return {k: v for k, v in source.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    dropped = ("rope_parameters", "dtype", "torch_dtype", CONVERTED_FROM)
+    return {k: v for k, v in source.items() if k not in dropped}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -376,12 +378,15 @@ def to_native(
                 "and *.safetensors"
             )
         source_kind = f"safetensors folder {folder}"
+        converted_from = {"hf_model_path": str(folder)}
     elif gguf_path:
         folder = None
         source_kind = f"GGUF file {Path(gguf_path).absolute()}"
+        converted_from = {"gguf": str(Path(gguf_path).absolute())}
     else:
         folder = _hub_download(model_name, hf_access_token)
         source_kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
+        converted_from = {"hub": MODELS[model_name].hf_repo}
 
     if folder is not None:
         from grpax.models.registry import load_hf_config, read_hf_config
@@ -437,6 +442,8 @@ def to_native(
         out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
         if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
             out_cfg = {**_extra_keys(hf_config, out_cfg), **out_cfg}
+        # The Hugging Face base a PEFT export of a run on this checkpoint names (checkpoint/peft.py).
+        out_cfg[CONVERTED_FROM] = converted_from
         _write_json(staging / "config.json", out_cfg)
         if tokenizer_obj is not None:
             from grpax.data.tokenizer import save_tokenizer
@@ -598,12 +605,18 @@ def to_huggingface(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     lora_export: str = "merged",
+    base_parameters_path: str | Path = "",
+    base_model_name_or_path: str = "",
 ) -> dict[str, Any]:
     """Exports a grpax Orbax checkpoint as a Hugging Face ``LlamaForCausalLM`` folder.
 
     A LoRA run's step (adapters only, ``grpax.checkpoint.peft``) is exported merged into its base
     (``lora_export="merged"``), or as a PEFT adapter folder (``lora_export="peft"``: ``adapter_config.json``,
     ``adapter_model.safetensors``, the tokenizer).
+
+    A training step's export is compared with the weights its run started from (``grpax.checkpoint.rounding``):
+    the summary's ``rounding`` says how much of the update survives ``weight_dtype`` (``lost``: most of it did
+    not), or ``rounding_note`` why nothing was compared.
 
     The model config and tokenizer are taken from the nearest folder at or above ``load_parameters_path``
     holding ``config.json`` (see ``grpax.checkpoint.orbax.load_model``); without one, the registered
@@ -616,15 +629,22 @@ def to_huggingface(
       weight_dtype: float32 | bfloat16 | float16 dtype of the written safetensors (``torch_dtype`` too).
       max_shard_size: bytes per safetensors shard; more than one shard writes ``model.safetensors.index.json``.
       progress: show a tqdm bar over bytes written.
-      lora_export: merged | peft, for a LoRA step (ignored otherwise).
+      lora_export: merged | peft, for a LoRA step (peft of a whole model is refused).
+      base_parameters_path: the base the step was trained from: a LoRA step's (default: the path its
+        ``train_meta`` records; pass where it is now if it moved) and what a full fine-tune's export is compared
+        with (default: the run's ``load_parameters_path`` in ``<run>/config.json``); "none": no comparison.
+      base_model_name_or_path: a PEFT export's Hugging Face base (default: ``peft.hf_base``).
 
     Returns:
       A summary dict: ``output_dir``, ``safetensors`` (file names), ``config_path``, ``tokenizer_files``,
-      ``num_params``, ``bytes_written``, ``weight_dtype``.
+      ``num_params``, ``bytes_written``, ``weight_dtype``, and ``rounding`` (a ``RoundingReport``) or
+      ``rounding_note``; a PEFT export: ``output_dir``, ``peft_files``, ``num_params``, ``lora``, ``hf_base``
+      and ``hf_base_note`` (``peft.hf_base``).
 
     Raises:
       FileNotFoundError: no checkpoint, or neither config.json nor a registered ``model_name``.
-      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype; max_shard_size < 1.
+      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype; max_shard_size < 1;
+        ``lora_export=peft`` of a whole model.
       MissingTensorError / ValueError: the params lack a weight (e.g. ``lm_head`` of an untied model) or have
         the wrong shape.
     """
@@ -658,18 +678,38 @@ def to_huggingface(
         log.warning("no config.json above %s; using the registered %s config", params_path, model_name)
         hf_config, cfg = {}, get_model_config(model_name)
 
-    params = restore_params(params_path)
-    _check_finite(params, params_path)
-    lora = peft.lora_meta(params_path)
     if lora_export not in ("merged", "peft"):
         raise ConfigError(f"lora_export={lora_export!r}: expected merged (the full model) or peft (adapters)")
+    lora = peft.lora_meta(params_path)
+    if lora is None and lora_export == "peft":
+        raise ConfigError(
+            f"lora_export=peft writes a LoRA run's adapters, but {params_path} holds a whole model (no LoRA "
+            "record in its train_meta): drop lora_export to export the model, or pass a step of a run trained "
+            "with lora_rank > 0"
+        )
+    params = restore_params(params_path)
+    _check_finite(params, params_path)
+    chosen_base = Path(base_parameters_path).absolute() if base_parameters_path not in ("", "none") else None
     if lora is not None and lora_export == "peft":
-        files = peft.save_peft(params, cfg, lora, target, lora["base_path"])
+        hf_base, how = peft.hf_base(chosen_base or Path(lora["base_path"]))
+        hf_base = base_model_name_or_path or hf_base
+        files = peft.save_peft(params, cfg, lora, target, hf_base)
         if folder is not None:
             files += _copy_tokenizer(folder, target)
-        return {"output_dir": str(target), "peft_files": files, "num_params": _count(params), "lora": lora}
+        note = "given by base_model_name_or_path" if base_model_name_or_path else how
+        return {
+            "output_dir": str(target),
+            "peft_files": files,
+            "num_params": _count(params),
+            "lora": lora,
+            "hf_base": hf_base,
+            "hf_base_note": note,
+        }
     if lora is not None:
-        params = peft.load_lora_step(params_path, params, lora)
+        params, base = peft.load_lora_step(params_path, params, lora, chosen_base)
+        base_name, note = f"the LoRA base {chosen_base or lora['base_path']}", ""
+        if str(base_parameters_path) == "none":
+            base = None
     stacked = isinstance(params["layers"], dict)
     cfg = cfg.replace(scan_layers=stacked)
     expected = abstract_params(cfg)
@@ -689,6 +729,17 @@ def to_huggingface(
     if "lm_head" in params and cfg.tie_word_embeddings:
         log.warning("checkpoint has lm_head but the config ties embeddings; lm_head is not exported")
         params = {k: v for k, v in params.items() if k != "lm_head"}
+    if lora is None:
+        base, base_name, note = _run_base(params_path, str(base_parameters_path), cfg)
+    report: rounding.RoundingReport | None = None
+    if base is not None:
+        try:
+            report = rounding.measure(
+                params, {k: v for k, v in base.items() if k in params}, dtype, base_name
+            )
+        except ValueError as e:  # another model's weights
+            note = f"not compared with {base_name}: {e}"
+        del base
 
     tokenizer = None
     tokenizer_files: list[str] = []
@@ -729,4 +780,43 @@ def to_huggingface(
         "num_params": sum(int(np.prod(x.shape)) for x in _leaves(params)),
         "bytes_written": total,
         "weight_dtype": weight_dtype,
+        "rounding": report,
+        "rounding_note": note,
     }
+
+
+def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) -> tuple[Any, str, str]:
+    """``(weights, name, note)``: the weights a full fine-tune's step started from, in ``cfg``'s layout, and how
+    they are named; or None and a note saying why there are none to compare with ("" for a checkpoint that is
+    no training step, a conversion: nothing was trained; and for ``base_parameters_path=none``).
+
+    The base is ``base_parameters_path``, else the ``load_parameters_path`` of the run's ``config.json``
+    (``<run>/checkpoints/actor/<step>/model_params`` -> ``<run>/config.json``).
+
+    Raises:
+      ConfigError: a ``base_parameters_path`` that does not exist.
+    """
+    from grpax.models.params import convert_layout
+
+    training_step = params_path.name == "model_params" and params_path.parent.parent.name == "actor"
+    if base_parameters_path == "none" or not (base_parameters_path or training_step):
+        return None, "", ""
+    fix = "pass base_parameters_path=<the run's load_parameters_path> to measure what weight_dtype keeps"
+    if base_parameters_path:
+        base_path, how = Path(base_parameters_path).absolute(), "base_parameters_path"
+        if not base_path.exists():
+            raise ConfigError(
+                f"base_parameters_path={base_parameters_path!r} does not exist: pass the params folder the run "
+                "started from (its load_parameters_path), or none to export without the comparison"
+            )
+    else:
+        run_config = params_path.parents[3] / "config.json"
+        try:
+            base_path = Path(json.loads(run_config.read_text())["load_parameters_path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, "", f"not compared with the run's base: {run_config} does not name it; {fix}"
+        how = f"the run's load_parameters_path, {run_config}"
+        if not base_path.exists():
+            return None, "", f"not compared with the run's base: {base_path} ({how}) does not exist; {fix}"
+    base = convert_layout(restore_params(base_path), cfg, scan_layers=cfg.scan_layers)
+    return base, f"{base_path} ({how})", ""

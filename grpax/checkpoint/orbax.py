@@ -307,16 +307,22 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
         )
     else:
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), tree)
+    from grpax.checkpoint.train_state import quiet_orbax_thread_errors, tensorstore_status
+
+    quiet_orbax_thread_errors()  # a failed read is reported once, below
     try:
         params = _checkpointer().restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    except ValueError as e:  # tensorstore: "OUT_OF_RANGE: Error reading ... in "layers.wo/c/0..." ..."
-        status = re.match(r"([A-Z_]+): ", str(e))
-        if status is None:
+    except (
+        Exception
+    ) as e:  # tensorstore: "OUT_OF_RANGE: Error reading ... in "layers.wo/c/0..." ...", maybe wrapped
+        found = tensorstore_status(e)
+        if found is None:
             raise
-        leaf = re.search(r'in "([^"/]+)/', str(e))
+        status, message = found
+        leaf = re.search(r'in "([^"/]+)/', message)
         raise BrokenCheckpointError(
             f"{directory} is damaged: reading {leaf.group(1) if leaf else 'an array'} failed with "
-            f"{status.group(1)} (a truncated or corrupt data file); {_RECONVERT}"
+            f"{status} (a truncated or corrupt data file); {_other_checkpoint(directory)}"
         ) from e
     _check_digests(directory, params)
     if cfg is not None and not direct:
@@ -350,12 +356,19 @@ def _check_digests(directory: Path, params: Params) -> None:
         return
     bad = digests.mismatches(params, expected)
     if bad:
-        kept = sorted(p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir)
         raise BrokenCheckpointError(
             f"{directory} is damaged: array {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
-            "differs from the digest written with it (a corrupt or overwritten data file): pass another step's "
-            f"{step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
+            f"differs from the digest written with it (a corrupt or overwritten data file): {_other_checkpoint(directory)}"
         )
+
+
+def _other_checkpoint(directory: Path) -> str:
+    """The fix for a damaged params folder: another step of its run (the steps kept named), or a re-conversion."""
+    step_dir = directory.parent
+    if directory.name != "model_params" or step_dir.parent.name != "actor":
+        return _RECONVERT
+    kept = sorted((p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir), key=int)
+    return f"pass another step's {step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
 
 
 def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:

@@ -93,13 +93,41 @@ class LoraConfig:
 
 
 def check_target_modules(modules: tuple[str, ...]) -> None:
-    """Raises one ConfigError line for an unknown or empty ``lora_target_modules``."""
+    """Raises one ConfigError line for an unknown, repeated or empty ``lora_target_modules``."""
     bad = [m for m in modules if m not in PEFT_MODULES]
+    twice = sorted({m for m in modules if modules.count(m) > 1})
     if bad or not modules:
         what = f"{bad[0]!r} is not a module of this model" if bad else "no module given"
         raise ConfigError(
             f"lora_target_modules={list(modules)}: {what}; the model's modules are {', '.join(PEFT_MODULES)} "
             "(PEFT names)"
+        )
+    if twice:
+        raise ConfigError(
+            f"lora_target_modules={list(modules)} names {twice[0]!r} twice: name each module once (one pair of "
+            "adapters per module)"
+        )
+
+
+def check_rank(lora: LoraConfig, cfg: ModelConfig, source: str) -> None:
+    """Refuses a rank above an adapted weight's width: A @ B [in, out] has rank at most min(in, out), so more
+    adds parameters and optimizer state that can change nothing (PEFT accepts it; no run needs it).
+
+    Raises:
+      ConfigError: one line naming the narrowest adapted module, its widths and the largest useful rank.
+    """
+    specs = layer_specs(cfg)
+    widths = {}
+    for module, name in PEFT_MODULES.items():
+        if module in lora.target_modules:
+            shape, k = specs[name][0], _IN_AXES[name]
+            widths[module] = (math.prod(shape[:k]), math.prod(shape[k:]))
+    module, (fan_in, fan_out) = min(widths.items(), key=lambda kv: min(kv[1]))
+    if lora.rank > min(fan_in, fan_out):
+        raise ConfigError(
+            f"lora_rank={lora.rank} exceeds the width of {module} ({fan_in} -> {fan_out} in {source}): its update "
+            f"A @ B has rank at most {min(fan_in, fan_out)}, so lora_rank <= {min(fan_in, fan_out)} (or drop "
+            f"{module} from lora_target_modules)"
         )
 
 

@@ -39,7 +39,12 @@ from grpax.rl.rollout import Rollout, mesh_context
 from grpax.sampler import multi_turn as mt
 from grpax.sampler.backend import select_backend
 from grpax.sampler.engine import _PREFILL_STATIC, SamplerConfig, _compiled, _prefill, prepare_prompts
-from grpax.tasks.environment import MultiTurnConfig, chat_observation
+from grpax.tasks.environment import (
+    CheckedEnvironment,
+    MultiTurnConfig,
+    chat_observation,
+    check_tools_rendered,
+)
 
 
 class MultiTurnOutput(NamedTuple):
@@ -132,12 +137,18 @@ def stop_string_end(text: str, last_token_text: str, stop_strings: Sequence[str]
 
 def render_prompt(tokenizer: Any, env: Any, row: dict, preset: PromptPreset) -> str:
     """The prompt text of one trajectory: ``env.reset`` (given the task's messages) through the chat
-    template, with the environment's tools where it declares them, then the preset's response prefix."""
+    template, with the environment's tools where it declares them, then the preset's response prefix.
+
+    Raises:
+      ConfigError: the environment declares tools that the chat template ignores (``check_tools_rendered``).
+    """
     messages = build_messages(row["question"], preset.system_prompt, preset.user_template)
     messages = env.reset({**row, "messages": messages}) or messages
     tools = list(getattr(env, "tools", ()) or ()) or None
     kw = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    if tools:
+        check_tools_rendered(tokenizer, messages, text, tools, isinstance(env, CheckedEnvironment))
     return text + preset.response_prefix
 
 

@@ -191,6 +191,17 @@ class Policy:
                 f"{where} holds {have} but lora_rank={self.lora.rank if self.lora else 0}: resume with the lora_rank "
                 "it was trained with, or pass a new run_name"
             )
+        if saved and self.lora is not None:
+            keys = {"lora_rank": "rank", "lora_alpha": "alpha", "use_rslora": "use_rslora"}
+            now = {"rank": self.lora.rank, "alpha": self.lora.alpha, "use_rslora": self.lora.use_rslora}
+            changed = [k for k, m in keys.items() if m in saved and saved[m] != now[m]]
+            if changed:
+                listed = ", ".join(f"{k}={saved[keys[k]]!r} (now {now[keys[k]]!r})" for k in changed)
+                raise ConfigError(
+                    f"{where} holds adapters trained with {listed}: these set the adapters' shape and scale "
+                    "(lora_alpha / lora_rank, or / sqrt(lora_rank) with use_rslora), so a resume cannot change "
+                    "them; resume with the values it was trained with, or pass a new run_name"
+                )
         if saved and saved.get("base_quantization", "") != self.base_dtype:
             raise ConfigError(
                 f"{where} holds adapters trained on the base quantised as lora_base_dtype="

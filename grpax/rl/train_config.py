@@ -18,7 +18,7 @@ from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
-from grpax.models.lora import LoraConfig
+from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
@@ -68,7 +68,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
         "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
-        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
+        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes; a "
+        "resumed run cannot change it",
     )
     reference_dtype: str = field(
         "compute",
@@ -283,6 +284,17 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.lora_rank and not cfg.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
+    if not cfg.lora_rank:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        lora_only = ("lora_alpha", "lora_target_modules", "use_rslora", "lora_sampler")
+        shown = {k: list(v) if isinstance(v, tuple) else v for k in lora_only for v in [getattr(cfg, k)]}
+        given = [f"{k}={shown[k]!r}" for k in lora_only if getattr(cfg, k) != defaults[k]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} LoRA adapters, but lora_rank=0 trains "
+                "all the weights (the full fine-tune): set lora_rank > 0 (e.g. lora_rank=16) or drop "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
     cfg.lora()  # the target modules' names
     if cfg.lora_base_dtype:
         if cfg.lora_base_dtype not in QUANT_DTYPES:
@@ -407,7 +419,10 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
     what = f"max_target_length={cfg.max_target_length}"
-    model_cfg, _ = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
+    model_cfg, source = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
+    lora = cfg.lora()
+    if lora is not None and model_cfg is not None:
+        check_rank(lora, model_cfg, str(source))
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
