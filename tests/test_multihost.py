@@ -188,7 +188,7 @@ def test_two_processes_train_lora_adapters_on_a_frozen_base(tiny_checkpoint, tmp
     trained on is the checkpoint's, unchanged (its fingerprint, recomputed from the files, is the one recorded)."""
     from test_tasks_train import _data
 
-    from grpax.rl.policy import fingerprint
+    from grpax.checkpoint.digests import fingerprint
 
     script = tmp_path / "child.py"
     script.write_text(CHILD)

@@ -21,6 +21,7 @@ pytest.importorskip("qwix")
 
 from test_lora import _batch, _cfg, _run_cfg, _trained_like, sampler_rollouts, toy_lora_run  # noqa: E402
 
+from grpax.checkpoint.digests import fingerprint  # noqa: E402
 from grpax.checkpoint.orbax import save_params  # noqa: E402
 from grpax.config import ConfigError, build_config  # noqa: E402
 from grpax.models import lora as lora_lib  # noqa: E402
@@ -31,7 +32,7 @@ from grpax.models.registry import ModelConfig  # noqa: E402
 from grpax.rl import trainer  # noqa: E402
 from grpax.rl.config import GRPOConfig  # noqa: E402
 from grpax.rl.optim import optimizer_from_config  # noqa: E402
-from grpax.rl.policy import Policy, fingerprint  # noqa: E402
+from grpax.rl.policy import Policy  # noqa: E402
 from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths  # noqa: E402
 from grpax.rl.train_config import TrainConfig, validate  # noqa: E402
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step  # noqa: E402

@@ -48,6 +48,7 @@ from grpax.checkpoint.orbax import (
 )
 from grpax.checkpoint.peft import CONVERTED_FROM
 from grpax.checkpoint.safetensors_io import SafetensorsFile
+from grpax.checkpoint.train_state import lora_meta
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
     MODELS,
@@ -680,7 +681,7 @@ def to_huggingface(
 
     if lora_export not in ("merged", "peft"):
         raise ConfigError(f"lora_export={lora_export!r}: expected merged (the full model) or peft (adapters)")
-    lora = peft.lora_meta(params_path)
+    lora = lora_meta(params_path)
     if lora is None and lora_export == "peft":
         raise ConfigError(
             f"lora_export=peft writes a LoRA run's adapters, but {params_path} holds a whole model (no LoRA "

@@ -1,7 +1,7 @@
 """LoRA training checkpoints on export: the merged model, or a PEFT adapter folder.
 
 A LoRA run's ``actor/<step>/model_params`` holds only the adapters (``grpax.models.lora``); its ``train_meta``
-names the base (``lora.base_path``) and fingerprints it (``grpax.rl.policy.fingerprint``). ``load_lora_step``
+names the base (``lora.base_path``) and fingerprints it (``grpax.checkpoint.digests.fingerprint``). ``load_lora_step``
 reads both and refuses other base weights; ``save_peft`` writes what ``peft.PeftModel.from_pretrained(base,
 folder)`` and vLLM's ``--enable-lora`` read: ``adapter_config.json`` and ``adapter_model.safetensors`` with
 ``base_model.model.model.layers.<i>.<module>.lora_{A,B}.weight`` tensors, A [r, in] and B [out, r] (PEFT's
@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from grpax.checkpoint import digests
 from grpax.checkpoint.hf import hf_layer_name
+from grpax.checkpoint.orbax import find_model_folder, restore_params
 from grpax.errors import ConfigError
 from grpax.models import lora as lora_lib
-from grpax.models.params import unstack_layers
+from grpax.models.params import cast_params, convert_layout, unstack_layers
 from grpax.models.registry import ModelConfig
 
 # The key of a converted base's config.json that records its source: {"hub": repo}, {"hf_model_path": folder}
@@ -36,7 +38,6 @@ def hf_base(base_path: Path) -> tuple[str, str]:
     """``(base_model_name_or_path, how)``: the Hugging Face model the adapters of the base at ``base_path`` (a
     grpax ``<base>/0/items``) load on, as its conversion recorded it, and how to load them; the name is "" when
     no Hugging Face form of the base exists (a GGUF source, or a base converted before grpax recorded it)."""
-    from grpax.checkpoint.orbax import find_model_folder
 
     export = (
         f"export the base first (grpax to_huggingface load_parameters_path={base_path} "
@@ -56,18 +57,6 @@ def hf_base(base_path: Path) -> tuple[str, str]:
         there = "" if Path(folder).is_dir() else f" (not there now: move it back, or {export})"
         return folder, f"the Hugging Face folder the base was converted from{there}"
     return "", f"the base {base_path} was converted from the GGUF file {source.get('gguf')}: {export}"
-
-
-def lora_meta(params_path: Path) -> dict | None:
-    """The ``lora`` record of the training step holding ``params_path`` (``.../actor/<step>/model_params``),
-    or None (a full fine-tune, or not a training step)."""
-    meta_file = params_path.parent / "train_meta" / "metadata"
-    if params_path.name != "model_params" or not meta_file.is_file():
-        return None
-    try:
-        return json.loads(meta_file.read_text()).get("lora")
-    except ValueError:
-        return None
 
 
 def lora_config(meta: dict) -> lora_lib.LoraConfig:
@@ -90,10 +79,6 @@ def load_lora_step(
     """
     import jax
 
-    from grpax.checkpoint.orbax import restore_params
-    from grpax.models.params import cast_params, convert_layout
-    from grpax.rl.policy import fingerprint
-
     recorded = Path(meta["base_path"])
     base_path = Path(base_path) if base_path is not None else recorded
     if not base_path.exists():
@@ -108,10 +93,10 @@ def load_lora_step(
         )
     base = cast_params(restore_params(base_path), meta["base_dtype"])
     quantization = meta.get("base_quantization", "")
-    if fingerprint(base, quantization) != meta["base_fingerprint"]:
+    if digests.fingerprint(base, quantization) != meta["base_fingerprint"]:
         raise ConfigError(
             f"{params_path} holds LoRA adapters trained on other weights than those now at {base_path} "
-            f"(fingerprint {fingerprint(base, quantization)}, trained on {meta['base_fingerprint']} at "
+            f"(fingerprint {digests.fingerprint(base, quantization)}, trained on {meta['base_fingerprint']} at "
             f"{recorded}): restore the base it was trained on, or pass base_parameters_path=<that base>"
         )
     stacked = isinstance(adapters["layers"], dict)

@@ -367,3 +367,15 @@ class TrainCheckpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def lora_meta(params_path: Path) -> dict | None:
+    """The ``lora`` record of the training step holding ``params_path`` (``.../actor/<step>/model_params``),
+    or None (a full fine-tune, or not a training step)."""
+    meta_file = params_path.parent / "train_meta" / "metadata"
+    if params_path.name != "model_params" or not meta_file.is_file():
+        return None
+    try:
+        return json.loads(meta_file.read_text()).get("lora")
+    except ValueError:
+        return None
