@@ -233,7 +233,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raises ConfigError naming the key for settings that cannot work."""
+    """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
+    the choices', the evaluation and export's and the micro-batches' in the checks below)."""
     if not cfg.load_parameters_path and not cfg.compile_topology:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
@@ -278,6 +279,17 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}: expected a mass in (0, 1] (1 = off)"
         )
+    _validate_lora(cfg)
+    _validate_choices(cfg)
+    _warn_on_biased_choices(cfg)
+    validate_eval_keys(cfg, allow_no_eval=True)
+    validate_task_keys(cfg)
+    _validate_eval_and_export(cfg)
+    _validate_micro_batches(cfg)
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    """lora_rank, lora_alpha, the LoRA-only keys without lora_rank, the target modules and lora_base_dtype."""
     if cfg.lora_rank < 0:
         raise ConfigError(
             f"lora_rank={cfg.lora_rank}: expected >= 0 (0 = full fine-tune, else the adapters' rank)"
@@ -309,6 +321,10 @@ def validate(cfg: TrainConfig) -> None:
             )
         if cfg.lora_base_dtype == "int8":  # nf4 is grpax's own (grpax.models.quantize)
             require_qwix()
+
+
+def _validate_choices(cfg: TrainConfig) -> None:
+    """remat_policy, reference_dtype, reference_memory and lora_sampler name one of their choices."""
     choices = {
         "remat_policy": ("auto", *REMAT_ORDER),
         "reference_dtype": REFERENCE_DTYPES,
@@ -324,9 +340,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"
         )
-    _warn_on_biased_choices(cfg)
-    validate_eval_keys(cfg, allow_no_eval=True)
-    validate_task_keys(cfg)
+
+
+def _validate_eval_and_export(cfg: TrainConfig) -> None:
+    """eval_interval >= 0; export_hf single-process and a new or empty folder."""
     if cfg.eval_interval < 0:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
@@ -342,6 +359,10 @@ def validate(cfg: TrainConfig) -> None:
             f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
             "overwrites: delete it or choose another folder"
         )
+
+
+def _validate_micro_batches(cfg: TrainConfig) -> None:
+    """micro_batch_size divides batch_size; num_micro_batches divides the step's rows."""
     if cfg.micro_batch_size < 1 and cfg.micro_batch_size != -1:
         raise ConfigError(
             f"micro_batch_size={cfg.micro_batch_size}: expected >= 1 prompts per micro-batch, or -1 to use "
