@@ -82,24 +82,31 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         )
     mesh_cfg = cfg.mesh()
     ici = sharding._fill(
-        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
+        [getattr(mesh_cfg, f"ici_{a}_parallelism") for a in sharding.MESH_AXES],
         num_gpus,
-        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+        [f"ici_{a}_parallelism" for a in sharding.MESH_AXES],
         "the number of GPUs",
     )
-    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
+    ep = mesh_cfg.rollout_expert_parallelism
+    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus // ep)
     mesh = AbstractMesh(ici, sharding.MESH_AXES)
-    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
+    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp, ep), sharding.MESH_AXES))
     m, s = job.model_cfg, job.shape
     act, w = _BYTES[m.dtype], _BYTES[m.weight_dtype]
-    data, tensor = ici[0] * ici[1], ici[2]
-    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
+    data, tensor = ici[0] * ici[1] * ici[3], ici[2]
+    mlp = (
+        3 * m.hidden_dim * m.moe_mlp_dim * m.num_experts // ici[3]
+        if m.num_experts
+        else 3 * m.hidden_dim * m.mlp_dim
+    )
+    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + mlp
     # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
     gathered = layer * base_bytes_per_param(cfg, m) / tensor
     M = s.num_micro_batches
     prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
     tokens = prompts * s.prompt_length + rows * s.completion_length
-    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    mlp_width = m.moe_mlp_dim * m.num_experts_per_tok if m.num_experts else m.mlp_dim  # per token
+    widest = max(mlp_width * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
     activations = tokens * widest * act
     logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
     trained = compile_check.per_chip_bytes(job.state.params)
