@@ -122,10 +122,10 @@ def test_gpt_oss_features_change_the_logits(tmp_path):
     params, cfg, _ = saved(hf_model("gpt_oss"), tmp_path)
     tokens = np.random.RandomState(0).randint(0, 101, (1, 40))
     base = np.asarray(forward(params, tokens, cfg)[0])
-    zero = lambda name: {
-        **params,
-        "layers": {**params["layers"], name: jnp.zeros_like(params["layers"][name])},
-    }  # noqa: E731
+
+    def zero(name):
+        return {**params, "layers": {**params["layers"], name: jnp.zeros_like(params["layers"][name])}}
+
     for what, p, c in [
         ("sinks", zero("sinks"), cfg),
         ("router_bias", zero("router_bias"), cfg),

@@ -317,7 +317,11 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     )
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
     specs = layer_specs(model_cfg)
-    adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
+    adapted = (
+        0
+        if lora is None
+        else L * sum(math.prod(specs[w][0]) for w in lora_lib.adapted_weights(model_cfg, lora))
+    )
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
         cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
@@ -419,7 +423,7 @@ def compile_job(
             "the sampler's prefill", n, engine.compiled_prefill(backend), *prefill_args
         )
         if compiled is not None:  # the decode starts from the prefill's cache and logits
-            cache, logits = jax.tree.map(
+            cache, logits, _ = jax.tree.map(  # (its third output: a mixture of experts' recorded routing)
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
             )
             row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)

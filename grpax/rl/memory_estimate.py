@@ -38,6 +38,7 @@ from jax.sharding import AbstractMesh
 
 from grpax import sharding
 from grpax.config import ConfigError
+from grpax.models.lora import adapted_weights
 from grpax.models.quantize import QuantizedWeight
 from grpax.rl import compile_check
 from grpax.rl.compile_check import base_bytes_per_param, build_job, step_count
@@ -133,7 +134,8 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     if job.merged_copy:  # the float32 W + s * A @ B of every adapted weight, all layers at once
         layers = job.dense_base["layers"]  # QLoRA: the dequantised weights, in weight_dtype
         stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
-        adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
+        names = adapted_weights(m, job.lora)
+        adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in names)
         # A float32 base takes the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds
         # the float32 sums before rounding them.
         estimates.append(("merge", adapted * 4 / w if w < 4 else 0))
