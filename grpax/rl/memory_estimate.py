@@ -40,6 +40,7 @@ from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models.lora import adapted_weights
 from grpax.models.quantize import QuantizedWeight
+from grpax.models.registry import ModelConfig
 from grpax.rl import compile_check
 from grpax.rl.compile_check import base_bytes_per_param, build_job, step_count
 from grpax.rl.fit_report import Compiled, Report, format_report
@@ -70,6 +71,17 @@ def _share(n: int, ways: int) -> float:
     return n / ways if n % ways == 0 else n
 
 
+def _layer_sizes(m: ModelConfig, experts_ways: int) -> tuple[int, int]:
+    """(one layer's matrix parameters on a chip before the tensor split: a mixture of experts' E / ep experts,
+    the widest activation of a token in values: its k experts' for a mixture of experts)."""
+    attention = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim
+    qkv_width = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2
+    if not m.num_experts:
+        return attention + 3 * m.hidden_dim * m.mlp_dim, max(m.mlp_dim * 3, qkv_width)
+    experts = 3 * m.hidden_dim * m.moe_mlp_dim * m.num_experts // experts_ways
+    return attention + experts, max(3 * m.moe_mlp_dim * m.num_experts_per_tok, qkv_width)
+
+
 def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Report:
     """The per-GPU table of ``compile_check`` with estimated temporaries (module docstring).
 
@@ -95,19 +107,13 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     m, s = job.model_cfg, job.shape
     act, w = _BYTES[m.dtype], _BYTES[m.weight_dtype]
     data, tensor = ici[0] * ici[1] * ici[3], ici[2]
-    mlp = (
-        3 * m.hidden_dim * m.moe_mlp_dim * m.num_experts // ici[3]
-        if m.num_experts
-        else 3 * m.hidden_dim * m.mlp_dim
-    )
-    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + mlp
+    layer, widest = _layer_sizes(m, ici[3])
     # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
     gathered = layer * base_bytes_per_param(cfg, m) / tensor
     M = s.num_micro_batches
     prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
     tokens = prompts * s.prompt_length + rows * s.completion_length
-    mlp_width = m.moe_mlp_dim * m.num_experts_per_tok if m.num_experts else m.mlp_dim  # per token
-    widest = max(mlp_width * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    widest /= tensor
     activations = tokens * widest * act
     logits = 3 * _LOGITS_CHUNK_ELEMENTS * 4
     trained = compile_check.per_chip_bytes(job.state.params)
