@@ -1,11 +1,11 @@
-"""Qwen3-MoE and GPT-OSS against transformers (torch, CPU, float32), from the checkpoints' own files.
+"""Qwen3-MoE, GPT-OSS and Mixtral against transformers (torch, CPU, float32), from the checkpoints' own files.
 
-Each family is a tiny random transformers model saved with ``save_pretrained`` (Qwen3-MoE: one tensor per expert,
-the Hub's layout; GPT-OSS: fused, interleaved gate/up experts), routers scaled so that routing is decisive,
-GPT-OSS's sinks, biases and norms perturbed and its sliding window (8 tokens) far shorter than the sequences:
-logits parity, HF -> native -> HF exact, greedy decoding equal to ``generate`` over 40 tokens, the MXFP4
-experts of the Hub's GPT-OSS checkpoint dequantised as transformers dequantises them, and the registered
-models' parameter counts on transformers' meta device.
+Each family is a tiny random transformers model saved with ``save_pretrained`` (Qwen3-MoE and Mixtral: one tensor
+per expert, the Hub's layout; GPT-OSS: fused, interleaved gate/up experts; Mixtral's window of 16 tokens),
+routers scaled so that routing is decisive, GPT-OSS's sinks, biases and norms perturbed and its sliding window
+(8 tokens) far shorter than the sequences: logits parity, HF -> native -> HF exact, greedy decoding equal to
+``generate`` over 40 tokens, the MXFP4 experts of the Hub's GPT-OSS checkpoint dequantised as transformers
+dequantises them, and the registered models' parameter counts on transformers' meta device.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ FAMILIES = {
         "GptOssConfig",
         "GptOssForCausalLM",
         dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, rope_parameters=_YARN),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=16),
     ),
 }  # fmt: skip
 
@@ -112,6 +117,8 @@ def test_logits_match_transformers(tmp_path, family, scan_layers):
     assert np.shape(layer["expert_gate"])[-3:] == (8, 48, 24) and np.shape(layer["router"])[-2:] == (48, 8)
     if family == "gpt_oss":
         assert cfg.layer_types == ("local", "global", "local") and cfg.sliding_window == 8 < 40
+    if family == "mixtral":
+        assert cfg.layer_types == ("local",) * 3 and cfg.sliding_window == 16 < 40
 
 
 def test_gpt_oss_features_change_the_logits(tmp_path):
@@ -290,6 +297,13 @@ PUBLIC = {
         rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=200002, pad_token_id=199999,
         quantization_config={"quant_method": "mxfp4"},
     ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        router_aux_loss_coef=0.02,
+    ),
 }  # fmt: skip
 
 
@@ -297,7 +311,9 @@ PUBLIC = {
 def test_registered_moe_shapes_and_counts_match_transformers_on_meta(name):
     hf = PUBLIC[name]
     cfg = get_model_config(name)
-    assert from_hf_config(hf) == cfg
+    # Qwen3's config.json leaves the pad id out; the registry's is its tokenizer's (<|endoftext|>).
+    pad = {} if "pad_token_id" in hf else dict(pad_token_id=cfg.pad_token_id)
+    assert from_hf_config(hf, **pad) == cfg
     keys = {
         k: v for k, v in hf.items() if k not in ("architectures", "quantization_config", "experts_per_token")
     }

@@ -8,10 +8,10 @@ layout ``grpax.models.llama.rotate`` uses, so no permutation is needed here (GGU
 ``grpax.checkpoint.gguf``).
 
 A mixture of experts' weights are stacked per layer ([E, D, F] of a layer's E experts) from the checkpoints'
-own layouts (``_moe_sources``): Qwen3-MoE's one ``[F, D]`` tensor per expert and projection (the Hub's names,
-which transformers 5's ``save_pretrained`` writes back), GPT-OSS's fused ``gate_up_proj`` [E, D, 2F] with gate
-and up interleaved along 2F, and the Hub GPT-OSS checkpoint's MXFP4 experts (``*_blocks`` and ``*_scales``),
-dequantised here (``dequantize_mxfp4``). The export writes the unquantised forms.
+own layouts (``_moe_sources``): Qwen3-MoE's and Mixtral's one ``[F, D]`` tensor per expert and projection
+(the Hub's names, which transformers 5's ``save_pretrained`` writes back), GPT-OSS's fused ``gate_up_proj``
+[E, D, 2F] with gate and up interleaved along 2F, and the Hub GPT-OSS checkpoint's MXFP4 experts (``*_blocks``
+and ``*_scales``), dequantised here (``dequantize_mxfp4``). The export writes the unquantised forms.
 """
 
 from __future__ import annotations
@@ -79,13 +79,18 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], -1)
 
 
-# Per-expert checkpoints (Qwen3-MoE; Mixtral's table row would be the same): the router's name, each expert's
-# projection names and grpax's weight of each.
+# Per-expert checkpoints (Qwen3-MoE, Mixtral): the router's name, each expert's projection names and grpax's
+# weight of each.
 _PER_EXPERT = {
     "qwen3_moe": (
         "mlp.gate.weight",
         "mlp.experts.{e}.{proj}.weight",
         {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"},
+    ),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{e}.{proj}.weight",
+        {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"},
     ),
 }
 _GPT_OSS_HALF = {"expert_gate": 0, "expert_up": 1, "expert_gate_bias": 0, "expert_up_bias": 1}

@@ -3,8 +3,9 @@
 Each token's pre-normed hidden state h [D] is scored by the router (float32 logits ``h @ router`` [E], plus
 a bias for GPT-OSS); its k = ``num_experts_per_tok`` most probable experts compute their gated MLP and the
 outputs are summed weighted by the gates: the softmax probabilities of the chosen experts, renormalised to sum
-to 1 with ``norm_topk_prob`` (Qwen3-MoE's key; GPT-OSS's softmax over the top-k logits is the same numbers).
-transformers' ``Qwen3MoeSparseMoeBlock`` and ``GptOssMLP`` compute the same function expert by expert.
+to 1 with ``norm_topk_prob`` (Qwen3-MoE's key; GPT-OSS's softmax over the top-k logits and Mixtral's renormalised
+gates are the same numbers). transformers' ``Qwen3MoeSparseMoeBlock``, ``GptOssMLP`` and
+``MixtralSparseMoeBlock`` compute the same function expert by expert.
 
 Dropless: the T x k (token, expert) pairs are sorted by expert and each expert's rows multiplied by its weights
 with one grouped matmul, ``jax.lax.ragged_dot`` (group sizes: the tokens per expert), so no token is dropped
@@ -84,7 +85,7 @@ def _route(h: jax.Array, w: dict, cfg, replay: jax.Array | None, weights: jax.Ar
         if cfg.router_bias:
             logits = logits + w["router_bias"].astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
-        _, own = jax.lax.top_k(probs, k)
+        _, own = jax.lax.top_k(logits, k)  # the probabilities' order, without their underflow to equal 0s
         used = own if replay is None else replay.astype(jnp.int32)
         gates = jnp.take_along_axis(probs, used, axis=-1)
         if cfg.norm_topk_prob:

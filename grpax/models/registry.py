@@ -1,9 +1,9 @@
 """Model configurations: the ``model_name`` registry and the Hugging Face ``config.json`` importer/exporter.
 
 The shapes are those of the Hugging Face configs published with each model (Llama 3, SmolLM2, Qwen2.5, Qwen3,
-Gemma 2, Gemma 3, Mistral, and the mixtures of experts Qwen3-MoE and GPT-OSS). Any config.json of a supported architecture (``SUPPORTED_ARCHITECTURES``) is
-accepted too, in the transformers 4 form (``rope_theta`` + ``rope_scaling``) and the transformers 5 form
-(``rope_parameters``, ``layer_types``).
+Gemma 2, Gemma 3, Mistral, and the mixtures of experts Qwen3-MoE, GPT-OSS and Mixtral). Any config.json of a
+supported architecture (``SUPPORTED_ARCHITECTURES``) is accepted too, in the transformers 4 form
+(``rope_theta`` + ``rope_scaling``) and the transformers 5 form (``rope_parameters``, ``layer_types``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _MAXTEXT_ATTENTION = {
 
 
 # The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mixtral")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("global", "local")  # full causal attention | sliding-window attention
 
@@ -468,6 +468,18 @@ _GPT_OSS_20B = dict(
 )
 
 
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1): Mistral's attention, 8 experts of 14336, 2 per token.
+_MIXTRAL_8X7B = dict(
+    _MISTRAL_7B,
+    family="mixtral",
+    vocab_size=32000,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_mlp_dim=14336,
+    norm_topk_prob=True,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisteredModel:
     """One row of the model table: what ``model_name`` selects."""
@@ -541,6 +553,8 @@ MODELS: dict[str, RegisteredModel] = {
     "qwen3-30b-a3b": RegisteredModel(_QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B", _LLAMA),
     "qwen3-30b-a3b-Base": RegisteredModel(dict(_QWEN3_30B_A3B, **_QWEN), "Qwen/Qwen3-30B-A3B-Base", _LLAMA),
     "gpt-oss-20b": RegisteredModel(_GPT_OSS_20B, "openai/gpt-oss-20b", _LLAMA),
+    "mixtral-8x7b": RegisteredModel(_MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-v0.1", _LLAMA),
+    "mixtral-8x7b-Instruct": RegisteredModel(_MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-Instruct-v0.1", _LLAMA),
 }
 
 
@@ -574,6 +588,7 @@ _HF_FAMILIES = {
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3_moe",
     "gpt_oss": "gpt_oss",
+    "mixtral": "mixtral",
 }
 _HF_ARCHS = {
     "llama": "LlamaForCausalLM",
@@ -584,10 +599,11 @@ _HF_ARCHS = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
-    "Gemma3ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM and the text model of "
+    "Gemma3ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM and the text model of "
     "Gemma3ForConditionalGeneration"
 )
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -630,7 +646,7 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
     types = hf.get("layer_types")
     if types is not None:
         layer_types = tuple(_HF_LAYER_TYPES[t] for t in types)
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         layer_types = ("local",) * n
     elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(hf.get("max_window_layers", n))
@@ -647,7 +663,7 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
         values["attention_bias"] = True
     if family in ("qwen3", "gemma3", "qwen3_moe"):
         values["qk_norm"] = True
-    if family in ("qwen3_moe", "gpt_oss"):
+    if family in ("qwen3_moe", "gpt_oss", "mixtral"):
         values.update(_moe_values(hf, family))
     if family in ("gemma2", "gemma3"):
         values.update(
@@ -679,6 +695,7 @@ def _moe_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
         num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
         num_experts_per_tok=int(hf.get("num_experts_per_tok") or hf.get("experts_per_token")),
         moe_mlp_dim=int(hf["moe_intermediate_size"] if family == "qwen3_moe" else hf["intermediate_size"]),
+        # Qwen3-MoE's key; GPT-OSS's softmax over the top-k logits and Mixtral's renormalised gates are the same
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if family == "qwen3_moe" else True,
     )
     if family == "gpt_oss":
@@ -822,7 +839,10 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         "torch_dtype": torch_dtype,
     }
     out.update(_hf_family_keys(cfg, out["hidden_act"]))
-    if cfg.family in ("gemma2", "mistral", "qwen2", "qwen3", "qwen3_moe") and out["rope_scaling"] is None:
+    if (
+        cfg.family in ("gemma2", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+        and out["rope_scaling"] is None
+    ):
         del out["rope_scaling"]
     return out
 
@@ -835,7 +855,7 @@ def _hf_family_keys(cfg: ModelConfig, hidden_act: str) -> dict[str, Any]:
     if cfg.family in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
         out["attention_bias"] = False
     hf_types = [{"global": "full_attention", "local": "sliding_attention"}[t] for t in cfg.layer_types]
-    if cfg.family == "mistral":
+    if cfg.family in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # every layer (Mistral has no layer_types)
     elif cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         local = [i for i, t in enumerate(cfg.layer_types) if t == "local"]
@@ -871,6 +891,8 @@ def _hf_family_keys(cfg: ModelConfig, hidden_act: str) -> dict[str, Any]:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if cfg.family == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     if cfg.family == "gpt_oss":
         out.update(
             attention_bias=True,
