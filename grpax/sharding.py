@@ -93,12 +93,6 @@ class MeshConfig:
         "copied over after each update: time/reshard_s); 0 = the sampler shares the trainer's devices",
     )
 
-    @classmethod
-    def from_config(cls, config: Any) -> MeshConfig:
-        """Picks the mesh keys from any config object (a command's ``CONFIG`` instance) that has them."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-
 
 # ---------------------------------------------------------------------------------------------- meshes
 
@@ -186,15 +180,23 @@ def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device
     )
     if len(devices) % num_granules:
         raise ConfigError(f"{len(devices)} devices do not split evenly over {num_granules} slices/hosts")
-    ici = _fill(
-        [getattr(mesh_cfg, f"ici_{a}_parallelism") for a in MESH_AXES],
-        len(devices) // num_granules,
-        [f"ici_{a}_parallelism" for a in MESH_AXES],
-        "the number of devices per slice/host",
-    )
+    ici = ici_shape(mesh_cfg, len(devices) // num_granules)
     mesh = _build(ici, dcn, devices, mesh_cfg.allow_split_physical_axes, MESH_AXES)
     log.info("trainer mesh %s (ici %s, dcn %s)", dict(mesh.shape), ici, dcn)
     return mesh
+
+
+def ici_shape(
+    mesh_cfg: MeshConfig, num_devices: int, what: str = "the number of devices per slice/host"
+) -> tuple[int, ...]:
+    """(data, fsdp, tensor, expert) of ``num_devices`` devices joined by ICI (one slice or host) from the ``ici_*``
+    keys (one -1: the rest). Raises ConfigError naming the keys and ``what`` when their product is not the count."""
+    return _fill(
+        [getattr(mesh_cfg, f"ici_{a}_parallelism") for a in MESH_AXES],
+        num_devices,
+        [f"ici_{a}_parallelism" for a in MESH_AXES],
+        what,
+    )
 
 
 def rollout_parallelism(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int]:

@@ -20,7 +20,6 @@ from grpax.checkpoint.convert import SafetensorsSource
 from grpax.checkpoint.hf import dequantize_mxfp4, iter_hf_tensors, load_params_from_tensors
 from grpax.config import ConfigError
 from grpax.models.llama import forward
-from grpax.models.params import count_params
 from grpax.models.registry import from_hf_config, get_model_config, load_hf_config, to_hf_config
 
 torch = pytest.importorskip("torch")
@@ -321,4 +320,4 @@ def test_registered_moe_shapes_and_counts_match_transformers_on_meta(name):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())
-    assert count_params(cfg) == cfg.num_params() == expected
+    assert cfg.num_params() == expected

@@ -125,7 +125,7 @@ def test_micro_batches_refuse_a_split_across_groups(params):
 
 def test_chunked_logprobs_and_entropy_equal_the_full_logits(params, monkeypatch):
     """Projected in chunks (here 5 tokens of 61 logits, C = 6 padded to 10), the same values as at once."""
-    monkeypatch.setattr(train_step_module, "_LOGITS_CHUNK_ELEMENTS", 2 * 5 * CFG.vocab_size)
+    monkeypatch.setattr(train_step_module, "LOGITS_CHUNK_ELEMENTS", 2 * 5 * CFG.vocab_size)
     rng = np.random.default_rng(3)
     hidden = jnp.asarray(rng.normal(size=(2, C, CFG.hidden_dim)).astype(np.float32))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, C)).astype(np.int32))
