@@ -402,9 +402,9 @@ def test_odd_heads_replicate_attention_and_stay_exact(caplog):
 @on_8_devices
 def test_rollout_mesh_and_reshard(params):
     rollout = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2, rollout_tensor_parallelism=-1))
-    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}
     tp8 = sh.create_rollout_mesh(sh.MeshConfig())  # defaults: dp=1, tp=-1 -> 8
-    assert dict(tp8.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert dict(tp8.shape) == {"data": 1, "fsdp": 1, "tensor": 8, "expert": 1}
     with pytest.raises(ConfigError, match="at most one"):
         sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=-1, rollout_tensor_parallelism=-1))
 
@@ -686,8 +686,8 @@ def test_split_rollout_devices_sample_and_train_with_rollouts_ahead(params):
     trainer_mesh, sampler_mesh = sh.create_meshes(sh.MeshConfig(rollout_devices=4))
     assert set(sampler_mesh.devices.flat) == set(jax.devices()[:4])
     assert set(trainer_mesh.devices.flat) == set(jax.devices()[4:])
-    assert dict(trainer_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert dict(sampler_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert dict(trainer_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert dict(sampler_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4, "expert": 1}
 
     grpo = GRPOConfig(num_generations=2, beta=0.04, warmup_ratio=0.0, lr_schedule="constant", max_staleness=1)
     sc = SamplerConfig(max_prompt_length=8, max_completion_length=4, greedy=True, pad_token_id=0)

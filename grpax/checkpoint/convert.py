@@ -252,11 +252,12 @@ def _progress(total: int, desc: str, enabled: bool) -> tuple[Callable[[int], Non
 
 def _extra_keys(source: dict, ours: dict) -> dict:
     """The source config.json's keys to keep under ``ours`` (``to_hf_config``'s): all but the rope and dtype
-    forms ours replaces, or only ``transformers_version`` when the source is another class (the text model of a
+    forms ours replaces and a quantisation the weights no longer have (GPT-OSS's MXFP4 experts are dequantised),
+    or only ``transformers_version`` when the source is another class (the text model of a
     Gemma3ForConditionalGeneration is exported as a Gemma3ForCausalLM, without the vision keys)."""
     if source.get("architectures", ours["architectures"]) != ours["architectures"]:
         return {k: v for k, v in source.items() if k == "transformers_version"}
-    dropped = ("rope_parameters", "dtype", "torch_dtype", CONVERTED_FROM)
+    dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config", CONVERTED_FROM)
     return {k: v for k, v in source.items() if k not in dropped}
 
 

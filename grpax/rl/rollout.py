@@ -246,6 +246,8 @@ class Rollout:
             advantages=np.asarray(advantages, np.float32),
             rollout_logprobs=out.logprobs,  # the behaviour policy's: the mismatch metrics
             truncated=np.asarray([r == "length" for r in out.finish_reason]),
+            routed_experts=out.routed_experts,  # a mixture of experts' (router_replay): metrics, replay
+            prompt_routed_experts=out.prompt_routed_experts,
         ).trim_completions(completion_bucket(longest, C, self.min_completion_bucket))
         if self.mesh is not None:
             return sharding.shard_global_batch(batch, self.mesh)
@@ -255,13 +257,14 @@ class Rollout:
         """The reference's logprobs (beta > 0) and, where ``GRPOConfig.needs_old_logprobs``, the sampling
         params' own (pi_old of the clipped ratio)."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
+        replay = self.grpo.router_replay == "replay"  # a mixture of experts routed by the sampler's routing
         with mesh_context(self.mesh):
             if self.reference is not None:
                 # mapped from files on a CPU host, unmapped after
-                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M)
+                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M, replay)
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
             if self.grpo.needs_old_logprobs:  # pi_old: the sampling params'
-                old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M)
+                old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M, replay)
                 batch = batch.replace(old_logprobs=old)
         return batch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 
@@ -229,6 +229,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
             top_p=self.decode_sampling_nucleus_p,
             greedy=False,
             retire_rows=self.decode_retire_rows,
+            record_routes=self.router_replay != "none",
         )
 
 
@@ -431,6 +432,27 @@ class Inputs:
     eval_rows: list[dict]
 
 
+def check_router_replay(cfg: TrainConfig, model_cfg: ModelConfig | None, source: Any) -> None:
+    """Refuses ``router_replay`` other than none where no routing is recorded: a dense model (its config.json
+    ``source``) or a multi-turn run (its sampler does not record routing).
+
+    Raises:
+      ConfigError: one line naming the key and the fix.
+    """
+    if cfg.router_replay == "none":
+        return
+    if model_cfg is not None and not model_cfg.num_experts:
+        raise ConfigError(
+            f"router_replay={cfg.router_replay}: {source} is a dense {model_cfg.family} model, with no router to "
+            "record or replay; pass router_replay=none"
+        )
+    if cfg.environment:
+        raise ConfigError(
+            f"router_replay={cfg.router_replay}: the multi-turn rollout (environment={cfg.environment}) does not "
+            "record routing; pass router_replay=none"
+        )
+
+
 def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     """Reads the checkpoint's config.json and the rows the run needs with ``task`` before any model loads: no
     run trains and then fails; the run takes what was read from the returned ``Inputs``.
@@ -444,6 +466,7 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     lora = cfg.lora()
     if lora is not None and model_cfg is not None:
         check_rank(lora, model_cfg, str(source))
+    check_router_replay(cfg, model_cfg, source)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"

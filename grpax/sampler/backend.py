@@ -62,6 +62,9 @@ class XlaBackend:
 
     name: str = "xla"
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # A mixture of experts' routing recorded (``SamplerConfig.record_routes``): ``prefill`` and ``decode_step``
+    # return the experts each fed token was routed to as a third element.
+    record_routes: bool = False
     # Whether a decode made of several programs (the retiring decode's phases) runs ``prepare_decode`` once,
     # in a program of its own, and passes its output on (costly preparations: the CPU kernels' packing), or
     # inside each phase's program, where the compiler reads the weights in place instead of materialising a
@@ -97,24 +100,27 @@ class XlaBackend:
           plan: what ``plan`` returned for these prompts.
 
         Returns:
-          (final-normed hidden state of each prompt's last token [B, D] in ``cfg.dtype``, the filled cache).
+          (final-normed hidden state of each prompt's last token [B, D] in ``cfg.dtype``, the filled cache), and
+          with ``record_routes`` the expert ids of every prompt token, int [B, P, L, k] (``moe.Routing``).
         """
         B, P = prompt_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        routed = dict(return_routes=True) if self.record_routes else {}
         if isinstance(params["layers"], dict):
             # Stacked layers are scanned: one compiled layer instead of L unrolled ones (70B's 80 unrolled
             # layers took the TPU compiler most of an hour). A prefill reads each weight once whichever way;
             # the scan's stacked cache is cut into the per-layer buffers the decode updates in place.
             stacked = {name: jnp.stack(buffers) for name, buffers in cache.items()}
-            hidden, stacked = forward(
-                params, prompt_tokens, cfg, positions=positions, cache=stacked, return_hidden=True
+            hidden, stacked, *routing = forward(
+                params, prompt_tokens, cfg, positions=positions, cache=stacked, return_hidden=True, **routed
             )
             cache = {name: list(buffers) for name, buffers in stacked.items()}
         else:
-            hidden, cache = forward(
-                params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True
+            hidden, cache, *routing = forward(
+                params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True, **routed
             )
-        return hidden[jnp.arange(B), prompt_lengths - 1], cache
+        last = hidden[jnp.arange(B), prompt_lengths - 1]
+        return (last, cache, routing[0].experts) if self.record_routes else (last, cache)
 
     def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int) -> Any:
         """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
@@ -153,15 +159,18 @@ class XlaBackend:
           cache: per-layer KV buffers (keys L x [B, K, H, S], values L x [B, K, S, H]).
 
         Returns:
-          (float32 logits [B, V], the updated cache).
+          (float32 logits [B, V], the updated cache), and with ``record_routes`` the expert ids ``tokens`` were
+          routed to, int [B, L, k].
         """
         # Layers unrolled with per-layer cache buffers (scanning stacked layers copied each layer's weights and
         # cache slice at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
         params = convert_layout(prepared, cfg, scan_layers=False)
-        hidden, cache = forward(
-            params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True
+        routed = dict(return_routes=True) if self.record_routes else {}
+        hidden, cache, *routing = forward(
+            params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True, **routed
         )
-        return logits_from_hidden(params, hidden[:, 0], cfg), cache
+        logits = logits_from_hidden(params, hidden[:, 0], cfg)
+        return (logits, cache, routing[0].experts[:, 0]) if self.record_routes else (logits, cache)
 
 
 def _param_devices(params: Params) -> set | None:

@@ -53,6 +53,7 @@ import numpy as np
 from grpax import distributed
 from grpax.host_memory import release_host_memory
 from grpax.models.llama import init_cache, logits_from_hidden
+from grpax.models.moe import route_dtype
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.backend import BACKENDS, select_backend
@@ -91,6 +92,9 @@ class SamplerConfig:
     # ...), they and their cache rows are gathered into that smaller batch (one compile per row count and
     # phase). The same tokens and logprobs as false, which decodes every row until the last one finishes.
     retire_rows: bool = True
+    # A mixture of experts' routing recorded (``router_replay``): each prompt and completion token's top-k
+    # experts in every layer, as the prefill and the decode steps routed it (GenerateOutput's routed fields).
+    record_routes: bool = False
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -149,6 +153,10 @@ class GenerateOutput(NamedTuple):
         "drop").
       decode_row_steps: rows x decode steps the model ran (0 where not counted); 1 - (sum(lengths - 1) /
         it) is the fraction of decode work spent on rows already finished.
+      routed_experts: with ``record_routes`` (a mixture of experts), int8/16 [B, C, L, k]: the experts each
+        completion token was routed to in each layer when the decode fed it back (the last token, never fed,
+        and tokens after a row's end: 0s or padding's); else None.
+      prompt_routed_experts: likewise int8/16 [N, P, L, k] of the prompt tokens (left-padded like prompt_ids).
     """
 
     prompt_ids: np.ndarray
@@ -160,6 +168,8 @@ class GenerateOutput(NamedTuple):
     finish_reason: list[str]
     prompt_indices: np.ndarray
     decode_row_steps: int = 0
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
 
 
 def _row_uniforms(key: jax.Array, step: jax.Array, rows: jax.Array) -> jax.Array:
@@ -214,7 +224,8 @@ def generate_padded(
     Returns:
       dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
       ``lengths`` int32 [B], ``stopped`` bool [B] (a stop token was emitted), ``decode_row_steps`` int32 []
-      (rows x decode steps the model ran); B = prompts * G.
+      (rows x decode steps the model ran); B = prompts * G. With ``record_routes`` (a mixture of experts) also
+      ``routed_experts`` [B, C, L, k] and ``prompt_routed_experts`` [prompts, P, L, k] (right-padded).
 
     Runs two compiled functions: ``prefill`` (per prompt batch shape and the backend's plan, e.g. the CPU
     backend's packed length) and ``decode`` (per row count, prompt bucket and sampler config), so a new plan
@@ -224,14 +235,18 @@ def generate_padded(
     sc = sampler_cfg
     concrete = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_lengths))
     backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, concrete)
+    if sc.record_routes and cfg.num_experts:  # the XLA backend (the CPU one runs Llama only)
+        backend = dataclasses.replace(backend, record_routes=True)
     plan = backend.plan(prompt_tokens, prompt_lengths) if concrete else None
-    cache, logits = compiled_prefill(backend)(
+    cache, logits, prompt_routes = compiled_prefill(backend)(
         params, prompt_tokens, prompt_lengths, cfg, sc, num_generations, backend, plan
     )
     lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
     if concrete and sc.retire_rows and len(_phase_ends(sc)) > 1:
-        return _decode_retiring(params, cache, logits, lengths, key, cfg, sc, backend)
-    return compiled_decode(backend)(params, cache, logits, lengths, key, cfg, sc, backend)
+        out = _decode_retiring(params, cache, logits, lengths, key, cfg, sc, backend)
+    else:
+        out = compiled_decode(backend)(params, cache, logits, lengths, key, cfg, sc, backend)
+    return out if prompt_routes is None else {**out, "prompt_routed_experts": prompt_routes}
 
 
 def _phase_ends(sc: SamplerConfig) -> list[int]:
@@ -283,8 +298,9 @@ def _prefill(
     num_generations: int,
     backend,
     plan,
-) -> tuple[dict, jax.Array]:
-    """Prefills right-padded prompts; returns (KV cache for the first decode phase, first-token logits).
+) -> tuple[dict, jax.Array, jax.Array | None]:
+    """Prefills right-padded prompts; returns (KV cache for the first decode phase, first-token logits, the
+    prompt tokens' routing int [B, P, L, k] where the backend records it, else None).
 
     The cache has B * G rows (each prompt's copied to its G rows) and P + (first phase length) slots, slot ==
     position; the logits are float32 [B * G, V]. Arguments as in ``generate_padded``; ``backend`` and its
@@ -296,20 +312,27 @@ def _prefill(
     # Prefill into a P-slot cache (prompt attention never scans empty slots), then pad it for the first decode
     # phase. Slot == position; padding slots >= length are overwritten by decode before they are attended.
     cache = init_cache(cfg, B, P, sc.cache_dtype or cfg.dtype, stacked=False)
-    last, cache = backend.prefill(
+    last, cache, *routes = backend.prefill(
         params, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), cache, cfg, plan
     )
     cache = _grow(cache, _phase_ends(sc)[0], repeat=G)  # rows x G
     if G > 1:
         last = jnp.repeat(last, G, axis=0)
-    return cache, logits_from_hidden(params, last, cfg)  # [B * G, V]
+    return cache, logits_from_hidden(params, last, cfg), routes[0] if routes else None  # [B * G, V]
 
 
-def _record(state: tuple, step, logits: jax.Array, rows: jax.Array, key: jax.Array, sc: SamplerConfig):
+def _record(
+    state: tuple, step, logits: jax.Array, rows: jax.Array, key: jax.Array, sc: SamplerConfig, routes=None
+):
     """Samples step ``step``'s token of rows ``rows`` (int32 [b], ids in the whole batch) from their logits
-    float32 [b, V] and writes it into the whole batch's state (ids, mask, logprobs [B, C], done [B]); returns
-    (state, the token fed next, int32 [b]: pad for finished rows)."""
-    ids, mask, logprobs, done = state
+    float32 [b, V] and writes it into the whole batch's state (ids, mask, logprobs [B, C], done [B], and where
+    routing is recorded its routes [B, C, L, k]: ``routes`` int [b, L, k], the experts of the token this step fed,
+    the previous one, at column ``step - 1``); returns (state, the token fed next, int32 [b]: pad for finished
+    rows)."""
+    ids, mask, logprobs, done = state[:4]
+    recorded = state[4:]
+    if routes is not None:
+        recorded = (state[4].at[rows, step - 1].set(routes.astype(state[4].dtype)),)
     token, token_logprob = _sample_rows(logits, key, step, rows, sc)
     with jax.named_scope("record"):
         stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
@@ -320,11 +343,14 @@ def _record(state: tuple, step, logits: jax.Array, rows: jax.Array, key: jax.Arr
         logprobs = logprobs.at[rows, step].set(jnp.where(live, token_logprob, 0.0))
         is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
         done = done.at[rows].set(~live | is_stop)
-    return (ids, mask, logprobs, done), fed
+    return (ids, mask, logprobs, done, *recorded), fed
 
 
-def _first_token(logits: jax.Array, key: jax.Array, sampler_cfg: SamplerConfig) -> tuple[tuple, jax.Array]:
-    """The state after step 0 (the token sampled from the prefill's logits float32 [B, V]) and that token."""
+def _first_token(
+    logits: jax.Array, key: jax.Array, sampler_cfg: SamplerConfig, route_shape: tuple | None = None
+) -> tuple[tuple, jax.Array]:
+    """The state after step 0 (the token sampled from the prefill's logits float32 [B, V]) and that token;
+    ``route_shape`` (L, k, dtype): a mixture of experts' recorded routing, zeros [B, C, L, k] in the state."""
     sc = sampler_cfg
     B, C = logits.shape[0], sc.max_completion_length
     state = (
@@ -333,7 +359,16 @@ def _first_token(logits: jax.Array, key: jax.Array, sampler_cfg: SamplerConfig) 
         jnp.zeros((B, C), jnp.float32),
         jnp.zeros((B,), bool),
     )
+    if route_shape is not None:
+        state += (jnp.zeros((B, C, *route_shape[:2]), route_shape[2]),)
     return _record(state, 0, logits, jnp.arange(B, dtype=jnp.int32), key, sc)
+
+
+def _route_shape(cfg: ModelConfig, backend) -> tuple | None:
+    """(L, k, dtype) of the routing the decode records (``_first_token``), or None."""
+    if not getattr(backend, "record_routes", False):
+        return None
+    return cfg.num_layers, cfg.num_experts_per_tok, route_dtype(cfg.num_experts)
 
 
 def _decode_phase(prepared, token, cache, state, step, prompt_lengths, rows, key, end: int, cfg, sc, backend):
@@ -348,16 +383,16 @@ def _decode_phase(prepared, token, cache, state, step, prompt_lengths, rows, key
     def body(carry):
         step, token, cache, state = carry
         pos = (prompt_lengths + step - 1)[:, None]  # position of the previous token
-        logits, cache = backend.decode_step(prepared, token, pos, cache, cfg)
-        state, token = _record(state, step, logits, rows, key, sc)
+        logits, cache, *routes = backend.decode_step(prepared, token, pos, cache, cfg)
+        state, token = _record(state, step, logits, rows, key, sc, routes[0] if routes else None)
         return step + 1, token, cache, state
 
     return jax.lax.while_loop(cond, body, (step, token, cache, state))
 
 
 def _outputs(state: tuple, decode_row_steps: jax.Array) -> dict[str, jax.Array]:
-    ids, mask, logprobs, done = state
-    return {
+    ids, mask, logprobs, done = state[:4]
+    out = {
         "completion_ids": ids,
         "completion_mask": mask,
         "logprobs": logprobs,
@@ -365,6 +400,7 @@ def _outputs(state: tuple, decode_row_steps: jax.Array) -> dict[str, jax.Array]:
         "stopped": done,
         "decode_row_steps": decode_row_steps,
     }
+    return {**out, "routed_experts": state[4]} if len(state) > 4 else out
 
 
 def _decode(
@@ -391,7 +427,7 @@ def _decode(
     slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + sc.max_completion_length  # P + C
     prepared = backend.prepare_decode(params, cfg, slots)
     rows = jnp.arange(B, dtype=jnp.int32)
-    state, token = _first_token(logits, key, sc)
+    state, token = _first_token(logits, key, sc, _route_shape(cfg, backend))
     step = jnp.int32(1)
     for j, end in enumerate(ends):
         if j:
@@ -484,7 +520,8 @@ def _decode_retiring(
     buckets = _row_buckets(B, max(1, B // shard_rows))
     rows = jnp.arange(B, dtype=jnp.int32)
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    state, token = _compiled(_first_token, ("sampler_cfg",), options)(logits, key, sc)
+    first = _compiled(_first_token, ("sampler_cfg", "route_shape"), options)
+    state, token = first(logits, key, sc, _route_shape(cfg, backend))
     statics = ("end", "grow", "num_slots", "cfg", "sc", "backend")
     phases = [
         _compiled(_retire_phase, statics, options, ("cache",)),
@@ -604,6 +641,13 @@ def generate(
     out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc, num_generations))
     release_host_memory()  # the cache, the prefill's and the decode's buffers: before the next call allocates
     finish = ["stop" if s else "length" for s in out["stopped"]]
+    routed = {}
+    if "routed_experts" in out:  # the prompts' routes left-padded like prompt_ids
+        on_right = np.asarray(out["prompt_routed_experts"])
+        on_left = np.zeros_like(on_right)
+        for i, n in enumerate(lengths):
+            on_left[i, P - n :] = on_right[i, :n]
+        routed = dict(routed_experts=np.asarray(out["routed_experts"]), prompt_routed_experts=on_left)
     return GenerateOutput(
         prompt_ids=left,
         prompt_mask=prompt_mask,
@@ -614,4 +658,5 @@ def generate(
         finish_reason=finish,
         prompt_indices=np.array(indices, np.int32),
         decode_row_steps=int(out["decode_row_steps"]),
+        **routed,
     )
