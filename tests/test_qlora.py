@@ -352,7 +352,8 @@ def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
     from conftest import tiny_run_keys
 
     from grpax.checkpoint.orbax import restore_params
-    from grpax.checkpoint.peft import load_lora_step, lora_meta
+    from grpax.checkpoint.peft import load_lora_step
+    from grpax.checkpoint.train_state import lora_meta
     from grpax.cli.main import main
     from grpax.rl.trainer import train
 
