@@ -454,9 +454,9 @@ def test_retiring_decode_frees_the_prefill_cache_in_its_first_phase(params, back
         fn = real_prefill(backend_obj)
 
         def run(*args, **kwargs):
-            cache, logits = fn(*args, **kwargs)
-            prefilled.extend(jax.tree.leaves(cache))
-            return cache, logits
+            out = fn(*args, **kwargs)  # (cache, logits, a mixture of experts' prompt routes or None)
+            prefilled.extend(jax.tree.leaves(out[0]))
+            return out
 
         return run
 
