@@ -16,6 +16,7 @@ and ``*_scales``), dequantised here (``dequantize_mxfp4``). The export writes th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -293,12 +294,39 @@ def load_params_from_tensors(
         get, has, shape = get_tensor, has_tensor, tensor_shape
         get_tensor, has_tensor = (lambda n: get(rename(n))), (lambda n: has(rename(n)))
         tensor_shape = (lambda n: shape(rename(n))) if shape else None
+    b = _LeafBuilder(get_tensor, has_tensor, tensor_shape, on_tensor, cfg, dtype)
+    params: dict = {
+        name: b.leaf([_TOP_HF[name]], name, shape, stack=False) for name, (shape, _) in top_specs(cfg).items()
+    }
+    specs = layer_specs(cfg)
+    if cfg.scan_layers:
+        every = list(range(cfg.num_layers))
+        params["layers"] = {name: b.layer_leaf(every, name, shape) for name, (shape, _) in specs.items()}
+    else:
+        params["layers"] = [
+            {name: b.layer_leaf([i], name, shape) for name, (shape, _) in specs.items()}
+            for i in range(cfg.num_layers)
+        ]
+    return _map_leaves(lambda s: lazy(s[0], dtype, s[1]) if lazy else s[1](), params)
 
-    def check(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-        if not has_tensor(hf_name):
+
+@dataclasses.dataclass
+class _LeafBuilder:
+    """``load_params_from_tensors``'s leaves: each a ``(shape, build)`` pair whose names were checked first and
+    whose ``build()`` reads its source tensors one at a time into the native layout."""
+
+    get_tensor: Callable[[str], np.ndarray]
+    has_tensor: Callable[[str], bool]
+    tensor_shape: Callable[[str], tuple[int, ...]] | None
+    on_tensor: Callable[[int], None] | None
+    cfg: ModelConfig
+    dtype: np.dtype
+
+    def check(self, hf_name: str, name: str, shape: tuple[int, ...]) -> None:
+        if not self.has_tensor(hf_name):
             hint = " (the config says tie_word_embeddings=false)" if name == "lm_head" else ""
             raise MissingTensorError(f"tensor {hf_name!r} is missing from the checkpoint{hint}")
-        stored = tensor_shape(hf_name) if tensor_shape else None
+        stored = self.tensor_shape(hf_name) if self.tensor_shape else None
         if stored is not None and int(np.prod(stored)) != int(np.prod(shape)):
             raise ValueError(
                 f"tensor {hf_name!r} has shape {stored}, expected HF layout of {shape} "
@@ -306,58 +334,46 @@ def load_params_from_tensors(
                 "saved with them"
             )
 
-    def read(hf_name: str) -> np.ndarray:
-        w = np.asarray(get_tensor(hf_name))
-        if on_tensor:
-            on_tensor(w.nbytes)
+    def read(self, hf_name: str) -> np.ndarray:
+        w = np.asarray(self.get_tensor(hf_name))
+        if self.on_tensor:
+            self.on_tensor(w.nbytes)
         return w
 
-    def build(hf_names: list[str], name: str, shape: tuple[int, ...]) -> np.ndarray:
-        out = np.empty((len(hf_names), *shape), dtype)
+    def build(self, hf_names: list[str], name: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty((len(hf_names), *shape), self.dtype)
         for i, hf_name in enumerate(hf_names):
-            fill_native(out[i], read(hf_name), hf_name, name, cfg)
+            fill_native(out[i], self.read(hf_name), hf_name, name, self.cfg)
         return out
 
-    def single(hf_name: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = read(hf_name)
-        native = hf_to_native(name, w, cfg) if w.size == int(np.prod(shape)) else None
+    def single(self, hf_name: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self.read(hf_name)
+        native = hf_to_native(name, w, self.cfg) if w.size == int(np.prod(shape)) else None
         if (
             native is not None
             and native.shape == shape
-            and native.dtype == dtype
+            and native.dtype == self.dtype
             and native.flags.c_contiguous
         ):
             return native  # already in place (the embedding): no second copy of the largest tensor
-        out = np.empty(shape, dtype)
-        fill_native(out, w, hf_name, name, cfg)
+        out = np.empty(shape, self.dtype)
+        fill_native(out, w, hf_name, name, self.cfg)
         return out
 
-    def leaf(hf_names: list[str], name: str, shape: tuple[int, ...], stack: bool) -> Any:
+    def leaf(self, hf_names: list[str], name: str, shape: tuple[int, ...], stack: bool) -> Any:
         for hf_name in hf_names:
-            check(hf_name, name, shape)
+            self.check(hf_name, name, shape)
         if stack:  # [L, ...]: filled layer by layer into one preallocated array
-            return ((len(hf_names), *shape), lambda: build(hf_names, name, shape))
-        return (shape, lambda: single(hf_names[0], name, shape))
+            return ((len(hf_names), *shape), lambda: self.build(hf_names, name, shape))
+        return (shape, lambda: self.single(hf_names[0], name, shape))
 
-    def layer_leaf(layers: list[int], name: str, shape: tuple[int, ...]) -> Any:
-        sources = [_moe_sources(i, name, cfg, has_tensor) for i in layers]
+    def layer_leaf(self, layers: list[int], name: str, shape: tuple[int, ...]) -> Any:
+        sources = [_moe_sources(i, name, self.cfg, self.has_tensor) for i in layers]
         if sources[0] is None:
-            return leaf([hf_layer_name(i, name, cfg) for i in layers], name, shape, stack=cfg.scan_layers)
-        return _moe_leaf(sources, shape, cfg.scan_layers, has_tensor, read, dtype)
-
-    params: dict = {
-        name: leaf([_TOP_HF[name]], name, shape, stack=False) for name, (shape, _) in top_specs(cfg).items()
-    }
-    specs = layer_specs(cfg)
-    if cfg.scan_layers:
-        every = list(range(cfg.num_layers))
-        params["layers"] = {name: layer_leaf(every, name, shape) for name, (shape, _) in specs.items()}
-    else:
-        params["layers"] = [
-            {name: layer_leaf([i], name, shape) for name, (shape, _) in specs.items()}
-            for i in range(cfg.num_layers)
-        ]
-    return _map_leaves(lambda s: lazy(s[0], dtype, s[1]) if lazy else s[1](), params)
+            return self.leaf(
+                [hf_layer_name(i, name, self.cfg) for i in layers], name, shape, stack=self.cfg.scan_layers
+            )
+        return _moe_leaf(sources, shape, self.cfg.scan_layers, self.has_tensor, self.read, self.dtype)
 
 
 def _moe_leaf(sources: list, shape: tuple[int, ...], stack: bool, has_tensor, read, dtype: np.dtype) -> tuple:

@@ -210,7 +210,8 @@ def generate_multi_turn(
     # One phase on all P + T slots: the loop returns to the host between turns, whose pauses would split phases.
     prefill_sc = dataclasses.replace(sc, decode_phase_length=0)
     backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, True)
-    cache, logits = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
+    # The third output, a mixture of experts' prompt routes: multi-turn runs record none (check_router_replay).
+    cache, logits, _ = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
         params, right, lengths, cfg, prefill_sc, G, backend, backend.plan(right, lengths)
     )
     stop_strings = sorted({s for env in envs for s in (getattr(env, "stop_strings", ()) or ())})
