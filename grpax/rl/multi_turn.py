@@ -68,6 +68,8 @@ class MultiTurnOutput(NamedTuple):
     observation_tokens: np.ndarray
     env_rewards: np.ndarray
     truncation: list[str]
+    routed_experts: None = None  # GenerateOutput's: multi-turn runs record no routing (check_router_replay)
+    prompt_routed_experts: None = None
 
     def metrics(self) -> dict[str, float]:
         """Means per trajectory of the turn counts, the fraction that called a tool at least once
