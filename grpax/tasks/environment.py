@@ -30,13 +30,13 @@ import inspect
 import json
 import math
 import re
-import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from grpax.errors import ConfigError, suggest
+from grpax.tasks.base import TimedOut, call_within
 from grpax.tasks.calculator import calculate
 from grpax.tasks.user import _import_file
 
@@ -104,27 +104,16 @@ def run_tool(fn: Callable[..., Any], args: Any, timeout_s: float, name: str = "t
         no longer waits); 0: no limit.
       name: the tool's name in the error observation.
     """
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = fn(**args) if isinstance(args, Mapping) else fn(args)
-        except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's observation
-            box["error"] = e
-
-    if timeout_s > 0:
-        thread = threading.Thread(target=call, name=f"grpax-tool-{name}", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            return f"error: {name} did not return within {timeout_s:g} s"
-    else:
-        call()
-    if "error" in box:
-        e = box["error"]
+    try:
+        value = call_within(
+            lambda: fn(**args) if isinstance(args, Mapping) else fn(args), timeout_s, f"grpax-tool-{name}"
+        )
+    except TimedOut:
+        return f"error: {name} did not return within {timeout_s:g} s"
+    except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's observation
         message = " ".join(str(e).split())
         return f"error: {name} raised {type(e).__name__}" + (f": {message}" if message else "")
-    return str(box.get("value"))
+    return str(value)
 
 
 def parse_chat_tool_call(text: str) -> tuple[str, Any] | None:
@@ -334,37 +323,6 @@ def load_environment(
     return UserFactory(factory, name, str(path), environment_timeout_s)
 
 
-class _TimedOut(Exception):
-    """A user environment's call ran past ``environment_timeout_seconds`` (``_bounded``)."""
-
-
-def _bounded(fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-    """``fn(*args)``; with ``timeout_s`` > 0 in a daemon thread that may run at most that long (a hung call
-    cannot be stopped, but the run no longer waits for it).
-
-    Raises:
-      whatever ``fn`` raised, or ``_TimedOut``.
-    """
-    if timeout_s <= 0:
-        return fn(*args)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name="grpax-environment", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise _TimedOut
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
 class UserFactory:
     """Makes a user's environment and checks every answer it gives (one line naming the file on a mistake).
 
@@ -381,8 +339,8 @@ class UserFactory:
     def call(self, fn: Callable[..., Any], args: tuple, what: str) -> Any:
         """``fn(*args)`` within ``timeout_s``; its exception or a timeout is one line naming ``what`` (the call)."""
         try:
-            return _bounded(fn, args, self.timeout_s)
-        except _TimedOut:
+            return call_within(lambda: fn(*args), self.timeout_s, "grpax-environment")
+        except TimedOut:
             raise EnvironmentFileError(
                 f"environment={self.name!r} ({self.source}) did not return from {what} within "
                 f"environment_timeout_seconds={self.timeout_s:g} (a hang?): fix it, or raise "
