@@ -33,11 +33,13 @@ fi
 grpax train_rl model_name=$MODEL load_parameters_path="$OUT/base/0/items" base_output_directory="$OUT" \
   run_name=grpo dataset_name="$DATASET" num_batches="$STEPS" learning_rate=3e-5 num_test_batches="$EVAL_BATCHES" \
   max_target_length=448 checkpoint_period=2 mu_dtype=bfloat16 ${EXTRA:-}
-# The run's final actor (results.json names it, so a num_batches in EXTRA is followed too).
+# The run's final actor (results.json names it, so a num_batches in EXTRA is followed too), exported in float32:
+# 6 steps at lr 3e-5 move most weights by less than bfloat16's spacing, so a bfloat16 export would drop most of
+# what was learned (to_huggingface measures it and warns).
 ACTOR=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['actor_path'])" "$OUT/grpo/results.json")
 HF_OUT="$OUT/hf_step$(basename "$(dirname "$ACTOR")")"
 if [[ ! -e "$HF_OUT" ]]; then
-  grpax to_huggingface model_name=$MODEL load_parameters_path="$ACTOR" base_output_directory="$HF_OUT"
+  grpax to_huggingface model_name=$MODEL load_parameters_path="$ACTOR" base_output_directory="$HF_OUT" weight_dtype=float32
 fi
 echo
 echo "base checkpoint:   $OUT/base/0/items"

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from grpax import interrupts
 from grpax.config import ConfigError, build_config, describe, suggest
+from grpax.host_memory import limit_heap_blocks
 
 COMMANDS = {
     "to_native": "convert a Hugging Face checkpoint (folder, Hub or GGUF) to a grpax Orbax checkpoint",
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"grpax: unknown command {argv[0]!r}.{suggest(name, COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
+    limit_heap_blocks()  # before the command imports JAX and XLA starts its threads
     module = importlib.import_module(f"grpax.cli.{name}")
     rest = argv[1:]
     if any(a in ("-h", "--help") for a in rest):
