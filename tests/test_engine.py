@@ -13,7 +13,7 @@ from grpax.models.llama import forward, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler import sampling
-from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
+from grpax.sampler.engine import Engine, SamplerConfig, generate, prepare_prompts
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -399,43 +399,99 @@ def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
     assert hidden.dtype == jnp.bfloat16
 
 
-def _retired_row_steps(lengths, B, C, phase_length):
-    """Rows x decode steps of the retiring decode, replayed from the completion lengths: before each phase the
-    rows with length > the phase's first step still run, in the smallest halving of B that holds them."""
-    buckets = [B]
-    while buckets[-1] % 2 == 0:
-        buckets.append(buckets[-1] // 2)
-    total, rows, start = 0, B, 1
-    for end in [*range(phase_length, C, phase_length), C]:
-        live = int((lengths > start).sum()) if start > 1 else B
-        if live == 0:
-            break
-        rows = min(rows, min(b for b in buckets if b >= live))
-        total += rows * (min(end, int(lengths.max())) - start)
-        start = end
-    return total
+def _same(a, b, exact_logprobs=True):
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+    if exact_logprobs and jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    else:
+        # A GPU's matmul kernel is chosen by the row count: the same float32 products summed in another order
+        # (measured on an H200 for the static engine's retirement: at most 9.5e-7).
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert a.finish_reason == b.finish_reason
+
+
+# Rows that end between step 2 and 40 (the default sampling of the tests below).
+LONG_TAILED = dict(greedy=False, temperature=0.9, top_k=50, stop_token_ids=(0,), max_completion_length=40)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_retired_rows_give_the_same_rollout(params, backend):
-    # Rows finishing between step 2 and 40: the retiring decode (rows gathered into 12, then 6, ... between
-    # phases of 4 steps) must sample what every row decoded to the end samples, bit for bit.
+def test_few_slots_and_pages_refilled_as_rows_end_give_the_same_rollout(params, backend):
+    """24 rows through 5 decode slots, pages of 4 tokens, calls of 3 steps: slots are refilled as rows end and
+    pages taken and freed; from a pool that holds 2 full-length rows the newest row is preempted (and restarted)
+    when the pool runs short. Every row samples what it samples with all rows in flight at once, bit for bit:
+    its tokens depend on nothing else in flight."""
     prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
-    sc = _sc(greedy=False, temperature=0.9, top_k=50, stop_token_ids=(0,), max_completion_length=40,
-             decode_phase_length=4, backend=backend)  # fmt: skip
-    retired = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
-    full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
-    np.testing.assert_array_equal(retired.completion_ids, full.completion_ids)
-    np.testing.assert_array_equal(retired.completion_mask, full.completion_mask)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(retired.logprobs, full.logprobs)
-    else:
-        # A GPU's matmul kernel is chosen by the row count (12 rows, then 6, ... against 24): the same float32
-        # products summed in another order. Measured on an H200: 33 of 960 logprobs differ, by at most
-        # 9.5e-7; the bound is test_rows_do_not_depend_on_the_batch's.
-        np.testing.assert_allclose(retired.logprobs, full.logprobs, rtol=0, atol=1e-5)
-    assert retired.finish_reason == full.finish_reason
+    sc = _sc(**LONG_TAILED, backend=backend)
+    full = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
     lengths = full.lengths
     assert lengths.min() <= 3 and lengths.max() == 40 and (lengths == 40).sum() < 6  # rows end far apart
-    assert full.decode_row_steps == 24 * 39  # every row runs every step
-    assert retired.decode_row_steps == _retired_row_steps(lengths, 24, 40, 4) < 0.7 * full.decode_row_steps
+    useful = int((lengths - 1).sum())  # decode steps the rows need: their first token comes from the prefill
+    for rows_of_pages in (3, 2):  # the pool: this many full-length rows (14 pages of 4 tokens each)
+        narrow = dataclasses.replace(
+            sc, max_num_seqs=5, page_size=4, num_pages=1 + 14 * rows_of_pages, decode_steps_per_call=3
+        )
+        engine = Engine(params, CFG, narrow)
+        request = engine.submit(prompts, jax.random.key(3), 4)
+        engine.run(request)
+        out = request.output(sc.pad_token_id, sc.bucket_for(7), sc.max_completion_length)
+        _same(out, full)
+        assert engine.pool.num_free == engine.pool.num_pages - 1  # every page back (page 0 is scratch)
+        assert engine.stats["prefills"] > 1
+        if rows_of_pages == 3:  # the slots stayed full while rows waited
+            assert engine.stats["preempted"] == 0
+            assert out.decode_row_steps < 1.15 * useful < full.decode_row_steps  # all at once: a long tail
+        else:
+            assert engine.stats["preempted"] > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retired_slots_give_the_same_rollout_with_less_decode_work(params, backend):
+    # With nothing waiting, the running rows move to the smallest halving of the 24 slots that holds them.
+    prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
+    sc = _sc(**LONG_TAILED, backend=backend)
+    retired = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
+    full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
+    _same(retired, full)
+    assert full.decode_row_steps == 24 * 39  # every slot runs every step until the longest row ends
+    assert retired.decode_row_steps < 0.7 * full.decode_row_steps
+
+
+def test_a_row_does_not_depend_on_what_else_is_in_flight(params):
+    """A request submitted while another one runs (sharing its slots and pool, admitted between decode calls)
+    samples what it samples alone; so does the first one."""
+    sc = _sc(**LONG_TAILED, max_num_seqs=6, page_size=4, decode_steps_per_call=2)
+    alone_a = generate(params, PROMPTS, CFG, sc, jax.random.key(1), 2)
+    alone_b = generate(params, [[9, 9, 9], [4]], CFG, sc, jax.random.key(2), 3)
+    engine = Engine(params, CFG, sc)
+    a = engine.submit(PROMPTS, jax.random.key(1), 2)
+    engine.step()
+    engine.step()
+    b = engine.submit([[9, 9, 9], [4]], jax.random.key(2), 3)
+    engine.run()
+    assert a.done and b.done
+    _same(a.output(0), alone_a)
+    _same(b.output(0), alone_b)
+
+
+def test_update_params_swaps_the_weights_between_calls_and_records_each_tokens_version(params):
+    """New weights on a running engine: queued and running rows are kept, tokens sampled after the swap record
+    the new version, and (greedy, the same values under a new version) the rollout is unchanged."""
+    sc = _sc(max_num_seqs=2, decode_steps_per_call=2)
+    before = generate(params, PROMPTS, CFG, sc, jax.random.key(0))
+    engine = Engine(params, CFG, sc, version=3)
+    request = engine.submit(PROMPTS, jax.random.key(0))
+    engine.step()
+    engine.update_params(jax.tree.map(jnp.copy, params), 4)
+    engine.run(request)
+    out = request.output(0)
+    _same(out, before)
+    versions = out.policy_versions
+    assert versions[0, 0] == 3 and versions[0, -1] == 4  # a row running at the swap has both
+    assert (versions[2:] == 4).all()  # rows that waited for a slot sampled every token with the new weights
+    assert (np.diff(versions, axis=1) >= 0).all()
+
+
+def test_a_pool_too_small_for_one_row_is_one_line(params):
+    with pytest.raises(ValueError, match=r"num_pages=3 holds no sequence of .* pass at least 8"):
+        Engine(params, CFG, _sc(page_size=4, num_pages=3))

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.errors import ConfigError
+from grpax.models.sharding_rules import TENSOR
 
 if TYPE_CHECKING:
     from grpax.models.registry import ModelConfig
@@ -350,15 +351,44 @@ def _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     S, N, H = q.shape
-    return ragged_paged_attention(
-        q.astype(kv_pages.dtype),
-        kv_pages,
-        lengths.astype(jnp.int32),
-        page_table.astype(jnp.int32),
-        jnp.arange(S + 1, dtype=jnp.int32),  # cu_q_lens: one query per sequence
-        jnp.asarray([S], jnp.int32),
-        sm_scale=1.0 / math.sqrt(H) if scale is None else scale,
-        sliding_window=window,
-        soft_cap=cap,
-        mask_value=_MASK_VALUE,
-    ).astype(q.dtype)
+    blocks = _ragged_block_sizes(page_table.shape[1], kv_pages.shape[1], S)
+
+    def kernel(q, kv_pages, lengths, page_table):
+        return ragged_paged_attention(
+            q.astype(kv_pages.dtype),
+            kv_pages,
+            lengths.astype(jnp.int32),
+            page_table.astype(jnp.int32),
+            jnp.arange(S + 1, dtype=jnp.int32),  # cu_q_lens: one query per sequence
+            jnp.asarray([S], jnp.int32),
+            sm_scale=1.0 / math.sqrt(H) if scale is None else scale,
+            sliding_window=window,
+            soft_cap=cap,
+            mask_value=_MASK_VALUE,
+            num_kv_pages_per_block=blocks[0],
+            num_queries_per_block=blocks[1],
+        ).astype(q.dtype)
+
+    # A Pallas call is not partitioned by XLA: over a mesh each chip runs it on its own kv heads (the pool's
+    # axis 2 split over "tensor", k/v pairs staying together), the rest replicated.
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 0 if mesh.empty else dict(mesh.shape).get(TENSOR, 1)
+    if tensor <= 1:
+        return kernel(q, kv_pages, lengths, page_table)
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(P(None, TENSOR, None), P(None, None, TENSOR, None), P(), P()),
+        out_specs=P(None, TENSOR, None),
+        check_vma=False,
+    )(q, kv_pages, lengths, page_table)
+
+
+def _ragged_block_sizes(pages_per_seq: int, page_size: int, num_queries: int) -> tuple[int | None, int | None]:
+    """(kv pages, queries) per block of the ragged kernel: None, None (the kernel's own tuned table) where this
+    process runs on TPU chips; else (a compile for a TPU topology from a CPU host, where the table's lookup of the
+    local device fails) 512 tokens of pages and 32 queries."""
+    if jax.devices()[0].platform == "tpu":
+        return None, None
+    return min(pages_per_seq, max(1, 512 // page_size)), min(num_queries, 32)
