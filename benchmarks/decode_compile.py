@@ -118,7 +118,9 @@ def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
     params = job.rollout_params
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     rows = cfg.grpo().num_generations
-    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, rows)["decode"]
+    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, rows)[
+        "decode"
+    ]
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         compiled = fn.lower(*args, **kwargs).compile()

@@ -385,7 +385,9 @@ def _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window):
     )(q, kv_pages, lengths, page_table)
 
 
-def _ragged_block_sizes(pages_per_seq: int, page_size: int, num_queries: int) -> tuple[int | None, int | None]:
+def _ragged_block_sizes(
+    pages_per_seq: int, page_size: int, num_queries: int
+) -> tuple[int | None, int | None]:
     """(kv pages, queries) per block of the ragged kernel: None, None (the kernel's own tuned table) where this
     process runs on TPU chips; else (a compile for a TPU topology from a CPU host, where the table's lookup of the
     local device fails) 512 tokens of pages and 32 queries."""
