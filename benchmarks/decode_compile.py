@@ -32,11 +32,11 @@ import jax
 
 from grpax import sharding
 from grpax.config import build_config
-from grpax.rl import compile_check
+from grpax.plan import compile_check
+from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
-from grpax.topology import get_topology
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
 _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64)\[([0-9,]*)\]")

@@ -11,7 +11,7 @@ cut by the time budget last):
 
 1. ``update``: the job's jitted GRPO update (``make_train_step``: forward, backward, AdamW) on a batch of the
    job's full shape; tokens/s, ``MFU = 6 * params * rows * (P + C) / time / peak_flops`` and ``HFU``: the FLOPs
-   the hardware runs (``grpax.rl.step_cost``: each prompt once per group, the remat recompute, attention) over
+   the hardware runs (``grpax.plan.step_cost``: each prompt once per group, the remat recompute, attention) over
    the same time;
 2. ``profile of one update``: one more call under ``jax.profiler``, summarised as text
    (``benchmarks/profile_summary.py``: top kernels, idle gaps, shares by named scope and by pass: forward,
@@ -29,7 +29,7 @@ cut by the time budget last):
 6. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
    own objects, split into rollout / reference / update seconds (the third step: the first compiles);
 7. ``memory``: the device's peak bytes in use (``memory_stats``) against the fit check's per-device table of
-   the same job (``grpax.rl.compile_check.compile_job``, the check ``train_rl`` runs before a run), and how
+   the same job (``grpax.plan.compile_check.compile_job``, the check ``train_rl`` runs before a run), and how
    many of the fit check's programs were read from JAX's persistent compilation cache;
 8. ``variant ...``: ``VARIANTS``, each beside the default in the same process, after the memory part (so the
    peak is the job's): a sampler key, XLA GPU compiler options of the sampler's jits
@@ -78,12 +78,12 @@ from grpax.cli.common import enable_compilation_cache
 from grpax.config import build_config
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.plan.compile_check import compile_job, model_config
+from grpax.plan.fit_report import GIB, format_report
+from grpax.plan.step_cost import StepShape, step_phases
 from grpax.rl.batch import Batch
-from grpax.rl.compile_check import compile_job, model_config
-from grpax.rl.fit_report import GIB, format_report
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
-from grpax.rl.step_cost import StepShape, step_phases
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.sampler import backend as sampler_backend
@@ -266,7 +266,7 @@ def decode_roofline(cfg: ModelConfig, rows: int, P: int, C: int, bw: float, flop
 
 
 def update_hardware_flops(model_cfg: ModelConfig, cfg: TrainConfig, micro_batches: int) -> float:
-    """FLOPs one update runs (``grpax.rl.step_cost``): each prompt once per group, forward + backward, the remat
+    """FLOPs one update runs (``grpax.plan.step_cost``): each prompt once per group, forward + backward, the remat
     recompute of ``model_cfg.remat_policy``, attention, the vocabulary projection."""
     grpo = cfg.grpo()
     shape = StepShape(
@@ -277,6 +277,7 @@ def update_hardware_flops(model_cfg: ModelConfig, cfg: TrainConfig, micro_batche
         num_micro_batches=micro_batches,
         num_iterations=1,
         with_reference=False,
+        with_old_logprobs=False,
         decode_phase_length=64,
     )
     phases = step_phases(model_cfg, shape, 1, 1, 1, 1, peak_flops=1.0, hbm_bandwidth=1.0)

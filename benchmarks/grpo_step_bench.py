@@ -5,7 +5,7 @@ model's chat template and the ``smollm2_demo`` prompt preset: P prompts x G comp
 new tokens per row (grpax: no stop ids; TRL: ``min_new_tokens`` = ``max_completion_length``), beta 0.08, float32
 on CPU, one optimizer update per step (num_iterations 1). Both systems see the same weights (TRL loads a Hugging
 Face folder written from grpax's params), the same prompts in the same order, the same sampling settings
-(temperature 0.9, top-k 50) and the same reward (``grpax.rewards.gsm8k.score_completions`` total, preset
+(temperature 0.9, top-k 50) and the same reward (``grpax.tasks.gsm8k_rewards.score_completions`` total, preset
 ``smollm2_demo``, wrapped as a TRL reward function).
 
 Start-up (load + trainer construction; plus, for the first step, compilation or warm-up) is reported apart from
@@ -54,18 +54,11 @@ import numpy as np
 from grpax.checkpoint.convert import generation_config
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import iter_hf_tensors, load_params_from_tensors
-from grpax.data.gsm8k import (
-    PromptIterator,
-    filter_by_length,
-    load_dataset_rows,
-    render_prompt,
-    tokenize_prompts,
-)
-from grpax.data.prompts import get_prompt_preset
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import filter_by_length, render_prompt, tokenize_prompts
 from grpax.data.tokenizer import stop_token_ids
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import from_hf_config, to_hf_config
-from grpax.rewards.gsm8k import get_reward_config, score_completions
 from grpax.rl import rollout as rollout_module
 from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
@@ -73,6 +66,9 @@ from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
 from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
+from grpax.tasks.gsm8k import load_dataset_rows
+from grpax.tasks.gsm8k_rewards import get_reward_config, score_completions
+from grpax.tasks.prompts import get_prompt_preset
 
 try:  # an older grpax (a parent commit run through PYTHONPATH) has no rollouts ahead
     from grpax.rl.ahead import AheadRollouts

@@ -25,7 +25,7 @@ def run_one(mode: str, backend: str, rows: int, prompt: int, completion: int, re
     from grpax.models import lora as lora_lib
     from grpax.models.params import init_params
     from grpax.models.registry import get_model_config
-    from grpax.rl.policy import _merge
+    from grpax.rl.policy import merge_adapters
     from grpax.sampler.engine import SamplerConfig, generate
 
     cfg = get_model_config("smollm2-135m-Instruct", weight_dtype="float32", dtype="float32")
@@ -40,7 +40,9 @@ def run_one(mode: str, backend: str, rows: int, prompt: int, completion: int, re
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def rollout(key):
-        params = _merge(base, adapters, lora) if mode == "merged" else lora_lib.apply(base, adapters, lora)
+        params = (
+            merge_adapters(base, adapters, lora) if mode == "merged" else lora_lib.apply(base, adapters, lora)
+        )
         out = generate(params, prompts, cfg, sc, key)
         return jax.block_until_ready(out.completion_ids)
 

@@ -52,10 +52,8 @@ import numpy as np
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import load_params_from_tensors
 from grpax.checkpoint.orbax import load_model
-from grpax.data.prompts import get_prompt_preset
 from grpax.data.tokenizer import stop_token_ids
 from grpax.models.registry import from_hf_config
-from grpax.rewards.gsm8k import get_reward_config
 from grpax.rl.config import GRPOConfig
 from grpax.rl.multi_turn import MultiTurnRollout, encode, render_prompt
 from grpax.rl.optim import optimizer_from_config
@@ -65,6 +63,8 @@ from grpax.rl.trainer import step_metrics
 from grpax.sampler.engine import SamplerConfig
 from grpax.tasks.environment import MultiTurnConfig, calculator_environment
 from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.gsm8k_rewards import get_reward_config
+from grpax.tasks.prompts import get_prompt_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_bench import add_gsm8k_dir_option, gsm8k_file  # noqa: E402

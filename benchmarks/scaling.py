@@ -37,7 +37,7 @@ SETTINGS = {
 }
 TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8")
 # 70B: its sampler unrolls 80 layers, a compile too long for this table, so its rows are the analytical
-# estimate of grpax.rl.memory_estimate (exact resident arrays, formula temporaries) on the slice's chips. On
+# estimate of grpax.plan.memory_estimate (exact resident arrays, formula temporaries) on the slice's chips. On
 # slices of several 4-chip hosts FSDP spans the hosts (dcn_fsdp_parallelism=-1) and the sampler has one
 # replica per host (tensor parallelism stays within a host).
 MULTI_HOST = "dcn_data_parallelism=1 dcn_fsdp_parallelism=-1"
@@ -58,12 +58,12 @@ def rows(models: list[str], topologies: list[str]) -> list[tuple[str, str, str]]
 
 
 def estimate_one(model: str, topology: str, settings: str) -> dict:
-    """A row from ``grpax.rl.memory_estimate`` with the slice's chip figures (no compile)."""
+    """A row from ``grpax.plan.memory_estimate`` with the slice's chip figures (no compile)."""
     from grpax.config import build_config
-    from grpax.rl.fit_report import format_report
-    from grpax.rl.memory_estimate import estimate_job
+    from grpax.plan.fit_report import format_report
+    from grpax.plan.memory_estimate import estimate_job
+    from grpax.plan.topology import CHIPS, TOPOLOGIES
     from grpax.rl.train_config import TrainConfig
-    from grpax.topology import CHIPS, TOPOLOGIES
 
     generation, grid = TOPOLOGIES[topology]
     chips = 1

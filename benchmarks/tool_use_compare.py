@@ -17,11 +17,11 @@ import json
 import sys
 from pathlib import Path
 
-from grpax.data.prompts import get_prompt_preset
 from grpax.eval.compare import compare, sign_test_p_value
 from grpax.eval.metrics import mean_reward, proportion
-from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.gsm8k_rewards import get_reward_config
+from grpax.tasks.prompts import get_prompt_preset
 
 
 def _load(folder: Path) -> tuple[dict, list[dict]]:

@@ -3,9 +3,9 @@
 Compiles only the two trainer programs of a ``grpax train_rl`` job for ``compile_topology`` (no TPU and no weights
 needed: the ``tpu`` extra's libtpu), as ``compile_topology`` does, and prints per chip: each kind of collective
 (executions with loop trips counted, bytes), their ICI time at the chip's bandwidth, FSDP's minimum
-(``grpax.rl.collectives``); each program's memory per chip (arguments, outputs, temporaries, its phase beyond the
+(``grpax.plan.collectives``); each program's memory per chip (arguments, outputs, temporaries, its phase beyond the
 resident arrays, as ``compile_topology``'s table) and the peak of the two beside the resident arrays; and the counted
-lower bound of a step (``grpax.rl.step_cost``) with and without the programs' ICI time as a floor of their phases.
+lower bound of a step (``grpax.plan.step_cost``) with and without the programs' ICI time as a floor of their phases.
 Faster than the whole job's compile (no sampler: the whole job's peak also weighs the rollout phase).
 
 To compare with another commit, compile there and count here: the HLO files are saved with ``--save_hlo``, and
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from grpax import sharding
 from grpax.config import build_config
 from grpax.models.params import abstract_params
-from grpax.rl import compile_check
+from grpax.plan import compile_check
+from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import make_train_step, token_logprobs
-from grpax.topology import get_topology
 
 
 def compile_programs(
@@ -102,11 +102,11 @@ def print_memory(memory: dict[str, dict[str, int]], resident: dict[str, int]) ->
 def top_collectives(text: str, num_devices: int, n: int) -> list[str]:
     """The ``n`` collectives that move the most bytes per chip in a program, by kind, array and the JAX op that
     made them (its ``op_name``), loop trips counted and an async collective fusion chain counted once, as
-    ``grpax.rl.collectives.count_collectives`` does."""
+    ``grpax.plan.collectives.count_collectives`` does."""
     import collections
     import re
 
-    from grpax.rl import collectives as c
+    from grpax.plan import collectives as c
 
     executed, _ = c.executed_collectives(text, num_devices)
     rows = collections.defaultdict(lambda: [0, 0.0])
@@ -122,8 +122,8 @@ def top_collectives(text: str, num_devices: int, n: int) -> list[str]:
 
 def report(cfg: TrainConfig, texts: dict[str, str], top: int = 0) -> None:
     """Prints each program's collectives per chip, their ICI time and FSDP's minimum."""
-    from grpax.rl.collectives import count_collectives, fsdp_minimum
-    from grpax.rl.compile_check import model_config
+    from grpax.plan.collectives import count_collectives, fsdp_minimum
+    from grpax.plan.compile_check import model_config
 
     topology = get_topology(cfg.compile_topology, 1, cfg.chips_per_vm or 0)
     model_cfg = model_config(cfg)

@@ -1,6 +1,6 @@
 """grpax: JAX-native GRPO post-training for Llama-family language models.
 
-Data flows checkpoint -> model -> sampler -> rewards -> rl update -> checkpoint; the sub-packages follow that
+Data flows checkpoint -> model -> sampler -> task rewards -> rl update -> checkpoint; the sub-packages follow that
 flow (see README.md).
 """
 

@@ -28,7 +28,15 @@ from typing import Any
 import yaml
 
 from grpax.errors import ConfigError, suggest  # noqa: F401 - re-exported: grpax.config.ConfigError
-from grpax.models.registry import MODELS, find_hf_config, load_hf_config, registered_names_of
+from grpax.models.registry import (
+    MODELS,
+    ModelConfig,
+    check_context_length,
+    checkpoint_config,
+    find_hf_config,
+    load_hf_config,
+    registered_names_of,
+)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -413,3 +421,60 @@ def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+ATTENTION_HELP = (
+    "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | "
+    "cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeKeys:
+    """Where a command runs (MaxText's keys): the JAX platform, the compilation cache, several hosts."""
+
+    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
+    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKeys:
+    """The keys a command reads a checkpoint's config.json with (``ModelConfig``'s layout, dtypes and attention):
+    train_rl, evaluate and generate take them alike (``read_model_config``)."""
+
+    scan_layers: bool = field(True, "stack the layers and scan over them (compile time independent of depth)")
+    weight_dtype: str = field("float32", "params' storage dtype: float32 | bfloat16 | float16")
+    dtype: str = field(
+        "float32",
+        "compute dtype: activations, matmul inputs, KV cache (the accelerator presets: bfloat16); float32 is "
+        "faster than bfloat16 on CPU",
+    )
+    attention: str = field("dot_product", ATTENTION_HELP)
+
+    def model_keys(self) -> dict:
+        """These keys as ``load_hf_config``'s overrides."""
+        return dict(
+            scan_layers=self.scan_layers,
+            weight_dtype=self.weight_dtype,
+            dtype=self.dtype,
+            attention=self.attention,
+        )
+
+
+def read_model_config(
+    path: str, keys: ModelKeys, context_length: int, what: str
+) -> tuple[ModelConfig | None, Path | None]:
+    """A command's model, read once before anything loads: the nearest config.json at or above ``path`` with the
+    command's ``keys``, and a check that ``context_length`` tokens (``what`` names the keys that set it) fit the
+    model's context.
+
+    Returns:
+      (the ModelConfig, its config.json), or (None, None) when no config.json is found (the load says so).
+
+    Raises:
+      ConfigError: ``context_length`` above the model's (``check_context_length``: the keys and the limit named).
+    """
+    model_cfg, source = checkpoint_config(path, **keys.model_keys())
+    check_context_length(context_length, what, model_cfg, source)
+    return model_cfg, source

@@ -83,12 +83,6 @@ class MeshConfig:
         "copied over after each update: time/reshard_s); 0 = the sampler shares the trainer's devices",
     )
 
-    @classmethod
-    def from_config(cls, config: Any) -> MeshConfig:
-        """Picks the mesh keys from any config object (a command's ``CONFIG`` instance) that has them."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{n: getattr(config, n) for n in names if hasattr(config, n)})
-
 
 # ---------------------------------------------------------------------------------------------- meshes
 
@@ -176,15 +170,23 @@ def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device
     )
     if len(devices) % num_granules:
         raise ConfigError(f"{len(devices)} devices do not split evenly over {num_granules} slices/hosts")
-    ici = _fill(
-        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
-        len(devices) // num_granules,
-        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
-        "the number of devices per slice/host",
-    )
+    ici = ici_shape(mesh_cfg, len(devices) // num_granules)
     mesh = _build(ici, dcn, devices, mesh_cfg.allow_split_physical_axes, MESH_AXES)
     log.info("trainer mesh %s (ici %s, dcn %s)", dict(mesh.shape), ici, dcn)
     return mesh
+
+
+def ici_shape(
+    mesh_cfg: MeshConfig, num_devices: int, what: str = "the number of devices per slice/host"
+) -> tuple[int, ...]:
+    """(data, fsdp, tensor) of ``num_devices`` devices joined by ICI (one slice or host) from the ``ici_*`` keys
+    (one -1: the rest). Raises ConfigError naming the keys and ``what`` when their product is not the count."""
+    return _fill(
+        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
+        num_devices,
+        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+        what,
+    )
 
 
 def rollout_parallelism(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int]:

@@ -106,5 +106,5 @@ def test_rloo_gradient_is_minus_a_grad_logp():
 
     adv = compute_advantages([1.0, 0.0, 0.0, 1.0], 4, scale_rewards="none", estimator="rloo")
     logp, mask = jnp.full((4, 2), -1.0), jnp.ones((4, 2))
-    grad = jax.grad(lambda lp: policy_loss(lp, None, None, jnp.asarray(adv), mask)[0])(logp)
+    grad = jax.grad(lambda lp: policy_loss(lp, None, None, jnp.asarray(adv), mask)[0])(logp)  # ON_POLICY keys
     np.testing.assert_allclose(grad, np.repeat(-np.array([2, -2, -2, 2])[:, None] / 3 / 8, 2, 1), rtol=1e-6)

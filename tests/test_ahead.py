@@ -14,7 +14,7 @@ from conftest import tiny_run_keys
 from test_learning import TOY_MODEL, V, toy_rows, toy_scorer, toy_task
 
 from grpax.config import ConfigError
-from grpax.data.gsm8k import PromptIterator
+from grpax.data.iterator import PromptIterator
 from grpax.models.params import init_params
 from grpax.rl import trainer
 from grpax.rl.ahead import AheadRollouts, RolloutWorkerError

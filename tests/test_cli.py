@@ -484,13 +484,16 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
 
     from grpax.checkpoint.gguf import read_gguf
     from grpax.cli.generate import GenerateConfig, render_prompts
-    from grpax.data.gsm8k import load_dataset_rows, prepare_rows
-    from grpax.data.prompts import get_prompt_preset
+    from grpax.data.prompts import prepare_rows
+    from grpax.tasks.gsm8k import load_dataset_rows
+    from grpax.tasks.prompts import get_prompt_preset
 
     data, tokenizer = _jsonl(tmp_path / "q.jsonl", 3), read_gguf().tokenizer()
     questions = [row["question"] for row in load_dataset_rows(data, "train")]
     for name in ("smollm2_demo", "maxtext"):
-        trained = prepare_rows(tokenizer, data, "train", get_prompt_preset(name), 1024)
+        trained = prepare_rows(
+            tokenizer, data, "train", get_prompt_preset(name), 1024, load=load_dataset_rows
+        )
         rendered = render_prompts(
             build_config(GenerateConfig, [f"prompt_preset={name}"]), tokenizer, questions
         )

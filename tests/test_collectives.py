@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from grpax.rl.collectives import count_collectives, executed_collectives, fsdp_minimum
+from grpax.plan.collectives import count_collectives, executed_collectives, fsdp_minimum
 
 # An entry computation with a 5-trip loop whose body all-gathers bf16[8,4] (64 bytes) over groups of 4 chips
 # and calls a TPU reduce-scatter fusion (an all-reduce of f32[16], 64 bytes, over 8 chips, then a slice);
@@ -220,10 +220,10 @@ def test_v5e_gathers_each_layer_weight_once_per_pass():
 
     from grpax import sharding
     from grpax.config import build_config
-    from grpax.rl import compile_check
+    from grpax.plan import compile_check
+    from grpax.plan.topology import get_topology
     from grpax.rl.train_config import TrainConfig
     from grpax.rl.train_step import token_logprobs
-    from grpax.topology import get_topology
 
     pytest.importorskip("libtpu", reason="the slice's devices come from libtpu's topology")
     cfg = build_config(TrainConfig, ["model_name=llama3.2-1b", "compile_topology=v5e-8"])

@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-from grpax.data.prompts import get_prompt_preset
 from grpax.eval.compare import (
     PAIRED_METRICS,
     compare,
@@ -13,11 +12,12 @@ from grpax.eval.compare import (
     question_values,
     sign_test_p_value,
 )
-from grpax.rewards.gsm8k import is_correct
 from grpax.rl.results import format_before_after, publish
+from grpax.tasks.answers import is_correct
 from grpax.tasks.base import UserRewards
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.math import MathTask
+from grpax.tasks.prompts import get_prompt_preset
 
 
 def _record(question: str, answer: str, extracted: str | None, formatted: bool = False) -> dict:

@@ -22,8 +22,8 @@ from grpax.cli.main import main
 from grpax.config import build_config
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.plan.compile_check import compile_job
 from grpax.rl.batch import Batch
-from grpax.rl.compile_check import compile_job
 from grpax.rl.rollout import mesh_context
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.trainer import _init_state

@@ -14,11 +14,11 @@ import pytest
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.rl.compile_check import check_before_run, per_chip_bytes
-from grpax.rl.step_cost import StepShape, step_phases
+from grpax.plan.compile_check import check_before_run, per_chip_bytes
+from grpax.plan.step_cost import StepShape, step_phases
+from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
 from grpax.sharding import MeshConfig, create_rollout_mesh
-from grpax.topology import get_topology
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
 
@@ -243,6 +243,26 @@ def test_check_before_run_stops_a_run_that_cannot_fit(config_only):
     check_before_run(build_config(TrainConfig, [*_keys(config_only)[1:], "check_fit=false"]), devices, 1)
 
 
+def test_the_reference_copy_is_planned_in_the_compute_dtype_and_in_host_memory(config_only, capsys):
+    """float32 weights, bfloat16 compute: the reference copy is rounded as the forward reads it (half the
+    bytes); with reference_memory=pinned_host it holds no device memory but its pass holds it."""
+    assert (
+        main(_keys(config_only, compile_topology="h100-8", dtype="bfloat16", reference_memory="device")) == 0
+    )
+    out = capsys.readouterr().out
+    assert _row(out, "reference params") * 2 == _row(out, "params")
+    keys = _keys(
+        config_only, hardware="tpu", dtype="bfloat16", reference_memory="pinned_host", remat_policy="full"
+    )
+    assert main(keys) == 0
+    out = capsys.readouterr().out
+    half = _row(out, "params") // 2  # fsdp=4 on v5e:2x2, as in the first test; bfloat16
+    assert _row(out, "reference params: in host memory (pinned_host)") == 0
+    pass_bytes = _row(out, "reference logprobs phase, beyond the resident arrays")
+    assert pass_bytes >= half + _row(out, "reference logprobs temporaries")
+    assert re.search(r"^  reference from host +0.0 TFLOP +[\d.]+ GiB/chip", out, re.M)
+
+
 def test_nvidia_target_is_an_estimate_with_exact_shards(config_only, capsys):
     # No compiler for an absent GPU: the table is labelled an estimate; its resident rows are still exact.
     assert main(_keys(config_only, compile_topology="h100-8")) == 0
@@ -404,7 +424,7 @@ def test_lora_update_compiles_with_the_adapters_on_their_weights_axes(config_onl
     import dataclasses
 
     from grpax import sharding
-    from grpax.rl.compile_check import build_job
+    from grpax.plan.compile_check import build_job
     from grpax.rl.train_step import make_train_step
 
     cfg = build_config(TrainConfig, [*_keys(config_only, lora_rank=4, compile_topology="")[1:]])

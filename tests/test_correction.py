@@ -13,6 +13,17 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.correction import importance_weights
 from grpax.rl.losses import policy_loss
 
+
+def _policy_loss(logprobs, old, ref, adv, mask, **keys):
+    """``policy_loss`` with its GRPOConfig built from ``keys`` (beta 0 unless given), the batch's extras apart."""
+    call = {
+        k: keys.pop(k)
+        for k in ("max_completion_length", "normalizer", "truncated", "rollout_logprobs")
+        if k in keys
+    }
+    return policy_loss(logprobs, old, ref, adv, mask, GRPOConfig(**{"beta": 0.0, **keys}), **call)
+
+
 # Two rows x four tokens; row 1 has three real tokens and junk (NaN) in its padding.
 # Token ratios pi_old / mu: row 0 (3.0, 0.5, 1.0, 0.4), row 1 (6.0, 2.0, 1.0, padding).
 OLD = np.log([[0.9, 0.2, 0.5, 0.2], [0.6, 0.4, 0.3, 0.5]])
@@ -83,10 +94,11 @@ def test_loss_multiplies_the_policy_term_not_the_kl():
     logp = jnp.array(OLD) + 0.1  # ratio pi / pi_old = e^0.1 everywhere, inside no clip
     adv, mask, ref = jnp.array([1.0, -1.0]), jnp.array(MASK), jnp.array(OLD)
     kw = dict(epsilon=0.2, beta=0.5, loss_agg_mode="token-mean")
-    base, base_aux = policy_loss(logp, jnp.array(OLD), ref, adv, mask, **kw)
-    on, aux = policy_loss(
+    base, base_aux = _policy_loss(logp, jnp.array(OLD), ref, adv, mask, **kw)
+    on, aux = _policy_loss(
         logp, jnp.array(OLD), ref, adv, mask, rollout_logprobs=jnp.array(ROLLOUT),
-        rollout_is_mode="token_truncate", rollout_is_clip_max=2.0, **kw,
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0, **kw,
     )  # fmt: skip
     w, _ = _weights("token_truncate")
     surrogate = -np.exp(0.1) * np.array([1.0, -1.0])[:, None]
@@ -95,7 +107,7 @@ def test_loss_multiplies_the_policy_term_not_the_kl():
     assert float(on) == pytest.approx(expected, rel=1e-5)
     assert float(aux["kl"]) == pytest.approx(float(base_aux["kl"]))
     # Correction off with the sampler's logprobs present: the same loss and gradient, bit for bit.
-    off, off_aux = policy_loss(
+    off, off_aux = _policy_loss(
         logp, jnp.array(OLD), ref, adv, mask, rollout_logprobs=jnp.array(ROLLOUT), **kw
     )
     assert float(off) == float(base)
@@ -103,7 +115,7 @@ def test_loss_multiplies_the_policy_term_not_the_kl():
     assert float(off_aux["mismatch/is_ratio_max"]) == pytest.approx(6.0, rel=1e-6)
 
     def grad(**k):
-        return jax.grad(lambda lp: policy_loss(lp, jnp.array(OLD), ref, adv, mask, **kw, **k)[0])(logp)
+        return jax.grad(lambda lp: _policy_loss(lp, jnp.array(OLD), ref, adv, mask, **kw, **k)[0])(logp)
 
     np.testing.assert_array_equal(grad(rollout_logprobs=jnp.array(ROLLOUT)), grad())
 
@@ -156,7 +168,7 @@ def test_cispo_hand_computed_values_and_gradients():
     adv, mask = jnp.array([1.0, -1.0]), jnp.ones((2, 1))
 
     def loss(lp, loss_type):
-        return policy_loss(lp, old, None, adv, mask, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type)
+        return _policy_loss(lp, old, None, adv, mask, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type)
 
     value, aux = loss(logp, "cispo")
     expected = (-1.28 * 1.0 * math.log(0.5) - 0.8 * -1.0 * math.log(0.25)) / 2
@@ -166,7 +178,7 @@ def test_cispo_hand_computed_values_and_gradients():
     # PPO's clip removes both tokens' gradients (each ratio is past the bound in its advantage's direction).
     np.testing.assert_array_equal(jax.grad(lambda lp: loss(lp, "ppo_clip")[0])(logp), [[0.0], [0.0]])
     # Inside the band the weight is the ratio itself: on-policy CISPO has GRPO's gradient -A / N.
-    grad = jax.grad(lambda lp: policy_loss(lp, None, None, adv, mask, loss_type="cispo")[0])(logp)
+    grad = jax.grad(lambda lp: _policy_loss(lp, None, None, adv, mask, loss_type="cispo")[0])(logp)
     np.testing.assert_allclose(grad, [[-0.5], [0.5]], rtol=1e-6)
 
 

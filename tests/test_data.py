@@ -1,4 +1,5 @@
-"""GSM8K loading, the resumable prompt iterator, and chat-template prompt rendering (no downloads)."""
+"""Reading datasets (GSM8K's rows: tasks/gsm8k.py), the resumable prompt iterator, and chat-template prompt
+rendering (no downloads)."""
 
 import json
 import sys
@@ -7,25 +8,14 @@ import time
 import pytest
 from conftest import gsm8k_dir
 
-from grpax.data import gsm8k as D
-from grpax.data.gsm8k import (
-    DatasetUnavailableError,
-    PromptIterator,
-    build_messages,
-    extract_gold,
-    filter_by_length,
-    load_dataset_rows,
-    render_prompt,
-    tokenize_prompts,
-)
-from grpax.data.prompts import (
-    ANSWER_END,
-    ANSWER_START,
-    PROMPT_PRESETS,
-    REASONING_END,
-    REASONING_START,
-    PromptPreset,
-)
+from grpax.data import datasets as D
+from grpax.data.datasets import DatasetUnavailableError
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import PromptPreset, build_messages, filter_by_length, render_prompt, tokenize_prompts
+from grpax.tasks.answers import ANSWER_END, ANSWER_START
+from grpax.tasks.gsm8k import extract_gold, load_dataset_rows
+from grpax.tasks.gsm8k_rewards import REASONING_END, REASONING_START
+from grpax.tasks.prompts import PROMPT_PRESETS, get_prompt_preset
 
 
 def write_jsonl(path, rows):
@@ -222,16 +212,16 @@ def test_render_and_tokenize(tokenizer):
 
 
 def test_render_presets(tokenizer):
-    demo = render_prompt(tokenizer, "How many?", "smollm2_demo")
+    demo = render_prompt(tokenizer, "How many?", get_prompt_preset("smollm2_demo"))
     assert demo.startswith("<s><|system|> ")
     assert "Problem: How many? <|end|> <|assistant|> <reasoning>\n" in demo
-    maxtext = render_prompt(tokenizer, "How many?", "maxtext")
+    maxtext = render_prompt(tokenizer, "How many?", get_prompt_preset("maxtext"))
     assert maxtext.endswith("<|user|> How many? <|end|> <|assistant|> ")
     for preset in (PROMPT_PRESETS["maxtext"], PROMPT_PRESETS["smollm2_demo"]):  # the GSM8K presets
         for tag in (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END):
             assert tag in preset.system_prompt + preset.user_template
     with pytest.raises(ValueError, match="unknown prompt preset"):
-        render_prompt(tokenizer, "q", "nope")
+        get_prompt_preset("nope")
 
 
 def test_filter_by_length(caplog):

@@ -4,7 +4,6 @@ import time
 
 import pytest
 
-from grpax.data.prompts import PROMPT_PRESETS
 from grpax.errors import ConfigError
 from grpax.tasks.environment import (
     CALCULATOR_TAG_INSTRUCTIONS,
@@ -16,6 +15,7 @@ from grpax.tasks.environment import (
     parse_chat_tool_call,
     run_tool,
 )
+from grpax.tasks.prompts import PROMPT_PRESETS
 
 
 def test_calculator_environment_tag_turns():

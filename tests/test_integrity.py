@@ -110,7 +110,7 @@ def test_a_non_finite_update_is_one_line_with_exit_2(monkeypatch, capsys, tmp_pa
     from grpax.cli.main import main
     from grpax.rl.trainer import NonFiniteError
 
-    def diverge(config):
+    def diverge(config, fit=None):
         raise NonFiniteError("step 1: the update made weights NaN/inf and nothing of this step was saved")
 
     monkeypatch.setattr(train_rl, "train", diverge)
@@ -151,7 +151,7 @@ def test_a_read_only_base_output_directory_or_a_full_disk_is_one_line(tmp_path, 
         with run_folder.claim_run_folder(tmp_path / "ro" / "sub" / "run", True):
             pass
 
-    def full_disk(config):
+    def full_disk(config, fit=None):
         raise OSError(28, "No space left on device", str(tmp_path / "run" / ".reference" / "embed"))
 
     monkeypatch.setattr(train_rl, "train", full_disk)

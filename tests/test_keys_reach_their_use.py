@@ -8,15 +8,17 @@ context where the key matters (e.g. the clip range needs a second update on the 
 correction a top-k filter), and the step's batch, metrics and updated weights must differ from the context's
 own. Keys whose effect is by design invisible in the numbers (micro-batches, remat, the attention
 implementation, retiring finished rows) must change the compiled update or the decode work instead. Where it is
-cheap, the changed value is checked too: RLOO's G/(G-1), CISPO's loss, the TIS bound.
+cheap, the changed value is checked too: RLOO's G/(G-1), CISPO's loss, the TIS bound. ``reference_dtype`` and
+``reference_memory`` change where and in what the reference is stored, never its logprobs
+(tests/test_reference.py proves both); ``remat_policy=auto`` is resolved by the plan (tests/test_memory_plan.py).
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -27,6 +29,7 @@ from grpax.models.registry import ModelConfig, load_hf_config, to_hf_config
 from grpax.rl import trainer
 from grpax.rl.config import GRPOConfig
 from grpax.rl.policy import Policy
+from grpax.rl.resume import RunPaths
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import make_update
@@ -85,7 +88,11 @@ def _flat(tree) -> dict:
 def _step(checkpoint, stops=STOPS, **keys) -> Step:
     """One GRPO step of the tiny model with ``keys`` (``stops``: the ids that end a row), through the trainer's
     own builders."""
-    cfg = TrainConfig(load_parameters_path=str(checkpoint), **{**BASE, **keys})
+    cfg = TrainConfig(
+        load_parameters_path=str(checkpoint),
+        base_output_directory=str(checkpoint / "runs"),
+        **{**BASE, **keys},
+    )
     grpo = cfg.grpo()
     model_cfg = load_hf_config(checkpoint / "config.json", **cfg.model_keys())
     mesh, rollout_mesh = sharding.create_meshes(cfg.mesh())
@@ -95,9 +102,13 @@ def _step(checkpoint, stops=STOPS, **keys) -> Step:
         if cfg.lora_rank
         else Policy()
     )
-    reference = None
-    if grpo.beta > 0:  # the trainer's: LoRA's base itself, else a copy (the state is donated)
-        reference = policy.base if policy.lora else jax.tree.map(jnp.copy, params)
+    closing = (
+        contextlib.ExitStack()
+    )  # the trainer's reference: LoRA's base itself, else a copy (donated state)
+    frozen = policy.lora is not None
+    reference = trainer._reference(
+        cfg, policy.base if frozen else params, model_cfg, RunPaths.of(cfg), closing, frozen=frozen
+    )
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     state, train_step = trainer._init_state(cfg, grpo, trainable, model_cfg, mesh, policy)
     sampler_cfg = cfg.sampler_config(stops, 0)
@@ -117,6 +128,7 @@ def _step(checkpoint, stops=STOPS, **keys) -> Step:
             state, device, **({"base": policy.base} if policy.lora else {})
         )
         state, metrics = make_update(train_step, grpo.num_iterations)(state, batch)
+    closing.close()
     host_metrics = {k: v for k, v in host.summary().items() if not k.startswith("time/")}
     return Step(
         batch={**_flat(device), "rewards": host.rewards["total"]},

@@ -290,7 +290,8 @@ def test_the_reference_is_the_base_itself_with_the_adapters_off(tmp_path):
     adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)))
     grpo = GRPOConfig(num_generations=4, beta=0.04)
     with contextlib.ExitStack() as closing:
-        ref = trainer._reference(base, grpo, RunPaths.of(_run_cfg(tmp_path)), closing, frozen=True)
+        run = _run_cfg(tmp_path, beta=grpo.beta)
+        ref = trainer._reference(run, base, cfg, RunPaths.of(run), closing, frozen=True)
         assert ref.folder is None and all(
             a is b for a, b in zip(jax.tree.leaves(ref._params), jax.tree.leaves(base), strict=True)
         )

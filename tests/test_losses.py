@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from grpax.rl.config import GRPOConfig
 from grpax.rl.losses import (
     kl_k1,
     kl_k2,
@@ -16,6 +17,17 @@ from grpax.rl.losses import (
     policy_loss,
     token_entropy,
 )
+
+
+def _policy_loss(logprobs, old, ref, adv, mask, **keys):
+    """``policy_loss`` with its GRPOConfig built from ``keys`` (beta 0 unless given), the batch's extras apart."""
+    call = {
+        k: keys.pop(k)
+        for k in ("max_completion_length", "normalizer", "truncated", "rollout_logprobs")
+        if k in keys
+    }
+    return policy_loss(logprobs, old, ref, adv, mask, GRPOConfig(**{"beta": 0.0, **keys}), **call)
+
 
 # Two completions x three tokens; the second completion has 2 real tokens.
 LOGP = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.5]]
@@ -67,7 +79,7 @@ def _aggregate_by_hand(per_token, mode, max_len):
 def _loss(**kwargs):
     args = dict(epsilon=EPS, epsilon_high=EPS_HIGH, beta=BETA)
     args.update(kwargs)
-    return policy_loss(
+    return _policy_loss(
         jnp.array(LOGP), jnp.array(OLD), jnp.array(REF), jnp.array(ADV), jnp.array(MASK, jnp.float32), **args
     )
 
@@ -88,13 +100,13 @@ def test_loss_matches_hand_computation(mode, estimator):
 def test_on_policy_loss_literal_values():
     # old = None: ratio 1, the loss is -A averaged by the mode; beta = 0 needs no reference.
     logp, adv, mask = jnp.array(LOGP), jnp.array(ADV), jnp.array(MASK, jnp.float32)
-    tm, _ = policy_loss(logp, None, None, adv, mask, loss_agg_mode="token-mean")
-    sm, _ = policy_loss(logp, None, None, adv, mask, loss_agg_mode="sequence-mean-token-mean")
-    dr, _ = policy_loss(logp, None, None, adv, mask, loss_agg_mode="sequence-mean-token-sum-norm")
+    tm, _ = _policy_loss(logp, None, None, adv, mask, loss_agg_mode="token-mean")
+    sm, _ = _policy_loss(logp, None, None, adv, mask, loss_agg_mode="sequence-mean-token-mean")
+    dr, _ = _policy_loss(logp, None, None, adv, mask, loss_agg_mode="sequence-mean-token-sum-norm")
     assert float(tm) == pytest.approx(-(1.0 * 3 - 0.5 * 2) / 5)  # -0.4
     assert float(sm) == pytest.approx(-(1.0 - 0.5) / 2)  # -0.25
     assert float(dr) == pytest.approx(-(3 / 3 - 0.5 * 2 / 3) / 2)  # -1/3 with L_max = T = 3
-    grad = jax.grad(lambda lp: policy_loss(lp, None, None, adv, mask)[0])(logp)
+    grad = jax.grad(lambda lp: _policy_loss(lp, None, None, adv, mask)[0])(logp)
     np.testing.assert_allclose(grad, [[-0.2, -0.2, -0.2], [0.1, 0.1, 0.0]], rtol=1e-6)
 
 
@@ -122,7 +134,7 @@ def test_k3_never_negative_even_at_extremes():
 
 def _grad_one_token(logp, old, adv, **kw):
     def f(lp):
-        return policy_loss(lp, jnp.array([[old]]), None, jnp.array([adv]), jnp.ones((1, 1)), **kw)[0]
+        return _policy_loss(lp, jnp.array([[old]]), None, jnp.array([adv]), jnp.ones((1, 1)), **kw)[0]
 
     return float(jax.grad(f)(jnp.array([[logp]]))[0, 0])
 
@@ -138,7 +150,7 @@ def test_clipping_zeroes_the_gradient_outside_the_trust_region(ratio, adv, clipp
         assert grad == 0.0
     else:
         assert grad == pytest.approx(-adv * ratio, rel=1e-6)  # d(-r A)/dlogp = -r A
-    _, aux = policy_loss(
+    _, aux = _policy_loss(
         jnp.array([[logp]]), jnp.array([[old]]), None, jnp.array([adv]), jnp.ones((1, 1)), epsilon_high=0.28
     )
     assert float(aux["clip_region_frac"]) == (1.0 if clipped else 0.0)
@@ -167,9 +179,9 @@ def test_global_normalizer_and_masking():
     mask = jnp.array(MASK, jnp.float32)
     assert float(loss_normalizer(mask, "token-mean")) == 5.0
     assert float(loss_normalizer(mask, "sequence-mean-token-mean")) == 2.0
-    full, _ = policy_loss(logp, old, ref, adv, mask, beta=0.1)
+    full, _ = _policy_loss(logp, old, ref, adv, mask, beta=0.1)
     parts = [
-        policy_loss(
+        _policy_loss(
             logp[i : i + 1],
             old[i : i + 1],
             ref[i : i + 1],
@@ -183,7 +195,7 @@ def test_global_normalizer_and_masking():
     assert float(parts[0] + parts[1]) == pytest.approx(float(full), rel=1e-6)
     # Truncated rows leave the loss; garbage (inf / NaN) at padding never leaks.
     bad = logp.at[1, 2].set(jnp.nan)
-    masked, _ = policy_loss(
+    masked, _ = _policy_loss(
         bad,
         old.at[1, 2].set(jnp.inf),
         ref,
@@ -198,7 +210,7 @@ def test_global_normalizer_and_masking():
     row0 = _per_token_by_hand("k3", 0.1)[0]
     assert float(masked) == pytest.approx(sum(row0) / 3, rel=1e-6)
     g = jax.grad(
-        lambda lp: policy_loss(
+        lambda lp: _policy_loss(
             lp, old.at[1, 2].set(jnp.inf), ref.at[1, 2].set(-jnp.inf), adv, mask, beta=0.1
         )[0]
     )(bad)
@@ -207,9 +219,9 @@ def test_global_normalizer_and_masking():
 
 def test_beta_needs_reference():
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(jnp.array(LOGP), None, None, jnp.array(ADV), jnp.array(MASK), beta=0.04)
+        _policy_loss(jnp.array(LOGP), None, None, jnp.array(ADV), jnp.array(MASK), beta=0.04)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        policy_loss(jnp.array(LOGP), None, None, jnp.array(ADV), jnp.array(MASK), loss_agg_mode="mean")
+        _policy_loss(jnp.array(LOGP), None, None, jnp.array(ADV), jnp.array(MASK), loss_agg_mode="mean")
 
 
 def test_per_token_logprobs_and_entropy():

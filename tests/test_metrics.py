@@ -5,18 +5,20 @@ import math
 
 import pytest
 
+from grpax.data.prompts import PromptPreset
 from grpax.eval.metrics import (
-    load_completions_file,
     maj_at_k,
     majority_answer,
     mean_reward,
     pass_at_k,
     pass_at_k_unbiased,
     proportion,
-    score_records,
     summarize,
     wilson_interval,
 )
+from grpax.tasks.answers import is_correct
+from grpax.tasks.gsm8k import GSM8KTask, load_completions_file
+from grpax.tasks.gsm8k_rewards import get_reward_config
 
 # 3 questions x 4 samples: the extracted answers (None = no answer) and gold answers.
 GOLDS = ["18", "5", "100"]
@@ -70,13 +72,13 @@ def test_maj_at_k_hand_computed():
     assert majority_answer([None, None]) is None
     assert majority_answer(["$1,000", "1000", "999"]) == "$1,000"
 
-    maj = maj_at_k(ANSWERS, GOLDS)
+    maj = maj_at_k(ANSWERS, GOLDS, check=is_correct)
     assert (maj.value, maj.n) == (pytest.approx(1 / 3), 3)
     # With only the first 2 samples, question 2 votes 4 vs 6 -> 4 (wrong), question 3 95 vs 90 -> 95.
-    assert maj_at_k(ANSWERS, GOLDS, k=2).value == pytest.approx(1 / 3)
-    assert maj_at_k([["5", "4", "4"]], ["5"], k=1).value == 1.0
+    assert maj_at_k(ANSWERS, GOLDS, k=2, check=is_correct).value == pytest.approx(1 / 3)
+    assert maj_at_k([["5", "4", "4"]], ["5"], k=1, check=is_correct).value == 1.0
     with pytest.raises(ValueError, match="same length"):
-        maj_at_k(ANSWERS, GOLDS[:2])
+        maj_at_k(ANSWERS, GOLDS[:2], check=is_correct)
 
 
 def test_mean_reward_normal_interval():
@@ -93,17 +95,25 @@ def completion_for(answer):
     return "I give up." if answer is None else f"<reasoning>work</reasoning>\n<answer>{answer}</answer>"
 
 
-def test_score_records_and_summarize():
+def gsm8k_records(questions, golds, completions, reward_preset, response_prefix=""):
+    """GSM8K's scored records (``Task.records``) of aligned questions, gold answers and completions."""
+    task = GSM8KTask(PromptPreset("", response_prefix=response_prefix), get_reward_config(reward_preset))
+    return task.records(
+        [{"question": q, "gold": g} for q, g in zip(questions, golds, strict=True)], completions
+    )
+
+
+def test_gsm8k_records_and_summarize():
     questions = [f"question {q}" for q in range(3) for _ in range(4)]
     golds = [GOLDS[q] for q in range(3) for _ in range(4)]
     completions = [completion_for(a) for group in ANSWERS for a in group]
-    records = score_records(questions, golds, completions, "simple")
+    records = gsm8k_records(questions, golds, completions, "simple")
 
     assert [r["correct"] for r in records] == [c for g in CORRECT for c in g]
     assert [r["extracted_answer"] for r in records[:4]] == ["18", "18.00", "20", None]
     assert records[0]["rewards"] == {"answer_correct": 1.0, "format_exact": 0.1, "total": pytest.approx(1.1)}
 
-    s = summarize(records, num_samples=4)
+    s = summarize(records, num_samples=4, check=is_correct)
     assert set(s) == {
         "num_questions",
         "num_completions",
@@ -132,19 +142,17 @@ def test_score_records_and_summarize():
 
 
 def test_summarize_with_prefix_and_validation():
-    records = score_records(
+    records = gsm8k_records(
         ["q"], ["4"], ["2+2</reasoning><answer>4</answer>"], "tunix", response_prefix="<reasoning>"
     )
     assert records[0]["formatted"] and records[0]["correct"]
     assert records[0]["completion"] == "2+2</reasoning><answer>4</answer>"  # stored without the prefix
-    assert summarize(records, 1)["format_accuracy"] == 1.0
+    assert summarize(records, 1, is_correct)["format_accuracy"] == 1.0
     with pytest.raises(ValueError, match="groups of num_samples=2"):
-        summarize(records, 2)
-    mixed = score_records(["a", "b"], ["1", "1"], ["1", "1"], "simple")
+        summarize(records, 2, is_correct)
+    mixed = gsm8k_records(["a", "b"], ["1", "1"], ["1", "1"], "simple")
     with pytest.raises(ValueError, match="consecutive"):
-        summarize(mixed, 2)
-    with pytest.raises(ValueError, match="same length"):
-        score_records(["a"], ["1", "2"], ["x"])
+        summarize(mixed, 2, is_correct)
 
 
 def test_load_completions_file(tmp_path):

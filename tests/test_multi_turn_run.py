@@ -127,12 +127,13 @@ def test_the_length_filter_measures_the_prompt_with_the_environments_instruction
     # The calculator adds its instructions to the system prompt: a question whose plain prompt fits
     # max_prefill_predict_length may not fit with them, and is dropped (it was kept, then left-truncated).
     from grpax.checkpoint.gguf import read_gguf
-    from grpax.data.gsm8k import load_dataset_rows, prepare_rows, render_prompt
-    from grpax.data.prompts import get_prompt_preset
+    from grpax.data.prompts import prepare_rows, render_prompt
     from grpax.rl.multi_turn import prompt_renderer
     from grpax.rl.train_config import Inputs, TrainConfig
     from grpax.rl.trainer import _load_rows
     from grpax.tasks import build_task
+    from grpax.tasks.gsm8k import load_dataset_rows
+    from grpax.tasks.prompts import get_prompt_preset
 
     tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("smollm2_calculator")
     rows = load_dataset_rows(str(gsm8k_dir()), "test")[:16]

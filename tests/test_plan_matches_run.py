@@ -12,8 +12,8 @@ import pytest
 from grpax import sharding
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.plan.compile_check import build_job
 from grpax.rl import trainer
-from grpax.rl.compile_check import build_job
 from grpax.rl.policy import Policy
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_config import TrainConfig

@@ -1,10 +1,11 @@
 """The device check's profile reader (benchmarks/profile_summary.py) on a real CPU trace and on a GPU-shaped one."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -78,24 +79,40 @@ def test_a_gpu_trace_is_split_by_scope_kind_and_step():
     assert figures["kernels"] == 5 and "no event names a module of prefill" in text
 
 
+_TRACE_A_LOOP = """
+import sys
+import jax
+import jax.numpy as jnp
+
+
+def body(i, x):
+    with jax.named_scope("mlp"):
+        x = jnp.tanh(x @ x)
+    with jax.named_scope("sampling"), jax.named_scope("top_k"):
+        kth = jax.lax.top_k(x, 8)[0][..., -1:]
+    return jnp.where(x >= kth, x, 0.0)
+
+
+step = jax.jit(lambda x: jax.lax.fori_loop(0, 6, body, x))
+x = jax.random.normal(jax.random.key(0), (128, 128))
+step(x).block_until_ready()
+with jax.profiler.trace(sys.argv[1]):
+    step(x).block_until_ready()
+open(sys.argv[2], "w").write(step.lower(x).compile().as_text())
+"""
+
+
 def test_a_cpu_trace_is_named_by_the_modules_hlo(tmp_path):
     # On CPU the thunks carry no name stack: it comes from the compiled module's HLO text; the while thunk that
-    # contains the others is left out.
-    def body(i, x):
-        with jax.named_scope("mlp"):
-            x = jnp.tanh(x @ x)
-        with jax.named_scope("sampling"), jax.named_scope("top_k"):
-            kth = jax.lax.top_k(x, 8)[0][..., -1:]
-        return jnp.where(x >= kth, x, 0.0)
-
-    step = jax.jit(lambda x: jax.lax.fori_loop(0, 6, body, x))
-    x = jax.random.normal(jax.random.key(0), (128, 128))
-    step(x).block_until_ready()
-    with jax.profiler.trace(str(tmp_path)):
-        step(x).block_until_ready()
-    hlo = step.lower(x).compile().as_text()
+    # contains the others is left out. The trace is taken in a fresh process: once libtpu has been loaded (the
+    # compile_topology tests), its profiler records the process's trace and the CPU's thunks are missing from it.
+    script, trace, hlo_file = tmp_path / "trace_a_loop.py", tmp_path / "trace", tmp_path / "loop.hlo"
+    script.write_text(_TRACE_A_LOOP)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, str(script), str(trace), str(hlo_file)], check=True, env=env, timeout=300)
+    hlo = hlo_file.read_text()
     assert ps.module_name(hlo) == "jit__lambda"
-    text, figures = ps.summarize_trace(tmp_path, "loop", {ps.module_name(hlo): hlo}, steps=6)
+    text, figures = ps.summarize_trace(trace, "loop", {ps.module_name(hlo): hlo}, steps=6)
     assert "host XLA thunks" in text, text
     assert figures["kernels"] >= 12 and figures["kernels_per_step"] >= 2
     assert figures["shares"]["mlp (norm + matmuls)"] > 0 and figures["shares"]["sampling: top-k"] > 0, text

@@ -188,7 +188,8 @@ def test_the_reference_is_the_quantised_base(tmp_path):
     grpo = GRPOConfig(num_generations=4, beta=0.04)
     batch = _batch(cfg)
     with contextlib.ExitStack() as closing:
-        ref = trainer._reference(policy.base, grpo, RunPaths.of(_run_cfg(tmp_path)), closing, frozen=True)
+        run = _run_cfg(tmp_path, beta=grpo.beta)
+        ref = trainer._reference(run, policy.base, cfg, RunPaths.of(run), closing, frozen=True)
         assert ref.folder is None and all(
             a is b for a, b in zip(jax.tree.leaves(ref._params), jax.tree.leaves(policy.base), strict=True)
         )

@@ -5,19 +5,15 @@ import math
 
 import pytest
 
-from grpax.rewards import gsm8k as R
-from grpax.rewards.gsm8k import (
+from grpax.tasks import gsm8k_rewards as R
+from grpax.tasks.answers import extract_answer, extract_last_number, is_close, is_correct, normalize_number
+from grpax.tasks.gsm8k_rewards import (
     RewardConfig,
     answer_close,
     answer_correct,
-    extract_answer,
-    extract_last_number,
     format_approximate,
     format_exact,
     get_reward_config,
-    is_close,
-    is_correct,
-    normalize_number,
     number_match,
     score_completions,
 )

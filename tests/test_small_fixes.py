@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_run_keys
 
 from grpax.checkpoint.orbax import load_model
-from grpax.data.gsm8k import read_rows
+from grpax.data.datasets import read_rows
 from grpax.data.tokenizer import load_tokenizer
 from grpax.rl import resume
 from grpax.rl.train_config import TrainConfig

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_run_keys
 
 from grpax.config import ConfigError, build_config
-from grpax.data import gsm8k
+from grpax.data.prompts import prepare_rows
 from grpax.rl import resume, train_config
 from grpax.rl.config import GRPOConfig
 from grpax.rl.resume import RunPaths, check_resume
@@ -266,17 +266,21 @@ def test_too_few_training_rows_name_the_dataset_split_and_key(tmp_path):
 
 def test_too_few_rows_after_the_length_filter_name_the_dataset_split_and_key(tmp_path):
     from grpax.checkpoint.gguf import read_gguf
-    from grpax.data.prompts import get_prompt_preset
+    from grpax.tasks.gsm8k import load_dataset_rows as load
+    from grpax.tasks.prompts import get_prompt_preset
 
     data = _jsonl(tmp_path / "gsm8k" / "train.jsonl", 5)
     tokenizer, preset = read_gguf().tokenizer(), get_prompt_preset("maxtext")
     with pytest.raises(ConfigError) as err:
-        gsm8k.prepare_rows(tokenizer, data, "train", preset, 20, need=("dataset_name", "train_split", 4))
+        prepare_rows(tokenizer, data, "train", preset, 20, load=load, need=("dataset_name", "train_split", 4))
     assert str(err.value) == (
         f"dataset_name={data!r} (train_split='train') has 0 prompts of at most max_prefill_predict_length=20 "
         "tokens (5 longer), fewer than the 4 needed: raise max_prefill_predict_length or pass a larger dataset"
     )
-    assert len(gsm8k.prepare_rows(tokenizer, data, "train", preset, 256, need=("dataset_name", "x", 5))) == 5
+    assert (
+        len(prepare_rows(tokenizer, data, "train", preset, 256, load=load, need=("dataset_name", "x", 5)))
+        == 5
+    )
 
 
 def _short_context_checkpoint(tmp_path, max_position_embeddings=256):

@@ -290,3 +290,39 @@ def test_mismatch_alarm_names_the_causes_once_above_the_dtype_threshold(caplog):
     )
     assert "the top-k / top-p filter" in line and "miscompiled decode" in line
     assert "\n" not in line
+
+
+def test_the_reference_copy_is_stored_as_the_forward_reads_it(tmp_path, monkeypatch):
+    """beta > 0: the reference is a copy of the params (the state is donated), rounded to the compute dtype
+    (``reference_dtype=compute``: half the bytes of float32 weights, the same logprobs: tests/test_reference.py);
+    on one CPU process in mapped files, with ``reference_memory=pinned_host`` in host memory, on the devices
+    otherwise, where none of its leaves may be a params leaf; ``reference_dtype=weight`` keeps them as stored."""
+    import contextlib
+
+    import jax.numpy as jnp
+
+    from grpax.models.params import init_params
+    from grpax.models.registry import ModelConfig
+    from grpax.rl.resume import RunPaths
+
+    model = ModelConfig(
+        vocab_size=64, hidden_dim=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32,
+        dtype="bfloat16", weight_dtype="float32",
+    )  # fmt: skip
+    params = init_params(model, jax.random.key(0))
+
+    def reference(**keys):
+        cfg = TrainConfig(base_output_directory=str(tmp_path), beta=0.04, dtype="bfloat16", **keys)
+        with contextlib.ExitStack() as closing:
+            return trainer._reference(cfg, params, model, RunPaths.of(cfg), closing)
+
+    mapped = reference()
+    assert {dtype for _, _, dtype, _ in mapped._leaves} == {jnp.dtype(jnp.bfloat16)}
+    held = reference(reference_memory="pinned_host")
+    leaves = jax.tree.leaves(held._params)
+    assert {(x.dtype, x.sharding.memory_kind) for x in leaves} == {(jnp.dtype(jnp.bfloat16), "pinned_host")}
+    monkeypatch.setattr(trainer, "offload_folder", lambda run_dir: None)  # as on an accelerator
+    for keys, dtype in (({}, jnp.bfloat16), ({"reference_dtype": "weight"}, jnp.float32)):
+        on_device = jax.tree.leaves(reference(**keys)._params)
+        assert {x.dtype for x in on_device} == {jnp.dtype(dtype)}
+        assert not {id(x) for x in on_device} & {id(x) for x in jax.tree.leaves(params)}

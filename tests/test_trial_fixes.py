@@ -241,7 +241,7 @@ def test_an_interrupted_train_rl_says_what_it_left(tmp_path, monkeypatch, capsys
 
     run_dir = tmp_path / "out" / "r"
 
-    def interrupted_train(config):
+    def interrupted_train(config, fit=None):
         if left != "nothing":
             run_dir.mkdir(parents=True)
         if left == "step":

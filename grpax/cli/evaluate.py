@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -22,7 +22,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig):
+class EvaluateConfig(TaskConfig, ModelKeys, RuntimeKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
@@ -45,34 +45,14 @@ class EvaluateConfig(TaskConfig):
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
-    prompt_preset: str = field(
-        "maxtext",
-        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
-        "| math | plain (model presets pick one)",
-    )
-    reward_preset: str = field(
-        "maxtext",
-        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
-    )
     response_prefix: str = field(
         "",
         "with completions_path: text the completions continue from ('' = the response_prefix the file's lines "
         "store, as a run's eval/<tag>/results.jsonl does; the prompt preset's own is not applied to a file)",
     )
     seed: int = field(0, "sampling seed")
-    scan_layers: bool = field(True, "stacked layers")
-    weight_dtype: str = field("float32", "parameter dtype")
-    dtype: str = field("float32", "activation dtype")
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
-    )
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
-    hardware: str = field("cpu", "cpu | gpu | tpu")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 
 CONFIG = EvaluateConfig
@@ -141,38 +121,19 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
       ConfigError: the file is missing, empty, has a line without ``completion`` or not an object, or does not
         split into groups of num_eval_passes consecutive lines of one question.
     """
-    from grpax.data.gsm8k import read_rows
-    from grpax.eval.metrics import load_completions_file, summarize
+    from grpax.eval.metrics import summarize
 
     path = Path(config.completions_path).expanduser()
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
-        kind = (
-            "a .jsonl file of question, answer" if config.task == "gsm8k" else "a .jsonl / .parquet file of"
-        )
         raise ConfigError(
-            f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass {kind} "
-            "completion and the task's columns"
+            f"completions_path={config.completions_path!r} {what} (relative to {Path.cwd()}): pass "
+            f"{task.completions_file} completion and the task's columns"
         )
-    if config.task == "gsm8k":
-        lines = load_completions_file(path)
-        rows = [{"question": r["question"], "answer": r["answer"], "gold": r["answer"]} for r in lines]
-        raw, _ = read_rows(str(path), "")
-    else:
-        lines, source = read_rows(str(path), "")
-        raw = lines
-        for i, line in enumerate(lines):
-            if not isinstance(line, dict) or "completion" not in line:
-                what = f"is a JSON {type(line).__name__}, not an object" if not isinstance(line, dict) else ""
-                raise ConfigError(
-                    f"completions_path={config.completions_path!r}: line {i + 1} {what or 'has no field completion'}; "
-                    "each line needs completion and the task's columns"
-                )
-        stored = ("completion", "response_prefix")  # the record's own fields, not the task's columns
-        rows = task.rows_from([{k: v for k, v in r.items() if k not in stored} for r in lines], source)
-    task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, raw))
+    rows, completions, lines = task.read_completions(path, f"completions_path={config.completions_path!r}")
+    task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, lines))
     _check_groups(config, [r["question"] for r in rows])
-    records = task.records(rows, [str(r["completion"]) for r in lines])
+    records = task.records(rows, completions)
     return records, summarize(records, config.num_eval_passes, task.is_correct)
 
 
@@ -198,25 +159,25 @@ def run(config: EvaluateConfig) -> int:
         return 0
     if not config.load_parameters_path:
         raise ConfigError("pass load_parameters_path=<checkpoint> or completions_path=<file.jsonl>")
+    summary = _sample_and_score(config, task)
+    _print_summary(summary)
+    return 0
+
+
+def _sample_and_score(config: EvaluateConfig, task) -> dict:
+    """The checkpoint's completions of the evaluation rows, scored with ``task`` (written to output_path): the
+    summary."""
     from grpax import distributed
     from grpax.checkpoint.orbax import load_model
-    from grpax.data.gsm8k import prepare_rows
+    from grpax.data.prompts import prepare_rows
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import EVAL_STRATEGIES
-    from grpax.models.registry import check_context_length, checkpoint_config
     from grpax.sampler.keys import sampler_config
 
     # The checkpoint's config.json, read once: the context check here, the load below.
-    model_cfg, source = checkpoint_config(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-        attention=config.attention,
-    )
     what = f"max_target_length={config.max_target_length}"
-    check_context_length(config.max_target_length, what, model_cfg, source)
+    model_cfg, _ = read_model_config(config.load_parameters_path, config, config.max_target_length, what)
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
         task_rows = task.load_rows(config.dataset_name, config.eval_split)
     except (FileNotFoundError, ValueError) as e:
@@ -244,7 +205,7 @@ def run(config: EvaluateConfig) -> int:
         model_cfg.pad_token_id,
         **EVAL_STRATEGIES[config.eval_sampling_strategy],
     )
-    summary = evaluate(
+    return evaluate(
         params,
         model_cfg,
         tokenizer,
@@ -257,8 +218,6 @@ def run(config: EvaluateConfig) -> int:
         output_path=config.output_path or None,
         trajectories=_trajectories(config, task, tokenizer, model_cfg, sampler_cfg),
     )
-    _print_summary(summary)
-    return 0
 
 
 def _renderer(config: EvaluateConfig, task, tokenizer):

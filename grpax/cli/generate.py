@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -35,7 +35,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig):
+class GenerateConfig(EnvironmentConfig, ModelKeys, RuntimeKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -61,21 +61,8 @@ class GenerateConfig(EnvironmentConfig):
     num_generations: int = field(1, "completions per prompt")
     batch_size: int = field(8, "rows per generate call (prompts x generations are split into batches)")
     seed: int = field(0, "sampling seed")
-    weight_dtype: str = field("float32", "parameter dtype")
-    dtype: str = field(
-        "float32", "activation dtype (on CPU float32 is fastest, but with AMX bfloat16 samples ~1.7x faster)"
-    )
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
-    )
-    scan_layers: bool = field(True, "stacked layers")
     output_path: str = field("", "JSONL file for the completions")
     overwrite: bool = field(False, "replace the file at output_path if it exists")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize")
 
 
 CONFIG = GenerateConfig
@@ -134,7 +121,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
         object whose ``prompt`` field holds text (a null, a number or a list of chat messages would be sampled
         as its printed form; names the file and line).
     """
-    from grpax.data.gsm8k import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
+    from grpax.data.datasets import read_jsonl_lines  # noqa: PLC0415 - keeps --help fast
 
     prompts = [config.prompt] if config.prompt else []
     if config.prompts_path:
@@ -172,7 +159,7 @@ def read_prompts(config: GenerateConfig) -> list[str]:
 
 def check_prompt_preset(config: GenerateConfig) -> None:
     """Raises ConfigError for an unknown prompt_preset, or one without the chat template it renders with."""
-    from grpax.data.prompts import PROMPT_PRESETS
+    from grpax.tasks.prompts import PROMPT_PRESETS
 
     if config.prompt_preset and config.prompt_preset not in PROMPT_PRESETS:
         raise ConfigError(
@@ -187,46 +174,47 @@ def check_prompt_preset(config: GenerateConfig) -> None:
 
 def render_prompts(config: GenerateConfig, tokenizer, texts: list[str]) -> list[str]:
     """The prompt texts the model continues: train_rl's rendering with prompt_preset, else a bare user turn."""
-    from grpax.data.gsm8k import render_prompt
+    from grpax.data.prompts import render_prompt
+    from grpax.tasks.prompts import get_prompt_preset
 
     if config.prompt_preset:
-        return [render_prompt(tokenizer, t, config.prompt_preset) for t in texts]
+        preset = get_prompt_preset(config.prompt_preset)
+        return [render_prompt(tokenizer, t, preset) for t in texts]
     if not config.use_chat_template:
         return list(texts)
     messages = [[{"role": "user", "content": t}] for t in texts]
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
 
 
-def run(config: GenerateConfig) -> int:
-    import jax
-    from tqdm import tqdm
+def completion_length(config: GenerateConfig) -> int:
+    """New tokens per row: ``max_completion_length``, or (-1) max_target_length - max_prefill_predict_length.
 
-    from grpax import distributed
-    from grpax.checkpoint.orbax import load_model
-    from grpax.data.tokenizer import stop_token_ids
-    from grpax.models.registry import check_context_length, check_matches, checkpoint_config
-    from grpax.sampler.engine import generate
-    from grpax.sampler.keys import sampler_config
-
-    if not config.load_parameters_path:
-        raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
-    completion_length = config.max_completion_length
-    if completion_length < 0:
-        completion_length = config.max_target_length - config.max_prefill_predict_length
+    Raises:
+      ConfigError: 0 new tokens asked for, or none left after the prompt budget.
+    """
     if config.max_completion_length == 0:
         raise ConfigError(
             "max_completion_length=0: expected >= 1 new tokens (or -1: max_target_length - prefill)"
         )
-    if completion_length < 1:
+    length = config.max_completion_length
+    if length < 0:
+        length = config.max_target_length - config.max_prefill_predict_length
+    if length < 1:
         raise ConfigError(
             f"max_target_length={config.max_target_length} leaves no completion tokens after "
             f"max_prefill_predict_length={config.max_prefill_predict_length}"
         )
+    return length
+
+
+def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
+    """The keys checked before anything is read (ConfigError naming the key)."""
+    if not config.load_parameters_path:
+        raise ConfigError("pass load_parameters_path=<base>/0/items (see grpax to_native)")
     for key in ("num_generations", "batch_size"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
-    sampling = sampling_kwargs(config)
-    check_sampling(config, completion_length, sampling)
+    check_sampling(config, length, sampling)
     check_prompt_preset(config)
     if config.environment:
         from grpax.tasks import validate_environment_keys
@@ -239,42 +227,56 @@ def run(config: GenerateConfig) -> int:
             )
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite)
+
+
+def run(config: GenerateConfig) -> int:
+    import jax
+
+    from grpax import distributed
+    from grpax.checkpoint.orbax import load_model
+    from grpax.data.tokenizer import stop_token_ids
+    from grpax.models.registry import check_matches
+    from grpax.sampler.keys import sampler_config
+
+    length = completion_length(config) if config.load_parameters_path else 0
+    sampling = sampling_kwargs(config)
+    _check_keys(config, length, sampling)
     texts = read_prompts(config)
-    total = config.max_prefill_predict_length + completion_length
+    total = config.max_prefill_predict_length + length
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
         what = f"max_prefill_predict_length + max_completion_length = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
-    model_cfg, source = checkpoint_config(
-        config.load_parameters_path,
-        scan_layers=config.scan_layers,
-        weight_dtype=config.weight_dtype,
-        dtype=config.dtype,
-        attention=config.attention,
-    )
-    check_context_length(total, what, model_cfg, source)
+    model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
     params = jax.device_put(params)
+    stops = stop_token_ids(tokenizer, model_cfg)
+    sampler_cfg = sampler_config(
+        config.max_prefill_predict_length, length, stops, model_cfg.pad_token_id, **sampling
+    )
+    key = jax.random.key(config.seed)
+    generate_rows = _generate_with_environment if config.environment else _generate_single_turn
+    records, record_prompts = generate_rows(config, params, model_cfg, tokenizer, sampler_cfg, texts, key)
+    return _report(config, records, record_prompts)
+
+
+def _generate_single_turn(
+    config, params, model_cfg, tokenizer, sampler_cfg, texts, key
+) -> tuple[list[dict], list[int]]:
+    """``num_generations`` completions of every prompt in blocks of ``batch_size`` rows (each block's key folded
+    from ``key`` by its first row), as records, and the prompt index of each."""
+    import jax
+    from tqdm import tqdm
+
+    from grpax.sampler.engine import generate
+
     token_ids = [
         tokenizer.encode(t, add_special_tokens=False) for t in render_prompts(config, tokenizer, texts)
     ]
-    sampler_cfg = sampler_config(
-        config.max_prefill_predict_length,
-        completion_length,
-        stop_token_ids(tokenizer, model_cfg),
-        model_cfg.pad_token_id,
-        **sampling,
-    )
     rows = [i for i in range(len(texts)) for _ in range(config.num_generations)]
-    key = jax.random.key(config.seed)
-    if config.environment:
-        records, record_prompts = _generate_with_environment(
-            config, params, model_cfg, tokenizer, sampler_cfg, texts, key
-        )
-        return _report(config, records, record_prompts)
     records, record_prompts = [], []
     for start in tqdm(range(0, len(rows), config.batch_size), desc="generate", unit="batch"):
         batch = rows[start : start + config.batch_size]
@@ -293,7 +295,7 @@ def run(config: GenerateConfig) -> int:
                     "finish_reason": out.finish_reason[r],
                 }
             )
-    return _report(config, records, record_prompts)
+    return records, record_prompts
 
 
 def _generate_with_environment(
@@ -305,9 +307,10 @@ def _generate_with_environment(
 
     import jax
 
-    from grpax.data.prompts import PromptPreset, get_prompt_preset
+    from grpax.data.prompts import PromptPreset
     from grpax.rl.multi_turn import sample_trajectories
     from grpax.tasks import environment_factory, multi_turn_config
+    from grpax.tasks.prompts import get_prompt_preset
 
     preset = (
         get_prompt_preset(config.prompt_preset) if config.prompt_preset else PromptPreset(system_prompt="")

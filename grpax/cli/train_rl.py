@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpax.rl import compile_check, memory_estimate
+from grpax.plan import memory_plan
 from grpax.rl.results import format_before_after
 from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths
 from grpax.rl.train_config import TrainConfig, validate
@@ -41,13 +41,11 @@ def interrupt_hint(config: TrainConfig) -> str:
 
 
 def run(config: TrainConfig) -> int:
-    if config.compile_topology:  # compile the job for a TPU slice, print its per-chip memory, train nothing
+    if config.compile_topology:  # compile the job for a TPU slice (NVIDIA: an estimate), train nothing
         validate(config)
-        if memory_estimate.gpu_target(config.compile_topology):  # no GPU compiler here: an estimate
-            return memory_estimate.run(config)
-        return compile_check.run(config)
+        return memory_plan.compile_topology(config)
     try:
-        results = train(config)
+        results = train(config, fit=memory_plan.fit_before_run)
     except KeyboardInterrupt as e:  # said by grpax.cli.main after "interrupted (SIGINT)"
         e.hint = interrupt_hint(config)
         raise

@@ -1,27 +1,29 @@
-"""Named prompt presets: GSM8K-style reasoning with tagged output (maxtext, smollm2_demo; smollm2_calculator with the
-calculator environment) and math (boxed).
+"""Prompts of any task: chat messages, rendering with the chat template, tokenizing, the length filter.
 
-A preset fixes three strings: the system prompt, the user-turn template (with a ``{question}`` slot) and an
-optional ``response_prefix`` that is pre-filled after the chat template's generation prompt, so the model
-starts its reply inside the reasoning block. The tag names match the ones the reward functions in
-``grpax.rewards.gsm8k`` check, following the MaxText / Tunix GRPO GSM8K recipe (reasoning between
-``<reasoning>`` tags, the final answer between ``<answer>`` tags).
+A ``PromptPreset`` fixes three strings: the system prompt, the user-turn template (with a ``{question}`` slot) and
+an optional ``response_prefix`` that is pre-filled after the chat template's generation prompt, so the model
+starts its reply inside the block the task's rewards check (the named presets are the tasks':
+``grpax.tasks.prompts``). Prompts are rendered with the tokenizer's own chat template
+(``add_generation_prompt=True``) plus the ``response_prefix``, then tokenized with ``add_special_tokens=False``
+because the template already writes BOS where the model has one. ``prepare_rows`` does all of it for a split:
+the task's rows, rendered, tokenized, and those longer than ``max_prefill_predict_length`` dropped (counted).
 
 Example:
-    >>> preset = PROMPT_PRESETS["smollm2_demo"]
-    >>> preset.response_prefix
-    '<reasoning>\\n'
+    >>> PromptPreset(system_prompt="Be brief.", response_prefix="<reasoning>\\n").user_template
+    '{question}'
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-REASONING_START = "<reasoning>"
-REASONING_END = "</reasoning>"
-ANSWER_START = "<answer>"
-ANSWER_END = "</answer>"
-TAGS = (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)
+from grpax.data.datasets import too_few_rows
+
+logger = logging.getLogger(__name__)
+_train_log = logging.getLogger("grpax.train")  # the name prepare_rows has always logged under
 
 
 @dataclass(frozen=True)
@@ -41,81 +43,151 @@ class PromptPreset:
     response_prefix: str = ""
 
 
-_MAXTEXT_SYSTEM = (
-    "You will be given a math word problem. Work it out step by step and write all of your working "
-    f"between {REASONING_START} and {REASONING_END}. After that, give only the final number between "
-    f"{ANSWER_START} and {ANSWER_END}."
-)
-
-# A 135M model rarely invents the tag layout from an instruction alone; one short worked example in the
-# user turn plus a pre-filled opening tag gives it a pattern to copy.
-_SMOLLM2_SYSTEM = "You are a careful assistant who solves grade-school math problems."
-_SMOLLM2_TEMPLATE = (
-    f"Solve the problem. Write your steps inside {REASONING_START} {REASONING_END} and the final number "
-    f"inside {ANSWER_START} {ANSWER_END}.\n\n"
-    "Example problem: A shop sells pens at $2 each. Sam buys 4 pens. How much does he pay?\n"
-    f"{REASONING_START}\n4 pens cost 4 * 2 = 8 dollars.\n{REASONING_END}\n"
-    f"{ANSWER_START}\n8\n{ANSWER_END}\n\n"
-    "Problem: {question}"
-)
-
-# environment=calculator for a small model: it copies the worked example and overlooks a system prompt's tool
-# instructions, so here the example itself calls the calculator, with the environment's exact answers.
-_SMOLLM2_CALCULATOR_TEMPLATE = (
-    f"Solve the problem. Write your steps inside {REASONING_START} {REASONING_END} and the final number "
-    f"inside {ANSWER_START} {ANSWER_END}. Do each calculation with the calculator: write it between "
-    "<calculator> and </calculator>, and its result follows between <result> and </result>.\n\n"
-    "Example problem: A shop sells pens at $2 each. Sam buys 4 pens and pays with a $10 bill. How much change "
-    "does he get?\n"
-    f"{REASONING_START}\n4 pens cost <calculator>4 * 2</calculator><result>8</result>\n8 dollars. His change is "
-    f"<calculator>10 - 8</calculator><result>2</result>\n2 dollars.\n{REASONING_END}\n"
-    f"{ANSWER_START}\n2\n{ANSWER_END}\n\n"
-    "Problem: {question}"
-)
-
-# task=math: competition problems whose answers are expressions, judged by math-verify on the last \boxed{}.
-_MATH_SYSTEM = (
-    "You will be given a math problem. Reason step by step, then write the final answer in LaTeX inside "
-    "\\boxed{}, e.g. \\boxed{\\frac{1}{2}}."
-)
-
-PROMPT_PRESETS: dict[str, PromptPreset] = {
-    "maxtext": PromptPreset(system_prompt=_MAXTEXT_SYSTEM, user_template="{question}", response_prefix=""),
-    "smollm2_demo": PromptPreset(
-        system_prompt=_SMOLLM2_SYSTEM, user_template=_SMOLLM2_TEMPLATE, response_prefix=f"{REASONING_START}\n"
-    ),
-    "smollm2_calculator": PromptPreset(
-        system_prompt=_SMOLLM2_SYSTEM,
-        user_template=_SMOLLM2_CALCULATOR_TEMPLATE,
-        response_prefix=f"{REASONING_START}\n",
-    ),
-    "math": PromptPreset(system_prompt=_MATH_SYSTEM),
-    "plain": PromptPreset(system_prompt=""),  # the prompt column alone as the user turn
-}
-GSM8K_PRESETS = (
-    "maxtext",
-    "smollm2_demo",
-    "smollm2_calculator",
-)  # they ask for a number between <answer> tags
-
-
-def get_prompt_preset(name: str) -> PromptPreset:
-    """Looks up a prompt preset by name.
+def build_messages(
+    question: str, system_prompt: str, template: str = "{question}", system_role: bool = True
+) -> list[dict[str, str]]:
+    """Builds the chat messages for one question.
 
     Args:
-        name: a key of ``PROMPT_PRESETS`` (``"maxtext"``, ``"smollm2_demo"``, ``"smollm2_calculator"``, ``"math"``,
-            ``"plain"``).
+        question: the problem text.
+        system_prompt: system text; empty for none.
+        template: user-turn text with a ``{question}`` slot (plain replacement; other braces are kept).
+        system_role: if False (for chat templates without a system role), the system text is put at the top
+            of the user turn instead.
 
     Returns:
-        The preset.
-
-    Raises:
-        ValueError: if the name is unknown; the message lists the known names.
+        ``[{"role": "system", "content": ...}, {"role": "user", "content": ...}]`` (no system message if
+        ``system_prompt`` is empty or ``system_role`` is False).
 
     Example:
-        >>> get_prompt_preset("maxtext").response_prefix
-        ''
+        >>> build_messages("1+1?", "Be brief.", "Q: {question}")
+        [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Q: 1+1?'}]
     """
-    if name not in PROMPT_PRESETS:
-        raise ValueError(f"unknown prompt preset {name!r}; known presets: {sorted(PROMPT_PRESETS)}")
-    return PROMPT_PRESETS[name]
+    user = template.replace("{question}", question)
+    if system_prompt and not system_role:
+        return [{"role": "user", "content": f"{system_prompt}\n\n{user}"}]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*messages, {"role": "user", "content": user}]
+
+
+def render_prompt(tokenizer: Any, question: str, preset: PromptPreset, system_role: bool = True) -> str:
+    """Renders one question as prompt text with the tokenizer's chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        question: the problem text.
+        preset: the system prompt, user template and response prefix (a named one:
+            ``grpax.tasks.prompts.get_prompt_preset``).
+        system_role: see ``build_messages``.
+
+    Returns:
+        ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` followed by the
+        preset's ``response_prefix``.
+
+    Example:
+        >>> render_prompt(tok, "1+1?", PromptPreset("", response_prefix="<reasoning>\\n")).endswith("<reasoning>\\n")  # doctest: +SKIP
+        True
+    """
+    messages = build_messages(question, preset.system_prompt, preset.user_template, system_role)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + preset.response_prefix
+
+
+def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Tokenizes rendered prompts without adding special tokens (the chat template wrote them).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        texts: rendered prompt strings.
+
+    Returns:
+        Token ids per prompt (lengths vary; no padding).
+
+    Example:
+        >>> tokenize_prompts(tok, ["<s>user: hi"])  # doctest: +SKIP
+        [[1, 5, 6]]
+    """
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def filter_by_length(
+    rows: Sequence[dict], token_ids: Sequence[Sequence[int]], max_prompt_length: int
+) -> tuple[list[dict], list[list[int]], int]:
+    """Drops prompts longer than ``max_prompt_length`` tokens and logs how many.
+
+    Args:
+        rows: dataset rows.
+        token_ids: prompt token ids, aligned with rows.
+        max_prompt_length: the longest prompt kept, in tokens.
+
+    Returns:
+        ``(kept_rows, kept_ids, num_dropped)``.
+
+    Raises:
+        ValueError: if rows and token_ids differ in length.
+
+    Example:
+        >>> filter_by_length([{"q": 1}, {"q": 2}], [[1, 2, 3], [1]], max_prompt_length=2)
+        ([{'q': 2}], [[1]], 1)
+    """
+    if len(rows) != len(token_ids):
+        raise ValueError(f"rows ({len(rows)}) and token_ids ({len(token_ids)}) must have the same length")
+    kept = [(r, list(ids)) for r, ids in zip(rows, token_ids, strict=True) if len(ids) <= max_prompt_length]
+    num_dropped = len(rows) - len(kept)
+    if num_dropped:
+        logger.info(
+            "dropped %d of %d prompts longer than %d tokens", num_dropped, len(rows), max_prompt_length
+        )
+    return [r for r, _ in kept], [ids for _, ids in kept], num_dropped
+
+
+def prepare_rows(
+    tokenizer: Any,
+    dataset: str,
+    split: str,
+    preset: PromptPreset,
+    max_prompt_length: int,
+    limit: int = -1,
+    *,
+    load: Callable[[str, str], list[dict]],
+    need: tuple[str, str, int] = ("dataset_name", "split", 0),
+    render: Callable[[dict], str] | None = None,
+) -> list[dict]:
+    """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
+
+    Args:
+      limit: keep the first ``limit`` rows after filtering (-1: all).
+      load: ``(dataset, split) -> rows`` with a ``question`` each (the task's ``load_rows``).
+      need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
+      render: a row's prompt text as it is sampled, when it is not ``render_prompt`` of its question with
+        ``preset`` (an environment adds its instructions: ``grpax.rl.multi_turn.prompt_renderer``), so that
+        the length filter measures the prompt the sampler gets; None: ``render_prompt``.
+
+    Raises:
+      ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
+    """
+    rows = load(dataset, split)
+    if render is None:
+        texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
+    else:
+        texts = [render(row) for row in rows]
+    ids = tokenize_prompts(tokenizer, texts)
+    rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)
+    _train_log.info(
+        "%s/%s: %d prompts (%d longer than max_prefill_predict_length=%d dropped)",
+        dataset,
+        split,
+        len(rows),
+        dropped,
+        max_prompt_length,
+    )
+    key, split_key, count = need
+    if len(rows) < count:
+        got = f"{len(rows)} prompts of at most max_prefill_predict_length={max_prompt_length} tokens ({dropped} longer)"
+        fix = "raise max_prefill_predict_length or pass a larger dataset"
+        raise too_few_rows(key, dataset, split_key, split, got, f"the {count} needed", fix)
+    for row, row_ids in zip(rows, ids, strict=True):
+        row["prompt_ids"] = row_ids
+    return rows if limit < 0 else rows[:limit]

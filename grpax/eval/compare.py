@@ -54,7 +54,7 @@ def question_values(records: Sequence[dict], check: AnswerCheck) -> dict[str, di
     """Each question's value of the ``PAIRED_METRICS``, from its records (all samples of it, in any order).
 
     Args:
-      records: scored completions (``grpax.eval.metrics.score_records``; ``eval/<tag>/results.jsonl`` lines).
+      records: scored completions (``Task.records``; ``eval/<tag>/results.jsonl`` lines).
       check: whether a majority answer equals the gold one, ``check(answer, gold)`` (the task's ``is_correct``).
 
     Returns:

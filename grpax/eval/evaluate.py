@@ -62,7 +62,7 @@ def evaluate(
       params: model params (any sharding).
       model_cfg: the model's config.
       tokenizer: HF tokenizer (decodes the completions).
-      rows: the task's rows as ``grpax.data.gsm8k.prepare_rows`` gives them (``Task.load_rows``'s
+      rows: the task's rows as ``grpax.data.prompts.prepare_rows`` gives them (``Task.load_rows``'s
         ``question``, ``gold`` and columns, and ``prompt_ids``: the prompt rendered with ``task.preset``
         and tokenised once).
       task: scores and judges the completions (``Task.records``).

@@ -1,4 +1,4 @@
-"""Evaluation metrics for sampled GSM8K completions, with 95% confidence intervals (pure numpy).
+"""Evaluation metrics for sampled completions of any task, with 95% confidence intervals (pure numpy).
 
 Inputs are grouped per question: ``k`` sampled completions for each of ``Q`` questions. Proportions
 (accuracy, partial accuracy, format accuracy) use the Wilson score interval (Wilson 1927), which stays inside
@@ -7,30 +7,19 @@ Inputs are grouped per question: ``k`` sampled completions for each of ``Q`` que
 Code"), 1 - C(n - c, k) / C(n, k) per question; ``maj@k`` is the majority vote over the extracted answers.
 Both are averaged over questions, and their interval is the Wilson interval of that mean with N = Q.
 
-The file-scoring helpers (``load_completions_file``, ``score_records``, ``summarize``) score completions made
-elsewhere, e.g. by vLLM, with the same rewards as training.
+What counts as correct, close and formatted is the task's (``Task.records``, ``grpax.tasks``); ``summarize`` reads
+those records and takes the task's answer check (``Task.is_correct``) for maj@k, so these statistics know no task.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from grpax.data.gsm8k import extract_gold
-from grpax.rewards.gsm8k import (
-    RewardConfig,
-    extract_answer,
-    is_close,
-    is_correct,
-    is_format_exact,
-    normalize_number,
-    score_completions,
-)
+from grpax.tasks.answers import normalize_number
 
 Z_95 = 1.959963984540054
 
@@ -220,7 +209,8 @@ def maj_at_k(
     answers: Sequence[Sequence[str | None]],
     golds: Sequence[str],
     k: int | None = None,
-    check: Callable[[str | None, str], bool] = is_correct,
+    *,
+    check: Callable[[str | None, str], bool],
 ) -> Estimate:
     """Fraction of questions whose majority answer over the first k samples is correct.
 
@@ -228,7 +218,7 @@ def maj_at_k(
         answers: per question, per sample extracted answers [Q][n] (None = no answer).
         golds: gold answers [Q].
         k: samples used per question; defaults to all.
-        check: whether the majority answer equals the gold one (a task's ``is_correct``; GSM8K's by default).
+        check: whether the majority answer equals the gold one, ``check(answer, gold)`` (the task's ``is_correct``).
 
     Returns:
         Estimate with n = number of questions and a Wilson interval.
@@ -237,7 +227,8 @@ def maj_at_k(
         ValueError: if answers and golds differ in length.
 
     Example:
-        >>> maj_at_k([["3", "4", "4"], ["1", "2", None]], ["4", "2"]).value  # the 1-vs-2 tie goes to "1"
+        >>> same = lambda answer, gold: answer == gold
+        >>> maj_at_k([["3", "4", "4"], ["1", "2", None]], ["4", "2"], check=same).value  # the 1-vs-2 tie goes to "1"
         0.5
     """
     if len(answers) != len(golds):
@@ -248,127 +239,16 @@ def maj_at_k(
     return Estimate(s / q if q else math.nan, q, wilson_interval(s, q))
 
 
-def load_completions_file(path: str | Path) -> list[dict]:
-    """Reads completions made elsewhere (e.g. vLLM) from a JSONL file.
-
-    Each line needs ``question``, ``answer`` (a bare number or a full GSM8K solution ending in ``#### N``)
-    and ``completion``. Keep a question's samples on consecutive lines for ``summarize``.
-
-    Args:
-        path: the JSONL file.
-
-    Returns:
-        Rows ``{"question": str, "answer": str (gold number), "completion": str}``.
-
-    Raises:
-        FileNotFoundError: if the file does not exist.
-        ValueError: if a line is not a JSON object, lacks a field, or its answer has no number (file and line
-            named), or the file holds no completions.
-
-    Example:
-        >>> rows = load_completions_file("runs/vllm_samples.jsonl")  # doctest: +SKIP
-        >>> rows[0]["answer"]  # doctest: +SKIP
-        '72'
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"completions file {path} does not exist")
-    rows = []
-    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark is not part of the first line
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {line_no} is not valid JSON ({e.msg})") from e
-            if not isinstance(r, dict):
-                raise ValueError(
-                    f"{path}: line {line_no} is a JSON {type(r).__name__}, not an object with question, "
-                    "answer, completion"
-                )
-            missing = [k for k in ("question", "answer", "completion") if k not in r]
-            if missing:
-                raise ValueError(
-                    f"{path}: line {line_no} lacks field(s) {missing}; each line needs question, answer, completion"
-                )
-            gold = extract_gold(str(r["answer"]))
-            if gold is None:
-                raise ValueError(
-                    f"{path}: line {line_no} field 'answer' is neither a number nor a solution ending in '#### N'"
-                )
-            rows.append({"question": str(r["question"]), "answer": gold, "completion": str(r["completion"])})
-    if not rows:
-        raise ValueError(f"{path} holds no completions: each line needs question, answer, completion")
-    return rows
-
-
-def score_records(
-    questions: Sequence[str],
-    golds: Sequence[str],
-    completions: Sequence[str],
-    reward_config: RewardConfig | str = "maxtext",
-    response_prefix: str = "",
-) -> list[dict]:
-    """Scores aligned (question, gold, completion) triples into records.
-
-    Args:
-        questions: question per completion [N].
-        golds: gold answer per completion [N].
-        completions: generated text [N], without the response prefix.
-        reward_config: RewardConfig or preset name.
-        response_prefix: text pre-filled before each completion (prepended before checking).
-
-    Returns:
-        Records ``{"question", "answer", "completion", "extracted_answer", "correct", "close", "formatted",
-        "rewards"}``; ``rewards`` maps each reward name (and ``"total"``) to its points.
-
-    Raises:
-        ValueError: if the inputs differ in length.
-
-    Example:
-        >>> r = score_records(["2+2?"], ["4"], ["<reasoning>2+2</reasoning><answer>4</answer>"], "tunix")
-        >>> r[0]["correct"], r[0]["rewards"]["total"]
-        (True, 9.5)
-    """
-    if not (len(questions) == len(golds) == len(completions)):
-        raise ValueError(
-            f"questions, golds and completions must have the same length, got "
-            f"{len(questions)}, {len(golds)}, {len(completions)}"
-        )
-    scores = score_completions(
-        list(questions), list(completions), list(golds), reward_config, response_prefix=response_prefix
-    )
-    records = []
-    for i, (q, g, c) in enumerate(zip(questions, golds, completions, strict=True)):
-        full = response_prefix + c
-        extracted = extract_answer(full)
-        records.append(
-            {
-                "question": q,
-                "answer": g,
-                "completion": c,
-                "extracted_answer": extracted,
-                "correct": is_correct(extracted, g),
-                "close": is_close(extracted, g),
-                "formatted": is_format_exact(full),
-                "rewards": {name: values[i] for name, values in scores.items()},
-            }
-        )
-    return records
-
-
 def summarize(
-    records: Sequence[dict], num_samples: int, check: Callable[[str | None, str], bool] = is_correct
+    records: Sequence[dict], num_samples: int, check: Callable[[str | None, str], bool]
 ) -> dict[str, float | int | list[float]]:
     """Summary metrics of scored records, ``num_samples`` consecutive records per question.
 
     Args:
-        records: from ``score_records`` (or dicts with ``question``, ``answer``, ``completion``,
-            ``extracted_answer``, ``correct`` and ``rewards``; ``close`` / ``formatted`` are recomputed if
-            absent, and ``rewards["total"]`` is used for the mean reward when present).
+        records: from ``Task.records`` (or dicts with ``question``, ``answer``, ``extracted_answer``, ``correct``,
+            ``close``, ``formatted`` and ``rewards``; ``rewards["total"]`` is the mean reward's value when present).
         num_samples: completions per question (the k of pass@k and maj@k).
-        check: maj@k's answer check (a task's ``is_correct``; GSM8K's by default).
+        check: maj@k's answer check, ``check(answer, gold)`` (the task's ``is_correct``).
 
     Returns:
         ``num_questions``, ``num_completions``, ``accuracy``, ``partial_accuracy``, ``format_accuracy``,
@@ -378,8 +258,9 @@ def summarize(
         ValueError: if the record count is not a multiple of num_samples, or a group mixes questions.
 
     Example:
-        >>> recs = score_records(["q"] * 2, ["4"] * 2, ["<answer>4</answer>", "5"], "simple")
-        >>> s = summarize(recs, num_samples=2)
+        >>> recs = [{"question": "q", "answer": "4", "extracted_answer": a, "correct": a == "4", "close": a == "4",
+        ...          "formatted": True, "rewards": {"total": float(a == "4")}} for a in ("4", "5")]
+        >>> s = summarize(recs, num_samples=2, check=lambda answer, gold: answer == gold)
         >>> s["accuracy"], s["pass@k"], s["maj@k"]
         (0.5, 1.0, 1.0)
     """
@@ -393,17 +274,10 @@ def summarize(
                 f"(first: {g[0]['question'][:60]!r})"
             )
 
-    def field(r: dict, name: str) -> bool:
-        if name in r:
-            return bool(r[name])
-        if name == "close":
-            return is_close(r["extracted_answer"], r["answer"])
-        return is_format_exact(r["completion"])
-
     metrics = {
         "accuracy": proportion([[bool(r["correct"]) for r in g] for g in groups]),
-        "partial_accuracy": proportion([[field(r, "close") for r in g] for g in groups]),
-        "format_accuracy": proportion([[field(r, "formatted") for r in g] for g in groups]),
+        "partial_accuracy": proportion([[bool(r["close"]) for r in g] for g in groups]),
+        "format_accuracy": proportion([[bool(r["formatted"]) for r in g] for g in groups]),
         "mean_reward": mean_reward([[total_reward(r) for r in g] for g in groups]),
         "pass@k": pass_at_k([[bool(r["correct"]) for r in g] for g in groups], num_samples),
         "maj@k": maj_at_k(
@@ -424,14 +298,12 @@ def summarize(
 
 __all__ = [
     "Estimate",
-    "load_completions_file",
     "maj_at_k",
     "majority_answer",
     "mean_reward",
     "proportion",
     "pass_at_k",
     "pass_at_k_unbiased",
-    "score_records",
     "summarize",
     "wilson_interval",
 ]

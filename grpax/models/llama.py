@@ -499,3 +499,34 @@ def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> j
                 "...D,VD->...V", hidden, params["embed"].astype(dtype), preferred_element_type=jnp.float32
             )
         return softcap(logits, cfg.final_logit_softcap)
+
+
+def round_as_read(params: Params, cfg: ModelConfig) -> Params:
+    """``params`` rounded as the forward reads them: the same forward, bit for bit, in fewer bytes.
+
+    The forward rounds every weight to the compute dtype ``cfg.dtype`` before it uses it (``_layer`` and
+    ``forward_grouped``'s layers, ``embed``, ``logits_from_hidden``; Llama's norms multiply in ``x.dtype``), except
+    the final norm of a model that scales by ``1 + w`` in float32 (Gemma's, ``rms_norm`` with ``norm_offset``):
+    that leaf is kept as it is. So the logits of ``round_as_read(params, cfg)`` equal those of ``params``
+    exactly (tests/test_reference.py), and float32 weights under bfloat16 compute take half the memory: what the
+    frozen reference policy (``reference_dtype=compute``) is stored as.
+
+    Args:
+      params: the params tree (``jax.Array``s, or ``jax.ShapeDtypeStruct``s for a plan: their dtype is changed).
+      cfg: the model (``dtype`` is the compute dtype).
+
+    Returns:
+      The tree with each floating leaf wider than ``cfg.dtype`` rounded to it (new arrays, placed as before);
+      the other leaves are the very same objects.
+    """
+    dtype = jnp.dtype(cfg.dtype)
+
+    def narrow(path, x):
+        read_wider = cfg.norm_offset and jax.tree_util.keystr(path[:1]) == "['final_norm']"
+        if read_wider or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize <= dtype.itemsize:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(narrow, params)

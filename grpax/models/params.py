@@ -34,7 +34,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpax.models.registry import ModelConfig
 
@@ -107,11 +106,6 @@ def abstract_params(cfg: ModelConfig) -> Params:
     """``jax.ShapeDtypeStruct`` leaves in ``cfg.weight_dtype``: shapes without memory."""
     dtype = jnp.dtype(cfg.weight_dtype)
     return _tree(cfg, lambda name, shape, axes: jax.ShapeDtypeStruct(shape, dtype))
-
-
-def count_params(cfg: ModelConfig) -> int:
-    """Number of parameters, from abstract shapes (allocates nothing)."""
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(cfg)))
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:

@@ -190,6 +190,14 @@ class GRPOConfig:
 
 def validate(cfg: GRPOConfig) -> None:
     """Raises ConfigError naming the bad key."""
+    _validate_choices(cfg)
+    _validate_counts(cfg)
+    _validate_rollout_correction(cfg)
+    _validate_numbers(cfg)
+
+
+def _validate_choices(cfg: GRPOConfig) -> None:
+    """The keys with a fixed set of values."""
     choices = {
         "kl_estimator": KL_ESTIMATORS,
         "loss_agg_mode": LOSS_AGG_MODES,
@@ -211,6 +219,10 @@ def validate(cfg: GRPOConfig) -> None:
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             raise ConfigError(f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(valid)}")
+
+
+def _validate_counts(cfg: GRPOConfig) -> None:
+    """The integer keys (completions, updates, staleness, micro-batches, DAPO's batches and buffer)."""
     if cfg.num_generations < 2:
         raise ConfigError(
             f"num_generations={cfg.num_generations}: GRPO needs at least 2 completions per prompt"
@@ -223,15 +235,6 @@ def validate(cfg: GRPOConfig) -> None:
         )
     if cfg.num_micro_batches < 1:
         raise ConfigError(f"num_micro_batches={cfg.num_micro_batches}: expected >= 1")
-    if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):  # NaN fails every comparison
-        raise ConfigError(
-            f"beta={cfg.beta}: expected a finite KL coefficient >= 0 (e.g. 0.04; 0 = no reference)"
-        )
-    if not (0 <= cfg.epsilon < 1 and 0 <= cfg.clip_high and math.isfinite(cfg.clip_high)):
-        raise ConfigError(
-            f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, finite eps_high >= 0"
-        )
-    _validate_rollout_correction(cfg)
     if cfg.dynamic_sampling_max_batches < (2 if cfg.filter_zero_std_groups else 1):
         raise ConfigError(
             f"dynamic_sampling_max_batches={cfg.dynamic_sampling_max_batches}: expected >= 2 with "
@@ -242,25 +245,34 @@ def validate(cfg: GRPOConfig) -> None:
             f"overlong_buffer_length={cfg.overlong_buffer_length}, overlong_penalty_factor="
             f"{cfg.overlong_penalty_factor}: expected >= 0 tokens and finite >= 0 points"
         )
-    # The optimizer's and the sampler's numbers: NaN or inf here would make every weight NaN (issue: Adam's
-    # 0 / 0 with adam_eps=0 on a zero gradient, an infinite step), so each must be finite and in range.
+
+
+def _validate_numbers(cfg: GRPOConfig) -> None:
+    """The objective's, the optimizer's and the sampler's numbers: NaN or inf here would make every weight NaN
+    (Adam's 0 / 0 with adam_eps=0 on a zero gradient, an infinite step), so each must be finite and in range."""
+    if not (cfg.beta >= 0 and math.isfinite(cfg.beta)):  # NaN fails every comparison
+        raise ConfigError(
+            f"beta={cfg.beta}: expected a finite KL coefficient >= 0 (e.g. 0.04; 0 = no reference)"
+        )
+    if not (0 <= cfg.epsilon < 1 and 0 <= cfg.clip_high and math.isfinite(cfg.clip_high)):
+        raise ConfigError(
+            f"epsilon={cfg.epsilon}, epsilon_high={cfg.epsilon_high}: expected 0 <= eps < 1, finite eps_high >= 0"
+        )
+    at_least_0, in_0_1 = (">= 0", lambda x: x >= 0), ("in [0, 1)", lambda x: 0 <= x < 1)
+    above_0 = ("> 0", lambda x: x > 0)
     ranges = {
-        "temperature": (cfg.temperature, "> 0", lambda x: x > 0, "the sampling temperature, e.g. 0.9"),
-        "learning_rate": (cfg.learning_rate, "> 0", lambda x: x > 0, "the peak AdamW step size, e.g. 3e-6"),
-        "adam_eps": (cfg.adam_eps, "> 0", lambda x: x > 0, "Adam's denominator epsilon, e.g. 1e-8"),
-        "b1": (cfg.b1, "in [0, 1)", lambda x: 0 <= x < 1, "Adam's first-moment decay, e.g. 0.9"),
-        "b2": (cfg.b2, "in [0, 1)", lambda x: 0 <= x < 1, "Adam's second-moment decay, e.g. 0.99"),
-        "weight_decay": (cfg.weight_decay, ">= 0", lambda x: x >= 0, "AdamW's decay, e.g. 0.1; 0 = none"),
-        "max_grad_norm": (
-            cfg.max_grad_norm,
-            ">= 0",
-            lambda x: x >= 0,
-            "the gradient clip, e.g. 0.1; 0 = off",
-        ),
-        "end_lr_ratio": (cfg.end_lr_ratio, ">= 0", lambda x: x >= 0, "the final learning rate's fraction"),
-        "warmup_ratio": (cfg.warmup_ratio, "in [0, 1)", lambda x: 0 <= x < 1, "e.g. 0.1"),
+        "temperature": (above_0, "the sampling temperature, e.g. 0.9"),
+        "learning_rate": (above_0, "the peak AdamW step size, e.g. 3e-6"),
+        "adam_eps": (above_0, "Adam's denominator epsilon, e.g. 1e-8"),
+        "b1": (in_0_1, "Adam's first-moment decay, e.g. 0.9"),
+        "b2": (in_0_1, "Adam's second-moment decay, e.g. 0.99"),
+        "weight_decay": (at_least_0, "AdamW's decay, e.g. 0.1; 0 = none"),
+        "max_grad_norm": (at_least_0, "the gradient clip, e.g. 0.1; 0 = off"),
+        "end_lr_ratio": (at_least_0, "the final learning rate's fraction"),
+        "warmup_ratio": (in_0_1, "e.g. 0.1"),
     }
-    for key, (value, expected, ok, meaning) in ranges.items():
+    for key, ((expected, ok), meaning) in ranges.items():
+        value = getattr(cfg, key)
         if not (math.isfinite(value) and ok(value)):
             raise ConfigError(f"{key}={value}: expected a finite value {expected} ({meaning})")
 

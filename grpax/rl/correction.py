@@ -92,19 +92,13 @@ def importance_weights(
       before any bound; min +inf and max -inf without counted tokens), ``mismatch/is_truncated_frac`` (w moved
       to a bound) and ``mismatch/is_masked_frac`` (w set to 0).
 
-    Raises:
-      ValueError: an unknown mode.
-
     Example:
       >>> w, s = importance_weights(jnp.log(jnp.array([[0.9, 0.2]])), jnp.log(jnp.array([[0.3, 0.4]])),
       ...                           jnp.ones((1, 2)), "token_truncate", clip_max=2.0)
       >>> w  # ratios 3.0 and 0.5: 3.0 is truncated to C_max = 2; s["mismatch/is_truncated_frac"] = 0.5
       Array([[2.        , 0.49999997]], dtype=float32)
     """
-    if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(
-            f"vllm_importance_sampling_mode={mode!r}: expected one of {', '.join(IMPORTANCE_SAMPLING_MODES)}"
-        )
+    assert mode in IMPORTANCE_SAMPLING_MODES, mode  # validated where it entered (GRPOConfig)
     level, bound = mode.split("_")
     counted = completion_mask.astype(bool)
     ratio = jnp.exp(log_importance_ratio(old_logprobs, rollout_logprobs, completion_mask, level))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from grpax.rl.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGG_MODES, LOSS_TYPES
+from grpax.rl.config import LOSS_AGG_MODES, GRPOConfig
 from grpax.rl.correction import importance_weights
 
 # log rho is clamped here for k3 only, so one token with an absurd ratio gives a large (e^20 ~ 5e8) but finite
@@ -96,6 +96,8 @@ def kl_k3(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+# ``policy_loss``'s default keys: GRPOConfig's, with no KL term (so no reference is needed).
+ON_POLICY = GRPOConfig(beta=0.0)
 
 
 def apply_truncation_mask(completion_mask: jax.Array, truncated: jax.Array) -> jax.Array:
@@ -168,22 +170,12 @@ def policy_loss(
     ref_logprobs: jax.Array | None,
     advantages: jax.Array,
     completion_mask: jax.Array,
+    grpo: GRPOConfig = ON_POLICY,
     *,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_agg_mode: str = "token-mean",
-    importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     normalizer: jax.Array | float | None = None,
     truncated: jax.Array | None = None,
-    mask_truncated_completions: bool = False,
-    loss_type: str = "ppo_clip",
     rollout_logprobs: jax.Array | None = None,
-    rollout_is_mode: str | None = None,
-    rollout_is_clip_max: float | None = 2.0,
-    rollout_is_clip_min: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (negated objective) of a batch or micro-batch.
 
@@ -194,21 +186,16 @@ def policy_loss(
       ref_logprobs: float32 [B, T] log pi_ref of the frozen reference, or None (then beta must be 0).
       advantages: float32 [B], one per completion (``compute_advantages``).
       completion_mask: [B, T], 1 = real completion token (EOS included), 0 = padding.
-      epsilon: eps, lower clip: the ratio is clipped below at 1 - eps.
-      epsilon_high: eps_high, upper clip at 1 + eps_high (DAPO); None = epsilon.
-      beta: KL coefficient; 0 skips the KL term (the reference is then only used for the ``kl`` metric).
-      kl_estimator: "k1", "k2" or "k3".
-      loss_agg_mode: "token-mean", "sequence-mean-token-mean" or "sequence-mean-token-sum-norm".
-      importance_sampling_level: "token" (GRPO) or "sequence" (GSPO: one length-normalised ratio per row).
+      grpo: the objective's keys, validated where they entered (``GRPOConfig``): ``epsilon`` / ``clip_high``,
+        ``beta`` (0 skips the KL term; the reference then only feeds the ``kl`` metric), ``kl_estimator``,
+        ``loss_agg_mode``, ``importance_sampling_level`` (GSPO: one length-normalised ratio per row),
+        ``loss_type``, ``mask_truncated_completions`` and the rollout correction (``rollout_is_mode``,
+        ``vllm_importance_sampling_clip_max`` / ``_clip_min``). Default: ``ON_POLICY`` (GRPOConfig's defaults
+        with beta 0).
       max_completion_length: L_max in tokens for "sequence-mean-token-sum-norm" (default T).
       normalizer: the full batch's ``loss_normalizer`` when this is one micro-batch of it; None = this batch.
       truncated: bool [B], rows that hit the length limit (needed with ``mask_truncated_completions``).
-      mask_truncated_completions: drop truncated rows from the loss.
-      loss_type: "ppo_clip" (the clipped surrogate above) or "cispo" (module docstring).
       rollout_logprobs: float32 [B, T] log mu of the sampler (the behaviour policy), or None.
-      rollout_is_mode: the rollout correction (``correction.importance_weights``'s mode), or None for none.
-      rollout_is_clip_max: C_max of the correction weight (None: no upper bound).
-      rollout_is_clip_min: C_min of the correction weight (None: no lower bound).
 
     Returns:
       (loss float32 scalar, aux) where aux holds float32 scalars averaged over this batch's counted tokens:
@@ -217,27 +204,19 @@ def policy_loss(
       ``clip_region_frac`` (either: tokens that get no gradient from the surrogate; with CISPO the tokens
       whose weight was clipped, whatever the sign of A: their gradient is scaled, never removed), and
       ``num_tokens``; with ``rollout_logprobs`` also ``importance_weights``'s ``mismatch/is_*`` statistics of
-      w = pi_old / mu (truncated and masked fractions 0 when ``rollout_is_mode`` is None).
+      w = pi_old / mu (truncated and masked fractions 0 when the correction is off).
 
     Raises:
-      ValueError: beta > 0 without ref_logprobs, an unknown option, mask_truncated_completions without
-        ``truncated``, or a rollout_is_mode without ``rollout_logprobs``.
+      ValueError: beta > 0 without ref_logprobs, mask_truncated_completions without ``truncated``, or the
+        rollout correction without ``rollout_logprobs`` (the batch lacks what the keys need).
     """
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator={kl_estimator!r}: expected one of {', '.join(KL_ESTIMATORS)}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level={importance_sampling_level!r}: expected token or sequence"
-        )
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError(f"beta={beta} needs ref_logprobs (the frozen reference model's logprobs)")
-    if rollout_is_mode is not None and rollout_logprobs is None:
-        raise ValueError(f"rollout correction {rollout_is_mode} needs rollout_logprobs (the sampler's)")
-    eps_high = epsilon if epsilon_high is None else epsilon_high
+    mode = grpo.rollout_is_mode
+    if grpo.beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta={grpo.beta} needs ref_logprobs (the frozen reference model's logprobs)")
+    if mode is not None and rollout_logprobs is None:
+        raise ValueError(f"rollout correction {mode} needs rollout_logprobs (the sampler's)")
     mask = completion_mask.astype(jnp.float32)
-    if mask_truncated_completions:
+    if grpo.mask_truncated_completions:
         if truncated is None:
             raise ValueError("mask_truncated_completions=True needs `truncated` [B]")
         mask = apply_truncation_mask(mask, truncated)
@@ -248,52 +227,63 @@ def policy_loss(
     if old_logprobs is None:
         old_logprobs = jax.lax.stop_gradient(logprobs)
     old_logprobs = jnp.where(bmask, old_logprobs.astype(jnp.float32), 0.0)
-    log_ratio = logprobs - old_logprobs
-    if importance_sampling_level == "sequence":
-        row_len = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
-        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True) / row_len, log_ratio.shape)
-    ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + eps_high)
+    ratio = _ratio(logprobs, old_logprobs, mask, grpo.importance_sampling_level)
     adv = advantages.astype(jnp.float32)[:, None]
-    if loss_type == "cispo":
-        surrogate = -jax.lax.stop_gradient(clipped) * adv * logprobs
-    else:
-        surrogate = -jnp.minimum(ratio * adv, clipped * adv)  # [B, T]
+    surrogate, clipped_low, clipped_high = _surrogate(ratio, adv, logprobs, grpo)
     correction = {}
-    if rollout_logprobs is not None:  # without a mode: the token ratio's statistics only, no bound
-        on = rollout_is_mode is not None
-        weights, correction = importance_weights(
-            old_logprobs,
-            rollout_logprobs,
-            mask,
-            rollout_is_mode if on else "token_truncate",
-            rollout_is_clip_max if on else None,
-            rollout_is_clip_min if on else None,
-        )
-        if on:
-            surrogate = surrogate * weights
-    per_token = surrogate
-    kl = None
+    if rollout_logprobs is not None:
+        surrogate, correction = _corrected(surrogate, old_logprobs, rollout_logprobs, mask, grpo)
+    per_token, kl = surrogate, None
     if ref_logprobs is not None:
         ref_logprobs = jnp.where(bmask, ref_logprobs.astype(jnp.float32), 0.0)
-        kl = KL_ESTIMATORS[kl_estimator](logprobs, ref_logprobs)
-        if beta > 0:
-            per_token = surrogate + beta * kl
-    loss = aggregate_loss(per_token, mask, loss_agg_mode, normalizer, max_completion_length)
-
-    low = ratio < 1.0 - epsilon
-    high = ratio > 1.0 + eps_high
-    if loss_type == "ppo_clip":  # only these get no gradient; CISPO scales the others' gradient
-        low, high = low & (adv < 0), high & (adv > 0)
+        kl = KL_ESTIMATORS[grpo.kl_estimator](logprobs, ref_logprobs)
+        if grpo.beta > 0:
+            per_token = surrogate + grpo.beta * kl
+    aggregate = lambda x: aggregate_loss(x, mask, grpo.loss_agg_mode, normalizer, max_completion_length)  # noqa: E731
     aux = {
-        "policy_loss": aggregate_loss(surrogate, mask, loss_agg_mode, normalizer, max_completion_length),
+        "policy_loss": aggregate(surrogate),
         "kl": _masked_mean(kl, bmask) if kl is not None else jnp.float32(jnp.nan),
         "ratio_mean": _masked_mean(ratio, bmask),
-        "clip_low_frac": _masked_mean(low.astype(jnp.float32), bmask),
-        "clip_high_frac": _masked_mean(high.astype(jnp.float32), bmask),
-        "clip_region_frac": _masked_mean((low | high).astype(jnp.float32), bmask),
+        "clip_low_frac": _masked_mean(clipped_low.astype(jnp.float32), bmask),
+        "clip_high_frac": _masked_mean(clipped_high.astype(jnp.float32), bmask),
+        "clip_region_frac": _masked_mean((clipped_low | clipped_high).astype(jnp.float32), bmask),
         "num_tokens": jnp.sum(mask),
         **correction,
     }
-    aux = {k: jax.lax.stop_gradient(v) for k, v in aux.items()}
-    return loss, aux
+    return aggregate(per_token), {k: jax.lax.stop_gradient(v) for k, v in aux.items()}
+
+
+def _corrected(surrogate, old_logprobs, rollout_logprobs, mask, grpo: GRPOConfig):
+    """The surrogate times the rollout-correction weights (with ``grpo.rollout_is_mode``; without one it is
+    returned as it is) and the weights' ``mismatch/is_*`` statistics (of the unbounded token ratio when off)."""
+    mode = grpo.rollout_is_mode
+    weights, stats = importance_weights(
+        old_logprobs,
+        rollout_logprobs,
+        mask,
+        mode or "token_truncate",
+        grpo.vllm_importance_sampling_clip_max if mode else None,
+        grpo.vllm_importance_sampling_clip_min if mode else None,
+    )
+    return (surrogate if mode is None else surrogate * weights), stats
+
+
+def _ratio(logprobs: jax.Array, old_logprobs: jax.Array, mask: jax.Array, level: str) -> jax.Array:
+    """r_it = pi_theta / pi_old per token, or (GSPO, ``level="sequence"``) exp of the row's mean log-ratio."""
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":
+        row_len = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
+        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True) / row_len, log_ratio.shape)
+    return jnp.exp(log_ratio)
+
+
+def _surrogate(
+    ratio: jax.Array, adv: jax.Array, logprobs: jax.Array, grpo: GRPOConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The per-token surrogate loss [B, T] of ``grpo.loss_type`` (module docstring), and where the clip acted
+    (bool [B, T], below and above): PPO's tokens that lose their gradient, CISPO's whose weight was clipped."""
+    low, high = ratio < 1.0 - grpo.epsilon, ratio > 1.0 + grpo.clip_high
+    clipped = jnp.clip(ratio, 1.0 - grpo.epsilon, 1.0 + grpo.clip_high)
+    if grpo.loss_type == "cispo":  # every token keeps its gradient, scaled by the clipped weight
+        return -jax.lax.stop_gradient(clipped) * adv * logprobs, low, high
+    return -jnp.minimum(ratio * adv, clipped * adv), low & (adv < 0), high & (adv > 0)

@@ -34,8 +34,7 @@ import jax
 import numpy as np
 
 from grpax import sharding
-from grpax.data.gsm8k import build_messages
-from grpax.data.prompts import PromptPreset
+from grpax.data.prompts import PromptPreset, build_messages
 from grpax.errors import ConfigError
 from grpax.models.registry import ModelConfig
 from grpax.rl.rollout import Rollout, mesh_context

@@ -87,7 +87,8 @@ def _platform(tree: Any) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("lora",))
-def _merge(base, adapters, lora):
+def merge_adapters(base, adapters, lora):
+    """``lora.merge`` jitted: the merged sampler's weights (``Policy.sampler_params``; the plan compiles it)."""
     return lora_lib.merge(base, adapters, lora)
 
 
@@ -156,7 +157,7 @@ class Policy:
         if self.lora is None:
             return trainable
         if self.sampler == "merged":
-            return _merge(self.base, trainable, self.lora)
+            return merge_adapters(self.base, trainable, self.lora)
         return lora_lib.apply(self.base, trainable, self.lora)
 
     def forward_params(self, trainable: Any) -> Any:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from grpax.checkpoint.train_state import TrainCheckpointer, check_step_meta
 from grpax.config import ConfigError, redacted
-from grpax.data.gsm8k import PromptIterator
+from grpax.data.iterator import PromptIterator
 from grpax.data.tokenizer import save_tokenizer
 from grpax.models.registry import ModelConfig, to_hf_config
 from grpax.rl.metrics_writer import MetricsWriter, read_jsonl

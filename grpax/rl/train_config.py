@@ -14,12 +14,13 @@ from typing import ClassVar
 import jax
 
 from grpax import sharding
-from grpax.config import JAX_CACHE_DIR_HELP, ConfigError, field
-from grpax.data.gsm8k import dataset_source, too_few_rows
+from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.data.datasets import dataset_source, too_few_rows
+from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
 from grpax.models.lora import LoraConfig
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
-from grpax.models.registry import ModelConfig, check_context_length, checkpoint_config
+from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
 from grpax.rl.policy import LORA_SAMPLERS
 from grpax.sampler.engine import SamplerConfig
@@ -28,9 +29,14 @@ from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 log = logging.getLogger("grpax.train")
 
+# remat_policy's values from the least recompute (and the most memory) to the most: auto's order of preference.
+REMAT_ORDER = ("none", "minimal", "dots", "full")
+REFERENCE_DTYPES = ("compute", "weight")
+REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
+
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, RuntimeKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -58,30 +64,29 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     base_output_directory: str = field("outputs", "root folder of all runs")
     run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
-    jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
-    skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
-    scan_layers: bool = field(True, "stack layers and scan over them (compile time independent of depth)")
     weight_dtype: str = field(
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
         "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
         "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
     )
-    dtype: str = field(
-        "float32",
-        "compute dtype: activations, matmul inputs, KV cache (the accelerator presets: bfloat16); float32 is "
-        "faster than bfloat16 on CPU",
+    reference_dtype: str = field(
+        "compute",
+        "the frozen reference's copy (beta > 0, full fine-tune): compute = rounded to dtype as the forward reads "
+        "every weight (the same reference logprobs bit for bit; float32 weights, bfloat16 compute: half the "
+        "memory), weight = as stored (weight_dtype)",
+    )
+    reference_memory: str = field(
+        "auto",
+        "where the frozen reference's copy lives: device | pinned_host (host memory, copied to the devices for "
+        "each reference pass: its bytes over the host link every step) | auto (device, unless the memory plan "
+        "fits with a 10% margin only with it in host memory; device on CPU)",
     )
     remat_policy: str = field(
-        "full",
-        "rematerialisation of each layer in the backward pass: none | full | dots | minimal (full: the "
-        "least memory, and on CPU also the fastest)",
-    )
-    attention: str = field(
-        "dot_product",
-        "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn "
-        "(jax.nn.dot_product_attention) | cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)",
+        "auto",
+        "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full (full: the "
+        "least memory, and on CPU also the fastest; auto: on CPU full, on an accelerator the one with the least "
+        "recompute, in that order, that the memory plan fits with a 10% margin, full if the fit check refuses it)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
@@ -92,15 +97,6 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
     )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
-    prompt_preset: str = field(
-        "maxtext",
-        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
-        "| math | plain (model presets pick one)",
-    )
-    reward_preset: str = field(
-        "maxtext",
-        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
-    )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(
         -1,
@@ -191,15 +187,20 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig):
         return self.max_target_length - self.max_prefill_predict_length
 
     def model_keys(self) -> dict:
-        """The run's keys of the model's config (layout, dtypes, remat, attention): what the checkpoint's
-        config.json is read with (``grpax.models.registry.load_hf_config``), by the run and by its plan."""
-        return dict(
-            scan_layers=self.scan_layers,
-            weight_dtype=self.weight_dtype,
-            dtype=self.dtype,
-            remat_policy=self.remat_policy,
-            attention=self.attention,
-        )
+        """``ModelKeys.model_keys`` and ``remat_policy`` (``remat``: auto read as full until the plan chooses)."""
+        return {**super().model_keys(), "remat_policy": self.remat}
+
+    @property
+    def remat(self) -> str:
+        """``remat_policy`` as the model takes it: ``auto`` before ``grpax.plan.memory_plan`` resolves it is full
+        (the least memory)."""
+        return "full" if self.remat_policy == "auto" else self.remat_policy
+
+    @property
+    def reference_on_host(self) -> bool:
+        """The frozen reference's copy lives in host memory (``reference_memory=pinned_host``; auto before
+        ``grpax.plan.memory_plan`` resolves it is the devices)."""
+        return self.reference_memory == "pinned_host"
 
     def lora(self) -> LoraConfig | None:
         """The adapters' config, or None for a full fine-tune (lora_rank=0)."""
@@ -296,6 +297,17 @@ def validate(cfg: TrainConfig) -> None:
             )
         if cfg.lora_base_dtype == "int8":  # nf4 is grpax's own (grpax.models.quantize)
             require_qwix()
+    choices = {
+        "remat_policy": ("auto", *REMAT_ORDER),
+        "reference_dtype": REFERENCE_DTYPES,
+        "reference_memory": REFERENCE_MEMORIES,
+    }
+    for key, allowed in choices.items():
+        if getattr(cfg, key) not in allowed:
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}: expected one of {', '.join(allowed)}"
+                f".{suggest(str(getattr(cfg, key)), allowed)}"
+            )
     if cfg.lora_sampler not in LORA_SAMPLERS:
         raise ConfigError(
             f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"
@@ -394,9 +406,8 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
-    model_cfg, source = checkpoint_config(cfg.load_parameters_path, **cfg.model_keys())
     what = f"max_target_length={cfg.max_target_length}"
-    check_context_length(cfg.max_target_length, what, model_cfg, source)
+    model_cfg, _ = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"

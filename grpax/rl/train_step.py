@@ -83,7 +83,7 @@ def completion_hidden(params, batch: Batch, cfg: ModelConfig) -> jax.Array:
 # a micro-batch are never materialised at once (SmolLM2 at B = 16, C = 256: 805 MB, with their softmax and
 # gradient several times that), and a chunk still holds a thousand tokens or more on each chip (llama3.2-1b on
 # v6e-8 at B = 16, C = 256: 4 chunks of 16 x 64 tokens, each chip a 16,032-entry slice of the vocabulary).
-_LOGITS_CHUNK_ELEMENTS = 2**24
+LOGITS_CHUNK_ELEMENTS = 2**24
 
 
 def _mesh_ways(logical_axis: str, size: int) -> int:
@@ -121,7 +121,7 @@ def completion_logprobs(
     each chip's head gradient stays local: it is accumulated in float32 across the chunks (the scan's carry),
     exchanged back to the head's layout once, and no chunk reduce-scatters a head-sized gradient.
 
-    The completion axis is cut into chunks of at most ``_LOGITS_CHUNK_ELEMENTS`` logits per chip; each chunk
+    The completion axis is cut into chunks of at most ``LOGITS_CHUNK_ELEMENTS`` logits per chip; each chunk
     is projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
     pass (``jax.checkpoint``), so only one chunk's logits exist at a time, forward or backward ("fused linear
     cross-entropy", as Liger-Kernel's, in plain JAX). Outside a mesh the same code runs on one device.
@@ -141,7 +141,7 @@ def completion_logprobs(
     V = cfg.vocab_size
     rows_per_chip = -(-B // _mesh_ways("head_batch", B))
     vocab_per_chip = -(-V // _mesh_ways("head_vocab", V))
-    chunk = max(1, min(C, _LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)))
+    chunk = max(1, min(C, LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)))
     num_chunks = -(-C // chunk)
     chunk = -(-C // num_chunks)  # the same chunks, padded the least
     pad = num_chunks * chunk - C
@@ -189,21 +189,11 @@ def _micro_loss(
         mb.ref_logprobs,
         mb.advantages,
         mb.completion_mask,
-        epsilon=grpo.epsilon,
-        epsilon_high=grpo.epsilon_high,
-        beta=grpo.beta,
-        kl_estimator=grpo.kl_estimator,
-        loss_agg_mode=grpo.loss_agg_mode,
-        importance_sampling_level=grpo.importance_sampling_level,
+        grpo,
         max_completion_length=max_completion_length,
         normalizer=normalizer,
         truncated=mb.truncated,
-        mask_truncated_completions=grpo.mask_truncated_completions,
-        loss_type=grpo.loss_type,
         rollout_logprobs=mb.rollout_logprobs,
-        rollout_is_mode=grpo.rollout_is_mode,
-        rollout_is_clip_max=grpo.vllm_importance_sampling_clip_max,
-        rollout_is_clip_min=grpo.vllm_importance_sampling_clip_min,
     )
     mask = mb.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:

@@ -39,15 +39,16 @@ from tqdm.auto import tqdm
 from grpax import distributed, interrupts, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
-from grpax.data.gsm8k import PromptIterator, prepare_rows
+from grpax.data.iterator import PromptIterator
+from grpax.data.prompts import prepare_rows
 from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import EVAL_STRATEGIES
+from grpax.models.llama import round_as_read
 from grpax.models.registry import ModelConfig, check_matches
 from grpax.rl.ahead import AheadRollouts
 from grpax.rl.batch import Batch
-from grpax.rl.compile_check import check_before_run
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
@@ -70,8 +71,13 @@ class NonFiniteError(ConfigError):
     checkpoint is kept."""
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = None) -> dict:
     """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
+
+    ``fit``: the plan's check before any weight is read (``grpax.plan.memory_plan.fit_before_run``, which
+    ``grpax train_rl`` passes): the run's keys with the auto ones chosen, or a ConfigError when the job cannot fit
+    the devices. Without it the auto keys take their least-memory meaning (``TrainConfig.remat``) and nothing is
+    compiled ahead.
 
     A summary is None where that evaluation did not run (num_test_batches=0, or eval_before=false for
     "before"); with both, ``paired`` holds their paired test (``grpax.eval.compare.compare``).
@@ -98,7 +104,14 @@ def train(cfg: TrainConfig) -> dict:
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
             "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
         )
-    check_before_run(cfg)  # an accelerator run that cannot fit stops here, before any weight is read
+    if (
+        fit is not None
+    ):  # the auto keys chosen; an accelerator run that cannot fit stops before any weight is read
+        cfg = fit(cfg)
+        if inputs.model_cfg is not None:
+            inputs = dataclasses.replace(
+                inputs, model_cfg=dataclasses.replace(inputs.model_cfg, remat_policy=cfg.remat)
+            )
     paths = RunPaths.of(cfg)
     main_process = jax.process_index() == 0
     if not main_process:  # one process logs; the others only warn
@@ -151,24 +164,10 @@ def _train(
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
-    policy = (
-        Policy(
-            cfg.lora(),
-            params,
-            str(Path(cfg.load_parameters_path).absolute()),
-            cfg.lora_base_dtype,
-            cfg.lora_sampler,
-            model_cfg.dtype,
-        )
-        if cfg.lora_rank
-        else Policy()
-    )
-    latest = checkpointer.latest_step()
-    if latest is not None:  # before anything is restored: adapters on other base weights are refused
-        policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
+    policy = _policy(cfg, params, model_cfg, checkpointer)
     # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
     frozen = policy.lora is not None
-    ref_params = _reference(policy.base if frozen else params, grpo, paths, closing, frozen=frozen)
+    ref_params = _reference(cfg, policy.base if frozen else params, model_cfg, paths, closing, frozen=frozen)
     iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
@@ -177,12 +176,7 @@ def _train(
     placement = dict(
         mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
     )
-    if cfg.environment:  # multi-turn: the same Batch, observation tokens masked out (grpax.rl.multi_turn)
-        env = environment_factory(cfg)
-        turns = multi_turn_config(cfg)
-        rollout = MultiTurnRollout(model_cfg, sampler_cfg, grpo, task, tokenizer, env, turns, **placement)
-    else:
-        rollout = Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
+    rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(
@@ -215,6 +209,28 @@ def _train(
         results["before"] = _evaluate(run, policy.sampler_params(state.params), "before", 0)
     state, history = _loop(run, state, iterator, start_step, results["before"])
     return _finish(run, state, history, results)
+
+
+def _policy(cfg: TrainConfig, params: Any, model_cfg: ModelConfig, checkpointer: TrainCheckpointer) -> Policy:
+    """What the run trains (all the weights, or LoRA adapters on ``params`` as the frozen base), refused in one
+    line when the run folder's latest checkpoint was trained on another base or in another mode."""
+    policy = Policy()
+    if cfg.lora_rank:
+        path = str(Path(cfg.load_parameters_path).absolute())
+        policy = Policy(cfg.lora(), params, path, cfg.lora_base_dtype, cfg.lora_sampler, model_cfg.dtype)
+    latest = checkpointer.latest_step()
+    if latest is not None:  # before anything is restored: adapters on other base weights are refused
+        policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
+    return policy
+
+
+def _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement: dict) -> Rollout:
+    """The run's ``Rollout``: single-turn, or with ``environment`` multi-turn (the same Batch, observation
+    tokens masked out: ``grpax.rl.multi_turn``); ``placement``: its meshes, reference and micro-batches."""
+    if not cfg.environment:
+        return Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
+    env, turns = environment_factory(cfg), multi_turn_config(cfg)
+    return MultiTurnRollout(model_cfg, sampler_cfg, grpo, task, tokenizer, env, turns, **placement)
 
 
 def _open_checkpointer(
@@ -253,17 +269,26 @@ def _load_policy(cfg: TrainConfig, model_cfg: ModelConfig | None):
 
 
 def _reference(
-    params: Any, grpo: GRPOConfig, paths: RunPaths, closing: contextlib.ExitStack, frozen: bool = False
+    cfg: TrainConfig,
+    params: Any,
+    model_cfg: ModelConfig,
+    paths: RunPaths,
+    closing: contextlib.ExitStack,
+    frozen: bool = False,
 ) -> Any:
     """The frozen reference (``FrozenParams``), or None when beta == 0. ``frozen``: ``params`` never change
-    (LoRA's base): the reference is those very arrays, no copy."""
-    if grpo.beta <= 0:
+    (LoRA's base): the reference is those very arrays, no copy. Otherwise a copy (the state is donated), rounded
+    as the forward reads it with ``reference_dtype=compute`` (``round_as_read``: the same logprobs), in host
+    memory with ``reference_memory=pinned_host``, else on the devices (a single CPU process: mapped files)."""
+    if cfg.beta <= 0:
         return None
     if frozen:
         return FrozenParams(params)
-    # The state is donated: in device memory the reference is a copy.
-    folder = offload_folder(paths.run_dir)
-    ref_params = FrozenParams(params if folder else jax.tree.map(jnp.copy, params), folder)
+    ref = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
+    folder = None if cfg.reference_on_host else offload_folder(paths.run_dir)
+    if folder is None and not cfg.reference_on_host:  # on the devices: no leaf may be a donated one of params
+        ref = jax.tree.map(lambda r, p: jnp.copy(r) if r is p else r, ref, params)
+    ref_params = FrozenParams(ref, folder, host_memory=cfg.reference_on_host)
     closing.callback(ref_params.close)  # its files go on any exit (an interrupt ends with os._exit)
     return ref_params
 

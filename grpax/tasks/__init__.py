@@ -12,14 +12,14 @@ from math import isfinite  # not "import math": the submodule grpax.tasks.math w
 from typing import Any
 
 from grpax.config import field
-from grpax.data.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
 from grpax.errors import ConfigError
-from grpax.rewards.gsm8k import get_reward_config
 from grpax.tasks.base import RewardFunctionError, Task, UserRewards
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.environment import BUILTIN_ENVIRONMENTS, TOOL_FORMATS, MultiTurnConfig, load_environment
 from grpax.tasks.gsm8k import GSM8KTask
+from grpax.tasks.gsm8k_rewards import get_reward_config
 from grpax.tasks.math import MathTask, check_math_verify
+from grpax.tasks.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
 from grpax.tasks.user import load_prompt_template, load_reward_functions
 
 TASKS = ("gsm8k", "math", "custom")
@@ -81,6 +81,15 @@ class TaskConfig(EnvironmentConfig):
         "",
         "dataset column holding the reference answer ('' = the task's: answer; task=custom: 'none' for no column)",
     )
+    prompt_preset: str = field(
+        "maxtext",
+        "prompt wording: maxtext | smollm2_demo | smollm2_calculator (GSM8K; the last with environment=calculator) "
+        "| math | plain (model presets pick one)",
+    )
+    reward_preset: str = field(
+        "maxtext",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
+    )
     prompt_template_path: str = field(
         "",
         "prompt from a file instead of prompt_preset: YAML/JSON with system_prompt, user_template "
@@ -120,6 +129,33 @@ def validate_task_keys(cfg: Any) -> None:
         raise ConfigError(f"task={cfg.task!r}: expected one of {', '.join(TASKS)}")
     if cfg.task == "math":
         check_math_verify()
+    _validate_reward_keys(cfg)
+    if cfg.accuracy_reward and cfg.task != "custom":
+        raise ConfigError(
+            f"accuracy_reward={cfg.accuracy_reward!r} is for task=custom; task={cfg.task} counts accuracy with its "
+            "own answer check: drop accuracy_reward"
+        )
+    if cfg.accuracy_reward and cfg.accuracy_reward not in cfg.reward_functions:
+        raise ConfigError(
+            f"accuracy_reward={cfg.accuracy_reward!r}: expected one of reward_functions {list(cfg.reward_functions)}"
+        )
+    validate_environment_keys(cfg)
+    if not cfg.prompt_template_path and cfg.prompt_preset not in PROMPT_PRESETS:
+        raise ConfigError(
+            f"prompt_preset={cfg.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or "
+            "prompt_template_path=<file>"
+        )
+    if cfg.task != "gsm8k" and not cfg.prompt_template_path and cfg.prompt_preset in GSM8K_PRESETS:
+        suggested = "math" if cfg.task == "math" else "plain"
+        raise ConfigError(
+            f"task={cfg.task} with prompt_preset={cfg.prompt_preset} (a GSM8K prompt; model presets set it): "
+            f"pass prompt_preset={suggested} or prompt_template_path=<file>"
+        )
+
+
+def _validate_reward_keys(cfg: Any) -> None:
+    """The user reward functions' keys: the file and the names together, one weight each (finite), no name
+    twice or reserved, a finite reward timeout."""
     if bool(cfg.reward_functions_path) != bool(cfg.reward_functions):
         raise ConfigError(
             f"reward_functions_path={cfg.reward_functions_path!r}, reward_functions={list(cfg.reward_functions)}: "
@@ -157,27 +193,6 @@ def validate_task_keys(cfg: Any) -> None:
     if not (isfinite(timeout) and timeout >= 0):
         raise ConfigError(
             f"reward_timeout_seconds={timeout}: expected a finite number of seconds >= 0 (0: no limit)"
-        )
-    if cfg.accuracy_reward and cfg.task != "custom":
-        raise ConfigError(
-            f"accuracy_reward={cfg.accuracy_reward!r} is for task=custom; task={cfg.task} counts accuracy with its "
-            "own answer check: drop accuracy_reward"
-        )
-    if cfg.accuracy_reward and cfg.accuracy_reward not in cfg.reward_functions:
-        raise ConfigError(
-            f"accuracy_reward={cfg.accuracy_reward!r}: expected one of reward_functions {list(cfg.reward_functions)}"
-        )
-    validate_environment_keys(cfg)
-    if not cfg.prompt_template_path and cfg.prompt_preset not in PROMPT_PRESETS:
-        raise ConfigError(
-            f"prompt_preset={cfg.prompt_preset!r}: expected one of {', '.join(PROMPT_PRESETS)}, or "
-            "prompt_template_path=<file>"
-        )
-    if cfg.task != "gsm8k" and not cfg.prompt_template_path and cfg.prompt_preset in GSM8K_PRESETS:
-        suggested = "math" if cfg.task == "math" else "plain"
-        raise ConfigError(
-            f"task={cfg.task} with prompt_preset={cfg.prompt_preset} (a GSM8K prompt; model presets set it): "
-            f"pass prompt_preset={suggested} or prompt_template_path=<file>"
         )
 
 

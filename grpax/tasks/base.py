@@ -11,7 +11,7 @@ GRPOTrainer (every dataset column as a keyword argument)::
     fn(prompts=[...], completions=[...], tmvp_config=<the run's config>, **columns) -> list[float]
 
 with one value per completion; None or NaN abstains (adds nothing to the weighted total). Built-in rewards that
-fail abstain with a warning (``grpax.rewards.gsm8k.score_completions``); a user's function that raises (or calls
+fail abstain with a warning (``grpax.tasks.gsm8k_rewards.score_completions``); a user's function that raises (or calls
 ``sys.exit``), returns the wrong number of values or a value that is not a number, or runs past
 ``reward_timeout_seconds``, stops the run with ``RewardFunctionError`` before the update, so that a broken reward
 file never trains a policy on garbage. Each call gets its own copies of the prompts, completions and columns: a
@@ -27,10 +27,12 @@ import numbers
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from grpax.data.datasets import read_rows
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
 
@@ -58,6 +60,18 @@ class UserRewards:
     source: str = ""
     extra_kwargs: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = 0.0
+
+
+def read_dataset(dataset: str, split: str) -> tuple[list[dict], str]:
+    """``grpax.data.datasets.read_rows`` of a task's dataset: its raw rows and their source, for ``Task.load_rows``.
+
+    GSM8K's Hub copy (``openai/gsm8k``) has two configs, ``main`` and ``socratic``: a Hub name ending in ``gsm8k``
+    reads ``main``, whichever task reads it.
+
+    Raises:
+      FileNotFoundError, DatasetUnavailableError, ValueError: as ``read_rows``.
+    """
+    return read_rows(dataset, split, "main" if dataset.rstrip("/").endswith("gsm8k") else None)
 
 
 def _short(value: Any) -> str:
@@ -304,6 +318,8 @@ class Task:
     """
 
     name = "task"
+    # What a file of completions made elsewhere holds (``read_completions``), for the message naming a missing one.
+    completions_file = "a .jsonl / .parquet file of"
 
     def __init__(self, preset: PromptPreset, user_rewards: UserRewards | None = None):
         self.preset = preset
@@ -320,6 +336,34 @@ class Task:
           ValueError: a row lacks a column the task needs (the columns it has named).
         """
         raise NotImplementedError
+
+    def read_completions(self, path: Path, key: str) -> tuple[list[dict], list[str], list[Any]]:
+        """A file of completions made elsewhere (``grpax evaluate completions_path=``), one per line beside the
+        task's columns (``rows_from`` reads them).
+
+        Args:
+          path: an existing JSONL or Parquet file.
+          key: the key that named it, for errors, e.g. ``"completions_path='c.jsonl'"``.
+
+        Returns:
+          ``(rows, completions, lines)``: the task row each line answers, its ``completion`` text, and the
+          file's lines as stored (with the ``response_prefix`` grpax's own results.jsonl records).
+
+        Raises:
+          ConfigError: a line is not a JSON object or has no ``completion`` (key and line named).
+          ValueError: a line lacks a column the task needs (``rows_from``), or is not UTF-8 / JSON.
+        """
+        lines, source = read_rows(str(path), "")
+        for i, line in enumerate(lines):
+            if not isinstance(line, dict) or "completion" not in line:
+                what = f"is a JSON {type(line).__name__}, not an object" if not isinstance(line, dict) else ""
+                raise ConfigError(
+                    f"{key}: line {i + 1} {what or 'has no field completion'}; each line needs completion and the "
+                    "task's columns"
+                )
+        stored = ("completion", "response_prefix")  # the record's own fields, not the task's columns
+        rows = self.rows_from([{k: v for k, v in r.items() if k not in stored} for r in lines], source)
+        return rows, [str(r["completion"]) for r in lines], lines
 
     def columns(self, row: dict) -> dict[str, Any]:
         """The keyword arguments a reward function gets for this row (its dataset columns)."""

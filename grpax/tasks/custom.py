@@ -15,17 +15,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import (
-    is_missing,
-    read_rows,
-    require_columns,
-    require_text,
-    require_values,
-    with_all_columns,
-)
+from grpax.data.datasets import is_missing, require_columns, require_text, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
-from grpax.rewards.gsm8k import extract_answer
-from grpax.tasks.base import Task, UserRewards
+from grpax.tasks.answers import extract_answer
+from grpax.tasks.base import Task, UserRewards, read_dataset
 
 
 class CustomTask(Task):
@@ -47,7 +40,7 @@ class CustomTask(Task):
         self.accuracy_reward = accuracy_reward or next(iter(user_rewards.fns))
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
-        return self.rows_from(*read_rows(dataset, split))
+        return self.rows_from(*read_dataset(dataset, split))
 
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field}

@@ -16,11 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from grpax.data.gsm8k import read_rows, require_columns, require_text, require_values, with_all_columns
+from grpax.data.datasets import require_columns, require_text, require_values, with_all_columns
 from grpax.data.prompts import PromptPreset
 from grpax.errors import ConfigError
-from grpax.rewards.gsm8k import extract_answer
-from grpax.tasks.base import Task, UserRewards, weighted_total
+from grpax.tasks.answers import extract_answer
+from grpax.tasks.base import Task, UserRewards, read_dataset, weighted_total
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,13 @@ MATH_EXTRA = "task=math needs the math-verify library: pip install 'grpax[math]'
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 ANSWER_CORRECT = 1.0  # points of answer_correct
 ANSWER_FORMAT = 0.1  # points of answer_format
+
+# Competition problems whose answers are expressions, judged by math-verify on the last \boxed{}.
+_MATH_SYSTEM = (
+    "You will be given a math problem. Reason step by step, then write the final answer in LaTeX inside "
+    "\\boxed{}, e.g. \\boxed{\\frac{1}{2}}."
+)
+PROMPTS: dict[str, PromptPreset] = {"math": PromptPreset(system_prompt=_MATH_SYSTEM)}
 
 
 def check_math_verify() -> None:
@@ -112,7 +119,7 @@ class MathTask(Task):
         self.answer_field = answer_field
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
-        return self.rows_from(*read_rows(dataset, split))
+        return self.rows_from(*read_dataset(dataset, split))
 
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}

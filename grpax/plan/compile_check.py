@@ -2,7 +2,7 @@
 
 ``grpax train_rl <keys> compile_topology=v6e-8`` builds every array of the run abstractly (``ShapeDtypeStruct``s:
 no weight is read or allocated), places them with the run's own mesh keys and sharding rules on the slice's
-devices (``grpax.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
+devices (``grpax.plan.topology``), and compiles the run's own functions with the real TPU compiler: the GRPO update
 (``make_run_update``, the trainer's own builder: micro-batches, remat), the reference logprobs
 (``token_logprobs``) and the sampler's prefill and decode loop on the rollout mesh. Each compiled
 function's ``memory_analysis()`` gives its per-chip arguments, outputs, aliases and temporaries; the table
@@ -40,18 +40,19 @@ from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models import lora as lora_lib
 from grpax.models import quantize as quant
+from grpax.models.llama import round_as_read
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.plan.collectives import count_collectives, fsdp_minimum
+from grpax.plan.fit_report import GIB, Compiled, Report, format_report, suggestions
+from grpax.plan.step_cost import Phase, StepShape, step_phases
+from grpax.plan.topology import chip_of, get_topology
 from grpax.rl.batch import Batch
-from grpax.rl.collectives import count_collectives, fsdp_minimum
-from grpax.rl.fit_report import GIB, Compiled, Report, format_report, suggestions
-from grpax.rl.policy import _merge, sampler_mode
-from grpax.rl.step_cost import StepShape, step_phases
+from grpax.rl.policy import merge_adapters, sampler_mode
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
-from grpax.topology import chip_of, get_topology
 
 log = logging.getLogger("grpax.compile_check")
 
@@ -155,7 +156,7 @@ def _extra(c: Compiled, counted: int) -> int:
 @dataclasses.dataclass
 class Job:
     """The run's arrays, abstract and placed on its meshes: what ``compile_job`` compiles and
-    ``grpax.rl.memory_estimate`` sizes by formula."""
+    ``grpax.plan.memory_estimate`` sizes by formula."""
 
     cfg: TrainConfig
     model_cfg: ModelConfig
@@ -178,6 +179,8 @@ class Job:
     dense_base: Any = (
         None  # LoRA: the base unquantised (QLoRA's ``base`` is quantised), on the trainer's mesh
     )
+    reference: Any = None  # beta > 0, full fine-tune: the frozen reference's copy as the trainer stores it
+    reference_on_host: bool = False  # that copy in host memory (``reference_memory=pinned_host``)
     train_step: Any = (
         None  # the run's jitted update (``train_step.make_run_update``, as the trainer builds it)
     )
@@ -188,6 +191,7 @@ BASE_ROW = "base weights (frozen; the reference too)"
 ADAPTERS_ROW = "adapters (float32)"
 ADAPTER_OPT_ROW = "adapter optimizer state"
 NO_REFERENCE_ROW = "reference copy: none (the base, adapters off)"
+REFERENCE_ON_HOST_ROW = "reference params: in host memory (pinned_host)"
 
 
 def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
@@ -215,6 +219,11 @@ def _same_layout(a, b) -> bool:
             dict(a.sharding.mesh.shape) == dict(b.sharding.mesh.shape) and a.sharding.spec == b.sharding.spec
         )
     return a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+
+
+def largest_leaf(tree):
+    """The leaf of ``tree`` with the most elements."""
+    return max(jax.tree.leaves(tree), key=lambda x: math.prod(x.shape))
 
 
 def _platform(mesh) -> str:
@@ -264,24 +273,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
-    if lora is None:
-        resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
-        if with_ref:  # the state is donated: the reference is a copy
-            resident["reference params"] = resident["params"]
-        merged_copy = 0
-    else:
-        resident = {
-            BASE_ROW: per_chip_bytes(base),
-            ADAPTERS_ROW: per_chip_bytes(trainable),
-            ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
-        }
-        if with_ref:
-            resident[NO_REFERENCE_ROW] = 0
-        # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged; QLoRA's
-        # dequantised, in weight_dtype), placed as the base; it lives from the rollout to the reference pass
-        # (Rollout.update_params(None) after). The adapters sampler reads the base and the adapters as they are
-        # (lora.apply): no copy.
-        merged_copy = per_chip_bytes(params) if sampler == "merged" else 0
+    resident, reference, merged_copy = _resident(cfg, model_cfg, params, base, trainable, opt_state, sampler)
     # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
     # the base with its adapters.
     sampled = params if sampler != "adapters" else lora_lib.apply(base, trainable, lora)
@@ -290,6 +282,63 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
             grpo.max_staleness + 1
         ) * per_chip_bytes(sampled)
         merged_copy = 0  # the versions are the merged weights
+    rollout_params, same = _rollout_params(cfg, model_cfg, rollout_mesh, sampled, sampler)
+    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
+    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
+    kv_cache = _kv_cache_bytes(cfg, model_cfg, rollout_mesh, sc)
+    L = model_cfg.num_layers
+    adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
+    specs = layer_specs(model_cfg)
+    adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
+    shape = StepShape(
+        cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
+        cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
+        adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
+        reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
+    )  # fmt: skip
+    return Job(
+        cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
+        TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
+        sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
+        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
+        reference is not None and cfg.reference_on_host, train_step,
+    )  # fmt: skip
+
+
+def _resident(cfg: TrainConfig, model_cfg: ModelConfig, params, base, trainable, opt_state, sampler: str):
+    """What stays on each chip for the whole step (table rows, bytes per chip), the frozen reference's copy
+    (full fine-tune with beta > 0: rounded as read with ``reference_dtype=compute``; else None) and the merged
+    weights LoRA's merged sampler holds (bytes per chip)."""
+    if cfg.lora_rank == 0:
+        resident = {"params": per_chip_bytes(params), "optimizer state": per_chip_bytes(opt_state) + 4}
+        if cfg.beta <= 0:
+            return resident, None, 0
+        # the state is donated: the reference is a copy (trainer._reference), rounded as read
+        reference = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
+        if cfg.reference_on_host:  # on the devices only during its pass (a phase's bytes)
+            resident[REFERENCE_ON_HOST_ROW] = 0
+        else:
+            resident["reference params"] = per_chip_bytes(reference)
+        return resident, reference, 0
+    resident = {
+        BASE_ROW: per_chip_bytes(base),
+        ADAPTERS_ROW: per_chip_bytes(trainable),
+        ADAPTER_OPT_ROW: per_chip_bytes(opt_state) + 4,
+    }
+    if cfg.beta > 0:
+        resident[NO_REFERENCE_ROW] = 0
+    # Policy.sampler_params: jitted lora.merge returns every weight anew (the adapted ones merged; QLoRA's
+    # dequantised, in weight_dtype), placed as the base; it lives from the rollout to the reference pass
+    # (Rollout.update_params(None) after). The adapters sampler reads the base and the adapters as they are
+    # (lora.apply): no copy.
+    return resident, None, per_chip_bytes(params) if sampler == "merged" else 0
+
+
+def _rollout_params(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, sampled, sampler: str):
+    """What the sampler reads on its mesh, and whether that is the trainer's arrays themselves (the same layout:
+    no copy) rather than ``reshard_for_rollout``'s copy rounded to the compute dtype."""
+    lora, qtype = cfg.lora(), cfg.lora_base_dtype if cfg.lora_rank else ""
+    shapes = abstract_params(model_cfg)
     rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
     if sampler == "adapters":
         rollout_base = lora_lib.quantize_base(rollout_params, qtype) if qtype else rollout_params
@@ -299,47 +348,47 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         for a, b in zip(jax.tree.leaves(sampled), jax.tree.leaves(rollout_params), strict=True)
     )
     if same:
-        rollout_params = sampled  # the sampler reads the trainer's arrays (the adapters: float32)
-    else:  # reshard_for_rollout copies them rounded to the compute dtype
-        rollout_params = _rounded(rollout_params, model_cfg.dtype)
-    stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
-    sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
-    rows = cfg.batch_size * grpo.num_generations
+        return sampled, True  # the sampler reads the trainer's arrays (the adapters: float32)
+    return _rounded(rollout_params, model_cfg.dtype), False
+
+
+def _kv_cache_bytes(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, sc) -> int:
+    """Per chip, the full-length KV cache (P + C slots) of the rollout's rows, placed as the sampler places it."""
+    rows = cfg.batch_size * cfg.num_generations
     kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
     kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
     L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
     cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
-    kv_cache = per_chip_bytes(
+    return per_chip_bytes(
         {
             "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
             "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
         }
     )
-    adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
-    specs = layer_specs(model_cfg)
-    adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
-    shape = StepShape(
-        cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
-        cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
-        adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
-    )  # fmt: skip
-    return Job(
-        cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
-        TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
-        sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
-        lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, train_step,
-    )  # fmt: skip
 
 
-def step_count(job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None) -> list:
-    """The counted phases of one step (``grpax.rl.step_cost``); [] without the chip's peaks."""
-    if peak_flops is None:
+HOST_COPY_PHASE = "reference from host"
+
+
+def step_count(
+    job: Job, num_chips: int, peak_flops: float | None, bandwidth: float | None, host_bandwidth: float = 0.0
+) -> list:
+    """The counted phases of one step (``grpax.plan.step_cost``); [] without the chip's peaks (None or 0).
+
+    A reference held in host memory adds its copy to the devices before each reference pass
+    (``HOST_COPY_PHASE``), at ``host_bandwidth`` (bytes/s per chip; 0: not published, counted as 0 s)."""
+    if not peak_flops:
         return []
     mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
-    return step_phases(
+    phases = step_phases(
         job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
         bandwidth,
     )  # fmt: skip
+    if job.reference_on_host:
+        copied = per_chip_bytes(job.reference)
+        seconds = copied / host_bandwidth if host_bandwidth else 0.0
+        phases.insert(-job.shape.num_iterations, Phase(HOST_COPY_PHASE, 0.0, copied, seconds))
+    return phases
 
 
 def compile_job(
@@ -351,6 +400,7 @@ def compile_job(
     bandwidth: float | None,
     ici_bandwidth: float = 0.0,
     model_cfg: ModelConfig | None = None,
+    host_bandwidth: float = 0.0,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -360,54 +410,87 @@ def compile_job(
       target: what the table's title calls them; hbm: bytes per chip; peak_flops, bandwidth: per chip (None:
         no step count); ici_bandwidth: bytes/s per chip between chips (0: no ICI time).
       model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
+      host_bandwidth: bytes/s per chip to and from its host (0: unknown), for a reference in host memory.
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices), model_cfg)
-    model_cfg, grpo = job.model_cfg, cfg.grpo()
-    params = job.state.params if job.lora is None else job.base  # the weights the forward reads
     functions: dict[str, Compiled] = {}
     phases: dict[str, int] = {}
-    n = len(devices)
-    mesh = dict(job.mesh.shape)
-    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(job.dense_base or params))
-    minimum = lambda passes, grads: fsdp_minimum(  # noqa: E731
-        num_params, jnp.dtype(model_cfg.dtype).itemsize, mesh["fsdp"], mesh["tensor"], passes, grads
-    )
-    train_step = job.train_step
     with jax.set_mesh(job.mesh):
-        if job.lora is None:
-            functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
-            functions["update"].fsdp_minimum = minimum(2, True)
-            phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
-        else:  # the adapters' update: the base an argument beside the donated state (make_train_step's partial)
-            functions["update"], _ = _compile(
-                "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
-            )
-            functions["update"].fsdp_minimum = minimum(
-                2, False
-            )  # the base gathered twice, no weight gradient
-            phases["update"] = _extra(
-                functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base)
-            )
-            if job.merged_copy:
-                c, _ = _compile("the LoRA merge", n, _merge, job.base, job.state.params, job.lora)
-                functions["merge"] = c
-                phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
-        if grpo.beta > 0 or grpo.needs_old_logprobs:
-            c, _ = _compile(
-                "the reference logprobs", n, token_logprobs, params, job.batch.tokens(), model_cfg,
-                grpo.temperature, cfg.micro_batches,
-            )  # fmt: skip
-            functions["reference logprobs"] = c
-            c.fsdp_minimum = minimum(1, False)
-            # LoRA: the merged weights are still held (dropped after the whole rollout, reference included).
-            phases["reference logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(params))
-    sc, rollout_params = job.sampler_cfg, job.rollout_params
+        _compile_update(job, len(devices), functions, phases)
+        _compile_reference(job, len(devices), functions, phases)
+    _compile_sampler(job, len(devices), functions, phases)
+    flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
+    return Report(
+        target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        rollout_chips=cfg.rollout_devices,
+        ici_bandwidth=ici_bandwidth,
+        merged_copy=job.merged_copy,
+    )  # fmt: skip
+
+
+def _forward_params(job: Job):
+    """The weights the forward reads: the params, or LoRA's frozen base."""
+    return job.state.params if job.lora is None else job.base
+
+
+def _fsdp_minimum(job: Job, passes: int, grads: bool) -> float:
+    """FSDP's least all-gather / reduce-scatter traffic per chip for ``passes`` passes over the weights."""
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(job.dense_base or _forward_params(job)))
+    mesh, itemsize = dict(job.mesh.shape), jnp.dtype(job.model_cfg.dtype).itemsize
+    return fsdp_minimum(num_params, itemsize, mesh["fsdp"], mesh["tensor"], passes, grads)
+
+
+def _compile_update(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The run's update (LoRA: the adapters', the base an argument beside the donated state; with the merged
+    sampler, the merge too) into ``functions`` and its phase's bytes into ``phases``."""
+    train_step = job.train_step
+    if job.lora is None:
+        functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
+        functions["update"].fsdp_minimum = _fsdp_minimum(job, 2, True)
+        phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
+        return
+    functions["update"], _ = _compile(
+        "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
+    )
+    functions["update"].fsdp_minimum = _fsdp_minimum(
+        job, 2, False
+    )  # the base gathered twice, no weight gradient
+    phases["update"] = _extra(functions["update"], per_chip_bytes(job.state) + per_chip_bytes(job.base))
+    if job.merged_copy:
+        c, _ = _compile("the LoRA merge", n, merge_adapters, job.base, job.state.params, job.lora)
+        functions["merge"] = c
+        phases["merge"] = _extra(c, per_chip_bytes(job.base) + per_chip_bytes(job.state.params))
+
+
+def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The reference / pi_old logprob pass (``token_logprobs``), where the run computes one."""
+    cfg, grpo = job.cfg, job.cfg.grpo()
+    if not (grpo.beta > 0 or grpo.needs_old_logprobs):
+        return
+    # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
+    read = _forward_params(job) if job.reference is None else job.reference
+    c, _ = _compile(
+        "the reference logprobs", n, token_logprobs, read, job.batch.tokens(), job.model_cfg,
+        grpo.temperature, cfg.micro_batches,
+    )  # fmt: skip
+    functions["reference logprobs"] = c
+    c.fsdp_minimum = _fsdp_minimum(job, 1, False)
+    # LoRA: the merged weights are still held (dropped after the whole rollout, reference included); a
+    # reference in host memory is on the devices for this pass only.
+    resident = 0 if job.reference_on_host else per_chip_bytes(read)
+    phases["reference logprobs"] = job.merged_copy + _extra(c, resident)
+
+
+def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The rollout engine's two programs (prefill: admit prompts into the page pool; decode: a call's decode
+    steps) on the rollout mesh, and the rollout phase's bytes."""
+    cfg, sc, rollout_params, model_cfg = job.cfg, job.sampler_cfg, job.rollout_params, job.model_cfg
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
-    G = grpo.num_generations
+    G = cfg.num_generations
     with jax.set_mesh(job.rollout_mesh):  # the rollout engine's two programs (grpax.sampler.engine)
         for name, (fn, args, kwargs) in engine.abstract_programs(
             rollout_params, model_cfg, sc, backend, cfg.batch_size, G
@@ -417,20 +500,10 @@ def compile_job(
     rollout_resident = per_chip_bytes(rollout_params)
     # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
     merged = 0 if cfg.rollout_devices else job.merged_copy
-    phases["rollout"] = (
-        merged
-        + job.rollout_copy
-        + max(
-            _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
-        )
-    )
-    flops = step_count(job, len(devices), peak_flops, bandwidth)
-    return Report(
-        target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
-        rollout_chips=cfg.rollout_devices,
-        ici_bandwidth=ici_bandwidth,
-        merged_copy=job.merged_copy,
-    )  # fmt: skip
+    sampled = [
+        _extra(functions[name], rollout_resident) for name in ("prefill", "decode") if name in functions
+    ]
+    phases["rollout"] = merged + job.rollout_copy + max(sampled)
 
 
 def run(cfg: TrainConfig) -> int:
@@ -444,8 +517,9 @@ def run(cfg: TrainConfig) -> int:
     )
     start = time.perf_counter()
     report = compile_job(
-        cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth
-    )
+        cfg, topology.devices, target, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth,
+        host_bandwidth=chip.host_bandwidth,
+    )  # fmt: skip
     print(format_report(cfg, report, topology.num_chips))
     print(f"total compile time {time.perf_counter() - start:.1f} s")
     return 0 if report.fits else 1
@@ -471,7 +545,10 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
         return
     chip = chip_of(devices[0].device_kind)
     peaks = (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) if chip else (None, None, 0.0)
-    report = compile_job(cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks)
+    report = compile_job(
+        cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks,
+        host_bandwidth=chip.host_bandwidth if chip else 0.0,
+    )  # fmt: skip
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:
         raise ConfigError(

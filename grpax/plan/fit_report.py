@@ -1,4 +1,4 @@
-"""The per-chip memory table of a GRPO job (``grpax.rl.compile_check``, ``grpax.rl.memory_estimate``): its
+"""The per-chip memory table of a GRPO job (``grpax.plan.compile_check``, ``grpax.plan.memory_estimate``): its
 data, the verdict against the chip's HBM, the keys to change when it does not fit, and its printed form.
 
 The peak is what is resident for the whole step (params, optimizer state, reference params; with LoRA the frozen
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpax.rl.collectives import Collective
+from grpax.plan.collectives import Collective
 from grpax.rl.train_config import TrainConfig
 
 GIB = 2**30
@@ -48,7 +48,7 @@ class Report:
     functions: dict[str, Compiled]
     phases: dict[str, int]  # phase -> bytes beyond the resident arrays
     flops: list  # step_cost.Phase
-    estimated: bool = False  # temporaries from formulas (grpax.rl.memory_estimate), not from a compiler
+    estimated: bool = False  # temporaries from formulas (grpax.plan.memory_estimate), not from a compiler
     rollout_chips: int = 0  # rollout_devices: the sampler's own chips (0: colocated with the trainer)
     merged_copy: int = (
         0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
@@ -95,6 +95,12 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
         if not cfg.lora_rank and not cfg.mu_dtype and cfg.weight_dtype == "float32":
             out.append("mu_dtype=bfloat16 (AdamW's first moment in half the memory)")
         if cfg.beta > 0 and not cfg.lora_rank:
+            if cfg.reference_dtype != "compute":
+                out.append("reference_dtype=compute (the reference copy rounded as the forward reads it)")
+            if not cfg.reference_on_host:
+                out.append(
+                    "reference_memory=pinned_host (the reference copy in host memory, on the devices for its pass)"
+                )
             out.append("beta=0 (no reference copy of the params)")
         out.append(
             f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
@@ -104,8 +110,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
         if prompts > 1:
             fit = _divisor_at_most(cfg.batch_size, prompts * room)
             out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
-        if cfg.remat_policy != "full":
-            out.append(f"remat_policy=full (now {cfg.remat_policy})")
+        if cfg.remat != "full":
+            out.append(f"remat_policy=full (now {cfg.remat})")
     if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
         out.append(
             f"lora_sampler=adapters (no merged weights for the sampler: {report.merged_copy / GIB:.2f} GiB per "

@@ -4,7 +4,7 @@ JAX compiles for a TPU topology on a machine with no TPU: ``libtpu`` (the ``tpu`
 devices (``jax.experimental.topologies.get_topology_desc``, even under ``JAX_PLATFORMS=cpu``), and a jit lowered
 over ``jax.ShapeDtypeStruct``s sharded on a mesh of them runs the real TPU compiler. MaxText's
 ``train_compile.py`` does this for pre-training with the same key names (``compile_topology``,
-``compile_topology_num_slices``); ``grpax.rl.compile_check`` does it for a whole GRPO job.
+``compile_topology_num_slices``); ``grpax.plan.compile_check`` does it for a whole GRPO job.
 
 Slice names count chips for v5e and v6e (``v6e-8``: 8 chips, 2x4) and TensorCores for v4 and v5p (``v5p-8``:
 4 chips, 2x2x1), as Google Cloud names them. The chip figures (HBM, bf16 dense FLOP/s, HBM bandwidth) are
@@ -30,6 +30,7 @@ class Chip:
     hbm_bandwidth: float  # bytes/s per chip
     chips_per_host: int  # chips of one host (VM) in a multi-host slice
     ici_bandwidth: float = 0.0  # bytes/s per chip over the inter-chip interconnect, all links together
+    host_bandwidth: float = 0.0  # bytes/s per chip from its host (PCIe), one direction; 0: not published here
 
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""GSM8K answer extraction and reward functions (pure Python, no JAX).
+"""GSM8K's reward functions and their point-value presets (pure Python, no JAX).
 
 The model is asked to reason between ``<reasoning>`` tags and to put the final number between ``<answer>``
 tags. The rewards follow the GRPO GSM8K recipe of MaxText (``configs/rl.yml``, ``rl/utils_rl.py``) and the
@@ -13,7 +13,8 @@ If the prompt pre-filled a ``response_prefix`` (e.g. ``"<reasoning>\\n"``) it is
 prepended before checking, so pre-filled tags count as emitted. Point values come from a ``RewardConfig``
 (kwarg ``reward_config``); ``score_completions`` runs the functions a config names and sums them with its
 weights. A value of NaN means the function abstained (could not score that completion): it adds nothing to
-the total. See docs/rewards.md.
+the total. Answers are read and compared with the task-neutral helpers of ``grpax.tasks.answers``. See
+docs/rewards.md.
 """
 
 from __future__ import annotations
@@ -24,11 +25,26 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from grpax.data.prompts import ANSWER_END, ANSWER_START, REASONING_END, REASONING_START, TAGS
+from grpax.tasks.answers import (
+    ANSWER_END,
+    ANSWER_START,
+    extract_answer,
+    extract_last_number,
+    is_close,
+    math_verify_equal,
+    normalize_number,
+    numbers_equal,
+)
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list[float]]
+
+# The layout the GSM8K prompts ask for: working between the reasoning tags, then the final number between the
+# answer tags (grpax.tasks.answers).
+REASONING_START = "<reasoning>"
+REASONING_END = "</reasoning>"
+TAGS = (REASONING_START, REASONING_END, ANSWER_START, ANSWER_END)
 
 # Whole-completion layout: optional leading whitespace, one reasoning block, then the answer block, then only
 # whitespace. The reasoning must be non-empty; the answer block is captured.
@@ -37,12 +53,6 @@ _FORMAT_RE = re.compile(
     rf"{re.escape(ANSWER_START)}(.*?){re.escape(ANSWER_END)}\s*$",
     flags=re.DOTALL,
 )
-_MINUS = "\u2212"  # unicode minus sign, seen in model output
-# One number: optional sign, optional $, digits with optional thousands groups, optional decimals; or a bare
-# ".5". The lookbehind keeps the "-" of "10-5" from turning 5 into -5.
-_NUMBER = r"(?<![\w.])[-+\u2212]?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])[-+\u2212]?\$?\.\d+"
-_NUMBER_RE = re.compile(_NUMBER)
-_FRACTION_RE = re.compile(rf"(?:({_NUMBER})\s+)?({_NUMBER})\s*/\s*(\d+)")
 
 
 @dataclass(frozen=True)
@@ -120,10 +130,10 @@ _SMOLLM2_DEMO = RewardConfig(
 )
 REWARD_PRESETS: dict[str, RewardConfig] = {
     "maxtext": RewardConfig(),
+    "tunix": RewardConfig(),  # Tunix's GSM8K rewards are MaxText's
     "simple": _SIMPLE,
     "smollm2_demo": _SMOLLM2_DEMO,
 }
-REWARD_PRESET_ALIASES = {"tunix": "maxtext"}
 
 
 def get_reward_config(name: str, **overrides) -> RewardConfig:
@@ -143,9 +153,8 @@ def get_reward_config(name: str, **overrides) -> RewardConfig:
         >>> get_reward_config("tunix", answer_wrong=0.0).answer_wrong
         0.0
     """
-    name = REWARD_PRESET_ALIASES.get(name, name)
     if name not in REWARD_PRESETS:
-        known = sorted([*REWARD_PRESETS, *REWARD_PRESET_ALIASES])
+        known = sorted(REWARD_PRESETS)
         raise ValueError(f"unknown reward preset {name!r}; known presets: {known}")
     unknown = set(overrides) - set(RewardConfig.__dataclass_fields__)
     if unknown:
@@ -154,169 +163,7 @@ def get_reward_config(name: str, **overrides) -> RewardConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Extraction and number parsing.
-
-
-def extract_answer(completion: str) -> str | None:
-    """Returns the text of the last ``<answer>`` block.
-
-    Args:
-        completion: generated text (with any response prefix already prepended).
-
-    Returns:
-        The text between the last ``<answer>`` and the ``</answer>`` after it, unstripped; the text after the
-        last ``<answer>`` if it is not closed; None if there is no ``<answer>`` tag.
-
-    Example:
-        >>> extract_answer("<answer>1</answer> <answer> 72 </answer>")
-        ' 72 '
-    """
-    start = completion.rfind(ANSWER_START)
-    if start < 0:
-        return None
-    rest = completion[start + len(ANSWER_START) :]
-    end = rest.find(ANSWER_END)
-    return rest if end < 0 else rest[:end]
-
-
-def extract_last_number(text: str) -> str | None:
-    """Returns the last number written anywhere in the text.
-
-    Args:
-        text: any text.
-
-    Returns:
-        The number as written (sign, ``$`` and thousands separators kept, trailing ``.`` or ``,`` dropped), or
-        None if there is none.
-
-    Example:
-        >>> extract_last_number("She pays $1,200, then 18 more. Total: -3.5.")
-        '-3.5'
-    """
-    matches = _NUMBER_RE.findall(text)
-    return matches[-1] if matches else None
-
-
-def _to_float(token: str) -> float:
-    token = token.replace(_MINUS, "-").replace("$", "").replace(",", "")
-    return float(token)
-
-
-def normalize_number(text: str | None) -> float | None:
-    """Parses the first number in a short answer string.
-
-    Handles signs (including the unicode minus), ``$``, thousands separators, decimals, trailing punctuation
-    or words (``"18 eggs"``, ``"72."``), percentages (``"50%"`` -> 50, as GSM8K writes them), fractions
-    (``"1/2"``), mixed numbers (``"3 1/2"``) and a leading ``=`` (only the text after the last ``=`` counts).
-
-    Args:
-        text: the answer text; None is allowed.
-
-    Returns:
-        The value, or None if no number is found (or a fraction divides by zero).
-
-    Example:
-        >>> normalize_number("$1,234.50"), normalize_number("3 1/2"), normalize_number("no idea")
-        (1234.5, 3.5, None)
-    """
-    if text is None:
-        return None
-    text = text.split("=")[-1]
-    frac = _FRACTION_RE.search(text)
-    first = _NUMBER_RE.search(text)
-    if frac is not None and first is not None and frac.start() == first.start():
-        whole, num, den = frac.groups()
-        if float(den) == 0:
-            return None
-        value = _to_float(num) / float(den)
-        if whole is not None:
-            w = _to_float(whole)
-            value = w - value if w < 0 else w + value
-        return value
-    if first is None:
-        return None
-    return _to_float(first.group(0))
-
-
-def _numbers_equal(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-
-
-def _math_verify_equal(pred: str, gold: str, timeout_s: float) -> bool:
-    try:
-        import math_verify  # noqa: PLC0415 - optional dependency
-    except ImportError as e:
-        raise ImportError(
-            "use_math_verify=True needs the math-verify library: pip install 'math-verify>=0.5' "
-            "(or pip install 'grpax[math]')"
-        ) from e
-    t = max(1, int(math.ceil(timeout_s)))
-    try:
-        gold_parsed = math_verify.parse(gold, parsing_timeout=t)
-        pred_parsed = math_verify.parse(pred, parsing_timeout=t)
-        return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=t))
-    except Exception as e:  # a timeout or parse failure means "not shown equal", not a crash
-        logger.debug("math-verify could not compare %r with %r: %s", pred, gold, e)
-        return False
-
-
-def is_correct(
-    extracted: str | None, gold: str, use_math_verify: bool = False, timeout_s: float = 5.0
-) -> bool:
-    """Whether an extracted answer equals the gold answer.
-
-    Equal means: the same string after stripping whitespace, or the same number after ``normalize_number``
-    (relative and absolute tolerance 1e-6), or, if ``use_math_verify``, equivalent for ``math-verify``.
-
-    Args:
-        extracted: the model's answer text, or None if it gave none.
-        gold: the gold answer, e.g. ``"72"``.
-        use_math_verify: also try ``math-verify``.
-        timeout_s: seconds allowed per ``math-verify`` call.
-
-    Returns:
-        True if correct.
-
-    Raises:
-        ImportError: if ``use_math_verify`` and ``math-verify`` is not installed.
-
-    Example:
-        >>> is_correct(" $1,000.00 ", "1000"), is_correct("999", "1000")
-        (True, False)
-    """
-    if extracted is None:
-        return False
-    if extracted.strip() == gold.strip():
-        return True
-    if _numbers_equal(normalize_number(extracted), normalize_number(gold)):
-        return True
-    return use_math_verify and _math_verify_equal(extracted, gold, timeout_s)
-
-
-def is_close(extracted: str | None, gold: str, tolerance: float = 0.1) -> bool:
-    """Whether the extracted number is within ``tolerance`` of the gold one, as a ratio.
-
-    This is MaxText's "partial accuracy": ``1 - tolerance <= extracted / gold <= 1 + tolerance``. A zero gold
-    value only accepts zero.
-
-    Args:
-        extracted: the model's answer text, or None.
-        gold: the gold answer.
-        tolerance: allowed relative distance (0.1 = 10%).
-
-    Returns:
-        True if close (exact answers are close).
-
-    Example:
-        >>> is_close("95", "100"), is_close("85", "100")
-        (True, False)
-    """
-    pred, true = normalize_number(extracted), normalize_number(gold)
-    if pred is None or true is None:
-        return False
-    if true == 0:
-        return pred == 0
-    return 1 - tolerance - 1e-9 <= pred / true <= 1 + tolerance + 1e-9
+# The layout check.
 
 
 def is_format_exact(completion: str) -> bool:
@@ -426,11 +273,11 @@ def answer_correct(prompts: list[str], completions: list[str], answers: list[str
         pred = _answer_for_scoring(text, config)
         if pred is None:
             scores.append(0.0)
-        elif pred == gold or _numbers_equal(normalize_number(pred), normalize_number(gold)):
+        elif pred == gold or numbers_equal(normalize_number(pred), normalize_number(gold)):
             scores.append(config.answer_exact)
         elif pred.strip() == gold.strip():
             scores.append(config.answer_whitespace)
-        elif config.use_math_verify and _math_verify_equal(pred, gold, config.math_verify_timeout_s):
+        elif config.use_math_verify and math_verify_equal(pred, gold, config.math_verify_timeout_s):
             scores.append(config.answer_exact)
         else:
             scores.append(0.0)
@@ -472,7 +319,7 @@ def answer_close(prompts: list[str], completions: list[str], answers: list[str],
         pred = normalize_number(pred_text)
         if pred is None:
             scores.append(config.answer_unparseable)
-        elif pred_text.strip() == gold.strip() or _numbers_equal(pred, true):
+        elif pred_text.strip() == gold.strip() or numbers_equal(pred, true):
             scores.append(0.0)
         elif is_close(pred_text, gold, 0.1):
             scores.append(config.answer_ratio_high)
@@ -509,7 +356,7 @@ def number_match(prompts: list[str], completions: list[str], answers: list[str],
         if block is None and not config.require_format:
             block = text
         number = None if block is None else extract_last_number(block)
-        ok = number is not None and _numbers_equal(normalize_number(number), normalize_number(gold))
+        ok = number is not None and numbers_equal(normalize_number(number), normalize_number(gold))
         scores.append(config.number_match if ok else 0.0)
     return scores
 

@@ -31,7 +31,7 @@ import dataclasses
 
 from grpax.models.registry import ModelConfig
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of each dtype a model key names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,7 @@ class StepShape:
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
     lora_rank: int = 0  # LoRA: r
     sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
+    reference_dtype: str = ""  # the reference copy's dtype (rounded to the compute dtype); "": weight_dtype
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
@@ -104,28 +105,54 @@ def step_phases(
         rollout_data: the sampler mesh's tensor and data axes.
       peak_flops: FLOP/s per chip; hbm_bandwidth: bytes/s per chip.
     """
-    w = _BYTES[cfg.weight_dtype]
-    weights = cfg.num_params() * w
-    sampler_weights = cfg.num_params() * min(w, _BYTES[cfg.dtype])  # XlaBackend.prepare_decode's rounding
-    head = 2.0 * cfg.hidden_dim * cfg.vocab_size
-    layer_params = _layer_matmul_params(cfg)
-    rows = s.num_prompts * s.num_generations
-    P, C = s.prompt_length, s.completion_length
-    kv_row_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _BYTES[cfg.dtype]
-
-    def phase(name: str, flops: float, bytes_per_chip: float) -> Phase:
-        seconds = max(flops / (num_chips * peak_flops), bytes_per_chip / hbm_bandwidth)
-        return Phase(name, flops, bytes_per_chip, seconds)
-
+    roof = _Roofline(num_chips, peak_flops, hbm_bandwidth)
+    weights = cfg.num_params() * BYTES[cfg.weight_dtype]
     # The adapters sampler: 2 FLOPs per adapter parameter per token, and the adapters read per pass (split
     # as the weights, for the count: their rank axis is replicated, a few MB).
+    adapter_bytes = s.adapter_params * min(4, BYTES[cfg.dtype]) if s.sampler_adapters else 0.0
+    P = s.prompt_length
+    prefill = 2.0 * _layer_matmul_params(cfg) * s.num_prompts * P + _attention_flops(
+        cfg, s.num_prompts * P, P
+    )
+    prefill += 2.0 * cfg.hidden_dim * cfg.vocab_size * s.num_prompts
+    prefill += (2.0 * s.adapter_params if s.sampler_adapters else 0.0) * s.num_prompts * P
+    training = _training_phases(cfg, s, roof, trainer_tensor)
+    merge = [p for p in training if p.name == "merge"]  # LoRA's merged sampler: before the rollout
+    rollout = [
+        roof.phase("prefill", prefill, (weights + adapter_bytes) / rollout_tensor),
+        _decode(cfg, s, roof, rollout_tensor, rollout_data),
+    ]
+    return merge + rollout + [p for p in training if p.name != "merge"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Roofline:
+    """A phase's roofline time on ``num_chips`` chips: the larger of its FLOPs at the peak and its bytes per
+    chip at the HBM bandwidth."""
+
+    num_chips: int
+    peak_flops: float
+    hbm_bandwidth: float
+
+    def seconds(self, flops: float, bytes_per_chip: float) -> float:
+        return max(flops / (self.num_chips * self.peak_flops), bytes_per_chip / self.hbm_bandwidth)
+
+    def phase(self, name: str, flops: float, bytes_per_chip: float) -> Phase:
+        return Phase(name, flops, bytes_per_chip, self.seconds(flops, bytes_per_chip))
+
+
+def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int, rollout_data: int) -> Phase:
+    """The decode, phase by phase: each step reads the sampler's weights (rounded to the compute dtype by
+    ``XlaBackend.prepare_decode``; the adapters too with the adapters sampler) and the phase's whole cache (P +
+    the phase's end slots)."""
+    sampler_weights = cfg.num_params() * min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
     adapter_flops = 2.0 * s.adapter_params if s.sampler_adapters else 0.0
-    adapter_bytes = s.adapter_params * min(4, _BYTES[cfg.dtype]) if s.sampler_adapters else 0.0
-    sampler_weights += adapter_bytes
-    prefill = 2.0 * layer_params * s.num_prompts * P + _attention_flops(cfg, s.num_prompts * P, P)
-    prefill += head * s.num_prompts + adapter_flops * s.num_prompts * P
-    phases = [phase("prefill", prefill, (weights + adapter_bytes) / rollout_tensor)]
-    # Decode, phase by phase: each step reads the weights and the phase's whole cache (P + phase end slots).
+    if s.sampler_adapters:
+        sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype])
+    head, layer_params = 2.0 * cfg.hidden_dim * cfg.vocab_size, _layer_matmul_params(cfg)
+    rows = s.num_prompts * s.num_generations
+    P, C = s.prompt_length, s.completion_length
+    kv_row_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[cfg.dtype]
     rows_per_chip = rows / rollout_data / min(rollout_tensor, cfg.num_kv_heads)
     step_length = s.decode_phase_length or C
     ends = [*range(step_length, C, step_length), C]
@@ -139,18 +166,26 @@ def step_phases(
         per_chip = steps * (sampler_weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
         decode_flops += flops
         decode_bytes += per_chip
-        decode_seconds += max(flops / (num_chips * peak_flops), per_chip / hbm_bandwidth)
+        decode_seconds += roof.seconds(flops, per_chip)
         start = end
-    phases.append(Phase("decode", decode_flops, decode_bytes, decode_seconds))
+    return Phase("decode", decode_flops, decode_bytes, decode_seconds)
+
+
+def _training_phases(cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int) -> list[Phase]:
+    """The reference and pi_old logprob passes, LoRA's merge, and the ``num_iterations`` updates."""
+    w = BYTES[cfg.weight_dtype]
+    weights = cfg.num_params() * w
+    phases = []
     layers, vocab = grouped_forward_flops(cfg, s)
     forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
     if s.with_reference:
-        phases.append(phase("reference logprobs", layers + vocab, forward_pass_bytes))
+        read = BYTES[s.reference_dtype] / w if s.reference_dtype else 1.0  # its copy's bytes per weight's
+        phases.append(roof.phase("reference logprobs", layers + vocab, forward_pass_bytes * read))
     if s.with_old_logprobs:
-        phases.append(phase("old logprobs", layers + vocab, forward_pass_bytes))
+        phases.append(roof.phase("old logprobs", layers + vocab, forward_pass_bytes))
     forwards = 2 if cfg.remat_policy == "full" else 1  # the forward (and its recomputation)
     lora = s.adapter_params > 0
-    shard = (s.adapter_params if lora else cfg.num_params()) / num_chips  # trained values per chip
+    shard = (s.adapter_params if lora else cfg.num_params()) / roof.num_chips  # trained values per chip
     if lora:
         # Backward = the activations' gradients only (1x forward) + the adapters' (2x their forward FLOPs).
         tokens = s.num_prompts * s.prompt_length + s.num_prompts * s.num_generations * s.completion_length
@@ -161,7 +196,7 @@ def step_phases(
             merge_flops = 2.0 * s.lora_rank * s.adapted_params
             # Read the base, write the merged copy (every weight: the jitted merge returns them all), on the
             # trainer's mesh.
-            phases.insert(0, phase("merge", merge_flops, 2 * weights / num_chips))
+            phases.insert(0, roof.phase("merge", merge_flops, 2 * weights / roof.num_chips))
     else:
         update_flops = (forwards + 2) * layers + 4 * vocab  # the backward is 2x forward
         # Read + write params, read float32 grads, read + write float32 mu and nu (and a float32 master copy's
@@ -169,7 +204,6 @@ def step_phases(
         optimizer_bytes = shard * (2 * w + 4 * 5 + (8 if w < 4 else 0))
     update_bytes = (forwards + 1) * forward_pass_bytes + optimizer_bytes  # each pass reads the weights
     for i in range(s.num_iterations):
-        phases.append(
-            phase("update" if s.num_iterations == 1 else f"update {i + 1}", update_flops, update_bytes)
-        )
+        name = "update" if s.num_iterations == 1 else f"update {i + 1}"
+        phases.append(roof.phase(name, update_flops, update_bytes))
     return phases

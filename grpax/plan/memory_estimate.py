@@ -1,0 +1,266 @@
+"""An analytical estimate of a GRPO job's per-GPU memory, for NVIDIA targets that JAX cannot compile for here.
+
+JAX compiles for a TPU slice without the TPU (``grpax.plan.compile_check``), but this JAX has no way to compile
+for an absent GPU, so ``compile_topology=h100-8`` (``GPUS``) gets the same table as an ESTIMATE. What is exact:
+the resident arrays (params, optimizer state, the reference's copy as the trainer stores it: rounded to the
+compute dtype, or in host memory), the params copied for the sampler and the KV cache, all placed by the rules
+table on an ``AbstractMesh`` of the run's mesh keys. What is estimated are the temporaries of each function,
+from the shapes of what it holds at its largest:
+
+* update: the gradients (params-shaped, float32), two layers' gathered weights (FSDP: one in use, one prefetched), the
+  residual stream saved at each layer boundary (``remat_policy=full``), one layer's recomputed activations
+  (attention inputs and MLP hidden, the longer of them), three chunks of logits (``LOGITS_CHUNK_ELEMENTS``); with
+  micro-batches, a second gradient tree (the running sum); with a cheaper remat policy, what the backward keeps
+  beyond full's, traced from the model's own ``jax.vjp`` (``remat_extra``);
+* reference logprobs: one layer's gathered weights (the reference's copy: rounded to the compute dtype), its
+  activations, three chunks of logits, the output; a reference in host memory is on the devices for this pass;
+* prefill: its output cache (P + the first decode phase's slots, G rows a prompt), the prompts' cache and one
+  layer's activations; decode: a copy of the weights in the compute dtype only where wider weights reach it
+  unrounded (``prepare_decode``: no copy to the sampler's layout, which rounds them), the KV caches the rollout
+  holds at its last phase (``rollout_cache_slots``: the prefill's, that phase's input and its output; 896 slots a
+  row at P = 128, C = 256, not the P + C = 384 of one cache) and the rows' logits (float32: three per step and
+  the prefill's).
+
+Against the H200 (docs/benchmarks.md, "On an H200"): the device check's peak, 67.04 GiB, is its 32 x 8 rows'
+rollout beside the params and AdamW's state (llama3.2-3b in bfloat16): this estimates 66.88 GiB for it (-0.2%;
+3 caches of 256 rows x 28 MiB per slot, 24.5 GiB, where one cache was counted before: 52.76 GiB, -21%).
+
+With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_param`` bytes per parameter),
+the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
+the adapters' (float32) and the weights it gathers are the base's; the merged weights the sampler reads
+(``lora.merge``, ``lora_sampler=merged``) are exact and held by the merge, the rollout and the reference pass;
+the merge's temporaries are, with a 16-bit base, the float32 sums of every adapted weight, all layers (the TPU
+compiler's plan of Llama 3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of temporaries; this gives 31.9), and
+none with a float32 base (the compiler's plan of 8B's float32 merge: 0). With ``lora_sampler=adapters`` (auto's
+choice on GPUs) there is no merge and no merged copy: the decode reads the base in place and rounds the
+float32 adapters to the compute dtype (``prepare_decode``).
+
+Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
+update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from grpax import sharding
+from grpax.config import ConfigError
+from grpax.models.llama import forward_grouped
+from grpax.models.params import abstract_params
+from grpax.models.quantize import QuantizedWeight
+from grpax.models.registry import ModelConfig
+from grpax.plan import compile_check
+from grpax.plan.compile_check import base_bytes_per_param, build_job, step_count
+from grpax.plan.fit_report import Compiled, Report, format_report
+from grpax.plan.step_cost import BYTES
+from grpax.plan.topology import Chip
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_step import LOGITS_CHUNK_ELEMENTS
+
+# Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
+_MIB = 2**20
+GPUS: dict[str, Chip] = {
+    "a100": Chip("NVIDIA A100 80GB", 81920 * _MIB, 312e12, 2.039e12, 8, host_bandwidth=32e9),  # PCIe Gen4 x16
+    "h100": Chip("NVIDIA H100 SXM", 81559 * _MIB, 989e12, 3.35e12, 8, host_bandwidth=64e9),  # PCIe Gen5 x16
+    "h200": Chip("NVIDIA H200 SXM", 143771 * _MIB, 989e12, 4.8e12, 8, host_bandwidth=64e9),
+}
+
+
+def gpu_target(name: str) -> tuple[Chip, int] | None:
+    """(the GPU, how many) for names like ``h100-8``; None for any other name."""
+    kind, _, count = name.partition("-")
+    if kind in GPUS and count.isdigit() and int(count) > 0:
+        return GPUS[kind], int(count)
+    return None
+
+
+def _share(n: int, ways: int) -> float:
+    """Rows per device: split ``ways`` ways when they divide, else replicated (the rules table's policy)."""
+    return n / ways if n % ways == 0 else n
+
+
+@functools.cache
+def _residual_bytes(cfg: ModelConfig, prompts: int, rows: int, P: int, C: int) -> int:
+    """Bytes ``jax.vjp`` of the update's forward (``forward_grouped``) keeps for its backward under
+    ``cfg.remat_policy``: its residuals, traced (``jax.make_jaxpr``: nothing is computed or allocated), less the
+    params themselves (resident, counted apart)."""
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+    def pullback(p, prompt_ids, prompt_mask, completion_ids):
+        forward = lambda q: forward_grouped(q, prompt_ids, prompt_mask, completion_ids, cfg).sum()  # noqa: E731
+        return jax.vjp(forward, p)[1]
+
+    traced = jax.make_jaxpr(pullback)(abstract_params(cfg), ints(prompts, P), ints(prompts, P), ints(rows, C))
+    inputs = set(traced.jaxpr.invars)
+    saved = {v for v in traced.jaxpr.outvars if isinstance(v, jax.extend.core.Var) and v not in inputs}
+    return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in saved)
+
+
+@functools.cache
+def remat_extra(cfg: ModelConfig, prompts: int, rows: int, P: int, C: int, tensor: int, share: float) -> int:
+    """Bytes per device per layer the update's backward keeps under ``cfg.remat_policy`` beyond what
+    ``remat_policy=full`` keeps (each layer's input): 0 for full.
+
+    Traced from the model itself (``_residual_bytes`` of two layers less one): what JAX's autodiff saves, e.g.
+    with ``none`` every layer's activations and its weights rounded to the compute dtype. ``prompts`` and
+    ``rows`` are a micro-batch's; each device holds its ``tensor``-way share of the heads and the MLP, ``share``
+    of the activations (its tokens over the micro-batch's: those that double with the rows), and the weights
+    whole (FSDP's gathered copy: an upper bound where the compiler keeps them sharded).
+    """
+    if cfg.remat_policy == "full":
+        return 0
+    split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (the rules table: else replicated)
+    local = dataclasses.replace(
+        cfg, vocab_size=128, num_heads=split(cfg.num_heads), num_kv_heads=split(cfg.num_kv_heads),
+        mlp_dim=split(cfg.mlp_dim), scan_layers=False,
+    )  # fmt: skip
+
+    def layer(policy: str, times: int) -> int:
+        one, two = (
+            dataclasses.replace(local, remat_policy=policy, num_layers=n, layer_types=cfg.layer_types[:n])
+            for n in (1, 2)
+        )
+        batch = (times * prompts, times * rows, P, C)
+        return _residual_bytes(two, *batch) - _residual_bytes(one, *batch)
+
+    def per_device(policy: str) -> float:
+        once, twice = layer(policy, 1), layer(policy, 2)
+        return (2 * once - twice) + (twice - once) * share  # the weights' + this device's activations
+
+    return max(int(per_device(cfg.remat_policy) - per_device("full")), 0)
+
+
+def rollout_cache_slots(P: int, C: int, decode_phase_length: int) -> int:
+    """KV-cache slots per row the rollout holds at once, at its last decode phase: the prefill's cache (P + the
+    first phase's slots: ``generate_padded`` keeps it until the decode returns), and that phase's input (P + the
+    previous phase's end) beside its grown output (P + C); with one phase the loop's copy of the prefill's cache
+    (a loop cannot update an argument in place). ``grpax.sampler.engine``: ``_decode_retiring`` (the run) and
+    ``_decode`` (the compile check) hold the same."""
+    step = decode_phase_length or C
+    ends = [*range(step, C, step), C]
+    return (P + ends[0]) + (P + ends[-2] if len(ends) > 1 else 0) + (P + C)
+
+
+def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Report:
+    """The per-GPU table of ``compile_check`` with estimated temporaries (module docstring).
+
+    Raises:
+      ConfigError: mesh keys that do not fit ``num_gpus`` one-host devices (``grpax.sharding``).
+    """
+    if cfg.rollout_devices:
+        raise ConfigError(
+            f"rollout_devices={cfg.rollout_devices}: the NVIDIA estimate covers colocated jobs only; estimate with "
+            "rollout_devices=0, or compile for a TPU slice (compile_topology=v6e-8 ...)"
+        )
+    mesh_cfg = cfg.mesh()
+    ici = sharding.ici_shape(mesh_cfg, num_gpus, "the number of GPUs")
+    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
+    mesh = AbstractMesh(ici, sharding.MESH_AXES)
+    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
+    update, reference = _trainer_temporaries(cfg, job, ici[0] * ici[1], ici[2])
+    prefill, decode = _sampler_temporaries(job, dp, tp, ici[2])
+    estimates = [("update", update)]
+    if job.merged_copy:
+        estimates.append(("merge", _merge_temporaries(job)))
+    if job.shape.with_reference or job.shape.with_old_logprobs:
+        estimates.append(("reference logprobs", reference))
+    estimates += [("prefill", prefill), ("decode", decode)]
+    functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
+    batch = compile_check.per_chip_bytes(job.batch)
+    # A reference held in host memory is on the devices during its own pass only.
+    copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
+    phases = {
+        "update": int(update + batch),
+        "rollout": int(job.merged_copy + job.rollout_copy + max(prefill, decode)),
+    }
+    if "merge" in functions:
+        phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
+    if "reference logprobs" in functions:
+        phases["reference logprobs"] = int(job.merged_copy + copied + reference + batch)
+    flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
+    report = Report(
+        target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        merged_copy=job.merged_copy,
+    )  # fmt: skip
+    report.estimated = True
+    return report
+
+
+def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int) -> tuple[float, float]:
+    """Bytes per GPU of the update's and the reference pass's temporaries on a (data x fsdp, tensor) mesh."""
+    m, s = job.model_cfg, job.shape
+    act, w = BYTES[m.dtype], BYTES[m.weight_dtype]
+    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
+    # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
+    gathered = layer * base_bytes_per_param(cfg, m) / tensor
+    M = s.num_micro_batches
+    prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
+    tokens = prompts * s.prompt_length + rows * s.completion_length
+    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    activations = tokens * widest * act
+    logits = 3 * LOGITS_CHUNK_ELEMENTS * 4
+    trained = compile_check.per_chip_bytes(job.state.params)
+    # float32 gradients whatever the trained dtype (summed in float32): the params', or the adapters' (float32)
+    grads = trained * 4 / (w if job.lora is None else 4)
+    update = grads * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
+    update += activations + logits
+    P, C = s.prompt_length, s.completion_length
+    micro = (s.num_prompts // M, s.num_prompts * s.num_generations // M)  # a micro-batch's prompts and rows
+    share = tokens / (micro[0] * P + micro[1] * C)  # this device's tokens of it
+    update += m.num_layers * remat_extra(m, *micro, P, C, tensor, share)
+    outputs = rows * M * s.completion_length * 4
+    # The reference pass gathers the reference's copy (rounded to the compute dtype: half of float32 weights).
+    read = 1.0 if job.reference is None else compile_check.largest_leaf(job.reference).dtype.itemsize / w
+    reference = gathered * read + tokens * m.hidden_dim * act * 2 + activations + logits + outputs
+    return update, reference
+
+
+def _sampler_temporaries(job, dp: int, tp: int, tensor: int) -> tuple[float, float]:
+    """Bytes per GPU of the prefill's and the decode's temporaries on the sampler's (dp, tp) mesh (the
+    prefill's widest activation counted split ``tensor`` ways: the trainer mesh's tensor axis)."""
+    m, s = job.model_cfg, job.shape
+    act, P, C = BYTES[m.dtype], s.prompt_length, s.completion_length
+    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    rollout_rows = _share(s.num_prompts * s.num_generations, dp)
+    ends = [*range(s.decode_phase_length or C, C, s.decode_phase_length or C), C]
+    # The prefill's output (G rows per prompt, P + the first phase's slots) beside the prompts' own cache.
+    prefill = job.kv_cache * (P + ends[0] + P / s.num_generations) / (P + C)
+    prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
+    # The decode reads each layer's weights in place; only weights wider than the compute dtype that reached
+    # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
+    quantised = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731  (QLoRA's: read as they are)
+    decode = sum(
+        compile_check.per_chip_bytes([x]) * act / x.dtype.itemsize
+        for x in jax.tree.leaves(job.rollout_params, is_leaf=quantised)
+        if not quantised(x) and x.dtype.itemsize > act
+    )
+    decode += job.kv_cache * rollout_cache_slots(P, C, s.decode_phase_length) / (P + C)
+    # The rows' logits (float32): three at each step, and the prefill's first-token logits the caller keeps.
+    decode += 4 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
+    return prefill, decode
+
+
+def _merge_temporaries(job) -> float:
+    """LoRA's merge: the float32 W + s * A @ B of every adapted weight, all layers at once. A float32 base takes
+    the sum in place (the TPU compiler fuses it: 0 bytes for 8B); a narrower one holds the float32 sums before
+    rounding them (QLoRA: of the dequantised weights, in weight_dtype)."""
+    w = BYTES[job.model_cfg.weight_dtype]
+    layers = job.dense_base["layers"]
+    stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
+    adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
+    return adapted * 4 / w if w < 4 else 0
+
+
+def run(cfg: TrainConfig) -> int:
+    """``grpax train_rl ... compile_topology=h100-8``: the estimated table; 0 if it fits, else 1."""
+    chip, count = gpu_target(cfg.compile_topology)
+    report = estimate_job(cfg, chip, count, f"{cfg.compile_topology} ({count} x {chip.name})")
+    print(format_report(cfg, report, count))
+    return 0 if report.fits else 1
