@@ -171,9 +171,19 @@ def test_the_ragged_tpu_kernel_in_interpret_mode_equals_the_gathered_pages(monke
     q = jax.random.normal(jax.random.key(2), (S, K * G, H), jnp.float32)
     lengths = jnp.asarray(lengths, jnp.int32)
     want = attention.paged_attention(q, kv_pages, table, lengths, 0.1, cap, window, "xla")
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
-
-    monkeypatch.setattr(kernel, "get_tuned_block_sizes", lambda *args: (2, G))  # kv pages, queries per block
+    # kv pages, queries per block (what grpax passes the kernel off TPU chips)
+    monkeypatch.setattr(attention, "_ragged_block_sizes", lambda *args: (2, G))
     with pltpu.force_tpu_interpret_mode():
         got = attention.paged_attention(q, kv_pages, table, lengths, 0.1, cap, window, "ragged_tpu")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_the_ragged_tpu_kernel_is_chosen_only_for_heads_it_takes():
+    """The kernel's tiles (head_dim a multiple of 128, 2K heads whole sublane tiles): Llama 3.1 8B's pools take
+    it, SmolLM2-135M's (K=3, H=64) and the compile checks' tiny models (H=16) fall back to the gathered pages."""
+    assert attention.ragged_tpu_takes(8, 128, jnp.bfloat16)  # llama3.1-8b
+    assert attention.ragged_tpu_takes(2, 128, jnp.float32)  # this file's kernel test
+    assert not attention.ragged_tpu_takes(3, 64, jnp.bfloat16)  # SmolLM2-135M
+    assert not attention.ragged_tpu_takes(2, 16, jnp.float32)
+    assert not attention.ragged_tpu_takes(5, 128, jnp.bfloat16)  # 10 heads: 5 bfloat16 tiles
+    assert not attention.ragged_tpu_takes(1, 128, jnp.int8)  # 2 heads of a 4-packed dtype

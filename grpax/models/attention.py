@@ -267,6 +267,17 @@ def window_mask(mask: jax.Array, query_positions: jax.Array, key_positions: jax.
 PAGED_IMPLEMENTATIONS = ("xla", "ragged_tpu")
 
 
+def ragged_tpu_takes(num_kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether Pallas's ragged paged attention kernel takes a model of these kv heads and head dim with pools
+    of this dtype: head_dim a multiple of 128 (its lanes) and the pool's 2K heads a whole number of its
+    sublane tiles (2K / packing in 1, 2, 4, 8 or a multiple of 8; packing = 4 / the dtype's bytes), as its
+    ``get_min_heads_per_blk`` and ``broadcast_to_shape`` require."""
+    packing = max(1, 4 // jnp.dtype(dtype).itemsize)
+    heads = 2 * num_kv_heads
+    tiled = heads % packing == 0 and (heads // packing in (1, 2, 4, 8) or heads // packing % 8 == 0)
+    return head_dim % 128 == 0 and tiled
+
+
 def write_pages(
     kv_pages: jax.Array, k: jax.Array, v: jax.Array, pages: jax.Array, offsets: jax.Array
 ) -> jax.Array:
@@ -370,17 +381,19 @@ def _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window):
         ).astype(q.dtype)
 
     # A Pallas call is not partitioned by XLA: over a mesh each chip runs it on its own kv heads (the pool's
-    # axis 2 split over "tensor", k/v pairs staying together), the rest replicated.
+    # axis 2 split over "tensor", k/v pairs staying together) where they divide by "tensor", as the pools are
+    # placed (XLABackend.page_spec); else on all of them (the pools replicated); the rest replicated.
     mesh = jax.sharding.get_abstract_mesh()
     tensor = 0 if mesh.empty else dict(mesh.shape).get(TENSOR, 1)
     if tensor <= 1:
         return kernel(q, kv_pages, lengths, page_table)
+    heads = TENSOR if (kv_pages.shape[2] // 2) % tensor == 0 else None
     P = jax.sharding.PartitionSpec
     return jax.shard_map(
         kernel,
         mesh=mesh,
-        in_specs=(P(None, TENSOR, None), P(None, None, TENSOR, None), P(), P()),
-        out_specs=P(None, TENSOR, None),
+        in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P()),
+        out_specs=P(None, heads, None),
         check_vma=False,
     )(q, kv_pages, lengths, page_table)
 

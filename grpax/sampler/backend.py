@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpax.models.attention import write_pages
+from grpax.models.attention import ragged_tpu_takes, write_pages
 from grpax.models.llama import decode_paged, forward, logits_from_hidden
 from grpax.models.lora import LoraWeight
 from grpax.models.params import Params, convert_layout
@@ -66,8 +66,9 @@ class XlaBackend:
     name: str = "xla"
     compiler_options: tuple[tuple[str, str], ...] = ()
     # The decode's attention over the pages (grpax.models.attention.PAGED_IMPLEMENTATIONS): "ragged_tpu" where
-    # the params are on TPU chips (Pallas's ragged paged attention, which reads only each sequence's filled
-    # pages), else "xla" (the pages a step reads gathered).
+    # the params are on TPU chips and the kernel takes the model's heads (``ragged_tpu_takes``: Pallas's ragged
+    # paged attention, which reads only each sequence's filled pages), else "xla" (the pages a step reads
+    # gathered).
     paged_attention: str = "xla"
     # Whether a decode made of several programs (the retiring decode's phases) runs ``prepare_decode`` once,
     # in a program of its own, and passes its output on (costly preparations: the CPU kernels' packing), or
@@ -263,7 +264,10 @@ def select_backend(
     devices = _param_devices(params)
     on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
     options = _compiler_options(devices)
-    paged = "ragged_tpu" if devices and {d.platform for d in devices} == {"tpu"} else "xla"
+    # Pallas's ragged paged attention on TPU chips where it takes the model's heads (else the gathered pages)
+    on_tpu = bool(devices) and {d.platform for d in devices} == {"tpu"}
+    takes = ragged_tpu_takes(cfg.num_kv_heads, cfg.head_dim, cache_dtype or cfg.dtype)
+    paged = "ragged_tpu" if on_tpu and takes else "xla"
     if name == "xla":
         return XlaBackend(compiler_options=options, paged_attention=paged)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only
