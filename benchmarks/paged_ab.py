@@ -12,13 +12,19 @@ tokens (the completions' lengths) per second, decode row-steps (slots x steps ru
 (1 - sum(length - 1) / row-steps), rows in flight (sum(length - 1) / decode steps), the paged engine's
 preemptions, a hash of the completions (equal = the same tokens) and the load average.
 
-Run the script of this tree under each grpax (``PYTHONPATH=<tree>``), e.g. alternating parent and this tree:
+One arm per process: the script of this tree under each grpax (``PYTHONPATH=<tree>``), e.g.
 
   PYTHONPATH=../parent44 python benchmarks/paged_ab.py --new_tokens 512 --json_out static_512.json
   PYTHONPATH=. python benchmarks/paged_ab.py --new_tokens 512 --json_out paged_512.json
 
-Usage: python benchmarks/paged_ab.py [--num_prompts 8] [--num_generations 8] [--new_tokens 512]
+or side by side in one run: ``--static_tree DIR`` (a checkout of the static engine whose grpax reads this
+script's helpers, e.g. a worktree of main before the merge) runs, for each C of ``--new_tokens``, the static arm
+under DIR then the paged arm under this tree, each in its own process, and prints both and their ratios (paged
+/ static useful tokens/s; row-steps past EOS; rows in flight).
+
+Usage: python benchmarks/paged_ab.py [--num_prompts 8] [--num_generations 8] [--new_tokens 512 [1024 ...]]
        [--static_rows 16] [--slots 32] [--page_size 32] [--steps_per_call 16] [--json_out FILE] [--gsm8k_dir DIR]
+       [--static_tree DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num_prompts", type=int, default=8)
     ap.add_argument("--num_generations", type=int, default=8)
-    ap.add_argument("--new_tokens", type=int, default=512)
+    ap.add_argument("--new_tokens", type=int, nargs="+", default=[512])
     ap.add_argument(
         "--static_rows", type=int, default=16, help="rows per wave of the static engine (KV memory)"
     )
@@ -92,15 +99,21 @@ def main() -> None:
         "--refill_per_call", action="store_true", help="refill freed slots only between calls, not at once"
     )
     ap.add_argument("--json_out", default="")
+    ap.add_argument("--static_tree", default="", help="run both arms side by side (see above)")
     add_gsm8k_dir_option(ap)
     args = ap.parse_args()
+    if args.static_tree:
+        side_by_side(args)
+        return
+    if len(args.new_tokens) != 1:
+        ap.error("one --new_tokens per arm (several only with --static_tree)")
     jax.monitoring.register_event_duration_secs_listener(_count_compile)
     paged = hasattr(engine_module, "Engine")
     source = read_gguf(default_gguf_path())
     cfg = from_hf_config(source.hf_config)
     params = jax.device_put(load_params_from_tensors(source.get_tensor, source.has_tensor, cfg))
     tokenizer = source.tokenizer()
-    G, C = args.num_generations, args.new_tokens
+    G, C = args.num_generations, args.new_tokens[0]
     rows = load_batches(tokenizer, args.num_prompts, 1, gsm8k_file(args.gsm8k_dir, "train"))[0]
     prompts = [r["prompt_ids"] for r in rows]
     per_wave = args.static_rows // G
@@ -162,6 +175,43 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _arm(tree: str, args, C: int, out: Path) -> dict:
+    """One arm in a process of its own, its grpax the one in ``tree``."""
+    cmd = [sys.executable, __file__, "--new_tokens", str(C), "--json_out", str(out)]
+    for name in ("num_prompts", "num_generations", "static_rows", "slots", "page_size", "steps_per_call"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    cmd += ["--refill_per_call"] if args.refill_per_call else []
+    cmd += ["--gsm8k_dir", str(args.gsm8k_dir)]
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def side_by_side(args) -> None:
+    """Both arms at each C (static first), and the paged / static ratios."""
+    here = Path(__file__).resolve().parent.parent
+    out = Path(args.json_out or "paged_ab.json")
+    results = []
+    for C in args.new_tokens:
+        static = _arm(args.static_tree, args, C, out.with_suffix(f".static_{C}.json"))
+        paged = _arm(str(here), args, C, out.with_suffix(f".paged_{C}.json"))
+        if static["engine"] != "static" or paged["engine"] != "paged":
+            raise SystemExit(f"--static_tree {args.static_tree} has the paged engine: give a static one")
+        ratio = paged["useful_tokens_per_s"] / static["useful_tokens_per_s"]
+        results.append({"new_tokens": C, "static": static, "paged": paged, "tokens_per_s_ratio": ratio})
+        print(f"C={C}: rows {paged['rows']}, KV memory {paged['kv_tokens']} tokens (both arms)")
+        print("  arm     useful tok/s  wall s  compile s  row-steps  past EOS  rows in flight  sha256")
+        for r in (static, paged):
+            print(
+                f"  {r['engine']:<7} {r['useful_tokens_per_s']:>12.1f}  {r['wall_s']:>6.1f}  {r['compile_s']:>9.1f}"
+                f"  {r['decode_row_steps']:>9}  {r['past_eos']:>8.3f}  {r['rows_in_flight']:>14.1f}"
+                f"  {r['completions_sha256']}"
+            )
+        same = "same" if static["completions_sha256"] == paged["completions_sha256"] else "different"
+        print(f"  paged / static useful tokens/s: {ratio:.2f}x ({same} completions)")
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
