@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (the embedded GGUF, float32, the CPU backend) samples G completions of GSM8K train prompts
 (the ``smollm2_demo`` preset, as ``grpo_step_bench.py``), temperature 0.9, top-k 50, the model's stop tokens,
 C = ``--new_tokens``. The KV memory is what the static engine needs for ``--static_rows`` rows of P + C slots
-(P: the prompt bucket): the static engine (``--tree`` a worktree of the parent commit) decodes the rows in waves
+(P: the prompt bucket): the static engine (``--static_tree``, a checkout before the paged engine) decodes the rows in waves
 of that many rows, one ``generate`` per wave; the paged engine gets a pool of the same bytes (``num_pages``) and
 ``--slots`` decode slots, and the same waves submitted at once as requests with the same keys, so both sample the
 same tokens (each row's noise depends on its key, row and token index) and the same useful tokens. Reported per
