@@ -7,7 +7,9 @@ MaxText's ``logical_axis_rules`` do:
 
 * ``data``: pure data parallelism (rows split, weights replicated);
 * ``fsdp``: rows split and weights split on their ``embed`` dimension (ZeRO-3 / FSDP, gathered per use);
-* ``tensor``: Megatron tensor parallelism on heads, MLP hidden and vocab.
+* ``tensor``: Megatron tensor parallelism on heads, MLP hidden and vocab;
+* ``expert``: expert parallelism (a mixture of experts' experts split, rows split as by ``data`` elsewhere;
+  ``grpax.models.moe``); 1 for a dense model.
 
 Params and optimizer state are placed once with ``NamedSharding`` (``shard_params``,
 ``init_optimizer_state``); a plain ``jax.jit`` of the forward, the sampler or the train step then runs on the
@@ -22,7 +24,8 @@ multi-axis rule such as ``batch -> ("data", "fsdp")`` keeps the longest prefix t
 The mesh shape follows MaxText's keys: ``ici_*`` within a slice (or host, for GPUs/CPUs), ``dcn_*`` across
 slices (hosts); one ``ici_*`` and one ``dcn_*`` may be -1 (filled from the device count). The sampler gets
 its own mesh from ``rollout_data_parallelism`` x ``rollout_tensor_parallelism`` (fsdp=1), the MaxText RL
-keys; ``reshard_for_rollout`` moves the weights when its layout differs from the trainer's.
+keys, x ``rollout_expert_parallelism``; ``reshard_for_rollout`` moves the weights when its layout differs from
+the trainer's.
 """
 
 from __future__ import annotations
@@ -71,12 +74,19 @@ class MeshConfig:
     )
     dcn_fsdp_parallelism: int = field(1, "FSDP ways across slices/hosts")
     dcn_tensor_parallelism: int = field(1, "tensor-parallel ways across slices/hosts (rarely useful)")
+    ici_expert_parallelism: int = field(
+        1, "expert-parallel ways within a slice (a mixture of experts' experts and the rows split; -1: fill)"
+    )
+    dcn_expert_parallelism: int = field(1, "expert-parallel ways across slices/hosts")
     chips_per_vm: int | None = field(
         0, "devices per host, checked against jax.local_device_count(); 0 = auto"
     )
     allow_split_physical_axes: bool = field(False, "let a mesh axis span a split TPU torus axis")
     rollout_data_parallelism: int = field(1, "sampler data-parallel ways (-1: sampler devices / tp)")
     rollout_tensor_parallelism: int = field(-1, "sampler tensor-parallel ways (-1: sampler devices / dp)")
+    rollout_expert_parallelism: int = field(
+        1, "sampler expert-parallel ways (a mixture of experts'); dp x tp x this = the sampler's devices"
+    )
     rollout_devices: int = field(
         0,
         "devices of the sampler's own mesh (the first M; the trainer's mesh takes the rest, the weights are "
@@ -145,7 +155,7 @@ def _build(
 
 
 def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The trainer mesh, axes ``("data", "fsdp", "tensor")``, each of size ``ici_* x dcn_*``.
+    """The trainer mesh, axes ``("data", "fsdp", "tensor", "expert")``, each of size ``ici_* x dcn_*``.
 
     Args:
       mesh_cfg: the mesh keys (default ``MeshConfig()``: all devices on fsdp within a host, data across).
@@ -163,9 +173,9 @@ def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device
     devices = list(devices if devices is not None else jax.devices())
     num_granules, _ = _granules(devices)
     dcn = _fill(
-        (mesh_cfg.dcn_data_parallelism, mesh_cfg.dcn_fsdp_parallelism, mesh_cfg.dcn_tensor_parallelism),
+        [getattr(mesh_cfg, f"dcn_{a}_parallelism") for a in MESH_AXES],
         num_granules,
-        ("dcn_data_parallelism", "dcn_fsdp_parallelism", "dcn_tensor_parallelism"),
+        [f"dcn_{a}_parallelism" for a in MESH_AXES],
         "the number of slices/hosts",
     )
     if len(devices) % num_granules:
@@ -179,12 +189,12 @@ def create_mesh(mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device
 def ici_shape(
     mesh_cfg: MeshConfig, num_devices: int, what: str = "the number of devices per slice/host"
 ) -> tuple[int, ...]:
-    """(data, fsdp, tensor) of ``num_devices`` devices joined by ICI (one slice or host) from the ``ici_*`` keys
-    (one -1: the rest). Raises ConfigError naming the keys and ``what`` when their product is not the count."""
+    """(data, fsdp, tensor, expert) of ``num_devices`` devices joined by ICI (one slice or host) from the ``ici_*``
+    keys (one -1: the rest). Raises ConfigError naming the keys and ``what`` when their product is not the count."""
     return _fill(
-        (mesh_cfg.ici_data_parallelism, mesh_cfg.ici_fsdp_parallelism, mesh_cfg.ici_tensor_parallelism),
+        [getattr(mesh_cfg, f"ici_{a}_parallelism") for a in MESH_AXES],
         num_devices,
-        ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_tensor_parallelism"),
+        [f"ici_{a}_parallelism" for a in MESH_AXES],
         what,
     )
 
@@ -241,6 +251,11 @@ def create_meshes(
     M = mesh_cfg.rollout_devices
     if M == 0:
         return create_mesh(mesh_cfg, devices), create_rollout_mesh(mesh_cfg, devices)
+    if len(devices) == 1 and M:
+        raise ConfigError(
+            f"rollout_devices={M} splits the devices between the sampler and the trainer, but there is 1 device: "
+            "use rollout_devices=0 (the sampler shares it)"
+        )
     if not 0 < M < len(devices):
         raise ConfigError(
             f"rollout_devices={M}: expected 0 (shared) or 1 .. {len(devices) - 1} of the {len(devices)} devices "
@@ -256,21 +271,29 @@ def create_meshes(
 def create_rollout_mesh(
     mesh_cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """The sampler mesh: axes ``("data", "fsdp", "tensor")`` of shape (dp, 1, tp).
+    """The sampler mesh: axes ``("data", "fsdp", "tensor", "expert")`` of shape (dp, 1, tp, ep).
 
-    Tensor parallelism stays within a slice/host; across several slices/hosts data parallelism spans them.
+    Tensor and expert parallelism stay within a slice/host; across several slices/hosts data parallelism spans
+    them.
 
     Args:
-      mesh_cfg: reads ``rollout_data_parallelism`` and ``rollout_tensor_parallelism``.
+      mesh_cfg: reads ``rollout_data_parallelism``, ``rollout_tensor_parallelism`` and
+        ``rollout_expert_parallelism`` (ep).
       devices: the sampler's devices (default ``jax.devices()``: colocated with the trainer).
 
     Raises:
-      ConfigError: see ``rollout_parallelism``; or dp not a multiple of the number of slices/hosts.
+      ConfigError: see ``rollout_parallelism`` (over the devices / ep); ep not dividing the devices; or dp not a
+        multiple of the number of slices/hosts.
     """
     mesh_cfg = mesh_cfg or MeshConfig()
     check_chips_per_vm(mesh_cfg)
     devices = list(devices if devices is not None else jax.devices())
-    dp, tp = rollout_parallelism(mesh_cfg, len(devices))
+    ep = mesh_cfg.rollout_expert_parallelism
+    if ep < 1 or len(devices) % ep:
+        raise ConfigError(
+            f"rollout_expert_parallelism={ep}: expected a positive divisor of the {len(devices)} sampler devices"
+        )
+    dp, tp = rollout_parallelism(mesh_cfg, len(devices) // ep)
     num_granules, _ = _granules(devices)
     if dp % num_granules:
         raise ConfigError(
@@ -279,8 +302,8 @@ def create_rollout_mesh(
             f"{num_granules} (with rollout_tensor_parallelism=-1: {len(devices) // num_granules}-way within each)"
         )
     mesh = _build(
-        (dp // num_granules, 1, tp),
-        (num_granules, 1, 1),
+        (dp // num_granules, 1, tp, ep),
+        (num_granules, 1, 1, 1),
         devices,
         mesh_cfg.allow_split_physical_axes,
         MESH_AXES,
@@ -332,9 +355,12 @@ def _axes_by_name() -> dict[str, tuple[str, ...]]:
     """Weight name -> logical axes of one unstacked weight; the axes do not depend on sizes."""
     tiny = ModelConfig(  # every family weight switched on
         vocab_size=1, hidden_dim=1, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, mlp_dim=1,
-        attention_bias=True, qk_norm=True, post_norms=True,
+        attention_bias=True, qk_norm=True, post_norms=True, attention_out_bias=True, attention_sinks=True,
     )  # fmt: skip
-    out = {name: axes for name, (_, axes) in layer_specs(tiny).items()}
+    moe = tiny.replace(
+        num_experts=1, num_experts_per_tok=1, moe_mlp_dim=1, router_bias=True, expert_bias=True
+    )
+    out = {name: axes for name, (_, axes) in {**layer_specs(tiny), **layer_specs(moe)}.items()}
     out.update({name: axes for name, (_, axes) in top_specs(tiny).items()})
     out["lm_head"] = ("embed", "vocab")
     return out

@@ -28,7 +28,7 @@ fi
 # answers are ~150 tokens; the update's activations and the KV cache grow with it); lr 3e-5 (MaxText's 3e-6 is
 # tuned for 8B models and long runs: a 135M model needs a larger step to show learning within 6 steps; at 2e-5
 # the format gain on the 32 test questions was within the noise, docs/benchmarks.md); AdamW's first moment in
-# bfloat16 (mu_dtype: 0.27 GB less, so the job peaks under 4 GB); eval on 2 x 16 test questions. Keys in EXTRA
+# bfloat16 (mu_dtype: 0.27 GB less at the peak, the update); eval on 2 x 16 test questions. Keys in EXTRA
 # come last and win.
 grpax train_rl model_name=$MODEL load_parameters_path="$OUT/base/0/items" base_output_directory="$OUT" \
   run_name=grpo dataset_name="$DATASET" num_batches="$STEPS" learning_rate=3e-5 num_test_batches="$EVAL_BATCHES" \

@@ -228,7 +228,7 @@ def test_two_slices_with_the_default_rollout_keys_name_the_fix():
         "pass rollout_data_parallelism=2 (with rollout_tensor_parallelism=-1: 4-way within each)"
     ), str(e.value)
     mesh = create_rollout_mesh(MeshConfig(rollout_data_parallelism=2), devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}
 
 
 @pytest.mark.slow  # one more whole-job compile; the default suite covers the same verdict through the command

@@ -306,3 +306,100 @@ def test_llama31_tool_format_round_trip():
         "<|start_header_id|>ipython<|end_header_id|>\n\n72<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     assert env.step("The answer is 72.<|eot_id|>") == (None, 0.0, True)  # no call: the final answer
+
+
+HANGS = """
+import time
+
+class Hangs:
+    def __init__(self, where=("step",)):
+        self.where = where
+        if "init" in self.where:
+            time.sleep(30)
+
+    def reset(self, row):
+        if "reset" in self.where:
+            time.sleep(30)
+        return None
+
+    def step(self, text):
+        time.sleep(30)
+        return None, 0.0, True
+
+def HangsInReset():
+    return Hangs(("reset",))
+
+def HangsWhenMade():
+    return Hangs(("init",))
+"""
+
+
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("Hangs", "step(text)"),
+        ("HangsInReset", "reset(row)"),
+        ("HangsWhenMade", "HangsWhenMade() (making one"),
+    ],
+)
+def test_a_user_environment_that_never_returns_stops_the_run_in_one_line(tmp_path, name, call):
+    """Issue 45: a step that never returned hung the run forever (tool_timeout_seconds covers the built-in
+    tools only)."""
+    file = tmp_path / "hang_env.py"
+    file.write_text(HANGS)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        env = load_environment(name, str(file), environment_timeout_s=0.2)()
+        env.reset({})
+        env.step("text")
+    assert time.perf_counter() - t0 < 2.0
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(
+        f"environment={name!r} ({file}) did not return from {call}"
+    )
+    assert "environment_timeout_seconds=0.2 (a hang?)" in message, message
+
+
+def test_environment_timeout_seconds_is_checked_where_it_enters():
+    from grpax.tasks import TaskConfig, validate_task_keys
+
+    assert TaskConfig().environment_timeout_seconds == 60.0
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"environment_timeout_seconds=.*: expected a finite number"):
+            validate_task_keys(TaskConfig(environment_timeout_seconds=bad))
+
+
+def test_tool_format_chat_is_refused_when_the_chat_template_ignores_the_tools(tmp_path):
+    """Issue 45: SmolLM2's template never reads ``tools``: tool_format=chat trained with no tool in the prompt
+    (0 calls, exit 0). A template that declares them (Llama 3.1's) is accepted, and checked once."""
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.rl.multi_turn import render_prompt
+    from grpax.tasks import environment
+    from grpax.tasks.prompts import get_prompt_preset
+
+    row = {"question": "What is 2 + 3?", "columns": {}}
+    preset = get_prompt_preset("plain")
+    smollm2 = read_gguf().tokenizer()
+    with pytest.raises(ConfigError) as e:
+        render_prompt(smollm2, calculator_environment("chat"), row, preset)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("tool_format=chat: the chat template")
+    assert "['calculator']" in message and message.endswith(
+        "use tool_format=tags (the tool's instructions and a worked call go into the system prompt)"
+    )
+    assert "<calculator>" in render_prompt(smollm2, calculator_environment("tags"), row, preset)
+
+    file = tmp_path / "tool_env.py"
+    file.write_text(
+        "class WithTools:\n    tools = ({'type': 'function', 'function': {'name': 'lookup'}},)\n"
+        "    def reset(self, row):\n        return None\n    def step(self, text):\n        return None, 0.0, True\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"\['lookup'\].*describe them in the messages your environment's reset"
+    ):
+        render_prompt(smollm2, load_environment("WithTools", str(file))(), row, preset)
+
+    llama = _Tok(LLAMA31_TOOLS)
+    text = render_prompt(llama, calculator_environment("chat"), row, preset)
+    assert '"name": "calculator"' in text
+    assert len(environment._TOOLS_CHECKED[llama]) == 1

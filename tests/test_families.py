@@ -277,7 +277,7 @@ def test_registered_shapes_and_counts_match_transformers_on_meta(name):
 
 def test_unsupported_architectures_are_one_line_errors(tmp_path):
     for arch, model_type in [
-        ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        ("DeepseekV3ForCausalLM", "deepseek_v3"),
         ("LlavaForConditionalGeneration", "llava"),
     ]:
         with pytest.raises(ConfigError, match="grpax supports LlamaForCausalLM, MistralForCausalLM") as e:
@@ -294,10 +294,10 @@ def test_unsupported_architectures_are_one_line_errors(tmp_path):
     message = str(e.value)
     assert message.startswith(f"{folder / 'config.json'}: ") and "model_type='phi'" in message, message
     assert "'?'" not in message and "grpax supports LlamaForCausalLM" in message, message
-    with pytest.raises(ConfigError, match="^config.json: rope type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="^config.json: rope type 'longrope' is not supported"):
         from_hf_config(
             dict(PUBLIC["qwen3-8b"][1], architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
+                 rope_scaling={"rope_type": "longrope", "factor": 4.0})
         )  # fmt: skip
 
 

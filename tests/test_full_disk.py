@@ -118,3 +118,26 @@ def test_closed_event_loop_callbacks_of_a_failed_save_are_not_printed(capsys, mo
     sys.unraisablehook(unraisable(other))
     sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))  # not from asyncio's check: printed
     assert [str(e) for e in printed] == ["something else", "Event loop is closed"]
+
+
+def test_closed_event_loop_errors_printed_by_native_callbacks_are_dropped(monkeypatch):
+    """Issue 45: on a full disk without OCDBT (a file per chunk), tensorstore's callbacks printed "RuntimeError:
+    Event loop is closed" through PyErr_Print, that is ``sys.excepthook`` (28 tracebacks, 169 lines), after the
+    one-line error. Only that exact error is dropped."""
+    import asyncio
+
+    from grpax.checkpoint import train_state
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: printed.append(e))
+    train_state.quiet_orbax_thread_errors()
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        closed = e
+    sys.excepthook(type(closed), closed, closed.__traceback__)
+    other = ValueError("something else")
+    sys.excepthook(type(other), other, None)
+    assert [str(e) for e in printed] == ["something else"]

@@ -192,3 +192,75 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_without_orbax_thread_traceb
     )
     assert "raised an exception" not in caplog.text
     checkpointer.close()
+
+
+def _truncate(folder: Path) -> None:
+    """Cuts the largest data file under ``folder`` to half its size (a copy or a disk that stopped short)."""
+    data = max((p for p in folder.rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(data, data.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("item", ["model_params", "opt_state"])
+def test_a_truncated_step_is_one_line_naming_the_step_the_array_and_the_fix(tmp_path, item, monkeypatch):
+    """Issue 45: Orbax wraps tensorstore's OUT_OF_RANGE in a plain Exception on a restore onto devices, which
+    came out as a 172-line traceback naming no step; the reads it abandoned then printed "Exception ignored in:
+    <coroutine ...>" with a 40-line TensorStore spec each through sys.unraisablehook."""
+    import gc
+    import sys
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(u.exc_value))
+    checkpointer = _two_steps(tmp_path)  # installs grpax's hook over the recorder
+    _truncate(checkpointer.step_dir(2) / item)
+    with pytest.raises(DamagedStepError) as e:
+        checkpointer.restore(2, _params(), _opt_state())
+    message = str(e.value)
+    del e  # its traceback holds the abandoned reads
+    checkpointer.close()
+    gc.collect()
+    assert printed == []
+    assert "\n" not in message, message
+    assert message.startswith(f"checkpoint step 2 is damaged: reading {item} array "), message
+    assert "failed with OUT_OF_RANGE (a truncated or corrupt data file)" in message, message
+    assert f"delete {checkpointer.step_dir(2)} and run the same command to resume from step 1" in message
+
+
+def test_a_truncated_step_on_export_names_the_steps_kept_not_a_reconversion(tmp_path):
+    checkpointer = _two_steps(tmp_path)
+    checkpointer.close()
+    params_dir = checkpointer.step_dir(2) / "model_params"
+    _truncate(params_dir)
+    with pytest.raises(BrokenCheckpointError) as e:
+        restore_params(params_dir)
+    message = str(e.value)
+    assert "\n" not in message and "failed with OUT_OF_RANGE" in message, message
+    assert message.endswith(
+        f"pass another step's {checkpointer.step_dir(2).parent}/<step>/model_params (kept: 1)"
+    )
+
+
+def test_unretrieved_tensorstore_errors_of_orbax_futures_are_not_logged(caplog):
+    """A full disk during a checkpoint: Orbax's other concurrent writes fail too, and asyncio logged each
+    ("_GatheringFuture exception was never retrieved", with its traceback) after the one-line error. Only
+    tensorstore errors are dropped; any other unretrieved exception is still logged."""
+    import asyncio
+    import gc
+    import logging
+
+    from grpax.checkpoint import train_state
+
+    train_state.quiet_orbax_thread_errors()
+    loop = asyncio.new_event_loop()
+    tensorstore = ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "0.mu.layers.wq.a/c/0/0/0" in OCDBT database at local file "/x/": '
+        "Failed to write 770375 bytes to file 7: No space left on device [os_error_code='28']"
+    )
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for exc in (tensorstore, ValueError("something else")):
+            future = loop.create_future()
+            future.set_exception(exc)
+            del future
+            gc.collect()
+    loop.close()
+    logged = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert [str(r.exc_info[1]) for r in logged] == ["something else"]

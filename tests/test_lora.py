@@ -7,6 +7,7 @@ task is learned, a resume is bit-exact and refused on another base, and the PEFT
 
 import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -560,3 +561,82 @@ def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(
         adapted = peft_lib.PeftModel.from_pretrained(base, str(peft_dir)).eval()(tokens).logits.numpy()
     assert np.abs(merged - adapted).max() <= 1e-4
     assert np.abs(merged - plain).max() > 1e-3  # the adapters were trained and exported
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (["lora_alpha=32"], "lora_alpha=32.0 shapes LoRA adapters"),
+        (["lora_target_modules=[q_proj]"], "lora_target_modules=['q_proj'] shapes"),
+        (["use_rslora=true"], "use_rslora=True shapes"),
+        (["lora_sampler=adapters"], "lora_sampler='adapters' shapes"),
+        (["lora_alpha=32", "use_rslora=true"], "lora_alpha=32.0, use_rslora=True shape LoRA adapters"),
+    ],
+)
+def test_lora_keys_without_lora_rank_are_refused_in_one_line(tmp_path, keys, named):
+    """Issue 45: they were accepted silently with lora_rank=0 (a full fine-tune ran)."""
+    from grpax.rl.train_config import validate
+
+    cfg = build_config(TrainConfig, [f"load_parameters_path={tmp_path}", *keys])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(named), message
+    assert "but lora_rank=0 trains all the weights (the full fine-tune): set lora_rank > 0" in message
+    validate(build_config(TrainConfig, [f"load_parameters_path={tmp_path}", "lora_rank=4", *keys]))
+
+
+def test_duplicate_target_modules_and_a_rank_above_a_layers_width_are_refused():
+    with pytest.raises(ConfigError, match=r"names 'q_proj' twice: name each module once"):
+        lora_lib.LoraConfig(4, 8.0, ("q_proj", "v_proj", "q_proj"))
+    cfg = _cfg()  # D 32, N*H 32, K*H 16, F 48: v_proj is 32 -> 16
+    lora_lib.check_rank(lora_lib.LoraConfig(16, 8.0), cfg, "config.json")
+    with pytest.raises(ConfigError) as e:
+        lora_lib.check_rank(lora_lib.LoraConfig(17, 8.0), cfg, "config.json")
+    assert str(e.value) == (
+        "lora_rank=17 exceeds the width of k_proj (32 -> 16 in config.json): its update A @ B has rank at most "
+        "16, so lora_rank <= 16 (or drop k_proj from lora_target_modules)"
+    )
+    lora_lib.check_rank(lora_lib.LoraConfig(32, 8.0, ("q_proj", "o_proj")), cfg, "config.json")
+
+
+def test_a_rank_above_the_width_stops_train_rl_before_the_model_loads(tiny_checkpoint, tmp_path, capsys):
+    from grpax.cli.main import main
+
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, dataset_name="unused", lora_rank=64)
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 2
+    err = capsys.readouterr().err
+    assert "lora_rank=64 exceeds the width of k_proj (32 -> 16 in " in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_with_another_lora_alpha_or_use_rslora_is_refused(tmp_path):
+    """Issue 45: a resume with lora_alpha 32 -> 512 rescaled the trained adapters 16x with only an INFO line;
+    refused now by the run's config.json (before the model loads) and by the step's train_meta."""
+    from grpax.rl.resume import check_resume, write_config
+
+    saved = TrainConfig(**tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused", lora_rank=4))
+    paths = RunPaths.of(saved)
+    paths.run_dir.mkdir(parents=True)
+    write_config(paths, saved)
+    for change, listed in (
+        ({"lora_alpha": 128.0}, "lora_alpha=8.0 (now 128.0)"),
+        ({"use_rslora": True}, "use_rslora=False (now True)"),
+    ):
+        cfg = TrainConfig(
+            **tiny_run_keys(tmp_path / "ckpt", tmp_path, dataset_name="unused", lora_rank=4, **change)
+        )
+        with pytest.raises(
+            ConfigError, match=rf"was started with {re.escape(listed)}; a resumed run cannot change"
+        ):
+            check_resume(cfg, paths, 2)
+
+    cfg = _cfg()
+    base = init_params(cfg, jax.random.key(0))
+    meta = Policy(lora_lib.LoraConfig(rank=4, alpha=8.0), base, "/models/a/0/items").meta()
+    Policy(lora_lib.LoraConfig(rank=4, alpha=8.0), base, "/models/a/0/items").check_resume(meta, "actor/2")
+    with pytest.raises(ConfigError) as e:
+        Policy(lora_lib.LoraConfig(rank=4, alpha=128.0, use_rslora=True), base).check_resume(meta, "actor/2")
+    assert str(e.value).startswith(
+        "actor/2 holds adapters trained with lora_alpha=8.0 (now 128.0), use_rslora=False (now True): these set"
+    )

@@ -72,8 +72,8 @@ def _free_port() -> int:
 
 
 def _keys(ckpt: Path, out: Path, **overrides) -> dict:
-    # 2 steps on a data=2 sampler mesh, otherwise the tiny run of tests/test_trainer.py. No warmup: a
-    # ratio's warmup is rounded up (1 of 2 steps at learning rate 0), and both steps must move the weights.
+    # 2 steps on a data=2 sampler mesh, otherwise the tiny run of tests/test_trainer.py. No warmup: both steps
+    # at the full learning rate, and both must move the weights.
     defaults = dict(
         num_batches=2, warmup_ratio=0.0, rollout_data_parallelism=2, rollout_tensor_parallelism=-1
     )
@@ -188,7 +188,7 @@ def test_two_processes_train_lora_adapters_on_a_frozen_base(tiny_checkpoint, tmp
     trained on is the checkpoint's, unchanged (its fingerprint, recomputed from the files, is the one recorded)."""
     from test_tasks_train import _data
 
-    from grpax.rl.policy import fingerprint
+    from grpax.checkpoint.digests import fingerprint
 
     script = tmp_path / "child.py"
     script.write_text(CHILD)

@@ -21,6 +21,7 @@ pytest.importorskip("qwix")
 
 from test_lora import _batch, _cfg, _run_cfg, _trained_like, sampler_rollouts, toy_lora_run  # noqa: E402
 
+from grpax.checkpoint.digests import fingerprint  # noqa: E402
 from grpax.checkpoint.orbax import save_params  # noqa: E402
 from grpax.config import ConfigError, build_config  # noqa: E402
 from grpax.models import lora as lora_lib  # noqa: E402
@@ -31,7 +32,7 @@ from grpax.models.registry import ModelConfig  # noqa: E402
 from grpax.rl import trainer  # noqa: E402
 from grpax.rl.config import GRPOConfig  # noqa: E402
 from grpax.rl.optim import optimizer_from_config  # noqa: E402
-from grpax.rl.policy import Policy, fingerprint  # noqa: E402
+from grpax.rl.policy import Policy  # noqa: E402
 from grpax.rl.resume import RESUME_FIXED_KEYS, RunPaths  # noqa: E402
 from grpax.rl.train_config import TrainConfig, validate  # noqa: E402
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step  # noqa: E402
@@ -299,7 +300,7 @@ def test_the_merged_export_is_the_dequantised_base_plus_the_adapters(tmp_path):
     policy = Policy(lora, base, str(tmp_path / "base"), "nf4")
     adapters = jax.tree.map(np.asarray, _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1))))
     meta = policy.meta()["lora"]
-    merged = load_lora_step(tmp_path / "actor" / "3" / "model_params", adapters, meta)
+    merged, merged_into = load_lora_step(tmp_path / "actor" / "3" / "model_params", adapters, meta)
     want = lora_lib.merge(policy.base, adapters, lora)
     for got, w in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(got, np.asarray(w))
@@ -309,6 +310,9 @@ def test_the_merged_export_is_the_dequantised_base_plus_the_adapters(tmp_path):
     )
     deq = np.asarray(quant.dequantize(policy.base["layers"]["wq"]))
     np.testing.assert_allclose(wq, deq + delta, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(
+        merged_into["layers"]["wq"], deq
+    )  # what the export's rounding is measured on
     assert np.abs(wq - (np.asarray(base["layers"]["wq"]) + delta)).max() > 1e-4  # not the unquantised base
     with pytest.raises(ConfigError, match="trained on other weights"):  # quantised otherwise: another model
         load_lora_step(
@@ -348,7 +352,8 @@ def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
     from conftest import tiny_run_keys
 
     from grpax.checkpoint.orbax import restore_params
-    from grpax.checkpoint.peft import load_lora_step, lora_meta
+    from grpax.checkpoint.peft import load_lora_step
+    from grpax.checkpoint.train_state import lora_meta
     from grpax.cli.main import main
     from grpax.rl.trainer import train
 
@@ -374,7 +379,7 @@ def test_qlora_run_records_its_quantisation_refuses_another_and_exports_merged(
     tensors = {}
     for f in out.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
-    merged = load_lora_step(Path(actor), restore_params(actor), meta)
+    merged, _ = load_lora_step(Path(actor), restore_params(actor), meta)
     got = tensors["model.layers.1.mlp.down_proj.weight"]  # [out, in]
     np.testing.assert_array_equal(got, np.asarray(merged["layers"]["w_down"][1], np.float32).T)
     plain = np.asarray(restore_params(tiny_checkpoint)["layers"]["w_down"][1], np.float32).T

@@ -402,9 +402,9 @@ def test_odd_heads_replicate_attention_and_stay_exact(caplog):
 @on_8_devices
 def test_rollout_mesh_and_reshard(params):
     rollout = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=2, rollout_tensor_parallelism=-1))
-    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 4, "expert": 1}
     tp8 = sh.create_rollout_mesh(sh.MeshConfig())  # defaults: dp=1, tp=-1 -> 8
-    assert dict(tp8.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert dict(tp8.shape) == {"data": 1, "fsdp": 1, "tensor": 8, "expert": 1}
     with pytest.raises(ConfigError, match="at most one"):
         sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=-1, rollout_tensor_parallelism=-1))
 
@@ -649,9 +649,10 @@ def test_deep_model_rollout_on_8_devices_equals_one_device(mesh_cfg, greedy):
 
 
 def test_rollout_devices_must_leave_the_trainer_some():
-    n = len(jax.devices())
+    n = max(2, len(jax.devices()))
+    devices = (jax.devices() * n)[:n]  # refused before any mesh is built
     with pytest.raises(ConfigError, match=rf"^rollout_devices={n}: expected 0 \(shared\) or 1 \.\. {n - 1}"):
-        sh.create_meshes(sh.MeshConfig(rollout_devices=n))
+        sh.create_meshes(sh.MeshConfig(rollout_devices=n), devices)
     with pytest.raises(ConfigError, match=r"^rollout_devices=-1"):
         sh.create_meshes(sh.MeshConfig(rollout_devices=-1))
 
@@ -670,8 +671,8 @@ def test_split_rollout_devices_sample_and_train_with_rollouts_ahead(params):
     trainer_mesh, sampler_mesh = sh.create_meshes(sh.MeshConfig(rollout_devices=4))
     assert set(sampler_mesh.devices.flat) == set(jax.devices()[:4])
     assert set(trainer_mesh.devices.flat) == set(jax.devices()[4:])
-    assert dict(trainer_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert dict(sampler_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert dict(trainer_mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert dict(sampler_mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 4, "expert": 1}
 
     grpo = GRPOConfig(num_generations=2, beta=0.04, warmup_ratio=0.0, lr_schedule="constant", max_staleness=1)
     sc = SamplerConfig(max_prompt_length=8, max_completion_length=4, greedy=True, pad_token_id=0)
@@ -877,3 +878,13 @@ def test_a_lora_step_on_8_devices_trains_the_adapters_on_their_weights_axes(para
         assert not np.array_equal(np.asarray(got), want)
     for got, want in zip(jax.tree.leaves(base), jax.tree.leaves(base_bits), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_rollout_devices_on_one_device_says_there_is_one():
+    """Issue 45: it said "expected 0 (shared) or 1 .. 0 of the 1 devices"."""
+    with pytest.raises(ConfigError) as e:
+        sh.create_meshes(sh.MeshConfig(rollout_devices=1), jax.devices()[:1])
+    assert str(e.value) == (
+        "rollout_devices=1 splits the devices between the sampler and the trainer, but there is 1 device: use "
+        "rollout_devices=0 (the sampler shares it)"
+    )

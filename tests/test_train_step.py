@@ -222,15 +222,15 @@ def test_nan_advantage_skips_the_step(params, train_step):
 
 def test_optimizer_from_config_sizes_the_schedule():
     _, schedule = optimizer_from_config(GRPOConfig(learning_rate=2e-6, warmup_ratio=0.1), num_train_steps=50)
-    assert learning_rate_at(schedule, 0) == 0.0
+    assert learning_rate_at(schedule, 0) == pytest.approx(2e-6 / 6)  # 5 warmup steps: (0 + 1) / (5 + 1)
     assert learning_rate_at(schedule, 5) == pytest.approx(2e-6)
     assert learning_rate_at(schedule, 50) == pytest.approx(0.0, abs=1e-15)
 
 
 def test_lr_schedule_warmup_then_cosine():
     s = make_lr_schedule(1e-3, 100, warmup_ratio=0.1, end_lr_ratio=0.1)
-    assert learning_rate_at(s, 0) == 0.0
-    assert learning_rate_at(s, 5) == pytest.approx(5e-4)
+    assert learning_rate_at(s, 0) == pytest.approx(1e-3 / 11)  # update s of a 10-step warmup: (s + 1) / 11
+    assert learning_rate_at(s, 5) == pytest.approx(1e-3 * 6 / 11)
     assert learning_rate_at(s, 10) == pytest.approx(1e-3)
     # Halfway through the decay: end + (peak - end) * (1 + cos(pi / 2)) / 2.
     assert learning_rate_at(s, 55) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi / 2)))
@@ -365,6 +365,19 @@ def test_warmup_rounds_up_as_hugging_face(steps, ratio, warmup):
     from grpax.rl.optim import num_warmup_steps
 
     assert num_warmup_steps(steps, ratio) == warmup
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_every_update_of_a_short_run_moves_the_weights(schedule):
+    # The main job's schedule: 6 updates at warmup_ratio 0.1 warm up for 1 update. Starting the warmup at 0
+    # (MaxText's, Hugging Face's) ran that first update at learning rate 0: one rollout of six thrown away.
+    s = make_lr_schedule(3e-5, 6, warmup_ratio=0.1, schedule=schedule)
+    lrs = [learning_rate_at(s, step) for step in range(6)]
+    assert lrs[:2] == pytest.approx([1.5e-5, 3e-5])  # (0 + 1) / (1 + 1) of the peak, then the peak
+    assert all(lr > 0 for lr in lrs)
+    # A 3-update warmup ramps 1/4, 2/4, 3/4 of the peak, then the peak.
+    ramp = make_lr_schedule(1e-3, 30, warmup_steps=3, schedule=schedule)
+    assert [learning_rate_at(ramp, step) for step in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
 
 
 def test_on_policy_ratio_is_one_whatever_the_sampler_logprobs(params):

@@ -160,6 +160,40 @@ def test_resume_refuses_a_changed_layer_layout(tmp_path):
         check_resume(_config(tmp_path, num_batches=4, scan_layers=False), paths, latest=2)
 
 
+def test_resume_refuses_a_changed_weight_dtype(tmp_path):
+    """Issue 45 trial: a resume with weight_dtype=bfloat16 (a float32 run) stopped after the model load with
+    Orbax's 5-line tree mismatch (a 16-bit run's optimizer state holds a float32 master copy)."""
+    paths = _saved_run(tmp_path, num_batches=4)
+    with pytest.raises(
+        ConfigError, match=r"weight_dtype='float32' \(now 'bfloat16'\).*cannot change weight_dtype"
+    ):
+        check_resume(_config(tmp_path, num_batches=4, weight_dtype="bfloat16"), paths, latest=2)
+
+
+def test_resume_on_a_dataset_smaller_than_the_saved_position_is_one_line(tmp_path):
+    """Issue 45 trial: 'iterator index 2 out of range for 1 rows', naming no key and no fix."""
+    import types
+
+    import jax.numpy as jnp
+
+    from grpax.data.iterator import PromptIterator
+    from grpax.rl.resume import restore_or_start
+    from grpax.rl.train_step import TrainState
+
+    cfg = _config(tmp_path, dataset_name="one.jsonl")
+    paths = _saved_run(tmp_path)
+    meta = {"step": 2, "optimizer_step": 2, "iterator": {"epoch": 0, "index": 2, "seed": 42}}
+    checkpointer = types.SimpleNamespace(latest_step=lambda: 2, restore=lambda step, p, o: (p, o, meta))
+    state = TrainState(params={}, opt_state={}, step=jnp.zeros((), jnp.int32))
+    with pytest.raises(ConfigError) as e:
+        restore_or_start(cfg, paths, True, checkpointer, None, state, PromptIterator([{}], 1), {})
+    assert str(e.value) == (
+        f"run {paths.run_dir} stopped at prompt 2 of an epoch of its training prompts, past the 1 prompts of "
+        "dataset_name='one.jsonl' (train_split='train') now: resume with the dataset it was trained on (a larger "
+        "one continues at the saved position), or pass a new run_name"
+    )
+
+
 def test_resume_compares_load_paths_as_absolute(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path / "a")

@@ -17,6 +17,7 @@ every file, builds the whole tree, then writes it. bfloat16 uses ``ml_dtypes`` s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from grpax.checkpoint import peft
+from grpax.checkpoint import peft, rounding
 from grpax.checkpoint.hf import (
     MissingTensorError,
     iter_hf_tensors,
@@ -46,7 +47,9 @@ from grpax.checkpoint.orbax import (
     save_params,
     steps_kept,
 )
+from grpax.checkpoint.peft import CONVERTED_FROM
 from grpax.checkpoint.safetensors_io import SafetensorsFile
+from grpax.checkpoint.train_state import lora_meta
 from grpax.config import ConfigError, env_flag
 from grpax.models.registry import (
     MODELS,
@@ -249,11 +252,13 @@ def _progress(total: int, desc: str, enabled: bool) -> tuple[Callable[[int], Non
 
 def _extra_keys(source: dict, ours: dict) -> dict:
     """The source config.json's keys to keep under ``ours`` (``to_hf_config``'s): all but the rope and dtype
-    forms ours replaces, or only ``transformers_version`` when the source is another class (the text model of a
+    forms ours replaces and a quantisation the weights no longer have (GPT-OSS's MXFP4 experts are dequantised),
+    or only ``transformers_version`` when the source is another class (the text model of a
     Gemma3ForConditionalGeneration is exported as a Gemma3ForCausalLM, without the vision keys)."""
     if source.get("architectures", ours["architectures"]) != ours["architectures"]:
         return {k: v for k, v in source.items() if k == "transformers_version"}
-    return {k: v for k, v in source.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config", CONVERTED_FROM)
+    return {k: v for k, v in source.items() if k not in dropped}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -366,96 +371,146 @@ def to_native(
     dtype = _dtype(weight_dtype)
     target = Path(base_output_directory).absolute()
     _check_target(target, ["0", "config.json"])
-    tokenizer_src: Path | None = None
-    tokenizer_obj = None
+    src = _open_source(model_name, hf_model_path, hf_access_token, gguf_path, scan_layers, weight_dtype)
+    if src.folder is not None:
+        src.tensors = SafetensorsSource(src.folder, lazy=lazy_load_tensors)
+        src.total_bytes = src.tensors.total_bytes
+    update, close = _progress(src.total_bytes, "to_native", progress)
+    bytes_read = [0]
+
+    def on_tensor(n: int) -> None:
+        bytes_read[0] += n
+        update(n)
+
+    params = _read_params(src, dtype, lazy_load_tensors, on_tensor, close)
+    src.tensors = None
+    num_params = sum(int(np.prod(x.shape)) for x in _leaves(params))
+    orbax_options = dict(use_zarr3=use_zarr3, use_ocdbt=use_ocdbt, use_compression=use_compression)
+    tokenizer_files = _write_native(params, src, target, weight_dtype, close, orbax_options)
+    return {
+        "params_path": str(target / "0" / "items"),
+        "config_path": str(target / "config.json"),
+        "tokenizer_files": [str(target / n) for n in tokenizer_files],
+        "source": src.kind,
+        "num_params": num_params,
+        "bytes_read": bytes_read[0],
+        "weight_dtype": weight_dtype,
+        "scan_layers": scan_layers,
+    }
+
+
+def _read_params(src: _Source, dtype, lazy: bool, on_tensor, close):
+    """The source's params in ``dtype``: lazy leaves read while Orbax writes them, one at a time (``lazy``), or the
+    whole tree read now (then ``close`` ends the progress bar)."""
+    if lazy:
+        return lazy_params(src.tensors, src.cfg, dtype, on_tensor=on_tensor)
+    try:
+        return load_params_from_tensors(
+            src.tensors.get_tensor, src.tensors.has_tensor, src.cfg, dtype=dtype, on_tensor=on_tensor
+        )
+    finally:
+        close()
+
+
+@dataclasses.dataclass
+class _Source:
+    """What ``to_native`` converts: the tensors, their model, and where they came from."""
+
+    cfg: ModelConfig
+    hf_config: dict  # the source's config.json (a GGUF file's, as transformers reads it)
+    folder: Path | None  # a safetensors folder (local or the Hub's download); None for GGUF
+    kind: str  # e.g. "GGUF file /x.gguf", for the summary
+    converted_from: dict  # recorded in config.json (the Hugging Face base a PEFT export names)
+    tensors: Any = None  # get_tensor / has_tensor (SafetensorsSource or the GGUF reader)
+    total_bytes: int = 0
+    tokenizer: Any = None  # a GGUF file's tokenizer (a folder's tokenizer files are copied)
+
+
+def _open_source(model_name, hf_model_path, hf_access_token, gguf_path, scan_layers, weight_dtype) -> _Source:
+    """The source ``to_native`` reads: a local folder, else a GGUF file, else the Hub's download of ``model_name``;
+    its config read (checked against ``model_name``) and, for GGUF, its tensors opened.
+
+    Raises:
+      FileNotFoundError: hf_model_path is not a folder, or gguf_path does not exist.
+      ConfigError: a config that does not match ``model_name``; an unreachable Hub.
+    """
+    if gguf_path and not hf_model_path:
+        return _open_gguf(Path(gguf_path).absolute(), model_name, scan_layers, weight_dtype)
     if hf_model_path:
         folder = Path(hf_model_path).absolute()
         if not folder.is_dir():
             raise FileNotFoundError(
-                f"hf_model_path={folder} is not a folder; pass the folder holding config.json "
-                "and *.safetensors"
+                f"hf_model_path={folder} is not a folder; pass the folder holding config.json and *.safetensors"
             )
-        source_kind = f"safetensors folder {folder}"
-    elif gguf_path:
-        folder = None
-        source_kind = f"GGUF file {Path(gguf_path).absolute()}"
+        kind, converted_from = f"safetensors folder {folder}", {"hf_model_path": str(folder)}
     else:
         folder = _hub_download(model_name, hf_access_token)
-        source_kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
+        kind = f"Hub {MODELS[model_name].hf_repo} ({folder})"
+        converted_from = {"hub": MODELS[model_name].hf_repo}
+    from grpax.models.registry import load_hf_config, read_hf_config
 
-    if folder is not None:
-        from grpax.models.registry import load_hf_config, read_hf_config
+    hf_config = read_hf_config(folder)
+    cfg = load_hf_config(folder, hf_config, scan_layers=scan_layers, weight_dtype=weight_dtype)
+    check_matches(cfg, model_name, str(folder / "config.json"))
+    return _Source(cfg, hf_config, folder, kind, converted_from)
 
-        hf_config = read_hf_config(folder)
-        cfg = load_hf_config(folder, hf_config, scan_layers=scan_layers, weight_dtype=weight_dtype)
-        check_matches(cfg, model_name, str(folder / "config.json"))
-        source = SafetensorsSource(folder, lazy=lazy_load_tensors)
-        total_bytes = source.total_bytes
-        tokenizer_src = folder
-    else:
-        from grpax.checkpoint.gguf import read_gguf
 
-        gguf_file = Path(gguf_path).absolute()
-        if not gguf_file.is_file():
-            raise FileNotFoundError(f"gguf_path={gguf_file} does not exist")
-        source = read_gguf(gguf_file)
-        hf_config = source.hf_config
-        cfg = from_hf_config(
-            hf_config, f"GGUF {gguf_file}", scan_layers=scan_layers, weight_dtype=weight_dtype
+def _open_gguf(gguf_file: Path, model_name, scan_layers: bool, weight_dtype: str) -> _Source:
+    """A GGUF file's config, tensors (dequantised to float32 as read) and tokenizer.
+
+    Raises:
+      FileNotFoundError: the file does not exist. ConfigError: its config does not match ``model_name``.
+    """
+    from grpax.checkpoint.gguf import read_gguf
+
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"gguf_path={gguf_file} does not exist")
+    reader = read_gguf(gguf_file)
+    cfg = from_hf_config(
+        reader.hf_config, f"GGUF {gguf_file}", scan_layers=scan_layers, weight_dtype=weight_dtype
+    )
+    check_matches(cfg, model_name, f"GGUF {gguf_file}")
+    if model_name in MODELS:  # GGUF metadata lacks some ids (pad); the registry knows them
+        ref = get_model_config(model_name)
+        cfg = cfg.replace(
+            bos_token_id=ref.bos_token_id, eos_token_ids=ref.eos_token_ids, pad_token_id=ref.pad_token_id
         )
-        check_matches(cfg, model_name, f"GGUF {gguf_file}")
-        if model_name in MODELS:  # GGUF metadata lacks some ids (pad); the registry knows them
-            ref = get_model_config(model_name)
-            cfg = cfg.replace(
-                bos_token_id=ref.bos_token_id, eos_token_ids=ref.eos_token_ids, pad_token_id=ref.pad_token_id
-            )
-        total_bytes = sum(4 * n for n in _tensor_sizes(cfg))  # dequantised float32
-        tokenizer_obj = source.tokenizer()
+    return _Source(
+        cfg,
+        reader.hf_config,
+        None,
+        f"GGUF file {gguf_file}",
+        {"gguf": str(gguf_file)},
+        tensors=reader,
+        total_bytes=sum(4 * n for n in _tensor_sizes(cfg)),  # dequantised float32
+        tokenizer=reader.tokenizer(),
+    )
 
-    update, close = _progress(total_bytes, "to_native", progress)
-    bytes_read = 0
 
-    def on_tensor(n: int) -> None:
-        nonlocal bytes_read
-        bytes_read += n
-        update(n)
-
-    if lazy_load_tensors:  # read while Orbax writes, one leaf at a time
-        params = lazy_params(source, cfg, dtype, on_tensor=on_tensor)
-    else:
-        try:
-            params = load_params_from_tensors(
-                source.get_tensor, source.has_tensor, cfg, dtype=dtype, on_tensor=on_tensor
-            )
-        finally:
-            close()
-    del source
-    num_params = sum(int(np.prod(x.shape)) for x in _leaves(params))
-
+def _write_native(
+    params, src: _Source, target: Path, weight_dtype: str, close, orbax_options: dict
+) -> list[str]:
+    """Writes config.json, the tokenizer and ``0/items`` (``save_params`` with ``orbax_options``) into ``target``
+    through a staging folder, ``0`` last; returns the tokenizer's file names. ``close`` ends the progress bar.
+    Nothing is left in ``target`` when it fails."""
     staging = _staging_dir(target)
     try:
-        out_cfg = to_hf_config(cfg, torch_dtype=weight_dtype)
-        if folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
-            out_cfg = {**_extra_keys(hf_config, out_cfg), **out_cfg}
+        out_cfg = to_hf_config(src.cfg, torch_dtype=weight_dtype)
+        if src.folder is not None:  # keep the source's extra keys (e.g. transformers_version) under ours
+            out_cfg = {**_extra_keys(src.hf_config, out_cfg), **out_cfg}
+        # The Hugging Face base a PEFT export of a run on this checkpoint names (checkpoint/peft.py).
+        out_cfg[CONVERTED_FROM] = src.converted_from
         _write_json(staging / "config.json", out_cfg)
-        if tokenizer_obj is not None:
+        if src.tokenizer is not None:
             from grpax.data.tokenizer import save_tokenizer
 
-            save_tokenizer(tokenizer_obj, staging)
+            save_tokenizer(src.tokenizer, staging)
             tokenizer_files = sorted(p.name for p in staging.iterdir() if p.name in TOKENIZER_FILES)
         else:
-            tokenizer_files = _copy_tokenizer(tokenizer_src, staging)
+            tokenizer_files = _copy_tokenizer(src.folder, staging)
         if not tokenizer_files:
-            log.warning(
-                "no tokenizer files in %s; load_model will need them next to config.json", tokenizer_src
-            )
-        save_params(
-            params,
-            staging / "0" / "items",
-            use_zarr3=use_zarr3,
-            use_ocdbt=use_ocdbt,
-            use_compression=use_compression,
-        )
+            log.warning("no tokenizer files in %s; load_model will need them next to config.json", src.folder)
+        save_params(params, staging / "0" / "items", **orbax_options)
         close()
         del params
         _publish(staging, target, last="0")
@@ -463,16 +518,7 @@ def to_native(
         close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {
-        "params_path": str(target / "0" / "items"),
-        "config_path": str(target / "config.json"),
-        "tokenizer_files": [str(target / n) for n in tokenizer_files],
-        "source": source_kind,
-        "num_params": num_params,
-        "bytes_read": bytes_read,
-        "weight_dtype": weight_dtype,
-        "scan_layers": scan_layers,
-    }
+    return tokenizer_files
 
 
 def _leaves(params: dict) -> Iterator[np.ndarray]:
@@ -598,12 +644,18 @@ def to_huggingface(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
     lora_export: str = "merged",
+    base_parameters_path: str | Path = "",
+    base_model_name_or_path: str = "",
 ) -> dict[str, Any]:
     """Exports a grpax Orbax checkpoint as a Hugging Face ``LlamaForCausalLM`` folder.
 
     A LoRA run's step (adapters only, ``grpax.checkpoint.peft``) is exported merged into its base
     (``lora_export="merged"``), or as a PEFT adapter folder (``lora_export="peft"``: ``adapter_config.json``,
     ``adapter_model.safetensors``, the tokenizer).
+
+    A training step's export is compared with the weights its run started from (``grpax.checkpoint.rounding``):
+    the summary's ``rounding`` says how much of the update survives ``weight_dtype`` (``lost``: most of it did
+    not), or ``rounding_note`` why nothing was compared.
 
     The model config and tokenizer are taken from the nearest folder at or above ``load_parameters_path``
     holding ``config.json`` (see ``grpax.checkpoint.orbax.load_model``); without one, the registered
@@ -616,60 +668,151 @@ def to_huggingface(
       weight_dtype: float32 | bfloat16 | float16 dtype of the written safetensors (``torch_dtype`` too).
       max_shard_size: bytes per safetensors shard; more than one shard writes ``model.safetensors.index.json``.
       progress: show a tqdm bar over bytes written.
-      lora_export: merged | peft, for a LoRA step (ignored otherwise).
+      lora_export: merged | peft, for a LoRA step (peft of a whole model is refused).
+      base_parameters_path: the base the step was trained from: a LoRA step's (default: the path its
+        ``train_meta`` records; pass where it is now if it moved) and what a full fine-tune's export is compared
+        with (default: the run's ``load_parameters_path`` in ``<run>/config.json``); "none": no comparison.
+      base_model_name_or_path: a PEFT export's Hugging Face base (default: ``peft.hf_base``).
 
     Returns:
       A summary dict: ``output_dir``, ``safetensors`` (file names), ``config_path``, ``tokenizer_files``,
-      ``num_params``, ``bytes_written``, ``weight_dtype``.
+      ``num_params``, ``bytes_written``, ``weight_dtype``, and ``rounding`` (a ``RoundingReport``) or
+      ``rounding_note``; a PEFT export: ``output_dir``, ``peft_files``, ``num_params``, ``lora``, ``hf_base``
+      and ``hf_base_note`` (``peft.hf_base``).
 
     Raises:
       FileNotFoundError: no checkpoint, or neither config.json nor a registered ``model_name``.
-      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype; max_shard_size < 1.
+      ConfigError: the checkpoint's config does not match ``model_name``; a bad dtype; max_shard_size < 1;
+        ``lora_export=peft`` of a whole model.
       MissingTensorError / ValueError: the params lack a weight (e.g. ``lm_head`` of an untied model) or have
         the wrong shape.
     """
-    from grpax.models.params import abstract_params
-
     dtype = _dtype(weight_dtype)
     if max_shard_size < 1:
         raise ConfigError(
             f"max_shard_size={max_shard_size} must be a positive number of bytes (default {DEFAULT_MAX_SHARD_SIZE})"
         )
+    if lora_export not in ("merged", "peft"):
+        raise ConfigError(f"lora_export={lora_export!r}: expected merged (the full model) or peft (adapters)")
     params_path = Path(load_parameters_path).absolute()
     target = Path(base_output_directory).absolute()
     _check_target(target, ["config.json", "model.safetensors", "model.safetensors.index.json"])
+    folder, hf_config, cfg = _export_model(params_path, model_name)
+    lora = lora_meta(params_path)
+    if lora is None and lora_export == "peft":
+        raise ConfigError(
+            f"lora_export=peft writes a LoRA run's adapters, but {params_path} holds a whole model (no LoRA "
+            "record in its train_meta): drop lora_export to export the model, or pass a step of a run trained "
+            "with lora_rank > 0"
+        )
+    params = restore_params(params_path)
+    _check_finite(params, params_path)
+    chosen_base = Path(base_parameters_path).absolute() if base_parameters_path not in ("", "none") else None
+    if lora is not None and lora_export == "peft":
+        return _export_peft(params, cfg, lora, target, folder, chosen_base, base_model_name_or_path)
+    if lora is not None:
+        params, base = peft.load_lora_step(params_path, params, lora, chosen_base)
+        base_name, note = f"the LoRA base {chosen_base or lora['base_path']}", ""
+        if str(base_parameters_path) == "none":
+            base = None
+    params, cfg = _checked_export_params(params, cfg, params_path, folder or model_name)
+    if lora is None:
+        base, base_name, note = _run_base(params_path, str(base_parameters_path), cfg)
+    report, note = _rounding(params, base, dtype, base_name, note)
+    del base
+    total = sum(int(np.prod(x.shape)) for x in _leaves(params)) * dtype.itemsize
+    files, tokenizer_files = _write_hf_folder(
+        params, cfg, hf_config, folder, target, weight_dtype, max_shard_size, total, progress
+    )
+    return {
+        "output_dir": str(target),
+        "safetensors": files,
+        "config_path": str(target / "config.json"),
+        "tokenizer_files": tokenizer_files,
+        "num_params": sum(int(np.prod(x.shape)) for x in _leaves(params)),
+        "bytes_written": total,
+        "weight_dtype": weight_dtype,
+        "rounding": report,
+        "rounding_note": note,
+    }
+
+
+def _rounding(params, base, dtype, base_name: str, note: str) -> tuple[rounding.RoundingReport | None, str]:
+    """``(report, note)``: how much of the update from ``base`` survives ``dtype`` (``rounding.measure``), or
+    None and ``note`` (why nothing was compared: no base, or another model's weights)."""
+    if base is None:
+        return None, note
+    try:
+        return rounding.measure(
+            params, {k: v for k, v in base.items() if k in params}, dtype, base_name
+        ), note
+    except ValueError as e:  # another model's weights
+        return None, f"not compared with {base_name}: {e}"
+
+
+def _export_model(params_path: Path, model_name: str | None) -> tuple[Path | None, dict, ModelConfig]:
+    """``(folder, hf_config, cfg)``: the nearest folder at or above ``params_path`` with ``config.json``, that
+    config and its ``ModelConfig`` (checked against ``model_name``); without one, ``(None, {}, model_name's
+    registered config)``.
+
+    Raises:
+      FileNotFoundError: no checkpoint at ``params_path``, or neither config.json nor a registered ``model_name``.
+    """
     if not params_path.exists():
         raise FileNotFoundError(
             f"load_parameters_path={params_path} does not exist{steps_kept(params_path)}; pass <base>/0/items of a "
             "converted model or .../checkpoints/actor/<step>/model_params"
         )
     try:
-        folder: Path | None = find_model_folder(params_path)
+        folder = find_model_folder(params_path)
     except FileNotFoundError:
         if not model_name or model_name not in MODELS:
             raise
-        folder = None
-    if folder is not None:
-        hf_config = json.loads((folder / "config.json").read_text())
-        cfg = from_hf_config(hf_config, source=str(folder / "config.json"))
-        if model_name:
-            check_matches(cfg, model_name, str(folder / "config.json"))
-    else:
         log.warning("no config.json above %s; using the registered %s config", params_path, model_name)
-        hf_config, cfg = {}, get_model_config(model_name)
+        return None, {}, get_model_config(model_name)
+    hf_config = json.loads((folder / "config.json").read_text())
+    cfg = from_hf_config(hf_config, source=str(folder / "config.json"))
+    if model_name:
+        check_matches(cfg, model_name, str(folder / "config.json"))
+    return folder, hf_config, cfg
 
-    params = restore_params(params_path)
-    _check_finite(params, params_path)
-    lora = peft.lora_meta(params_path)
-    if lora_export not in ("merged", "peft"):
-        raise ConfigError(f"lora_export={lora_export!r}: expected merged (the full model) or peft (adapters)")
-    if lora is not None and lora_export == "peft":
-        files = peft.save_peft(params, cfg, lora, target, lora["base_path"])
-        if folder is not None:
-            files += _copy_tokenizer(folder, target)
-        return {"output_dir": str(target), "peft_files": files, "num_params": _count(params), "lora": lora}
-    if lora is not None:
-        params = peft.load_lora_step(params_path, params, lora)
+
+def _export_peft(
+    params,
+    cfg: ModelConfig,
+    lora: dict,
+    target: Path,
+    folder: Path | None,
+    chosen_base: Path | None,
+    hf_name: str,
+) -> dict[str, Any]:
+    """A LoRA step written as a PEFT adapter folder (``peft.save_peft``) with the tokenizer: ``to_huggingface``'s
+    summary of a PEFT export."""
+    hf_base, how = peft.hf_base(chosen_base or Path(lora["base_path"]))
+    hf_base = hf_name or hf_base
+    files = peft.save_peft(params, cfg, lora, target, hf_base)
+    if folder is not None:
+        files += _copy_tokenizer(folder, target)
+    return {
+        "output_dir": str(target),
+        "peft_files": files,
+        "num_params": _count(params),
+        "lora": lora,
+        "hf_base": hf_base,
+        "hf_base_note": "given by base_model_name_or_path" if hf_name else how,
+    }
+
+
+def _checked_export_params(params, cfg: ModelConfig, params_path: Path, source) -> tuple[Any, ModelConfig]:
+    """``params`` checked against ``cfg`` (``source`` names where ``cfg`` came from), a tied model's extra
+    ``lm_head`` dropped, and ``cfg`` in the params' layer layout.
+
+    Raises:
+      MissingTensorError: embed, final_norm or an untied lm_head is missing.
+      ValueError: a wrong shape or number of layers.
+    """
+    from grpax.models.params import abstract_params
+
     stacked = isinstance(params["layers"], dict)
     cfg = cfg.replace(scan_layers=stacked)
     expected = abstract_params(cfg)
@@ -680,7 +823,7 @@ def to_huggingface(
         if name in expected and tuple(params[name].shape) != expected[name].shape:
             raise ValueError(
                 f"weight {name!r} in {params_path} has shape {tuple(params[name].shape)}, expected "
-                f"{expected[name].shape} from {folder or model_name}"
+                f"{expected[name].shape} from {source}"
             )
     layers = params["layers"]
     num_layers = len(layers) if not stacked else next(iter(layers.values())).shape[0]
@@ -689,15 +832,33 @@ def to_huggingface(
     if "lm_head" in params and cfg.tie_word_embeddings:
         log.warning("checkpoint has lm_head but the config ties embeddings; lm_head is not exported")
         params = {k: v for k, v in params.items() if k != "lm_head"}
+    return params, cfg
 
+
+def _write_hf_folder(
+    params,
+    cfg,
+    hf_config,
+    folder,
+    target: Path,
+    weight_dtype: str,
+    max_shard_size: int,
+    total: int,
+    progress: bool,
+) -> tuple[list[str], list[str]]:
+    """Writes the safetensors, tokenizer, generation_config.json and config.json (last) into ``target`` through a
+    staging folder; returns ``(safetensors files, tokenizer files)``.
+
+    Raises:
+      ConfigError: the safetensors writer failed (a full disk); nothing is left in ``target``.
+    """
+    dtype = _dtype(weight_dtype)
     tokenizer = None
     tokenizer_files: list[str] = []
     if folder is not None and any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
         from grpax.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
-
-    total = sum(int(np.prod(x.shape)) for x in _leaves(params)) * dtype.itemsize
     staging = _staging_dir(target)
     update, close = _progress(total, "to_huggingface", progress)
     try:
@@ -721,12 +882,41 @@ def to_huggingface(
                 "pass another base_output_directory; nothing was exported"
             ) from None
         raise
-    return {
-        "output_dir": str(target),
-        "safetensors": files,
-        "config_path": str(target / "config.json"),
-        "tokenizer_files": tokenizer_files,
-        "num_params": sum(int(np.prod(x.shape)) for x in _leaves(params)),
-        "bytes_written": total,
-        "weight_dtype": weight_dtype,
-    }
+    return files, tokenizer_files
+
+
+def _run_base(params_path: Path, base_parameters_path: str, cfg: ModelConfig) -> tuple[Any, str, str]:
+    """``(weights, name, note)``: the weights a full fine-tune's step started from, in ``cfg``'s layout, and how
+    they are named; or None and a note saying why there are none to compare with ("" for a checkpoint that is
+    no training step, a conversion: nothing was trained; and for ``base_parameters_path=none``).
+
+    The base is ``base_parameters_path``, else the ``load_parameters_path`` of the run's ``config.json``
+    (``<run>/checkpoints/actor/<step>/model_params`` -> ``<run>/config.json``).
+
+    Raises:
+      ConfigError: a ``base_parameters_path`` that does not exist.
+    """
+    from grpax.models.params import convert_layout
+
+    training_step = params_path.name == "model_params" and params_path.parent.parent.name == "actor"
+    if base_parameters_path == "none" or not (base_parameters_path or training_step):
+        return None, "", ""
+    fix = "pass base_parameters_path=<the run's load_parameters_path> to measure what weight_dtype keeps"
+    if base_parameters_path:
+        base_path, how = Path(base_parameters_path).absolute(), "base_parameters_path"
+        if not base_path.exists():
+            raise ConfigError(
+                f"base_parameters_path={base_parameters_path!r} does not exist: pass the params folder the run "
+                "started from (its load_parameters_path), or none to export without the comparison"
+            )
+    else:
+        run_config = params_path.parents[3] / "config.json"
+        try:
+            base_path = Path(json.loads(run_config.read_text())["load_parameters_path"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, "", f"not compared with the run's base: {run_config} does not name it; {fix}"
+        how = f"the run's load_parameters_path, {run_config}"
+        if not base_path.exists():
+            return None, "", f"not compared with the run's base: {base_path} ({how}) does not exist; {fix}"
+    base = convert_layout(restore_params(base_path), cfg, scan_layers=cfg.scan_layers)
+    return base, f"{base_path} ({how})", ""

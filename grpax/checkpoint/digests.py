@@ -11,11 +11,15 @@ probability about 2**-64.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from grpax.models import quantize as quant
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -70,3 +74,18 @@ def mismatches(tree: Any, expected: dict[str, str]) -> list[str]:
         if array_digest(leaf) != want:
             bad.append(key)
     return bad
+
+
+def fingerprint(params: Any, quantization: str = "") -> str:
+    """16 hex digits digesting every weight's bits, dtype and shape (``array_digest``), layer by
+    layer, so stacked and listed layers of the same weights give the same fingerprint; with ``quantization``
+    (QLoRA's ``lora_base_dtype``), the quantisation scheme too (unset: the same digest as without it)."""
+    out = {"quantization": quant.scheme(quantization)} if quantization else {}
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        key = jax.tree_util.keystr(path, simple=True, separator=".")
+        if key.startswith("layers.") and isinstance(params["layers"], dict):  # stacked [L, ...]
+            name = key.removeprefix("layers.")
+            out.update({f"layers.{i}.{name}": array_digest(x[i]) for i in range(x.shape[0])})
+        else:
+            out[key] = array_digest(x)
+    return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]

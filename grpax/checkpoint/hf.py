@@ -6,10 +6,17 @@ layer, where ``post_attention_layernorm`` is the attention output's norm rather 
 them ``[in, out]`` with heads split (``wq`` [D, N, H]). Q and K keep HF's rotate-half row order, which is the
 layout ``grpax.models.llama.rotate`` uses, so no permutation is needed here (GGUF files differ: see
 ``grpax.checkpoint.gguf``).
+
+A mixture of experts' weights are stacked per layer ([E, D, F] of a layer's E experts) from the checkpoints'
+own layouts (``_moe_sources``): Qwen3-MoE's and Mixtral's one ``[F, D]`` tensor per expert and projection
+(the Hub's names, which transformers 5's ``save_pretrained`` writes back), GPT-OSS's fused ``gate_up_proj``
+[E, D, 2F] with gate and up interleaved along 2F, and the Hub GPT-OSS checkpoint's MXFP4 experts (``*_blocks``
+and ``*_scales``), dequantised here (``dequantize_mxfp4``). The export writes the unquantised forms.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +40,8 @@ _LAYER_HF = {
     "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    "o_bias": "self_attn.o_proj.bias",
+    "sinks": "self_attn.sinks",
 }
 # Gemma 2/3: a norm before and after both attention and MLP.
 _GEMMA_NORMS_HF = {
@@ -45,6 +54,94 @@ _TOP_HF = {
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
 }
+
+
+# MXFP4 (OCP Microscaling, FP4 E2M1): a byte holds two 4-bit codes (low nibble first), each block of 32 values
+# shares one power-of-two scale stored as a biased exponent (2 ** (scale - 127)); transformers' FP4_VALUES.
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float32 values of MXFP4 weights: ``blocks`` uint8 [..., G, 16] (32 codes per block), ``scales`` uint8
+    [..., G] -> [..., G * 32], as transformers' ``convert_moe_packed_tensors`` (before its transpose).
+
+    Raises:
+      ValueError: blocks and scales of different leading shapes.
+    """
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} do not match scales {scales.shape}")
+    out = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)
+    out[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    out[..., 1::2] = FP4_VALUES[blocks >> 4]
+    out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
+    return out.reshape(*blocks.shape[:-2], -1)
+
+
+# Per-expert checkpoints (Qwen3-MoE, Mixtral): the router's name, each expert's projection names and grpax's
+# weight of each.
+_PER_EXPERT = {
+    "qwen3_moe": (
+        "mlp.gate.weight",
+        "mlp.experts.{e}.{proj}.weight",
+        {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"},
+    ),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{e}.{proj}.weight",
+        {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"},
+    ),
+}
+_GPT_OSS_HALF = {"expert_gate": 0, "expert_up": 1, "expert_gate_bias": 0, "expert_up_bias": 1}
+
+
+def _moe_sources(
+    i: int, name: str, cfg: ModelConfig, has_tensor: Callable[[str], bool]
+) -> tuple[list[str], Callable[[list[np.ndarray]], np.ndarray]] | None:
+    """The HF tensors of layer ``i``'s mixture-of-experts weight ``name`` and how its native array [E, ...]
+    (the router: [D, E]) is built from them; None for any other weight."""
+    if not cfg.num_experts or not (name == "router" or name.startswith(("expert_", "router_"))):
+        return None
+    p = f"model.layers.{i}.mlp."
+    if cfg.family in _PER_EXPERT:
+        router, expert, projs = _PER_EXPERT[cfg.family]
+        if name == "router":
+            return [f"model.layers.{i}.{router}"], lambda ws: ws[0].T
+        names = [f"model.layers.{i}.{expert.format(e=e, proj=projs[name])}" for e in range(cfg.num_experts)]
+        return names, lambda ws: np.stack([w.T for w in ws])
+    if name in ("router", "router_bias"):  # GPT-OSS
+        return [p + ("router.weight" if name == "router" else "router.bias")], lambda ws: ws[0].T
+    base = p + ("experts.down_proj" if name.startswith("expert_down") else "experts.gate_up_proj")
+    if name.endswith("_bias"):
+        base += "_bias"
+    elif has_tensor(base + "_blocks"):  # the Hub's MXFP4 [E, out, in / 32, 16]: dequantised, [E, in, out]
+        half = _GPT_OSS_HALF.get(name)
+        pick = (lambda w: w) if half is None else (lambda w: w[..., half::2])
+        return [base + "_blocks", base + "_scales"], lambda ws: pick(dequantize_mxfp4(*ws).swapaxes(-1, -2))
+    half = _GPT_OSS_HALF.get(name)
+    return [base], (lambda ws: ws[0]) if half is None else (lambda ws: ws[0][..., half::2])
+
+
+def _moe_hf_tensors(i: int, layer: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Layer ``i``'s mixture-of-experts weights as the HF tensors ``_moe_sources`` reads (GPT-OSS: unquantised)."""
+    p = f"model.layers.{i}.mlp."
+    if cfg.family in _PER_EXPERT:
+        router, expert, projs = _PER_EXPERT[cfg.family]
+        yield f"model.layers.{i}.{router}", np.asarray(layer["router"]).T
+        for e in range(cfg.num_experts):
+            for name, proj in projs.items():
+                yield f"model.layers.{i}.{expert.format(e=e, proj=proj)}", np.asarray(layer[name][e]).T
+        return
+    yield p + "router.weight", np.asarray(layer["router"]).T
+    yield p + "router.bias", np.asarray(layer["router_bias"])
+    for suffix in ("", "_bias"):
+        gate, up = np.asarray(layer["expert_gate" + suffix]), np.asarray(layer["expert_up" + suffix])
+        fused = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), gate.dtype)
+        fused[..., 0::2], fused[..., 1::2] = gate, up
+        yield p + "experts.gate_up_proj" + suffix, fused
+        yield p + "experts.down_proj" + suffix, np.asarray(layer["expert_down" + suffix])
 
 
 class MissingTensorError(KeyError):
@@ -95,11 +192,15 @@ def native_to_hf(name: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 
 def expected_hf_names(cfg: ModelConfig) -> list[str]:
+    """The HF names of every tensor of ``cfg``'s model (a mixture of experts': its unquantised forms)."""
     names = [_TOP_HF["embed"], _TOP_HF["final_norm"]]
     if not cfg.tie_word_embeddings:
         names.append(_TOP_HF["lm_head"])
-    names += [hf_layer_name(i, n, cfg) for i in range(cfg.num_layers) for n in layer_specs(cfg)]
-    return names
+    for i in range(cfg.num_layers):
+        for name in layer_specs(cfg):
+            source = _moe_sources(i, name, cfg, lambda _: False)
+            names += [hf_layer_name(i, name, cfg)] if source is None else source[0]
+    return list(dict.fromkeys(names))
 
 
 _ROWS_PER_COPY = (
@@ -193,12 +294,39 @@ def load_params_from_tensors(
         get, has, shape = get_tensor, has_tensor, tensor_shape
         get_tensor, has_tensor = (lambda n: get(rename(n))), (lambda n: has(rename(n)))
         tensor_shape = (lambda n: shape(rename(n))) if shape else None
+    b = _LeafBuilder(get_tensor, has_tensor, tensor_shape, on_tensor, cfg, dtype)
+    params: dict = {
+        name: b.leaf([_TOP_HF[name]], name, shape, stack=False) for name, (shape, _) in top_specs(cfg).items()
+    }
+    specs = layer_specs(cfg)
+    if cfg.scan_layers:
+        every = list(range(cfg.num_layers))
+        params["layers"] = {name: b.layer_leaf(every, name, shape) for name, (shape, _) in specs.items()}
+    else:
+        params["layers"] = [
+            {name: b.layer_leaf([i], name, shape) for name, (shape, _) in specs.items()}
+            for i in range(cfg.num_layers)
+        ]
+    return _map_leaves(lambda s: lazy(s[0], dtype, s[1]) if lazy else s[1](), params)
 
-    def check(hf_name: str, name: str, shape: tuple[int, ...]) -> None:
-        if not has_tensor(hf_name):
+
+@dataclasses.dataclass
+class _LeafBuilder:
+    """``load_params_from_tensors``'s leaves: each a ``(shape, build)`` pair whose names were checked first and
+    whose ``build()`` reads its source tensors one at a time into the native layout."""
+
+    get_tensor: Callable[[str], np.ndarray]
+    has_tensor: Callable[[str], bool]
+    tensor_shape: Callable[[str], tuple[int, ...]] | None
+    on_tensor: Callable[[int], None] | None
+    cfg: ModelConfig
+    dtype: np.dtype
+
+    def check(self, hf_name: str, name: str, shape: tuple[int, ...]) -> None:
+        if not self.has_tensor(hf_name):
             hint = " (the config says tie_word_embeddings=false)" if name == "lm_head" else ""
             raise MissingTensorError(f"tensor {hf_name!r} is missing from the checkpoint{hint}")
-        stored = tensor_shape(hf_name) if tensor_shape else None
+        stored = self.tensor_shape(hf_name) if self.tensor_shape else None
         if stored is not None and int(np.prod(stored)) != int(np.prod(shape)):
             raise ValueError(
                 f"tensor {hf_name!r} has shape {stored}, expected HF layout of {shape} "
@@ -206,57 +334,78 @@ def load_params_from_tensors(
                 "saved with them"
             )
 
-    def read(hf_name: str) -> np.ndarray:
-        w = np.asarray(get_tensor(hf_name))
-        if on_tensor:
-            on_tensor(w.nbytes)
+    def read(self, hf_name: str) -> np.ndarray:
+        w = np.asarray(self.get_tensor(hf_name))
+        if self.on_tensor:
+            self.on_tensor(w.nbytes)
         return w
 
-    def build(hf_names: list[str], name: str, shape: tuple[int, ...]) -> np.ndarray:
-        out = np.empty((len(hf_names), *shape), dtype)
+    def build(self, hf_names: list[str], name: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.empty((len(hf_names), *shape), self.dtype)
         for i, hf_name in enumerate(hf_names):
-            fill_native(out[i], read(hf_name), hf_name, name, cfg)
+            fill_native(out[i], self.read(hf_name), hf_name, name, self.cfg)
         return out
 
-    def single(hf_name: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        w = read(hf_name)
-        native = hf_to_native(name, w, cfg) if w.size == int(np.prod(shape)) else None
+    def single(self, hf_name: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self.read(hf_name)
+        native = hf_to_native(name, w, self.cfg) if w.size == int(np.prod(shape)) else None
         if (
             native is not None
             and native.shape == shape
-            and native.dtype == dtype
+            and native.dtype == self.dtype
             and native.flags.c_contiguous
         ):
             return native  # already in place (the embedding): no second copy of the largest tensor
-        out = np.empty(shape, dtype)
-        fill_native(out, w, hf_name, name, cfg)
+        out = np.empty(shape, self.dtype)
+        fill_native(out, w, hf_name, name, self.cfg)
         return out
 
-    def leaf(hf_names: list[str], name: str, shape: tuple[int, ...], stack: bool) -> Any:
+    def leaf(self, hf_names: list[str], name: str, shape: tuple[int, ...], stack: bool) -> Any:
         for hf_name in hf_names:
-            check(hf_name, name, shape)
+            self.check(hf_name, name, shape)
         if stack:  # [L, ...]: filled layer by layer into one preallocated array
-            return ((len(hf_names), *shape), lambda: build(hf_names, name, shape))
-        return (shape, lambda: single(hf_names[0], name, shape))
+            return ((len(hf_names), *shape), lambda: self.build(hf_names, name, shape))
+        return (shape, lambda: self.single(hf_names[0], name, shape))
 
-    params: dict = {
-        name: leaf([_TOP_HF[name]], name, shape, stack=False) for name, (shape, _) in top_specs(cfg).items()
-    }
-    specs = layer_specs(cfg)
-    if cfg.scan_layers:
-        params["layers"] = {
-            name: leaf([hf_layer_name(i, name, cfg) for i in range(cfg.num_layers)], name, shape, stack=True)
-            for name, (shape, _) in specs.items()
-        }
-    else:
-        params["layers"] = [
-            {
-                name: leaf([hf_layer_name(i, name, cfg)], name, shape, stack=False)
-                for name, (shape, _) in specs.items()
-            }
-            for i in range(cfg.num_layers)
-        ]
-    return _map_leaves(lambda s: lazy(s[0], dtype, s[1]) if lazy else s[1](), params)
+    def layer_leaf(self, layers: list[int], name: str, shape: tuple[int, ...]) -> Any:
+        sources = [_moe_sources(i, name, self.cfg, self.has_tensor) for i in layers]
+        if sources[0] is None:
+            return self.leaf(
+                [hf_layer_name(i, name, self.cfg) for i in layers], name, shape, stack=self.cfg.scan_layers
+            )
+        return _moe_leaf(sources, shape, self.cfg.scan_layers, self.has_tensor, self.read, self.dtype)
+
+
+def _moe_leaf(sources: list, shape: tuple[int, ...], stack: bool, has_tensor, read, dtype: np.dtype) -> tuple:
+    """A mixture-of-experts leaf of ``load_params_from_tensors``: (its shape, its builder) from one
+    ``_moe_sources`` entry per layer (stacked [L, ...] when ``stack``), every source name checked now.
+
+    Raises:
+      MissingTensorError: a source tensor is absent. ValueError (when built): a layer's array is not ``shape``.
+    """
+    for names, _ in sources:
+        for hf_name in names:
+            if not has_tensor(hf_name):
+                raise MissingTensorError(f"tensor {hf_name!r} is missing from the checkpoint")
+
+    def one(names: list[str], combine) -> np.ndarray:
+        native = combine([read(hf_name) for hf_name in names])
+        if native.shape != shape:
+            raise ValueError(
+                f"tensor {names[0]!r} gives a weight of shape {native.shape}, expected {shape} for this config: "
+                "config.json (or model_name) does not describe these weights; use the config.json saved with them"
+            )
+        return native
+
+    def build() -> np.ndarray:
+        out = np.empty((len(sources), *shape), dtype)
+        for i, source in enumerate(sources):
+            out[i] = one(*source)
+        return out
+
+    if stack:
+        return ((len(sources), *shape), build)
+    return (shape, lambda: np.ascontiguousarray(one(*sources[0]), dtype))
 
 
 def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
@@ -277,4 +426,7 @@ def iter_hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.nd
     for i in range(cfg.num_layers):
         layer = {n: w[i] for n, w in layers.items()} if isinstance(layers, dict) else layers[i]
         for name in layer_specs(cfg):
-            yield hf_layer_name(i, name, cfg), native_to_hf(name, np.asarray(layer[name]), cfg)
+            if _moe_sources(i, name, cfg, lambda _: False) is None:
+                yield hf_layer_name(i, name, cfg), native_to_hf(name, np.asarray(layer[name]), cfg)
+        if cfg.num_experts:
+            yield from _moe_hf_tensors(i, layer, cfg)

@@ -37,9 +37,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from grpax.checkpoint import digests
+from grpax.checkpoint.train_state import (
+    DamagedStepError,
+    lora_meta,
+    quiet_orbax_thread_errors,
+    read_train_meta,
+    tensorstore_status,
+)
 from grpax.config import ConfigError
 from grpax.models.attention import select_attention
-from grpax.models.params import Params, convert_layout
+from grpax.models.params import Params, abstract_params, convert_layout
 from grpax.models.registry import ModelConfig, find_hf_config, from_hf_config
 
 log = logging.getLogger(__name__)
@@ -200,7 +208,6 @@ def save_params(
         isinstance(x, LazyArray | np.ndarray) for x in leaves
     )
     checkpointer = _checkpointer(use_zarr3, use_ocdbt, use_compression, streaming=streaming)
-    from grpax.checkpoint.train_state import quiet_orbax_thread_errors
 
     quiet_orbax_thread_errors()  # a failed write is reported once, by the caller
     try:
@@ -307,16 +314,21 @@ def restore_params(directory: str | Path, cfg: ModelConfig | None = None, shardi
         )
     else:
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), tree)
+
+    quiet_orbax_thread_errors()  # a failed read is reported once, below
     try:
         params = _checkpointer().restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    except ValueError as e:  # tensorstore: "OUT_OF_RANGE: Error reading ... in "layers.wo/c/0..." ..."
-        status = re.match(r"([A-Z_]+): ", str(e))
-        if status is None:
+    except (
+        Exception
+    ) as e:  # tensorstore: "OUT_OF_RANGE: Error reading ... in "layers.wo/c/0..." ...", maybe wrapped
+        found = tensorstore_status(e)
+        if found is None:
             raise
-        leaf = re.search(r'in "([^"/]+)/', str(e))
+        status, message = found
+        leaf = re.search(r'in "([^"/]+)/', message)
         raise BrokenCheckpointError(
             f"{directory} is damaged: reading {leaf.group(1) if leaf else 'an array'} failed with "
-            f"{status.group(1)} (a truncated or corrupt data file); {_RECONVERT}"
+            f"{status} (a truncated or corrupt data file); {_other_checkpoint(directory)}"
         ) from e
     _check_digests(directory, params)
     if cfg is not None and not direct:
@@ -337,8 +349,6 @@ def _check_digests(directory: Path, params: Params) -> None:
     Raises:
       BrokenCheckpointError: an array differs from its digest (names it, the folder and the steps kept).
     """
-    from grpax.checkpoint import digests
-    from grpax.checkpoint.train_state import DamagedStepError, read_train_meta
 
     step_dir = directory.parent
     if directory.name != "model_params" or not (step_dir / "train_meta").is_dir():
@@ -350,12 +360,19 @@ def _check_digests(directory: Path, params: Params) -> None:
         return
     bad = digests.mismatches(params, expected)
     if bad:
-        kept = sorted(p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir)
         raise BrokenCheckpointError(
             f"{directory} is damaged: array {bad[0]}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''} "
-            "differs from the digest written with it (a corrupt or overwritten data file): pass another step's "
-            f"{step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
+            f"differs from the digest written with it (a corrupt or overwritten data file): {_other_checkpoint(directory)}"
         )
+
+
+def _other_checkpoint(directory: Path) -> str:
+    """The fix for a damaged params folder: another step of its run (the steps kept named), or a re-conversion."""
+    step_dir = directory.parent
+    if directory.name != "model_params" or step_dir.parent.name != "actor":
+        return _RECONVERT
+    kept = sorted((p.name for p in step_dir.parent.iterdir() if p.name.isdigit() and p != step_dir), key=int)
+    return f"pass another step's {step_dir.parent}/<step>/model_params (kept: {', '.join(kept) or 'none'})"
 
 
 def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:
@@ -366,7 +383,6 @@ def check_shapes(directory: Path, cfg: ModelConfig, config_path: Path) -> None:
       BrokenCheckpointError: a weight of the config is missing from the checkpoint or has another shape
         (names the weight, both shapes and the config's sizes).
     """
-    from grpax.models.params import abstract_params
 
     tree = _stored_tree(directory)
     expected = abstract_params(cfg.replace(scan_layers=isinstance(tree["layers"], dict)))
@@ -449,8 +465,6 @@ def load_model(
             f"checkpoint {path} does not exist{steps_kept(path)}: pass <base>/0/items of a converted model "
             "(grpax to_native) or <run>/checkpoints/actor/<step>/model_params"
         )
-    from grpax.checkpoint.peft import lora_meta
-
     lora = lora_meta(path)
     if lora is not None:
         raise ConfigError(

@@ -47,10 +47,45 @@ class _OrbaxThreadErrors(logging.Filter):
 _THREAD_FILTER = _OrbaxThreadErrors()
 
 
+def tensorstore_status(error: BaseException) -> tuple[str, str] | None:
+    """``(status, message)`` of the tensorstore error inside an Orbax read or write failure (``OUT_OF_RANGE`` of a
+    truncated file, ``DATA_LOSS``, ``RESOURCE_EXHAUSTED`` of a full disk), or None for any other error.
+
+    Orbax raises tensorstore's ``ValueError("OUT_OF_RANGE: Error reading ...")`` itself, or wraps it in a plain
+    ``Exception("Encountered error while reading array index ...")`` (a restore onto device shardings), so
+    the exception's causes are searched too.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        status = re.match(r"([A-Z][A-Z_]+): ", str(e))
+        if isinstance(e, ValueError) and status is not None:
+            return status.group(1), str(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _UnretrievedTensorstoreErrors(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" / "_GatheringFuture exception was never retrieved"
+    records of tensorstore errors: a failed save or restore has reported the first one in one line; Orbax's
+    other concurrent writes (or reads) fail the same way and are logged, with a traceback each, when their
+    futures are collected (12-16 records on a full disk)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        unretrieved = "exception was never retrieved" in str(record.msg)
+        return not (unretrieved and exc is not None and tensorstore_status(exc) is not None)
+
+
+_ASYNCIO_FILTER = _UnretrievedTensorstoreErrors()
+
+
 def _closed_loop_callback(exc_type, exc: BaseException, tb) -> bool:
     """A tensorstore write finishing after Orbax closed its event loop (a failed save): its native callback
     calls ``loop.call_soon_threadsafe`` and prints "RuntimeError: Event loop is closed" through
-    ``sys.unraisablehook``, once per pending write (40 lines on a full disk), around the save's one-line error."""
+    ``sys.unraisablehook`` or, from another callback, ``PyErr_Print`` (``sys.excepthook``), once per pending write
+    (40-170 lines on a full disk), around the save's one-line error."""
     if exc_type is not RuntimeError or str(exc) != "Event loop is closed" or tb is None:
         return False
     while tb.tb_next is not None:
@@ -61,9 +96,19 @@ def _closed_loop_callback(exc_type, exc: BaseException, tb) -> bool:
     )
 
 
+def _abandoned_orbax_coroutine(unraisable) -> bool:
+    """An Orbax read or write coroutine collected unfinished after another of the same restore or save failed
+    (a truncated file, a full disk): its ``except`` turns the ``GeneratorExit`` into "Exception: Encountered
+    error while reading array index" with a 40-line TensorStore spec (or, at interpreter exit, an ImportError),
+    printed through ``sys.unraisablehook`` once per abandoned array after the one-line error."""
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine object
+    return code is not None and os.path.join("orbax", "checkpoint") in code.co_filename
+
+
 def _unraisablehook(previous):
     def hook(unraisable):
-        if not _closed_loop_callback(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+        args = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
+        if not (_closed_loop_callback(*args) or _abandoned_orbax_coroutine(unraisable)):
             previous(unraisable)
 
     hook.grpax_closed_loop_filter = True
@@ -71,14 +116,28 @@ def _unraisablehook(previous):
 
 
 def quiet_orbax_thread_errors() -> None:
-    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through, and drops tensorstore's
-    "Event loop is closed" callbacks of a failed save from ``sys.unraisablehook`` (once; every other exception is
-    printed as before)."""
-    absl = logging.getLogger("absl")
-    if _THREAD_FILTER not in absl.filters:
-        absl.addFilter(_THREAD_FILTER)
+    """Installs ``_OrbaxThreadErrors`` on the ``absl`` logger Orbax logs through and
+    ``_UnretrievedTensorstoreErrors`` on the ``asyncio`` logger, and drops tensorstore's "Event loop is closed"
+    callbacks of a failed save (from ``sys.unraisablehook`` and ``sys.excepthook``) and Orbax's abandoned
+    coroutines of a failed restore or save (from ``sys.unraisablehook``); once; every other exception is printed
+    as before."""
+    for name, log_filter in (("absl", _THREAD_FILTER), ("asyncio", _ASYNCIO_FILTER)):
+        logger = logging.getLogger(name)
+        if log_filter not in logger.filters:
+            logger.addFilter(log_filter)
     if not getattr(sys.unraisablehook, "grpax_closed_loop_filter", False):
         sys.unraisablehook = _unraisablehook(sys.unraisablehook)
+    if not getattr(sys.excepthook, "grpax_closed_loop_filter", False):
+        sys.excepthook = _excepthook(sys.excepthook)
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if not _closed_loop_callback(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+
+    hook.grpax_closed_loop_filter = True
+    return hook
 
 
 class SaveFailedError(ConfigError):
@@ -115,6 +174,17 @@ def check_step_meta(actor_dir: Path, step: int) -> dict:
         return read_train_meta(actor_dir / str(step))
     except DamagedStepError as e:
         raise damaged_step(actor_dir, step, str(e)) from None
+
+
+def damaged_array(status: str, message: str) -> str:
+    """``"model_params array embed failed with OUT_OF_RANGE"``: the item and array a tensorstore read error names
+    (``'... "embed/c/0/0" in OCDBT database at local file ".../actor/2/model_params/"'``), as far as it names them."""
+    leaf = re.search(r'in "([^"/]+)/', message)
+    item = re.search(r'local file "[^"]*/(model_params|opt_state)/?"', message)
+    where = " ".join(
+        x for x in ((item.group(1) if item else ""), (f"array {leaf.group(1)}" if leaf else "")) if x
+    )
+    return f"{where or 'an array'} failed with {status}"
 
 
 def damaged_step(actor_dir: Path, step: int, what: str) -> DamagedStepError:
@@ -206,16 +276,17 @@ class TrainCheckpointer:
         try:
             self._write(step, params, opt_state, meta)
         except (
-            ValueError
+            Exception
         ) as e:  # tensorstore: "RESOURCE_EXHAUSTED: Error writing ...: No space left on device"
-            status = re.match(r"([A-Z_]+): ", str(e))
-            if status is None:
+            found = tensorstore_status(e)
+            if found is None:
                 raise
-            os_error = re.search(r"Failed to write .*?: ([^\[]+?)\s*\[os_error_code", str(e))
-            reason = os_error.group(1) if os_error else status.group(1)
+            status, message = found
+            os_error = re.search(r"Failed to write .*?: ([^\[]+?)\s*\[os_error_code", message)
+            reason = os_error.group(1) if os_error else status
             kept = [s for s in self.steps() if s != step]
             raise SaveFailedError(
-                f"writing checkpoint step {step} to {self.step_dir(step)} failed: {reason} ({status.group(1)}); "
+                f"writing checkpoint step {step} to {self.step_dir(step)} failed: {reason} ({status}); "
                 f"{f'the last finished step {kept[-1]} is kept' if kept else 'no step had been saved yet'}: free "
                 "space there (or pass a base_output_directory with room), then run the same command to resume"
             ) from None
@@ -258,12 +329,12 @@ class TrainCheckpointer:
         self.check_meta(step)
         try:
             restored = self._restore(step, params_like, opt_state_like, restore_args, as_saved)
-        except ValueError as e:  # tensorstore: "DATA_LOSS: Error reading ..." and the like
-            status = re.match(r"([A-Z_]+): ", str(e))
-            if status is None:
+        except Exception as e:  # tensorstore: "OUT_OF_RANGE: Error reading ...", maybe wrapped by Orbax
+            found = tensorstore_status(e)
+            if found is None:
                 raise
             raise self.damaged(
-                step, f"reading it failed with {status.group(1)} (a truncated or corrupt data file)"
+                step, f"reading {damaged_array(*found)} (a truncated or corrupt data file)"
             ) from e
         saved = restored.train_meta.get("digests") or {}
         for item in ("model_params", "opt_state"):
@@ -296,3 +367,15 @@ class TrainCheckpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def lora_meta(params_path: Path) -> dict | None:
+    """The ``lora`` record of the training step holding ``params_path`` (``.../actor/<step>/model_params``),
+    or None (a full fine-tune, or not a training step)."""
+    meta_file = params_path.parent / "train_meta" / "metadata"
+    if params_path.name != "model_params" or not meta_file.is_file():
+        return None
+    try:
+        return json.loads(meta_file.read_text()).get("lora")
+    except ValueError:
+        return None

@@ -7,6 +7,7 @@ The output loads with ``transformers.AutoModelForCausalLM.from_pretrained`` and 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from grpax.config import field
 
@@ -31,6 +32,18 @@ class CONFIG:
         "a LoRA run's step: merged (the base with the adapters merged in; QLoRA: the dequantised base with them) "
         "| peft (a PEFT adapter folder: adapter_config.json + adapter_model.safetensors, for "
         "peft.PeftModel.from_pretrained and vllm --enable-lora)",
+    )
+    base_parameters_path: str = field(
+        "",
+        "the base a training step was trained from: a LoRA step's (default: the path its checkpoint records; "
+        "pass where it is now if it moved) and the weights a full fine-tune's export is compared with, to say "
+        "how much of the update survives weight_dtype (default: the run's load_parameters_path; holds a second "
+        "copy of the weights in host memory); none = no comparison",
+    )
+    base_model_name_or_path: str = field(
+        "",
+        "lora_export=peft: the Hugging Face base named in adapter_config.json (default: the Hub repository or "
+        "folder the base was converted from, as grpax to_native recorded it)",
     )
     max_shard_size: int = field(2 * 1024**3, "bytes per safetensors shard; more shards write an index")
     scan_layers: bool = field(True, "accepted for MaxText compatibility; the stored layout is read as it is")
@@ -59,15 +72,23 @@ def run(config: CONFIG) -> int:
         weight_dtype=config.weight_dtype,
         max_shard_size=config.max_shard_size,
         lora_export=config.lora_export,
+        base_parameters_path=config.base_parameters_path,
+        base_model_name_or_path=config.base_model_name_or_path,
     )
     print(f"exported {config.load_parameters_path}")
     if "peft_files" in summary:
-        lora = summary["lora"]
-        print(
-            f"  folder       {summary['output_dir']}  (PEFT LoRA adapters, {summary['num_params']:,} parameters)"
-        )
+        lora, out = summary["lora"], summary["output_dir"]
+        print(f"  folder       {out}  (PEFT LoRA adapters, {summary['num_params']:,} parameters)")
         print(f"  files        {', '.join(summary['peft_files'])}")
-        print(f"  base         {lora['base_path']} (r={lora['rank']}, lora_alpha={lora['alpha']})")
+        print(f"  trained on   {lora['base_path']} (r={lora['rank']}, lora_alpha={lora['alpha']})")
+        if summary["hf_base"]:
+            print(f"  HF base      {summary['hf_base']} ({summary['hf_base_note']})")
+            print(
+                "  load with    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                f"{summary['hf_base']!r}), {out!r})"
+            )
+        else:
+            print(f"  HF base      none recorded: {summary['hf_base_note']}")
         return 0
     print(
         f"  folder       {summary['output_dir']}  ({summary['num_params']:,} parameters, {summary['weight_dtype']})"
@@ -77,4 +98,11 @@ def run(config: CONFIG) -> int:
     print(
         f"  tokenizer    {', '.join(summary['tokenizer_files']) or 'none (no tokenizer next to config.json)'}"
     )
+    report = summary["rounding"]
+    if report is not None:
+        print(f"  training     {report.line()}")
+    elif summary["rounding_note"]:
+        print(f"  training     {summary['rounding_note']}")
+    if report is not None and report.lost:
+        print(f"grpax to_huggingface: warning: {report.warning()}", file=sys.stderr)
     return 0

@@ -11,8 +11,9 @@ are MaxText's (``attention: dot_product``, its plain XLA reference); a kernel pl
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash attention (NVIDIA
   GPUs only; bfloat16 or float16 activations).
 
-``jax.nn.dot_product_attention`` has no score soft-capping, so ``jax_nn`` and ``cudnn`` refuse a config with
-``attn_logit_softcap`` (Gemma 2). The decode step of one query per row over the KV cache (``cached_attention``
+``jax.nn.dot_product_attention`` has no score soft-capping and no attention sinks, so ``jax_nn`` and ``cudnn``
+refuse a config with ``attn_logit_softcap`` (Gemma 2) or ``attention_sinks`` (GPT-OSS: a learned logit per head
+joins every softmax's denominator, so a query may attend to nothing; ``sink_softmax``). The decode step of one query per row over the KV cache (``cached_attention``
 with T == 1) reads the cache in its own layout whatever the choice (``cached_attention``'s docstring), and the
 sampler's CPU backend (``grpax.backends.cpu``) runs its own kernels: the choice is the XLA path's.
 
@@ -54,13 +55,26 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # materialised at once, forward or backward.
 _QUERY_CHUNK = 128
 
-# (q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], mask bool [B, T, S], scale, cap) -> [B, T, N, H]
+# (q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], mask bool [B, T, S], scale, cap, sinks) -> [B, T, N, H]
 Attend = Callable[..., jax.Array]
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     """``cap * tanh(x / cap)`` (Gemma 2's attention and final logit soft-capping); ``x`` when ``cap`` is None."""
     return x if not cap else cap * jnp.tanh(x / cap)
+
+
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of float32 ``scores`` [B, K, G, ..., S]; with ``sinks`` [N = K * G] (GPT-OSS),
+    each head's sink logit joins the denominator, ``exp(s) / (sum exp(s) + exp(sink))``, as transformers'
+    ``eager_attention_forward`` of GPT-OSS (the sink's column dropped after the softmax)."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    B, K, G = scores.shape[:3]
+    sink = sinks.astype(jnp.float32).reshape(1, K, G, *(1,) * (scores.ndim - 3))
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - top)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 def attention(
@@ -70,6 +84,7 @@ def attention(
     mask: jax.Array,
     scale: float | None = None,
     cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention in two einsums (``attention=dot_product``).
 
@@ -78,6 +93,7 @@ def attention(
       k, v: [B, S, K, H] keys and values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to key s.
       scale: the scores' factor (None: 1 / sqrt(H)); cap: soft-capping of the scores (``softcap``), or None.
+      sinks: float [N] attention sinks (``sink_softmax``), or None.
 
     Returns:
       [B, T, N, H] in q's dtype; softmax in float32.
@@ -88,7 +104,7 @@ def attention(
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = softcap(scores / math.sqrt(H) if scale is None else scores * scale, cap)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = sink_softmax(scores, sinks).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(B, T, N, H)
 
@@ -100,14 +116,15 @@ def jax_nn_attention(
     mask: jax.Array,
     scale: float | None = None,
     cap: float | None = None,
+    sinks: jax.Array | None = None,
     *,
     implementation: str | None = None,
 ) -> jax.Array:
     """``attention`` by ``jax.nn.dot_product_attention`` (``implementation``: None / "xla", or "cudnn").
 
-    Same arguments and result as ``attention``; ``cap`` must be None (refused by ``ModelConfig``).
+    Same arguments and result as ``attention``; ``cap`` and ``sinks`` must be None (refused by ``ModelConfig``).
     """
-    assert not cap, "jax.nn.dot_product_attention has no soft-capping"
+    assert not cap and sinks is None, "jax.nn.dot_product_attention has no soft-capping and no sinks"
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask[:, None], scale=scale, implementation=implementation
     )
@@ -169,12 +186,13 @@ def chunked_attention(
     scale: float | None = None,
     cap: float | None = None,
     impl: Implementation = DOT_PRODUCT,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``impl``'s attention computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the
     backward pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
     B, T, N, H = q.shape
     if T <= _QUERY_CHUNK:
-        return impl.attend(q, k, v, mask, scale, cap)
+        return impl.attend(q, k, v, mask, scale, cap, sinks)
     n = -(-T // _QUERY_CHUNK)
     pad = n * _QUERY_CHUNK - T
 
@@ -182,7 +200,7 @@ def chunked_attention(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(B, n, _QUERY_CHUNK, *x.shape[2:]).swapaxes(0, 1)
 
-    block = jax.checkpoint(lambda qm: impl.attend(qm[0], k, v, qm[1], scale, cap))
+    block = jax.checkpoint(lambda qm: impl.attend(qm[0], k, v, qm[1], scale, cap, sinks))
     out = jax.lax.map(block, (blocks(q), blocks(mask)))
     return out.swapaxes(0, 1).reshape(B, n * _QUERY_CHUNK, N, H)[:, :T]
 
@@ -209,6 +227,7 @@ def cached_attention(
     scale: float | None = None,
     cap: float | None = None,
     impl: Implementation = DOT_PRODUCT,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query attention of new queries over a KV cache in the decode layout.
 
@@ -225,7 +244,7 @@ def cached_attention(
       q: [B, T, N, H] queries (already rotated).
       cache_k: [B, K, H, S] cached keys; cache_v: [B, K, S, H] cached values; N must be a multiple of K.
       mask: bool [B, T, S], True where query t may attend to slot s.
-      scale, cap: as in ``attention``; impl: the prefill's attention (``select_attention``).
+      scale, cap, sinks: as in ``attention``; impl: the prefill's attention (``select_attention``).
 
     Returns:
       [B, T, N, H] in q's dtype; scores and softmax in float32.
@@ -238,7 +257,7 @@ def cached_attention(
         scores = jax.lax.platform_dependent(q1, cache_k, cpu=_scores_reduce, default=_scores_dot)
         scores = softcap(scores, cap)
         scores = jnp.where(mask[:, 0, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+        probs = sink_softmax(scores, sinks).astype(cache_v.dtype)
         out = jnp.einsum("BKGS,BKSH->BKGH", probs, cache_v, preferred_element_type=jnp.float32)
         return out.reshape(B, 1, N, H).astype(q.dtype)
     # Several queries per row (a padded prefill, once per rollout): the attention on the cache turned to
@@ -246,7 +265,7 @@ def cached_attention(
     dtype = q.dtype if impl.dtypes else jnp.float32
     k = cache_k.transpose(0, 3, 1, 2).astype(dtype)  # [B, S, K, H]
     v = cache_v.transpose(0, 2, 1, 3).astype(dtype)
-    out = impl.attend(q.astype(dtype), k, v, mask, scale, cap)
+    out = impl.attend(q.astype(dtype), k, v, mask, scale, cap, sinks)
     return out.astype(q.dtype)
 
 
@@ -306,6 +325,7 @@ def paged_attention(
     cap: float | None = None,
     window: int | None = None,
     implementation: str = "xla",
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One query per sequence over its pages of the KV cache (the decode step's attention).
 
@@ -316,17 +336,19 @@ def paged_attention(
       lengths: int32 [S] keys each query attends, positions 0..lengths - 1 (>= 1).
       scale, cap: as in ``attention``; window: a sliding window (keys with ``query - key < window``; the
         query is at position lengths - 1), or None.
-      implementation: one of ``PAGED_IMPLEMENTATIONS`` (``ragged_tpu`` lowers for TPU only).
+      implementation: one of ``PAGED_IMPLEMENTATIONS`` (``ragged_tpu`` lowers for TPU only, without sinks).
+      sinks: float [N] attention sinks (``sink_softmax``; GPT-OSS), or None.
 
     Returns:
       [S, N, H] in q's dtype; scores and softmax in float32.
     """
     if implementation == "ragged_tpu":
+        assert sinks is None, "Pallas's ragged paged attention has no attention sinks"
         return _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window)
-    return _gathered(q, kv_pages, page_table, lengths, scale, cap, window)
+    return _gathered(q, kv_pages, page_table, lengths, scale, cap, window, sinks)
 
 
-def _gathered(q, kv_pages, page_table, lengths, scale, cap, window):
+def _gathered(q, kv_pages, page_table, lengths, scale, cap, window, sinks=None):
     """``paged_attention`` in XLA's ops: the n pages of every sequence gathered ([S, n * page_size] keys)."""
     S, N, H = q.shape
     n, page_size, K = page_table.shape[1], kv_pages.shape[1], kv_pages.shape[2] // 2
@@ -341,7 +363,7 @@ def _gathered(q, kv_pages, page_table, lengths, scale, cap, window):
     if window is not None:
         mask &= (lengths[:, None] - 1) - slots < window
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = sink_softmax(scores, sinks).astype(v.dtype)
     out = jnp.einsum("SKGT,STKH->SKGH", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(S, N, H).astype(q.dtype)
 

@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from grpax.models import moe
 from grpax.models.attention import (
     DOT_PRODUCT,
     Implementation,
@@ -45,12 +46,42 @@ from grpax.models.sharding_rules import constrain
 _RESIDUAL = ("batch", "length", "act_embed")
 
 
+def _yarn(inv_freq: jax.Array, theta: float, H: int, scaling: dict[str, float]) -> jax.Array:
+    """YaRN's frequencies (Peng et al. 2023; transformers ``_compute_yarn_parameters``): the low frequencies
+    interpolated by ``factor``, the high ones kept, a linear ramp between the dimensions that turn
+    ``beta_slow`` and ``beta_fast`` times over ``original_max_position_embeddings`` (GPT-OSS)."""
+    factor, length = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim(rotations: float) -> float:
+        return (H * math.log(length / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim(scaling["beta_fast"]), dim(scaling["beta_slow"])
+    if scaling.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, H - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(H // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return (inv_freq / factor) * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor of YaRN's cos and sin tables (its ``attention_factor``: 0.1 ln(factor) + 1), else 1."""
+    scaling = cfg.rope_scaling_dict or {}
+    if "beta_fast" not in scaling:
+        return 1.0
+    if "attention_factor" in scaling:
+        return scaling["attention_factor"]
+    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+
+
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
     """Inverse RoPE frequencies float32 [H/2] of the global layers (``local``: of the local layers).
 
     Global layers scale them by ``cfg.rope_scaling``: Llama 3's (transformers ``_compute_llama3_parameters``,
-    Llama 3 herd paper, section 3.2 long context) or linear (``inv_freq / factor``, Gemma 3). Local layers use
-    ``cfg.rope_local_theta`` unscaled when it is set (Gemma 3), else the global frequencies.
+    Llama 3 herd paper, section 3.2 long context), linear (``inv_freq / factor``, Gemma 3) or YaRN (``_yarn``,
+    GPT-OSS). Local layers use ``cfg.rope_local_theta`` unscaled when it is set (Gemma 3), else the global
+    frequencies.
     """
     H = cfg.head_dim
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta else cfg.rope_theta
@@ -58,6 +89,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
     scaling = cfg.rope_scaling_dict
     if not scaling or (local and cfg.rope_local_theta):
         return inv_freq
+    if "beta_fast" in scaling:
+        return _yarn(inv_freq, theta, H, scaling)
     if "low_freq_factor" not in scaling:  # linear
         return inv_freq / scaling["factor"]
     factor = scaling["factor"]
@@ -72,10 +105,14 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) float32 [B, T, 1, H/2] of the RoPE angles ``positions`` int [B, T] x ``inv_freq`` [H/2]."""
+def rope_tables(
+    positions: jax.Array, inv_freq: jax.Array, factor: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) float32 [B, T, 1, H/2] of the RoPE angles ``positions`` int [B, T] x ``inv_freq`` [H/2], times
+    ``factor`` (YaRN's ``rope_attention_factor``)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -124,11 +161,14 @@ def _layer(
     index=None,
     local=None,
     impl: Implementation = DOT_PRODUCT,
+    route=None,
+    weights=None,
 ):
-    """One decoder block; returns (x, cache_k, cache_v).
+    """One decoder block; returns (x, cache_k, cache_v, its ``moe.Routing`` or None for a dense MLP).
 
     ``mask`` and ``rope`` are (global, local) pairs; ``local`` says which this layer takes (None: global);
-    ``impl`` is the attention (``select_attention``).
+    ``impl`` is the attention (``select_attention``); ``route`` int [B, T, k] the expert ids to route by
+    (routing replay) or None, ``weights`` [B, T] the tokens' weights in the routing statistics.
     With a cache (the decode layout of ``init_cache``: keys [.., B, K, H, S], values [.., B, K, S, H]),
     ``cache_k``/``cache_v`` are either this layer's own buffers (``index=None``) or the whole stacked caches
     with ``index`` this layer's position in them. The new keys/values are scattered in place at slot
@@ -139,7 +179,7 @@ def _layer(
     w = {name: val.astype(dtype) for name, val in layer.items()}
     mask, rope = _pick(local, *mask), _pick(local, *rope)
     q, k, v = attention_inputs(x, w, rope, cfg)
-    scale, cap = _scale(cfg), cfg.attn_logit_softcap
+    scale, cap, sinks = _scale(cfg), cfg.attn_logit_softcap, w.get("sinks")
     if cache_k is not None:
         rows = jnp.arange(x.shape[0])[:, None]
         # Advanced indices split by slices: the indexed view is [B, T, K, H], the layout of k and v.
@@ -153,11 +193,12 @@ def _layer(
                 cache_v = cache_v.at[index, rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
                 layer_k, layer_v = cache_k[index], cache_v[index]
         with jax.named_scope("attention"):
-            attn = cached_attention(q, layer_k, layer_v, mask, scale, cap, impl)
+            attn = cached_attention(q, layer_k, layer_v, mask, scale, cap, impl, sinks)
     else:
         with jax.named_scope("attention"):
-            attn = impl.attend(q, k, v, mask, scale, cap)
-    return attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
+            attn = impl.attend(q, k, v, mask, scale, cap, sinks)
+    x, routing = output_and_mlp(x, attn, w, cfg, route, weights)
+    return x, cache_k, cache_v, routing
 
 
 def _project(h: jax.Array, w: dict, name: str, cfg: ModelConfig) -> jax.Array:
@@ -194,19 +235,32 @@ _ACTIVATIONS = {
 def attention_output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
     """The rest of the block: x + attn [B, T, N, H] @ wo, then the pre-normed gated MLP's residual (each
     output RMS-normed before its residual add when ``cfg.post_norms``)."""
+    return output_and_mlp(x, attn, w, cfg)[0]
+
+
+def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, route=None, weights=None):
+    """``attention_output_and_mlp`` with a mixture of experts' routing: returns (x [B, T, D], ``moe.Routing``
+    of the layer or None when its MLP is dense); ``route`` and ``weights`` as in ``_layer``."""
     B, T, D = x.shape
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention_out"):
         out = attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
+        if cfg.attention_out_bias:
+            out = out + w["o_bias"]
         if cfg.post_norms:
             out = rms_norm(out, w["attn_post_norm"], eps, offset)
         x = x.reshape(B * T, D) + out
+    routing = None
     with jax.named_scope("mlp"):
         h = rms_norm(x, w["mlp_norm"], eps, offset)
-        out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        if cfg.num_experts:
+            out, routing = moe.moe_mlp(h.reshape(B, T, D), w, cfg, route, weights)
+            out = out.reshape(B * T, D)
+        else:
+            out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
         if cfg.post_norms:
             out = rms_norm(out, w["mlp_post_norm"], eps, offset)
-        return (x + out).reshape(B, T, D)
+        return (x + out).reshape(B, T, D), routing
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -221,7 +275,7 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def rope_pair(positions: jax.Array, cfg: ModelConfig) -> tuple:
     """(global, local) RoPE tables of ``positions`` int [B, T] (``rope_tables``); one pair object when equal."""
-    glob = rope_tables(positions, rope_inv_freq(cfg))
+    glob = rope_tables(positions, rope_inv_freq(cfg), rope_attention_factor(cfg))
     if cfg.rope_local_theta is None or not any(cfg.local_layers):
         return glob, glob
     return glob, rope_tables(positions, rope_inv_freq(cfg, local=True))
@@ -282,7 +336,9 @@ def forward(
     attention_mask: jax.Array | None = None,
     cache: dict | None = None,
     return_hidden: bool = False,
-) -> tuple[jax.Array, dict | None]:
+    routes: jax.Array | None = None,
+    return_routes: bool = False,
+) -> tuple:
     """Runs the decoder.
 
     Args:
@@ -298,62 +354,98 @@ def forward(
         With per-layer params (a list) the cache may also be lists of L per-layer buffers
         (``init_cache(..., stacked=False)``, fastest decode on CPU); it comes back in the form it was given.
       return_hidden: return the final-normed hidden states [B, T, D] instead of logits.
+      routes: a mixture of experts' expert ids to route each token by, int [B, T, L, k] (routing replay,
+        ``grpax.models.moe``); None: each router's own top-k.
+      return_routes: also return the routing (a mixture of experts; None for a dense model).
 
     Returns:
-      (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None).
+      (logits float32 [B, T, V] — or hidden [B, T, D] in ``cfg.dtype`` — and the updated cache or None), and
+      with ``return_routes`` a third element: ``moe.Routing`` with ``experts`` int [B, T, L, k] (each router's
+      own top-k) and the per-layer statistics [L, ...] over the tokens of ``attention_mask``, or None.
     """
-    B, T = tokens.shape
     if positions is None:
         positions = default_positions(tokens, attention_mask)
     positions = positions.astype(jnp.int32)
     x = embed(params, tokens, cfg)
     rope = rope_pair(positions, cfg)  # (cos, sin) of the global and the local layers, shared by every layer
+    mask = _forward_mask(positions, attention_mask, cache, cfg)
+    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, impl=select_attention(cfg)), cfg)
+    ck = cache["k"] if cache is not None else None
+    cv = cache["v"] if cache is not None else None
+    layer_routes = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
+    weights = None if attention_mask is None or cache is not None else attention_mask
+    x, ck, cv, routing = _run_layers(
+        layer_fn,
+        params["layers"],
+        (x, ck, cv),
+        (positions, mask, rope),
+        _local_flags(cfg),
+        layer_routes,
+        weights,
+    )
+    new_cache = {"k": ck, "v": cv} if cache is not None else None
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    out = x if return_hidden else logits_from_hidden(params, x, cfg)
+    if not return_routes:
+        return out, new_cache
+    if routing is not None:
+        routing = routing._replace(experts=jnp.moveaxis(routing.experts, 0, 2))
+    return out, new_cache, routing
+
+
+def _forward_mask(
+    positions: jax.Array, attention_mask: jax.Array | None, cache: dict | None, cfg: ModelConfig
+):
+    """``forward``'s (global, local) masks bool [B, T, S]: causal over positions and the attention mask without
+    a cache; ``slot <= position`` over the cache's S slots with one (slot s holds position s of its row)."""
     if cache is None:
-        idx = jnp.arange(T)
+        idx = jnp.arange(positions.shape[1])
         mask = (positions[:, None, :] <= positions[:, :, None]) & (idx[None, :] <= idx[:, None])[None]
         if attention_mask is not None:
             mask = mask & attention_mask.astype(bool)[:, None, :]
-        mask = window_mask(mask, positions, positions, cfg)
-    else:  # slot s holds position s of its row: the full-length cache needs no ring-buffer bookkeeping
-        S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
-        slots = jnp.arange(S, dtype=jnp.int32)[None]
-        mask = window_mask(slots[:, None, :] <= positions[:, :, None], positions, slots, cfg)
+        return window_mask(mask, positions, positions, cfg)
+    S = cache["k"][0].shape[-1] if isinstance(cache["k"], (list, tuple)) else cache["k"].shape[-1]
+    slots = jnp.arange(S, dtype=jnp.int32)[None]
+    return window_mask(slots[:, None, :] <= positions[:, :, None], positions, slots, cfg)
 
-    layer_fn = _maybe_remat(functools.partial(_layer, cfg=cfg, impl=select_attention(cfg)), cfg)
-    layers = params["layers"]
-    ck = cache["k"] if cache is not None else None
-    cv = cache["v"] if cache is not None else None
-    flags = _local_flags(cfg)
-    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned; the cache in the carry
+
+def _run_layers(layer_fn, layers, carry: tuple, inputs: tuple, flags, routes, weights):
+    """The decoder's layers over ``carry`` = (x, cache_k, cache_v): stacked weights scanned (one compiled block,
+    the cache in the carry), listed ones unrolled (per-layer cache buffers each updated in place on their own).
+    ``inputs`` = (positions, mask, rope) of every layer; ``routes`` int [L, B, T, k] or None.
+
+    Returns:
+      (x, cache_k, cache_v, ``moe.Routing`` stacked over layers [L, ...], or None for dense MLPs).
+    """
+    if isinstance(layers, dict):  # stacked [L, ...]
 
         def body(carry, xs):
-            x, ck, cv = carry
-            layer, i, local = xs
-            x, ck, cv = layer_fn(
-                x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i, local=local
-            )
-            return (constrain(x, _RESIDUAL), ck, cv), None
+            layer, i, local, route = xs
+            x, ck, cv, routing = layer_fn(
+                *carry[:1], layer, *inputs, cache_k=carry[1], cache_v=carry[2], index=i, local=local,
+                route=route, weights=weights,
+            )  # fmt: skip
+            return (constrain(x, _RESIDUAL), ck, cv), routing
 
         num_layers = jax.tree.leaves(layers)[0].shape[0]
         local = None if flags[0] is None else jnp.asarray(flags)
-        (x, ck, cv), _ = jax.lax.scan(body, (x, ck, cv), (layers, jnp.arange(num_layers), local))
-    elif isinstance(ck, (list, tuple)):  # per-layer cache buffers: each updated in place on its own
+        carry, routing = jax.lax.scan(body, carry, (layers, jnp.arange(num_layers), local, routes))
+        return (*carry, routing)
+    x, ck, cv = carry
+    listed = isinstance(ck, (list, tuple))  # per-layer cache buffers
+    if listed:
         ck, cv = list(ck), list(cv)
-        for i, layer in enumerate(layers):
-            x, ck[i], cv[i] = layer_fn(
-                x, layer, positions, mask, rope, cache_k=ck[i], cache_v=cv[i], local=flags[i]
-            )
-    else:
-        for i, layer in enumerate(layers):
-            x, ck, cv = layer_fn(
-                x, layer, positions, mask, rope, cache_k=ck, cache_v=cv, index=i, local=flags[i]
-            )
+    per_layer = []
+    for i, layer in enumerate(layers):
+        kw = dict(local=flags[i], route=None if routes is None else routes[i], weights=weights)
+        if listed:
+            x, ck[i], cv[i], routing = layer_fn(x, layer, *inputs, cache_k=ck[i], cache_v=cv[i], **kw)
+        else:
+            x, ck, cv, routing = layer_fn(x, layer, *inputs, cache_k=ck, cache_v=cv, index=i, **kw)
             x = constrain(x, _RESIDUAL)
-    new_cache = {"k": ck, "v": cv} if cache is not None else None
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    if return_hidden:
-        return x, new_cache
-    return logits_from_hidden(params, x, cfg), new_cache
+        per_layer.append(routing)
+    stacked = None if per_layer[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    return x, ck, cv, stacked
 
 
 def decode_paged(
@@ -364,7 +456,8 @@ def decode_paged(
     page_table: jax.Array,
     cfg: ModelConfig,
     implementation: str = "xla",
-) -> tuple[jax.Array, list]:
+    return_routes: bool = False,
+) -> tuple:
     """One token per sequence over a paged KV cache (the sampler's decode step; the layout is
     ``grpax.models.attention``'s): each token's key and value are written at its position's page and offset,
     then it attends to positions 0..position of its own sequence (on a local layer, the last
@@ -379,9 +472,11 @@ def decode_paged(
       page_table: int32 [S, n] each sequence's pages in order, n * page_size > its position.
       cfg: model config.
       implementation: ``grpax.models.attention.PAGED_IMPLEMENTATIONS``.
+      return_routes: also return the experts each token was routed to (a mixture of experts).
 
     Returns:
-      (final-normed hidden states [S, D] in ``cfg.dtype``, the updated pools).
+      (final-normed hidden states [S, D] in ``cfg.dtype``, the updated pools), and with ``return_routes`` the
+      expert ids int [S, L, k] (``moe.Routing.experts``; each router's own top-k).
     """
     idle = positions < 0
     pos = jnp.maximum(positions, 0).astype(jnp.int32)
@@ -394,7 +489,7 @@ def decode_paged(
     x = embed(params, tokens[:, None], cfg)  # [S, 1, D]
     rope = rope_pair(pos[:, None], cfg)
     scale, cap = _scale(cfg), cfg.attn_logit_softcap
-    pages = list(pages)
+    pages, experts = list(pages), []
     for i, (layer, local) in enumerate(zip(params["layers"], _local_flags(cfg), strict=True)):
         w = {name: val.astype(dtype) for name, val in layer.items()}
         q, k, v = attention_inputs(x, w, _pick(local, *rope), cfg)
@@ -402,10 +497,16 @@ def decode_paged(
             pages[i] = write_pages(pages[i], k[:, 0], v[:, 0], write_page, offset)
         with jax.named_scope("attention"):
             window = cfg.sliding_window if local else None
-            attn = paged_attention(q[:, 0], pages[i], table, lengths, scale, cap, window, implementation)
-        x = attention_output_and_mlp(x, attn[:, None], w, cfg)
+            attn = paged_attention(
+                q[:, 0], pages[i], table, lengths, scale, cap, window, implementation, w.get("sinks")
+            )
+        x, routing = output_and_mlp(x, attn[:, None], w, cfg)
+        if routing is not None:
+            experts.append(routing.experts[:, 0])  # [S, k]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
-    return x[:, 0], pages
+    if not return_routes:
+        return x[:, 0], pages
+    return x[:, 0], pages, jnp.stack(experts, axis=1)  # [S, L, k]
 
 
 def forward_grouped(
@@ -414,7 +515,9 @@ def forward_grouped(
     prompt_mask: jax.Array,
     completion_ids: jax.Array,
     cfg: ModelConfig,
-) -> jax.Array:
+    routes: tuple[jax.Array, jax.Array] | None = None,
+    return_routes: bool = False,
+):
     """The hidden states that predict each completion token, each prompt run once for its whole group.
 
     Row r of ``completion_ids`` continues prompt r // G (G = completion rows / prompt rows, a GRPO group). The
@@ -431,22 +534,79 @@ def forward_grouped(
         real tokens (they come later), so no completion mask is needed.
       cfg: model config.
 
+      routes: a mixture of experts' expert ids to route by (routing replay, ``grpax.models.moe``): (prompt
+        routes int [m, P, L, k], completion routes int [B, C, L, k]); None: each router's own top-k.
+      return_routes: also return the routing of the prompts and of the completions.
+
     Returns:
       Final-normed hidden states [B, C, D] in ``cfg.dtype``: position t holds the state after prompt + the
       completion's first t tokens (t = 0: the prompt's last token), the one that predicts completion token t.
+      With ``return_routes``: (hidden, (prompt ``moe.Routing``, completion ``moe.Routing``)), their ``experts``
+      [m, P, L, k] and [B, C, L, k] (each router's own top-k), the statistics over the real prompt tokens and
+      every completion token; (hidden, None) for a dense model.
     """
     m, P = prompt_ids.shape
     B, C = completion_ids.shape
     G = B // m
     dtype = jnp.dtype(cfg.dtype)
-    key_valid = prompt_mask.astype(bool)  # [m, P]
     positions_p = default_positions(prompt_ids, prompt_mask)
     prompt_lengths = jnp.repeat(prompt_mask.astype(jnp.int32).sum(axis=1), G)  # [B]
     positions_c = prompt_lengths[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
     rope_p, rope_c = rope_pair(positions_p, cfg), rope_pair(positions_c, cfg)
+    mask_p, mask_c = _grouped_masks(prompt_mask, positions_p, positions_c, G, cfg)
+    scale, cap, impl = _scale(cfg), cfg.attn_logit_softcap, select_attention(cfg)
+    weights_p = prompt_mask.astype(jnp.float32)
+
+    def layer_fn(xp, xc, layer, local, route_p, route_c):
+        w = {name: val.astype(dtype) for name, val in layer.items()}
+        qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
+        qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
+        sinks = w.get("sinks")
+        with jax.named_scope("attention"):
+            attn_p = chunked_attention(qp, kp, vp, _pick(local, *mask_p), scale, cap, impl, sinks)
+            k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
+            v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
+            attn_c = chunked_attention(qc, k, v, _pick(local, *mask_c), scale, cap, impl, sinks)
+        xp, routing_p = output_and_mlp(xp, attn_p, w, cfg, route_p, weights_p)
+        xc, routing_c = output_and_mlp(xc, attn_c, w, cfg, route_c)
+        return (constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)), (routing_p, routing_c)
+
+    layer_fn = _maybe_remat(layer_fn, cfg)
+    xp, xc = embed(params, prompt_ids, cfg), embed(params, completion_ids, cfg)
+    layers, flags = params["layers"], _local_flags(cfg)
+    route_p, route_c = (None, None) if routes is None else (jnp.moveaxis(r, 2, 0) for r in routes)  # [L, ...]
+    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
+        local = None if flags[0] is None else jnp.asarray(flags)
+        (xp, xc), routing = jax.lax.scan(
+            lambda carry, xs: layer_fn(*carry, *xs), (xp, xc), (layers, local, route_p, route_c)
+        )
+    else:
+        per_layer = []
+        for i, (layer, local) in enumerate(zip(layers, flags, strict=True)):
+            pick = (None, None) if routes is None else (route_p[i], route_c[i])
+            (xp, xc), r = layer_fn(xp, xc, layer, local, *pick)
+            per_layer.append(r)
+        routing = jax.tree.map(lambda *a: jnp.stack(a), *per_layer) if cfg.num_experts else None
+    last_prompt = jnp.repeat(xp[:, -1:], G, axis=0)  # [B, 1, D]: predicts completion token 0
+    hidden = jnp.concatenate([last_prompt, xc[:, :-1]], axis=1)
+    hidden = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if not return_routes:
+        return hidden
+    if not cfg.num_experts:
+        return hidden, None
+    return hidden, tuple(r._replace(experts=jnp.moveaxis(r.experts, 0, 2)) for r in routing)
+
+
+def _grouped_masks(prompt_mask, positions_p, positions_c, G: int, cfg: ModelConfig):
+    """``forward_grouped``'s (global, local) masks: the prompts' [m, P, P] (causal over their real tokens) and the
+    completions' [B, C, P + C] (the row's prompt, then its own earlier completion tokens), windows counted in
+    positions across the prompt/completion seam."""
+    m, P = prompt_mask.shape
+    B, C = positions_c.shape
+    key_valid = prompt_mask.astype(bool)  # [m, P]
     causal_p = jnp.tril(jnp.ones((P, P), bool))
-    mask_p = window_mask(causal_p[None] & key_valid[:, None, :], positions_p, positions_p, cfg)  # [m, P, P]
-    mask_c = jnp.concatenate(  # [B, C, P + C]: the row's prompt, then its own earlier completion tokens
+    mask_p = window_mask(causal_p[None] & key_valid[:, None, :], positions_p, positions_p, cfg)
+    mask_c = jnp.concatenate(
         [
             jnp.broadcast_to(jnp.repeat(key_valid, G, axis=0)[:, None, :], (B, C, P)),
             jnp.broadcast_to(jnp.tril(jnp.ones((C, C), bool))[None], (B, C, C)),
@@ -454,35 +614,7 @@ def forward_grouped(
         axis=-1,
     )
     key_positions_c = jnp.concatenate([jnp.repeat(positions_p, G, axis=0), positions_c], axis=1)
-    mask_c = window_mask(mask_c, positions_c, key_positions_c, cfg)
-    scale, cap, impl = _scale(cfg), cfg.attn_logit_softcap, select_attention(cfg)
-
-    def layer_fn(xp, xc, layer, local):
-        w = {name: val.astype(dtype) for name, val in layer.items()}
-        qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
-        qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
-        with jax.named_scope("attention"):
-            attn_p = chunked_attention(qp, kp, vp, _pick(local, *mask_p), scale, cap, impl)
-            k = jnp.concatenate([jnp.repeat(kp, G, axis=0), kc], axis=1)  # [B, P + C, K, H]
-            v = jnp.concatenate([jnp.repeat(vp, G, axis=0), vc], axis=1)
-            attn_c = chunked_attention(qc, k, v, _pick(local, *mask_c), scale, cap, impl)
-        xp = attention_output_and_mlp(xp, attn_p, w, cfg)
-        xc = attention_output_and_mlp(xc, attn_c, w, cfg)
-        return constrain(xp, _RESIDUAL), constrain(xc, _RESIDUAL)
-
-    layer_fn = _maybe_remat(layer_fn, cfg)
-    xp, xc = embed(params, prompt_ids, cfg), embed(params, completion_ids, cfg)
-    layers = params["layers"]
-    flags = _local_flags(cfg)
-    if isinstance(layers, dict):  # stacked [L, ...]: one compiled block, scanned
-        local = None if flags[0] is None else jnp.asarray(flags)
-        (xp, xc), _ = jax.lax.scan(lambda carry, xs: (layer_fn(*carry, *xs), None), (xp, xc), (layers, local))
-    else:
-        for layer, local in zip(layers, flags, strict=True):
-            xp, xc = layer_fn(xp, xc, layer, local)
-    last_prompt = jnp.repeat(xp[:, -1:], G, axis=0)  # [B, 1, D]: predicts completion token 0
-    hidden = jnp.concatenate([last_prompt, xc[:, :-1]], axis=1)
-    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    return mask_p, window_mask(mask_c, positions_c, key_positions_c, cfg)
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

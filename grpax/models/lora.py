@@ -14,6 +14,12 @@ The adapters are their own params tree, shaped like the base's layers (stacked [
       w_gate, w_up {"a": [L, D, r], "b": [L, r, F]}      gate_proj, up_proj
       w_down  {"a": [L, F, r],    "b": [L, r, D]}        down_proj
 
+A mixture of experts (``grpax.models.moe``) has no dense MLP: there ``gate_proj``, ``up_proj`` and ``down_proj``
+adapt every expert, one adapter pair each (``expert_gate``: {"a": [L, E, D, r], "b": [L, E, r, F]}, ...), as PEFT
+adapts each expert's ``gate_proj`` of a per-expert checkpoint; leaving them out of ``lora_target_modules``
+adapts the attention only. The grouped matmul of the experts computes ``x @ W_e + scale * (x @ A_e) @ B_e``
+(``LoraWeight.ragged_dot``).
+
 Each adapter takes the logical axes of the weight it adapts on its side of the product (A the input axes, B the
 output axes) and a replicated rank axis, so the sharding rules need no new entry.
 
@@ -58,7 +64,23 @@ PEFT_MODULES = {
 }
 # How many leading axes of each weight are its input (the rest its output).
 _IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# A mixture of experts' weights the MLP modules adapt instead: [E, in, out], one input axis after the experts'.
+EXPERTS_OF = {"w_gate": "expert_gate", "w_up": "expert_up", "w_down": "expert_down"}
 ALL_MODULES = tuple(PEFT_MODULES)
+
+
+def _axes_split(name: str) -> tuple[int, int]:
+    """(leading axes shared by W, A and B: the experts', input axes) of an adapted weight ``name``."""
+    if name.startswith("expert_"):
+        return 1, 1
+    return 0, _IN_AXES[name]
+
+
+def adapted_weights(cfg: ModelConfig, lora: LoraConfig) -> tuple[str, ...]:
+    """The grpax weights ``lora`` adapts in ``cfg``'s layers: ``lora.weights``, the MLP's as its experts' in a
+    mixture of experts."""
+    specs = layer_specs(cfg)
+    return tuple(EXPERTS_OF[w] if w not in specs and w in EXPERTS_OF else w for w in lora.weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +115,41 @@ class LoraConfig:
 
 
 def check_target_modules(modules: tuple[str, ...]) -> None:
-    """Raises one ConfigError line for an unknown or empty ``lora_target_modules``."""
+    """Raises one ConfigError line for an unknown, repeated or empty ``lora_target_modules``."""
     bad = [m for m in modules if m not in PEFT_MODULES]
+    twice = sorted({m for m in modules if modules.count(m) > 1})
     if bad or not modules:
         what = f"{bad[0]!r} is not a module of this model" if bad else "no module given"
         raise ConfigError(
             f"lora_target_modules={list(modules)}: {what}; the model's modules are {', '.join(PEFT_MODULES)} "
             "(PEFT names)"
+        )
+    if twice:
+        raise ConfigError(
+            f"lora_target_modules={list(modules)} names {twice[0]!r} twice: name each module once (one pair of "
+            "adapters per module)"
+        )
+
+
+def check_rank(lora: LoraConfig, cfg: ModelConfig, source: str) -> None:
+    """Refuses a rank above an adapted weight's width: A @ B [in, out] has rank at most min(in, out), so more
+    adds parameters and optimizer state that can change nothing (PEFT accepts it; no run needs it).
+
+    Raises:
+      ConfigError: one line naming the narrowest adapted module, its widths and the largest useful rank.
+    """
+    specs = layer_specs(cfg)
+    widths = {}
+    for module, name in PEFT_MODULES.items():
+        if module in lora.target_modules:
+            shape, k = specs[name][0], _IN_AXES[name]
+            widths[module] = (math.prod(shape[:k]), math.prod(shape[k:]))
+    module, (fan_in, fan_out) = min(widths.items(), key=lambda kv: min(kv[1]))
+    if lora.rank > min(fan_in, fan_out):
+        raise ConfigError(
+            f"lora_rank={lora.rank} exceeds the width of {module} ({fan_in} -> {fan_out} in {source}): its update "
+            f"A @ B has rank at most {min(fan_in, fan_out)}, so lora_rank <= {min(fan_in, fan_out)} (or drop "
+            f"{module} from lora_target_modules)"
         )
 
 
@@ -134,17 +184,26 @@ class LoraWeight:
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         return x @ self.w + self.scale * ((x @ self.a) @ self.b)
 
+    def ragged_dot(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """An expert weight's grouped product (``grpax.models.moe``): x [M, in] rows grouped by expert, W [E, in,
+        out], A [E, in, r], B [E, r, out] -> ``x @ W_e + scale * (x @ A_e) @ B_e`` of each row's expert e."""
+
+        def grouped(x, w):
+            return jax.lax.ragged_dot(x, w, group_sizes)
+
+        return grouped(x, self.w) + self.scale * grouped(grouped(x, self.a), self.b)
+
 
 def _adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> dict[str, dict[str, tuple[tuple, tuple]]]:
     """Per adapted weight: {"a": (shape, axes), "b": (shape, axes)} of one unstacked layer."""
     specs = layer_specs(cfg)
     out = {}
-    for name in lora.weights:
+    for name in adapted_weights(cfg, lora):
         shape, axes = specs[name]
-        k = _IN_AXES[name]
+        lead, k = _axes_split(name)
         out[name] = {
-            "a": ((*shape[:k], lora.rank), (*axes[:k], None)),
-            "b": ((lora.rank, *shape[k:]), (None, *axes[k:])),
+            "a": ((*shape[: lead + k], lora.rank), (*axes[: lead + k], None)),
+            "b": ((*shape[:lead], lora.rank, *shape[lead + k :]), (*axes[:lead], None, *axes[lead + k :])),
         }
     return out
 
@@ -184,7 +243,7 @@ def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
       lora: rank and targets.
       key: PRNG key; each weight's A folds in its name's index and its layer.
     """
-    names = list(PEFT_MODULES.values())
+    names = list(PEFT_MODULES.values()) + list(EXPERTS_OF.values())
 
     def leaf(name, ab, shape, axes, layer):
         if ab == "b":
@@ -192,7 +251,7 @@ def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
         k = jax.random.fold_in(key, names.index(name))
         if layer is not None:
             k = jax.random.fold_in(k, layer)
-        fan_in = math.prod(shape[-1 - _IN_AXES[name] : -1])
+        fan_in = math.prod(shape[-1 - _axes_split(name)[1] : -1])
         bound = 1.0 / math.sqrt(fan_in)
         return jax.random.uniform(k, shape, jnp.float32, -bound, bound)
 
@@ -222,8 +281,8 @@ def part_axes(name: str, part: str, axes: tuple, ndim: int) -> tuple:
     if part == "w":
         own = axes
     else:
-        k = _IN_AXES[name]
-        own = (*axes[:k], None) if part == "a" else (None, *axes[k:])
+        lead, k = _axes_split(name)
+        own = (*axes[: lead + k], None) if part == "a" else (*axes[:lead], None, *axes[lead + k :])
     return ("layers", *own) if ndim == len(own) + 1 else own
 
 

@@ -17,11 +17,20 @@ Parameters are a plain nested dict (a pytree), so optax, orbax and ``jax.tree`` 
       q_norm, k_norm [L, H]      ("layers", "head_dim")                qk_norm (Qwen3, Gemma 3)
       attn_post_norm [L, D]      ("layers", "norm")                    post_norms (Gemma 2/3)
       mlp_post_norm  [L, D]      ("layers", "norm")                    post_norms (Gemma 2/3)
+      o_bias     [L, D]          ("layers", "norm")                    attention_out_bias (GPT-OSS)
+      sinks      [L, N]          ("layers", "q_heads")                 attention_sinks (GPT-OSS)
+      router     [L, D, E]       ("layers", "embed", None)             num_experts > 0, in place of w_gate,
+      router_bias [L, E]         ("layers", None)                        w_up and w_down (grpax.models.moe)
+      expert_gate, expert_up [L, E, D, F]  ("layers", "experts", "embed", "mlp")       F = moe_mlp_dim
+      expert_down [L, E, F, D]   ("layers", "experts", "mlp", "embed")
+      expert_gate_bias, expert_up_bias [L, E, F] ("layers", "experts", "mlp")   expert_bias (GPT-OSS)
+      expert_down_bias [L, E, D] ("layers", "experts", None)
     final_norm   [D]             ("norm",)
     lm_head      [D, V]          ("embed", "vocab")      absent when tie_word_embeddings
 
 The family weights reuse the logical axes of the Llama ones, so the sharding rules need no new entry: biases
-shard with their projection's heads, the per-head norms are replicated like ``head_dim``.
+shard with their projection's heads, the per-head norms are replicated like ``head_dim``. The experts' weights
+add one axis, ``experts`` (expert parallelism's mesh axis); the router is replicated over it.
 
 With ``scan_layers=True`` the layer weights are stacked on a leading L axis (one compiled layer, scanned);
 with ``scan_layers=False`` ``layers`` is a list of L dicts without that axis. ``grpax.sharding`` maps the
@@ -39,7 +48,7 @@ from grpax.models.registry import ModelConfig
 
 Params = dict[str, Any]
 
-LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")  # dense ones
 
 
 def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -52,10 +61,13 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         "wv": ((D, K, H), ("embed", "kv_heads", "head_dim")),
         "wo": ((N, H, D), ("q_heads", "head_dim", "embed")),
         "mlp_norm": ((D,), ("norm",)),
-        "w_gate": ((D, F), ("embed", "mlp")),
-        "w_up": ((D, F), ("embed", "mlp")),
-        "w_down": ((F, D), ("mlp", "embed")),
     }
+    if cfg.num_experts:
+        specs.update(expert_specs(cfg))
+    else:
+        specs["w_gate"] = ((D, F), ("embed", "mlp"))
+        specs["w_up"] = ((D, F), ("embed", "mlp"))
+        specs["w_down"] = ((F, D), ("mlp", "embed"))
     if cfg.attention_bias:
         specs["q_bias"] = ((N, H), ("q_heads", "head_dim"))
         specs["k_bias"] = ((K, H), ("kv_heads", "head_dim"))
@@ -66,6 +78,28 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if cfg.post_norms:
         specs["attn_post_norm"] = ((D,), ("norm",))
         specs["mlp_post_norm"] = ((D,), ("norm",))
+    if cfg.attention_out_bias:
+        specs["o_bias"] = ((D,), ("norm",))
+    if cfg.attention_sinks:
+        specs["sinks"] = ((N,), ("q_heads",))
+    return specs
+
+
+def expert_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Shape and logical axes of one layer's router and experts (``num_experts`` > 0)."""
+    D, E, F = cfg.hidden_dim, cfg.num_experts, cfg.moe_mlp_dim
+    specs = {
+        "router": ((D, E), ("embed", None)),
+        "expert_gate": ((E, D, F), ("experts", "embed", "mlp")),
+        "expert_up": ((E, D, F), ("experts", "embed", "mlp")),
+        "expert_down": ((E, F, D), ("experts", "mlp", "embed")),
+    }
+    if cfg.router_bias:
+        specs["router_bias"] = ((E,), (None,))
+    if cfg.expert_bias:
+        specs["expert_gate_bias"] = ((E, F), ("experts", "mlp"))
+        specs["expert_up_bias"] = ((E, F), ("experts", "mlp"))
+        specs["expert_down_bias"] = ((E, D), ("experts", None))
     return specs
 
 

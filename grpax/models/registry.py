@@ -1,9 +1,9 @@
 """Model configurations: the ``model_name`` registry and the Hugging Face ``config.json`` importer/exporter.
 
 The shapes are those of the Hugging Face configs published with each model (Llama 3, SmolLM2, Qwen2.5, Qwen3,
-Gemma 2, Gemma 3, Mistral). Any config.json of a supported architecture (``SUPPORTED_ARCHITECTURES``) is
-accepted too, in the transformers 4 form (``rope_theta`` + ``rope_scaling``) and the transformers 5 form
-(``rope_parameters``, ``layer_types``).
+Gemma 2, Gemma 3, Mistral, and the mixtures of experts Qwen3-MoE, GPT-OSS and Mixtral). Any config.json of a
+supported architecture (``SUPPORTED_ARCHITECTURES``) is accepted too, in the transformers 4 form
+(``rope_theta`` + ``rope_scaling``) and the transformers 5 form (``rope_parameters``, ``layer_types``).
 """
 
 from __future__ import annotations
@@ -31,22 +31,25 @@ _MAXTEXT_ATTENTION = {
 
 
 # The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mixtral")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("global", "local")  # full causal attention | sliding-window attention
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder hyper-parameters of every supported family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3).
+    """Decoder hyper-parameters of every supported family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3,
+    Qwen3-MoE, GPT-OSS).
 
     Llama (Touvron et al. 2023; Llama 3 herd paper for rope scaling) is the base; the family fields switch on
     what each adds: q/k/v biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3), Gemma's
     (1 + w) RMSNorm, norms after attention and MLP, GeGLU, sqrt(D)-scaled embeddings, logit soft-capping and
     ``query_pre_attn_scalar`` (Gemma 2/3 reports), sliding-window attention on the ``local`` layers
-    (Mistral, Gemma 2/3) with Gemma 3's own local RoPE base.
+    (Mistral, Gemma 2/3, GPT-OSS) with Gemma 3's own local RoPE base; a mixture of experts in place of the MLP
+    (Qwen3-MoE, GPT-OSS: ``grpax.models.moe``), attention sinks, an o-projection bias and YaRN RoPE (GPT-OSS).
 
-    Shape letters: D hidden_dim, N num_heads, K num_kv_heads, H head_dim, F mlp_dim, V vocab_size, L num_layers.
+    Shape letters: D hidden_dim, N num_heads, K num_kv_heads, H head_dim, F mlp_dim (moe_mlp_dim of each
+    expert), V vocab_size, L num_layers, E num_experts, k num_experts_per_tok.
     """
 
     vocab_size: int  # V
@@ -86,6 +89,21 @@ class ModelConfig:
     sliding_window: int | None = None  # a local layer's query at p sees keys at p - window < q <= p (tokens)
     layer_types: tuple[str, ...] = ()  # "global" | "local" per layer; () = every layer global
     rope_local_theta: float | None = None  # RoPE base of the local layers, unscaled (Gemma 3); None: global's
+    # Mixture of experts (Qwen3-MoE, GPT-OSS; grpax.models.moe): every layer's MLP is E experts of moe_mlp_dim,
+    # each token sent to k of them by a linear router; 0 experts = the dense MLP of mlp_dim.
+    num_experts: int = 0  # E (MaxText's key)
+    num_experts_per_tok: int = 0  # k (MaxText's key)
+    moe_mlp_dim: int = 0  # F of each expert
+    norm_topk_prob: bool = False  # the k gates renormalised to sum to 1 (Qwen3-MoE's key; GPT-OSS's softmax)
+    router_bias: bool = False  # the router has a bias (GPT-OSS)
+    expert_bias: bool = False  # the experts' gate, up and down projections have biases (GPT-OSS)
+    # GPT-OSS's clamped SwiGLU: (clip(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l); None: SwiGLU
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = (
+        False  # a learned logit per head in every attention softmax's denominator (GPT-OSS)
+    )
+    attention_out_bias: bool = False  # the o projection has a bias (GPT-OSS)
 
     def __post_init__(self) -> None:
         for key in ("dtype", "weight_dtype"):
@@ -127,6 +145,18 @@ class ModelConfig:
             )
         if "local" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
             raise ConfigError(f"local layers need a positive sliding_window (got {self.sliding_window})")
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.moe_mlp_dim > 0
+        ):
+            raise ConfigError(
+                f"num_experts={self.num_experts} needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                f"num_experts and moe_mlp_dim > 0 (got {self.moe_mlp_dim})"
+            )
+        if self.attention != "dot_product" and self.attention_sinks:
+            raise ConfigError(
+                f"attention={self.attention} has no attention sinks, which this model uses: pass "
+                "attention=dot_product"
+            )
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
@@ -155,11 +185,25 @@ class ModelConfig:
             self.mlp_dim,
             self.vocab_size,
         )
-        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+        E, Fe = self.num_experts, self.moe_mlp_dim
+        mlp = (3 * D * Fe * E + D * E) if E else 3 * D * F
+        mlp += E * self.router_bias + E * (2 * Fe + D) * self.expert_bias
+        per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
         per_layer += (N + 2 * K) * H if self.attention_bias else 0
+        per_layer += D if self.attention_out_bias else 0
+        per_layer += N if self.attention_sinks else 0
         per_layer += 2 * H if self.qk_norm else 0
         per_layer += 2 * D if self.post_norms else 0
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
+
+    def active_params(self) -> int:
+        """Parameters a token computes with: each MoE layer's k experts of E (all of them for a dense model)."""
+        if not self.num_experts:
+            return self.num_params()
+        idle = self.num_experts - self.num_experts_per_tok
+        D, Fe = self.hidden_dim, self.moe_mlp_dim
+        per_expert = 3 * D * Fe + (2 * Fe + D) * self.expert_bias
+        return self.num_params() - self.num_layers * idle * per_expert
 
 
 def _llama3_scaling(factor: float) -> tuple[tuple[str, float], ...]:
@@ -372,6 +416,70 @@ _MISTRAL_7B = dict(
 )
 
 
+# Mixtures of experts. Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B): 128 experts of 768, 8 per token, every layer sparse.
+_QWEN3_30B_A3B = dict(
+    _QWEN3_06B,
+    family="qwen3_moe",
+    hidden_dim=2048,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    mlp_dim=6144,
+    tie_word_embeddings=False,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_mlp_dim=768,
+    norm_topk_prob=True,
+)
+# GPT-OSS 20B (openai/gpt-oss-20b): 32 experts of 2880, 4 per token; sliding (128 tokens) and full layers
+# alternate; YaRN RoPE x32 over 4096 positions; <|return|> 200002 ends a reply, <|endoftext|> 199999 pads.
+_GPT_OSS_20B = dict(
+    family="gpt_oss",
+    vocab_size=201088,
+    hidden_dim=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    mlp_dim=2880,
+    rope_theta=150000.0,
+    rope_scaling=(
+        ("beta_fast", 32.0),
+        ("beta_slow", 1.0),
+        ("factor", 32.0),
+        ("original_max_position_embeddings", 4096.0),
+        ("truncate", 0.0),
+    ),
+    max_position_embeddings=131072,
+    eos_token_ids=(200002,),
+    pad_token_id=199999,
+    sliding_window=128,
+    layer_types=_every_nth_global(24, 2),
+    attention_bias=True,
+    attention_out_bias=True,
+    attention_sinks=True,
+    num_experts=32,
+    num_experts_per_tok=4,
+    moe_mlp_dim=2880,
+    norm_topk_prob=True,
+    router_bias=True,
+    expert_bias=True,
+    swiglu_limit=7.0,
+)
+
+
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1): Mistral's attention, 8 experts of 14336, 2 per token.
+_MIXTRAL_8X7B = dict(
+    _MISTRAL_7B,
+    family="mixtral",
+    vocab_size=32000,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_mlp_dim=14336,
+    norm_topk_prob=True,
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisteredModel:
     """One row of the model table: what ``model_name`` selects."""
@@ -442,6 +550,11 @@ MODELS: dict[str, RegisteredModel] = {
     "gemma3-12b-it": RegisteredModel(dict(_GEMMA3_12B, **_GEMMA3_IT), "google/gemma-3-12b-it", _LLAMA),
     "mistral-7b": RegisteredModel(_MISTRAL_7B, "mistralai/Mistral-7B-v0.3", _LLAMA),
     "mistral-7b-Instruct": RegisteredModel(_MISTRAL_7B, "mistralai/Mistral-7B-Instruct-v0.3", _LLAMA),
+    "qwen3-30b-a3b": RegisteredModel(_QWEN3_30B_A3B, "Qwen/Qwen3-30B-A3B", _LLAMA),
+    "qwen3-30b-a3b-Base": RegisteredModel(dict(_QWEN3_30B_A3B, **_QWEN), "Qwen/Qwen3-30B-A3B-Base", _LLAMA),
+    "gpt-oss-20b": RegisteredModel(_GPT_OSS_20B, "openai/gpt-oss-20b", _LLAMA),
+    "mixtral-8x7b": RegisteredModel(_MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-v0.1", _LLAMA),
+    "mixtral-8x7b-Instruct": RegisteredModel(_MIXTRAL_8X7B, "mistralai/Mixtral-8x7B-Instruct-v0.1", _LLAMA),
 }
 
 
@@ -473,6 +586,9 @@ _HF_FAMILIES = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
+    "mixtral": "mixtral",
 }
 _HF_ARCHS = {
     "llama": "LlamaForCausalLM",
@@ -481,10 +597,14 @@ _HF_ARCHS = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
-    "Gemma3ForCausalLM and the text model of Gemma3ForConditionalGeneration"
+    "Gemma3ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM and the text model of "
+    "Gemma3ForConditionalGeneration"
 )
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 _HF_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
@@ -499,8 +619,17 @@ def _rope(rope: dict[str, Any], theta: float) -> tuple[float, tuple[tuple[str, f
         return theta, tuple(sorted((k, float(rope[k])) for k in keys))
     if rope_type == "linear":
         return theta, (("factor", float(rope["factor"])),)
+    if rope_type == "yarn":  # GPT-OSS (transformers' _compute_yarn_parameters; its defaults where unset)
+        keys = dict(beta_fast=32.0, beta_slow=1.0, truncate=True)
+        keys.update({k: rope[k] for k in ("beta_fast", "beta_slow", "truncate") if rope.get(k) is not None})
+        keys.update(
+            factor=rope["factor"], original_max_position_embeddings=rope["original_max_position_embeddings"]
+        )
+        if rope.get("attention_factor") is not None:
+            keys["attention_factor"] = rope["attention_factor"]
+        return theta, tuple(sorted((k, float(v)) for k, v in keys.items()))
     if rope_type not in ("default", None):
-        raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear are)")
+        raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear, yarn are)")
     return theta, None
 
 
@@ -512,20 +641,19 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
         raise ConfigError(f"hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
     values: dict[str, Any] = dict(family=family, mlp_activation=_ACTIVATIONS[act])
     window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None
     types = hf.get("layer_types")
     if types is not None:
         layer_types = tuple(_HF_LAYER_TYPES[t] for t in types)
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         layer_types = ("local",) * n
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(hf.get("max_window_layers", n))
         layer_types = tuple("local" if i >= first else "global" for i in range(n))
-    elif family in ("gemma2", "gemma3"):
-        layer_types = _every_nth_global(
-            n, 2 if family == "gemma2" else int(hf.get("sliding_window_pattern", 6))
-        )
+    elif family in ("gemma2", "gemma3", "gpt_oss"):  # every 2nd layer global (Gemma 3: 6th)
+        nth = int(hf.get("sliding_window_pattern", 6)) if family == "gemma3" else 2
+        layer_types = _every_nth_global(n, nth)
     else:
         layer_types = ()
     if not window:
@@ -533,8 +661,10 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
     values.update(sliding_window=window, layer_types=() if "local" not in layer_types else layer_types)
     if family == "qwen2":
         values["attention_bias"] = True
-    if family in ("qwen3", "gemma3"):
+    if family in ("qwen3", "gemma3", "qwen3_moe"):
         values["qk_norm"] = True
+    if family in ("qwen3_moe", "gpt_oss", "mixtral"):
+        values.update(_moe_values(hf, family))
     if family in ("gemma2", "gemma3"):
         values.update(
             norm_offset=1.0,
@@ -543,6 +673,40 @@ def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
             query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
             attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
             final_logit_softcap=hf.get("final_logit_softcapping", 30.0 if family == "gemma2" else None),
+        )
+    return values
+
+
+def _moe_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelConfig`` from a Qwen3-MoE or GPT-OSS config.json dict.
+
+    Raises:
+      ConfigError: a Qwen3-MoE with dense layers among its sparse ones (``decoder_sparse_step`` > 1 or
+        ``mlp_only_layers``), which grpax's stacked layers do not hold.
+    """
+    n = hf["num_hidden_layers"]
+    step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise ConfigError(
+            f"decoder_sparse_step={step}, mlp_only_layers={dense}: grpax runs Qwen3-MoE with every one of its "
+            f"{n} layers sparse (decoder_sparse_step=1, mlp_only_layers=[]), as the published models are"
+        )
+    values = dict(
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok") or hf.get("experts_per_token")),
+        moe_mlp_dim=int(hf["moe_intermediate_size"] if family == "qwen3_moe" else hf["intermediate_size"]),
+        # Qwen3-MoE's key; GPT-OSS's softmax over the top-k logits and Mixtral's renormalised gates are the same
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if family == "qwen3_moe" else True,
+    )
+    if family == "gpt_oss":
+        values.update(
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+            attention_sinks=True,
+            attention_bias=True,
+            attention_out_bias=True,
         )
     return values
 
@@ -568,8 +732,8 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
     tower ignored). ``source`` (the file's path) opens every error message.
 
     Raises:
-      ConfigError: for another architecture (MoE, multimodal towers, ...), biases Llama or Qwen3 do not have,
-        or an unsupported rope type or activation.
+      ConfigError: for another architecture (multimodal towers, other mixtures of experts, ...), biases Llama
+        or Qwen3 do not have, an unsupported rope type or activation, a Qwen3-MoE with dense layers.
     """
     model_type = hf.get("model_type", "llama")
     family = _HF_FAMILIES.get(model_type)
@@ -596,7 +760,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
             f"{source}: architectures={given or '(none)'}, model_type={model_type!r} is not supported; "
             f"grpax supports {SUPPORTED_ARCHITECTURES}: convert a checkpoint of one of them"
         )
-    if (family != "qwen2" and hf.get("attention_bias")) or hf.get("mlp_bias"):
+    if (family not in ("qwen2", "gpt_oss") and hf.get("attention_bias")) or hf.get("mlp_bias"):
         raise ConfigError(
             f"{source}: attention_bias/mlp_bias=true is not supported; grpax runs {_HF_ARCHS[family]} without them"
         )
@@ -630,6 +794,10 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
 def _hf_rope(theta: float, scaling: dict[str, float] | None) -> dict[str, Any] | None:
     if not scaling:
         return None
+    if "beta_fast" in scaling:
+        ints = ("original_max_position_embeddings",)
+        yarn = {k: (int(v) if k in ints else bool(v) if k == "truncate" else v) for k, v in scaling.items()}
+        return {"rope_type": "yarn", **yarn}
     if "low_freq_factor" not in scaling:
         return {"rope_type": "linear", "factor": scaling["factor"]}
     return {
@@ -670,14 +838,26 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         "pad_token_id": cfg.pad_token_id,
         "torch_dtype": torch_dtype,
     }
+    out.update(_hf_family_keys(cfg, out["hidden_act"]))
+    if (
+        cfg.family in ("gemma2", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+        and out["rope_scaling"] is None
+    ):
+        del out["rope_scaling"]
+    return out
+
+
+def _hf_family_keys(cfg: ModelConfig, hidden_act: str) -> dict[str, Any]:
+    """The family's own config.json keys (biases, windows, soft caps, experts) for ``to_hf_config``."""
+    out: dict[str, Any] = {}
     if cfg.family == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    if cfg.family in ("qwen3", "gemma2", "gemma3"):
+    if cfg.family in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
         out["attention_bias"] = False
     hf_types = [{"global": "full_attention", "local": "sliding_attention"}[t] for t in cfg.layer_types]
-    if cfg.family == "mistral":
+    if cfg.family in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window  # every layer (Mistral has no layer_types)
-    elif cfg.family in ("qwen2", "qwen3"):
+    elif cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
         local = [i for i, t in enumerate(cfg.layer_types) if t == "local"]
         out.update(
             use_sliding_window=bool(local),
@@ -686,9 +866,13 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         )
         if local:
             out["layer_types"] = hf_types
+    elif cfg.family == "gpt_oss":
+        out.update(
+            sliding_window=cfg.sliding_window, layer_types=hf_types or ["full_attention"] * cfg.num_layers
+        )
     else:  # Gemma 2 / 3
         out.update(
-            hidden_activation=out["hidden_act"],
+            hidden_activation=hidden_act,
             query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
             attn_logit_softcapping=cfg.attn_logit_softcap,
             final_logit_softcapping=cfg.final_logit_softcap,
@@ -698,8 +882,26 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         )
         if cfg.family == "gemma3":
             out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
-    if cfg.family in ("gemma2", "mistral", "qwen2", "qwen3") and out["rope_scaling"] is None:
-        del out["rope_scaling"]
+    if cfg.family == "qwen3_moe":
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_mlp_dim,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if cfg.family == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
+    if cfg.family == "gpt_oss":
+        out.update(
+            attention_bias=True,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            swiglu_limit=cfg.swiglu_limit,
+        )
+        if cfg.swiglu_alpha != 1.702:  # transformers' GptOssConfig has the key; the published configs do not
+            out["swiglu_alpha"] = cfg.swiglu_alpha
     return out
 
 
@@ -767,6 +969,9 @@ ARCH_FIELDS = (
     "head_dim",
     "mlp_dim",
     "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_mlp_dim",
 )
 
 

@@ -1,8 +1,11 @@
 """The logical axes of the model's arrays and the one table mapping them to mesh axes.
 
 Every weight is declared once with logical axes (``grpax.models.params``: ``wq: ("embed", "q_heads",
-"head_dim")``); ``LOGICAL_AXIS_RULES`` maps each logical axis to mesh axes of a 3-axis mesh
-``("data", "fsdp", "tensor")``, as MaxText's ``logical_axis_rules`` do. ``constrain`` pins an activation's
+"head_dim")``); ``LOGICAL_AXIS_RULES`` maps each logical axis to mesh axes of a 4-axis mesh
+``("data", "fsdp", "tensor", "expert")``, as MaxText's ``logical_axis_rules`` do. ``expert`` (MaxText's
+expert parallelism) splits a mixture of experts' experts, and the rows like ``data`` elsewhere
+(``grpax.models.moe``: each chip computes its own experts for every token of the expert group); a dense
+model's run leaves it at 1. ``constrain`` pins an activation's
 layout inside ``jax.set_mesh(mesh)`` and is a no-op outside one. The meshes themselves, and placing params and
 batches on them, are ``grpax.sharding``'s (which re-exports these names); this module lives beside the model
 so that the model imports nothing from above it.
@@ -19,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
+DATA, FSDP, TENSOR, EXPERT = "data", "fsdp", "tensor", "expert"
+MESH_AXES = (DATA, FSDP, TENSOR, EXPERT)
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -35,8 +38,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
+    ("experts", EXPERT),
     # activations [B, T, ...]
-    ("batch", (DATA, FSDP)),
+    ("batch", (DATA, FSDP, EXPERT)),
     ("length", None),
     ("act_embed", None),
     ("act_heads", TENSOR),
@@ -44,12 +48,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("act_mlp", TENSOR),
     ("act_vocab", TENSOR),
     # the vocabulary projection of the trainer (grpax.rl.train_step.completion_logprobs): logits and the head
-    # split over the vocabulary on fsdp too, tokens only over data, so no chip gathers the head
-    ("head_batch", DATA),
+    # split over the vocabulary on fsdp too, tokens only over data (and expert), so no chip gathers the head
+    ("head_batch", (DATA, EXPERT)),
     ("head_vocab", (TENSOR, FSDP)),
     # KV cache: keys [L, B, K, H, S], values [L, B, K, S, H] (grpax.models.llama.init_cache)
     ("cache_layers", None),
-    ("cache_batch", (DATA, FSDP)),
+    ("cache_batch", (DATA, FSDP, EXPERT)),
     ("cache_length", None),
     ("cache_kv_heads", TENSOR),
     ("cache_head_dim", None),

@@ -41,6 +41,7 @@ from grpax.config import ConfigError
 from grpax.models import lora as lora_lib
 from grpax.models import quantize as quant
 from grpax.models.llama import round_as_read
+from grpax.models.moe import route_dtype
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
 from grpax.plan.collectives import count_collectives, fsdp_minimum
@@ -96,9 +97,13 @@ def per_chip_bytes(tree) -> int:
     )
 
 
-def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> Batch:
-    """The update's batch as the trainer's ``Rollout`` builds it, at the longest prompt bucket."""
+def _batch(cfg: TrainConfig, mesh, with_ref: bool, model_cfg: ModelConfig | None = None) -> Batch:
+    """The update's batch as the trainer's ``Rollout`` builds it, at the longest prompt bucket (with a mixture of
+    experts' recorded routing under ``router_replay``)."""
     placed = lambda shape: sharding.batch_sharding(np.broadcast_to(np.int8(0), shape), mesh)  # noqa: E731
+    routes = None
+    if cfg.router_replay != "none" and model_cfg is not None and model_cfg.num_experts:
+        routes = (model_cfg.num_layers, model_cfg.num_experts_per_tok, route_dtype(model_cfg.num_experts))
     return Batch.abstract(
         cfg.batch_size,
         cfg.num_generations,
@@ -107,6 +112,7 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool) -> Batch:
         with_ref=with_ref,
         with_old=cfg.needs_old_logprobs,
         sharding_of=placed,
+        routes=routes,
     )
 
 
@@ -289,7 +295,8 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     L = model_cfg.num_layers
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
     specs = layer_specs(model_cfg)
-    adapted = 0 if lora is None else L * sum(math.prod(specs[w][0]) for w in lora.weights)
+    targets = () if lora is None else lora_lib.adapted_weights(model_cfg, lora)
+    adapted = L * sum(math.prod(specs[w][0]) for w in targets)
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
         cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
@@ -298,7 +305,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,
-        TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref), rollout_params,
+        TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref, model_cfg), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
         reference is not None and cfg.reference_on_host, train_step,
@@ -474,8 +481,8 @@ def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
     # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
     read = _forward_params(job) if job.reference is None else job.reference
     c, _ = _compile(
-        "the reference logprobs", n, token_logprobs, read, job.batch.tokens(), job.model_cfg,
-        grpo.temperature, cfg.micro_batches,
+        "the reference logprobs", n, token_logprobs, read, job.batch.tokens(cfg.router_replay == "replay"),
+        job.model_cfg, grpo.temperature, cfg.micro_batches,
     )  # fmt: skip
     functions["reference logprobs"] = c
     c.fsdp_minimum = _fsdp_minimum(job, 1, False)

@@ -53,6 +53,7 @@ from jax.sharding import AbstractMesh
 from grpax import sharding
 from grpax.config import ConfigError
 from grpax.models.llama import forward_grouped
+from grpax.models.lora import adapted_weights
 from grpax.models.params import abstract_params
 from grpax.models.quantize import QuantizedWeight
 from grpax.models.registry import ModelConfig
@@ -84,6 +85,17 @@ def gpu_target(name: str) -> tuple[Chip, int] | None:
 def _share(n: int, ways: int) -> float:
     """Rows per device: split ``ways`` ways when they divide, else replicated (the rules table's policy)."""
     return n / ways if n % ways == 0 else n
+
+
+def _layer_sizes(m: ModelConfig, experts_ways: int) -> tuple[int, int]:
+    """(one layer's matrix parameters on a chip before the tensor split: a mixture of experts' E / ep experts,
+    the widest activation of a token in values: its k experts' for a mixture of experts)."""
+    attention = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim
+    qkv_width = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2
+    if not m.num_experts:
+        return attention + 3 * m.hidden_dim * m.mlp_dim, max(m.mlp_dim * 3, qkv_width)
+    experts = 3 * m.hidden_dim * m.moe_mlp_dim * m.num_experts // experts_ways
+    return attention + experts, max(3 * m.moe_mlp_dim * m.num_experts_per_tok, qkv_width)
 
 
 @functools.cache
@@ -161,11 +173,12 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         )
     mesh_cfg = cfg.mesh()
     ici = sharding.ici_shape(mesh_cfg, num_gpus, "the number of GPUs")
-    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus)
+    ep = mesh_cfg.rollout_expert_parallelism
+    dp, tp = sharding.rollout_parallelism(mesh_cfg, num_gpus // ep)
     mesh = AbstractMesh(ici, sharding.MESH_AXES)
-    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp), sharding.MESH_AXES))
-    update, reference = _trainer_temporaries(cfg, job, ici[0] * ici[1], ici[2])
-    prefill, decode = _sampler_temporaries(job, dp, tp, ici[2])
+    job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp, ep), sharding.MESH_AXES))
+    update, reference = _trainer_temporaries(cfg, job, ici[0] * ici[1] * ici[3], ici[2], ici[3])
+    prefill, decode = _sampler_temporaries(job, dp, tp, ici[2], ici[3])
     estimates = [("update", update)]
     if job.merged_copy:
         estimates.append(("merge", _merge_temporaries(job)))
@@ -193,17 +206,18 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     return report
 
 
-def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int) -> tuple[float, float]:
-    """Bytes per GPU of the update's and the reference pass's temporaries on a (data x fsdp, tensor) mesh."""
+def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int, expert: int) -> tuple[float, float]:
+    """Bytes per GPU of the update's and the reference pass's temporaries on a (data x fsdp x expert, tensor)
+    mesh (a mixture of experts' experts split ``expert`` ways)."""
     m, s = job.model_cfg, job.shape
     act, w = BYTES[m.dtype], BYTES[m.weight_dtype]
-    layer = (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.hidden_dim + 3 * m.hidden_dim * m.mlp_dim
+    layer, widest = _layer_sizes(m, expert)
     # The weights the forward reads (LoRA: the frozen base), gathered a layer at a time.
     gathered = layer * base_bytes_per_param(cfg, m) / tensor
     M = s.num_micro_batches
     prompts, rows = _share(s.num_prompts // M, data), _share(s.num_prompts * s.num_generations // M, data)
     tokens = prompts * s.prompt_length + rows * s.completion_length
-    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    widest /= tensor
     activations = tokens * widest * act
     logits = 3 * LOGITS_CHUNK_ELEMENTS * 4
     trained = compile_check.per_chip_bytes(job.state.params)
@@ -222,12 +236,12 @@ def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int) -> tuple
     return update, reference
 
 
-def _sampler_temporaries(job, dp: int, tp: int, tensor: int) -> tuple[float, float]:
+def _sampler_temporaries(job, dp: int, tp: int, tensor: int, expert: int) -> tuple[float, float]:
     """Bytes per GPU of the prefill's and the decode's temporaries on the sampler's (dp, tp) mesh (the
     prefill's widest activation counted split ``tensor`` ways: the trainer mesh's tensor axis)."""
     m, s = job.model_cfg, job.shape
     act, P, C = BYTES[m.dtype], s.prompt_length, s.completion_length
-    widest = max(m.mlp_dim * 3, (m.num_heads + 2 * m.num_kv_heads) * m.head_dim * 2) / tensor
+    widest = _layer_sizes(m, expert)[1] / tensor
     rollout_rows = _share(s.num_prompts * s.num_generations, dp)
     ends = [*range(s.decode_phase_length or C, C, s.decode_phase_length or C), C]
     # The prefill's output (G rows per prompt, P + the first phase's slots) beside the prompts' own cache.
@@ -254,7 +268,9 @@ def _merge_temporaries(job) -> float:
     w = BYTES[job.model_cfg.weight_dtype]
     layers = job.dense_base["layers"]
     stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
-    adapted = sum(compile_check.per_chip_bytes(stacked(name)) for name in job.lora.weights)
+    adapted = sum(
+        compile_check.per_chip_bytes(stacked(name)) for name in adapted_weights(job.model_cfg, job.lora)
+    )
     return adapted * 4 / w if w < 4 else 0
 
 

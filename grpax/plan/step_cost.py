@@ -65,8 +65,12 @@ class StepShape:
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
+    """The matrix parameters each token multiplies by (a mixture of experts: its router and k experts)."""
     D, N, K, H, F = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
+    mlp = 3 * D * F
+    if cfg.num_experts:
+        mlp = 3 * D * cfg.moe_mlp_dim * cfg.num_experts_per_tok + D * cfg.num_experts
+    return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + mlp)
 
 
 def _attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:

@@ -17,6 +17,10 @@ answers prompt r // G). Shapes and dtypes:
   ref_logprobs      float32 [B, C]   the frozen reference's, or None (required when beta > 0)
   old_logprobs      float32 [B, C]   the trainer's own of the sampling params (num_iterations > 1), or None:
                                      on-policy the ratio is exp(logp - stop_gradient(logp)) = 1
+  routed_experts    int8/16 [B, C, L, k]   a mixture of experts' routing as the sampler ran it
+                                     (``router_replay``): the k experts of completion token t (as an input) in each
+                                     of the L layers; the last token, never fed back, holds 0s; or None
+  prompt_routed_experts int8/16 [P, Lp, L, k]  the same of the prompt tokens (the sampler's prefill), or None
 
 ``host`` (not a pytree leaf: ``device()`` drops it before the batch enters ``jit``) holds what only the host
 reads: rewards per function, correctness, finish reasons, the policy version that sampled and timings.
@@ -35,10 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 
 # One row per prompt; every other array field has one row per completion.
-PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
-TOKEN_FIELDS = (*PROMPT_FIELDS, "completion_ids", "completion_mask")
+PROMPT_FIELDS = ("prompt_ids", "prompt_mask", "prompt_routed_experts")
+# The inputs of a logprob pass (the routes: where it replays the sampler's routing).
+TOKEN_FIELDS = (*PROMPT_FIELDS, "completion_ids", "completion_mask", "routed_experts")
+ROUTE_FIELDS = ("prompt_routed_experts", "routed_experts")
 # The fields with a completion axis [B, C].
-COMPLETION_FIELDS = ("completion_ids", "completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs")
+COMPLETION_FIELDS = (
+    "completion_ids", "completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "routed_experts"
+)  # fmt: skip
 # The shortest completion bucket (tokens): the update and the reference pass run on the batch's longest
 # completion rounded up to this times a power of two (``completion_bucket``).
 MIN_COMPLETION_BUCKET = 64
@@ -145,6 +153,8 @@ class Batch:
     truncated: Any = None
     ref_logprobs: Any = None
     old_logprobs: Any = None
+    routed_experts: Any = None
+    prompt_routed_experts: Any = None
     host: RolloutInfo | None = flax.struct.field(pytree_node=False, default=None)
 
     @staticmethod
@@ -168,10 +178,17 @@ class Batch:
         """The arrays only (``host`` dropped): what ``jit`` sees, so a new step does not trace again."""
         return self.replace(host=None)
 
-    def tokens(self) -> Batch:
-        """Only the token fields (the others None): the input of a logprob pass."""
+    def tokens(self, routes: bool = False) -> Batch:
+        """Only the token fields (the others None): the input of a logprob pass; with ``routes``, the sampler's
+        routing too (a pass that replays it)."""
+        kept = {name: getattr(self, name) for name in ROUTE_FIELDS} if routes else {}
         return Batch(
-            self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, advantages=None
+            self.prompt_ids,
+            self.prompt_mask,
+            self.completion_ids,
+            self.completion_mask,
+            advantages=None,
+            **kept,
         )
 
     def check(self, beta: float, mask_truncated_completions: bool, rollout_correction: bool = False) -> None:
@@ -206,6 +223,17 @@ class Batch:
             x = getattr(self, name)
             if x is not None and tuple(x.shape) != (B,):
                 raise ValueError(f"the train batch's {name} is {tuple(x.shape)}, not [{B}]")
+        for name, rows in (
+            ("routed_experts", (B, C)),
+            ("prompt_routed_experts", tuple(self.prompt_ids.shape)),
+        ):
+            x = getattr(self, name)
+            if x is not None and (x.ndim != 4 or tuple(x.shape[:2]) != rows):
+                raise ValueError(
+                    f"the train batch's {name} is {tuple(x.shape)}, not [{rows[0]}, {rows[1]}, L, k]"
+                )
+        if (self.routed_experts is None) != (self.prompt_routed_experts is None):
+            raise ValueError("the train batch has the routes of its completions or of its prompts, not both")
 
     def trim_completions(self, length: int) -> Batch:
         """The batch with its [B, C] fields cut to their first ``length`` columns (``completion_bucket``).
@@ -264,17 +292,28 @@ class Batch:
         with_ref: bool,
         with_old: bool,
         sharding_of=None,
+        routes: tuple[int, int, Any] | None = None,
     ) -> Batch:
         """The ``ShapeDtypeStruct``s of the batch the trainer builds (what ``compile_topology`` compiles).
 
         ``sharding_of(shape) -> Sharding`` places each field (None: no sharding); rollout_logprobs and
-        truncated are always present, as the trainer's batches carry them.
+        truncated are always present, as the trainer's batches carry them; ``routes`` (L, k, dtype): the
+        routing fields of a mixture of experts' recorded routing (``router_replay``).
         """
         B, Lp, C = num_prompts * num_generations, prompt_length, completion_length
 
         def spec(shape, dtype):
             sharding = sharding_of(shape) if sharding_of is not None else None
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        if routes is not None:
+            L, k, dtype = routes
+            routed = dict(
+                routed_experts=spec((B, C, L, k), dtype),
+                prompt_routed_experts=spec((num_prompts, Lp, L, k), dtype),
+            )
+        else:
+            routed = {}
 
         return Batch(
             prompt_ids=spec((num_prompts, Lp), jnp.int32),
@@ -286,4 +325,5 @@ class Batch:
             truncated=spec((B,), jnp.bool_),
             ref_logprobs=spec((B, C), jnp.float32) if with_ref else None,
             old_logprobs=spec((B, C), jnp.float32) if with_old else None,
+            **routed,
         )

@@ -33,6 +33,9 @@ MU_DTYPES = ("", "float32", "bfloat16")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 LOSS_TYPES = ("ppo_clip", "cispo")  # verl's name for the clipped surrogate; TRL's and verl's "cispo"
 ADV_ESTIMATORS = ("grpo", "rloo")  # verl's algorithm.adv_estimator values
+# A mixture of experts' routing replay (R3): off, the sampler's routes recorded (router/* metrics only), or the
+# trainer's passes routed by them (docs/algorithm.md, "Routing replay").
+ROUTER_REPLAY_MODES = ("none", "record", "replay")
 # TRL's loss_type values that choose an aggregation (here loss_agg_mode) rather than an objective.
 _TRL_AGGREGATION_LOSS_TYPES = {
     "grpo": "sequence-mean-token-mean",
@@ -156,6 +159,17 @@ class GRPOConfig:
         "gradient accumulation: the batch rows are split into this many "
         "micro-batches; the update equals the full-batch update (train_rl: only with micro_batch_size=-1)",
     )
+    router_replay: str = field(
+        "none",
+        "a mixture of experts' rollout routing replay (R3, Ma et al. 2025): none; record (the sampler records "
+        "each token's top-k experts per layer, the router/disagreement_* metrics compare the trainer's own "
+        "top-k with them); replay (recorded, and the update, reference and pi_old passes route by them)",
+    )
+    load_balance_loss_weight: float = field(
+        0.0,
+        "coefficient of a mixture of experts' auxiliary load-balancing loss (Switch Transformer's, per layer, "
+        "averaged; MaxText's key), added to the GRPO loss; 0 = off, as the reference RL stacks train",
+    )
 
     def __post_init__(self):
         validate(self)
@@ -206,6 +220,7 @@ def _validate_choices(cfg: GRPOConfig) -> None:
         "lr_schedule": LR_SCHEDULES,
         "adv_estimator": ADV_ESTIMATORS,
         "vllm_importance_sampling_mode": IMPORTANCE_SAMPLING_MODES,
+        "router_replay": ROUTER_REPLAY_MODES,
     }
     if cfg.loss_type in _TRL_AGGREGATION_LOSS_TYPES:
         raise ConfigError(
@@ -270,6 +285,7 @@ def _validate_numbers(cfg: GRPOConfig) -> None:
         "max_grad_norm": (at_least_0, "the gradient clip, e.g. 0.1; 0 = off"),
         "end_lr_ratio": (at_least_0, "the final learning rate's fraction"),
         "warmup_ratio": (in_0_1, "e.g. 0.1"),
+        "load_balance_loss_weight": (at_least_0, "the auxiliary loss's coefficient, e.g. 0.01; 0 = off"),
     }
     for key, ((expected, ok), meaning) in ranges.items():
         value = getattr(cfg, key)

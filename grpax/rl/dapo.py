@@ -92,7 +92,8 @@ def pick_groups(zero_std: np.ndarray, num_groups: int) -> tuple[np.ndarray, int]
 
 
 def _left_pad(a: np.ndarray, width: int, value: int) -> np.ndarray:
-    return np.pad(a, [(0, 0), (width - a.shape[1], 0)], constant_values=value)
+    """``a`` [rows, n, ...] padded on the left of its axis 1 to ``width`` with ``value``."""
+    return np.pad(a, [(0, 0), (width - a.shape[1], 0)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
 
 
 def take_groups(
@@ -114,6 +115,14 @@ def take_groups(
         for name in ("completion_ids", "completion_mask", "logprobs", "lengths")
     }
     finish = [r for o in outs for r in o.finish_reason]
+    routed = {}
+    if outs[0].routed_experts is not None:  # a mixture of experts' recorded routing, rows taken alike
+        routed = dict(
+            routed_experts=np.concatenate([o.routed_experts for o in outs])[rows],
+            prompt_routed_experts=np.concatenate(
+                [_left_pad(o.prompt_routed_experts, width, 0) for o in outs]
+            )[groups],
+        )
     return GenerateOutput(
         prompt_ids=prompt_ids[groups],
         prompt_mask=prompt_mask[groups],
@@ -124,4 +133,5 @@ def take_groups(
         finish_reason=[finish[i] for i in rows],
         prompt_indices=prompt_indices[groups],
         decode_row_steps=sum(o.decode_row_steps for o in outs),  # the decode work of every round
+        **routed,
     )

@@ -40,7 +40,12 @@ from grpax.models.registry import ModelConfig
 from grpax.rl.rollout import Rollout, mesh_context
 from grpax.sampler import decode as reasons
 from grpax.sampler.engine import Engine, SamplerConfig, prepare_prompts
-from grpax.tasks.environment import MultiTurnConfig, chat_observation
+from grpax.tasks.environment import (
+    CheckedEnvironment,
+    MultiTurnConfig,
+    chat_observation,
+    check_tools_rendered,
+)
 
 
 class MultiTurnOutput(NamedTuple):
@@ -64,6 +69,8 @@ class MultiTurnOutput(NamedTuple):
     observation_tokens: np.ndarray
     env_rewards: np.ndarray
     truncation: list[str]
+    routed_experts: None = None  # GenerateOutput's: multi-turn runs record no routing (check_router_replay)
+    prompt_routed_experts: None = None
 
     def metrics(self) -> dict[str, float]:
         """Means per trajectory of the turn counts, the fraction that called a tool at least once
@@ -133,12 +140,18 @@ def stop_string_end(text: str, last_token_text: str, stop_strings: Sequence[str]
 
 def render_prompt(tokenizer: Any, env: Any, row: dict, preset: PromptPreset) -> str:
     """The prompt text of one trajectory: ``env.reset`` (given the task's messages) through the chat
-    template, with the environment's tools where it declares them, then the preset's response prefix."""
+    template, with the environment's tools where it declares them, then the preset's response prefix.
+
+    Raises:
+      ConfigError: the environment declares tools that the chat template ignores (``check_tools_rendered``).
+    """
     messages = build_messages(row["question"], preset.system_prompt, preset.user_template)
     messages = env.reset({**row, "messages": messages}) or messages
     tools = list(getattr(env, "tools", ()) or ()) or None
     kw = {"tools": tools} if tools else {}
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    if tools:
+        check_tools_rendered(tokenizer, messages, text, tools, isinstance(env, CheckedEnvironment))
     return text + preset.response_prefix
 
 

@@ -1,8 +1,11 @@
 """The GRPO optimizer: AdamW on a warmup + decay learning-rate schedule (the train step clips the gradients'
 global norm before it, ``grpax.rl.train_step``).
 
-As MaxText's RL optimizer (``utils_rl.get_optimizer``): linear warmup from 0 to the peak learning rate over
-``warmup_ratio * num_train_steps`` steps, then a cosine decay to ``end_lr_ratio * peak`` at the last step.
+As MaxText's RL optimizer (``utils_rl.get_optimizer``): linear warmup to the peak learning rate over
+``warmup_ratio * num_train_steps`` steps, then a cosine decay to ``end_lr_ratio * peak`` at the last step. The
+warmup's first update already moves the weights, as nanoGPT's and nanochat's do: update s < W runs at
+``peak * (s + 1) / (W + 1)``, not MaxText's and Hugging Face's ``peak * s / W`` (0 at the first update), which
+in a short run throws away a whole rollout: 6 steps at ratio 0.1 trained only 5 of their batches.
 The schedule is always sized from the real number of optimizer steps of the run, which the caller must pass:
 a schedule sized for a default length would decay too early or never.
 
@@ -62,8 +65,9 @@ def make_lr_schedule(
       end_lr_ratio: final learning rate as a fraction of the peak.
 
     Returns:
-      An optax schedule: lr(0) = 0 when there is warmup (eta otherwise), lr(warmup) = eta,
-      lr(num_train_steps) = end_lr_ratio * eta for the decaying schedules.
+      An optax schedule: lr(s) = eta * (s + 1) / (W + 1) for the warmup's updates s < W (never 0: each update
+      of the run moves the weights), lr(W) = eta, lr(num_train_steps) = end_lr_ratio * eta for the decaying
+      schedules.
 
     Raises:
       ValueError: num_train_steps < 1, warmup >= num_train_steps (with a decay), or an unknown schedule.
@@ -76,8 +80,11 @@ def make_lr_schedule(
     if warmup < 0 or (warmup >= num_train_steps and schedule != "constant"):
         raise ValueError(f"warmup of {warmup} steps leaves no room to decay within {num_train_steps} steps")
     end = end_lr_ratio * learning_rate
+    start = learning_rate / (warmup + 1)  # the first warmup update's: eta (s + 1) / (W + 1) at s = 0
     if schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, num_train_steps, end_value=end)
+        return optax.warmup_cosine_decay_schedule(
+            start, learning_rate, warmup, num_train_steps, end_value=end
+        )
     decay_steps = num_train_steps - warmup
     if schedule == "linear":
         after = optax.linear_schedule(learning_rate, end, decay_steps)
@@ -85,7 +92,7 @@ def make_lr_schedule(
         after = optax.constant_schedule(learning_rate)
     if warmup == 0:
         return after
-    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup), after], [warmup])
+    return optax.join_schedules([optax.linear_schedule(start, learning_rate, warmup), after], [warmup])
 
 
 # The params leaves that weight decay applies to (``grpax.models.params``' names): the matrices and embeddings.

@@ -17,7 +17,7 @@ trained one: the sum W + s B A is rounded to the compute dtype, whose ulp at |W|
 adapter's contribution (|s B A| / |W| ~ 1e-4 after a few steps), so the sampler's weights lose most of the
 adapters' update while the trainer keeps the adapter path apart (``tests/test_lora.py`` measures it).
 The checkpoint's ``train_meta`` records the base's path and
-fingerprint (``fingerprint``): a resume or an export against other base weights is refused.
+fingerprint (``grpax.checkpoint.digests.fingerprint``): a resume or an export against other base weights is refused.
 
 QLoRA (``base_dtype`` int8 or nf4, ``grpax.models.quantize``): the base's projection weights are quantised once
 here, at load, and only the quantised base is kept. The update dequantises them in each matmul; the reference is
@@ -34,8 +34,6 @@ refused.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 from typing import Any
 
@@ -45,25 +43,9 @@ from grpax import sharding
 from grpax.checkpoint import digests
 from grpax.errors import ConfigError
 from grpax.models import lora as lora_lib
-from grpax.models import quantize as quant
 from grpax.models.registry import ModelConfig
 
 log = logging.getLogger("grpax.train")
-
-
-def fingerprint(params: Any, quantization: str = "") -> str:
-    """16 hex digits digesting every weight's bits, dtype and shape (``grpax.checkpoint.digests``), layer by
-    layer, so stacked and listed layers of the same weights give the same fingerprint; with ``quantization``
-    (QLoRA's ``lora_base_dtype``), the quantisation scheme too (unset: the same digest as without it)."""
-    out = {"quantization": quant.scheme(quantization)} if quantization else {}
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
-        key = jax.tree_util.keystr(path, simple=True, separator=".")
-        if key.startswith("layers.") and isinstance(params["layers"], dict):  # stacked [L, ...]
-            name = key.removeprefix("layers.")
-            out.update({f"layers.{i}.{name}": digests.array_digest(x[i]) for i in range(x.shape[0])})
-        else:
-            out[key] = digests.array_digest(x)
-    return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
 
 
 LORA_SAMPLERS = ("auto", "merged", "adapters")
@@ -130,7 +112,7 @@ class Policy:
                 compute_dtype,
                 compute_dtype,
             )
-        self.base_fingerprint = fingerprint(base, base_dtype) if lora is not None else ""
+        self.base_fingerprint = digests.fingerprint(base, base_dtype) if lora is not None else ""
         self.weight_dtype = str(jax.tree.leaves(base)[0].dtype) if lora is not None else ""
         if lora is not None and base_dtype:
             before = _nbytes(base["layers"])
@@ -191,6 +173,17 @@ class Policy:
                 f"{where} holds {have} but lora_rank={self.lora.rank if self.lora else 0}: resume with the lora_rank "
                 "it was trained with, or pass a new run_name"
             )
+        if saved and self.lora is not None:
+            keys = {"lora_rank": "rank", "lora_alpha": "alpha", "use_rslora": "use_rslora"}
+            now = {"rank": self.lora.rank, "alpha": self.lora.alpha, "use_rslora": self.lora.use_rslora}
+            changed = [k for k, m in keys.items() if m in saved and saved[m] != now[m]]
+            if changed:
+                listed = ", ".join(f"{k}={saved[keys[k]]!r} (now {now[keys[k]]!r})" for k in changed)
+                raise ConfigError(
+                    f"{where} holds adapters trained with {listed}: these set the adapters' shape and scale "
+                    "(lora_alpha / lora_rank, or / sqrt(lora_rank) with use_rslora), so a resume cannot change "
+                    "them; resume with the values it was trained with, or pass a new run_name"
+                )
         if saved and saved.get("base_quantization", "") != self.base_dtype:
             raise ConfigError(
                 f"{where} holds adapters trained on the base quantised as lora_base_dtype="

@@ -1,4 +1,4 @@
-"""The frozen reference policy's params, and host memory handed back between the phases of a GRPO step.
+"""The frozen reference policy's params (host memory is handed back between phases by ``grpax.host_memory``).
 
 The reference model (beta > 0) is a second copy of the weights that only the reference pass reads (the trainer
 stores it rounded to the compute dtype, as the forward reads it: ``grpax.models.llama.round_as_read``). On a CPU
@@ -13,8 +13,6 @@ in bfloat16: 15 GiB less on one GPU for the update, 16 GB over the host link per
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import gc
 import shutil
@@ -25,6 +23,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from grpax.host_memory import release_host_memory  # noqa: F401  (the trainer's and the rollout's import)
 
 
 class FrozenParams:
@@ -104,18 +104,3 @@ def offload_folder(run_dir: Path) -> Path | None:
     if jax.process_count() == 1 and jax.default_backend() == "cpu":
         return run_dir / ".reference"
     return None
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
-
-
-def release_host_memory() -> None:
-    """Hands freed heap memory back to the OS (glibc ``malloc_trim``), where the C library has it.
-
-    XLA:CPU allocates and frees buffers of every size at each phase; glibc keeps freed blocks below its mmap
-    threshold in its arenas, so without a trim the process's resident memory grows to the sum of the phases'
-    peaks instead of their maximum.
-    """
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)

@@ -56,6 +56,19 @@ def publish(
         summary = to_huggingface(results["actor_path"], export_hf)  # bfloat16, as grpax to_huggingface
         results["hf_path"] = summary["output_dir"]
         log.info("exported the step-%d actor to %s (Hugging Face format)", final_step, results["hf_path"])
+        report = summary["rounding"]
+        if report is not None:
+            results["hf_rounding"] = report.as_dict()
+            if report.lost:
+                fix = (
+                    f"export the step again with grpax to_huggingface load_parameters_path={results['actor_path']} "
+                    "base_output_directory=<new folder> weight_dtype=float32"
+                )
+                log.warning("export_hf: %s", report.warning(fix))
+            else:
+                log.info("export_hf: %s", report.line())
+        elif summary["rounding_note"]:
+            log.info("export_hf: %s", summary["rounding_note"])
         write_results(run_dir, results)
 
 

@@ -49,7 +49,8 @@ class RunPaths:
 
 
 # Keys a resumed run cannot change: the saved data order, groups and weights (and their layout, scan_layers)
-# follow from them. The dataset keys may change (a new dataset continues at the saved position).
+# follow from them (weight_dtype: a 16-bit run's optimizer state also holds the float32 master copy); lora_alpha
+# and use_rslora scale the trained adapters (a new scale would rescale what they learnt). The dataset keys may change (a new dataset continues at the saved position).
 RESUME_FIXED_KEYS = (
     "batch_size",
     "num_generations",
@@ -57,7 +58,10 @@ RESUME_FIXED_KEYS = (
     "model_name",
     "load_parameters_path",
     "scan_layers",
+    "weight_dtype",
     "lora_rank",
+    "lora_alpha",
+    "use_rslora",
     "lora_target_modules",
     "lora_base_dtype",
 )
@@ -226,6 +230,9 @@ def restore_or_start(
 
     Returns:
       (state, the step to start from, the saved "before" evaluation summary or None).
+
+    Raises:
+      ConfigError: the saved data position is past the end of the training prompts (a smaller dataset).
     """
     latest = checkpointer.latest_step()
     if latest is None:
@@ -245,7 +252,15 @@ def restore_or_start(
     # The step placed as the fresh state's (the update's output placement): no second compile of the update.
     step = jax.device_put(jnp.asarray(meta["optimizer_step"], jnp.int32), state.step.sharding)
     state = TrainState(params=new_params, opt_state=opt_state, step=step)
-    iterator.load_state_dict(meta["iterator"])
+    try:
+        iterator.load_state_dict(meta["iterator"])
+    except ValueError:  # a smaller dataset than the run was trained on
+        raise ConfigError(
+            f"run {paths.run_dir} stopped at prompt {meta['iterator']['index']} of an epoch of its training prompts, "
+            f"past the {len(iterator.rows)} prompts of dataset_name={cfg.dataset_name!r} (train_split="
+            f"{cfg.train_split!r}) now: resume with the dataset it was trained on (a larger one continues at the "
+            "saved position), or pass a new run_name"
+        ) from None
     start_step = meta["step"]
     # A finished run (start_step == num_batches) is evaluated again: its old "after" line goes too.
     writer.truncate_after(start_step, drop_eval_at_step=start_step == cfg.num_batches)

@@ -332,6 +332,8 @@ class Rollout:
             advantages=np.asarray(advantages, np.float32),
             rollout_logprobs=out.logprobs,  # the behaviour policy's: the mismatch metrics
             truncated=np.asarray([r == "length" for r in out.finish_reason]),
+            routed_experts=out.routed_experts,  # a mixture of experts' (router_replay): metrics, replay
+            prompt_routed_experts=out.prompt_routed_experts,
         ).trim_completions(completion_bucket(longest, C, self.min_completion_bucket))
         if self.mesh is not None:
             return sharding.shard_global_batch(batch, self.mesh)
@@ -344,27 +346,31 @@ class Rollout:
         params' own (pi_old of the clipped ratio): each token's under the version that sampled it
         (``versions`` int32 [B, C], -1 where masked; a kept engine's batch may hold two), else ``self.params``'."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
+        replay = self.grpo.router_replay == "replay"  # a mixture of experts routed by the sampler's routing
         with mesh_context(self.mesh):
             if self.reference is not None:
                 # mapped from files on a CPU host, unmapped after
-                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M)
+                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M, replay)
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
             if self.grpo.needs_old_logprobs:  # pi_old: the sampling params'
-                batch = batch.replace(old_logprobs=self._old_logprobs(batch, versions, version))
+                old = self._old_logprobs(batch, versions, replay)
+                batch = batch.replace(old_logprobs=old)
         if self._keep_engine and version is not None:  # no later batch holds tokens of older versions
             self._params_of = {v: p for v, p in self._params_of.items() if v >= self.version}
         return batch
 
-    def _old_logprobs(self, batch: Batch, versions: np.ndarray | None, version: int | None) -> Any:
+    def _old_logprobs(self, batch: Batch, versions: np.ndarray | None, replay: bool) -> Any:
+        """pi_old: each token's logprob under the params version that sampled it (``versions``), else under
+        ``self.params``; ``replay``: a mixture of experts routed by the batch's recorded routing."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         present = [] if versions is None or not self._keep_engine else sorted(set(np.unique(versions)) - {-1})
         if len(present) <= 1:
             params = self._params_of.get(present[0], self.params) if present else self.params
-            return compute_logprobs(params, batch, self.model_cfg, temperature, M)
+            return compute_logprobs(params, batch, self.model_cfg, temperature, M, replay)
         versions = versions[:, : batch.completion_ids.shape[1]]  # the batch's completion axis is trimmed
         old = None
         for v in present:
-            lp = compute_logprobs(self._params_of[v], batch, self.model_cfg, temperature, M)
+            lp = compute_logprobs(self._params_of[v], batch, self.model_cfg, temperature, M, replay)
             old = lp if old is None else jnp.where(jnp.asarray(versions == v), lp, old)
         return old

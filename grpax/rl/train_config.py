@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 
@@ -18,7 +18,7 @@ from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
-from grpax.models.lora import LoraConfig
+from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
@@ -68,7 +68,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
         "float32",
         "params' storage dtype (float32 | bfloat16 | float16): float32 = the params are the master weights AdamW "
         "updates (12 bytes/param with m and v); a 16-bit dtype keeps a float32 master copy in the optimizer "
-        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes",
+        "state (14 bytes/param; the reference and the sampler read the 16-bit copy); docs/algorithm.md, Dtypes; a "
+        "resumed run cannot change it",
     )
     reference_dtype: str = field(
         "compute",
@@ -228,11 +229,13 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
             top_p=self.decode_sampling_nucleus_p,
             greedy=False,
             retire_rows=self.decode_retire_rows,
+            record_routes=self.router_replay != "none",
         )
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raises ConfigError naming the key for settings that cannot work."""
+    """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
+    the choices', the evaluation and export's and the micro-batches' in the checks below)."""
     if not cfg.load_parameters_path and not cfg.compile_topology:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
@@ -277,12 +280,34 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}: expected a mass in (0, 1] (1 = off)"
         )
+    _validate_lora(cfg)
+    _validate_choices(cfg)
+    _warn_on_biased_choices(cfg)
+    validate_eval_keys(cfg, allow_no_eval=True)
+    validate_task_keys(cfg)
+    _validate_eval_and_export(cfg)
+    _validate_micro_batches(cfg)
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    """lora_rank, lora_alpha, the LoRA-only keys without lora_rank, the target modules and lora_base_dtype."""
     if cfg.lora_rank < 0:
         raise ConfigError(
             f"lora_rank={cfg.lora_rank}: expected >= 0 (0 = full fine-tune, else the adapters' rank)"
         )
     if cfg.lora_rank and not cfg.lora_alpha > 0:
         raise ConfigError(f"lora_alpha={cfg.lora_alpha}: expected > 0 (scale = lora_alpha / lora_rank)")
+    if not cfg.lora_rank:
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        lora_only = ("lora_alpha", "lora_target_modules", "use_rslora", "lora_sampler")
+        shown = {k: list(v) if isinstance(v, tuple) else v for k in lora_only for v in [getattr(cfg, k)]}
+        given = [f"{k}={shown[k]!r}" for k in lora_only if getattr(cfg, k) != defaults[k]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} LoRA adapters, but lora_rank=0 trains "
+                "all the weights (the full fine-tune): set lora_rank > 0 (e.g. lora_rank=16) or drop "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
     cfg.lora()  # the target modules' names
     if cfg.lora_base_dtype:
         if cfg.lora_base_dtype not in QUANT_DTYPES:
@@ -297,6 +322,10 @@ def validate(cfg: TrainConfig) -> None:
             )
         if cfg.lora_base_dtype == "int8":  # nf4 is grpax's own (grpax.models.quantize)
             require_qwix()
+
+
+def _validate_choices(cfg: TrainConfig) -> None:
+    """remat_policy, reference_dtype, reference_memory and lora_sampler name one of their choices."""
     choices = {
         "remat_policy": ("auto", *REMAT_ORDER),
         "reference_dtype": REFERENCE_DTYPES,
@@ -312,9 +341,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"lora_sampler={cfg.lora_sampler!r}: expected {', '.join(LORA_SAMPLERS)} (what a LoRA rollout decodes)"
         )
-    _warn_on_biased_choices(cfg)
-    validate_eval_keys(cfg, allow_no_eval=True)
-    validate_task_keys(cfg)
+
+
+def _validate_eval_and_export(cfg: TrainConfig) -> None:
+    """eval_interval >= 0; export_hf single-process and a new or empty folder."""
     if cfg.eval_interval < 0:
         raise ConfigError(
             f"eval_interval={cfg.eval_interval}: expected >= 0 (0 = evaluate only before and after training)"
@@ -330,6 +360,10 @@ def validate(cfg: TrainConfig) -> None:
             f"export_hf={cfg.export_hf!r} already exists and is not an empty folder; the export never "
             "overwrites: delete it or choose another folder"
         )
+
+
+def _validate_micro_batches(cfg: TrainConfig) -> None:
+    """micro_batch_size divides batch_size; num_micro_batches divides the step's rows."""
     if cfg.micro_batch_size < 1 and cfg.micro_batch_size != -1:
         raise ConfigError(
             f"micro_batch_size={cfg.micro_batch_size}: expected >= 1 prompts per micro-batch, or -1 to use "
@@ -398,6 +432,27 @@ class Inputs:
     eval_rows: list[dict]
 
 
+def check_router_replay(cfg: TrainConfig, model_cfg: ModelConfig | None, source: Any) -> None:
+    """Refuses ``router_replay`` other than none where no routing is recorded: a dense model (its config.json
+    ``source``) or a multi-turn run (its sampler does not record routing).
+
+    Raises:
+      ConfigError: one line naming the key and the fix.
+    """
+    if cfg.router_replay == "none":
+        return
+    if model_cfg is not None and not model_cfg.num_experts:
+        raise ConfigError(
+            f"router_replay={cfg.router_replay}: {source} is a dense {model_cfg.family} model, with no router to "
+            "record or replay; pass router_replay=none"
+        )
+    if cfg.environment:
+        raise ConfigError(
+            f"router_replay={cfg.router_replay}: the multi-turn rollout (environment={cfg.environment}) does not "
+            "record routing; pass router_replay=none"
+        )
+
+
 def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     """Reads the checkpoint's config.json and the rows the run needs with ``task`` before any model loads: no
     run trains and then fails; the run takes what was read from the returned ``Inputs``.
@@ -407,7 +462,11 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
         split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
     """
     what = f"max_target_length={cfg.max_target_length}"
-    model_cfg, _ = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
+    model_cfg, source = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
+    lora = cfg.lora()
+    if lora is not None and model_cfg is not None:
+        check_rank(lora, model_cfg, str(source))
+    check_router_replay(cfg, model_cfg, source)
     rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"

@@ -35,6 +35,7 @@ import optax
 
 from grpax import distributed
 from grpax.models import lora as lora_lib
+from grpax.models import moe
 from grpax.models.llama import forward_grouped, logits_from_hidden
 from grpax.models.registry import ModelConfig
 from grpax.models.sharding_rules import constrain, logical_to_spec
@@ -74,9 +75,70 @@ class TrainState:
     step: jax.Array
 
 
-def completion_hidden(params, batch: Batch, cfg: ModelConfig) -> jax.Array:
-    """The hidden states [B, C, D] that predict each completion token, each prompt run once (``forward_grouped``)."""
-    return forward_grouped(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, cfg)
+def completion_hidden(params, batch: Batch, cfg: ModelConfig, replay: bool = False):
+    """The hidden states [B, C, D] that predict each completion token, each prompt run once (``forward_grouped``),
+    and a mixture of experts' routing of the prompts and the completions (``moe.Routing`` pair; None for a dense
+    model). ``replay``: route by the batch's recorded routing (``router_replay=replay``) where it has one."""
+    routes = None
+    if replay and batch.routed_experts is not None:
+        routes = (batch.prompt_routed_experts, batch.routed_experts)
+    return forward_grouped(
+        params,
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.completion_ids,
+        cfg,
+        routes=routes,
+        return_routes=True,
+    )
+
+
+def router_disagreement(routing: tuple, batch: Batch) -> dict[str, jax.Array]:
+    """Per layer, how many of the trainer's own top-k expert choices the sampler did not make, over the tokens
+    whose routing reaches a counted logprob: the real prompt tokens and each completion token before a row's
+    last counted one (the last is never an input).
+
+    Args:
+      routing: ``completion_hidden``'s (prompt, completion) ``moe.Routing`` (the trainer's own top-k, also
+        when it routed by the batch's).
+      batch: with ``prompt_routed_experts`` [P, Lp, L, k] and ``routed_experts`` [B, C, L, k] (the sampler's).
+
+    Returns:
+      ``router/disagreement_sum`` float32 [L] (each token's share of its k choices that differ, summed) and
+      ``router/decisions`` float32 [L] (the tokens counted): summed over micro-batches, their ratio is the
+      fraction of router decisions that disagree (``accumulate_gradients`` reports its mean and max over layers).
+    """
+    mask = batch.completion_mask.astype(jnp.int32)
+    later = jnp.flip(jnp.cumsum(jnp.flip(mask[:, 1:], axis=1), axis=1), axis=1) > 0  # a counted token follows
+    valid_c = jnp.pad(later, ((0, 0), (0, 1)))
+    sums, counts = [], []
+    pairs = (
+        (routing[0].experts, batch.prompt_routed_experts, batch.prompt_mask > 0),
+        (routing[1].experts, batch.routed_experts, valid_c),
+    )
+    for own, recorded, valid in pairs:
+        own, recorded = own.astype(jnp.int32), recorded.astype(jnp.int32)
+        kept = jnp.any(own[..., :, None] == recorded[..., None, :], axis=-1)  # [.., L, k]
+        miss = 1.0 - jnp.mean(kept.astype(jnp.float32), axis=-1)  # [rows, T, L]
+        sums.append(jnp.einsum("RTL,RT->L", miss, valid.astype(jnp.float32)))
+        counts.append(jnp.sum(valid.astype(jnp.float32)) * jnp.ones_like(sums[-1]))
+    return {"router/disagreement_sum": sums[0] + sums[1], "router/decisions": counts[0] + counts[1]}
+
+
+def _routing_aux(routing, mb: Batch, grpo: GRPOConfig, num_micro_batches: int) -> tuple[jax.Array, dict]:
+    """A mixture of experts' additions to a micro-batch's loss and metrics: the load-balancing loss times
+    ``load_balance_loss_weight`` (divided by the micro-batches: their sum is the mean) and, where the batch has
+    the sampler's routing, ``router_disagreement``."""
+    loss, aux = jnp.float32(0.0), {}
+    if routing is None:
+        return loss, aux
+    if grpo.load_balance_loss_weight > 0:
+        both = jax.tree.map(jnp.add, *(r._replace(experts=jnp.zeros(())) for r in routing))
+        balance = moe.load_balancing_loss(both) / num_micro_batches
+        loss, aux["load_balance_loss"] = grpo.load_balance_loss_weight * balance, balance
+    if mb.routed_experts is not None:
+        aux.update(router_disagreement(routing, mb))
+    return loss, aux
 
 
 # Logits elements per chip in one chunk of ``completion_logprobs`` (64 MiB in float32): the [B, C, V] logits of
@@ -177,9 +239,15 @@ def completion_logprobs(
 
 
 def _micro_loss(
-    params, mb: Batch, normalizer: jax.Array, cfg: ModelConfig, grpo: GRPOConfig, max_completion_length: int
+    params,
+    mb: Batch,
+    normalizer: jax.Array,
+    cfg: ModelConfig,
+    grpo: GRPOConfig,
+    max_completion_length: int,
+    num_micro_batches: int = 1,
 ):
-    hidden = completion_hidden(params, mb, cfg)
+    hidden, routing = completion_hidden(params, mb, cfg, replay=grpo.router_replay == "replay")
     logprobs, entropy = completion_logprobs(
         params, hidden, mb.completion_ids, cfg, grpo.temperature, with_entropy=True
     )
@@ -202,7 +270,9 @@ def _micro_loss(
     # pi_old: the trainer's logprobs at the params that sampled (the batch's, when the update runs later)
     old = jax.lax.stop_gradient(logprobs) if mb.old_logprobs is None else mb.old_logprobs
     aux.update(_mismatch(old, mb.rollout_logprobs, mask))
-    return loss, aux
+    extra, routing_aux = _routing_aux(routing, mb, grpo, num_micro_batches)
+    aux.update(routing_aux)
+    return loss + extra, aux
 
 
 def _mismatch(
@@ -280,7 +350,7 @@ def accumulate_gradients(
 
     def loss_fn(trainable, mb):
         policy = trainable if lora is None else lora_lib.apply(base, trainable, lora)
-        return _micro_loss(policy, mb, normalizer, cfg, grpo, L_max)
+        return _micro_loss(policy, mb, normalizer, cfg, grpo, L_max, num_micro_batches)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -305,6 +375,9 @@ def accumulate_gradients(
     grads, loss, aux = carry
     num_tokens = aux["num_tokens"]
     aux = {k: (aux[k] / jnp.maximum(num_tokens, 1.0) if k in _TOKEN_MEAN_METRICS else aux[k]) for k in aux}
+    if "router/decisions" in aux:  # per layer [L]: the fraction of router decisions that disagree
+        share = aux.pop("router/disagreement_sum") / jnp.maximum(aux.pop("router/decisions"), 1.0)
+        aux.update({"router/disagreement_mean": jnp.mean(share), "router/disagreement_max": jnp.max(share)})
     # The ratio's extremes over no token at all (every row masked) are +-inf: report the on-policy 1.
     aux.update(
         {
@@ -453,19 +526,25 @@ def make_update(train_step, num_iterations: int):
 
 
 def compute_logprobs(
-    params, batch: Batch | dict, cfg: ModelConfig, temperature: float, num_micro_batches: int = 1
+    params,
+    batch: Batch | dict,
+    cfg: ModelConfig,
+    temperature: float,
+    num_micro_batches: int = 1,
+    replay: bool = False,
 ) -> jax.Array:
     """Per-token log-probabilities of the completion tokens under ``params``: float32 [B, C], 0 at padding.
 
     Used for the frozen reference model (``ref_logprobs``) and, when num_iterations > 1, for the sampling
     policy's ``old_logprobs`` before the first update. Needs prompt_ids, prompt_mask (one row per prompt),
     completion_ids, completion_mask (``grpax.rl.batch``); the batch is processed in ``num_micro_batches`` blocks
-    (``Batch.split``) to bound memory.
+    (``Batch.split``) to bound memory. ``replay``: a mixture of experts routes by the batch's recorded routing
+    (``router_replay=replay``), where it has one.
     """
     batch = Batch.of(
         {k: v for k, v in batch.items() if k in TOKEN_FIELDS} if isinstance(batch, dict) else batch
     )
-    return token_logprobs(params, batch.tokens(), cfg, temperature, num_micro_batches)
+    return token_logprobs(params, batch.tokens(routes=replay), cfg, temperature, num_micro_batches)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "num_micro_batches"))
@@ -475,7 +554,9 @@ def token_logprobs(
     """``compute_logprobs`` of a ``Batch.tokens()`` batch, jitted (``compile_topology`` lowers this one)."""
 
     def one(mb):
-        hidden = completion_hidden(params, mb, cfg)
+        hidden, _ = completion_hidden(
+            params, mb, cfg, replay=True
+        )  # the batch's routes where it carries them
         logprobs, _ = completion_logprobs(params, hidden, mb.completion_ids, cfg, temperature)
         return jnp.where(mb.completion_mask.astype(bool), logprobs, 0.0)
 

@@ -70,6 +70,9 @@ class XlaBackend:
     # paged attention, which reads only each sequence's filled pages), else "xla" (the pages a step reads
     # gathered).
     paged_attention: str = "xla"
+    # A mixture of experts' routing recorded (``SamplerConfig.record_routes``): ``prefill`` and ``decode_step``
+    # return the experts each fed token was routed to as a third element.
+    record_routes: bool = False
     # Whether a decode made of several programs (the retiring decode's phases) runs ``prepare_decode`` once,
     # in a program of its own, and passes its output on (costly preparations: the CPU kernels' packing), or
     # inside each phase's program, where the compiler reads the weights in place instead of materialising a
@@ -143,24 +146,27 @@ class XlaBackend:
           plan: what ``plan`` returned for these prompts.
 
         Returns:
-          (final-normed hidden state of each prompt's last token [B, D] in ``cfg.dtype``, the filled cache).
+          (final-normed hidden state of each prompt's last token [B, D] in ``cfg.dtype``, the filled cache), and
+          with ``record_routes`` the expert ids of every prompt token, int [B, P, L, k] (``moe.Routing``).
         """
         B, P = prompt_tokens.shape
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        routed = dict(return_routes=True) if self.record_routes else {}
         if isinstance(params["layers"], dict):
             # Stacked layers are scanned: one compiled layer instead of L unrolled ones (70B's 80 unrolled
             # layers took the TPU compiler most of an hour). A prefill reads each weight once whichever way;
             # the scan's stacked cache is cut into the per-layer buffers the decode updates in place.
             stacked = {name: jnp.stack(buffers) for name, buffers in cache.items()}
-            hidden, stacked = forward(
-                params, prompt_tokens, cfg, positions=positions, cache=stacked, return_hidden=True
+            hidden, stacked, *routing = forward(
+                params, prompt_tokens, cfg, positions=positions, cache=stacked, return_hidden=True, **routed
             )
             cache = {name: list(buffers) for name, buffers in stacked.items()}
         else:
-            hidden, cache = forward(
-                params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True
+            hidden, cache, *routing = forward(
+                params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True, **routed
             )
-        return hidden[jnp.arange(B), prompt_lengths - 1], cache
+        last = hidden[jnp.arange(B), prompt_lengths - 1]
+        return (last, cache, routing[0].experts) if self.record_routes else (last, cache)
 
     def prepare_decode(self, params: Params, cfg: ModelConfig, num_slots: int) -> Any:
         """The weights (and anything else) the decode steps read, once per decode call, outside its loop.
@@ -206,13 +212,16 @@ class XlaBackend:
           pages: the pools (``init_pages``); page_table: int32 [S, n] each slot's pages.
 
         Returns:
-          (float32 logits [S, V], the updated pools).
+          (float32 logits [S, V], the updated pools), and with ``record_routes`` the experts each slot's token
+          was routed to, int [S, L, k].
         """
         # Layers unrolled with per-layer pools (scanning stacked layers copied each layer's weights and cache
         # at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
         params = convert_layout(prepared, cfg, scan_layers=False)
-        hidden, pages = decode_paged(params, tokens, positions, pages, page_table, cfg, self.paged_attention)
-        return logits_from_hidden(params, hidden, cfg), pages
+        hidden, pages, *routes = decode_paged(
+            params, tokens, positions, pages, page_table, cfg, self.paged_attention, self.record_routes
+        )
+        return (logits_from_hidden(params, hidden, cfg), pages, *routes)
 
 
 def _param_devices(params: Params) -> set | None:
@@ -267,7 +276,7 @@ def select_backend(
     # Pallas's ragged paged attention on TPU chips where it takes the model's heads (else the gathered pages)
     on_tpu = bool(devices) and {d.platform for d in devices} == {"tpu"}
     takes = ragged_tpu_takes(cfg.num_kv_heads, cfg.head_dim, cache_dtype or cfg.dtype)
-    paged = "ragged_tpu" if on_tpu and takes else "xla"
+    paged = "ragged_tpu" if on_tpu and takes and not cfg.attention_sinks else "xla"  # the kernel has no sinks
     if name == "xla":
         return XlaBackend(compiler_options=options, paged_attention=paged)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only

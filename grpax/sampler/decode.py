@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.models.llama import init_cache, logits_from_hidden
+from grpax.models.moe import route_dtype
 from grpax.sampler.sampling import draw_from_uniform, filter_logits, sample_tokens, token_logprobs
 
 # Why a slot's segment ended (``reason``); RUNNING: it did not.
@@ -83,11 +84,13 @@ def admit(
       cfg, sampler_cfg, num_generations (G), backend, plan, key_impl: static.
 
     Returns:
-      (pages, int32 [N * G] first tokens, float32 [N * G] their logprobs); completion i answers prompt i // G.
+      (pages, int32 [N * G] first tokens, float32 [N * G] their logprobs, and where the backend records a
+      mixture of experts' routing (``record_routes``) the prompt tokens' experts [N, P, L, k] in
+      ``route_dtype``, else None); completion i answers prompt i // G.
     """
     N, P = prompt_tokens.shape
     cache = init_cache(cfg, N, P, sampler_cfg.cache_dtype or cfg.dtype, stacked=False)
-    last, cache = backend.prefill(
+    last, cache, *routes = backend.prefill(
         params, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), cache, cfg, plan
     )
     with jax.named_scope("kv_cache"):
@@ -95,7 +98,8 @@ def admit(
     logits = jnp.repeat(logits_from_hidden(params, last, cfg), num_generations, axis=0)  # [N * G, V]
     keys = jax.random.wrap_key_data(key_data, impl=key_impl)
     token, logprob = sample(logits, keys, jnp.zeros_like(rows), rows, sampler_cfg)
-    return pages, token, logprob
+    routes = routes[0].astype(route_dtype(cfg.num_experts)) if routes else None
+    return pages, token, logprob, routes
 
 
 def decode(
@@ -129,7 +133,9 @@ def decode(
     Returns:
       (pages, ``tokens`` int32 [S, num_steps], ``logprobs`` float32 [S, num_steps] (0 for forced tokens),
       ``model`` bool [S, num_steps] (sampled, not forced), ``wrote`` bool [S, num_steps] (a token recorded at
-      that step), and the slots' final ``token``, ``n``, ``forced_pos``, ``reason`` [S] and ``steps`` []).
+      that step), and the slots' final ``token``, ``n``, ``forced_pos``, ``reason`` [S] and ``steps`` []); where
+      the backend records a mixture of experts' routing (``record_routes``) also ``routes`` [S, num_steps, L, k]
+      in ``route_dtype``: the experts of the token each slot fed at that step (its token n - 1).
     """
     sc = sampler_cfg
     S = slots["token"].shape[0]
@@ -145,6 +151,9 @@ def decode(
         "model": jnp.zeros((S, num_steps), bool),
         "wrote": jnp.zeros((S, num_steps), bool),
     }
+    if getattr(backend, "record_routes", False):
+        route_shape = (cfg.num_layers, cfg.num_experts_per_tok)
+        out["routes"] = jnp.zeros((S, num_steps, *route_shape), route_dtype(cfg.num_experts))
     state = {
         "token": slots["token"].astype(jnp.int32),
         "n": slots["n"].astype(jnp.int32),
@@ -162,7 +171,7 @@ def decode(
         i, s, pages, out = carry
         active = s["active"]
         positions = jnp.where(active, positions_base + s["n"], -1)  # the fed token's position
-        logits, pages = backend.decode_step(prepared, s["token"], positions, pages, table, cfg)
+        logits, pages, *routes = backend.decode_step(prepared, s["token"], positions, pages, table, cfg)
         with jax.named_scope("record"):
             forcing = active & (s["forced_pos"] < num_forced)
             sampled, logprob = sample(logits, keys, s["n"], rows, sc)
@@ -170,11 +179,14 @@ def decode(
             token = jnp.where(forcing, jnp.take_along_axis(forced, at, axis=1)[:, 0], sampled)
             model = active & ~forcing
             out = {
+                **out,
                 "tokens": out["tokens"].at[:, i].set(jnp.where(active, token, sc.pad_token_id)),
                 "logprobs": out["logprobs"].at[:, i].set(jnp.where(model, logprob, 0.0)),
                 "model": out["model"].at[:, i].set(model),
                 "wrote": out["wrote"].at[:, i].set(active),
             }
+            if routes:
+                out["routes"] = out["routes"].at[:, i].set(routes[0].astype(out["routes"].dtype))
             n = s["n"] + active.astype(jnp.int32)
             reason = segment_end(token, model, n, turn_end, limit, stop_table, pause_table, slots["pauses"])
             ended = active & (reason != RUNNING)

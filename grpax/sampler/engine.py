@@ -48,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax import distributed
+from grpax.host_memory import release_host_memory
+from grpax.models.moe import route_dtype
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.sampler import decode as programs
@@ -86,6 +88,9 @@ class SamplerConfig:
     # When no sequence waits for a slot, decode the running ones on the smallest halving of the slots that holds
     # them (one compile per slot count); false: always on max_num_seqs slots. The same tokens and logprobs.
     retire_rows: bool = True
+    # A mixture of experts' routing recorded (``router_replay``): each prompt and completion token's top-k
+    # experts in every layer, as the prefill and the decode steps routed it (GenerateOutput's routed fields).
+    record_routes: bool = False
     page_size: int = 32  # tokens per page of the KV cache
     # Decode slots: sequences decoded at once at most. 0 = every sequence of a generate call (the GRPO rollout's
     # batch_size x G), so that all of them run together.
@@ -167,6 +172,10 @@ class GenerateOutput(NamedTuple):
         (sum(lengths - 1) / it) is the fraction of decode work spent on idle slots.
       policy_versions: int32 [B, C] the params version that sampled each token (``Engine.update_params``), -1
         where masked; None where not recorded.
+      routed_experts: with ``record_routes`` (a mixture of experts), int8/16 [B, C, L, k]: the experts each
+        completion token was routed to in each layer when the decode fed it back (0s for the last token, never
+        fed, and past a row's end); else None.
+      prompt_routed_experts: likewise int8/16 [N, P, L, k] of the prompt tokens (left-padded like prompt_ids).
     """
 
     prompt_ids: np.ndarray
@@ -179,6 +188,8 @@ class GenerateOutput(NamedTuple):
     prompt_indices: np.ndarray
     decode_row_steps: int = 0
     policy_versions: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
 
 
 @functools.cache
@@ -204,6 +215,14 @@ def compiled_admit(backend):
 def compiled_decode(backend):
     """The jitted decode steps of a set of slots (``grpax.sampler.decode.decode``)."""
     return _compiled(programs.decode, DECODE_STATIC, backend.compiler_options, ("pages",))
+
+
+def routing_backend(backend, cfg: ModelConfig, sampler_cfg: SamplerConfig):
+    """``backend`` recording a mixture of experts' routing where ``sampler_cfg.record_routes`` asks for it (the
+    XLA backend: the CPU one runs dense Llama models only)."""
+    if sampler_cfg.record_routes and cfg.num_experts:
+        return dataclasses.replace(backend, record_routes=True)
+    return backend
 
 
 def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
@@ -245,6 +264,7 @@ def abstract_programs(
       {"prefill": (jitted, args, kwargs), "decode": (jitted, args, kwargs)}: ``jitted.lower(*args, **kwargs)``.
     """
     sc, G = sampler_cfg, num_generations
+    backend = routing_backend(backend, cfg, sc)
     N = 1 << (num_prompts - 1).bit_length()
     S, P, V = sc.max_num_seqs or num_prompts * G, sc.max_prompt_length, cfg.vocab_size
     num_pages = sc.num_pages or 1 + S * sc.pages_per_sequence()
@@ -309,6 +329,8 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     model: list[bool] = dataclasses.field(default_factory=list)  # sampled (True) or forced (an observation)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # a mixture of experts' recorded routing: int [L, k] of each token fed so far (tokens[: len(routes)])
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)
     reason: int = programs.RUNNING  # why its last segment ended
     forced: list[int] = dataclasses.field(default_factory=list)
     forced_pos: int = 0
@@ -325,7 +347,7 @@ class Sequence:
 
     def reset(self) -> None:
         """Back to its prompt (a preempted sequence, restarted later)."""
-        self.tokens, self.logprobs, self.model, self.versions = [], [], [], []
+        self.tokens, self.logprobs, self.model, self.versions, self.routes = [], [], [], [], []
         self.pages, self.forced, self.forced_pos, self.reason = [], [], 0, programs.RUNNING
         self.state = "queued"
 
@@ -333,7 +355,7 @@ class Sequence:
 class Request:
     """A batch of prompts submitted together (``Engine.submit``); its sequences are its rows, G per prompt."""
 
-    def __init__(self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit):
+    def __init__(self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit, route_shape=None):
         self.prompts, self.key_data, self.key_impl = prompts, key_data, key_impl
         self.num_generations, self.pauses, self.turn_budget, self.limit = (
             num_generations,
@@ -344,6 +366,9 @@ class Request:
         G = num_generations
         self.sequences = [Sequence(self, i, prompts[i // G]) for i in range(len(prompts) * G)]
         self.row_steps = 0
+        # (L, k, dtype) of a mixture of experts' recorded routing, else None; each prompt's routes [length, L, k]
+        self.route_shape = route_shape
+        self.prompt_routes: dict[int, np.ndarray] = {}
 
     @property
     def done(self) -> bool:
@@ -367,6 +392,17 @@ class Request:
             ids[b, :n], mask[b, :n], logprobs[b, :n] = s.tokens, s.model, s.logprobs
             versions[b, :n] = s.versions
         versions[mask == 0] = -1
+        routed = {}
+        if self.route_shape is not None:  # prompts' routes left-padded like prompt_ids
+            L, k, dtype = self.route_shape
+            prompt_routes = np.zeros((N, bucket, L, k), dtype)
+            for i, p in enumerate(self.prompts):
+                prompt_routes[i, bucket - len(p) :] = self.prompt_routes[i]
+            routes = np.zeros((B, width, L, k), dtype)
+            for b, s in enumerate(self.sequences):
+                if s.routes:
+                    routes[b, : len(s.routes)] = np.stack(s.routes)
+            routed = dict(routed_experts=routes, prompt_routed_experts=prompt_routes)
         return GenerateOutput(
             prompt_ids=left,
             prompt_mask=prompt_mask,
@@ -378,6 +414,7 @@ class Request:
             prompt_indices=np.arange(N, dtype=np.int32),
             decode_row_steps=self.row_steps,
             policy_versions=versions,
+            **routed,
         )
 
 
@@ -419,7 +456,7 @@ class Engine:
     ):
         sc = self.sc = sampler_cfg
         self.cfg = cfg
-        self.backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, True)
+        self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
         self.num_slots = sc.max_num_seqs or num_slots
         self.table_width = sc.pages_per_sequence()
         num_pages = sc.num_pages or 1 + self.num_slots * self.table_width
@@ -496,9 +533,12 @@ class Engine:
             key = jax.random.wrap_key_data(key)
         key_data = np.asarray(distributed.fetch(jax.random.key_data(key)))
         C = sc.max_completion_length
+        route_shape = None
+        if getattr(self.backend, "record_routes", False):
+            route_shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok, route_dtype(self.cfg.num_experts))
         request = Request(
             [list(p) for p in prompts], key_data, str(jax.random.key_impl(key)), num_generations, pauses,
-            turn_budget or C, C,
+            turn_budget or C, C, route_shape,
         )  # fmt: skip
         G = num_generations
         for i in range(len(prompts)):
@@ -618,15 +658,17 @@ class Engine:
                 key_data[j * G + g], rows[j * G + g] = request.key_data, seq.index
         plan = self.backend.plan(tokens, lengths)
         fn = compiled_admit(self.backend)
-        self.pages, token, logprob = fn(
+        self.pages, token, logprob, routes = fn(
             self.params, self.pages, tokens, lengths, dest, key_data, rows,
             cfg=self.cfg, sampler_cfg=sc, num_generations=G, backend=self.backend, plan=plan,
             key_impl=batch[0][0].key_impl,
         )  # fmt: skip
-        token, logprob = distributed.fetch((token, logprob))
+        token, logprob, routes = distributed.fetch((token, logprob, routes))
         self.stats["prefills"] += 1
         paused = []
-        for j, (request, _, seqs) in enumerate(batch):
+        for j, (request, i, seqs) in enumerate(batch):
+            if routes is not None:
+                request.prompt_routes[i] = np.asarray(routes[j, : len(request.prompts[i])])
             for g, seq in enumerate(seqs):
                 self._admitted += 1
                 seq.order = self._admitted
@@ -784,6 +826,8 @@ class Engine:
         for s, seq in enumerate(self.running):
             wrote = np.flatnonzero(out["wrote"][s])
             for i in wrote:
+                if "routes" in out:  # the experts of the token fed at step i: its last one
+                    seq.routes.append(out["routes"][s, i])
                 self._record(
                     seq, int(out["tokens"][s, i]), float(out["logprobs"][s, i]), bool(out["model"][s, i])
                 )
@@ -869,4 +913,6 @@ def generate(
     request = engine.submit(kept, key, num_generations)
     engine.run(request)
     out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), sc.max_completion_length)
+    del engine, request
+    release_host_memory()  # the page pool's buffers: before the next call allocates
     return out._replace(prompt_indices=np.array(indices, np.int32))

@@ -60,6 +60,11 @@ class EnvironmentConfig:
     tool_timeout_seconds: float = field(
         2.0, "seconds one tool call may take; past it the model reads an error observation"
     )
+    environment_timeout_seconds: float = field(
+        60.0,
+        "seconds one call of your environment (making it, reset, step) may take before the run stops with one "
+        "line naming it (0: no limit)",
+    )
     tool_call_reward: float = field(
         0.0,
         "points added once to a trajectory whose built-in tool call returned without an error (a shaping "
@@ -212,6 +217,11 @@ def validate_environment_keys(cfg: Any) -> None:
         raise ConfigError(
             f"tool_timeout_seconds={cfg.tool_timeout_seconds}: expected a finite number of seconds >= 0 (0: no limit)"
         )
+    if not (isfinite(cfg.environment_timeout_seconds) and cfg.environment_timeout_seconds >= 0):
+        raise ConfigError(
+            f"environment_timeout_seconds={cfg.environment_timeout_seconds}: expected a finite number of seconds "
+            ">= 0 (0: no limit)"
+        )
     if not isfinite(cfg.tool_call_reward):
         raise ConfigError(f"tool_call_reward={cfg.tool_call_reward}: expected a finite number of points")
     if cfg.tool_call_reward and (path or not environment):
@@ -241,7 +251,12 @@ def environment_factory(cfg: Any) -> Any:
     if not cfg.environment:
         return None
     return load_environment(
-        cfg.environment, cfg.environment_path, cfg.tool_format, cfg.tool_timeout_seconds, cfg.tool_call_reward
+        cfg.environment,
+        cfg.environment_path,
+        cfg.tool_format,
+        cfg.tool_timeout_seconds,
+        cfg.tool_call_reward,
+        cfg.environment_timeout_seconds,
     )
 
 

@@ -166,8 +166,8 @@ def _first_failing_row(fn: RewardFn, prompts, completions, columns, extra) -> tu
     return None
 
 
-class _TimedOut(Exception):
-    """A reward call ran past its time limit (``_invoke``)."""
+class TimedOut(Exception):
+    """A user call (a reward function, an environment) ran past its time limit (``call_within``)."""
 
 
 def _invoke(fn: RewardFn, inputs: Mapping[str, Any], extra: Mapping[str, Any], timeout_s: float) -> Any:
@@ -175,13 +175,23 @@ def _invoke(fn: RewardFn, inputs: Mapping[str, Any], extra: Mapping[str, Any], t
     thread that may run at most that long (a hung function cannot be stopped, but the run no longer waits).
 
     Raises:
-      whatever ``fn`` raised (``SystemExit`` included), or ``_TimedOut``.
+      whatever ``fn`` raised (``SystemExit`` included), or ``TimedOut``.
     """
 
     def call() -> Any:
         raw = fn(**copy.deepcopy(dict(inputs)), **extra)
         return list(raw) if isinstance(raw, Iterator) else raw  # a generator runs its code as it is read
 
+    return call_within(call, timeout_s, "grpax-reward")
+
+
+def call_within(call: Callable[[], Any], timeout_s: float, thread_name: str) -> Any:
+    """``call()``; with ``timeout_s`` > 0, in a daemon thread named ``thread_name`` that may run at most that long
+    (a hung call cannot be stopped, but the caller no longer waits for it). Rewards and environments share it.
+
+    Raises:
+      whatever ``call`` raised (``SystemExit`` included), or ``TimedOut``.
+    """
     if timeout_s <= 0:
         return call()
     box: dict[str, Any] = {}
@@ -192,11 +202,11 @@ def _invoke(fn: RewardFn, inputs: Mapping[str, Any], extra: Mapping[str, Any], t
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
 
-    thread = threading.Thread(target=target, name="grpax-reward", daemon=True)
+    thread = threading.Thread(target=target, name=thread_name, daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise _TimedOut
+        raise TimedOut
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -246,7 +256,7 @@ def call_reward_function(
     try:
         # Its own copies: an in-place edit must not change what the next function (or a later epoch) scores.
         raw = _invoke(fn, {"prompts": prompts, "completions": completions, **columns}, extra, timeout_s)
-    except _TimedOut:
+    except TimedOut:
         raise RewardFunctionError(
             f"reward function {name!r} ({source}) did not return within reward_timeout_seconds={timeout_s:g} on a "
             f"batch of {len(completions)} completions (a hang?): fix the function, or raise reward_timeout_seconds "

@@ -17,9 +17,10 @@ Qwen2.5/3's templates do.
 
 A user's own environment: ``environment_path=FILE environment=NAME``, where NAME in FILE is a class (or a
 function of no arguments) whose instances have ``reset`` and ``step`` (``load_environment``). Its mistakes are
-one line naming the file: a missing name, a missing method, ``step`` raising or returning another shape. A tool
-that raises or runs past ``tool_timeout_seconds`` is not a mistake of the file: the model reads an error
-observation (``run_tool``).
+one line naming the file: a missing name, a missing method, ``step`` raising or returning another shape, or a
+call of it (making one, ``reset``, ``step``) running past ``environment_timeout_seconds``. A tool that raises or
+runs past ``tool_timeout_seconds`` is not a mistake of the file: the model reads an error observation
+(``run_tool``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import inspect
 import json
 import math
 import re
-import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from grpax.errors import ConfigError, suggest
+from grpax.tasks.base import TimedOut, call_within
 from grpax.tasks.calculator import calculate
 from grpax.tasks.user import _import_file
 
@@ -102,27 +104,16 @@ def run_tool(fn: Callable[..., Any], args: Any, timeout_s: float, name: str = "t
         no longer waits); 0: no limit.
       name: the tool's name in the error observation.
     """
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = fn(**args) if isinstance(args, Mapping) else fn(args)
-        except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's observation
-            box["error"] = e
-
-    if timeout_s > 0:
-        thread = threading.Thread(target=call, name=f"grpax-tool-{name}", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
-            return f"error: {name} did not return within {timeout_s:g} s"
-    else:
-        call()
-    if "error" in box:
-        e = box["error"]
+    try:
+        value = call_within(
+            lambda: fn(**args) if isinstance(args, Mapping) else fn(args), timeout_s, f"grpax-tool-{name}"
+        )
+    except TimedOut:
+        return f"error: {name} did not return within {timeout_s:g} s"
+    except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's observation
         message = " ".join(str(e).split())
         return f"error: {name} raised {type(e).__name__}" + (f": {message}" if message else "")
-    return str(box.get("value"))
+    return str(value)
 
 
 def parse_chat_tool_call(text: str) -> tuple[str, Any] | None:
@@ -271,7 +262,12 @@ BUILTIN_ENVIRONMENTS = ("calculator",)
 
 
 def load_environment(
-    name: str, path: str = "", tool_format: str = "tags", timeout_s: float = 1.0, call_reward: float = 0.0
+    name: str,
+    path: str = "",
+    tool_format: str = "tags",
+    timeout_s: float = 1.0,
+    call_reward: float = 0.0,
+    environment_timeout_s: float = 0.0,
 ) -> Callable[[], Any]:
     """The factory of the environment ``name``: a built-in one, or ``name`` in the Python file ``path``.
 
@@ -282,6 +278,8 @@ def load_environment(
       timeout_s: ``tool_timeout_seconds`` of the built-in tools.
       call_reward: ``tool_call_reward`` of the built-in tools (points once per trajectory with a call that
         returned without an error).
+      environment_timeout_s: ``environment_timeout_seconds``: seconds one call of a user environment (making
+        it, ``reset``, ``step``) may take before the run stops with one line; 0: no limit.
 
     Returns:
       A function of no arguments that makes one environment (one per trajectory).
@@ -322,20 +320,37 @@ def load_environment(
                 f"environment={name!r} in {path} has no method {' or '.join(missing)}: an environment needs "
                 "reset(row) -> messages | None and step(text) -> (observation | None, reward, done)"
             )
-    return UserFactory(factory, name, str(path))
+    return UserFactory(factory, name, str(path), environment_timeout_s)
 
 
 class UserFactory:
-    """Makes a user's environment and checks every answer it gives (one line naming the file on a mistake)."""
+    """Makes a user's environment and checks every answer it gives (one line naming the file on a mistake).
 
-    def __init__(self, factory: Callable[[], Any], name: str, source: str):
-        self.factory, self.name, self.source = factory, name, source
+    Args:
+      factory: the class (or function of no arguments) in the user's file.
+      name: ``environment``; source: ``environment_path``.
+      timeout_s: seconds one call of the factory, ``reset`` or ``step`` may take
+        (``environment_timeout_seconds``); 0: no limit.
+    """
+
+    def __init__(self, factory: Callable[[], Any], name: str, source: str, timeout_s: float = 0.0):
+        self.factory, self.name, self.source, self.timeout_s = factory, name, source, timeout_s
+
+    def call(self, fn: Callable[..., Any], args: tuple, what: str) -> Any:
+        """``fn(*args)`` within ``timeout_s``; its exception or a timeout is one line naming ``what`` (the call)."""
+        try:
+            return call_within(lambda: fn(*args), self.timeout_s, "grpax-environment")
+        except TimedOut:
+            raise EnvironmentFileError(
+                f"environment={self.name!r} ({self.source}) did not return from {what} within "
+                f"environment_timeout_seconds={self.timeout_s:g} (a hang?): fix it, or raise "
+                "environment_timeout_seconds (0: no limit)"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - the user's code: one line naming it
+            raise self.error(f"in {what}", e) from None
 
     def __call__(self) -> Any:
-        try:
-            env = self.factory()
-        except Exception as e:  # noqa: BLE001 - the user's code: one line naming it
-            raise self.error("making it", e) from None
+        env = self.call(self.factory, (), f"{self.name}() (making one environment)")
         missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
         if missing:
             raise EnvironmentFileError(
@@ -361,10 +376,7 @@ class CheckedEnvironment:
         self.tools = tuple(getattr(env, "tools", ()) or ())
 
     def reset(self, row: dict) -> list[dict] | None:
-        try:
-            messages = self.env.reset(row)
-        except Exception as e:  # noqa: BLE001
-            raise self.factory.error("in reset(row)", e) from None
+        messages = self.factory.call(self.env.reset, (row,), "reset(row)")
         ok = messages is None or (
             isinstance(messages, list)
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
@@ -377,10 +389,7 @@ class CheckedEnvironment:
         return messages
 
     def step(self, assistant_text: str) -> tuple[str | None, float, bool]:
-        try:
-            out = self.env.step(assistant_text)
-        except Exception as e:  # noqa: BLE001
-            raise self.factory.error("in step(text)", e) from None
+        out = self.factory.call(self.env.step, (assistant_text,), "step(text)")
         shape_ok = isinstance(out, (tuple, list)) and len(out) == 3
         if shape_ok:
             observation, reward, done = out
@@ -401,6 +410,43 @@ class CheckedEnvironment:
 def _short(value: Any) -> str:
     text = " ".join(repr(value).split())
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_TOOLS_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> tool lists checked
+
+
+def check_tools_rendered(
+    tokenizer: Any, messages: list[dict], rendered: str, tools: list[dict], user_environment: bool
+) -> None:
+    """Refuses a chat template that never reads ``tools`` (SmolLM2's): ``rendered`` (``messages`` with the
+    generation prompt, rendered with ``tools``) equals the rendering without them, so the model would never
+    see the tools it is trained to call. Checked once per tokenizer and tool list.
+
+    Raises:
+      ConfigError: one line naming the tools, the template and the fix (``tool_format=tags`` for the built-in
+        tools; the environment's own messages for a user environment).
+    """
+    key = json.dumps(tools, sort_keys=True, default=str)
+    try:
+        seen = _TOOLS_CHECKED.setdefault(tokenizer, set())
+    except TypeError:  # not weak-referenceable: checked every time
+        seen = set()
+    if key in seen:
+        return
+    if tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered:
+        names = [t.get("function", {}).get("name", "?") if isinstance(t, dict) else "?" for t in tools]
+        source = getattr(tokenizer, "name_or_path", "")
+        fix = (
+            "describe them in the messages your environment's reset(row) returns, or drop its tools"
+            if user_environment
+            else "use tool_format=tags (the tool's instructions and a worked call go into the system prompt)"
+        )
+        raise ConfigError(
+            f"tool_format=chat: the chat template{f' of {source}' if source else ''} ignores its tools argument "
+            f"(a prompt renders the same with and without the tools {names}), so the model would never see "
+            f"them: {fix}"
+        )
+    seen.add(key)
 
 
 def chat_observation(tokenizer: Any, observation: str, stop_text: str, tools: tuple[dict, ...]) -> str:
