@@ -71,6 +71,7 @@ class MultiTurnOutput(NamedTuple):
     truncation: list[str]
     routed_experts: None = None  # GenerateOutput's: multi-turn runs record no routing (check_router_replay)
     prompt_routed_experts: None = None
+    policy_versions: np.ndarray | None = None  # GenerateOutput's: each token's version, -1 if masked
 
     def metrics(self) -> dict[str, float]:
         """Means per trajectory of the turn counts, the fraction that called a tool at least once
@@ -288,6 +289,7 @@ def generate_multi_turn(
         observation_tokens=obs_tokens,
         env_rewards=rewards,
         truncation=truncation,
+        policy_versions=out.policy_versions,
     )
 
 

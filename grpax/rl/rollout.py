@@ -108,9 +108,7 @@ class Rollout:
         self.min_completion_bucket = min_completion_bucket
         self.params: Any = None
         self.version = 0
-        self.engine: Engine | None = (
-            None  # a running engine across calls (``keep_engine``), else one per call
-        )
+        self.engine: Engine | None = None  # one engine running across calls (``keep_engine``), else None
         self._keep_engine = False
         self._params_of: dict[int, Any] = {}  # the versions a kept engine's batches may hold tokens of
         self._presubmitted: tuple | None = None  # (rows, request) of ``presubmit``
@@ -162,9 +160,7 @@ class Rollout:
         if self.params is None:
             raise ValueError("Rollout has no params: call update_params(params, version) first")
         grpo, G = self.grpo, self.grpo.num_generations
-        version = (
-            self.version
-        )  # the batch's (its first tokens'); a kept engine's tail may sample with later ones
+        version = self.version  # the batch's first tokens'; a kept engine's tail may sample with later ones
         t_start = time.perf_counter()
         self._times = {"time/rollout_s": 0.0, "time/reshard_s": 0.0}
         self._rounds: list[GenerateOutput] = []  # every sampling round's output (dynamic sampling: several)

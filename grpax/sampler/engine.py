@@ -355,7 +355,9 @@ class Sequence:
 class Request:
     """A batch of prompts submitted together (``Engine.submit``); its sequences are its rows, G per prompt."""
 
-    def __init__(self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit, route_shape=None):
+    def __init__(
+        self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit, route_shape=None
+    ):
         self.prompts, self.key_data, self.key_impl = prompts, key_data, key_impl
         self.num_generations, self.pauses, self.turn_budget, self.limit = (
             num_generations,
@@ -535,7 +537,8 @@ class Engine:
         C = sc.max_completion_length
         route_shape = None
         if getattr(self.backend, "record_routes", False):
-            route_shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok, route_dtype(self.cfg.num_experts))
+            cfg = self.cfg
+            route_shape = (cfg.num_layers, cfg.num_experts_per_tok, route_dtype(cfg.num_experts))
         request = Request(
             [list(p) for p in prompts], key_data, str(jax.random.key_impl(key)), num_generations, pauses,
             turn_budget or C, C, route_shape,
