@@ -112,6 +112,7 @@ class Rollout:
         self._keep_engine = False
         self._params_of: dict[int, Any] = {}  # the versions a kept engine's batches may hold tokens of
         self._presubmitted: tuple | None = None  # (rows, request) of ``presubmit``
+        self._recomputed_seen = 0  # the kept engine's recomputed KV tokens (weight swaps) logged so far
 
     def update_params(self, params: Any, version: int) -> None:
         """The params the next rollouts sample with (not copied), and their version (recorded per batch). A kept
@@ -195,6 +196,9 @@ class Rollout:
         if versions is not None and self._keep_engine:
             newer = (versions > version).sum() / max(int((versions >= 0).sum()), 1)
             extra["rollout/newer_version_token_fraction"] = float(newer)
+            recomputed = self.engine.stats["recomputed_tokens"] if self.engine is not None else 0
+            extra["rollout/recomputed_kv_tokens"] = float(recomputed - self._recomputed_seen)
+            self._recomputed_seen = recomputed
         t_scored = time.perf_counter()
         batch = self._logprobs(batch, versions, version)
         info.timings = {

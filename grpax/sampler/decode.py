@@ -1,4 +1,4 @@
-"""The rollout engine's two device programs: prompts admitted into the paged KV cache, and decode steps of a fixed
+"""The rollout engine's device programs: prompts admitted into the paged KV cache, and decode steps of a fixed
 set of slots. ``grpax.sampler.engine`` schedules them from the host.
 
 ``admit`` prefills new prompts (the backend's prefill into a dense cache of the prompt bucket), writes their keys
@@ -9,7 +9,8 @@ to ``num_steps`` decode steps of S slots inside one ``lax.while_loop``, the page
 running slot's last token (or the next of its forced tokens: a multi-turn observation), samples the next, and
 ends a slot's segment at a stop token, a pause token (the host checks a stop string), its turn budget or its
 length limit. The loop returns early once ``exit_after`` segments have ended (the host then refills their
-slots) or no slot runs.
+slots) or no slot runs. A third program, ``refill``, recomputes running sequences' keys and values after a
+weight swap (AReaL's interruptible generation): the prefill of each one's context written into its own pages.
 
 A sequence's noise depends on nothing but its own key, row id and token index: token n of row r draws the
 uniforms of ``fold_in(fold_in(key, n), r)``, the static engine's ``fold_in(fold_in(key, step), row)`` with
@@ -100,6 +101,41 @@ def admit(
     token, logprob = sample(logits, keys, jnp.zeros_like(rows), rows, sampler_cfg)
     routes = routes[0].astype(route_dtype(cfg.num_experts)) if routes else None
     return pages, token, logprob, routes
+
+
+def refill(
+    params,
+    pages: list,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    dest: jax.Array,
+    cfg,
+    sampler_cfg,
+    backend,
+    plan,
+):
+    """Recomputes the keys and values of R sequences' contexts under ``params`` into their pages (a weight swap:
+    ``Engine.update_params``): the backend's prefill of each context, written where ``dest`` says.
+
+    Args:
+      params: the model's params (the new version's).
+      pages: the page pools, donated.
+      tokens: int32 [R, T] right-padded contexts (a sequence's prompt and every token it has fed: all but its
+        last); lengths: int32 [R], each in 1..T.
+      dest: int32 [R, T] the page of context token t (offset t % page_size); past the pool it is not written
+        (padding, and a shared prompt page another row writes).
+      cfg, sampler_cfg, backend, plan: static.
+
+    Returns:
+      The pools.
+    """
+    R, T = tokens.shape
+    cache = init_cache(cfg, R, T, sampler_cfg.cache_dtype or cfg.dtype, stacked=False)
+    _, cache, *_ = backend.prefill(
+        params, tokens.astype(jnp.int32), lengths.astype(jnp.int32), cache, cfg, plan
+    )
+    with jax.named_scope("kv_cache"):
+        return backend.write_prompts(pages, cache, dest[:, None])
 
 
 def decode(

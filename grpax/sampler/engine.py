@@ -16,7 +16,9 @@ One loop serves every use: ``generate`` submits a batch of prompts and collects 
 submits batch_size x G sequences; a multi-turn rollout submits sequences that pause at a turn's end (a stop token,
 a pause token, the turn's budget) with their pages kept, and resumes them with their observation tokens, fed as
 forced tokens through the same decode step (``Engine.resume``). ``update_params`` swaps the weights between
-calls of a running engine (queued and running sequences kept); each token records the version that sampled it.
+calls of a running engine (queued and running sequences kept, the KV of those already prefilled recomputed under
+the new weights before they decode on: ``refill``); each token records the version that sampled it, and its
+logprob is exactly that version's.
 When no sequence waits, the running ones are packed into the smallest halving of the slots that holds them
 (``retire_rows``: one compile per slot count), so the decode's tail runs on few slots. When the pool runs out of
 pages, the newest sequence is preempted and restarted later from its prompt (it samples the same tokens again:
@@ -205,6 +207,9 @@ def _compiled(fn, static_argnames: tuple[str, ...], compiler_options: tuple[tupl
 
 ADMIT_STATIC = ("cfg", "sampler_cfg", "num_generations", "backend", "plan", "key_impl")
 DECODE_STATIC = ("cfg", "sampler_cfg", "backend", "num_steps", "key_impl")
+REFILL_STATIC = ("cfg", "sampler_cfg", "backend", "plan")
+# Context tokens (rows x padded length) one ``refill`` call recomputes at most: a bound on its dense prefill cache.
+REFILL_TOKENS = 16384
 
 
 def compiled_admit(backend):
@@ -215,6 +220,11 @@ def compiled_admit(backend):
 def compiled_decode(backend):
     """The jitted decode steps of a set of slots (``grpax.sampler.decode.decode``)."""
     return _compiled(programs.decode, DECODE_STATIC, backend.compiler_options, ("pages",))
+
+
+def compiled_refill(backend):
+    """The jitted recompute of sequences' keys and values after a weight swap (``grpax.sampler.decode.refill``)."""
+    return _compiled(programs.refill, REFILL_STATIC, backend.compiler_options, ("pages",))
 
 
 def routing_backend(backend, cfg: ModelConfig, sampler_cfg: SamplerConfig):
@@ -336,6 +346,7 @@ class Sequence:
     forced_pos: int = 0
     turn_end: int = 0
     order: int = 0  # admission order (preemption takes the newest)
+    kv_epoch: int = 0  # the engine's params swap whose weights computed its keys and values
 
     @property
     def n(self) -> int:
@@ -420,6 +431,11 @@ class Request:
         )
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _halvings(num_slots: int) -> list[int]:
     """Slot counts the decode may run on: ``num_slots`` halved while even, largest first."""
     sizes = [num_slots]
@@ -479,7 +495,9 @@ class Engine:
         self.ready: collections.deque = collections.deque()
         self.running: list[Sequence] = []
         self._admitted = 0
-        self.stats = collections.Counter()  # calls, steps, row_steps, preempted, prefills
+        self._epoch = -1  # update_params calls less one; a sequence's KV is stale when its epoch differs
+        # calls, steps, row_steps, preempted, prefills; refills and recomputed_tokens: the KV recomputed at swaps
+        self.stats = collections.Counter()
         # A decode call returns as soon as a sequence ends while others wait for a slot (else after its steps).
         self.refill_at_once = True
         self.update_params(params, version)
@@ -492,9 +510,14 @@ class Engine:
         return jax.jit(init, out_shardings=sharding)()
 
     def update_params(self, params: Params, version: int) -> None:
-        """The params the next decode calls and prefills read (not copied) and their version. Queued, ready and
-        running sequences are kept: their later tokens are this version's."""
+        """The params the next decode calls and prefills read (not copied) and their version. Queued, ready,
+        running and paused sequences are kept: their later tokens are this version's. The keys and values of
+        those already prefilled were computed by the older params, so before a sequence decodes again its whole
+        context (prompt and tokens so far) is recomputed under these into its own pages (``refill``, as AReaL's
+        interruptible generation does): each later token's logprob is then exactly this version's, the one it
+        records. The cost shows in ``stats["recomputed_tokens"]``."""
         self.params, self.version = params, version
+        self._epoch += 1
         self._prepared = None
         if self.backend.prepares_once:  # costly preparations (the CPU kernels' packing): once per version
             num_slots = self.sc.max_prompt_length + self.sc.max_completion_length
@@ -570,6 +593,9 @@ class Engine:
             seq = self.ready.popleft()
             seq.state = "running"
             self.running.append(seq)
+        stale = [seq for seq in self.running if seq.kv_epoch != self._epoch]
+        if stale:
+            self._refill(stale)
         if self.running:
             paused += self._decode()
         return paused
@@ -674,7 +700,7 @@ class Engine:
                 request.prompt_routes[i] = np.asarray(routes[j, : len(request.prompts[i])])
             for g, seq in enumerate(seqs):
                 self._admitted += 1
-                seq.order = self._admitted
+                seq.order, seq.kv_epoch = self._admitted, self._epoch
                 seq.turn_end = min(request.turn_budget, request.limit)
                 self._record(seq, int(token[j * G + g]), float(logprob[j * G + g]), True)
                 reason = self._first_reason(seq)
@@ -732,6 +758,48 @@ class Engine:
             return True
         self._end(seq)
         return False
+
+    # -- weight swaps ----------------------------------------------------------------------------------------
+
+    def _refill(self, seqs: list[Sequence]) -> None:
+        """Recomputes the keys and values of ``seqs`` (prefilled under older params) under the current ones, in
+        calls of at most ``REFILL_TOKENS`` padded context tokens, rows of similar lengths together."""
+        ps, outside = self.sc.page_size, self.pool.num_pages
+        written: set[int] = set()  # pages this pass writes already: a prompt's shared pages are written once
+        rows = []
+        for seq in sorted(seqs, key=lambda q: len(q.prompt) + q.n):
+            context = seq.prompt + seq.tokens[: seq.n - 1]  # the last token: fed (and written) by the decode
+            pages = np.asarray(seq.pages, np.int32)[np.arange(len(context)) // ps]
+            dest = np.where(np.isin(pages, list(written)), outside, pages)
+            written.update(seq.pages[: -(-len(context) // ps)])
+            rows.append((context, dest))
+            seq.kv_epoch = self._epoch
+        while rows:  # the shortest row left sets the width T (a power of two); rows that fit join it
+            T = min(self.table_width * ps, _pow2(len(rows[0][0])))
+            count = 1
+            while count < len(rows) and len(rows[count][0]) <= T and _pow2(count + 1) * T <= REFILL_TOKENS:
+                count += 1
+            self._refill_call(rows[:count], T)
+            rows = rows[count:]
+
+    def _refill_call(self, rows: list[tuple[list[int], np.ndarray]], T: int) -> None:
+        """One ``refill`` call: (context tokens, their pages) per row, padded to ``T`` tokens and a power of two
+        of rows (rows past them repeat the first one's context and write nothing)."""
+        R = _pow2(len(rows))
+        tokens = np.full((R, T), self.sc.pad_token_id, np.int32)
+        lengths = np.full((R,), len(rows[0][0]), np.int32)
+        dest = np.full((R, T), self.pool.num_pages, np.int32)
+        tokens[:, : len(rows[0][0])] = rows[0][0]
+        for r, (context, pages) in enumerate(rows):
+            tokens[r], lengths[r] = self.sc.pad_token_id, len(context)
+            tokens[r, : len(context)], dest[r, : len(context)] = context, pages
+        fn = compiled_refill(self.backend)
+        self.pages = fn(
+            self.params, self.pages, tokens, lengths, dest,
+            cfg=self.cfg, sampler_cfg=self.sc, backend=self.backend, plan=self.backend.plan(tokens, lengths),
+        )  # fmt: skip
+        self.stats["refills"] += 1
+        self.stats["recomputed_tokens"] += int(sum(len(context) for context, _ in rows))
 
     # -- decode ----------------------------------------------------------------------------------------------
 
