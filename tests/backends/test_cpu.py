@@ -167,6 +167,15 @@ def test_backend_chosen_where_it_runs(monkeypatch):
     assert select_backend("auto", params, wide).name == "xla"
     with pytest.raises(ValueError, match="at most 8 query heads"):
         select_backend("cpu", params, wide)
+    # q or k/v widths not in whole 16-column panels (6 x 12 and 2 x 12: the tiny model of test_convert and the
+    # CLI tests): the fused q/k/v matmul failed ("packed weights do not match") at the first decode step
+    narrow = CFG.replace(hidden_dim=48, num_heads=6, head_dim=12)
+    assert select_backend("auto", params, narrow).name == "xla"
+    with pytest.raises(ValueError, match="q and k/v widths .* multiples of 16"):
+        select_backend("cpu", params, narrow)
+    narrow_params = init_params(narrow, jax.random.key(0))
+    out = generate(narrow_params, PROMPTS, narrow, _sc(), jax.random.key(0))  # auto: the XLA backend
+    assert out.completion_mask.sum() > 0
     monkeypatch.setattr(build, "available", lambda: False)
     assert select_backend("auto", params, CFG).name == "xla"
     with pytest.raises(ValueError, match="could not be built"):

@@ -45,13 +45,17 @@ def unavailable_reason(params: Params, cfg: ModelConfig, cache_dtype: str | None
     """Why the CPU backend cannot run these params (None: it can). The caller checks the device (one CPU).
 
     The kernels take float32 or bfloat16 params, activations and cache, at most ``ops.MAX_GROUP`` query heads
-    per KV head, and must build (``build.available()``).
+    per KV head, q and k/v widths (heads x head_dim) in whole ``ops.PANEL`` columns, and must build
+    (``build.available()``).
     """
     dtypes = [leaf.dtype for leaf in jax.tree.leaves(params)] + [cfg.dtype, cache_dtype or cfg.dtype]
     if any(jnp.dtype(d) not in _KERNEL_DTYPES for d in dtypes):
         return "it takes float32 or bfloat16 params, activations and cache"
     if cfg.num_heads // cfg.num_kv_heads > ops.MAX_GROUP:
         return f"its decode attention takes at most {ops.MAX_GROUP} query heads per KV head"
+    if (cfg.num_heads * cfg.head_dim) % ops.PANEL or (cfg.num_kv_heads * cfg.head_dim) % ops.PANEL:
+        # the fused q/k/v matmul splits its output at the q and k widths, which pack pads to whole panels
+        return f"its fused q/k/v matmul takes q and k/v widths (heads x head_dim) that are multiples of {ops.PANEL}"
     if not build.available():
         return "the CPU kernels could not be built (see the warning above)"
     return None
