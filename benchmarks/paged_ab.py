@@ -9,7 +9,8 @@ of that many rows, one ``generate`` per wave; the paged engine gets a pool of th
 same tokens (each row's noise depends on its key, row and token index) and the same useful tokens. Reported per
 arm: wall seconds of the sampling (compile seconds measured by JAX's compile events and subtracted), useful
 tokens (the completions' lengths) per second, decode row-steps (slots x steps run) and the fraction past EOS
-(1 - sum(length - 1) / row-steps), rows in flight (sum(length - 1) / decode steps), the paged engine's
+(1 - sum(length - 1) / row-steps; ``past_eos_empty_slots``: the part on slots no sequence held at a decode call's
+start), rows in flight (sum(length - 1) / decode steps), the paged engine's
 preemptions, a hash of the completions (equal = the same tokens) and the load average.
 
 One arm per process: the script of this tree under each grpax (``PYTHONPATH=<tree>``), e.g.
@@ -166,6 +167,8 @@ def main() -> None:
         "past_eos": 1.0 - needed / max(int(stats["row_steps"]), 1),
         "rows_in_flight": needed / max(int(stats["steps"]), 1),
         "preempted": int(stats.get("preempted", 0)),
+        # past-EOS row-steps of slots empty at a call's start (the halving's rounding, or no sequence to put there)
+        "past_eos_empty_slots": int(stats.get("row_steps_empty", 0)) / max(int(stats["row_steps"]), 1),
         "steps_per_call": args.steps_per_call if paged else 0,
         "refill_at_once": paged and not args.refill_per_call,
         "decode_calls": int(stats.get("calls", 0)),

@@ -136,8 +136,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     )
     decode_retire_rows: bool = field(
         True,
-        "when no sequence waits for a decode slot, decode the running ones on the smallest halving of the slots "
-        "that holds them; the same rollout as false, with less decode work on idle slots",
+        "when no sequence waits for a decode slot, decode the running ones on the fewest slots that hold them "
+        "(a ladder of slot counts); the same rollout as false, with less decode work on idle slots",
     )
     seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")

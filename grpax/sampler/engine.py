@@ -19,8 +19,9 @@ forced tokens through the same decode step (``Engine.resume``). ``update_params`
 calls of a running engine (queued and running sequences kept, the KV of those already prefilled recomputed under
 the new weights before they decode on: ``refill``); each token records the version that sampled it, and its
 logprob is exactly that version's.
-When no sequence waits, the running ones are packed into the smallest halving of the slots that holds them
-(``retire_rows``: one compile per slot count), so the decode's tail runs on few slots. When the pool runs out of
+When no sequence waits, the running ones are packed into the smallest of a ladder of slot counts that holds them
+(``retire_rows``, ``slot_counts``: one compile per count), and a call returns as soon as they fit the next count
+down, so the decode's tail runs on few slots. When the pool runs out of
 pages, the newest sequence is preempted and restarted later from its prompt (it samples the same tokens again:
 its noise depends only on its key, row and token index).
 
@@ -87,8 +88,8 @@ class SamplerConfig:
     # mesh), "cpu" = the C++ kernels of grpax.backends.cpu (one CPU device), "auto" = "cpu" where it runs and
     # its kernels build, else "xla".
     backend: str = "auto"
-    # When no sequence waits for a slot, decode the running ones on the smallest halving of the slots that holds
-    # them (one compile per slot count); false: always on max_num_seqs slots. The same tokens and logprobs.
+    # When no sequence waits for a slot, decode the running ones on the smallest slot count that holds them
+    # (``slot_counts``: one compile per count); false: always on max_num_seqs slots. The same tokens and logprobs.
     retire_rows: bool = True
     # A mixture of experts' routing recorded (``router_replay``): each prompt and completion token's top-k
     # experts in every layer, as the prefill and the decode steps routed it (GenerateOutput's routed fields).
@@ -436,12 +437,16 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _halvings(num_slots: int) -> list[int]:
-    """Slot counts the decode may run on: ``num_slots`` halved while even, largest first."""
-    sizes = [num_slots]
+def slot_counts(num_slots: int) -> list[int]:
+    """Slot counts a decode call may run on, largest first: ``num_slots``, the multiples of q = max(2,
+    num_slots // 8) below it, then q halved while even (32: 32, 28, 24, ..., 4, 2, 1). A finished sequence's
+    slot idles until the running ones fit the next count down; halvings alone left a quarter of the slots empty
+    on average in the tail (docs/benchmarks.md); each count is one more compile of the decode."""
+    step = max(2, num_slots // 8)
+    sizes = [num_slots, *range(num_slots - num_slots % step or num_slots - step, 0, -step)]
     while sizes[-1] % 2 == 0:
         sizes.append(sizes[-1] // 2)
-    return sizes
+    return sorted(set(sizes), reverse=True)
 
 
 class Engine:
@@ -496,7 +501,8 @@ class Engine:
         self.running: list[Sequence] = []
         self._admitted = 0
         self._epoch = -1  # update_params calls less one; a sequence's KV is stale when its epoch differs
-        # calls, steps, row_steps, preempted, prefills; refills and recomputed_tokens: the KV recomputed at swaps
+        # calls, steps, row_steps (row_steps_empty: of slots without a sequence at a call's start), preempted,
+        # prefills; refills and recomputed_tokens: the KV recomputed at weight swaps
         self.stats = collections.Counter()
         # A decode call returns as soon as a sequence ends while others wait for a slot (else after its steps).
         self.refill_at_once = True
@@ -837,6 +843,19 @@ class Engine:
         self.queue.appendleft((seq.request, seq.index // seq.request.num_generations, [seq]))
         self.stats["preempted"] += 1
 
+    def _exit_after(self, S: int, waiting: bool, pausing: bool) -> int:
+        """How many segments may end in a decode call on ``S`` slots before it returns: 1 where a sequence waits
+        for a slot (refilled at once) or segments pause (the host answers them); with nothing waiting and
+        ``retire_rows``, as many as leave the running sequences fitting the next smaller slot count
+        (``slot_counts``: the next call runs on it; the slots of ended sequences idle until then); else none
+        (all its steps)."""
+        if (waiting and self.refill_at_once) or pausing:
+            return 1
+        smaller = [b for b in slot_counts(self.num_slots) if b < S]
+        if self.sc.retire_rows and not waiting and smaller:
+            return len(self.running) - smaller[0]  # >= 1: S is the smallest count that holds them
+        return S + 1
+
     def _decode(self) -> list[Sequence]:
         """One decode call on the running sequences; returns the ones that paused."""
         sc, ps = self.sc, self.sc.page_size
@@ -845,7 +864,7 @@ class Engine:
         waiting = bool(self.queue or self.ready)
         S = self.num_slots
         if sc.retire_rows and not waiting:
-            S = min(b for b in _halvings(self.num_slots) if b >= len(self.running))
+            S = min(b for b in slot_counts(self.num_slots) if b >= len(self.running))
         width = self.table_width
         if not self.backend.reads_filled_pages and sc.decode_phase_length:
             step = max(1, sc.decode_phase_length // ps)
@@ -880,7 +899,7 @@ class Engine:
             slots["turn_end"][s], slots["limit"][s] = seq.turn_end, seq.request.limit
             slots["pauses"][s] = seq.request.pauses
         pausing = any(seq.request.pauses for seq in self.running)
-        exit_after = np.int32(1 if (waiting and self.refill_at_once) or pausing else S + 1)
+        exit_after = np.int32(self._exit_after(S, waiting, pausing))
         prepared = self._prepared if self.backend.prepares_once else self.params
         fn = compiled_decode(self.backend)
         key_impl = self.running[0].request.key_impl
@@ -893,6 +912,7 @@ class Engine:
         self.stats["calls"] += 1
         self.stats["steps"] += steps
         self.stats["row_steps"] += S * steps
+        self.stats["row_steps_empty"] += (S - len(self.running)) * steps  # slots without a sequence
         paused, still = [], []
         for s, seq in enumerate(self.running):
             wrote = np.flatnonzero(out["wrote"][s])
