@@ -1,8 +1,9 @@
 """The sampler's decode loop compiled for a TPU slice: its temporaries per chip and the copies in its HLO.
 
-Compiles only ``grpax.sampler.engine.compiled_decode`` (every phase, all rows: the program ``compile_topology`` sizes) of a
-``grpax train_rl`` job for ``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU
-and no weights needed), from an abstract prefilled cache placed as the prefill leaves it, and prints per chip
+Compiles only the rollout engine's decode program (``grpax.sampler.engine.compiled_decode``, all rows of a step in
+flight over the default page pool: the program ``compile_topology`` sizes) of a ``grpax train_rl`` job for
+``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), from
+abstract page pools placed as the engine places them, and prints per chip
 the decode's temporaries and arguments, and the data movement the compiler left in the program: every
 ``copy`` / ``copy-start`` into HBM (prefetches into on-chip memory, memory space 1, are not counted; write-backs
 of a buffer staged there are, and are also shown apart) and every
@@ -28,9 +29,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from grpax import sharding
 from grpax.config import build_config
@@ -113,38 +111,19 @@ def topology_job(cfg: TrainConfig, num_layers: int = 0):
 
 def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
     """(the decode's optimised HLO text, its memory analysis) compiled for ``cfg.compile_topology``
-    (``num_layers`` as in ``topology_job``)."""
+    (``num_layers`` as in ``topology_job``): the rollout engine's decode program on every row of a step at once,
+    over the default page pool (``grpax.sampler.engine.abstract_programs``)."""
     job = topology_job(cfg, num_layers)
     model_cfg, sc, mesh = job.model_cfg, job.sampler_cfg, job.rollout_mesh
-    rows = cfg.batch_size * cfg.grpo().num_generations
-    slots = cfg.max_prefill_predict_length + engine._phase_ends(sc)[0]  # the prefill's cache: P + first phase
-    kv = sharding.cache_sharding(model_cfg, mesh, rows, slots)
-    dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
-    K, H = model_cfg.num_kv_heads, model_cfg.head_dim
-
-    def layer(shape, stacked):  # one layer's buffer, placed as the stacked cache's rules place it
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*stacked.spec[1:])))
-
-    cache = {
-        "k": [layer((rows, K, H, slots), kv["k"]) for _ in range(model_cfg.num_layers)],
-        "v": [layer((rows, K, slots, H), kv["v"]) for _ in range(model_cfg.num_layers)],
-    }
-    row_axes = kv["k"].spec[1] if len(kv["k"].spec) > 1 else None
-    logits = jax.ShapeDtypeStruct(
-        (rows, model_cfg.vocab_size), jnp.float32, sharding=NamedSharding(mesh, P(row_axes, None))
-    )
-    replicated = NamedSharding(mesh, P())
-    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
     params = job.rollout_params
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
+    rows = cfg.grpo().num_generations
+    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, rows)[
+        "decode"
+    ]
     with jax.set_mesh(mesh):
         start = time.perf_counter()
-        compiled = (
-            engine.compiled_decode(backend)
-            .lower(params, cache, logits, lengths, key, model_cfg, sc, backend)
-            .compile()
-        )
+        compiled = fn.lower(*args, **kwargs).compile()
         print(f"decode compiled in {time.perf_counter() - start:.0f} s", flush=True)
     return compiled.as_text(), compiled.memory_analysis()
 

@@ -1,6 +1,7 @@
 """The sampler's prefill compiled for a TPU slice: its compile time, temporaries per chip and HLO size.
 
-Compiles only ``grpax.sampler.engine.compiled_prefill`` of a ``grpax train_rl`` job for ``compile_topology``
+Compiles only the rollout engine's prefill (``grpax.sampler.engine.compiled_admit``: a step's prompts prefilled
+and written into the page pool) of a ``grpax train_rl`` job for ``compile_topology``
 with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), on the rollout mesh and
 with the sampler's own weights (LoRA: the base and its adapters with ``lora_sampler=adapters``), exactly as
 ``compile_topology`` does, and prints the compile time, the memory per chip and the optimised HLO's line count.
@@ -18,10 +19,7 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 from decode_compile import report, topology_job
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from grpax.config import build_config
 from grpax.rl.train_config import TrainConfig
@@ -34,18 +32,12 @@ def compile_prefill(cfg: TrainConfig, num_layers: int = 0):
     ``decode_compile.topology_job``); its arguments as ``compile_check.compile_job`` gives them."""
     job = topology_job(cfg, num_layers)
     model_cfg, sc, mesh, params = job.model_cfg, job.sampler_cfg, job.rollout_mesh, job.rollout_params
-    replicated = NamedSharding(mesh, P())
-    prompts = jax.ShapeDtypeStruct(
-        (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
-    )
-    lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     G = cfg.grpo().num_generations
+    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, G)["prefill"]
     with jax.set_mesh(mesh):
         start = time.perf_counter()
-        lowered = engine.compiled_prefill(backend).lower(
-            params, prompts, lengths, model_cfg, sc, G, backend, None
-        )
+        lowered = fn.lower(*args, **kwargs)
         lowered_at = time.perf_counter()
         compiled = lowered.compile()
         end = time.perf_counter()

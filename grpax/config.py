@@ -462,6 +462,51 @@ class ModelKeys:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineKeys:
+    """The rollout engine's KV memory (``grpax.sampler.engine``: a paged cache): train_rl, evaluate and generate
+    take them alike (``engine_keys``), checked once by ``check_engine_keys``."""
+
+    page_size: int = field(
+        32,
+        "tokens per page of the sampler's paged KV cache (16-128): a sequence holds ceil(its tokens / page_size) "
+        "pages, taken as it grows and freed when it ends",
+    )
+    num_pages: int = field(
+        0,
+        "pages in the sampler's KV pool (page_size tokens each, one of them scratch); 0 = every decode slot holds "
+        "max_target_length tokens (the static engine's memory); fewer give the same rollouts while the running "
+        "sequences' real lengths fit (else the newest is preempted and restarted); at least 1 + "
+        "ceil(max_target_length / page_size)",
+    )
+
+    def engine_keys(self) -> dict:
+        """These keys as ``SamplerConfig`` fields."""
+        return dict(page_size=self.page_size, num_pages=self.num_pages)
+
+
+def check_engine_keys(keys: EngineKeys, context_length: int, what: str) -> None:
+    """Checks the KV memory keys against the longest sequence, ``context_length`` tokens (prompt + completion;
+    ``what`` names the keys that set it), before any model loads.
+
+    Raises:
+      ConfigError: page_size < 1, num_pages < 0, or a pool (num_pages > 0) that holds no whole sequence: one
+        line naming the key, its value and the fix.
+    """
+    if keys.page_size < 1:
+        raise ConfigError(
+            f"page_size={keys.page_size}: expected >= 1 tokens per page of the KV cache (e.g. 32)"
+        )
+    if keys.num_pages < 0:
+        raise ConfigError(f"num_pages={keys.num_pages}: expected >= 0 (0: pages for every decode slot)")
+    need = 1 + -(-context_length // keys.page_size)  # a whole sequence and the scratch page
+    if 0 < keys.num_pages < need:
+        raise ConfigError(
+            f"num_pages={keys.num_pages}: the KV pool holds no sequence of {what} = {context_length} tokens in "
+            f"pages of page_size={keys.page_size}; pass num_pages >= {need}, or 0 (pages for every decode slot)"
+        )
+
+
 def read_model_config(
     path: str, keys: ModelKeys, context_length: int, what: str
 ) -> tuple[ModelConfig | None, Path | None]:

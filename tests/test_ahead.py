@@ -30,7 +30,10 @@ TOY = TOY_MODEL
 SAMPLER = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)
 
 
-def _toy_run(tmp_path, num_steps, max_staleness, *, scorer=None, asynchronous=True, timeout_s=600.0):
+def _toy_run(
+    tmp_path, num_steps, max_staleness, *, scorer=None, asynchronous=True, timeout_s=600.0, overlap=False,
+    sampler=SAMPLER,
+):  # fmt: skip
     """``num_steps`` GRPO steps on the toy task: the trainer's loop shape, with the rollouts produced by
     ``AheadRollouts`` (``asynchronous``) or sampled in line as ``max_staleness=0`` does. Returns the metrics
     and the batches' policy versions."""
@@ -49,15 +52,16 @@ def _toy_run(tmp_path, num_steps, max_staleness, *, scorer=None, asynchronous=Tr
     params = init_params(TOY, jax.random.key(0))
     state = TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32))
     update = make_update(make_train_step(TOY, grpo, optimizer, 1, schedule), grpo.num_iterations)
-    rollout = Rollout(TOY, SAMPLER, grpo, scorer or toy_scorer(toy_task(tmp_path)))
+    rollout = Rollout(TOY, sampler, grpo, scorer or toy_scorer(toy_task(tmp_path)))
     rng = np.random.default_rng(0)
     rows = toy_rows([rng.integers(1, V, size=rng.integers(3, 8)).tolist() for _ in range(64)])
     iterator = PromptIterator(rows, batch_size=8, seed=0)
     ahead = None
     if asynchronous:
         ahead = AheadRollouts(
-            rollout, iterator, lambda s: jax.random.key(s), max_staleness, 0, num_steps, timeout_s=timeout_s
-        )
+            rollout, iterator, lambda s: jax.random.key(s), max_staleness, 0, num_steps, timeout_s=timeout_s,
+            overlap=overlap,
+        )  # fmt: skip
         ahead.publish(state.params, 0)
     history, versions = [], []
     try:
@@ -107,6 +111,39 @@ def test_each_batch_is_as_stale_as_the_key_allows(tmp_path):
         assert m["clip_region_frac"] > 0.0 and m["ratio_mean"] != 1.0
         assert m["mismatch/kl"] < 1e-8 and m["mismatch/logprob_diff_max"] < 1e-4
         assert abs(m["mismatch/is_ratio_mean"] - 1.0) < 1e-4
+
+
+def _overlapping_run(tmp_path):
+    import dataclasses
+
+    sampler = dataclasses.replace(
+        SAMPLER, max_completion_length=10, stop_token_ids=(1, 2), pad_token_id=1, decode_steps_per_call=1
+    )
+    return _toy_run(tmp_path, 4, 1, overlap=True, sampler=sampler)
+
+
+def test_overlapping_batches_sample_the_tail_with_the_next_version(tmp_path):
+    """overlap: when half a batch's rows have ended, the next version is swapped into the running engine and the
+    next batch's prompts queued; the tail's tokens record the newer version. A batch sampled by one version
+    only: pi_old equals the sampler's logprobs to float32 rounding."""
+    history, versions = _overlapping_run(tmp_path)
+    assert versions == [0, 0, 1, 2]  # each batch's first tokens: the pinned versions
+    newer = [m["rollout/newer_version_token_fraction"] for m in history]
+    assert max(newer) > 0.0 and max(newer) < 0.5, newer  # a tail, not the whole batch
+    for m in history:
+        if m["rollout/newer_version_token_fraction"] == 0.0:
+            assert m["mismatch/logprob_diff_max"] < 1e-4, m["mismatch/logprob_diff_max"]
+
+
+def test_overlapping_batches_score_each_tail_token_as_its_version_sampled_it(tmp_path):
+    # At the swap the engine recomputes the running sequences' KV under the newer params (Engine.update_params),
+    # so the tail's tokens are exactly the newer version's: pi_old per token version equals the sampler's
+    # logprobs on every batch (without the recompute: 0.08 and 0.19 nats max on the batches with a tail).
+    history, _ = _overlapping_run(tmp_path)
+    assert max(m["rollout/newer_version_token_fraction"] for m in history) > 0.0
+    assert max(m["rollout/recomputed_kv_tokens"] for m in history) > 0.0  # the swaps' cost, logged
+    for m in history:
+        assert m["mismatch/logprob_diff_max"] < 1e-4, m["mismatch/logprob_diff_max"]
 
 
 @pytest.mark.slow

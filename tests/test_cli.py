@@ -513,3 +513,57 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
     ]:
         assert main(["generate", f"load_parameters_path={tmp_path}/none", "prompt=hi", *args]) == 2
         _one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate"])
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("page_size=0", "page_size=0: expected >= 1 tokens per page of the KV cache (e.g. 32)"),
+        ("num_pages=-1", "num_pages=-1: expected >= 0 (0: pages for every decode slot)"),
+        (
+            "num_pages=5",
+            "num_pages=5: the KV pool holds no sequence of max_target_length = 512 tokens in pages of "
+            "page_size=32; pass num_pages >= 17, or 0 (pages for every decode slot)",
+        ),
+    ],
+)
+def test_kv_memory_keys_are_checked_before_loading(tmp_path, capsys, command, arg, needle):
+    extra = ["prompt=hi"] if command == "generate" else []
+    assert main([command, f"load_parameters_path={tmp_path}/none", *extra, arg]) == 2
+    _one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate"])
+def test_help_lists_the_kv_memory_keys(capsys, command):
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "page_size" in out and "tokens per page of the sampler's paged KV cache" in out
+    assert "num_pages" in out and "pages in the sampler's KV pool" in out
+
+
+def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
+    tiny_native, tmp_path, capsys, monkeypatch
+):
+    from grpax.sampler import engine
+
+    pools = []
+    real_engine = engine.Engine
+
+    def recording(*args, **kwargs):
+        built = real_engine(*args, **kwargs)
+        pools.append((built.pool.num_pages, built.sc.page_size, built.table_width))
+        return built
+
+    monkeypatch.setattr(engine, "Engine", recording)
+    load = f"load_parameters_path={tiny_native}"
+    keys = ["prompt=hi", "max_prefill_predict_length=16", "max_target_length=32", "num_generations=2"]
+    assert main(["generate", load, *keys, f"output_path={tmp_path}/a.jsonl"]) == 0
+    assert (
+        main(["generate", load, *keys, "page_size=4", "num_pages=20", f"output_path={tmp_path}/b.jsonl"]) == 0
+    )
+    assert pools == [(1 + 2 * 1, 32, 1), (20, 4, 8)]  # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4
+    a, b = ((tmp_path / name).read_text() for name in ("a.jsonl", "b.jsonl"))
+    assert [json.loads(x)["completion"] for x in a.splitlines()] == [
+        json.loads(x)["completion"] for x in b.splitlines()
+    ]

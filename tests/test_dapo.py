@@ -11,12 +11,12 @@ from grpax.config import ConfigError
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
-from grpax.rl.dapo import overlong_penalty, pick_groups, zero_std_groups
+from grpax.rl.dapo import overlong_penalty, pick_groups, take_groups, zero_std_groups
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.engine import GenerateOutput, SamplerConfig
 
 G = 2
 C = 6  # max_completion_length
@@ -143,3 +143,22 @@ def test_overlong_penalty_is_added_to_the_rewards_of_a_rollout():
     np.testing.assert_allclose(scores["overlong"], expected)
     np.testing.assert_allclose(scores["total"], np.array([0.0, 1.0, 0.0, 1.0]) + expected)
     assert metrics["rewards/overlong/mean"] == pytest.approx(expected.mean())
+
+
+def test_taken_groups_keep_each_tokens_policy_version():
+    # A kept engine's rounds record each token's params version; pi_old is computed per version from them, so the
+    # groups taken from several rounds keep their rows' versions (dropped, pi_old fell back to one version).
+    def out(first_version, n):
+        rows = 2 * G
+        versions = np.full((rows, C), first_version, np.int32)
+        versions[:, n:] = -1
+        return GenerateOutput(
+            prompt_ids=np.ones((2, 3), np.int32), prompt_mask=np.ones((2, 3), np.int32),
+            completion_ids=np.ones((rows, C), np.int32), completion_mask=(versions >= 0).astype(np.int32),
+            logprobs=np.zeros((rows, C), np.float32), lengths=np.full((rows,), n, np.int32),
+            finish_reason=["stop"] * rows, prompt_indices=np.arange(2, dtype=np.int32), policy_versions=versions,
+        )  # fmt: skip
+
+    taken = take_groups([out(3, 2), out(4, 5)], np.array([1, 2]), G, 0)
+    assert taken.policy_versions[:, 0].tolist() == [3, 3, 4, 4]
+    assert (taken.policy_versions[:G, 2:] == -1).all() and (taken.policy_versions[G:, :5] == 4).all()

@@ -13,7 +13,7 @@ from grpax.models.llama import forward, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler import sampling
-from grpax.sampler.engine import SamplerConfig, generate, prepare_prompts
+from grpax.sampler.engine import Engine, SamplerConfig, generate, prepare_prompts, slot_counts
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -399,71 +399,173 @@ def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
     assert hidden.dtype == jnp.bfloat16
 
 
-def _retired_row_steps(lengths, B, C, phase_length):
-    """Rows x decode steps of the retiring decode, replayed from the completion lengths: before each phase the
-    rows with length > the phase's first step still run, in the smallest halving of B that holds them."""
-    buckets = [B]
-    while buckets[-1] % 2 == 0:
-        buckets.append(buckets[-1] // 2)
-    total, rows, start = 0, B, 1
-    for end in [*range(phase_length, C, phase_length), C]:
-        live = int((lengths > start).sum()) if start > 1 else B
-        if live == 0:
-            break
-        rows = min(rows, min(b for b in buckets if b >= live))
-        total += rows * (min(end, int(lengths.max())) - start)
-        start = end
-    return total
+def _same(a, b, exact_logprobs=True):
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+    if exact_logprobs and jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    else:
+        # A GPU's matmul kernel is chosen by the row count: the same float32 products summed in another order
+        # (measured on an H200 for the static engine's retirement: at most 9.5e-7).
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert a.finish_reason == b.finish_reason
+
+
+# Rows that end between step 2 and 40 (the default sampling of the tests below).
+LONG_TAILED = dict(greedy=False, temperature=0.9, top_k=50, stop_token_ids=(0,), max_completion_length=40)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_retired_rows_give_the_same_rollout(params, backend):
-    # Rows finishing between step 2 and 40: the retiring decode (rows gathered into 12, then 6, ... between
-    # phases of 4 steps) must sample what every row decoded to the end samples, bit for bit.
+def test_few_slots_and_pages_refilled_as_rows_end_give_the_same_rollout(params, backend):
+    """24 rows through 5 decode slots, pages of 4 tokens, calls of 3 steps: slots are refilled as rows end and
+    pages taken and freed; from a pool that holds 2 full-length rows the newest row is preempted (and restarted)
+    when the pool runs short. Every row samples what it samples with all rows in flight at once, bit for bit:
+    its tokens depend on nothing else in flight."""
     prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
-    sc = _sc(greedy=False, temperature=0.9, top_k=50, stop_token_ids=(0,), max_completion_length=40,
-             decode_phase_length=4, backend=backend)  # fmt: skip
-    retired = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
-    full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
-    np.testing.assert_array_equal(retired.completion_ids, full.completion_ids)
-    np.testing.assert_array_equal(retired.completion_mask, full.completion_mask)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(retired.logprobs, full.logprobs)
-    else:
-        # A GPU's matmul kernel is chosen by the row count (12 rows, then 6, ... against 24): the same float32
-        # products summed in another order. Measured on an H200: 33 of 960 logprobs differ, by at most
-        # 9.5e-7; the bound is test_rows_do_not_depend_on_the_batch's.
-        np.testing.assert_allclose(retired.logprobs, full.logprobs, rtol=0, atol=1e-5)
-    assert retired.finish_reason == full.finish_reason
+    sc = _sc(**LONG_TAILED, backend=backend)
+    full = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
     lengths = full.lengths
     assert lengths.min() <= 3 and lengths.max() == 40 and (lengths == 40).sum() < 6  # rows end far apart
-    assert full.decode_row_steps == 24 * 39  # every row runs every step
-    assert retired.decode_row_steps == _retired_row_steps(lengths, 24, 40, 4) < 0.7 * full.decode_row_steps
+    useful = int((lengths - 1).sum())  # decode steps the rows need: their first token comes from the prefill
+    for rows_of_pages in (3, 2):  # the pool: this many full-length rows (14 pages of 4 tokens each)
+        narrow = dataclasses.replace(
+            sc, max_num_seqs=5, page_size=4, num_pages=1 + 14 * rows_of_pages, decode_steps_per_call=3
+        )
+        engine = Engine(params, CFG, narrow)
+        request = engine.submit(prompts, jax.random.key(3), 4)
+        engine.run(request)
+        out = request.output(sc.pad_token_id, sc.bucket_for(7), sc.max_completion_length)
+        _same(out, full)
+        assert engine.pool.num_free == engine.pool.num_pages - 1  # every page back (page 0 is scratch)
+        assert engine.stats["prefills"] > 1
+        if rows_of_pages == 3:  # the slots stayed full while rows waited
+            assert engine.stats["preempted"] == 0
+            # all 24 at once on their slots to the longest row's end: a long tail (with retire_rows the slot
+            # ladder takes the all-at-once run down to ~1.1x useful as well)
+            assert out.decode_row_steps < 1.15 * useful < 24 * 39
+        else:
+            assert engine.stats["preempted"] > 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_retiring_decode_frees_the_prefill_cache_in_its_first_phase(params, backend, monkeypatch):
-    # The first phase decodes the prefill's cache in place (donated: the same shape in and out). Held instead,
-    # it stayed alive beside every later phase's larger cache: the main job's evaluation peaked 0.2-0.5 GB higher.
+def test_retired_slots_give_the_same_rollout_with_less_decode_work(params, backend):
+    # With nothing waiting, the running rows move to the smallest halving of the 24 slots that holds them.
+    prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
+    sc = _sc(**LONG_TAILED, backend=backend)
+    retired = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
+    full = generate(params, prompts, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 4)
+    _same(retired, full)
+    assert full.decode_row_steps == 24 * 39  # every slot runs every step until the longest row ends
+    # A call returns as soon as the running rows fit the next smaller slot count, so each decode step runs on the
+    # smallest count of 24's ladder that holds the rows still decoding at it (row i: steps 1..length_i - 1).
+    assert slot_counts(24) == [24, 21, 18, 15, 12, 9, 6, 3]
+    running = [int((full.lengths > t).sum()) for t in range(1, int(full.lengths.max()))]
+    fewest = [min(b for b in slot_counts(24) if b >= r) for r in running]
+    assert retired.decode_row_steps == sum(fewest) < 0.7 * full.decode_row_steps
+
+
+def test_a_row_does_not_depend_on_what_else_is_in_flight(params):
+    """A request submitted while another one runs (sharing its slots and pool, admitted between decode calls)
+    samples what it samples alone; so does the first one."""
+    sc = _sc(**LONG_TAILED, max_num_seqs=6, page_size=4, decode_steps_per_call=2)
+    alone_a = generate(params, PROMPTS, CFG, sc, jax.random.key(1), 2)
+    alone_b = generate(params, [[9, 9, 9], [4]], CFG, sc, jax.random.key(2), 3)
+    engine = Engine(params, CFG, sc)
+    a = engine.submit(PROMPTS, jax.random.key(1), 2)
+    engine.step()
+    engine.step()
+    b = engine.submit([[9, 9, 9], [4]], jax.random.key(2), 3)
+    engine.run()
+    assert a.done and b.done
+    _same(a.output(0), alone_a)
+    _same(b.output(0), alone_b)
+
+
+def test_update_params_swaps_the_weights_between_calls_and_records_each_tokens_version(params):
+    """New weights on a running engine: queued and running rows are kept, tokens sampled after the swap record
+    the new version, and (greedy, the same values under a new version) the rollout is unchanged: the same
+    tokens, the logprobs to float32 rounding (the running rows' KV recomputed by a prefill, summed in another
+    order than the decode steps that wrote it)."""
+    sc = _sc(max_num_seqs=2, decode_steps_per_call=2)
+    before = generate(params, PROMPTS, CFG, sc, jax.random.key(0))
+    engine = Engine(params, CFG, sc, version=3)
+    request = engine.submit(PROMPTS, jax.random.key(0))
+    engine.step()
+    engine.update_params(jax.tree.map(jnp.copy, params), 4)
+    engine.run(request)
+    out = request.output(0)
+    _same(out, before, exact_logprobs=False)
+    assert engine.stats["recomputed_tokens"] > 0
+    versions = out.policy_versions
+    assert versions[0, 0] == 3 and versions[0, -1] == 4  # a row running at the swap has both
+    assert (versions[2:] == 4).all()  # rows that waited for a slot sampled every token with the new weights
+    assert (np.diff(versions, axis=1) >= 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_swap_recomputes_the_kv_so_each_token_is_its_versions(params, backend):
+    """New weights mid-sequence (AReaL's interruptible generation): the running and ready sequences' keys and
+    values are recomputed under them before they decode on, so every token's sampler logprob is its recorded
+    version's full forward (without the recompute the tail attended the old weights' KV: off by up to 0.23 nats);
+    the recomputed tokens are counted: every prefilled sequence's context at the swap."""
+    sc = _sc(greedy=False, temperature=0.7, max_num_seqs=3, page_size=4, decode_steps_per_call=2)
+    sc = dataclasses.replace(sc, backend=backend)
+    newer = jax.tree.map(lambda x: x * 1.1 if x.ndim >= 2 else x, params)
+    engine = Engine(params, CFG, sc, version=0)
+    request = engine.submit(PROMPTS, jax.random.key(5), 2)  # 8 rows in 3 slots: running, ready and queued
+    engine.step()
+    engine.step()
+    in_flight = [seq for seq in request.sequences if seq.state in ("running", "ready")]
+    context = sum(len(seq.prompt) + seq.n - 1 for seq in in_flight)
+    engine.update_params(newer, 1)
+    engine.run(request)
+    assert engine.stats["recomputed_tokens"] == context > 0  # a ready one's when it takes a slot
+    out = request.output(0, width=C)
+    assert {0, 1} <= set(np.unique(out.policy_versions).tolist())
+    both = 0
+    for b, seq in enumerate(request.sequences):
+        n, versions = out.lengths[b], out.policy_versions[b, : out.lengths[b]]
+        both += len(set(versions)) == 2
+        for version, p in ((0, params), (1, newer)):
+            ref = _log_softmax(_full_logits(p, seq.prompt, out.completion_ids[b, :n]) / 0.7)
+            expected = np.take_along_axis(ref, out.completion_ids[b, :n, None], -1)[:, 0]
+            at = versions == version
+            np.testing.assert_allclose(out.logprobs[b, :n][at], expected[at], atol=1e-4)
+    assert both >= 2  # rows running at the swap sampled with both versions
+
+
+def test_a_pool_too_small_for_one_row_is_one_line(params):
+    with pytest.raises(ValueError, match=r"num_pages=3 holds no sequence of .* pass at least 8"):
+        Engine(params, CFG, _sc(page_size=4, num_pages=3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_program_takes_the_pool_donated_so_no_cache_outlives_its_call(params, backend, monkeypatch):
+    # The static engine's retiring decode held the prefill's cache beside every later phase's (the main job's
+    # evaluation peaked 0.2-0.5 GB higher) until it donated it. The paged engine's prefill writes into the pool
+    # and its decode updates it: both take the pool donated, so every pool a call was given is gone after it
+    # (updated in place, not copied), and the prefill's dense cache is a temporary of its program.
     from grpax.sampler import engine
 
-    prefilled = []
-    real_prefill = engine.compiled_prefill
+    given = []
 
-    def recording_prefill(backend_obj):
-        fn = real_prefill(backend_obj)
+    def recording(compiled):
+        def wrap(backend_obj):
+            fn = compiled(backend_obj)
 
-        def run(*args, **kwargs):
-            out = fn(*args, **kwargs)  # (cache, logits, a mixture of experts' prompt routes or None)
-            prefilled.extend(jax.tree.leaves(out[0]))
-            return out
+            def run(prepared, pages, *args, **kwargs):
+                given.extend(jax.tree.leaves(pages))
+                return fn(prepared, pages, *args, **kwargs)
 
-        return run
+            return run
 
-    monkeypatch.setattr(engine, "compiled_prefill", recording_prefill)
-    sc = _sc(greedy=False, temperature=0.9, stop_token_ids=(0,), max_completion_length=24, decode_phase_length=8,
-             backend=backend)  # fmt: skip
+        return wrap
+
+    monkeypatch.setattr(engine, "compiled_admit", recording(engine.compiled_admit))
+    monkeypatch.setattr(engine, "compiled_decode", recording(engine.compiled_decode))
+    sc = _sc(**LONG_TAILED, max_num_seqs=4, page_size=4, decode_steps_per_call=3, backend=backend)
     out = generate(params, PROMPTS, CFG, sc, jax.random.key(3), 2)
-    assert prefilled and all(leaf.is_deleted() for leaf in prefilled)
-    full = generate(params, PROMPTS, CFG, dataclasses.replace(sc, retire_rows=False), jax.random.key(3), 2)
-    np.testing.assert_array_equal(out.completion_ids, full.completion_ids)
+    assert len(given) > 2 * CFG.num_layers  # several calls, one pool per layer each
+    assert all(leaf.is_deleted() for leaf in given)
+    full = generate(params, PROMPTS, CFG, dataclasses.replace(sc, max_num_seqs=0), jax.random.key(3), 2)
+    _same(out, full)

@@ -303,3 +303,25 @@ def test_cispo_and_the_tis_weight_take_their_values(steps):
     assert tis.metrics["mismatch/is_ratio_max"] <= 1 + 1e-5  # the raw ratio: Z, at most 1 (float32 rounding)
     assert tis.metrics["mismatch/is_ratio_min"] < 0.898
     assert 0 < tis.metrics["mismatch/is_truncated_frac"] < 1
+
+
+def test_the_kv_memory_keys_size_the_samplers_page_pool(checkpoint, monkeypatch):
+    """page_size and num_pages reach the rollout engine: its pool's pages and their size (the default: one
+    page of 32 tokens per row of 16 tokens, and the scratch page), and the rollout is the same tokens."""
+    from grpax.sampler import engine
+
+    pools = []
+    real_engine = engine.Engine
+
+    def recording(*args, **kwargs):
+        built = real_engine(*args, **kwargs)
+        pools.append((built.pool.num_pages, built.sc.page_size, built.table_width))
+        return built
+
+    monkeypatch.setattr(engine, "Engine", recording)
+    default = _step(checkpoint)
+    paged = _step(checkpoint, page_size=4, num_pages=24)
+    # 2 prompts x G = 4: 8 rows of max_target_length=16 tokens, a page of 32 each or 4 pages of 4 (24 pages: the
+    # pool holds 5 full-length rows, the rest taken as real lengths allow)
+    assert pools == [(1 + 8 * 1, 32, 1), (24, 4, 4)]
+    np.testing.assert_array_equal(paged.batch[".completion_ids"], default.batch[".completion_ids"])

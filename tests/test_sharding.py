@@ -497,59 +497,44 @@ def test_batch_cache_and_optimizer_state_shardings(params):
 @on_8_devices
 @pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4)])
 def test_sharded_greedy_generate_equals_unsharded(dp, tp, params):
-    from grpax.sampler.engine import SamplerConfig, generate_padded
+    from grpax.sampler.engine import SamplerConfig, generate
 
-    sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=6, greedy=True)
-    prompts = jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size)
-    lengths = jnp.array([8, 3, 5, 1, 8, 2, 7, 4], jnp.int32)
+    sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=6, greedy=True, backend="xla")
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size))
+    prompts = [row[:n].tolist() for row, n in zip(tokens, [8, 3, 5, 1, 8, 2, 7, 4], strict=True)]
     key = jax.random.key(5)
-    expected = generate_padded(params, prompts, lengths, key, CFG, sampler_cfg)
+    expected = generate(jax.device_put(params, jax.devices()[0]), prompts, CFG, sampler_cfg, key)
     mesh = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=dp, rollout_tensor_parallelism=tp))
     with jax.set_mesh(mesh):
-        out = generate_padded(
-            sh.shard_params(params, CFG, mesh),
-            *sh.shard_batch((prompts, lengths), mesh),
-            key,
-            CFG,
-            sampler_cfg,
-        )
-    assert len(out["completion_ids"].sharding.device_set) == 8
-    np.testing.assert_array_equal(np.asarray(out["completion_ids"]), np.asarray(expected["completion_ids"]))
-    np.testing.assert_array_equal(np.asarray(out["completion_mask"]), np.asarray(expected["completion_mask"]))
-    np.testing.assert_allclose(
-        np.asarray(out["logprobs"]), np.asarray(expected["logprobs"]), atol=1e-5, rtol=0
-    )
+        out = generate(sh.shard_params(params, CFG, mesh), prompts, CFG, sampler_cfg, key)
+    np.testing.assert_array_equal(out.completion_ids, expected.completion_ids)
+    np.testing.assert_array_equal(out.completion_mask, expected.completion_mask)
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
 
 
 @on_8_devices
 @pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4)])
-def test_sharded_retiring_rollout_equals_unsharded_full_one(dp, tp, params):
-    # Sampled rows that stop at different steps: the sharded rollout retiring rows between phases of 3 steps
-    # (gathered rows stay a multiple of the data axis: 8, 4, 2 with dp = 2) samples what one device decoding
-    # every row to the end samples.
+def test_sharded_continuous_rollout_equals_unsharded_one(dp, tp, params):
+    # Sampled rows that stop at different steps, 3 decode slots refilled as rows end, pages of 4 tokens, decode
+    # calls of 3 steps: the sharded engine samples what one device decoding every row at once samples.
     import dataclasses
 
-    from grpax.sampler.engine import SamplerConfig, generate_padded
+    from grpax.sampler.engine import SamplerConfig, generate
 
-    sc = SamplerConfig(max_prompt_length=8, max_completion_length=15, temperature=0.9,
-                       stop_token_ids=tuple(range(0, CFG.vocab_size, 6)), decode_phase_length=3)  # fmt: skip
-    prompts = jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size)
-    lengths = jnp.array([8, 3, 5, 1, 8, 2, 7, 4], jnp.int32)
+    sc = SamplerConfig(max_prompt_length=8, max_completion_length=15, temperature=0.9, backend="xla",
+                       stop_token_ids=tuple(range(0, CFG.vocab_size, 6)))  # fmt: skip
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size))
+    prompts = [row[:n].tolist() for row, n in zip(tokens, [8, 3, 5, 1, 8, 2, 7, 4], strict=True)]
     key = jax.random.key(6)
-    expected = generate_padded(params, prompts, lengths, key, CFG, dataclasses.replace(sc, retire_rows=False))
+    expected = generate(jax.device_put(params, jax.devices()[0]), prompts, CFG, sc, key)
     mesh = sh.create_rollout_mesh(sh.MeshConfig(rollout_data_parallelism=dp, rollout_tensor_parallelism=tp))
+    narrow = dataclasses.replace(sc, max_num_seqs=3, page_size=4, decode_steps_per_call=3)
     with jax.set_mesh(mesh):
-        out = generate_padded(
-            sh.shard_params(params, CFG, mesh), *sh.shard_batch((prompts, lengths), mesh), key, CFG, sc
-        )
-    got_lengths = np.asarray(expected["lengths"])
-    assert got_lengths.min() <= 3 and got_lengths.max() >= 7  # rows end in the first and the third phase
-    assert int(out["decode_row_steps"]) < int(expected["decode_row_steps"])  # some were retired
+        out = generate(sh.shard_params(params, CFG, mesh), prompts, CFG, narrow, key)
+    assert expected.lengths.min() <= 3 and expected.lengths.max() >= 7  # rows end far apart
     for name in ("completion_ids", "completion_mask", "lengths"):
-        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(expected[name]))
-    np.testing.assert_allclose(
-        np.asarray(out["logprobs"]), np.asarray(expected["logprobs"]), atol=1e-5, rtol=0
-    )
+        np.testing.assert_array_equal(getattr(out, name), getattr(expected, name))
+    np.testing.assert_allclose(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow

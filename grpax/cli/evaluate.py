@@ -6,7 +6,15 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.config import (
+    ConfigError,
+    EngineKeys,
+    ModelKeys,
+    RuntimeKeys,
+    check_engine_keys,
+    field,
+    read_model_config,
+)
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -22,7 +30,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig, ModelKeys, RuntimeKeys):
+class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
@@ -142,6 +150,7 @@ def run(config: EvaluateConfig) -> int:
 
     validate_eval_keys(config, allow_no_eval=False)
     validate_task_keys(config)
+    check_engine_keys(config, config.max_target_length, "max_target_length")
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite, ("results.jsonl", "summary.json"))
     if config.completions_path and config.load_parameters_path:
@@ -204,6 +213,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
         stop_token_ids(tokenizer, model_cfg),
         model_cfg.pad_token_id,
         **EVAL_STRATEGIES[config.eval_sampling_strategy],
+        **config.engine_keys(),
     )
     return evaluate(
         params,

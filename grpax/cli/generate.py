@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.config import (
+    ConfigError,
+    EngineKeys,
+    ModelKeys,
+    RuntimeKeys,
+    check_engine_keys,
+    field,
+    read_model_config,
+)
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -35,7 +43,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig, ModelKeys, RuntimeKeys):
+class GenerateConfig(EnvironmentConfig, EngineKeys, ModelKeys, RuntimeKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -207,6 +215,13 @@ def completion_length(config: GenerateConfig) -> int:
     return length
 
 
+def _context_keys(config: GenerateConfig, length: int) -> str:
+    """The keys that set a sequence's longest length (prompt + completion), as an error names them."""
+    if config.max_completion_length > 0:
+        return "max_prefill_predict_length + max_completion_length"
+    return "max_target_length"
+
+
 def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
     """The keys checked before anything is read (ConfigError naming the key)."""
     if not config.load_parameters_path:
@@ -215,6 +230,7 @@ def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
     check_sampling(config, length, sampling)
+    check_engine_keys(config, config.max_prefill_predict_length + length, _context_keys(config, length))
     check_prompt_preset(config)
     if config.environment:
         from grpax.tasks import validate_environment_keys
@@ -245,7 +261,7 @@ def run(config: GenerateConfig) -> int:
     total = config.max_prefill_predict_length + length
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
-        what = f"max_prefill_predict_length + max_completion_length = {total}"
+        what = f"{_context_keys(config, length)} = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
     model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
@@ -255,7 +271,12 @@ def run(config: GenerateConfig) -> int:
     params = jax.device_put(params)
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = sampler_config(
-        config.max_prefill_predict_length, length, stops, model_cfg.pad_token_id, **sampling
+        config.max_prefill_predict_length,
+        length,
+        stops,
+        model_cfg.pad_token_id,
+        **sampling,
+        **config.engine_keys(),
     )
     key = jax.random.key(config.seed)
     generate_rows = _generate_with_environment if config.environment else _generate_single_turn

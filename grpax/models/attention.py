@@ -20,6 +20,15 @@ sampler's CPU backend (``grpax.backends.cpu``) runs its own kernels: the choice 
 ``window_mask`` builds the (global, local) masks of sliding-window layers; ``chunked_attention`` bounds the
 scores alive at once in the update. Shape letters as in ``grpax.models.llama``: B rows, T queries, S keys,
 N query heads, K kv heads, H head dim.
+
+The sampler's decode reads a paged KV cache (``grpax.sampler.engine``): per layer one pool of pages
+``[num_pages, page_size, 2K, H]``, the key of kv head j at index 2j of axis 2 and its value at 2j + 1 (the
+layout of vLLM's TPU backend and of Pallas's ragged paged attention), each sequence's tokens in the pages its
+row of a page table names (token p in page ``table[p // page_size]`` at offset ``p % page_size``).
+``write_pages`` writes new keys and values; ``paged_attention`` attends one query per sequence over its pages,
+in one of ``PAGED_IMPLEMENTATIONS``: ``xla`` gathers the pages a step reads (any platform) and ``ragged_tpu``
+is ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (TPU only), which reads only each sequence's
+filled pages.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.errors import ConfigError
+from grpax.models.sharding_rules import TENSOR
 
 if TYPE_CHECKING:
     from grpax.models.registry import ModelConfig
@@ -271,3 +281,151 @@ def window_mask(mask: jax.Array, query_positions: jax.Array, key_positions: jax.
         return mask, mask
     near = query_positions[:, :, None] - key_positions[:, None, :] < cfg.sliding_window
     return mask, mask & near
+
+
+PAGED_IMPLEMENTATIONS = ("xla", "ragged_tpu")
+
+
+def ragged_tpu_takes(num_kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether Pallas's ragged paged attention kernel takes a model of these kv heads and head dim with pools
+    of this dtype: head_dim a multiple of 128 (its lanes) and the pool's 2K heads a whole number of its
+    sublane tiles (2K / packing in 1, 2, 4, 8 or a multiple of 8; packing = 4 / the dtype's bytes), as its
+    ``get_min_heads_per_blk`` and ``broadcast_to_shape`` require."""
+    packing = max(1, 4 // jnp.dtype(dtype).itemsize)
+    heads = 2 * num_kv_heads
+    tiled = heads % packing == 0 and (heads // packing in (1, 2, 4, 8) or heads // packing % 8 == 0)
+    return head_dim % 128 == 0 and tiled
+
+
+def write_pages(
+    kv_pages: jax.Array, k: jax.Array, v: jax.Array, pages: jax.Array, offsets: jax.Array
+) -> jax.Array:
+    """Writes keys and values into a page pool (in place where ``kv_pages`` is a loop carry or donated).
+
+    Args:
+      kv_pages: [P, page_size, 2K, H] one layer's pool.
+      k, v: [T, K, H] the new keys and values (any float dtype; stored in the pool's).
+      pages: int32 [T] the page of each; indices >= P are dropped (padding).
+      offsets: int32 [T] the slot in its page.
+
+    Returns:
+      The pool with the T entries written.
+    """
+    T, K, H = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * K, H).astype(kv_pages.dtype)
+    return kv_pages.at[pages, offsets].set(kv, mode="drop")
+
+
+def paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    scale: float | None = None,
+    cap: float | None = None,
+    window: int | None = None,
+    implementation: str = "xla",
+    sinks: jax.Array | None = None,
+) -> jax.Array:
+    """One query per sequence over its pages of the KV cache (the decode step's attention).
+
+    Args:
+      q: [S, N, H] queries (already rotated), one per sequence.
+      kv_pages: [P, page_size, 2K, H] the layer's pool (``write_pages``; the new key already written).
+      page_table: int32 [S, n] the pages of each sequence in order (entries past its length are not read).
+      lengths: int32 [S] keys each query attends, positions 0..lengths - 1 (>= 1).
+      scale, cap: as in ``attention``; window: a sliding window (keys with ``query - key < window``; the
+        query is at position lengths - 1), or None.
+      implementation: one of ``PAGED_IMPLEMENTATIONS`` (``ragged_tpu`` lowers for TPU only, without sinks).
+      sinks: float [N] attention sinks (``sink_softmax``; GPT-OSS), or None.
+
+    Returns:
+      [S, N, H] in q's dtype; scores and softmax in float32.
+    """
+    if implementation == "ragged_tpu":
+        assert sinks is None, "Pallas's ragged paged attention has no attention sinks"
+        return _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window)
+    return _gathered(q, kv_pages, page_table, lengths, scale, cap, window, sinks)
+
+
+def _gathered(q, kv_pages, page_table, lengths, scale, cap, window, sinks=None):
+    """``paged_attention`` in XLA's ops: the n pages of every sequence gathered ([S, n * page_size] keys)."""
+    S, N, H = q.shape
+    n, page_size, K = page_table.shape[1], kv_pages.shape[1], kv_pages.shape[2] // 2
+    kv = kv_pages[page_table].reshape(S, n * page_size, K, 2, H)  # [S, n * page_size, K, 2, H]
+    k, v = kv[..., 0, :], kv[..., 1, :]
+    q1 = q.reshape(S, K, N // K, H).astype(jnp.float32)
+    q1 = q1 / math.sqrt(H) if scale is None else q1 * scale
+    scores = jax.lax.platform_dependent(q1, k, cpu=_paged_scores_f32, default=_paged_scores_dot)
+    scores = softcap(scores, cap)
+    slots = jnp.arange(n * page_size, dtype=jnp.int32)[None]
+    mask = slots < lengths[:, None]  # [S, n * page_size]
+    if window is not None:
+        mask &= (lengths[:, None] - 1) - slots < window
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = sink_softmax(scores, sinks).astype(v.dtype)
+    out = jnp.einsum("SKGT,STKH->SKGH", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(S, N, H).astype(q.dtype)
+
+
+def _paged_scores_f32(q1: jax.Array, k: jax.Array) -> jax.Array:
+    """float32 [S, K, G, T] scores of q1 float32 [S, K, G, H] over keys [S, T, K, H] widened to float32 (CPU, as
+    ``_scores_reduce``: a bfloat16 cache's query is not rounded)."""
+    return jnp.einsum("SKGH,STKH->SKGT", q1, k.astype(jnp.float32))
+
+
+def _paged_scores_dot(q1: jax.Array, k: jax.Array) -> jax.Array:
+    """``_paged_scores_f32`` as a matmul on the cache's dtype accumulated in float32 (as ``_scores_dot``)."""
+    return jnp.einsum("SKGH,STKH->SKGT", q1.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+
+def _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window):
+    """``paged_attention`` by Pallas's ragged paged attention kernel (TPU): one query per sequence."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    S, N, H = q.shape
+    blocks = _ragged_block_sizes(page_table.shape[1], kv_pages.shape[1], S)
+
+    def kernel(q, kv_pages, lengths, page_table):
+        return ragged_paged_attention(
+            q.astype(kv_pages.dtype),
+            kv_pages,
+            lengths.astype(jnp.int32),
+            page_table.astype(jnp.int32),
+            jnp.arange(S + 1, dtype=jnp.int32),  # cu_q_lens: one query per sequence
+            jnp.asarray([S], jnp.int32),
+            sm_scale=1.0 / math.sqrt(H) if scale is None else scale,
+            sliding_window=window,
+            soft_cap=cap,
+            mask_value=_MASK_VALUE,
+            num_kv_pages_per_block=blocks[0],
+            num_queries_per_block=blocks[1],
+        ).astype(q.dtype)
+
+    # A Pallas call is not partitioned by XLA: over a mesh each chip runs it on its own kv heads (the pool's
+    # axis 2 split over "tensor", k/v pairs staying together) where they divide by "tensor", as the pools are
+    # placed (XLABackend.page_spec); else on all of them (the pools replicated); the rest replicated.
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 0 if mesh.empty else dict(mesh.shape).get(TENSOR, 1)
+    if tensor <= 1:
+        return kernel(q, kv_pages, lengths, page_table)
+    heads = TENSOR if (kv_pages.shape[2] // 2) % tensor == 0 else None
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(P(None, heads, None), P(None, None, heads, None), P(), P()),
+        out_specs=P(None, heads, None),
+        check_vma=False,
+    )(q, kv_pages, lengths, page_table)
+
+
+def _ragged_block_sizes(
+    pages_per_seq: int, page_size: int, num_queries: int
+) -> tuple[int | None, int | None]:
+    """(kv pages, queries) per block of the ragged kernel: None, None (the kernel's own tuned table) where this
+    process runs on TPU chips; else (a compile for a TPU topology from a CPU host, where the table's lookup of the
+    local device fails) 512 tokens of pages and 32 queries."""
+    if jax.devices()[0].platform == "tpu":
+        return None, None
+    return min(pages_per_seq, max(1, 512 // page_size)), min(num_queries, 32)

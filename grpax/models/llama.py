@@ -32,9 +32,11 @@ from grpax.models.attention import (
     Implementation,
     cached_attention,
     chunked_attention,
+    paged_attention,
     select_attention,
     softcap,
     window_mask,
+    write_pages,
 )
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
@@ -444,6 +446,67 @@ def _run_layers(layer_fn, layers, carry: tuple, inputs: tuple, flags, routes, we
         per_layer.append(routing)
     stacked = None if per_layer[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     return x, ck, cv, stacked
+
+
+def decode_paged(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    pages: list,
+    page_table: jax.Array,
+    cfg: ModelConfig,
+    implementation: str = "xla",
+    return_routes: bool = False,
+) -> tuple:
+    """One token per sequence over a paged KV cache (the sampler's decode step; the layout is
+    ``grpax.models.attention``'s): each token's key and value are written at its position's page and offset,
+    then it attends to positions 0..position of its own sequence (on a local layer, the last
+    ``cfg.sliding_window`` of them).
+
+    Args:
+      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``).
+      tokens: int32 [S] one token per sequence.
+      positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page,
+        and its output is meaningless).
+      pages: L per-layer pools [P, page_size, 2K, H] (updated in place inside a loop or a donated call).
+      page_table: int32 [S, n] each sequence's pages in order, n * page_size > its position.
+      cfg: model config.
+      implementation: ``grpax.models.attention.PAGED_IMPLEMENTATIONS``.
+      return_routes: also return the experts each token was routed to (a mixture of experts).
+
+    Returns:
+      (final-normed hidden states [S, D] in ``cfg.dtype``, the updated pools), and with ``return_routes`` the
+      expert ids int [S, L, k] (``moe.Routing.experts``; each router's own top-k).
+    """
+    idle = positions < 0
+    pos = jnp.maximum(positions, 0).astype(jnp.int32)
+    page_size = pages[0].shape[1]
+    table = jnp.where(idle[:, None], 0, page_table)
+    write_page = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1)[:, 0]
+    offset = jnp.where(idle, 0, pos % page_size)
+    lengths = pos + 1
+    dtype = jnp.dtype(cfg.dtype)
+    x = embed(params, tokens[:, None], cfg)  # [S, 1, D]
+    rope = rope_pair(pos[:, None], cfg)
+    scale, cap = _scale(cfg), cfg.attn_logit_softcap
+    pages, experts = list(pages), []
+    for i, (layer, local) in enumerate(zip(params["layers"], _local_flags(cfg), strict=True)):
+        w = {name: val.astype(dtype) for name, val in layer.items()}
+        q, k, v = attention_inputs(x, w, _pick(local, *rope), cfg)
+        with jax.named_scope("kv_cache"):
+            pages[i] = write_pages(pages[i], k[:, 0], v[:, 0], write_page, offset)
+        with jax.named_scope("attention"):
+            window = cfg.sliding_window if local else None
+            attn = paged_attention(
+                q[:, 0], pages[i], table, lengths, scale, cap, window, implementation, w.get("sinks")
+            )
+        x, routing = output_and_mlp(x, attn[:, None], w, cfg)
+        if routing is not None:
+            experts.append(routing.experts[:, 0])  # [S, k]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if not return_routes:
+        return x[:, 0], pages
+    return x[:, 0], pages, jnp.stack(experts, axis=1)  # [S, L, k]
 
 
 def forward_grouped(

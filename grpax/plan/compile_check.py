@@ -493,30 +493,17 @@ def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
 
 
 def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
-    """The sampler's prefill and decode loop on the rollout mesh, and the rollout phase's bytes."""
+    """The rollout engine's two programs (prefill: admit prompts into the page pool; decode: a call's decode
+    steps) on the rollout mesh, and the rollout phase's bytes."""
     cfg, sc, rollout_params, model_cfg = job.cfg, job.sampler_cfg, job.rollout_params, job.model_cfg
-    replicated = NamedSharding(job.rollout_mesh, P())
-    prompts = jax.ShapeDtypeStruct(
-        (cfg.batch_size, cfg.max_prefill_predict_length), jnp.int32, sharding=replicated
-    )
-    lengths = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.int32, sharding=replicated)
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
     G = cfg.num_generations
-    with jax.set_mesh(job.rollout_mesh):
-        prefill_args = (rollout_params, prompts, lengths, model_cfg, sc, G, backend, None)
-        functions["prefill"], compiled = _compile(
-            "the sampler's prefill", n, engine.compiled_prefill(backend), *prefill_args
-        )
-        if compiled is not None:  # the decode starts from the prefill's cache and logits
-            cache, logits, _ = jax.tree.map(  # (its third output: a mixture of experts' recorded routing)
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), compiled.out_info
-            )
-            row_lengths = jax.ShapeDtypeStruct((cfg.batch_size * G,), jnp.int32, sharding=replicated)
-            key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=replicated)
-            decode_args = (rollout_params, cache, logits, row_lengths, key, model_cfg, sc, backend)
-            functions["decode"], _ = _compile(
-                "the sampler's decode loop", n, engine.compiled_decode(backend), *decode_args
-            )
+    with jax.set_mesh(job.rollout_mesh):  # the rollout engine's two programs (grpax.sampler.engine)
+        for name, (fn, args, kwargs) in engine.abstract_programs(
+            rollout_params, model_cfg, sc, backend, cfg.batch_size, G
+        ).items():
+            title = {"prefill": "the sampler's prefill", "decode": "the sampler's decode steps"}[name]
+            functions[name], _ = _compile(title, n, fn, *args, **kwargs)
     rollout_resident = per_chip_bytes(rollout_params)
     # LoRA: the merged weights stay on the trainer's chips (with rollout_devices its merge phase counts them).
     merged = 0 if cfg.rollout_devices else job.merged_copy

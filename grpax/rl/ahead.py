@@ -13,6 +13,14 @@ samples them again (no prompt skipped or repeated across a kill).
 Colocated, the overlap hides the host's share of a rollout (decode loop bookkeeping, detokenisation, reward
 functions, the reference pass's dispatch) behind the update; the devices still run one program after the other.
 The same shape as TRL's AsyncGRPOTrainer (a rollout worker, a queue, ``max_staleness``) without a second process.
+
+With ``overlap`` the batches also overlap each other on one running rollout engine (``Rollout.keep_engine``):
+when batch j's tail has freed half the decode slots, the thread waits for the params batch j + 1 needs, swaps them
+into the engine (batch j's running rows sample their remaining tokens with them, each token recording its
+version) and queues batch j + 1's prompts, which enter the freed slots at once. The swap happens at a point the
+tokens decide (not the clock), so a run stays reproducible; pi_old is each token's own version's
+(``Rollout._old_logprobs``); a batch's ``policy_version`` is its first tokens'. Not with DAPO dynamic sampling
+(its later draws would interleave with the next batch's rows in the iterator).
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ class AheadRollouts:
       max_staleness: N >= 0 (0 works too: each batch waits for the previous update; used by tests).
       start, end: the first step and one past the last.
       timeout_s: how long ``get`` waits for a batch before it calls the thread hung.
+      overlap: the next batch's prompts enter the slots the current batch's tail frees (see the module
+        docstring); only where max_staleness >= 1 and dynamic sampling is off.
     """
 
     def __init__(
@@ -60,8 +70,14 @@ class AheadRollouts:
         start: int,
         end: int,
         timeout_s: float = 3600.0,
+        overlap: bool = False,
     ):
         self.rollout, self.iterator, self.key_of = rollout, iterator, key_of
+        self.overlap = overlap and max_staleness >= 1 and not rollout.grpo.filter_zero_std_groups
+        if self.overlap:
+            rollout.keep_engine()
+        self._queued: dict[int, list[dict]] = {}  # rows of a batch queued on the engine at the previous tail
+        self._positions: dict[int, dict] = {}  # the iterator's position after a batch, taken at its tail
         self.position: dict | None = None  # the iterator's position after the last batch ``get`` returned
         self.max_staleness, self.start, self.end, self.timeout_s = max_staleness, start, end, timeout_s
         self._versions: dict[int, Any] = {}
@@ -153,15 +169,38 @@ class AheadRollouts:
     def _run(self) -> None:
         for step in range(self.start, self.end):
             try:
-                params = self._params_for(step)
-                if params is None:
-                    return
-                self.rollout.update_params(params, self.version_for(step))
-                del params
-                batch = self.rollout(next(self.iterator), self.key_of(step), extra_rows=self.iterator)
-                self.rollout.params = None  # the version's copy goes once no later batch needs it
+                rows = self._queued.pop(step, None)
+                if rows is None:
+                    params = self._params_for(step)
+                    if params is None:
+                        return
+                    self.rollout.update_params(params, self.version_for(step))
+                    del params
+                    rows = next(self.iterator)
+                tail = {"on_tail": self._tail(step + 1)} if self.overlap and step + 1 < self.end else {}
+                batch = self.rollout(rows, self.key_of(step), extra_rows=self.iterator, **tail)
+                if not self.overlap:
+                    self.rollout.params = None  # the version's copy goes once no later batch needs it
                 jax.block_until_ready(batch)  # the rollout's time is its own, not the update's
-                self._done.put((step, batch, self.iterator.state_dict()))
+                position = self._positions.pop(step, None) or self.iterator.state_dict()
+                self._done.put((step, batch, position))
             except BaseException as e:  # handed to the main thread, which stops the run with one line
                 self._done.put((step, e, None))
                 return
+
+    def _tail(self, step: int) -> Callable[[], None]:
+        """What batch ``step - 1``'s tail runs: records the iterator's position after it, waits for the params
+        ``step`` needs, swaps them in and queues ``step``'s prompts on the running engine."""
+
+        def tail() -> None:
+            self._positions[step - 1] = self.iterator.state_dict()
+            params = self._params_for(step)
+            if params is None:  # stopping
+                return
+            self.rollout.update_params(params, self.version_for(step))
+            del params
+            rows = next(self.iterator)
+            self.rollout.presubmit(rows, self.key_of(step))
+            self._queued[step] = rows
+
+        return tail

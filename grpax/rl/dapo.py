@@ -123,6 +123,8 @@ def take_groups(
                 [_left_pad(o.prompt_routed_experts, width, 0) for o in outs]
             )[groups],
         )
+    if all(o.policy_versions is not None for o in outs):  # each token's params version (a kept engine's)
+        routed["policy_versions"] = np.concatenate([o.policy_versions for o in outs])[rows]
     return GenerateOutput(
         prompt_ids=prompt_ids[groups],
         prompt_mask=prompt_mask[groups],

@@ -2,12 +2,16 @@
 
 Each trajectory has its own environment (``grpax.tasks.environment``): ``reset`` gives its first messages,
 rendered by the chat template (with the environment's tools where it declares them) into the prompt. The
-prompts are prefilled once (``grpax.sampler.engine``), then ``grpax.sampler.multi_turn.decode_segment`` decodes
-until a row pauses at the end of a turn; on the host each paused row's turn text goes to its
-environment's ``step``, whose observation is tokenized (``render_observation``) and fed into the row's own KV
-cache by the next segment, and the row samples on from there. Rows finish at different turns; the batch goes
-on until every row is done or out of budget (``max_turns``, ``max_turn_tokens`` per turn, T =
-``max_completion_length`` for the whole trajectory after the prompt).
+trajectories run on the rollout engine's public API (``grpax.sampler.engine.Engine``): submitted as pausing
+sequences, each pauses at the end of a turn (a stop token, a token that may end one of the environment's stop
+strings: ``pause_table``, whose text the host checks, or the turn's token budget) with its KV pages kept; on the
+host its turn text goes to its environment's ``step``, whose observation is tokenized (``render_observation``)
+and handed back with ``Engine.resume``, which feeds it through the decode into the sequence's own pages (mask 0,
+logprob 0) before it samples on. The cache is never rebuilt: continuing a trajectory costs its observation's
+tokens, not a new prefill of the conversation, and the logprobs of the model tokens are those of one forward
+over the final sequence. Trajectories finish at different turns, and a paused one leaves its decode slot to the
+others; the batch goes on until every trajectory is done or out of budget (``max_turns``, ``max_turn_tokens``
+per turn, T = ``max_completion_length`` for the whole trajectory after the prompt).
 
 The ``Batch`` is the single-turn one: ``completion_ids`` holds the whole trajectory after the prompt (model and
 observation tokens), ``completion_mask`` is 1 only at the model's tokens, so observation tokens are attended
@@ -21,24 +25,21 @@ verl / SkyRL-gym tool environments and unsloth (environment tokens masked out of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from grpax import distributed, sharding
+from grpax import sharding
 from grpax.data.prompts import PromptPreset, build_messages
 from grpax.errors import ConfigError
 from grpax.models.registry import ModelConfig
 from grpax.rl.rollout import Rollout, mesh_context
-from grpax.sampler import multi_turn as mt
-from grpax.sampler.backend import select_backend
-from grpax.sampler.engine import _PREFILL_STATIC, SamplerConfig, _compiled, _prefill, prepare_prompts
+from grpax.sampler import decode as reasons
+from grpax.sampler.engine import Engine, SamplerConfig, prepare_prompts
 from grpax.tasks.environment import (
     CheckedEnvironment,
     MultiTurnConfig,
@@ -70,6 +71,7 @@ class MultiTurnOutput(NamedTuple):
     truncation: list[str]
     routed_experts: None = None  # GenerateOutput's: multi-turn runs record no routing (check_router_replay)
     prompt_routed_experts: None = None
+    policy_versions: np.ndarray | None = None  # GenerateOutput's: each token's version, -1 if masked
 
     def metrics(self) -> dict[str, float]:
         """Means per trajectory of the turn counts, the fraction that called a tool at least once
@@ -200,134 +202,94 @@ def generate_multi_turn(
             "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
         )
     envs = [envs[i * G + g] for i in indices for g in range(G)]
-    N, B, T, F = len(kept), len(kept) * G, sc.max_completion_length, turn_cfg.max_observation_tokens
-    lengths = np.array([len(p) for p in kept], np.int32)
-    P = sc.bucket_for(int(lengths.max()))
-    right = np.full((N, P), sc.pad_token_id, np.int32)
-    left = np.full((N, P), sc.pad_token_id, np.int32)
-    prompt_mask = np.zeros((N, P), np.int32)
-    for i, p in enumerate(kept):
-        right[i, : len(p)], left[i, P - len(p) :], prompt_mask[i, P - len(p) :] = p, p, 1
-
-    # One phase on all P + T slots: the loop returns to the host between turns, whose pauses would split phases.
-    prefill_sc = dataclasses.replace(sc, decode_phase_length=0)
-    backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, True)
-    # The third output, a mixture of experts' prompt routes: multi-turn runs record none (check_router_replay).
-    cache, logits, _ = _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)(
-        params, right, lengths, cfg, prefill_sc, G, backend, backend.plan(right, lengths)
-    )
+    B, T, F = len(kept) * G, sc.max_completion_length, turn_cfg.max_observation_tokens
     stop_strings = sorted({s for env in envs for s in (getattr(env, "stop_strings", ()) or ())})
     V = cfg.vocab_size
     stop_table = np.zeros(V, bool)
     stop_table[[i for i in sc.stop_token_ids if i < V]] = True
-    pauses = pause_table(tokenizer, V, stop_strings) & ~stop_table
     turn_budget = turn_cfg.max_turn_tokens or T
-    state = {
-        "ids": jnp.full((B, T), sc.pad_token_id, jnp.int32),
-        "mask": jnp.zeros((B, T), jnp.int32),
-        "logprobs": jnp.zeros((B, T), jnp.float32),
-        "n": jnp.zeros((B,), jnp.int32),
-        "logits": logits,
-        "prompt_lengths": jnp.repeat(jnp.asarray(lengths), G),
-        "run": jnp.ones((B,), bool),
-        "turn_end": jnp.full((B,), min(turn_budget, T), jnp.int32),
-        "forced": jnp.zeros((B, F), jnp.int32),
-        "num_forced": jnp.zeros((B,), jnp.int32),
-        "forced_pos": jnp.zeros((B,), jnp.int32),
-        "reason": jnp.zeros((B,), jnp.int32),
-    }
+    engine = Engine(
+        params, cfg, sc, num_slots=B, pause_table=pause_table(tokenizer, V, stop_strings) & ~stop_table,
+        max_forced_tokens=F,
+    )  # fmt: skip
+    request = engine.submit(kept, key, G, pauses=True, turn_budget=turn_budget)
     turns, calls, errors, obs_tokens = (np.zeros(B, np.int64) for _ in range(4))
     turns[:] = 1
     rewards = np.zeros(B, np.float64)
     turn_start = np.zeros(B, np.int64)
-    done = np.zeros(B, bool)
     truncation = [""] * B
-    prepared = mt.prepare_decode(params, cfg, backend, P + T)
-    stop_table, pauses = jnp.asarray(stop_table), jnp.asarray(pauses)
-    while True:
-        cache, state = mt.decode_segment(prepared, cache, state, key, stop_table, pauses, cfg, sc, backend)
-        fields = ("ids", "n", "reason", "turn_end", "forced", "num_forced", "forced_pos")
-        host = {k: np.array(v) for k, v in distributed.fetch({k: state[k] for k in fields}).items()}
-        ids, n, reason, turn_end = host["ids"], host["n"], host["reason"], host["turn_end"]
-        forced, num_forced, forced_pos = host["forced"], host["num_forced"], host["forced_pos"]
-        run = np.zeros(B, bool)
-        for b in np.flatnonzero(~done):
-            r = int(reason[b])
-            if r == mt.RUNNING:  # still in its turn: decodes on in the next segment
-                run[b] = True
-                continue
-            turn = ids[b, turn_start[b] : n[b]].tolist()
+    while not request.done:
+        paused = engine.run(request)
+        assert paused or request.done, "a pausing request stopped without a paused sequence"
+        for seq in paused:
+            b, r, n = seq.index, seq.reason, seq.n
+            turn = seq.tokens[turn_start[b] : n]
             overshoot = ""
-            if r == mt.STOP_CANDIDATE:
+            if r == reasons.PAUSE:
                 text = tokenizer.decode(turn)
                 end = stop_string_end(text, tokenizer.decode(turn[-1:]), stop_strings)
                 if end is None:  # not a stop string after all
-                    if n[b] >= T:
-                        done[b], truncation[b] = True, "trajectory"
-                    elif n[b] >= turn_end[b]:
-                        done[b], truncation[b] = True, "turn"
+                    if n >= T:
+                        engine.finish(seq)
+                        truncation[b] = "trajectory"
+                    elif n >= seq.turn_end:
+                        engine.finish(seq)
+                        truncation[b] = "turn"
                     else:
-                        run[b] = True  # decode on
+                        engine.resume(seq)  # decode on in the same turn
                     continue
                 text, overshoot = text[:end], text[end:]
-            elif r in (mt.TURN_BUDGET, mt.TRAJECTORY_BUDGET):
-                done[b], truncation[b] = True, "turn" if r == mt.TURN_BUDGET else "trajectory"
+            elif r == reasons.TURN:
+                engine.finish(seq)
+                truncation[b] = "turn"
                 continue
-            stop_token = turn[-1] if r == mt.STOP_TOKEN else None
-            if r != mt.STOP_CANDIDATE:
+            stop_token = turn[-1] if r == reasons.STOP else None
+            if r != reasons.PAUSE:
                 text = tokenizer.decode(turn[:-1] if stop_token is not None else turn)
             observation, points, finished = envs[b].step(text)
             rewards[b] += points
             if finished or observation is None:
-                done[b] = True
+                engine.finish(seq)
                 continue
             if turns[b] >= turn_cfg.max_turns:
-                done[b], truncation[b] = True, "max_turns"
+                engine.finish(seq)
+                truncation[b] = "max_turns"
                 continue
             rendered = render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
             if overshoot and rendered.startswith(overshoot):  # the model's last token began the observation
                 rendered = rendered[len(overshoot) :]
             tokens = encode(tokenizer, rendered)[:F]
-            if n[b] + len(tokens) >= T:  # no room for a model token after it
-                done[b], truncation[b] = True, "trajectory"
+            if n + len(tokens) >= T:  # no room for a model token after it
+                engine.finish(seq)
+                truncation[b] = "trajectory"
                 continue
             calls[b] += 1
             errors[b] += observation.lstrip().startswith(("error", "<result>error"))
-            forced[b, : len(tokens)], num_forced[b], forced_pos[b] = tokens, len(tokens), 0
             obs_tokens[b] += len(tokens)
             turns[b] += 1
-            turn_start[b] = n[b] + len(tokens)
-            turn_end[b] = min(turn_start[b] + turn_budget, T)
-            run[b] = True
-        if not run.any():
-            break
-        state = {
-            **state,
-            "run": jnp.asarray(run),
-            "forced": jnp.asarray(forced),
-            "num_forced": jnp.asarray(num_forced),
-            "forced_pos": jnp.asarray(forced_pos),
-            "turn_end": jnp.asarray(turn_end, jnp.int32),
-            "reason": jnp.zeros((B,), jnp.int32),
-        }
-    out = distributed.fetch({k: state[k] for k in ("ids", "mask", "logprobs", "n")})
-    ids, mask, logprobs, n = (np.asarray(out[k]) for k in ("ids", "mask", "logprobs", "n"))
+            turn_start[b] = n + len(tokens)
+            engine.resume(seq, tokens, turn_budget)
+    for seq in request.sequences:  # the length limit ends a sequence without a pause
+        if seq.reason == reasons.LENGTH and not truncation[seq.index]:
+            truncation[seq.index] = "trajectory"
+    out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), T)
     return MultiTurnOutput(
-        prompt_ids=left,
-        prompt_mask=prompt_mask,
-        completion_ids=ids,
-        completion_mask=mask,
-        logprobs=logprobs,
-        lengths=mask.sum(axis=1).astype(np.int32),
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        logprobs=out.logprobs,
+        lengths=out.lengths,
         finish_reason=["length" if t else "stop" for t in truncation],
         prompt_indices=np.array(indices, np.int32),
-        texts=tokenizer.batch_decode([ids[b, : n[b]].tolist() for b in range(B)], skip_special_tokens=True),
+        texts=tokenizer.batch_decode([seq.tokens for seq in request.sequences], skip_special_tokens=True),
         turns=turns,
         tool_calls=calls,
         tool_errors=errors,
         observation_tokens=obs_tokens,
         env_rewards=rewards,
         truncation=truncation,
+        policy_versions=out.policy_versions,
     )
 
 

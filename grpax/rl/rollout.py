@@ -1,8 +1,11 @@
 """The rollout side of a GRPO step: prompt rows in, a ``grpax.rl.batch.Batch`` out.
 
 ``Rollout`` owns the params it samples with and their version (``update_params``). A call samples G =
-``num_generations`` completions of each prompt with the KV-cache sampler (on the sampler's mesh, the weights
-resharded when its layout differs from the trainer's), scores them with the task (``scorer``), adds DAPO's
+``num_generations`` completions of each prompt with the rollout engine (``grpax.sampler.engine``: one per call,
+its KV pool freed after it; or, for rollouts ahead that overlap batches, ``keep_engine``: one engine running
+across calls, the next batch's prompts entering the slots the current batch's tail frees, the weights swapped
+between decode calls; on the sampler's mesh, the weights resharded when its layout differs from the trainer's),
+scores them with the task (``scorer``), adds DAPO's
 overlong punishment, refills zero-std groups from more prompt batches (DAPO dynamic sampling,
 ``grpax.rl.dapo``), turns the rewards into group-relative advantages (``grpax.rl.advantages``), places the
 batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0) and, where the update's ratio
@@ -33,7 +36,7 @@ from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion
 from grpax.rl.config import GRPOConfig
 from grpax.rl.reference import FrozenParams, release_host_memory
 from grpax.rl.train_step import compute_logprobs
-from grpax.sampler.engine import GenerateOutput, SamplerConfig, generate
+from grpax.sampler.engine import Engine, GenerateOutput, SamplerConfig, generate, prepare_prompts
 
 # (rows [B], rollout) -> ({reward name: [B] points, "total" included; NaN = abstain}, correct [B])
 Scorer = Callable[[list[dict], GenerateOutput], tuple[dict[str, Any], Any]]
@@ -105,13 +108,42 @@ class Rollout:
         self.min_completion_bucket = min_completion_bucket
         self.params: Any = None
         self.version = 0
+        self.engine: Engine | None = None  # one engine running across calls (``keep_engine``), else None
+        self._keep_engine = False
+        self._params_of: dict[int, Any] = {}  # the versions a kept engine's batches may hold tokens of
+        self._presubmitted: tuple | None = None  # (rows, request) of ``presubmit``
+        self._recomputed_seen = 0  # the kept engine's recomputed KV tokens (weight swaps) logged so far
 
     def update_params(self, params: Any, version: int) -> None:
-        """The params the next rollouts sample with (not copied), and their version (recorded per batch)."""
+        """The params the next rollouts sample with (not copied), and their version (recorded per batch). A kept
+        engine swaps to them at its next decode call: the batch in flight samples its later tokens with them."""
         self.params, self.version = params, version
+        if self._keep_engine:
+            self._params_of[version] = params
+
+    def keep_engine(self) -> None:
+        """From now on, sample on one engine running across calls (``presubmit`` and ``on_tail`` need it); its
+        KV pool stays allocated between rollouts."""
+        self._keep_engine = True
+        if self.params is not None:
+            self._params_of[self.version] = self.params
+
+    def presubmit(self, rows: list[dict], key: jax.Array) -> None:
+        """Queues the next call's prompts on the running engine now (with the current params version), so they
+        enter the decode slots the batch in flight frees; the next call with these ``rows`` collects them."""
+        G = self.grpo.num_generations
+        engine = self._engine_for(self._sampler_params(), len(rows) * G)
+        request = engine.submit(
+            prepare_prompts([row["prompt_ids"] for row in rows], self.sampler_cfg)[0], key, G
+        )
+        self._presubmitted = (rows, request)
 
     def __call__(
-        self, rows: list[dict], key: jax.Array, extra_rows: Iterator[list[dict]] | None = None
+        self,
+        rows: list[dict],
+        key: jax.Array,
+        extra_rows: Iterator[list[dict]] | None = None,
+        on_tail: Callable[[], None] | None = None,
     ) -> Batch:
         """G completions of each of the P ``rows``, scored, as the update's ``Batch`` (``host`` filled).
 
@@ -120,6 +152,8 @@ class Rollout:
           key: this rollout's PRNG key (dynamic sampling's later rounds fold in their index).
           extra_rows: more prompt batches for DAPO dynamic sampling (``filter_zero_std_groups``); without it
             zero-std groups are kept.
+          on_tail: with a kept engine, called once when half its decode slots are free and none of these rows
+            waits for one (the tail of the batch: e.g. to ``update_params`` and ``presubmit`` the next batch).
 
         Raises:
           RewardFunctionError: a reward function misbehaved (from the task).
@@ -127,9 +161,11 @@ class Rollout:
         if self.params is None:
             raise ValueError("Rollout has no params: call update_params(params, version) first")
         grpo, G = self.grpo, self.grpo.num_generations
+        version = self.version  # the batch's first tokens'; a kept engine's tail may sample with later ones
         t_start = time.perf_counter()
         self._times = {"time/rollout_s": 0.0, "time/reshard_s": 0.0}
         self._rounds: list[GenerateOutput] = []  # every sampling round's output (dynamic sampling: several)
+        self._on_tail = on_tail
         out, scores, correct = self._sample(rows, key)
         zero_std = dapo.zero_std_groups(scores["total"], G)
         extra = {"zero_std_fraction": float(zero_std.mean())}
@@ -153,11 +189,18 @@ class Rollout:
             advantages=np.asarray(advantages, np.float32),
             completion_lengths=np.asarray(out.completion_mask).sum(axis=1),
             prompt_tokens=int(np.asarray(out.prompt_mask).sum()) * G,
-            policy_version=self.version,
+            policy_version=version,
             extra=extra,
         )
+        versions = out.policy_versions
+        if versions is not None and self._keep_engine:
+            newer = (versions > version).sum() / max(int((versions >= 0).sum()), 1)
+            extra["rollout/newer_version_token_fraction"] = float(newer)
+            recomputed = self.engine.stats["recomputed_tokens"] if self.engine is not None else 0
+            extra["rollout/recomputed_kv_tokens"] = float(recomputed - self._recomputed_seen)
+            self._recomputed_seen = recomputed
         t_scored = time.perf_counter()
-        batch = self._logprobs(batch)
+        batch = self._logprobs(batch, versions, version)
         info.timings = {
             **self._times,
             "time/rewards_s": t_scored - t_start - self._times["time/rollout_s"],
@@ -165,25 +208,68 @@ class Rollout:
         }
         return batch.replace(host=info)
 
-    def _sample(self, rows: list[dict], key: jax.Array) -> tuple[GenerateOutput, dict[str, np.ndarray], Any]:
-        """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""
-        t0 = time.perf_counter()
+    def _sampler_params(self) -> Any:
+        """The params as the sampler reads them (resharded onto its mesh when the layouts differ)."""
         params = self.params
         if self.mesh is not None and self.rollout_mesh is not None:
             params, reshard_s = sharding.reshard_for_rollout(
                 params, self.mesh, self.rollout_mesh, dtype=self.model_cfg.dtype
             )
-            self._times["time/reshard_s"] += reshard_s
-        prompts = [row["prompt_ids"] for row in rows]
+            if hasattr(self, "_times"):
+                self._times["time/reshard_s"] += reshard_s
+        return params
+
+    def _engine_for(self, params: Any, num_slots: int) -> Engine:
+        """The kept engine on ``params`` at this version, created at first use with ``num_slots`` decode slots."""
+        if self.engine is None:
+            with mesh_context(self.rollout_mesh or self.mesh):
+                self.engine = Engine(
+                    params, self.model_cfg, self.sampler_cfg, version=self.version, num_slots=num_slots
+                )
+        elif self.engine.version != self.version:
+            self.engine.update_params(params, self.version)
+        return self.engine
+
+    def _engine_generate(self, params: Any, rows: list[dict], key: jax.Array) -> GenerateOutput:
+        """``generate`` on the kept engine: the presubmitted request of these rows, or a new one; ``on_tail``
+        called once when the batch's tail frees half the slots."""
+        sc, G = self.sampler_cfg, self.grpo.num_generations
+        kept, indices = prepare_prompts([row["prompt_ids"] for row in rows], sc)
+        engine = self._engine_for(params, len(rows) * G)
+        if self._presubmitted is not None and self._presubmitted[0] is rows:
+            request = self._presubmitted[1]
+        else:
+            request = engine.submit(kept, key, G)
+        self._presubmitted = None
         with mesh_context(self.rollout_mesh or self.mesh):
-            out = generate(
-                params,
-                prompts,
-                self.model_cfg,
-                self.sampler_cfg,
-                key,
-                num_generations=self.grpo.num_generations,
-            )
+            while not request.done:
+                engine.step()
+                queued = any(entry[0] is request for entry in engine.queue) or any(
+                    seq.request is request for seq in engine.ready
+                )
+                if self._on_tail is not None and not queued and len(engine.running) <= engine.num_slots // 2:
+                    hook, self._on_tail = self._on_tail, None
+                    hook()
+        out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), sc.max_completion_length)
+        return out._replace(prompt_indices=np.array(indices, np.int32))
+
+    def _sample(self, rows: list[dict], key: jax.Array) -> tuple[GenerateOutput, dict[str, np.ndarray], Any]:
+        """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""
+        t0 = time.perf_counter()
+        params = self._sampler_params()
+        prompts = [row["prompt_ids"] for row in rows]
+        if self._keep_engine:
+            out = self._engine_generate(params, rows, key)
+        else:
+            with mesh_context(self.rollout_mesh or self.mesh):
+                out = generate(
+                    params,
+                    prompts,
+                    self.model_cfg,
+                    self.sampler_cfg,
+                    key,
+                    num_generations=self.grpo.num_generations,
+                )
         del params
         release_host_memory()
         self._times["time/rollout_s"] += time.perf_counter() - t0
@@ -253,9 +339,12 @@ class Rollout:
             return sharding.shard_global_batch(batch, self.mesh)
         return jax.tree.map(jnp.asarray, batch)
 
-    def _logprobs(self, batch: Batch) -> Batch:
+    def _logprobs(
+        self, batch: Batch, versions: np.ndarray | None = None, version: int | None = None
+    ) -> Batch:
         """The reference's logprobs (beta > 0) and, where ``GRPOConfig.needs_old_logprobs``, the sampling
-        params' own (pi_old of the clipped ratio)."""
+        params' own (pi_old of the clipped ratio): each token's under the version that sampled it
+        (``versions`` int32 [B, C], -1 where masked; a kept engine's batch may hold two), else ``self.params``'."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         replay = self.grpo.router_replay == "replay"  # a mixture of experts routed by the sampler's routing
         with mesh_context(self.mesh):
@@ -265,6 +354,23 @@ class Rollout:
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
             if self.grpo.needs_old_logprobs:  # pi_old: the sampling params'
-                old = compute_logprobs(self.params, batch, self.model_cfg, temperature, M, replay)
+                old = self._old_logprobs(batch, versions, replay)
                 batch = batch.replace(old_logprobs=old)
+        if self._keep_engine and version is not None:  # no later batch holds tokens of older versions
+            self._params_of = {v: p for v, p in self._params_of.items() if v >= self.version}
         return batch
+
+    def _old_logprobs(self, batch: Batch, versions: np.ndarray | None, replay: bool) -> Any:
+        """pi_old: each token's logprob under the params version that sampled it (``versions``), else under
+        ``self.params``; ``replay``: a mixture of experts routed by the batch's recorded routing."""
+        temperature, M = self.grpo.temperature, self.num_micro_batches
+        present = [] if versions is None or not self._keep_engine else sorted(set(np.unique(versions)) - {-1})
+        if len(present) <= 1:
+            params = self._params_of.get(present[0], self.params) if present else self.params
+            return compute_logprobs(params, batch, self.model_cfg, temperature, M, replay)
+        versions = versions[:, : batch.completion_ids.shape[1]]  # the batch's completion axis is trimmed
+        old = None
+        for v in present:
+            lp = compute_logprobs(self._params_of[v], batch, self.model_cfg, temperature, M, replay)
+            old = lp if old is None else jnp.where(jnp.asarray(versions == v), lp, old)
+        return old

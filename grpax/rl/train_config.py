@@ -14,7 +14,15 @@ from typing import Any, ClassVar
 import jax
 
 from grpax import sharding
-from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.config import (
+    ConfigError,
+    EngineKeys,
+    ModelKeys,
+    RuntimeKeys,
+    check_engine_keys,
+    field,
+    read_model_config,
+)
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import validate_eval_keys
@@ -36,7 +44,7 @@ REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, RuntimeKeys):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, ModelKeys, RuntimeKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -128,8 +136,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
     )
     decode_retire_rows: bool = field(
         True,
-        "between decode phases, decode only the rows still running (gathered into half, a quarter, ... of the "
-        "rows); the same rollout as false, with less decode work on finished rows",
+        "when no sequence waits for a decode slot, decode the running ones on the fewest slots that hold them "
+        "(a ladder of slot counts); the same rollout as false, with less decode work on idle slots",
     )
     seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
@@ -230,6 +238,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, ModelKeys, Runtim
             greedy=False,
             retire_rows=self.decode_retire_rows,
             record_routes=self.router_replay != "none",
+            **self.engine_keys(),
         )
 
 
@@ -252,6 +261,7 @@ def validate(cfg: TrainConfig) -> None:
             f"max_target_length={cfg.max_target_length} must exceed "
             f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
         )
+    check_engine_keys(cfg, cfg.max_target_length, "max_target_length")
     if cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(
             f"overlong_buffer_length={cfg.overlong_buffer_length} exceeds max_completion_length="

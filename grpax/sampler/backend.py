@@ -1,8 +1,10 @@
-"""The sampler's one seam: how a backend runs the model's prefill and decode step.
+"""The sampler's one seam: how a backend runs the model's prefill and decode step on the paged KV cache.
 
-The sampler (``grpax.sampler.engine``) keeps the algorithm: buckets, the KV cache and its growth between decode
-phases, the on-device loop with early exit, per-row positions and noise, stop bookkeeping. A backend supplies
-the weight layout, the prefill and the decode step. ``XlaBackend`` is the model's own ``forward`` in XLA's ops
+The sampler (``grpax.sampler.engine``) keeps the algorithm: buckets, the page tables and the pool's free pages,
+the scheduling of sequences into decode slots, the on-device loop with early exit, per-sequence positions and
+noise, stop bookkeeping. A backend supplies the weight layout, the layout of the page pools (``init_pages``),
+the prefill (into a dense cache of the prompt bucket, then ``write_prompts`` into the pages) and the decode step
+over the pages. ``XlaBackend`` is the model's own ``forward`` in XLA's ops
 (any device, any mesh); ``grpax.backends.cpu.CpuBackend`` runs them on C++ kernels on one CPU device.
 ``select_backend`` chooses one per ``generate`` call (``SamplerConfig.backend``), the only place that imports a
 backend, so that GPU and TPU runs never import the CPU kernels. The shape follows MaxText's ``attention=`` key:
@@ -17,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpax.models.llama import forward, logits_from_hidden
+from grpax.models.attention import ragged_tpu_takes, write_pages
+from grpax.models.llama import decode_paged, forward, logits_from_hidden
 from grpax.models.lora import LoraWeight
 from grpax.models.params import Params, convert_layout
 from grpax.models.quantize import QuantizedWeight
@@ -62,6 +65,11 @@ class XlaBackend:
 
     name: str = "xla"
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # The decode's attention over the pages (grpax.models.attention.PAGED_IMPLEMENTATIONS): "ragged_tpu" where
+    # the params are on TPU chips and the kernel takes the model's heads (``ragged_tpu_takes``: Pallas's ragged
+    # paged attention, which reads only each sequence's filled pages), else "xla" (the pages a step reads
+    # gathered).
+    paged_attention: str = "xla"
     # A mixture of experts' routing recorded (``SamplerConfig.record_routes``): ``prefill`` and ``decode_step``
     # return the experts each fed token was routed to as a third element.
     record_routes: bool = False
@@ -70,6 +78,44 @@ class XlaBackend:
     # inside each phase's program, where the compiler reads the weights in place instead of materialising a
     # prepared copy of them (this backend's layout change and rounding).
     prepares_once: bool = False
+
+    @property
+    def reads_filled_pages(self) -> bool:
+        """Whether a decode step reads only each sequence's filled pages whatever the page table's width (else
+        the engine cuts the table to the pages its longest sequence needs, rounded up to a bucket)."""
+        return self.paged_attention == "ragged_tpu"
+
+    def init_pages(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list:
+        """Empty page pools: per layer ``[num_pages, page_size, 2K, H]`` (``grpax.models.attention``'s layout)."""
+        shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
+
+    def page_spec(self, cfg: ModelConfig, mesh_shape: dict) -> jax.sharding.PartitionSpec:
+        """The pools' placement on a mesh: kv heads (axis 2, k/v pairs together) over "tensor" where they divide,
+        as the decode's heads are; the rest replicated."""
+        tensor = mesh_shape.get("tensor", 1)
+        axis = "tensor" if tensor > 1 and cfg.num_kv_heads % tensor == 0 else None
+        return jax.sharding.PartitionSpec(None, None, axis, None)
+
+    def write_prompts(self, pages: list, cache: dict, dest: jax.Array) -> list:
+        """Writes prefilled prompts into the pages (traced inside the sampler's jit).
+
+        Args:
+          pages: the pools (``init_pages``).
+          cache: the prefill's cache of N prompts: keys L x [N, K, H, P], values L x [N, K, P, H].
+          dest: int32 [N, G, P]: the page of token t of prompt n's completion g (offset t % page_size);
+            indices past the pool are not written.
+        """
+        N, G, P = dest.shape
+        page_size = jax.tree.leaves(pages)[0].shape[1]
+        offsets = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32) % page_size, (N, G, P)).reshape(-1)
+        out = []
+        for kv, ck, cv in zip(pages, cache["k"], cache["v"], strict=True):
+            K, H = ck.shape[1], ck.shape[2]
+            k = jnp.broadcast_to(ck.transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+            v = jnp.broadcast_to(cv.transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+            out.append(write_pages(kv, k, v, dest.reshape(-1), offsets))
+        return out
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> Any:
         """Static prefill choices made on the host from the concrete prompts (hashable; None: nothing to choose).
@@ -149,28 +195,33 @@ class XlaBackend:
         return jax.tree.map(narrow, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
     def decode_step(
-        self, prepared: Any, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
-    ) -> tuple[jax.Array, dict]:
-        """One token per row: writes its key/value at slot ``positions[b]`` and returns the next logits.
+        self,
+        prepared: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
+        pages: Any,
+        page_table: jax.Array,
+        cfg: ModelConfig,
+    ) -> tuple[jax.Array, Any]:
+        """One token per slot: writes its key/value at its position's page and returns the next logits.
 
         Args:
           prepared: what ``prepare_decode`` returned.
-          tokens: int32 [B] the previous token of each row; positions: int32 [B, 1] its position.
-          cache: per-layer KV buffers (keys L x [B, K, H, S], values L x [B, K, S, H]).
+          tokens: int32 [S] each slot's last token; positions: int32 [S] its position, -1 for an idle slot
+            (nothing of a sequence written, its logits meaningless).
+          pages: the pools (``init_pages``); page_table: int32 [S, n] each slot's pages.
 
         Returns:
-          (float32 logits [B, V], the updated cache), and with ``record_routes`` the expert ids ``tokens`` were
-          routed to, int [B, L, k].
+          (float32 logits [S, V], the updated pools), and with ``record_routes`` the experts each slot's token
+          was routed to, int [S, L, k].
         """
-        # Layers unrolled with per-layer cache buffers (scanning stacked layers copied each layer's weights and
-        # cache slice at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
+        # Layers unrolled with per-layer pools (scanning stacked layers copied each layer's weights and cache
+        # at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
         params = convert_layout(prepared, cfg, scan_layers=False)
-        routed = dict(return_routes=True) if self.record_routes else {}
-        hidden, cache, *routing = forward(
-            params, tokens[:, None], cfg, positions=positions, cache=cache, return_hidden=True, **routed
+        hidden, pages, *routes = decode_paged(
+            params, tokens, positions, pages, page_table, cfg, self.paged_attention, self.record_routes
         )
-        logits = logits_from_hidden(params, hidden[:, 0], cfg)
-        return (logits, cache, routing[0].experts[:, 0]) if self.record_routes else (logits, cache)
+        return (logits_from_hidden(params, hidden, cfg), pages, *routes)
 
 
 def _param_devices(params: Params) -> set | None:
@@ -222,29 +273,33 @@ def select_backend(
     devices = _param_devices(params)
     on_cpu = devices is not None and all(d.platform == "cpu" for d in devices)
     options = _compiler_options(devices)
+    # Pallas's ragged paged attention on TPU chips where it takes the model's heads (else the gathered pages)
+    on_tpu = bool(devices) and {d.platform for d in devices} == {"tpu"}
+    takes = ragged_tpu_takes(cfg.num_kv_heads, cfg.head_dim, cache_dtype or cfg.dtype)
+    paged = "ragged_tpu" if on_tpu and takes and not cfg.attention_sinks else "xla"  # the kernel has no sinks
     if name == "xla":
-        return XlaBackend(compiler_options=options)
+        return XlaBackend(compiler_options=options, paged_attention=paged)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only
         if name == "cpu":
             raise ValueError(
                 f"backend='cpu' runs Llama-family models only; this is a {cfg.family} model: "
                 "use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options)
+        return XlaBackend(compiler_options=options, paged_attention=paged)
     if not (on_cpu and len(devices) == 1 and concrete):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs on one CPU device with concrete params and prompts; these are sharded, on an "
                 "accelerator or traced: use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options)
+        return XlaBackend(compiler_options=options, paged_attention=paged)
     if not _plain(params):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs plain weights only; these hold LoRA adapters beside their weights "
                 "(lora_sampler=adapters) or quantised weights: use backend='auto' or 'xla', or lora_sampler=merged"
             )
-        return XlaBackend(compiler_options=options)
+        return XlaBackend(compiler_options=options, paged_attention=paged)
     from grpax.backends import cpu  # only here, and only for params on one CPU device
 
     reason = cpu.unavailable_reason(params, cfg, cache_dtype)

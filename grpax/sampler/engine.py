@@ -1,46 +1,46 @@
-"""The rollout engine: batched prefill + KV-cache decode, the whole decode loop inside ``jax.jit``.
+"""The rollout engine: a paged KV cache and continuous batching, driven from the host around two compiled programs.
 
-GRPO spends most of its wall time sampling, so the loop never returns to Python: prompts are prefilled into a
-cache of ``P_bucket + C`` slots at most (slot == position, each row at its own length), then a
-``lax.while_loop`` decodes one token per row per step and exits as soon as every row has emitted a stop
-token. The decode runs in phases of ``decode_phase_length`` steps, each on a cache just long enough for it
-(grown between phases), so attention work follows the filled length. Prefill and decode are two compiled
-functions; the cache passes from one to the other and lives in the decode loop's carry, where XLA updates it
-in place: one copy per phase, none per step (a donated input cannot help: XLA aliases donations only to
-outputs of the same shape; on TPU the XLA backend's compiler options keep the TPU compiler from staging it
-through on-chip memory and writing it back at every step, ``grpax.sampler.backend.XLA_TPU_OPTIONS``). The
-decode runs its layers unrolled, with per-layer weight and cache buffers: scanning stacked layers copies each
-layer's weights and cache slice every step. The prefill, one pass, scans stacked layers (one compiled layer:
-the TPU compiler spent most of an hour on 70B's 80 unrolled ones) and cuts its cache into the decode's
-per-layer buffers. Compiled functions are cached per shape (batch size, prompt bucket) and config: a new
-prompt length inside the same bucket reuses the compiled decode.
+GRPO spends most of its wall time sampling, and completion lengths are long-tailed, so the engine keeps memory
+and decode work on the tokens that exist. The KV cache is a pool of fixed-size pages (``page_size`` tokens; per
+layer one buffer, laid out by the backend), and each sequence owns a page table: its prompt's full pages, shared
+by the G completions of a GRPO group (written once), then pages of its own, taken from the pool as it grows and
+returned when it ends (``grpax.sampler.paging``). Sequences decode in a fixed number of slots
+(``max_num_seqs``): the host hands each program call the running sequences' last tokens, positions, page tables,
+row ids and keys; the call runs up to ``decode_steps_per_call`` decode steps inside one ``lax.while_loop``
+(``grpax.sampler.decode``) and returns early when a sequence ends while others wait, so its slot is refilled at
+once: new prompts are prefilled (``admit``, one compiled program per prompt count and bucket) between decode
+calls. The page pools pass through both programs donated, so XLA updates them in place: no copy of the cache
+per call or per step.
 
-Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with ``use_sliding_window``) keep the same full-length cache
-and attend through a mask, ``position - slot < sliding_window``, in prefill and decode alike. A ring buffer of
-``sliding_window`` slots would save memory only for rollouts longer than the window (4096 tokens for Gemma 2,
-1024 for Gemma 3 4b/12b: longer than most GRPO completions), would need a second cache layout beside the global
-layers' (Gemma keeps one global layer in 2 or 6) and its own slot bookkeeping in every backend; one layout with
-slot == position keeps the decode loop, the phase growth and the per-row positions unchanged.
-The logits sampled from are ``grpax.models.llama.logits_from_hidden``'s, soft-capped where the model caps them
-(Gemma 2), the same function the trainer scores with.
+One loop serves every use: ``generate`` submits a batch of prompts and collects it in order; the GRPO rollout
+submits batch_size x G sequences; a multi-turn rollout submits sequences that pause at a turn's end (a stop token,
+a pause token, the turn's budget) with their pages kept, and resumes them with their observation tokens, fed as
+forced tokens through the same decode step (``Engine.resume``). ``update_params`` swaps the weights between
+calls of a running engine (queued and running sequences kept, the KV of those already prefilled recomputed under
+the new weights before they decode on: ``refill``); each token records the version that sampled it, and its
+logprob is exactly that version's.
+When no sequence waits, the running ones are packed into the smallest of a ladder of slot counts that holds them
+(``retire_rows``, ``slot_counts``: one compile per count), and a call returns as soon as they fit the next count
+down, so the decode's tail runs on few slots. When the pool runs out of
+pages, the newest sequence is preempted and restarted later from its prompt (it samples the same tokens again:
+its noise depends only on its key, row and token index).
 
-Who runs the model's prefill and decode step is one choice per call, ``SamplerConfig.backend``, made by
-``grpax.sampler.backend.select_backend``; the algorithm here is the same whichever backend runs the block.
+Row outputs are independent of the batch: positions are per sequence and token n of row r draws its noise from
+``fold_in(fold_in(key, n), r)``, with r its index in the submitted batch, so neither its slot, its companions nor
+its admission time change its tokens (the static engine this replaced drew the same noise). ``completion_mask``
+comes from the loop's stop bookkeeping, never from token values, so a pad id equal to the EOS id (SmolLM2) is
+handled. The logits are ``grpax.models.llama.logits_from_hidden``'s, the function the trainer scores with. The
+design follows vLLM's paged attention and scheduler (Kwon et al. 2023) and the prefill/decode split of MaxText's
+and Tunix's samplers; the returned fields use TRL's names.
 
-Finished rows are retired between phases (``retire_rows``): the host reads which rows are done, and when the
-live ones fit half the batch (or a quarter, ...) the next phase decodes only them, their cache rows gathered
-(``_decode_retiring``; one compile per row count and phase). Without it every row runs until the last one
-finishes: 22-60% of GRPO's decode row-steps at C = 256 were past EOS.
-
-Row outputs are independent of the batch: positions are per row and each row's sampling noise comes from
-``fold_in(fold_in(key, step), row)`` with ``row`` its index in the whole batch, so a retired batch samples
-the same tokens. ``completion_mask`` comes from the loop's own stop bookkeeping, never
-from token values, so a pad id equal to the EOS id (SmolLM2) is handled. The design follows the
-prefill/decode split of MaxText's and Tunix's samplers; the returned fields use TRL's names.
+Who runs the model's prefill and decode step is one choice per engine, ``SamplerConfig.backend``, made by
+``grpax.sampler.backend.select_backend``: XLA's ops (any device; the paged attention gathers pages, or Pallas's
+ragged paged attention on TPU) or the CPU backend's C++ kernels.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -52,12 +52,12 @@ import numpy as np
 
 from grpax import distributed
 from grpax.host_memory import release_host_memory
-from grpax.models.llama import init_cache, logits_from_hidden
 from grpax.models.moe import route_dtype
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
+from grpax.sampler import decode as programs
 from grpax.sampler.backend import BACKENDS, select_backend
-from grpax.sampler.sampling import draw_from_uniform, filter_logits, sample_tokens, token_logprobs
+from grpax.sampler.paging import PagePool
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ TRUNCATIONS = ("left", "drop")
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-    """How completions are sampled (hashable: it is a static argument of the compiled sampler)."""
+    """How completions are sampled (hashable: it is a static argument of the compiled programs)."""
 
     max_prompt_length: int = 256  # longest prompt in tokens (after truncation)
     max_completion_length: int = 256  # C: new tokens per row at most
@@ -80,21 +80,31 @@ class SamplerConfig:
     prompt_length_buckets: tuple[int, ...] = ()
     truncation: str = "left"  # prompts longer than max_prompt_length: "left" keeps the end, "drop" skips them
     cache_dtype: str | None = None  # KV cache dtype; None = the model's activation dtype
-    # Decode in phases of this many steps, each on a cache of P + (its last step) slots, grown between
-    # phases: attention work follows the filled length instead of P + C (~25% less at C = 256), at the cost
-    # of compiling one loop body per phase. 0 = one phase on all P + C slots.
+    # Where the decode's attention gathers pages (XLA backend off TPU), it reads the pages of the longest running
+    # sequence rounded up to this many tokens, not the whole page table: attention work follows the filled
+    # length, at the cost of one compile per width. 0 = always the whole table.
     decode_phase_length: int = 64
     # Who runs the model's prefill and decode step (grpax.sampler.backend): "xla" = XLA's ops (any device, any
     # mesh), "cpu" = the C++ kernels of grpax.backends.cpu (one CPU device), "auto" = "cpu" where it runs and
     # its kernels build, else "xla".
     backend: str = "auto"
-    # Between decode phases, decode only the rows still running: when they fit half the rows (or a quarter,
-    # ...), they and their cache rows are gathered into that smaller batch (one compile per row count and
-    # phase). The same tokens and logprobs as false, which decodes every row until the last one finishes.
+    # When no sequence waits for a slot, decode the running ones on the smallest slot count that holds them
+    # (``slot_counts``: one compile per count); false: always on max_num_seqs slots. The same tokens and logprobs.
     retire_rows: bool = True
     # A mixture of experts' routing recorded (``router_replay``): each prompt and completion token's top-k
     # experts in every layer, as the prefill and the decode steps routed it (GenerateOutput's routed fields).
     record_routes: bool = False
+    page_size: int = 32  # tokens per page of the KV cache
+    # Decode slots: sequences decoded at once at most. 0 = every sequence of a generate call (the GRPO rollout's
+    # batch_size x G), so that all of them run together.
+    max_num_seqs: int = 0
+    # Pages in the KV pool (page_size tokens each, one of them scratch). 0 = enough for every slot to hold
+    # max_prompt_length + max_completion_length tokens, the static engine's memory; fewer pages give the same
+    # rollouts while the running sequences' real lengths fit (sequences preempted and restarted otherwise).
+    num_pages: int = 0
+    # Decode steps per device call at most: between calls the host refills free slots and takes new pages. A
+    # call returns early when a sequence ends while another waits for a slot.
+    decode_steps_per_call: int = 16
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -116,8 +126,14 @@ class SamplerConfig:
             raise ValueError(f"retire_rows={self.retire_rows!r}: expected true or false")
         if self.decode_phase_length < 0:
             raise ValueError(
-                f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: one phase on all slots)"
+                f"decode_phase_length={self.decode_phase_length} must be >= 0 (0: read the whole page table)"
             )
+        for name in ("page_size", "decode_steps_per_call"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_num_seqs", "num_pages"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
 
     def buckets(self) -> tuple[int, ...]:
         """Sorted prompt paddings; the last one is ``max_prompt_length``."""
@@ -133,6 +149,10 @@ class SamplerConfig:
     def bucket_for(self, length: int) -> int:
         """The smallest bucket >= ``length`` tokens."""
         return next(b for b in self.buckets() if b >= length)
+
+    def pages_per_sequence(self) -> int:
+        """Pages of a sequence of max_prompt_length + max_completion_length tokens (the page table's width)."""
+        return -(-(self.max_prompt_length + self.max_completion_length) // self.page_size)
 
 
 class GenerateOutput(NamedTuple):
@@ -151,11 +171,13 @@ class GenerateOutput(NamedTuple):
       finish_reason: "stop" (a stop token was emitted) or "length" (C tokens without one), per row.
       prompt_indices: int32 [N] index of each prompt row in the input list (differs only with truncation
         "drop").
-      decode_row_steps: rows x decode steps the model ran (0 where not counted); 1 - (sum(lengths - 1) /
-        it) is the fraction of decode work spent on rows already finished.
+      decode_row_steps: slots x decode steps the model ran for these rows (0 where not counted); 1 -
+        (sum(lengths - 1) / it) is the fraction of decode work spent on idle slots.
+      policy_versions: int32 [B, C] the params version that sampled each token (``Engine.update_params``), -1
+        where masked; None where not recorded.
       routed_experts: with ``record_routes`` (a mixture of experts), int8/16 [B, C, L, k]: the experts each
-        completion token was routed to in each layer when the decode fed it back (the last token, never fed,
-        and tokens after a row's end: 0s or padding's); else None.
+        completion token was routed to in each layer when the decode fed it back (0s for the last token, never
+        fed, and past a row's end); else None.
       prompt_routed_experts: likewise int8/16 [N, P, L, k] of the prompt tokens (left-padded like prompt_ids).
     """
 
@@ -168,401 +190,752 @@ class GenerateOutput(NamedTuple):
     finish_reason: list[str]
     prompt_indices: np.ndarray
     decode_row_steps: int = 0
+    policy_versions: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
     prompt_routed_experts: np.ndarray | None = None
 
 
-def _row_uniforms(key: jax.Array, step: jax.Array, rows: jax.Array) -> jax.Array:
-    """float32 [b, 2] uniforms, row i's from fold_in(fold_in(key, step), rows[i]): keyed by the row's id in the
-    whole batch (``rows`` int32 [b]), so neither the batch nor the row's place in it changes its noise."""
-    with jax.named_scope("rng"):
-        step_key = jax.random.fold_in(key, step)
-        row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(step_key, rows)
-        return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
-
-
-def _sample_rows(
-    logits: jax.Array, key: jax.Array, step: jax.Array, rows: jax.Array, sc: SamplerConfig
-) -> tuple[jax.Array, jax.Array]:
-    """Samples int32 [b] with the noise of ``_row_uniforms`` (rows int32 [b]: the rows' ids); returns the tokens
-    and their float32 [b] log-probabilities under the distribution drawn from (``filter_logits``; greedy: the
-    unfiltered softmax at temperature 1)."""
-    with jax.named_scope("sampling"):  # profiles split it: top_k, top_p, rng, draw, logprobs
-        if sc.greedy:
-            token = sample_tokens(logits, key, greedy=True)
-            return token, token_logprobs(logits, token)
-        scaled = filter_logits(logits, sc.temperature, sc.top_k, sc.top_p)
-        token = draw_from_uniform(scaled, _row_uniforms(key, step, rows))
-        return token, token_logprobs(scaled, token)
-
-
-def generate_padded(
-    params: Params,
-    prompt_tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    key: jax.Array,
-    cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    num_generations: int = 1,
-) -> dict[str, jax.Array]:
-    """Samples completions for right-padded prompts (the array entry point; ``generate`` wraps it).
-
-    Args:
-      params: model params (any sharding).
-      prompt_tokens: int32 [B, P] right-padded prompt ids.
-      prompt_lengths: int32 [B] real prompt lengths in tokens, each in 1..P.
-      key: PRNG key; the same key gives the same completions.
-      cfg: model config (static).
-      sampler_cfg: sampler config (static).
-      num_generations: G (static): each prompt is prefilled once and its cache copied to G rows, which sample
-        independently; output row i answers prompt i // G. The same as passing every prompt G times, with a
-        G-times cheaper prefill.
-
-    Raises:
-      ValueError: ``backend="cpu"`` where it cannot run (``select_backend``).
-
-    Returns:
-      dict with ``completion_ids`` int32 [B, C], ``completion_mask`` int32 [B, C], ``logprobs`` float32 [B, C],
-      ``lengths`` int32 [B], ``stopped`` bool [B] (a stop token was emitted), ``decode_row_steps`` int32 []
-      (rows x decode steps the model ran); B = prompts * G. With ``record_routes`` (a mixture of experts) also
-      ``routed_experts`` [B, C, L, k] and ``prompt_routed_experts`` [prompts, P, L, k] (right-padded).
-
-    Runs two compiled functions: ``prefill`` (per prompt batch shape and the backend's plan, e.g. the CPU
-    backend's packed length) and ``decode`` (per row count, prompt bucket and sampler config), so a new plan
-    recompiles only the cheap prefill. With ``retire_rows`` and concrete inputs the decode runs phase by phase
-    instead (``_decode_retiring``: the same rollout, finished rows dropped between phases).
-    """
-    sc = sampler_cfg
-    concrete = not any(isinstance(x, jax.core.Tracer) for x in (prompt_tokens, prompt_lengths))
-    backend = select_backend(sc.backend, params, cfg, sc.cache_dtype, concrete)
-    if sc.record_routes and cfg.num_experts:  # the XLA backend (the CPU one runs Llama only)
-        backend = dataclasses.replace(backend, record_routes=True)
-    plan = backend.plan(prompt_tokens, prompt_lengths) if concrete else None
-    cache, logits, prompt_routes = compiled_prefill(backend)(
-        params, prompt_tokens, prompt_lengths, cfg, sc, num_generations, backend, plan
-    )
-    lengths = jnp.repeat(jnp.asarray(prompt_lengths, jnp.int32), num_generations)
-    if concrete and sc.retire_rows and len(_phase_ends(sc)) > 1:
-        out = _decode_retiring(params, cache, logits, lengths, key, cfg, sc, backend)
-    else:
-        out = compiled_decode(backend)(params, cache, logits, lengths, key, cfg, sc, backend)
-    return out if prompt_routes is None else {**out, "prompt_routed_experts": prompt_routes}
-
-
-def _phase_ends(sc: SamplerConfig) -> list[int]:
-    """Decode phase ends: phase j runs the steps before ends[j] on a cache of P + ends[j] slots."""
-    C = sc.max_completion_length
-    phase_length = sc.decode_phase_length or C
-    return [*range(phase_length, C, phase_length), C]
-
-
-def _grow(cache: dict, slots: int, repeat: int = 1) -> dict:
-    """The per-layer cache with ``slots`` more (empty) slots and each row repeated ``repeat`` times."""
-
-    def pad(c, slot_axis):
-        c = jnp.pad(c, [(0, slots if axis == c.ndim + slot_axis else 0) for axis in range(c.ndim)])
-        return jnp.repeat(c, repeat, axis=0) if repeat > 1 else c
-
-    return {  # keys [B, K, H, S], values [B, K, S, H]
-        "k": jax.tree.map(lambda c: pad(c, -1), cache["k"]),
-        "v": jax.tree.map(lambda c: pad(c, -2), cache["v"]),
-    }
-
-
-_PREFILL_STATIC = ("cfg", "sampler_cfg", "num_generations", "backend", "plan")
-_DECODE_STATIC = ("cfg", "sampler_cfg", "backend")
-
-
 @functools.cache
-def _compiled(
-    fn,
-    static_argnames: tuple[str, ...],
-    compiler_options: tuple[tuple[str, str], ...],
-    donate_argnames: tuple[str, ...] = (),
-):
-    """``fn`` jitted with these XLA compiler options (the backend's), once per process."""
+def _compiled(fn, static_argnames: tuple[str, ...], compiler_options: tuple[tuple[str, str], ...], donate=()):
+    """``fn`` jitted with these XLA compiler options (the backend's) and ``donate`` donated, once per process."""
     return jax.jit(
         fn,
         static_argnames=static_argnames,
+        donate_argnames=donate,
         compiler_options=dict(compiler_options) or None,
-        donate_argnames=donate_argnames,
     )
 
 
-def _prefill(
-    params: Params,
-    prompt_tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    num_generations: int,
-    backend,
-    plan,
-) -> tuple[dict, jax.Array, jax.Array | None]:
-    """Prefills right-padded prompts; returns (KV cache for the first decode phase, first-token logits, the
-    prompt tokens' routing int [B, P, L, k] where the backend records it, else None).
-
-    The cache has B * G rows (each prompt's copied to its G rows) and P + (first phase length) slots, slot ==
-    position; the logits are float32 [B * G, V]. Arguments as in ``generate_padded``; ``backend`` and its
-    ``plan`` from ``select_backend``.
-    """
-    sc = sampler_cfg
-    G = num_generations
-    B, P = prompt_tokens.shape
-    # Prefill into a P-slot cache (prompt attention never scans empty slots), then pad it for the first decode
-    # phase. Slot == position; padding slots >= length are overwritten by decode before they are attended.
-    cache = init_cache(cfg, B, P, sc.cache_dtype or cfg.dtype, stacked=False)
-    last, cache, *routes = backend.prefill(
-        params, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32), cache, cfg, plan
-    )
-    cache = _grow(cache, _phase_ends(sc)[0], repeat=G)  # rows x G
-    if G > 1:
-        last = jnp.repeat(last, G, axis=0)
-    return cache, logits_from_hidden(params, last, cfg), routes[0] if routes else None  # [B * G, V]
+ADMIT_STATIC = ("cfg", "sampler_cfg", "num_generations", "backend", "plan", "key_impl")
+DECODE_STATIC = ("cfg", "sampler_cfg", "backend", "num_steps", "key_impl")
+REFILL_STATIC = ("cfg", "sampler_cfg", "backend", "plan")
+# Context tokens (rows x padded length) one ``refill`` call recomputes at most: a bound on its dense prefill cache.
+REFILL_TOKENS = 16384
 
 
-def _record(
-    state: tuple, step, logits: jax.Array, rows: jax.Array, key: jax.Array, sc: SamplerConfig, routes=None
-):
-    """Samples step ``step``'s token of rows ``rows`` (int32 [b], ids in the whole batch) from their logits
-    float32 [b, V] and writes it into the whole batch's state (ids, mask, logprobs [B, C], done [B], and where
-    routing is recorded its routes [B, C, L, k]: ``routes`` int [b, L, k], the experts of the token this step fed,
-    the previous one, at column ``step - 1``); returns (state, the token fed next, int32 [b]: pad for finished
-    rows)."""
-    ids, mask, logprobs, done = state[:4]
-    recorded = state[4:]
-    if routes is not None:
-        recorded = (state[4].at[rows, step - 1].set(routes.astype(state[4].dtype)),)
-    token, token_logprob = _sample_rows(logits, key, step, rows, sc)
-    with jax.named_scope("record"):
-        stop_ids = jnp.asarray(sc.stop_token_ids or (-1,), jnp.int32)
-        live = ~done[rows]
-        fed = jnp.where(live, token, sc.pad_token_id)
-        ids = ids.at[rows, step].set(fed)
-        mask = mask.at[rows, step].set(live.astype(jnp.int32))
-        logprobs = logprobs.at[rows, step].set(jnp.where(live, token_logprob, 0.0))
-        is_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
-        done = done.at[rows].set(~live | is_stop)
-    return (ids, mask, logprobs, done, *recorded), fed
+def compiled_admit(backend):
+    """The jitted prefill of new prompts into the pages (``grpax.sampler.decode.admit``)."""
+    return _compiled(programs.admit, ADMIT_STATIC, backend.compiler_options, ("pages",))
 
 
-def _first_token(
-    logits: jax.Array, key: jax.Array, sampler_cfg: SamplerConfig, route_shape: tuple | None = None
-) -> tuple[tuple, jax.Array]:
-    """The state after step 0 (the token sampled from the prefill's logits float32 [B, V]) and that token;
-    ``route_shape`` (L, k, dtype): a mixture of experts' recorded routing, zeros [B, C, L, k] in the state."""
-    sc = sampler_cfg
-    B, C = logits.shape[0], sc.max_completion_length
-    state = (
-        jnp.full((B, C), sc.pad_token_id, jnp.int32),
-        jnp.zeros((B, C), jnp.int32),
-        jnp.zeros((B, C), jnp.float32),
-        jnp.zeros((B,), bool),
-    )
-    if route_shape is not None:
-        state += (jnp.zeros((B, C, *route_shape[:2]), route_shape[2]),)
-    return _record(state, 0, logits, jnp.arange(B, dtype=jnp.int32), key, sc)
+def compiled_decode(backend):
+    """The jitted decode steps of a set of slots (``grpax.sampler.decode.decode``)."""
+    return _compiled(programs.decode, DECODE_STATIC, backend.compiler_options, ("pages",))
 
 
-def _route_shape(cfg: ModelConfig, backend) -> tuple | None:
-    """(L, k, dtype) of the routing the decode records (``_first_token``), or None."""
-    if not getattr(backend, "record_routes", False):
-        return None
-    return cfg.num_layers, cfg.num_experts_per_tok, route_dtype(cfg.num_experts)
+def compiled_refill(backend):
+    """The jitted recompute of sequences' keys and values after a weight swap (``grpax.sampler.decode.refill``)."""
+    return _compiled(programs.refill, REFILL_STATIC, backend.compiler_options, ("pages",))
 
 
-def _decode_phase(prepared, token, cache, state, step, prompt_lengths, rows, key, end: int, cfg, sc, backend):
-    """Decode steps ``step``..``end - 1`` of rows ``rows`` (int32 [b]; their last tokens int32 [b], prompt
-    lengths int32 [b] and b-row cache), stopping early when every row of the batch is done; the state is the
-    whole batch's (``_record``). The cache is a loop carry: XLA updates it in place, no per-step copy."""
-
-    def cond(carry):
-        step, _, _, state = carry
-        return (step < end) & ~jnp.all(state[3])
-
-    def body(carry):
-        step, token, cache, state = carry
-        pos = (prompt_lengths + step - 1)[:, None]  # position of the previous token
-        logits, cache, *routes = backend.decode_step(prepared, token, pos, cache, cfg)
-        state, token = _record(state, step, logits, rows, key, sc, routes[0] if routes else None)
-        return step + 1, token, cache, state
-
-    return jax.lax.while_loop(cond, body, (step, token, cache, state))
-
-
-def _outputs(state: tuple, decode_row_steps: jax.Array) -> dict[str, jax.Array]:
-    ids, mask, logprobs, done = state[:4]
-    out = {
-        "completion_ids": ids,
-        "completion_mask": mask,
-        "logprobs": logprobs,
-        "lengths": mask.sum(axis=1).astype(jnp.int32),
-        "stopped": done,
-        "decode_row_steps": decode_row_steps,
-    }
-    return {**out, "routed_experts": state[4]} if len(state) > 4 else out
-
-
-def _decode(
-    params: Params,
-    cache: dict,
-    logits: jax.Array,
-    prompt_lengths: jax.Array,
-    key: jax.Array,
-    cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    backend,
-) -> dict[str, jax.Array]:
-    """The decode loop from a prefilled cache and first-token logits float32 [B, V], every phase in one
-    compiled function, all B rows to the end (no retirement: what a traced call and the compile check run).
-
-    The cache enters the loop carry once per phase (grown between phases) and is updated in place at every
-    step; no per-step copy. ``prompt_lengths`` int32 [B] per row (already repeated G times); returns
-    ``generate_padded``'s dict. The backend prepares its weights once per call (``prepare_decode``), outside
-    the loop.
-    """
-    sc = sampler_cfg
-    B = logits.shape[0]
-    ends = _phase_ends(sc)
-    slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + sc.max_completion_length  # P + C
-    prepared = backend.prepare_decode(params, cfg, slots)
-    rows = jnp.arange(B, dtype=jnp.int32)
-    state, token = _first_token(logits, key, sc, _route_shape(cfg, backend))
-    step = jnp.int32(1)
-    for j, end in enumerate(ends):
-        if j:
-            cache = _grow(cache, end - ends[j - 1])
-        step, token, cache, state = _decode_phase(
-            prepared, token, cache, state, step, prompt_lengths, rows, key, end, cfg, sc, backend
-        )
-    return _outputs(state, B * (step - 1))
-
-
-def _retire_phase(
-    prepared,
-    token,
-    cache,
-    state,
-    step,
-    prompt_lengths,
-    rows,
-    keep,
-    key,
-    end,
-    grow,
-    num_slots,
-    cfg,
-    sc,
-    backend,
-):
-    """One phase of ``_decode_retiring`` (``prepared``: ``prepare_decode``'s output, or the params where the
-    backend prepares them inside each phase, for ``num_slots`` slots): the rows at indices ``keep`` (int32
-    [b'] into the current b rows; None: all) gathered from the token, cache, prompt lengths and row ids, the
-    cache grown by ``grow`` slots, then ``_decode_phase``. Returns (step, token, cache, state, prompt_lengths,
-    rows)."""
-    if not backend.prepares_once:  # the compiler reads the weights in place, no prepared copy
-        prepared = backend.prepare_decode(prepared, cfg, num_slots)
-    if keep is not None:
-        token, prompt_lengths, rows = token[keep], prompt_lengths[keep], rows[keep]
-        cache = jax.tree.map(lambda c: c[keep], cache)
-    if grow:
-        cache = _grow(cache, grow)
-    step, token, cache, state = _decode_phase(
-        prepared, token, cache, state, step, prompt_lengths, rows, key, end, cfg, sc, backend
-    )
-    return step, token, cache, state, prompt_lengths, rows
-
-
-def _row_buckets(num_rows: int, row_multiple: int) -> list[int]:
-    """The row counts a retiring decode may shrink to: ``num_rows`` halved while it stays a multiple of
-    ``row_multiple`` (the devices the rows are split over), largest first."""
-    sizes = [num_rows]
-    while sizes[-1] % 2 == 0 and (sizes[-1] // 2) % row_multiple == 0:
-        sizes.append(sizes[-1] // 2)
-    return sizes
-
-
-def _decode_retiring(
-    params: Params,
-    cache: dict,
-    logits: jax.Array,
-    prompt_lengths: jax.Array,
-    key: jax.Array,
-    cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    backend,
-) -> dict[str, jax.Array]:
-    """``_decode`` with finished rows retired between phases (``SamplerConfig.retire_rows``).
-
-    Each phase is its own compiled function (per row count and phase). Before each phase after the first, the
-    host reads which rows are done; when the live rows fit a smaller bucket (``_row_buckets``: halvings of
-    B), the phase gathers them (and enough finished rows to fill the bucket) with their cache rows and decodes
-    only those. Every row writes its tokens at its own row of the whole batch's state and draws the noise of
-    its row id (``_row_uniforms``), so the rollout is the same as ``_decode``'s, token for token; only the
-    rows x steps the model runs (``decode_row_steps``) shrink. The loop stops as soon as every row is done.
-
-    Memory: the first phase (the prefill's cache, its shape unchanged) takes its cache donated, so it decodes in
-    place and the prefill's cache is gone after it (it was held through the whole decode: one cache more at
-    every phase); later phases grow or gather the cache (a new buffer, which a donation could not reuse).
-    Between phases the host hands the freed caches back (``release_host_memory``): each phase's cache is
-    larger than the last one's, so glibc could not reuse their blocks and the process grew by a cache a phase.
-    """
-    sc = sampler_cfg
-    B = logits.shape[0]
-    ends = _phase_ends(sc)
-    slots = jax.tree.leaves(cache["k"])[0].shape[-1] - ends[0] + sc.max_completion_length  # P + C
-    options = backend.compiler_options
-    prepared = params
-    if backend.prepares_once:
-        prepared = _compiled(_prepare, ("cfg", "backend", "num_slots"), options)(params, cfg, backend, slots)
-    leaf = jax.tree.leaves(cache["k"])[0]
-    shard_rows = leaf.sharding.shard_shape(leaf.shape)[0] if hasattr(leaf, "sharding") else B
-    buckets = _row_buckets(B, max(1, B // shard_rows))
-    rows = jnp.arange(B, dtype=jnp.int32)
-    lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    first = _compiled(_first_token, ("sampler_cfg", "route_shape"), options)
-    state, token = first(logits, key, sc, _route_shape(cfg, backend))
-    statics = ("end", "grow", "num_slots", "cfg", "sc", "backend")
-    phases = [
-        _compiled(_retire_phase, statics, options, ("cache",)),
-        _compiled(_retire_phase, statics, options),
-    ]
-    step, row_ids, row_steps = jnp.int32(1), np.arange(B), 0
-    for j, end in enumerate(ends):
-        keep = None
-        if j:
-            release_host_memory()  # the last phase's input cache, freed when its output replaced it
-            done = distributed.fetch(state[3])
-            live = np.flatnonzero(~done[row_ids])  # indices into the current rows
-            if live.size == 0:  # every row done: no phase left to run
-                break
-            size = next(b for b in reversed(buckets) if b >= live.size)
-            if size < len(row_ids):
-                finished = np.flatnonzero(done[row_ids])[: size - live.size]
-                keep = np.sort(np.concatenate([live, finished])).astype(np.int32)
-                row_ids = row_ids[keep]
-        before = step
-        step, token, cache, state, lengths, rows = phases[min(j, 1)](
-            prepared, token, cache, state, step, lengths, rows, keep, key,
-            end=end, grow=end - ends[j - 1] if j else 0, num_slots=slots, cfg=cfg, sc=sc, backend=backend,
-        )  # fmt: skip
-        row_steps += len(row_ids) * int(distributed.fetch(step - before))
-    return _outputs(state, jnp.int32(row_steps))
+def routing_backend(backend, cfg: ModelConfig, sampler_cfg: SamplerConfig):
+    """``backend`` recording a mixture of experts' routing where ``sampler_cfg.record_routes`` asks for it (the
+    XLA backend: the CPU one runs dense Llama models only)."""
+    if sampler_cfg.record_routes and cfg.num_experts:
+        return dataclasses.replace(backend, record_routes=True)
+    return backend
 
 
 def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
     return backend.prepare_decode(params, cfg, num_slots)
 
 
-def compiled_prefill(backend):
-    """The jitted prefill with ``backend``'s compiler options (what ``generate_padded`` runs; for the compile
-    check: ``compiled_prefill(backend).lower(params, tokens, lengths, cfg, sc, G, backend, None)``)."""
-    return _compiled(_prefill, _PREFILL_STATIC, backend.compiler_options)
+def _pool_sharding(params: Params, cfg: ModelConfig, backend):
+    """Where the page pools live: the params' devices, over their mesh as the backend places them (None: the
+    default device)."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, backend.page_spec(cfg, dict(sharding.mesh.shape)))
+    return sharding
 
 
-def compiled_decode(backend):
-    """The jitted decode of every phase and row (``_decode``) with ``backend``'s compiler options."""
-    return _compiled(_decode, _DECODE_STATIC, backend.compiler_options)
+class _Replicated:
+    """A backend stand-in whose pools (and so the small per-slot arrays) are replicated."""
+
+    def page_spec(self, cfg, mesh_shape):
+        return jax.sharding.PartitionSpec()
+
+
+def abstract_programs(
+    params: Params,
+    cfg: ModelConfig,
+    sampler_cfg: SamplerConfig,
+    backend,
+    num_prompts: int,
+    num_generations: int,
+) -> dict[str, tuple]:
+    """The engine's two programs with abstract arguments for ``num_prompts`` x G sequences all in flight (prompts
+    of the largest bucket, the default pool, the widest page table): what a compile check lowers.
+
+    Args:
+      params: the rollout's params, concrete or ``jax.ShapeDtypeStruct`` with shardings.
+      backend: ``select_backend``'s choice.
+
+    Returns:
+      {"prefill": (jitted, args, kwargs), "decode": (jitted, args, kwargs)}: ``jitted.lower(*args, **kwargs)``.
+    """
+    sc, G = sampler_cfg, num_generations
+    backend = routing_backend(backend, cfg, sc)
+    N = 1 << (num_prompts - 1).bit_length()
+    S, P, V = sc.max_num_seqs or num_prompts * G, sc.max_prompt_length, cfg.vocab_size
+    num_pages = sc.num_pages or 1 + S * sc.pages_per_sequence()
+    sharding = _pool_sharding(params, cfg, backend)
+    replicated = _pool_sharding(params, cfg, _Replicated())
+    dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
+    init = functools.partial(backend.init_pages, cfg, num_pages, sc.page_size, dtype)
+    pages = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(init)
+    )
+    key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    key_impl = jax.config.jax_default_prng_impl  # read, not run: the default backend may be compile-only
+
+    def spec(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    prefill_args = (
+        params, pages, spec((N, P)), spec((N,)), spec((N, G, P)), spec((N * G, *key_data.shape), key_data.dtype),
+        spec((N * G,)),
+    )  # fmt: skip
+    prefill_kwargs = dict(
+        cfg=cfg, sampler_cfg=sc, num_generations=G, backend=backend, plan=None, key_impl=key_impl
+    )
+    slots = {
+        **{name: spec((S,)) for name in ("token", "n", "prompt_length", "rows", "num_forced", "forced_pos")},
+        **{name: spec((S,)) for name in ("turn_end", "limit")},
+        "active": spec((S,), bool),
+        "pauses": spec((S,), bool),
+        "key_data": spec((S, *key_data.shape), key_data.dtype),
+        "page_table": spec((S, sc.pages_per_sequence())),
+        "forced": spec((S, 1)),
+    }
+    prepared = params
+    if backend.prepares_once:
+        prepared = jax.eval_shape(
+            _prepare, params, cfg, backend, sc.max_prompt_length + sc.max_completion_length
+        )
+    decode_args = (prepared, pages, slots, spec((V,), bool), spec((V,), bool), spec(()))
+    decode_kwargs = dict(
+        cfg=cfg, sampler_cfg=sc, backend=backend, num_steps=sc.decode_steps_per_call, key_impl=key_impl
+    )
+    return {
+        "prefill": (compiled_admit(backend), prefill_args, prefill_kwargs),
+        "decode": (compiled_decode(backend), decode_args, decode_kwargs),
+    }
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One completion in the engine: its prompt, pages and tokens so far (host state).
+
+    ``state`` is "queued" (its prompt not yet prefilled), "ready" (prefilled, waiting for a slot), "running",
+    "paused" (its segment ended; pages kept until ``Engine.resume`` or ``Engine.finish``) or "done".
+    """
+
+    request: Request
+    index: int  # its row in the request: the row id of its noise
+    prompt: list[int]
+    state: str = "queued"
+    pages: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model: list[bool] = dataclasses.field(default_factory=list)  # sampled (True) or forced (an observation)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    # a mixture of experts' recorded routing: int [L, k] of each token fed so far (tokens[: len(routes)])
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)
+    reason: int = programs.RUNNING  # why its last segment ended
+    forced: list[int] = dataclasses.field(default_factory=list)
+    forced_pos: int = 0
+    turn_end: int = 0
+    order: int = 0  # admission order (preemption takes the newest)
+    kv_epoch: int = 0  # the engine's params swap whose weights computed its keys and values
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.reason == programs.LENGTH else "stop"
+
+    def reset(self) -> None:
+        """Back to its prompt (a preempted sequence, restarted later)."""
+        self.tokens, self.logprobs, self.model, self.versions, self.routes = [], [], [], [], []
+        self.pages, self.forced, self.forced_pos, self.reason = [], [], 0, programs.RUNNING
+        self.state = "queued"
+
+
+class Request:
+    """A batch of prompts submitted together (``Engine.submit``); its sequences are its rows, G per prompt."""
+
+    def __init__(
+        self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit, route_shape=None
+    ):
+        self.prompts, self.key_data, self.key_impl = prompts, key_data, key_impl
+        self.num_generations, self.pauses, self.turn_budget, self.limit = (
+            num_generations,
+            pauses,
+            turn_budget,
+            limit,
+        )
+        G = num_generations
+        self.sequences = [Sequence(self, i, prompts[i // G]) for i in range(len(prompts) * G)]
+        self.row_steps = 0
+        # (L, k, dtype) of a mixture of experts' recorded routing, else None; each prompt's routes [length, L, k]
+        self.route_shape = route_shape
+        self.prompt_routes: dict[int, np.ndarray] = {}
+
+    @property
+    def done(self) -> bool:
+        return all(s.state == "done" for s in self.sequences)
+
+    def output(self, pad_token_id: int, bucket: int = 0, width: int = 0) -> GenerateOutput:
+        """The rows in order as a ``GenerateOutput`` (prompts left-padded to ``bucket`` tokens, default the
+        longest; completions to ``width``, default the length limit)."""
+        N, B = len(self.prompts), len(self.sequences)
+        bucket, width = bucket or max(map(len, self.prompts)), width or self.limit
+        left = np.full((N, bucket), pad_token_id, np.int32)
+        prompt_mask = np.zeros((N, bucket), np.int32)
+        for i, p in enumerate(self.prompts):
+            left[i, bucket - len(p) :], prompt_mask[i, bucket - len(p) :] = p, 1
+        ids = np.full((B, width), pad_token_id, np.int32)
+        mask = np.zeros((B, width), np.int32)
+        logprobs = np.zeros((B, width), np.float32)
+        versions = np.full((B, width), -1, np.int32)
+        for b, s in enumerate(self.sequences):
+            n = s.n
+            ids[b, :n], mask[b, :n], logprobs[b, :n] = s.tokens, s.model, s.logprobs
+            versions[b, :n] = s.versions
+        versions[mask == 0] = -1
+        routed = {}
+        if self.route_shape is not None:  # prompts' routes left-padded like prompt_ids
+            L, k, dtype = self.route_shape
+            prompt_routes = np.zeros((N, bucket, L, k), dtype)
+            for i, p in enumerate(self.prompts):
+                prompt_routes[i, bucket - len(p) :] = self.prompt_routes[i]
+            routes = np.zeros((B, width, L, k), dtype)
+            for b, s in enumerate(self.sequences):
+                if s.routes:
+                    routes[b, : len(s.routes)] = np.stack(s.routes)
+            routed = dict(routed_experts=routes, prompt_routed_experts=prompt_routes)
+        return GenerateOutput(
+            prompt_ids=left,
+            prompt_mask=prompt_mask,
+            completion_ids=ids,
+            completion_mask=mask,
+            logprobs=np.where(mask == 1, logprobs, 0.0).astype(np.float32),
+            lengths=mask.sum(axis=1).astype(np.int32),
+            finish_reason=[s.finish_reason for s in self.sequences],
+            prompt_indices=np.arange(N, dtype=np.int32),
+            decode_row_steps=self.row_steps,
+            policy_versions=versions,
+            **routed,
+        )
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def slot_counts(num_slots: int) -> list[int]:
+    """Slot counts a decode call may run on, largest first: ``num_slots``, the multiples of q = max(2,
+    num_slots // 8) below it, then q halved while even (32: 32, 28, 24, ..., 4, 2, 1). A finished sequence's
+    slot idles until the running ones fit the next count down; halvings alone left a quarter of the slots empty
+    on average in the tail (docs/benchmarks.md); each count is one more compile of the decode."""
+    step = max(2, num_slots // 8)
+    sizes = [num_slots, *range(num_slots - num_slots % step or num_slots - step, 0, -step)]
+    while sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return sorted(set(sizes), reverse=True)
+
+
+class Engine:
+    """The rollout engine on one set of params: submit prompts, step, collect (see the module docstring).
+
+    Args:
+      params: model params (any sharding; the page pools are placed on the same devices).
+      cfg: model config.
+      sampler_cfg: sampling and engine settings.
+      version: the params' version (recorded per token).
+      num_slots: decode slots when ``sampler_cfg.max_num_seqs`` is 0 (default 64).
+      pause_table: bool [V] tokens after which a pausing sequence's segment ends (multi-turn: the host checks a
+        stop string), or None.
+      max_forced_tokens: F, the most forced tokens (an observation) fed at once (``resume``).
+
+    Raises:
+      ValueError: ``backend="cpu"`` where it cannot run (``select_backend``); a pool too small for one sequence.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        cfg: ModelConfig,
+        sampler_cfg: SamplerConfig,
+        *,
+        version: int = 0,
+        num_slots: int = 64,
+        pause_table: np.ndarray | None = None,
+        max_forced_tokens: int = 1,
+    ):
+        sc = self.sc = sampler_cfg
+        self.cfg = cfg
+        self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
+        self.num_slots = sc.max_num_seqs or num_slots
+        self.table_width = sc.pages_per_sequence()
+        num_pages = sc.num_pages or 1 + self.num_slots * self.table_width
+        if num_pages < 1 + self.table_width:
+            raise ValueError(
+                f"num_pages={num_pages} holds no sequence of max_prompt_length + max_completion_length = "
+                f"{sc.max_prompt_length + sc.max_completion_length} tokens in pages of {sc.page_size}: "
+                f"pass at least {1 + self.table_width}"
+            )
+        self.pool = PagePool(num_pages)
+        self.pages = self._init_pages(params, num_pages)
+        V = cfg.vocab_size
+        self.stop_table = np.zeros(V, bool)
+        self.stop_table[[i for i in sc.stop_token_ids if 0 <= i < V]] = True
+        self.pause_table = np.zeros(V, bool) if pause_table is None else np.asarray(pause_table, bool)
+        self.max_forced_tokens = max(1, max_forced_tokens)
+        self.queue: collections.deque = collections.deque()  # (request, prompt index, its sequences)
+        self.ready: collections.deque = collections.deque()
+        self.running: list[Sequence] = []
+        self._admitted = 0
+        self._epoch = -1  # update_params calls less one; a sequence's KV is stale when its epoch differs
+        # calls, steps, row_steps (row_steps_empty: of slots without a sequence at a call's start), preempted,
+        # prefills; refills and recomputed_tokens: the KV recomputed at weight swaps
+        self.stats = collections.Counter()
+        # A decode call returns as soon as a sequence ends while others wait for a slot (else after its steps).
+        self.refill_at_once = True
+        self.update_params(params, version)
+
+    def _init_pages(self, params: Params, num_pages: int):
+        """The backend's page pools, zeros, on the params' devices (replicated over a mesh)."""
+        sharding = _pool_sharding(params, self.cfg, self.backend)
+        dtype = jnp.dtype(self.sc.cache_dtype or self.cfg.dtype)
+        init = functools.partial(self.backend.init_pages, self.cfg, num_pages, self.sc.page_size, dtype)
+        return jax.jit(init, out_shardings=sharding)()
+
+    def update_params(self, params: Params, version: int) -> None:
+        """The params the next decode calls and prefills read (not copied) and their version. Queued, ready,
+        running and paused sequences are kept: their later tokens are this version's. The keys and values of
+        those already prefilled were computed by the older params, so before a sequence decodes again its whole
+        context (prompt and tokens so far) is recomputed under these into its own pages (``refill``, as AReaL's
+        interruptible generation does): each later token's logprob is then exactly this version's, the one it
+        records. The cost shows in ``stats["recomputed_tokens"]``."""
+        self.params, self.version = params, version
+        self._epoch += 1
+        self._prepared = None
+        if self.backend.prepares_once:  # costly preparations (the CPU kernels' packing): once per version
+            num_slots = self.sc.max_prompt_length + self.sc.max_completion_length
+            fn = _compiled(_prepare, ("cfg", "backend", "num_slots"), self.backend.compiler_options)
+            self._prepared = fn(params, self.cfg, self.backend, num_slots)
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        key: jax.Array,
+        num_generations: int = 1,
+        *,
+        pauses: bool = False,
+        turn_budget: int = 0,
+    ) -> Request:
+        """Queues G completions of each prompt; returns their ``Request`` (rows grouped, row i answers prompt
+        i // G).
+
+        Args:
+          prompts: N token-id lists, each 1..max_prompt_length tokens (``prepare_prompts`` truncates).
+          key: PRNG key of the request: token n of row r draws the noise of fold_in(fold_in(key, n), r).
+          num_generations: G completions per prompt (the prompt prefilled once, its full pages shared).
+          pauses: segments end at stop tokens, pause tokens and turn budgets with the sequence paused (its pages
+            kept) until ``resume`` or ``finish`` (multi-turn); else a stop token or the length limit ends it.
+          turn_budget: tokens per turn at most (pausing sequences; 0 = the length limit).
+
+        Raises:
+          ValueError: an empty prompt or one longer than max_prompt_length.
+        """
+        sc = self.sc
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) <= sc.max_prompt_length:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens: expected 1..max_prompt_length={sc.max_prompt_length} "
+                    "(prepare_prompts truncates)"
+                )
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)
+        key_data = np.asarray(distributed.fetch(jax.random.key_data(key)))
+        C = sc.max_completion_length
+        route_shape = None
+        if getattr(self.backend, "record_routes", False):
+            cfg = self.cfg
+            route_shape = (cfg.num_layers, cfg.num_experts_per_tok, route_dtype(cfg.num_experts))
+        request = Request(
+            [list(p) for p in prompts], key_data, str(jax.random.key_impl(key)), num_generations, pauses,
+            turn_budget or C, C, route_shape,
+        )  # fmt: skip
+        G = num_generations
+        for i in range(len(prompts)):
+            self.queue.append((request, i, request.sequences[i * G : (i + 1) * G]))
+        return request
+
+    @property
+    def busy(self) -> bool:
+        """Whether a sequence is queued, ready or running (paused ones wait for the caller)."""
+        return bool(self.queue or self.ready or self.running)
+
+    def run(self, request: Request | None = None) -> list[Sequence]:
+        """Steps until ``request`` is done (or nothing is left to run); returns the sequences that paused."""
+        paused = []
+        while self.busy and (request is None or not request.done):
+            paused += self.step()
+            if request is not None and request.pauses and paused:
+                break
+        return paused
+
+    def step(self) -> list[Sequence]:
+        """One round: prefill queued prompts into free slots, then one decode call; returns the sequences whose
+        segment paused in it (requests submitted with ``pauses``)."""
+        paused = self._admit()
+        while self.ready and len(self.running) < self.num_slots:
+            seq = self.ready.popleft()
+            seq.state = "running"
+            self.running.append(seq)
+        stale = [seq for seq in self.running if seq.kv_epoch != self._epoch]
+        if stale:
+            self._refill(stale)
+        if self.running:
+            paused += self._decode()
+        return paused
+
+    def resume(self, seq: Sequence, tokens: list[int] = (), turn_budget: int | None = None) -> None:
+        """Continues a paused sequence: ``tokens`` (an observation, at most max_forced_tokens) are fed through the
+        decode into its own pages (mask 0, logprob 0), then it samples again: a new turn of ``turn_budget``
+        tokens at most after them, or (None) the rest of its current turn."""
+        assert seq.state == "paused" and len(tokens) <= self.max_forced_tokens, (seq.state, len(tokens))
+        seq.forced, seq.forced_pos = list(tokens), 0
+        if turn_budget is not None:
+            seq.turn_end = min(seq.n + len(tokens) + turn_budget, seq.request.limit)
+        seq.reason, seq.state = programs.RUNNING, "ready"
+        self.ready.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Ends a paused sequence (its pages freed)."""
+        assert seq.state == "paused", seq.state
+        self._end(seq)
+
+    def cancel(self, request: Request) -> None:
+        """Drops every sequence of ``request`` that has not finished (queued, ready, running or paused)."""
+        self.queue = collections.deque(e for e in self.queue if e[0] is not request)
+        self.ready = collections.deque(s for s in self.ready if s.request is not request)
+        self.running = [s for s in self.running if s.request is not request]
+        for seq in request.sequences:
+            if seq.state != "done":
+                self._end(seq)
+
+    def _end(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages, seq.state = [], "done"
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def _admit(self) -> list[Sequence]:
+        """Prefills queued prompts while free slots (and pages, beyond a reserve for the running sequences'
+        growth) allow; returns the sequences that paused at their first token."""
+        sc, ps = self.sc, self.sc.page_size
+        free_slots = self.num_slots - len(self.running) - len(self.ready)
+        batch, pages_left = [], self.pool.num_free
+        growth = -(-sc.decode_steps_per_call // ps)  # pages a sequence may take in the next call at most
+        in_flight = len(self.running) + len(self.ready)
+        while self.queue and free_slots > 0:
+            request, i, seqs = self.queue[0]
+            if batch and (len(seqs), request.key_impl) != (len(batch[0][2]), batch[0][0].key_impl):
+                break  # one program per group size and key kind
+            need = self._prompt_pages(len(request.prompts[i]), len(seqs))
+            if need > pages_left or pages_left - need < (in_flight + len(seqs)) * growth:
+                if in_flight or batch:
+                    break  # running sequences will free pages
+                if need > pages_left:
+                    raise ValueError(
+                        f"num_pages={self.pool.num_pages}: the KV pool cannot hold a prompt of "
+                        f"{len(request.prompts[i])} tokens for {len(seqs)} completions; raise it"
+                    )
+            pages_left -= need
+            free_slots -= len(seqs)
+            in_flight += len(seqs)
+            batch.append(self.queue.popleft())
+        return self._prefill(batch) if batch else []
+
+    def _prompt_pages(self, length: int, count: int) -> int:
+        """Pages a prompt of ``length`` tokens takes for ``count`` completions: its full pages (shared when
+        count > 1) and each completion's copy of its partial last page."""
+        full, tail = divmod(length, self.sc.page_size)
+        return (full if count > 1 else -(-length // self.sc.page_size)) + (count if tail and count > 1 else 0)
+
+    def _prefill(self, batch: list) -> list[Sequence]:
+        """Runs ``admit`` for the queue entries ``batch`` (one group size G); returns the paused sequences."""
+        sc = self.sc
+        G = len(batch[0][2])
+        prompts = [req.prompts[i] for req, i, _ in batch]
+        N = 1 << (len(prompts) - 1).bit_length()  # prompt counts rounded up to a power of two: few compiles
+        P = sc.bucket_for(max(map(len, prompts)))
+        tokens = np.full((N, P), sc.pad_token_id, np.int32)
+        lengths = np.ones((N,), np.int32)
+        dest = np.full((N, G, P), self.pool.num_pages, np.int32)  # past the pool: not written
+        key_data = np.zeros((N * G, *batch[0][0].key_data.shape), batch[0][0].key_data.dtype)
+        rows = np.zeros((N * G,), np.int32)
+        # rows past the batch repeat its first prompt (a shared prefix stays shared) and write nothing
+        tokens[:, : len(prompts[0])], lengths[:] = prompts[0], len(prompts[0])
+        for j, ((request, _, seqs), prompt) in enumerate(zip(batch, prompts, strict=True)):
+            L = len(prompt)
+            tokens[j], lengths[j] = sc.pad_token_id, L
+            tokens[j, :L] = prompt
+            self._place_prompt(seqs, L, dest[j])
+            for g, seq in enumerate(seqs):
+                key_data[j * G + g], rows[j * G + g] = request.key_data, seq.index
+        plan = self.backend.plan(tokens, lengths)
+        fn = compiled_admit(self.backend)
+        self.pages, token, logprob, routes = fn(
+            self.params, self.pages, tokens, lengths, dest, key_data, rows,
+            cfg=self.cfg, sampler_cfg=sc, num_generations=G, backend=self.backend, plan=plan,
+            key_impl=batch[0][0].key_impl,
+        )  # fmt: skip
+        token, logprob, routes = distributed.fetch((token, logprob, routes))
+        self.stats["prefills"] += 1
+        paused = []
+        for j, (request, i, seqs) in enumerate(batch):
+            if routes is not None:
+                request.prompt_routes[i] = np.asarray(routes[j, : len(request.prompts[i])])
+            for g, seq in enumerate(seqs):
+                self._admitted += 1
+                seq.order, seq.kv_epoch = self._admitted, self._epoch
+                seq.turn_end = min(request.turn_budget, request.limit)
+                self._record(seq, int(token[j * G + g]), float(logprob[j * G + g]), True)
+                reason = self._first_reason(seq)
+                if reason == programs.RUNNING:
+                    seq.state = "ready"
+                    self.ready.append(seq)
+                elif self._segment_ended(seq, reason):
+                    paused.append(seq)
+        return paused
+
+    def _place_prompt(self, seqs: list[Sequence], length: int, dest: np.ndarray) -> None:
+        """Takes the pages of a prompt of ``length`` tokens for its completions ``seqs`` and fills ``dest``
+        int32 [G, P] with each prompt token's page per completion."""
+        ps, count = self.sc.page_size, len(seqs)
+        full, tail = divmod(length, ps)
+        shared = full if count > 1 else 0
+        own = -(-length // ps) - shared  # each completion's pages of the prompt (its partial last one)
+        pages = self.pool.allocate(shared + own * count)
+        assert pages is not None, "admission checked the free pages"
+        common, rest = pages[:shared], pages[shared:]
+        if shared:
+            self.pool.retain(common * (count - 1))  # one reference per completion
+        for g, seq in enumerate(seqs):
+            seq.pages = common + rest[g * own : (g + 1) * own]
+            t = np.arange(length)
+            table = np.asarray(seq.pages, np.int32)
+            dest[g, :length] = table[t // ps]
+            if g > 0:  # the shared pages are written once, by completion 0
+                dest[g, : shared * ps] = self.pool.num_pages
+
+    def _first_reason(self, seq: Sequence) -> int:
+        """``decode.segment_end`` of a sequence's first token (sampled by the prefill)."""
+        token, n = seq.tokens[-1], seq.n
+        if self.stop_table[token]:
+            return programs.STOP
+        if seq.request.pauses and self.pause_table[token]:
+            return programs.PAUSE
+        if n >= seq.request.limit:
+            return programs.LENGTH
+        if n >= seq.turn_end:
+            return programs.TURN
+        return programs.RUNNING
+
+    def _record(self, seq: Sequence, token: int, logprob: float, model: bool) -> None:
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob if model else 0.0)
+        seq.model.append(model)
+        seq.versions.append(self.version)
+
+    def _segment_ended(self, seq: Sequence, reason: int) -> bool:
+        """Ends or pauses a sequence whose segment ended for ``reason``; True when it paused."""
+        seq.reason = reason
+        if seq.request.pauses and reason != programs.LENGTH:
+            seq.state = "paused"
+            return True
+        self._end(seq)
+        return False
+
+    # -- weight swaps ----------------------------------------------------------------------------------------
+
+    def _refill(self, seqs: list[Sequence]) -> None:
+        """Recomputes the keys and values of ``seqs`` (prefilled under older params) under the current ones, in
+        calls of at most ``REFILL_TOKENS`` padded context tokens, rows of similar lengths together."""
+        ps, outside = self.sc.page_size, self.pool.num_pages
+        written: set[int] = set()  # pages this pass writes already: a prompt's shared pages are written once
+        rows = []
+        for seq in sorted(seqs, key=lambda q: len(q.prompt) + q.n):
+            context = seq.prompt + seq.tokens[: seq.n - 1]  # the last token: fed (and written) by the decode
+            pages = np.asarray(seq.pages, np.int32)[np.arange(len(context)) // ps]
+            dest = np.where(np.isin(pages, list(written)), outside, pages)
+            written.update(seq.pages[: -(-len(context) // ps)])
+            rows.append((context, dest))
+            seq.kv_epoch = self._epoch
+        while rows:  # the shortest row left sets the width T (a power of two); rows that fit join it
+            T = min(self.table_width * ps, _pow2(len(rows[0][0])))
+            count = 1
+            while count < len(rows) and len(rows[count][0]) <= T and _pow2(count + 1) * T <= REFILL_TOKENS:
+                count += 1
+            self._refill_call(rows[:count], T)
+            rows = rows[count:]
+
+    def _refill_call(self, rows: list[tuple[list[int], np.ndarray]], T: int) -> None:
+        """One ``refill`` call: (context tokens, their pages) per row, padded to ``T`` tokens and a power of two
+        of rows (rows past them repeat the first one's context and write nothing)."""
+        R = _pow2(len(rows))
+        tokens = np.full((R, T), self.sc.pad_token_id, np.int32)
+        lengths = np.full((R,), len(rows[0][0]), np.int32)
+        dest = np.full((R, T), self.pool.num_pages, np.int32)
+        tokens[:, : len(rows[0][0])] = rows[0][0]
+        for r, (context, pages) in enumerate(rows):
+            tokens[r], lengths[r] = self.sc.pad_token_id, len(context)
+            tokens[r, : len(context)], dest[r, : len(context)] = context, pages
+        fn = compiled_refill(self.backend)
+        self.pages = fn(
+            self.params, self.pages, tokens, lengths, dest,
+            cfg=self.cfg, sampler_cfg=self.sc, backend=self.backend, plan=self.backend.plan(tokens, lengths),
+        )  # fmt: skip
+        self.stats["refills"] += 1
+        self.stats["recomputed_tokens"] += int(sum(len(context) for context, _ in rows))
+
+    # -- decode ----------------------------------------------------------------------------------------------
+
+    def _grow(self, k: int) -> None:
+        """Gives every running sequence the pages its next ``k`` decode steps write, preempting the newest
+        sequences while the pool is short."""
+        ps = self.sc.page_size
+        while True:
+            short = []
+            for seq in self.running:
+                L = len(seq.prompt)
+                last = min(L + seq.n - 1 + k - 1, L + seq.request.limit - 2)  # the last position fed
+                short.append(max(0, last // ps + 1 - len(seq.pages)))
+            if sum(short) <= self.pool.num_free:
+                for seq, count in zip(self.running, short, strict=True):
+                    if count:
+                        seq.pages += self.pool.allocate(count)
+                return
+            if len(self.running) == 1 and not self.ready:
+                raise ValueError(
+                    f"num_pages={self.pool.num_pages}: the KV pool cannot hold one sequence's pages; raise it"
+                )
+            self._preempt()
+
+    def _preempt(self) -> None:
+        """Frees the newest running (else ready) sequence and queues it to restart from its prompt."""
+        pool = self.running if self.running else list(self.ready)
+        seq = max(pool, key=lambda s: s.order)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.ready.remove(seq)
+        self.pool.release(seq.pages)
+        seq.reset()
+        self.queue.appendleft((seq.request, seq.index // seq.request.num_generations, [seq]))
+        self.stats["preempted"] += 1
+
+    def _exit_after(self, S: int, waiting: bool, pausing: bool) -> int:
+        """How many segments may end in a decode call on ``S`` slots before it returns: 1 where a sequence waits
+        for a slot (refilled at once) or segments pause (the host answers them); with nothing waiting and
+        ``retire_rows``, as many as leave the running sequences fitting the next smaller slot count
+        (``slot_counts``: the next call runs on it; the slots of ended sequences idle until then); else none
+        (all its steps)."""
+        if (waiting and self.refill_at_once) or pausing:
+            return 1
+        smaller = [b for b in slot_counts(self.num_slots) if b < S]
+        if self.sc.retire_rows and not waiting and smaller:
+            return len(self.running) - smaller[0]  # >= 1: S is the smallest count that holds them
+        return S + 1
+
+    def _decode(self) -> list[Sequence]:
+        """One decode call on the running sequences; returns the ones that paused."""
+        sc, ps = self.sc, self.sc.page_size
+        k = sc.decode_steps_per_call
+        self._grow(k)
+        waiting = bool(self.queue or self.ready)
+        S = self.num_slots
+        if sc.retire_rows and not waiting:
+            S = min(b for b in slot_counts(self.num_slots) if b >= len(self.running))
+        width = self.table_width
+        if not self.backend.reads_filled_pages and sc.decode_phase_length:
+            step = max(1, sc.decode_phase_length // ps)
+            longest = max(len(s.pages) for s in self.running)
+            width = min(self.table_width, -(-longest // step) * step)
+        F = self.max_forced_tokens
+        slots = {
+            "token": np.zeros((S,), np.int32),
+            "n": np.ones((S,), np.int32),
+            "prompt_length": np.ones((S,), np.int32),
+            "active": np.zeros((S,), bool),
+            "rows": np.zeros((S,), np.int32),
+            "key_data": np.zeros((S, *self.running[0].request.key_data.shape), np.uint32),
+            "page_table": np.zeros((S, width), np.int32),
+            "forced": np.zeros((S, F), np.int32),
+            "num_forced": np.zeros((S,), np.int32),
+            "forced_pos": np.zeros((S,), np.int32),
+            "turn_end": np.zeros((S,), np.int32),
+            "limit": np.ones((S,), np.int32),
+            "pauses": np.zeros((S,), bool),
+        }
+        for s, seq in enumerate(self.running):
+            slots["token"][s], slots["n"][s], slots["prompt_length"][s] = (
+                seq.tokens[-1],
+                seq.n,
+                len(seq.prompt),
+            )
+            slots["active"][s], slots["rows"][s], slots["key_data"][s] = True, seq.index, seq.request.key_data
+            slots["page_table"][s, : min(width, len(seq.pages))] = seq.pages[:width]
+            slots["forced"][s, : len(seq.forced)] = seq.forced
+            slots["num_forced"][s], slots["forced_pos"][s] = len(seq.forced), seq.forced_pos
+            slots["turn_end"][s], slots["limit"][s] = seq.turn_end, seq.request.limit
+            slots["pauses"][s] = seq.request.pauses
+        pausing = any(seq.request.pauses for seq in self.running)
+        exit_after = np.int32(self._exit_after(S, waiting, pausing))
+        prepared = self._prepared if self.backend.prepares_once else self.params
+        fn = compiled_decode(self.backend)
+        key_impl = self.running[0].request.key_impl
+        self.pages, out = fn(
+            prepared, self.pages, slots, self.stop_table, self.pause_table, exit_after,
+            cfg=self.cfg, sampler_cfg=sc, backend=self.backend, num_steps=k, key_impl=key_impl,
+        )  # fmt: skip
+        out = distributed.fetch(out)
+        steps = int(out["steps"])
+        self.stats["calls"] += 1
+        self.stats["steps"] += steps
+        self.stats["row_steps"] += S * steps
+        self.stats["row_steps_empty"] += (S - len(self.running)) * steps  # slots without a sequence
+        paused, still = [], []
+        for s, seq in enumerate(self.running):
+            wrote = np.flatnonzero(out["wrote"][s])
+            for i in wrote:
+                if "routes" in out:  # the experts of the token fed at step i: its last one
+                    seq.routes.append(out["routes"][s, i])
+                self._record(
+                    seq, int(out["tokens"][s, i]), float(out["logprobs"][s, i]), bool(out["model"][s, i])
+                )
+            seq.request.row_steps += len(wrote)
+            seq.forced_pos = int(out["forced_pos"][s])
+            if seq.forced_pos >= len(seq.forced):
+                seq.forced, seq.forced_pos = [], 0
+            reason = int(out["reason"][s])
+            if reason == programs.RUNNING:
+                still.append(seq)
+            elif self._segment_ended(seq, reason):
+                paused.append(seq)
+        idle = S * steps - int(out["wrote"].sum())
+        oldest = min(self.running, key=lambda q: q.order).request
+        oldest.row_steps += idle  # idle slots' steps count against the oldest request in flight
+        self.running = still
+        return paused
 
 
 def prepare_prompts(
@@ -627,36 +1000,10 @@ def generate(
         raise ValueError(
             "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
         )
-    B = len(kept)
-    lengths = np.array([len(p) for p in kept], np.int32)
-    P = sc.bucket_for(int(lengths.max()))
-    right = np.full((B, P), sc.pad_token_id, np.int32)
-    left = np.full((B, P), sc.pad_token_id, np.int32)
-    prompt_mask = np.zeros((B, P), np.int32)
-    for i, p in enumerate(kept):
-        right[i, : len(p)] = p
-        left[i, P - len(p) :] = p
-        prompt_mask[i, P - len(p) :] = 1
-    # fetch, not device_get: with several JAX processes the outputs span other hosts' devices.
-    out = distributed.fetch(generate_padded(params, right, lengths, key, cfg, sc, num_generations))
-    release_host_memory()  # the cache, the prefill's and the decode's buffers: before the next call allocates
-    finish = ["stop" if s else "length" for s in out["stopped"]]
-    routed = {}
-    if "routed_experts" in out:  # the prompts' routes left-padded like prompt_ids
-        on_right = np.asarray(out["prompt_routed_experts"])
-        on_left = np.zeros_like(on_right)
-        for i, n in enumerate(lengths):
-            on_left[i, P - n :] = on_right[i, :n]
-        routed = dict(routed_experts=np.asarray(out["routed_experts"]), prompt_routed_experts=on_left)
-    return GenerateOutput(
-        prompt_ids=left,
-        prompt_mask=prompt_mask,
-        completion_ids=np.asarray(out["completion_ids"]),
-        completion_mask=np.asarray(out["completion_mask"]),
-        logprobs=np.asarray(out["logprobs"]),
-        lengths=np.asarray(out["lengths"]),
-        finish_reason=finish,
-        prompt_indices=np.array(indices, np.int32),
-        decode_row_steps=int(out["decode_row_steps"]),
-        **routed,
-    )
+    engine = Engine(params, cfg, sc, num_slots=len(kept) * num_generations)
+    request = engine.submit(kept, key, num_generations)
+    engine.run(request)
+    out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), sc.max_completion_length)
+    del engine, request
+    release_host_memory()  # the page pool's buffers: before the next call allocates
+    return out._replace(prompt_indices=np.array(indices, np.int32))

@@ -18,7 +18,7 @@ from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import convert_layout, init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.backend import select_backend
-from grpax.sampler.engine import SamplerConfig, generate, generate_padded
+from grpax.sampler.engine import SamplerConfig, generate
 
 # CI sets GRPAX_REQUIRE_CPU_KERNELS=1 (scripts/test.sh): there a kernel that fails to build is a failure,
 # elsewhere (no compiler) these tests are skipped and the sampler uses XLA's attention.
@@ -51,71 +51,104 @@ def _sc(**kw):
     return SamplerConfig(**{**dict(max_prompt_length=16, max_completion_length=12, greedy=True), **kw})
 
 
-def _case(B, K, G, H, S, dtype, scale, seed=0):
+def _paged_case(B, K, G, H, S, page_size, dtype, scale, seed=0):
+    """Random queries, new keys/values and S-slot sequences in a shuffled pool of pages in the CPU layout (keys
+    [P, K, H, ps], values [P, K, ps, H]), with the same sequences as a dense cache (keys [B, K, H, S'], values
+    [B, K, S', H], S' = their pages' slots); positions: row 0 at the last slot, the last row at slot 0, row 1
+    idle (-1) where B > 2."""
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((B, 1, K * G, H), np.float32) * scale)
-    cache_k = jnp.asarray(rng.standard_normal((B, K, H, S), np.float32)).astype(dtype)
-    cache_v = jnp.asarray(rng.standard_normal((B, K, S, H), np.float32)).astype(dtype)
-    # the first row sees every slot, the last only slot 0, one row a position past the cache (clipped)
+    n = -(-S // page_size)
+    num_pages = 1 + B * n + 2
+    table = rng.permutation(np.arange(1, num_pages))[: B * n].reshape(B, n).astype(np.int32)
+    k_pages = rng.standard_normal((num_pages, K, H, page_size)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, K, page_size, H)).astype(np.float32)
+    dense_k = np.concatenate([k_pages[table[:, w]] for w in range(n)], axis=-1)  # [B, K, H, n ps]
+    dense_v = np.concatenate([v_pages[table[:, w]] for w in range(n)], axis=-2)
     positions = rng.integers(0, S, B).astype(np.int32)
     positions[0], positions[-1] = S - 1, 0
     if B > 2:
-        positions[1] = S + 3
-    return q, cache_k, cache_v, jnp.asarray(positions)[:, None]
+        positions[1] = -1
+    q = jnp.asarray(rng.standard_normal((B, 1, K * G, H), np.float32) * scale)  # rotated, not scaled
+    new_k, new_v = (rng.standard_normal((B, K, H)).astype(np.float32) for _ in range(2))
+    cast = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
+    return (
+        jnp.asarray(q), cast(new_k), cast(new_v), cast(k_pages), cast(v_pages), jnp.asarray(table),
+        jnp.asarray(positions), cast(dense_k), cast(dense_v),
+    )  # fmt: skip
+
+
+_paged_update = jax.jit(ops.paged_attention_update)
 
 
 @pytest.mark.parametrize(
-    "B, K, G, H, S, dtype",
+    "B, K, G, H, S, page_size, dtype",
     [
-        (3, 2, 3, 64, 37, jnp.float32),  # SmolLM2's group and head sizes; slots not a multiple of 8 or 32
-        (4, 1, 1, 20, 9, jnp.float32),  # head_dim not a multiple of 8
-        (2, 3, 8, 128, 70, jnp.float32),  # the largest group the kernel takes; Llama 3's head_dim
-        (5, 2, 2, 40, 1, jnp.float32),  # one slot
-        (4, 3, 3, 64, 100, jnp.bfloat16),  # a bfloat16 cache
+        (3, 2, 3, 64, 37, 16, jnp.float32),  # SmolLM2's group and head sizes; slots not a multiple of 8 or 32
+        (4, 1, 1, 20, 9, 4, jnp.float32),  # head_dim not a multiple of 8, pages smaller than a vector
+        (2, 3, 8, 128, 70, 32, jnp.float32),  # the largest group the kernel takes; Llama 3's head_dim
+        (5, 2, 2, 40, 1, 8, jnp.float32),  # one slot
+        (4, 3, 3, 64, 100, 48, jnp.bfloat16),  # a bfloat16 cache; pages not a multiple of the score blocks
     ],
 )
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # peaked softmax: most exps underflow
-def test_kernel_equals_xla_decode_attention(B, K, G, H, S, dtype, scale):
-    q, cache_k, cache_v, positions = _case(B, K, G, H, S, dtype, scale)
-    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]
-    # XLA's path rounds a bfloat16 cache's probabilities to bfloat16; the kernel keeps them in float32, so
-    # the reference is XLA's float32 attention over the same (bfloat16-valued) cache
-    ref = jax.jit(cached_attention)(q, cache_k.astype(jnp.float32), cache_v.astype(jnp.float32), mask)
+def test_paged_kernel_writes_its_page_then_attends_as_xla(B, K, G, H, S, page_size, dtype, scale):
+    q, new_k, new_v, k_pages, v_pages, table, positions, dense_k, dense_v = _paged_case(
+        B, K, G, H, S, page_size, dtype, scale
+    )
     q1 = q.reshape(B, K, G, H) / math.sqrt(H)  # the kernel's queries: [B, K, G, H], scaled
-    out = jax.jit(ops.decode_attention)(q1, cache_k, cache_v, positions[:, 0]).reshape(B, 1, K * G, H)
-    assert out.shape == (B, 1, K * G, H) and out.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=0)
-    # by hand for one row: softmax over the visible slots of row 2, query head 1 (kv head 1 // G)
-    b, n, kv = 2, min(int(positions[2, 0]), S - 1) + 1, 1 // G
-    keys = np.asarray(cache_k[b, kv, :, :n], np.float64)
+    out, got_k, got_v = _paged_update(q1, new_k, new_v, k_pages, v_pages, table, positions)
+    assert out.shape == (B, K, G, H) and out.dtype == jnp.float32
+    # the pools: each running sequence's new key and value at its position's page and offset, nothing else
+    ref_k, ref_v = np.asarray(k_pages, np.float32).copy(), np.asarray(v_pages, np.float32).copy()
+    for b, p in enumerate(np.asarray(positions)):
+        if p >= 0:
+            page = int(table[b, p // page_size])
+            ref_k[page, :, :, p % page_size] = np.asarray(new_k[b], np.float32)
+            ref_v[page, :, p % page_size, :] = np.asarray(new_v[b], np.float32)
+    np.testing.assert_array_equal(np.asarray(got_k, np.float32), ref_k)
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), ref_v)
+    # the attention: XLA's float32 attention over the same keys/values laid out densely, new ones written
+    rows = jnp.arange(B)[:, None]
+    at = jnp.maximum(positions, 0)[:, None]
+    dense_k = dense_k.astype(jnp.float32).at[rows, :, :, at].set(new_k[:, None].astype(jnp.float32))
+    dense_v = dense_v.astype(jnp.float32).at[rows, :, at, :].set(new_v[:, None].astype(jnp.float32))
+    mask = jnp.arange(dense_k.shape[-1])[None, None, :] <= positions[:, None, None]
+    ref = jax.jit(cached_attention)(q, dense_k, dense_v, mask)
+    live = np.asarray(positions) >= 0
+    got = np.asarray(out).reshape(B, 1, K * G, H)
+    np.testing.assert_allclose(got[live], np.asarray(ref)[live], atol=2e-6, rtol=0)
+    np.testing.assert_array_equal(got[~live], 0.0)  # an idle slot: zeros
+    # by hand for one row: softmax over the visible slots of row 0, query head 1 (kv head 1 // G); at scale 30
+    # the float32 scores (~300) themselves carry ~3e-5 of rounding, which float64 does not share
+    if scale != 1.0:
+        return
+    b, n, kv = 0, int(positions[0]) + 1, 1 // G
+    keys = np.asarray(dense_k[b, kv, :, :n], np.float64)
     scores = np.asarray(q[b, 0, 1], np.float64) @ keys / math.sqrt(H)
     p = np.exp(scores - scores.max())
-    expected = (p / p.sum()) @ np.asarray(cache_v[b, kv, :n], np.float64)
-    np.testing.assert_allclose(np.asarray(out[b, 0, 1]), expected, atol=2e-6, rtol=0)
+    expected = (p / p.sum()) @ np.asarray(dense_v[b, kv, :n], np.float64)
+    np.testing.assert_allclose(np.asarray(out[b, kv, 1 % G]), expected, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_update_kernel_writes_the_cache_in_place_then_attends(dtype):
-    B, K, G, H, S = 4, 3, 3, 64, 37
-    q, cache_k, cache_v, positions = _case(B, K, G, H, S, dtype, 1.0)  # positions S-1, S+3 (dropped), .., 0
-    rng = np.random.default_rng(5)
-    new_k, new_v = (jnp.asarray(rng.standard_normal((B, K, H)), dtype) for _ in range(2))
-    # XLA's scatter of the decode path (mode="drop": a slot past the cache is not written), then the kernel
-    rows = jnp.arange(B)[:, None]
-    ref_k = cache_k.at[rows, :, :, positions].set(new_k[:, None], mode="drop")
-    ref_v = cache_v.at[rows, :, positions, :].set(new_v[:, None], mode="drop")
-    q1 = q.reshape(B, K, G, H).astype(jnp.float32) / math.sqrt(H)
-    ref = ops.decode_attention(q1, ref_k, ref_v, positions[:, 0])
-
-    @jax.jit
-    def step(q1, new_k, new_v, cache_k, cache_v, positions):
-        return ops.decode_attention_update(q1, new_k, new_v, cache_k, cache_v, positions)
-
-    out, got_k, got_v = step(q1, new_k, new_v, cache_k, cache_v, positions[:, 0])
-    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(ref_k, np.float32))
-    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(ref_v, np.float32))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-    assert not np.array_equal(np.asarray(got_k, np.float32), np.asarray(cache_k, np.float32))  # it wrote
+def test_paged_kernel_sums_in_the_same_order_whatever_the_pages(dtype):
+    # The same sequences in pages of 8, 16, 48 and 100 slots (one page: a dense cache): the same outputs, bit
+    # for bit, so the page size changes no token of a rollout.
+    B, K, G, H, S = 4, 3, 3, 64, 100
+    outs = []
+    for page_size in (8, 16, 48, 100):
+        q, new_k, new_v, _, _, _, positions, dense_k, dense_v = _paged_case(B, K, G, H, S, S, dtype, 1.0)
+        n = -(-S // page_size)
+        pad = n * page_size - S
+        k_pages = jnp.pad(dense_k, [(0, 0)] * 3 + [(0, pad)]).reshape(B, K, H, n, page_size)
+        v_pages = jnp.pad(dense_v, [(0, 0), (0, 0), (0, pad), (0, 0)]).reshape(B, K, n, page_size, H)
+        k_pages = k_pages.transpose(0, 3, 1, 2, 4).reshape(B * n, K, H, page_size)  # page (b, w) at b n + w
+        v_pages = v_pages.transpose(0, 2, 1, 3, 4).reshape(B * n, K, page_size, H)
+        table = jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+        q1 = q.reshape(B, K, G, H) / math.sqrt(H)
+        outs.append(np.asarray(_paged_update(q1, new_k, new_v, k_pages, v_pages, table, positions)[0]))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 def test_backend_chosen_where_it_runs(monkeypatch):
@@ -134,6 +167,15 @@ def test_backend_chosen_where_it_runs(monkeypatch):
     assert select_backend("auto", params, wide).name == "xla"
     with pytest.raises(ValueError, match="at most 8 query heads"):
         select_backend("cpu", params, wide)
+    # q or k/v widths not in whole 16-column panels (6 x 12 and 2 x 12: the tiny model of test_convert and the
+    # CLI tests): the fused q/k/v matmul failed ("packed weights do not match") at the first decode step
+    narrow = CFG.replace(hidden_dim=48, num_heads=6, head_dim=12)
+    assert select_backend("auto", params, narrow).name == "xla"
+    with pytest.raises(ValueError, match="q and k/v widths .* multiples of 16"):
+        select_backend("cpu", params, narrow)
+    narrow_params = init_params(narrow, jax.random.key(0))
+    out = generate(narrow_params, PROMPTS, narrow, _sc(), jax.random.key(0))  # auto: the XLA backend
+    assert out.completion_mask.sum() > 0
     monkeypatch.setattr(build, "available", lambda: False)
     assert select_backend("auto", params, CFG).name == "xla"
     with pytest.raises(ValueError, match="could not be built"):
@@ -334,8 +376,8 @@ def test_matmul_with_rms_norm_equals_norm_then_product(dtype, swiglu):
 
 
 def test_decode_step_equals_the_model_forward():
-    # The backend's decode step (packed weights, fused norms, the attention kernel writing the cache in place)
-    # against the model's forward over the same cache: the same logits and cache to float32 rounding.
+    # The backend's decode step (packed weights, fused norms, the paged attention kernel writing its pages in
+    # place) against the model's forward over a dense cache: the same logits and keys/values to float32 rounding.
     backend = cpu_backend.CpuBackend()
     for tied in (True, False):
         cfg = ModelConfig(
@@ -354,19 +396,34 @@ def test_decode_step_equals_the_model_forward():
         params = convert_layout(stacked, cfg, scan_layers=False)
         assert ("lm_head" in params) != tied
         tokens = jnp.asarray([3, 60, 7], jnp.int32)
-        positions = jnp.asarray([[4], [0], [9]], jnp.int32)
+        positions = jnp.asarray([4, 0, 9], jnp.int32)
         cache = init_cache(cfg, 3, 12, stacked=False)
-        ref, ref_cache = forward(params, tokens[:, None], cfg, positions=positions, cache=cache)
+        ref, ref_cache = forward(params, tokens[:, None], cfg, positions=positions[:, None], cache=cache)
+        table = jnp.asarray([[7, 8, 9], [1, 2, 3], [4, 5, 6]], jnp.int32)  # pages of 4 slots
         outs = []
         # packed from stacked layers and from a list of layers
         for p in (stacked, params):
             prepared = backend.prepare_decode(p, cfg, 12)
-            logits, new_cache = jax.jit(backend.decode_step, static_argnums=4)(
-                prepared, tokens, positions, init_cache(cfg, 3, 12, stacked=False), cfg
+            pages = backend.init_pages(cfg, 10, 4, jnp.float32)
+            logits, pages = jax.jit(backend.decode_step, static_argnums=5)(
+                prepared, tokens, positions, pages, table, cfg
             )
             outs.append(np.asarray(logits))
-            for a, b in zip(jax.tree.leaves(new_cache), jax.tree.leaves(ref_cache), strict=True):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
+            for layer in range(cfg.num_layers):
+                for b, pos in enumerate(np.asarray(positions)):
+                    page, off = int(table[b, pos // 4]), pos % 4
+                    np.testing.assert_allclose(
+                        pages["k"][layer][page, :, :, off],
+                        ref_cache["k"][layer][b, :, :, pos],
+                        atol=2e-5,
+                        rtol=1e-5,
+                    )
+                    np.testing.assert_allclose(
+                        pages["v"][layer][page, :, off, :],
+                        ref_cache["v"][layer][b, :, pos, :],
+                        atol=2e-5,
+                        rtol=1e-5,
+                    )
         np.testing.assert_allclose(outs[0], np.asarray(ref[:, 0]), atol=2e-5, rtol=1e-5)
         np.testing.assert_array_equal(outs[1], outs[0])
         assert np.abs(outs[0]).max() > 1  # logits far from zero: a wrong layout would show
@@ -582,15 +639,14 @@ def test_cpu_backend_equals_xla_backend_on_the_default_jobs_sampling():
     )
     params = init_params(cfg, jax.random.key(5))
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, params)  # peaked logits: a clear argmax
-    tokens = jnp.asarray([[5, 6, 7, 8, 9, 0], [5, 6, 7, 1, 0, 0]], jnp.int32)
-    lengths = jnp.asarray([5, 4], jnp.int32)
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 1]]
     for kw in ({"greedy": True}, {"temperature": 0.9, "top_k": 50}):
         outs = {}
         for backend in ("cpu", "xla"):
             sc = SamplerConfig(max_prompt_length=8, max_completion_length=6, backend=backend, **kw)
-            outs[backend] = generate_padded(params, tokens, lengths, jax.random.key(0), cfg, sc, 2)
-        np.testing.assert_array_equal(outs["cpu"]["completion_ids"], outs["xla"]["completion_ids"])
-        np.testing.assert_allclose(outs["cpu"]["logprobs"], outs["xla"]["logprobs"], atol=1e-4, rtol=0)
+            outs[backend] = generate(params, prompts, cfg, sc, jax.random.key(0), 2)
+        np.testing.assert_array_equal(outs["cpu"].completion_ids, outs["xla"].completion_ids)
+        np.testing.assert_allclose(outs["cpu"].logprobs, outs["xla"].logprobs, atol=1e-4, rtol=0)
 
 
 def test_shared_prefix_length():

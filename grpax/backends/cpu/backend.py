@@ -6,10 +6,12 @@ What it runs, chosen for the default job (float32 SmolLM2 on a few CPU cores; ti
   its own prompt on the packed-attention kernel; the tokens every prompt starts with (a system prompt, a chat
   template's header; ``shared_prefix_length``) are prefilled once and their keys/values written to every row.
   The projections and MLP are XLA's dots (as fast as the matmul kernel at many rows in float32).
-- Decode step: weights repacked once per decode call into the matmul kernel's column panels (``pack_params``),
-  the pre-norms fused into the matmuls, attention on the decode-attention kernel, which writes each new
-  key/value into the per-layer cache buffer in place and reads only each row's filled slots; RoPE cos/sin
-  looked up in tables computed once per call.
+- Decode step: weights repacked once per params version into the matmul kernel's column panels
+  (``pack_params``), the pre-norms fused into the matmuls, attention on the paged-attention kernel, which writes
+  each new key/value into its page in place and reads only each sequence's filled slots; RoPE cos/sin looked up
+  in tables computed once per version.
+- Page pools: per layer keys ``[P, K, H, page_size]`` (slot minor, as the kernel's score loop reads them) and
+  values ``[P, K, page_size, H]``.
 
 The results equal the model's own ``forward`` (``grpax.models.llama``) to float32 rounding: the sums run in
 another order (tests/backends/test_cpu.py holds each kernel and the whole backend to XLA's).
@@ -43,13 +45,17 @@ def unavailable_reason(params: Params, cfg: ModelConfig, cache_dtype: str | None
     """Why the CPU backend cannot run these params (None: it can). The caller checks the device (one CPU).
 
     The kernels take float32 or bfloat16 params, activations and cache, at most ``ops.MAX_GROUP`` query heads
-    per KV head, and must build (``build.available()``).
+    per KV head, q and k/v widths (heads x head_dim) in whole ``ops.PANEL`` columns, and must build
+    (``build.available()``).
     """
     dtypes = [leaf.dtype for leaf in jax.tree.leaves(params)] + [cfg.dtype, cache_dtype or cfg.dtype]
     if any(jnp.dtype(d) not in _KERNEL_DTYPES for d in dtypes):
         return "it takes float32 or bfloat16 params, activations and cache"
     if cfg.num_heads // cfg.num_kv_heads > ops.MAX_GROUP:
         return f"its decode attention takes at most {ops.MAX_GROUP} query heads per KV head"
+    if (cfg.num_heads * cfg.head_dim) % ops.PANEL or (cfg.num_kv_heads * cfg.head_dim) % ops.PANEL:
+        # the fused q/k/v matmul splits its output at the q and k widths, which pack pads to whole panels
+        return f"its fused q/k/v matmul takes q and k/v widths (heads x head_dim) that are multiples of {ops.PANEL}"
     if not build.available():
         return "the CPU kernels could not be built (see the warning above)"
     return None
@@ -178,8 +184,8 @@ def packed_prefill_forward(
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), {"k": ck, "v": cv}
 
 
-def _decode_layer(x, layer, positions, rope, cache_k, cache_v, cfg: ModelConfig):
-    """One decoder block on packed weights for one token per row; writes the cache buffers in place."""
+def _decode_layer(x, layer, positions, rope, k_pages, v_pages, page_table, cfg: ModelConfig):
+    """One decoder block on packed weights for one token per sequence; writes its pages in place."""
     dtype = jnp.dtype(cfg.dtype)
     B, T, D = x.shape
     H, eps = cfg.head_dim, cfg.rms_norm_eps
@@ -192,10 +198,10 @@ def _decode_layer(x, layer, positions, rope, cache_k, cache_v, cfg: ModelConfig)
     )
     q, k, v = (part.reshape(B, T, -1, H) for part in jnp.split(qkv, [NH, NH + KH], axis=-1))
     q, k = rotate(q, *rope), rotate(k, *rope)
-    K = cache_k.shape[1]
+    K = k_pages.shape[1]
     q1 = q.reshape(B, K, -1, H).astype(jnp.float32) / math.sqrt(H)  # [B, K, G, H], scaled
-    attn, cache_k, cache_v = ops.decode_attention_update(
-        q1, k[:, 0], v[:, 0], cache_k, cache_v, positions[:, 0]
+    attn, k_pages, v_pages = ops.paged_attention_update(
+        q1, k[:, 0], v[:, 0], k_pages, v_pages, page_table, positions
     )
     attn = attn.reshape(B, 1, -1, H).astype(q.dtype)
     x = x + ops.matmul(attn.reshape(B, T, -1), layer["wo"], D, out_dtype=out).astype(dtype)
@@ -211,7 +217,7 @@ def _decode_layer(x, layer, positions, rope, cache_k, cache_v, cfg: ModelConfig)
         out_dtype=out,
     ).astype(dtype)
     down = ops.matmul(act, layer["down"], D, x_transposed=True, out_dtype=out).reshape(B, T, D)
-    return x + down.astype(dtype), cache_k, cache_v
+    return x + down.astype(dtype), k_pages, v_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +230,32 @@ class CpuBackend:
     name: str = "cpu"
     compiler_options: tuple[tuple[str, str], ...] = ()
     prepares_once: bool = True  # packing the weights costs as much as many decode steps
+    reads_filled_pages: bool = True  # the kernel reads each sequence's filled pages only
+
+    def init_pages(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
+        L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        return {
+            "k": [jnp.zeros((num_pages, K, H, page_size), dtype) for _ in range(L)],
+            "v": [jnp.zeros((num_pages, K, page_size, H), dtype) for _ in range(L)],
+        }
+
+    def page_spec(self, cfg: ModelConfig, mesh_shape: dict) -> jax.sharding.PartitionSpec:
+        return jax.sharding.PartitionSpec()  # one device
+
+    def write_prompts(self, pages: dict, cache: dict, dest: jax.Array) -> dict:
+        N, G, P = dest.shape
+        page_size = pages["k"][0].shape[-1]
+        index = dest.reshape(-1)
+        offsets = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32) % page_size, (N, G, P)).reshape(-1)
+        out = {"k": [], "v": []}
+        for kp, vp, ck, cv in zip(pages["k"], pages["v"], cache["k"], cache["v"], strict=True):
+            K, H = ck.shape[1], ck.shape[2]
+            k = jnp.broadcast_to(ck.transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+            v = jnp.broadcast_to(cv.transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+            # Advanced indices split by slices: the indexed view is [T, K, H], the layout of k and v.
+            out["k"].append(kp.at[index, :, :, offsets].set(k.astype(kp.dtype), mode="drop"))
+            out["v"].append(vp.at[index, :, offsets, :].set(v.astype(vp.dtype), mode="drop"))
+        return out
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> tuple[int, int]:
         """(packed length, shared prefix length A) for right-padded prompts [B, P] of these lengths."""
@@ -274,13 +306,20 @@ class CpuBackend:
         return pack_params(params, cfg), (cos[0, :, 0], sin[0, :, 0])
 
     def decode_step(
-        self, prepared, tokens: jax.Array, positions: jax.Array, cache: dict, cfg: ModelConfig
+        self,
+        prepared,
+        tokens: jax.Array,
+        positions: jax.Array,
+        pages: dict,
+        page_table: jax.Array,
+        cfg: ModelConfig,
     ) -> tuple[jax.Array, dict]:
         params, (cos, sin) = prepared
         x = params["embed"].astype(jnp.dtype(cfg.dtype))[tokens[:, None]]  # [B, 1, D]
-        rope = (cos[positions][:, :, None, :], sin[positions][:, :, None, :])
-        ck, cv = list(cache["k"]), list(cache["v"])
+        at = jnp.maximum(positions, 0)[:, None]
+        rope = (cos[at][:, :, None, :], sin[at][:, :, None, :])
+        ck, cv = list(pages["k"]), list(pages["v"])
         for i, layer in enumerate(params["layers"]):
-            x, ck[i], cv[i] = _decode_layer(x, layer, positions, rope, ck[i], cv[i], cfg)
+            x, ck[i], cv[i] = _decode_layer(x, layer, positions, rope, ck[i], cv[i], page_table, cfg)
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         return ops.matmul(x[:, 0], params["lm_head"], cfg.vocab_size), {"k": ck, "v": cv}

@@ -33,8 +33,7 @@ _HEADERS = (_KERNELS / "parallel.h", _KERNELS / "simd.h")
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 # FFI target name -> the library's handler symbol.
 TARGETS = {
-    "grpax_decode_attention": "GrpaxDecodeAttention",
-    "grpax_decode_attention_update": "GrpaxDecodeAttentionUpdate",
+    "grpax_paged_attention_update": "GrpaxPagedAttentionUpdate",
     "grpax_matmul": "GrpaxMatmul",
     "grpax_pack": "GrpaxPack",
     "grpax_packed_attention": "GrpaxPackedAttention",

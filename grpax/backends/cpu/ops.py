@@ -2,10 +2,10 @@
 
 Three kernels, the role Pallas kernels play on TPU and GPU in MaxText and Tunix (timings: docs/benchmarks.md):
 
-- ``decode_attention`` / ``decode_attention_update`` (``kernels/decode_attention.cc``): one query per row over
-  the KV cache, reading only each row's filled slots, once (XLA:CPU ran it as generic reductions and many tiny
-  batched matmuls, about 4x the time it takes to read the cache); the update variant writes the new key and
-  value in place first.
+- ``paged_attention_update`` (``kernels/decode_attention.cc``): writes each sequence's new key and value into
+  its page in place, then attends one query per sequence over its pages, reading only the filled slots, once
+  (XLA:CPU ran the dense cache's attention as generic reductions and many tiny batched matmuls, about 4x the time
+  it takes to read the cache).
 - ``matmul`` (``kernels/matmul.cc``): the decode step's few-row matmuls against weights packed in panels of 16
   columns (``pack``), read once per step as contiguous runs, with SwiGLU and the pre-norm fused.
 - ``packed_attention`` (``kernels/packed_attention.cc``): the prefill's causal attention inside each packed
@@ -26,51 +26,34 @@ PANEL = 16  # columns per panel of a packed weight (kernels/matmul.cc)
 MAX_GROUP = 8  # query heads per kv head the decode-attention kernel supports
 
 
-def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array) -> jax.Array:
-    """One query per row over a KV cache in the decode layout, on CPU.
-
-    The same result as ``grpax.models.attention.cached_attention`` with T == 1 and mask ``slot <= position``
-    (float32 accumulation; exp by a degree-6 polynomial, ~1e-7 relative).
-
-    Args:
-      q: float32 [B, K, G, H] queries, already rotated and scaled by 1/sqrt(H); G <= 8.
-      cache_k: [B, K, H, S] keys; cache_v: [B, K, S, H] values; float32 or bfloat16 (both the same).
-      positions: int32 [B]: row b attends to slots 0..positions[b] (clipped to 0..S-1).
-
-    Returns:
-      float32 [B, K, G, H].
-
-    Raises:
-      RuntimeError: the kernel could not be built (the reason in the message).
-    """
-    build.require()
-    return jax.ffi.ffi_call("grpax_decode_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), cache_k, cache_v, positions.astype(jnp.int32)
-    )
-
-
-def decode_attention_update(
+def paged_attention_update(
     q: jax.Array,
     new_k: jax.Array,
     new_v: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
     positions: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Writes each row's new key and value at slot ``positions[b]``, then attends as ``decode_attention``.
+    """Writes each sequence's new key and value at its position's page, then attends one query per sequence over
+    positions 0..position of its pages, on CPU.
 
-    The cache is updated in place (its buffers are outputs aliased to the inputs): the same cache as
-    ``cache_k.at[b, :, :, positions[b]].set(new_k[b])`` (slots past the cache dropped) without XLA's scatter,
-    which for a bfloat16 cache converted the whole cache to float32 and back around it at every step.
+    The pools are updated in place (their buffers are outputs aliased to the inputs): the same pools as
+    ``k_pages.at[table[b, p // ps], :, :, p % ps].set(new_k[b])`` for p = positions[b], without XLA's scatter,
+    which for a bfloat16 cache converted the whole cache to float32 and back around it at every step. The
+    attention equals ``grpax.models.attention.paged_attention`` on the same keys and values (float32
+    accumulation; exp by a degree-6 polynomial, ~1e-7 relative), summed in the order of a dense cache of those
+    slots whatever the page size.
 
     Args:
       q: float32 [B, K, G, H] queries, rotated and scaled by 1/sqrt(H); G <= 8.
-      new_k, new_v: [B, K, H] in the cache dtype.
-      cache_k: [B, K, H, S]; cache_v: [B, K, S, H]; float32 or bfloat16 (both the same).
-      positions: int32 [B].
+      new_k, new_v: [B, K, H] in the pools' dtype.
+      k_pages: [P, K, H, ps] keys (slot minor); v_pages: [P, K, ps, H]; float32 or bfloat16 (both the same).
+      page_table: int32 [B, W] each sequence's pages in order (W * ps > its position).
+      positions: int32 [B] the new token's position; < 0 for an idle slot (nothing written, zeros out).
 
     Returns:
-      (float32 [B, K, G, H], updated cache_k, updated cache_v).
+      (float32 [B, K, G, H], updated k_pages, updated v_pages).
 
     Raises:
       RuntimeError: the kernels could not be built (the reason in the message).
@@ -78,16 +61,17 @@ def decode_attention_update(
     build.require()
     shapes = (
         jax.ShapeDtypeStruct(q.shape, jnp.float32),
-        jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
-        jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype),
+        jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+        jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
     )
     return tuple(
-        jax.ffi.ffi_call("grpax_decode_attention_update", shapes, input_output_aliases={3: 1, 4: 2})(
+        jax.ffi.ffi_call("grpax_paged_attention_update", shapes, input_output_aliases={3: 1, 4: 2})(
             q.astype(jnp.float32),
-            new_k.astype(cache_k.dtype),
-            new_v.astype(cache_v.dtype),
-            cache_k,
-            cache_v,
+            new_k.astype(k_pages.dtype),
+            new_v.astype(v_pages.dtype),
+            k_pages,
+            v_pages,
+            page_table.astype(jnp.int32),
             positions.astype(jnp.int32),
         )
     )
