@@ -29,12 +29,13 @@ Shape letters: B rows, T tokens, D hidden, E experts, F expert hidden, k experts
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from grpax.models.sharding_rules import EXPERT, logical_to_spec
+from grpax.models.sharding_rules import EXPERT, TENSOR, logical_to_spec
 
 
 class Routing(NamedTuple):
@@ -101,13 +102,57 @@ def _route(h: jax.Array, w: dict, cfg, replay: jax.Array | None, weights: jax.Ar
     return used, gates, routing
 
 
+_TILE = 128  # megablox's default tile (rows, in, out): the rows are padded to a multiple of it
+
+
+def weight_grad_tgmm(
+    x: jax.Array, dy: jax.Array, group_sizes: jax.Array, interpret: bool = False
+) -> jax.Array:
+    """The grouped product's weight gradient by megablox's Pallas kernel (``tgmm``, TPU): x [M, in] and dy
+    [M, out] rows grouped by ``group_sizes`` int32 [G] (rows past the groups ignored) -> float32 [G, in, out],
+    ``x_g.T @ dy_g`` of each group (zero for an empty one). ``interpret``: Pallas's interpreter (any backend)."""
+    # the module (the package's ``gmm`` is the custom-VJP function of the same name)
+    megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    pad = -x.shape[0] % _TILE
+    x, dy = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy.astype(x.dtype)))
+    tiling = (_TILE, min(_TILE, x.shape[1]), min(_TILE, dy.shape[1]))
+    return megablox.tgmm(x.T, dy, group_sizes, jnp.float32, tiling, interpret=interpret)
+
+
+@jax.custom_vjp
+def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)`` whose weight gradient on TPU is megablox's ``tgmm``: the TPU
+    compiler lowers ragged_dot's own transpose for the weights (its ragged-contracting mode) as a dense
+    matmul of x masked once per group, G times the product's FLOPs (docs/scaling.md, "Qwen3-30B-A3B on
+    v6e-8"); its forward and input gradient are the compiler's grouped kernel. Elsewhere the same as
+    ragged_dot, whose transpose there is the grouped product itself."""
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def _ragged_matmul_fwd(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _ragged_matmul_bwd(residuals, dy):
+    x, w, group_sizes = residuals
+    dx = jax.lax.ragged_dot(dy.astype(w.dtype), w.swapaxes(1, 2), group_sizes).astype(x.dtype)
+    transposed = lambda: jax.vjp(lambda v: jax.lax.ragged_dot(x, v, group_sizes), w)[1](dy)[0]  # noqa: E731
+    dw = jax.lax.platform_dependent(
+        tpu=lambda: weight_grad_tgmm(x, dy, group_sizes).astype(w.dtype), default=transposed
+    )
+    return dx, dw, None
+
+
+_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+
+
 def _grouped(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] rows grouped by expert times each group's w [G, in, out] (``jax.lax.ragged_dot``); a weight
+    """x [M, in] rows grouped by expert times each group's w [G, in, out] (``_ragged_matmul``); a weight
     that carries its own grouped product (LoRA's ``LoraWeight.ragged_dot``) computes it."""
     own = getattr(w, "ragged_dot", None)
     if own is not None:
         return own(x, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes)
+    return _ragged_matmul(x, w, group_sizes)
 
 
 def _expert_mlp(x: jax.Array, w: dict, expert: jax.Array, group_sizes: jax.Array, cfg) -> jax.Array:
@@ -149,17 +194,27 @@ def _experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, cfg, first
     return back.reshape(N, k, -1).sum(axis=1)
 
 
-def _expert_axis() -> int:
-    """The size of the current mesh's ``expert`` axis (1 outside a mesh or without one)."""
+def _per_chip(cfg) -> bool:
+    """Whether the experts run per chip inside ``jax.shard_map`` (``_expert_parallel``): with an ``expert`` axis
+    that divides the experts, or on a mesh of several chips without a ``tensor`` split (FSDP, data), where each
+    chip computes its own tokens' pairs with the layer's experts gathered, as FSDP gathers every weight.
+    Outside it the compiler partitions the global sort and grouped products itself: on v6e-8 at fsdp=8 every
+    chip sorted and multiplied all the mesh's pairs with the experts split on D (docs/scaling.md)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
+    if mesh.empty:
+        return False
+    shape = dict(mesh.shape)
+    ep = shape.get(EXPERT, 1)
+    if ep > 1:
+        return cfg.num_experts % ep == 0
+    return shape.get(TENSOR, 1) == 1 and mesh.size > 1
 
 
 def _expert_parallel(h, ids, gates, w: dict, cfg) -> jax.Array:
     """``_experts`` with the experts split over the mesh's ``expert`` axis (module docstring): h [B, T, D]."""
     mesh = jax.sharding.get_abstract_mesh()
     mesh_shape = dict(mesh.shape)
-    ep = mesh_shape[EXPERT]
+    ep = mesh_shape.get(EXPERT, 1)
     rows = logical_to_spec(("batch", None, None), shape=h.shape, mesh_shape=mesh_shape)
     split = rows[0] if rows else None
     gathered = EXPERT in ((split,) if isinstance(split, str) else split or ())
@@ -205,7 +260,7 @@ def moe_mlp(
     ids, gates, routing = _route(h, w, cfg, replay, weights)
     experts = {name: x for name, x in w.items() if name.startswith("expert_")}
     with jax.named_scope("experts"):
-        if _expert_axis() > 1 and cfg.num_experts % _expert_axis() == 0:
+        if _per_chip(cfg):
             out = _expert_parallel(h, ids, gates, experts, cfg)
         else:
             B, T, D = h.shape
