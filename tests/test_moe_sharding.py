@@ -144,7 +144,7 @@ def _step(params, mesh_cfg: sh.MeshConfig | None, router_replay: str):
 )  # fmt: skip
 def test_expert_parallel_grpo_step_equals_one_device(mesh_cfg, params):
     """The same rollout (tokens, rewards, the sampler's logprobs and recorded routing) and the same update (loss,
-    router disagreement, weights after SGD) on one device and with the experts split over 8 (or, fsdp=8, gathered per chip)."""
+    router disagreement, weights after SGD) on one device and with the experts split over 8 (or, fsdp=8, partitioned by the compiler)."""
     one_batch, one_metrics, one_params = _step(params, None, "replay")
     batch, metrics, new_params = _step(params, mesh_cfg, "replay")
     assert np.array_equal(np.asarray(batch.completion_ids), np.asarray(one_batch.completion_ids))

@@ -10,21 +10,20 @@ gates are the same numbers). transformers' ``Qwen3MoeSparseMoeBlock``, ``GptOssM
 Dropless: the T x k (token, expert) pairs are sorted by expert and each expert's rows multiplied by its weights
 with one grouped matmul, ``jax.lax.ragged_dot`` (group sizes: the tokens per expert), so no token is dropped
 and no capacity factor pads the work (the sampler and the trainer compute the same function whatever the
-batch). On TPU the weights' gradient of each grouped product is megablox's Pallas kernel (``tgmm``,
-``_ragged_matmul``): the TPU compiler lowers ragged_dot's forward and input gradient as grouped kernels but its
-weight transpose as a matmul masked once per expert, E times the FLOPs (5.04 TFLOP per chip for one
-Qwen3-30B-A3B layer's update at fsdp=8 on v6e-8, against 0.118 with tgmm and 0.116 for a dense MLP of the
-same active width). GPT-OSS's experts apply a clamped SwiGLU, ``(clip(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with
+batch). On TPU, per chip (expert parallelism) or on one chip, the weights' gradient of each grouped
+product is megablox's Pallas kernel (``tgmm``, ``_ragged_matmul``): the TPU compiler lowers ragged_dot's
+forward and input gradient as grouped kernels but its weight transpose as a matmul masked once per expert, E
+times the FLOPs (one Qwen3-30B-A3B layer's update on v6e-8: 5.04 TFLOP per chip, 0.118 with tgmm per chip,
+0.116 for a dense MLP of the same active width). A Pallas kernel cannot be partitioned by the compiler, so a
+mesh without an ``expert`` axis keeps ragged_dot's own transpose (docs/scaling.md, "The experts' FLOPs").
+GPT-OSS's experts apply a clamped SwiGLU, ``(clip(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with
 ``g = min(gate, l)``, and biases on each projection.
 
 Expert parallelism (``expert`` mesh axis > 1, ``grpax.models.sharding_rules``): inside ``jax.shard_map``, each
 chip gathers the tokens of its expert group (the rows the ``expert`` axis splits), computes its own E / ep
 experts for every pair routed to them and reduce-scatters the outputs back to the tokens' chips (an
 all-gather and a reduce-scatter of T x D per layer, the dispatch and combine of DeepSpeed-MoE's and
-jax-llm-examples' expert-parallel MoE). The router runs outside it, on each chip's own tokens. On a mesh of
-several chips with neither an ``expert`` nor a ``tensor`` split (FSDP, data) the same ``shard_map`` runs each
-chip's own tokens through the layer's experts gathered whole (as FSDP gathers every weight); left to the
-compiler's partitioner the global sort made every chip multiply all the mesh's pairs (``_per_chip``).
+jax-llm-examples' expert-parallel MoE). The router runs outside it, on each chip's own tokens.
 
 Routing replay (``replay``, Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
 Inference Routers", R3): the expert ids are given (the sampler's), the gates still computed from this
@@ -42,7 +41,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from grpax.models.sharding_rules import EXPERT, TENSOR, logical_to_spec
+from grpax.models.sharding_rules import EXPERT, logical_to_spec
 
 
 class Routing(NamedTuple):
@@ -209,24 +208,17 @@ def _experts(
 
 def _per_chip(cfg) -> bool:
     """Whether the experts run per chip inside ``jax.shard_map`` (``_expert_parallel``): with an ``expert`` axis
-    that divides the experts, or on a mesh of several chips without a ``tensor`` split (FSDP, data), where each
-    chip computes its own tokens' pairs with the layer's experts gathered, as FSDP gathers every weight.
-    Outside it the compiler partitions the global sort and grouped products itself: on v6e-8 at fsdp=8 every
-    chip sorted and multiplied all the mesh's pairs with the experts split on D (docs/scaling.md)."""
+    that divides the experts. Elsewhere the compiler partitions them: at fsdp=8 on v6e-8 it gathers the tokens
+    and keeps the experts split on D, which at the GRPO update's batch moves less and holds less than gathering
+    the experts per chip (docs/scaling.md, "The experts' FLOPs")."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    shape = dict(mesh.shape)
-    ep = shape.get(EXPERT, 1)
-    if ep > 1:
-        return cfg.num_experts % ep == 0
-    return shape.get(TENSOR, 1) == 1 and mesh.size > 1
+    ep = 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
+    return ep > 1 and cfg.num_experts % ep == 0
 
 
 def _expert_parallel(h, ids, gates, w: dict, cfg) -> jax.Array:
-    """``_experts`` per chip inside ``jax.shard_map``, the experts split over the mesh's ``expert`` axis (of
-    size 1: each chip its own rows with every expert) and gathered over the others (module docstring): h
-    [B, T, D]."""
+    """``_experts`` per chip inside ``jax.shard_map``, the experts split over the mesh's ``expert`` axis and
+    gathered over the others (module docstring): h [B, T, D]."""
     mesh = jax.sharding.get_abstract_mesh()
     mesh_shape = dict(mesh.shape)
     ep = mesh_shape.get(EXPERT, 1)
