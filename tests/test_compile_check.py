@@ -218,6 +218,39 @@ def test_per_chip_bytes_counts_prng_keys():
     assert per_chip_bytes([key, logits]) == 8 + 4 * 10 * 2
 
 
+def test_a_refused_programs_temporaries_leave_out_its_arguments():
+    """The TPU compiler's refusal names the program's whole peak, arguments included: on v6e-8 a donated
+    argument x of 20 GiB per chip beside the 16 GiB of temporaries the same program holds when it compiles
+    (x of 4 GiB) is refused with "(36.00G)"; ``_compile`` reports 20 GiB of arguments and 16 of temporaries
+    (was: 36 of temporaries, the arguments counted twice in the phase and the peak)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from grpax.plan.compile_check import _compile
+
+    mesh = jax.sharding.Mesh(np.array(get_topology("v6e-8").devices), ("x",))
+    split = NamedSharding(mesh, P("x"))
+    GIB = 2**30
+
+    def f(x):  # temporaries: the 2 GiB-per-chip sequence t and its cumulative sum, twice as wide again
+        t = jnp.cumsum(jnp.sin(x[:1].sum() + jnp.arange(8 * 2 * GIB, dtype=jnp.float32)))
+        return x + jnp.sum(jax.lax.with_sharding_constraint(t, split))
+
+    def compiled(gib):
+        x = jax.ShapeDtypeStruct((8 * gib * GIB // 4,), jnp.float32, sharding=split)
+        return _compile("f", 8, jax.jit(f, donate_argnums=0), x)
+
+    fits, executable = compiled(4)
+    assert executable is not None and abs(fits.temporaries - 16 * GIB) < 0.01 * GIB, fits.temporaries / GIB
+    refused, executable = compiled(20)
+    assert executable is None and refused.over_hbm
+    assert refused.arguments == 20 * GIB
+    assert abs(refused.temporaries - fits.temporaries) <= 0.01 * GIB, refused.temporaries / GIB
+
+
 def test_two_slices_with_the_default_rollout_keys_name_the_fix():
     """The sampler's tensor parallelism stays within a slice: 2 v5e-4 slices with rollout_data_parallelism=1
     (the default) are refused naming the value that works, which then builds a (2, 1, 4) rollout mesh."""

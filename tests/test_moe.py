@@ -321,3 +321,43 @@ def test_registered_moe_shapes_and_counts_match_transformers_on_meta(name):
         model = transformers.AutoModelForCausalLM.from_config(config)
     expected = sum(p.numel() for p in model.parameters())
     assert cfg.num_params() == expected
+
+
+def test_megablox_weight_gradient_equals_ragged_dots_transpose():
+    """The experts' weight gradient on TPU (megablox's ``tgmm``, run here by Pallas's interpreter) equals
+    ragged_dot's own transpose (what CPU and GPU use): an empty group, rows past the groups (other experts'
+    pairs), rows padded to the kernel's tile (200 -> 256) and an output width that is no multiple of it."""
+    import jax.numpy as jnp
+
+    from grpax.models.moe import weight_grad_tgmm
+
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[0], (200, 256), jnp.float32)
+    dy = jax.random.normal(k[1], (200, 160), jnp.float32)
+    sizes = jnp.array([30, 0, 70, 50, 20], jnp.int32)  # 170 rows in the groups
+    w = jnp.zeros((5, 256, 160), jnp.float32)
+    (expected,) = jax.vjp(lambda v: jax.lax.ragged_dot(x, v, sizes), w)[1](dy)
+    got = weight_grad_tgmm(x, dy, sizes, interpret=True)
+    assert got.shape == (5, 256, 160) and not np.any(np.asarray(got[1]))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=1e-5)
+    rows = np.asarray(x[:30]).T @ np.asarray(dy[:30])  # group 0 by hand
+    np.testing.assert_allclose(np.asarray(got[0]), rows, atol=1e-4, rtol=1e-5)
+
+
+def test_grouped_matmul_equals_ragged_dot_values_and_grads():
+    """``moe._ragged_matmul`` (ragged_dot with its own VJP, the weights' by tgmm on TPU) computes ragged_dot's
+    values and both gradients on CPU."""
+    import jax.numpy as jnp
+
+    from grpax.models.moe import _ragged_matmul
+
+    k = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k[0], (24, 16), jnp.float32)
+    w = jax.random.normal(k[1], (4, 16, 8), jnp.float32)
+    dy = jax.random.normal(k[2], (24, 8), jnp.float32)
+    sizes = jnp.array([5, 0, 9, 7], jnp.int32)  # 21 of 24 rows
+    ours, pull = jax.vjp(lambda a, b: _ragged_matmul(a, b, sizes), x, w)
+    theirs, pull_ref = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    for a, b in zip(pull(dy), pull_ref(dy), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-6)

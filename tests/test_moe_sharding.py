@@ -33,6 +33,9 @@ CFG = ModelConfig(
 )  # fmt: skip
 MESHES = {
     "expert8": sh.MeshConfig(ici_fsdp_parallelism=1, ici_expert_parallelism=8),
+    "fsdp8": sh.MeshConfig(
+        ici_fsdp_parallelism=8
+    ),  # no expert axis: the experts per chip, gathered (moe._per_chip)
     "fsdp2xexpert4": sh.MeshConfig(ici_fsdp_parallelism=2, ici_expert_parallelism=4),
     "data2xtensor2xexpert2": sh.MeshConfig(
         ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_tensor_parallelism=2, ici_expert_parallelism=2
@@ -80,7 +83,8 @@ def test_expert_parallel_forward_equals_one_device(name, params):
     expected, _, routing = forward(params, tokens, CFG, return_routes=True)
     mesh = sh.create_mesh(MESHES[name])
     sharded = sh.shard_params(params, CFG, mesh)
-    assert sharded["layers"]["expert_gate"].sharding.spec[1] == "expert"
+    spec = sharded["layers"]["expert_gate"].sharding.spec  # [L, E, D, F]: E split, or D (FSDP)
+    assert spec[2] == "fsdp" if name == "fsdp8" else spec[1] == "expert", spec
     with jax.set_mesh(mesh):
         fn = jax.jit(lambda p, t: forward(p, t, CFG, return_routes=True))
         logits, _, split = fn(sharded, sh.shard_batch(tokens, mesh))
@@ -134,12 +138,13 @@ def _step(params, mesh_cfg: sh.MeshConfig | None, router_replay: str):
                       rollout_tensor_parallelism=1),
         sh.MeshConfig(ici_fsdp_parallelism=2, ici_expert_parallelism=4, rollout_data_parallelism=2,
                       rollout_tensor_parallelism=1, rollout_expert_parallelism=4),
+        sh.MeshConfig(ici_fsdp_parallelism=8, rollout_data_parallelism=1, rollout_tensor_parallelism=8),
     ],
-    ids=["expert8", "fsdp2xexpert4-rollout_dp2xep4"],
+    ids=["expert8", "fsdp2xexpert4-rollout_dp2xep4", "fsdp8-rollout_tp8"],
 )  # fmt: skip
 def test_expert_parallel_grpo_step_equals_one_device(mesh_cfg, params):
     """The same rollout (tokens, rewards, the sampler's logprobs and recorded routing) and the same update (loss,
-    router disagreement, weights after SGD) on one device and with the experts split over 8."""
+    router disagreement, weights after SGD) on one device and with the experts split over 8 (or, fsdp=8, partitioned by the compiler)."""
     one_batch, one_metrics, one_params = _step(params, None, "replay")
     batch, metrics, new_params = _step(params, mesh_cfg, "replay")
     assert np.array_equal(np.asarray(batch.completion_ids), np.asarray(one_batch.completion_ids))

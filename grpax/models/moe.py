@@ -10,7 +10,13 @@ gates are the same numbers). transformers' ``Qwen3MoeSparseMoeBlock``, ``GptOssM
 Dropless: the T x k (token, expert) pairs are sorted by expert and each expert's rows multiplied by its weights
 with one grouped matmul, ``jax.lax.ragged_dot`` (group sizes: the tokens per expert), so no token is dropped
 and no capacity factor pads the work (the sampler and the trainer compute the same function whatever the
-batch). GPT-OSS's experts apply a clamped SwiGLU, ``(clip(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with
+batch). On TPU, per chip (expert parallelism) or on one chip, the weights' gradient of each grouped
+product is megablox's Pallas kernel (``tgmm``, ``_ragged_matmul``): the TPU compiler lowers ragged_dot's
+forward and input gradient as grouped kernels but its weight transpose as a matmul masked once per expert, E
+times the FLOPs (one Qwen3-30B-A3B layer's update on v6e-8: 5.04 TFLOP per chip, 0.118 with tgmm per chip,
+0.116 for a dense MLP of the same active width). A Pallas kernel cannot be partitioned by the compiler, so a
+mesh without an ``expert`` axis keeps ragged_dot's own transpose (docs/scaling.md, "The experts' FLOPs").
+GPT-OSS's experts apply a clamped SwiGLU, ``(clip(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with
 ``g = min(gate, l)``, and biases on each projection.
 
 Expert parallelism (``expert`` mesh axis > 1, ``grpax.models.sharding_rules``): inside ``jax.shard_map``, each
@@ -29,6 +35,7 @@ Shape letters: B rows, T tokens, D hidden, E experts, F expert hidden, k experts
 
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import jax
@@ -101,20 +108,68 @@ def _route(h: jax.Array, w: dict, cfg, replay: jax.Array | None, weights: jax.Ar
     return used, gates, routing
 
 
-def _grouped(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] rows grouped by expert times each group's w [G, in, out] (``jax.lax.ragged_dot``); a weight
-    that carries its own grouped product (LoRA's ``LoraWeight.ragged_dot``) computes it."""
-    own = getattr(w, "ragged_dot", None)
-    if own is not None:
-        return own(x, group_sizes)
+_TILE = 128  # megablox's default tile (rows, in, out): the rows are padded to a multiple of it
+
+
+def weight_grad_tgmm(
+    x: jax.Array, dy: jax.Array, group_sizes: jax.Array, interpret: bool = False
+) -> jax.Array:
+    """The grouped product's weight gradient by megablox's Pallas kernel (``tgmm``, TPU): x [M, in] and dy
+    [M, out] rows grouped by ``group_sizes`` int32 [G] (rows past the groups ignored) -> float32 [G, in, out],
+    ``x_g.T @ dy_g`` of each group (zero for an empty one). ``interpret``: Pallas's interpreter (any backend)."""
+    # the module (the package's ``gmm`` is the custom-VJP function of the same name)
+    megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    pad = -x.shape[0] % _TILE
+    x, dy = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, dy.astype(x.dtype)))
+    tiling = (_TILE, min(_TILE, x.shape[1]), min(_TILE, dy.shape[1]))
+    return megablox.tgmm(x.T, dy, group_sizes, jnp.float32, tiling, interpret=interpret)
+
+
+@jax.custom_vjp
+def _ragged_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x, w, group_sizes)`` whose weight gradient on TPU is megablox's ``tgmm``: the TPU
+    compiler lowers ragged_dot's own transpose for the weights (its ragged-contracting mode) as a dense
+    matmul of x masked once per group, G times the product's FLOPs (docs/scaling.md, "Qwen3-30B-A3B on
+    v6e-8"); its forward and input gradient are the compiler's grouped kernel. Elsewhere the same as
+    ragged_dot, whose transpose there is the grouped product itself."""
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
-def _expert_mlp(x: jax.Array, w: dict, expert: jax.Array, group_sizes: jax.Array, cfg) -> jax.Array:
+def _ragged_matmul_fwd(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _ragged_matmul_bwd(residuals, dy):
+    x, w, group_sizes = residuals
+    dx = jax.lax.ragged_dot(dy.astype(w.dtype), w.swapaxes(1, 2), group_sizes).astype(x.dtype)
+    transposed = lambda: jax.vjp(lambda v: jax.lax.ragged_dot(x, v, group_sizes), w)[1](dy)[0]  # noqa: E731
+    dw = jax.lax.platform_dependent(
+        tpu=lambda: weight_grad_tgmm(x, dy, group_sizes).astype(w.dtype), default=transposed
+    )
+    return dx, dw, None
+
+
+_ragged_matmul.defvjp(_ragged_matmul_fwd, _ragged_matmul_bwd)
+
+
+def _grouped(x: jax.Array, w, group_sizes: jax.Array, kernel: bool) -> jax.Array:
+    """x [M, in] rows grouped by expert times each group's w [G, in, out]: ``_ragged_matmul`` where ``kernel``
+    (its Pallas kernel cannot be partitioned by the compiler: per chip or on one device), else
+    ``jax.lax.ragged_dot``; a weight that carries its own grouped product (LoRA's ``LoraWeight.ragged_dot``)
+    computes it."""
+    own = getattr(w, "ragged_dot", None)
+    if own is not None:
+        return own(x, group_sizes)
+    return (_ragged_matmul if kernel else jax.lax.ragged_dot)(x, w, group_sizes)
+
+
+def _expert_mlp(
+    x: jax.Array, w: dict, expert: jax.Array, group_sizes: jax.Array, cfg, kernel: bool
+) -> jax.Array:
     """The gated MLP of each row's expert: x [M, D] sorted by ``expert`` int32 [M] (ids local to ``w``'s
-    experts; rows past the groups are zero) -> [M, D]."""
-    g = _grouped(x, w["expert_gate"], group_sizes)
-    u = _grouped(x, w["expert_up"], group_sizes)
+    experts; rows past the groups are zero) -> [M, D]; ``kernel`` as in ``_grouped``."""
+    g = _grouped(x, w["expert_gate"], group_sizes, kernel)
+    u = _grouped(x, w["expert_up"], group_sizes, kernel)
     if cfg.expert_bias:
         g = g + w["expert_gate_bias"][expert]
         u = u + w["expert_up_bias"][expert]
@@ -124,16 +179,18 @@ def _expert_mlp(x: jax.Array, w: dict, expert: jax.Array, group_sizes: jax.Array
         g = jnp.minimum(g, cfg.swiglu_limit)
         u = jnp.clip(u, -cfg.swiglu_limit, cfg.swiglu_limit)
         a = (u + 1) * (g * jax.nn.sigmoid(g * cfg.swiglu_alpha))
-    y = _grouped(a, w["expert_down"], group_sizes)
+    y = _grouped(a, w["expert_down"], group_sizes, kernel)
     if cfg.expert_bias:
         y = y + w["expert_down_bias"][expert]
     return y
 
 
-def _experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, cfg, first: jax.Array | int = 0):
+def _experts(
+    x: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, cfg, first: jax.Array | int, kernel: bool
+):
     """Dropless dispatch and combine over the experts ``first`` .. ``first + G - 1`` that ``w`` holds (G = its
     leading axis): x [N, D], ids int32 [N, k], gates float32 [N, k] -> float32 [N, D], the gated sum of each
-    token's outputs from those experts (pairs routed elsewhere add nothing)."""
+    token's outputs from those experts (pairs routed elsewhere add nothing); ``kernel`` as in ``_grouped``."""
     N, k = ids.shape
     G = w["expert_gate"].shape[0]
     local = ids.reshape(-1) - first
@@ -142,24 +199,29 @@ def _experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, cfg, first
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=G + 1)[:G].astype(jnp.int32)
     rows = x[order // k]  # [N * k, D]
-    y = _expert_mlp(rows, w, jnp.minimum(key[order], G - 1), sizes, cfg)
+    y = _expert_mlp(rows, w, jnp.minimum(key[order], G - 1), sizes, cfg, kernel)
     # rows past the groups hold their biases only: zeroed, not just scaled by a zero gate
     y = jnp.where(mine[order, None], y.astype(jnp.float32) * gates.reshape(-1)[order, None], 0.0)
     back = jnp.zeros_like(y).at[order].set(y)  # unsorted: pair j of token n at row n * k + j
     return back.reshape(N, k, -1).sum(axis=1)
 
 
-def _expert_axis() -> int:
-    """The size of the current mesh's ``expert`` axis (1 outside a mesh or without one)."""
+def _per_chip(cfg) -> bool:
+    """Whether the experts run per chip inside ``jax.shard_map`` (``_expert_parallel``): with an ``expert`` axis
+    that divides the experts. Elsewhere the compiler partitions them: at fsdp=8 on v6e-8 it gathers the tokens
+    and keeps the experts split on D, which at the GRPO update's batch moves less and holds less than gathering
+    the experts per chip (docs/scaling.md, "The experts' FLOPs")."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
+    ep = 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
+    return ep > 1 and cfg.num_experts % ep == 0
 
 
 def _expert_parallel(h, ids, gates, w: dict, cfg) -> jax.Array:
-    """``_experts`` with the experts split over the mesh's ``expert`` axis (module docstring): h [B, T, D]."""
+    """``_experts`` per chip inside ``jax.shard_map``, the experts split over the mesh's ``expert`` axis and
+    gathered over the others (module docstring): h [B, T, D]."""
     mesh = jax.sharding.get_abstract_mesh()
     mesh_shape = dict(mesh.shape)
-    ep = mesh_shape[EXPERT]
+    ep = mesh_shape.get(EXPERT, 1)
     rows = logical_to_spec(("batch", None, None), shape=h.shape, mesh_shape=mesh_shape)
     split = rows[0] if rows else None
     gathered = EXPERT in ((split,) if isinstance(split, str) else split or ())
@@ -171,7 +233,7 @@ def _expert_parallel(h, ids, gates, w: dict, cfg) -> jax.Array:
         if gathered:  # the expert group's tokens, in the order of the axis
             x, i, g = (jax.lax.all_gather(a, EXPERT, tiled=True) for a in (x, i, g))
         first = jax.lax.axis_index(EXPERT) * (cfg.num_experts // ep)
-        out = _experts(x, i, g, w, cfg, first)
+        out = _experts(x, i, g, w, cfg, first, kernel=True)
         if gathered:
             out = jax.lax.psum_scatter(out, EXPERT, scatter_dimension=0, tiled=True)
         else:
@@ -205,12 +267,12 @@ def moe_mlp(
     ids, gates, routing = _route(h, w, cfg, replay, weights)
     experts = {name: x for name, x in w.items() if name.startswith("expert_")}
     with jax.named_scope("experts"):
-        if _expert_axis() > 1 and cfg.num_experts % _expert_axis() == 0:
+        if _per_chip(cfg):
             out = _expert_parallel(h, ids, gates, experts, cfg)
         else:
             B, T, D = h.shape
-            out = _experts(
-                h.reshape(B * T, D), ids.reshape(B * T, -1), gates.reshape(B * T, -1), experts, cfg
-            )
+            one_device = jax.sharding.get_abstract_mesh().size <= 1
+            x, i, g = h.reshape(B * T, D), ids.reshape(B * T, -1), gates.reshape(B * T, -1)
+            out = _experts(x, i, g, experts, cfg, 0, kernel=one_device)
             out = out.reshape(B, T, D)
     return out.astype(h.dtype), routing

@@ -27,7 +27,7 @@ class Compiled:
     aliased: int
     temporaries: int
     seconds: float
-    over_hbm: bool = False  # the compiler refused it: its temporaries alone exceed the chip's HBM
+    over_hbm: bool = False  # the compiler refused it: arguments + temporaries exceed the chip's HBM
     collectives: dict[str, Collective] | None = (
         None  # kind -> per chip, loop trips counted (None: not counted)
     )
