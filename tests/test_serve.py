@@ -28,7 +28,7 @@ from grpax.sampler.keys import sampler_config  # noqa: E402
 from grpax.serve.app import Server  # noqa: E402
 from grpax.serve.worker import EngineWorker  # noqa: E402
 
-P, C, SLOTS = 96, 48, 8
+P, C, SLOTS = 224, 48, 8
 MESSAGES = [{"role": "user", "content": "What is 12 * 7?"}]
 
 
@@ -278,6 +278,9 @@ def test_concurrent_requests_share_the_batch_and_each_gets_its_own_rollout(clien
         (dict(presence_penalty=0.5), 400, "presence_penalty=0.5: grpax serve samples without penalties"),
         (dict(prompt=[1, 10**6]), 400, "prompt token ids must be in 0..49151"),
         (dict(extra_body={"top_k": -3}), 400, "top_k: Input should be greater than or equal to -1"),
+        (dict(extra_body={"stream": "maybe"}), 400, "stream: Input should be a valid boolean"),
+        (dict(stop=["a", ""]), 400, "stop: Value error, stop strings must be non-empty"),
+        (dict(prompt=[[1, 2], "x", 3]), 400, "prompt: Input should be a valid"),
     ],
 )
 def test_bad_requests_get_one_line_4xx_naming_the_field(client, kwargs, status, needle):
@@ -393,3 +396,81 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
     assert main(["serve", load]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'grpax[serve]'" in err
+
+
+def test_a_harness_on_the_server_writes_completions_that_grpax_evaluate_scores(
+    server, model, tmp_path, capsys
+):
+    """scripts/serve_complete.py asks GSM8K questions as train_rl renders them (the preset's prefix continued),
+    and ``grpax evaluate completions_path=`` scores its file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import gsm8k_dir
+
+    from grpax.data.prompts import render_prompt
+    from grpax.tasks.prompts import get_prompt_preset
+
+    tokenizer = model[2]
+    out = tmp_path / "completions.jsonl"
+    repo = Path(__file__).resolve().parents[1]
+    script = repo / "scripts" / "serve_complete.py"
+    args = ["--base_url", server.url, "--model", "tiny", "--questions", str(gsm8k_dir() / "test.jsonl")]
+    args += [
+        "--num_questions",
+        "3",
+        "--n",
+        "2",
+        "--temperature",
+        "0.7",
+        "--max_tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(
+        [sys.executable, str(script), *args],
+        check=True,
+        cwd=repo,
+        env={**__import__("os").environ, "PYTHONPATH": str(repo)},
+    )
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 6 and lines[0]["question"] == lines[1]["question"] != lines[2]["question"]
+    preset = get_prompt_preset("smollm2_demo")
+    rendered = render_prompt(tokenizer, lines[0]["question"], preset)
+    assert lines[0]["prompt_token_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert lines[0]["response_prefix"] == preset.response_prefix
+    assert len(lines[0]["logprobs"]) == len(lines[0]["token_ids"])
+    capsys.readouterr()
+    assert main(["evaluate", f"completions_path={out}", "num_eval_passes=2"]) == 0
+    printed = capsys.readouterr().out
+    assert "num_questions        3" in printed, printed
+
+
+def test_requests_with_different_sampling_rules_each_get_their_own_rule(client, model):
+    """The engine samples one rule at a time: a request with another rule waits for the running ones, then runs
+    under its own (its rows equal the engine's under that rule)."""
+    prompt = [1, 17, 402, 9, 33, 5]
+    rules = [dict(temperature=0), dict(temperature=0.7, seed=3), dict(temperature=1.0, top_p=0.8, seed=4)]
+    results = [None] * len(rules)
+
+    def ask(i):
+        results[i] = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, extra_body={"return_token_ids": True}, **rules[i]
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(rules))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine_rules = [
+        (jax.random.key(0), dict(greedy=True)),
+        (jax.random.key(3), dict(temperature=0.7)),
+        (jax.random.key(4), dict(temperature=1.0, top_p=0.8)),
+    ]
+    for r, (key, rule) in zip(results, engine_rules, strict=True):
+        out = _engine(model, prompt, key, max_completion_length=24, **rule)
+        assert r.choices[0].token_ids == out.completion_ids[0, : out.lengths[0]].tolist()
+    assert len({tuple(r.choices[0].token_ids) for r in results}) == 3

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,10 @@ def _json_error(status: int, message: str, param: str | None = None) -> JSONResp
     return JSONResponse(protocol.error_body(message, param, kind), status_code=status)
 
 
+# the tags pydantic adds to an error's location for a union's branch (``prompt.list[int].0``) or a validator
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\])$")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line for pydantic's first error: the field and what is wrong."""
     error = exc.errors()[0]
@@ -195,10 +200,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if error.get("type") == "missing" and not loc:
         return "the body must be a JSON object", None
     # a union's branches add their type names to the location; the field is the first part
-    field = ".".join(
-        x for x in loc if not x.startswith(("str", "list[", "int", "dict[")) and x != "function-after"
-    )
-    return f"{field or 'body'}: {error.get('msg')} (got {json.dumps(error.get('input'))[:60]})", field or None
+    field = ".".join(x for x in loc if not _UNION_BRANCH.match(x))
+    return f"{field or 'body'}: {error.get('msg')} (got {json.dumps(error.get('input'), default=str)[:60]})", field or None
 
 
 def build_app(server: Server) -> FastAPI:
