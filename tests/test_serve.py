@@ -474,3 +474,44 @@ def test_requests_with_different_sampling_rules_each_get_their_own_rule(client, 
         out = _engine(model, prompt, key, max_completion_length=24, **rule)
         assert r.choices[0].token_ids == out.completion_ids[0, : out.lengths[0]].tolist()
     assert len({tuple(r.choices[0].token_ids) for r in results}) == 3
+
+
+def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
+    """``grpax serve`` in its own process: the model answers /v1/models; SIGINT shuts it down cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    args = [f"load_parameters_path={checkpoint}", f"port={port}", "served_model_name=tiny", "max_num_seqs=4"]
+    args += ["max_prefill_predict_length=64", "max_target_length=96", "hardware=cpu", "jax_cache_dir="]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpax", "serve", *args],
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline, models = time.monotonic() + 120, None
+        while models is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    models = json.loads(r.read())
+            except OSError:
+                time.sleep(0.5)
+        assert models is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 96
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err  # uvicorn's graceful shutdown, then the engine loop's
+    assert "Finished server process" in err and "Traceback" not in err
