@@ -515,3 +515,39 @@ def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err  # uvicorn's graceful shutdown, then the engine loop's
     assert "Finished server process" in err and "Traceback" not in err
+
+
+def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, model, checkpoint, tmp_path):
+    """allow_update_params: POST /v1/update_params loads a checkpoint of the same model and swaps it in; a bad path
+    is a 400 naming the key; the API key guards it."""
+    params, cfg, tokenizer, sc = model
+    other = jax.tree.map(lambda x: x * 1.3 if x.ndim >= 2 else x, params)
+    save_params(other, tmp_path / "other" / "0" / "items")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "other" / name).write_bytes((checkpoint.parents[1] / name).read_bytes())
+    guarded = serve.start(
+        Server(server.worker, tokenizer, "tiny", api_key="k", load_params=lambda p: load_model(p, cfg)[0])
+    )
+    try:
+        path = str(tmp_path / "other" / "0" / "items")
+        auth = {"Authorization": "Bearer k"}
+        status, _ = _post(guarded, "/update_params", json.dumps({"load_parameters_path": path}).encode())
+        assert status == 401
+        status, body = _post(guarded, "/update_params", b'{"load_parameters_path": "/nope"}', auth)
+        assert status == 400 and body["error"]["param"] == "load_parameters_path"
+        status, body = _post(
+            guarded, "/update_params", json.dumps({"load_parameters_path": path, "version": 3}).encode(), auth
+        )
+        assert status == 200 and body == {"policy_version": 3}
+        client = openai.OpenAI(base_url=guarded.url, api_key="k", max_retries=0)
+        prompt = [1, 17, 402, 9, 33, 5]
+        r = client.completions.create(
+            model="tiny", prompt=prompt, temperature=0, max_tokens=12, extra_body={"return_token_ids": True}
+        )
+        rule = sc.__class__(**{**sc.__dict__, "greedy": True, "max_completion_length": 12})
+        out = generate(other, [prompt], cfg, rule, jax.random.key(0))
+        assert r.policy_version == 3
+        assert r.choices[0].token_ids == out.completion_ids[0, : out.lengths[0]].tolist()
+    finally:
+        server.worker.update_params(params, 0)
+        guarded.stop(stop_worker=False)

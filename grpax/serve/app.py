@@ -201,7 +201,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the body must be a JSON object", None
     # a union's branches add their type names to the location; the field is the first part
     field = ".".join(x for x in loc if not _UNION_BRANCH.match(x))
-    return f"{field or 'body'}: {error.get('msg')} (got {json.dumps(error.get('input'), default=str)[:60]})", field or None
+    return (
+        f"{field or 'body'}: {error.get('msg')} (got {json.dumps(error.get('input'), default=str)[:60]})",
+        field or None,
+    )
 
 
 def build_app(server: Server) -> FastAPI:
