@@ -6,8 +6,8 @@ ids (``prompt: [int, ...]`` or a list of them), ``return_token_ids`` adds ``prom
 choice's ``token_ids``, ``top_k`` sits beside ``top_p``. grpax adds ``policy_version`` to every response (the
 params version that sampled its oldest token, ``Engine.update_params``) and, with ``return_token_ids``, each
 choice's per-token ``policy_versions``. Unknown fields are ignored, as OpenAI-compatible servers do; fields
-grpax cannot honour (penalties, logit_bias, echo, suffix, tool choice other than "none"/"auto") are refused with
-a 400 naming them rather than silently ignored.
+grpax cannot honour (penalties, logit_bias, echo, suffix) are refused with a 400 naming them rather than silently
+ignored. ``tools`` reach the chat template (which may render them); tool calls are not parsed out of the text.
 """
 
 from __future__ import annotations
