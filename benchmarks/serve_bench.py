@@ -11,12 +11,15 @@ model's stop tokens: the same prompt ids and settings in every arm. Arms:
   threads of the official ``openai`` client in a closed loop (each sends its next chat request when its last one
   returned), so N requests are in flight.
 
-Every grpax arm first runs the same pass untimed (its compiles: one program per prompt count and bucket, slot
-count and page-table width); JAX's compile seconds left in the timed pass are reported (``compile_s``). Reported per arm: requests/s, completion tokens/s, p50 and p99 request latency (seconds), and
+Every engine arm first runs the same pass untimed (its compiles); the server instead runs its own warm-up at
+start (``EngineWorker.warmup``, what ``grpax serve warmup=true`` does: every prompt bucket x prompt count and slot
+count of the greedy and default rules; its seconds are reported as ``warmup_s``), or with ``--serve_warm_pass``
+the untimed pass as well. JAX's compile seconds left in the timed pass are reported (``compile_s``). Reported per arm: requests/s, completion tokens/s, p50 and p99 request latency (seconds), and
 whether its completions equal the engine's. Results go to ``--json_out`` and a markdown table is printed.
 
 Usage: python benchmarks/serve_bench.py [--num_prompts 64] [--max_tokens 64] [--clients 1 8 32]
        [--batches 8 32] [--max_num_seqs 32] [--json_out FILE] [--gsm8k_dir DIR] [--skip_transformers]
+       [--serve_warm_pass]
 """
 
 from __future__ import annotations
@@ -147,9 +150,10 @@ def main() -> None:
     ap.add_argument("--num_prompts", type=int, default=64)
     ap.add_argument("--max_tokens", type=int, default=64)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--batches", type=int, nargs="*", default=[8, 32])
     ap.add_argument("--max_num_seqs", type=int, default=32)
     ap.add_argument("--skip_transformers", action="store_true")
+    ap.add_argument("--serve_warm_pass", action="store_true", help="an untimed pass per client count too")
     ap.add_argument(
         "--torch_threads", type=int, default=1, help="torch threads (1 is the faster on 2 shared cores)"
     )
@@ -206,13 +210,24 @@ def main() -> None:
         )
 
     sc = sampler_config(MAX_PROMPT_LENGTH, C, stops, stops[0], max_num_seqs=args.max_num_seqs)
-    running = serve.start(Server(EngineWorker(params, cfg, sc), tokenizer, "smollm2"))
+    worker = EngineWorker(params, cfg, sc)
+    before, t = COMPILE_S[0], time.perf_counter()
+    prefills = worker.warmup()
+    warmup = {
+        "warmup_s": time.perf_counter() - t,
+        "warmup_compile_s": COMPILE_S[0] - before,
+        "prefills": prefills,
+    }
+    print(json.dumps(warmup), flush=True)
+    running = serve.start(Server(worker, tokenizer, "smollm2"))
     try:
         for clients in args.clients:
             record(
                 f"serve c{clients}",
                 lambda c=clients: run_clients(running.url, messages, c, C),
-                warm=lambda c=clients: run_clients(running.url, messages, c, C),
+                warm=(lambda c=clients: run_clients(running.url, messages, c, C))
+                if args.serve_warm_pass
+                else None,
             )
     finally:
         running.stop()
@@ -231,6 +246,7 @@ def main() -> None:
         )
     if args.json_out:
         meta = {"num_prompts": len(prompts), "max_tokens": C, "max_num_seqs": args.max_num_seqs, "load": load}
+        meta["serve_warmup"] = warmup
         Path(args.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 
 

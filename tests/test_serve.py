@@ -515,6 +515,7 @@ def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err  # uvicorn's graceful shutdown, then the engine loop's
     assert "Finished server process" in err and "Traceback" not in err
+    assert "warm-up: 6 prefills" in err  # warmup=true by default: 2 rules x bucket 64 x prompt counts 1, 2, 4
 
 
 def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, model, checkpoint, tmp_path):
@@ -551,3 +552,56 @@ def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, mode
     finally:
         server.worker.update_params(params, 0)
         guarded.stop(stop_worker=False)
+
+
+def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(model):
+    """The warm-up runs every shape a default or greedy request meets (prompt buckets x prompt counts, slot
+    counts), so requests arriving at different times with prompts of 3..120 tokens and different max_tokens
+    trigger no JAX compile."""
+    from grpax.serve.worker import bucket_lengths, slot_counts
+
+    assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
+    assert slot_counts(32) == [1, 2, 4, 8, 16, 32] and slot_counts(24) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    params, cfg, tokenizer, _ = model
+    sc = sampler_config(
+        128, 12, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=4, page_size=16
+    )
+    worker = EngineWorker(params, cfg, sc)
+    assert worker.warmup() == 2 * 2 * 3  # 2 rules x buckets (64, 128) x prompt counts (1, 2, 4)
+    compiles = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    running = serve.start(Server(worker, tokenizer, "tiny"))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+        rng = np.random.default_rng(0)
+        lengths = [3, 120, 17, 64, 65, 9, 100, 40, 33, 128, 5, 77]
+        prompts = [rng.integers(1, 1000, n).tolist() for n in lengths]
+        results = [None] * len(lengths)
+
+        def ask(i):
+            time.sleep(0.05 * (i % 4))  # arrivals spread over the running batch's steps
+            results[i] = client.completions.create(
+                model="tiny",
+                prompt=prompts[i],
+                temperature=[0, 1][i % 2],
+                seed=i,
+                max_tokens=2 + i % 11,
+                extra_body={"return_token_ids": True},
+            )
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        running.stop()
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert all(r is not None and r.choices[0].token_ids for r in results)
+    assert worker.stats["peak_rows"] >= 2  # requests shared the batch
+    assert compiles == []

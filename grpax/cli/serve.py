@@ -2,12 +2,14 @@
 
 MaxText's keys as ``grpax generate`` takes them (``load_parameters_path``, ``max_prefill_predict_length``,
 ``max_target_length``), plus the server's: ``host``, ``port``, ``api_key`` (required off localhost),
-``max_num_seqs`` (decode slots), ``served_model_name`` and ``allow_update_params``.
+``max_num_seqs`` (decode slots), ``served_model_name``, ``allow_update_params`` and ``warmup``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
@@ -19,9 +21,13 @@ DESCRIPTION = (
     "(prompt as token ids, return_token_ids) and the policy_version of each response. Requests are batched "
     "continuously on the engine (max_num_seqs slots); one over max_prefill_predict_length prompt tokens or the "
     "completion budget is refused with a 400. Binds 127.0.0.1 unless host= is set (then api_key= is required). "
-    "allow_update_params=true adds POST /v1/update_params {load_parameters_path, version}. Needs "
+    "allow_update_params=true adds POST /v1/update_params {load_parameters_path, version}. warmup=true (the "
+    "default) compiles every prompt bucket x prompt count and slot count of the default and greedy rules before "
+    "the port opens, so that a running server compiles nothing new for them. Needs "
     "pip install 'grpax[serve]'."
 )
+
+log = logging.getLogger(__name__)
 
 LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
@@ -47,6 +53,9 @@ class ServeConfig(ModelKeys, RuntimeKeys):
     num_pages: int = field(0, "KV cache pages (0: every slot can hold max_target_length tokens)")
     page_size: int = field(32, "tokens per KV cache page")
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
+    warmup: bool = field(
+        True, "compile every prefill and decode shape of the default and greedy rules before serving (n=1)"
+    )
 
 
 CONFIG = ServeConfig
@@ -121,6 +130,14 @@ def run(config: ServeConfig) -> int:
         **engine_keys,
     )
     worker = EngineWorker(jax.device_put(params), model_cfg, sampler_cfg)
+    if config.warmup:
+        start = time.perf_counter()
+        prefills = worker.warmup()
+        log.info(
+            "warm-up: %d prefills (every bucket, prompt count and slot count) in %.1f s",
+            prefills,
+            time.perf_counter() - start,
+        )
 
     def load_params(path: str):
         return jax.device_put(load_model(path, model_cfg)[0])

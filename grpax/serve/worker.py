@@ -11,6 +11,13 @@ grouped by rule: a job whose rule matches the running batch's joins it at once; 
 until the running jobs finish (first come, first served: later jobs do not overtake it), then the engine's
 rule is switched. Each distinct rule compiles its own programs once.
 
+Shapes are bounded so that a running server compiles nothing new (``bounded``): the engine pads prompts to
+power-of-two buckets, its prefills take N prompts rounded up to a power of two (the engine's rule) and a plan
+that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
+packed-length variants per batch), and its decode runs on a halving of the slots over the whole page table.
+``warmup`` runs every one of those programs once, for the default and the greedy rule, before the server
+takes requests; other rules and ``n`` > 1 compile their programs at their first request.
+
 ``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
 kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
 ``top_logprobs`` lists) are not a by-product of sampling: ``top_logprobs`` scores a prompt and its completion
@@ -39,6 +46,69 @@ from grpax.sampler.engine import Engine, SamplerConfig
 from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
 
 logger = logging.getLogger(__name__)
+
+# The rules ``warmup`` compiles by default: OpenAI's default (temperature 1) and greedy (temperature 0).
+WARMUP_RULES = (Sampling(), Sampling(temperature=0.0))
+
+
+def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
+    """Prompt paddings of a server: 64, 128, 256... tokens, the last one ``max_prompt_length``."""
+    buckets, b = [], 64
+    while b < max_prompt_length:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_prompt_length)
+
+
+def slot_counts(num_slots: int) -> list[int]:
+    """The prompt counts a prefill may take (powers of two up to the first >= ``num_slots``) and the slot counts
+    a decode may run on (``num_slots`` halved while even), ascending."""
+    counts, c = {num_slots}, 1
+    while c < 2 * num_slots:
+        counts.add(c)
+        if c >= num_slots:
+            break
+        c *= 2
+    s = num_slots
+    while s % 2 == 0:
+        s //= 2
+        counts.add(s)
+    return sorted(counts)
+
+
+_SHAPE_PLANNED: dict[type, type] = {}
+
+
+def shape_planned(backend):
+    """``backend`` with prefill plans that depend on the prompts' shape only: the plan of N full prompts that
+    share no prefix (every valid plan for that shape covers them), so no batch compiles a plan of its own.
+
+    A backend whose plan is None for every batch (XLA's) is returned as it is.
+    """
+    cls = type(backend)
+    if cls.plan(backend, np.zeros((2, 2), np.int32), np.ones((2,), np.int32)) is None:
+        return backend
+    if cls not in _SHAPE_PLANNED:
+
+        def plan(self, prompt_tokens, prompt_lengths):
+            B, P = np.shape(prompt_tokens)
+            rows = np.zeros((B, P), np.int32)
+            rows[:, 0] = np.arange(B)  # rows that differ at their first token: no shared prefix
+            return cls.plan(self, rows, np.full((B,), P, np.int32))
+
+        _SHAPE_PLANNED[cls] = type(
+            f"ShapePlanned{cls.__name__}", (cls,), {"plan": plan, "__doc__": cls.__doc__}
+        )
+    fields = {f.name: getattr(backend, f.name) for f in dataclasses.fields(backend) if f.init}
+    return _SHAPE_PLANNED[cls](**fields)
+
+
+def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
+    """``sampler_cfg`` with the server's bounded shapes: power-of-two prompt buckets (unless it sets its own)
+    and the decode over the whole page table (no per-length widths; backends that read only the filled pages
+    ignore it)."""
+    buckets = sampler_cfg.prompt_length_buckets or bucket_lengths(sampler_cfg.max_prompt_length)
+    return dataclasses.replace(sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,13 +161,14 @@ class EngineWorker:
       params: the model params.
       cfg: the model config.
       sampler_cfg: the engine's settings (``max_prompt_length``, ``max_completion_length``, ``max_num_seqs``,
-        stop tokens...); its sampling fields are replaced per group of jobs.
+        stop tokens...); its sampling fields are replaced per group of jobs, its shapes bounded (``bounded``).
       version: the params' version.
     """
 
     def __init__(self, params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, *, version: int = 0):
         self.cfg = cfg
-        self.engine = Engine(params, cfg, sampler_cfg, version=version)
+        self.engine = Engine(params, cfg, bounded(sampler_cfg), version=version)
+        self.engine.backend = shape_planned(self.engine.backend)
         self.params, self.version = params, version
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: collections.deque[Job] = collections.deque()
@@ -157,6 +228,32 @@ class EngineWorker:
         self.commands.put(("update", params, version, done))
         if not done.wait(timeout):
             raise TimeoutError(f"the engine loop did not take params version {version} in {timeout} s")
+
+    def warmup(self, rules: tuple[Sampling, ...] = WARMUP_RULES) -> int:
+        """Runs every prefill and decode program a request of these rules with ``n`` = 1 can meet (each prompt
+        bucket x each prompt count, each slot count), so that serving them compiles nothing. Call it before
+        ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row decodes).
+
+        Returns:
+          The prefill calls it ran.
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("warmup drives the engine: call it before start")
+        e = self.engine
+        stop_table, sc, prefills = e.stop_table, e.sc, e.stats["prefills"]
+        e.stop_table = np.zeros_like(stop_table)
+        e.update_params(e.params, e.version)  # the params' preparation for this backend (swaps reuse it)
+        try:
+            for rule in rules:
+                e.sc = dataclasses.replace(sc, **rule.sampler_fields())
+                for length in e.sc.buckets():
+                    for count in slot_counts(self.num_slots):
+                        request = e.submit([[0] * length] * min(count, self.num_slots), jax.random.key(0))
+                        request.limit = 2  # a prefill's token and one decode call
+                        e.run(request)
+        finally:
+            e.stop_table, e.sc, self.sampling = stop_table, sc, None
+        return e.stats["prefills"] - prefills
 
     # -- the loop (the worker thread) ------------------------------------------------------------------------
 
