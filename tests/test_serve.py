@@ -605,3 +605,97 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
     assert all(r is not None and r.choices[0].token_ids for r in results)
     assert worker.stats["peak_rows"] >= 2  # requests shared the batch
     assert compiles == []
+
+
+def _serve_one(params, cfg, tokenizer, sc, prompt):
+    """The greedy completion token ids of ``prompt`` from a server on these params."""
+    running = serve.start(Server(EngineWorker(jax.device_put(params), cfg, sc), tokenizer, "m"))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(
+            model="m", prompt=prompt, temperature=0, max_tokens=12, extra_body={"return_token_ids": True}
+        )
+        return r.choices[0].token_ids
+    finally:
+        running.stop()
+
+
+def test_a_hugging_face_folder_is_served_as_its_converted_checkpoint(checkpoint, model, tmp_path):
+    """hf_model_path=<a to_huggingface export of the checkpoint>: the same weights (bit for bit), tokenizer and
+    greedy answers as the native checkpoint; a folder without config.json is named."""
+    from grpax.cli.serve import ServeConfig, load_checkpoint
+    from grpax.config import ConfigError, read_model_config
+
+    hf = tmp_path / "hf"
+    argv = ["to_huggingface", f"load_parameters_path={checkpoint}", f"base_output_directory={hf}"]
+    assert main([*argv, "weight_dtype=float32"]) == 0
+    params, cfg, tokenizer, sc = model
+    hf_cfg, _ = read_model_config(str(hf), ServeConfig(hf_model_path=str(hf)), P + C, "")
+    hf_params, hf_cfg, hf_tokenizer = load_checkpoint(str(hf), hf_cfg, hf=True)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompt = _chat_prompt(tokenizer)
+    assert hf_tokenizer.encode("What is 12 * 7?") == tokenizer.encode("What is 12 * 7?")
+    out = _engine(model, prompt, jax.random.key(0), greedy=True, max_completion_length=12)
+    want = out.completion_ids[0, : out.lengths[0]].tolist()
+    assert _serve_one(hf_params, hf_cfg, hf_tokenizer, sc, prompt) == want
+    from grpax.cli.serve import run
+
+    with pytest.raises(ConfigError, match="hf_model_path=.* holds no config.json"):
+        run(ServeConfig(hf_model_path=str(tmp_path)))
+    with pytest.raises(ConfigError, match="pass one of load_parameters_path"):
+        run(ServeConfig(hf_model_path=str(hf), load_parameters_path=str(checkpoint)))
+
+
+def test_a_lora_runs_step_is_served_as_its_base_merged_with_the_adapters(checkpoint, model, tmp_path):
+    """load_parameters_path=<run>/checkpoints/actor/<step>/model_params of a LoRA run (adapters and the base's
+    record, as the trainer writes them): served as base + scale * A @ B, whose greedy answers are the merged
+    model's and not the base's; a changed base is refused in one line."""
+    import shutil
+
+    from grpax.checkpoint.orbax import restore_params
+    from grpax.cli.serve import load_checkpoint
+    from grpax.config import ConfigError
+    from grpax.models import lora as lora_lib
+    from grpax.rl.policy import fingerprint
+
+    params, cfg, tokenizer, sc = model
+    lora = lora_lib.LoraConfig(4, 8.0)
+    adapters = lora_lib.init_adapters(cfg, lora, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: jax.random.normal(jax.random.key(2), x.shape, x.dtype) * 0.5, adapters)
+    run_dir = tmp_path / "run" / "checkpoints"
+    step = run_dir / "actor" / "3"
+    save_params(adapters, step / "model_params")
+    base_path = tmp_path / "base" / "0" / "items"
+    shutil.copytree(checkpoint.parents[1], tmp_path / "base")
+    base = restore_params(base_path)
+    meta = dict(rank=4, alpha=8.0, target_modules=list(lora.target_modules), use_rslora=False)
+    meta.update(base_path=str(base_path), base_dtype="float32", base_quantization="")
+    meta["base_fingerprint"] = fingerprint(base)
+    (step / "train_meta").mkdir()
+    (step / "train_meta" / "metadata").write_text(json.dumps({"lora": meta}))
+    for f in (checkpoint.parents[1]).iterdir():
+        if f.is_file():
+            shutil.copy(f, run_dir / f.name)
+
+    served, served_cfg, served_tokenizer = load_checkpoint(str(step / "model_params"), cfg)
+    merged = lora_lib.merge(params, adapters, lora)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(served), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    prompt = _chat_prompt(tokenizer)
+    got = _serve_one(served, served_cfg, served_tokenizer, sc, prompt)
+    out = generate(
+        merged,
+        [prompt],
+        cfg,
+        sc.__class__(**{**sc.__dict__, "greedy": True, "max_completion_length": 12}),
+        jax.random.key(0),
+    )
+    assert got == out.completion_ids[0, : out.lengths[0]].tolist()
+    base_out = _engine(model, prompt, jax.random.key(0), greedy=True, max_completion_length=12)
+    assert got != base_out.completion_ids[0, : base_out.lengths[0]].tolist()  # the adapters changed it
+
+    shutil.rmtree(base_path)
+    save_params(jax.tree.map(lambda x: x * 1.01, base), base_path)
+    with pytest.raises(ConfigError, match="trained on other weights"):
+        load_checkpoint(str(step / "model_params"), cfg)
