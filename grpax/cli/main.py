@@ -25,6 +25,7 @@ COMMANDS = {
     "generate": "sample completions from a checkpoint with the KV-cache sampler",
     "evaluate": "score a checkpoint (or a completions file) on a task's test split (GSM8K by default)",
     "train_rl": "GRPO training on GSM8K (the main job) or your own task",
+    "serve": "an OpenAI-compatible server (token ids, logprobs, policy version) on the rollout engine",
 }
 
 # Errors a user can fix; anything else is a bug and keeps its traceback.

@@ -1,0 +1,396 @@
+"""The engine loop of ``grpax serve``: one thread owns the rollout engine and steps it while work is pending.
+
+HTTP handlers never touch the engine (it is not thread-safe): they hand the worker a ``Job`` and read its
+progress from an asyncio queue. Between engine steps the worker takes commands (submit, cancel, swap params),
+submits pending jobs so that new requests join the running batch at the next step (the engine prefills them into
+free slots: continuous batching), then runs ``Engine.step`` and posts each job's new tokens, logprobs and
+per-token policy versions to its queue (thread-safely, on the server's event loop).
+
+Sampling settings are per engine (``SamplerConfig`` is a static argument of its compiled programs), so jobs are
+grouped by rule: a job whose rule matches the running batch's joins it at once; one with another rule waits
+until the running jobs finish (first come, first served: later jobs do not overtake it), then the engine's
+rule is switched. Each distinct rule compiles its own programs once.
+
+Shapes are bounded so that a running server compiles nothing new (``bounded``): the engine pads prompts to
+power-of-two buckets, its prefills take N prompts rounded up to a power of two (the engine's rule) and a plan
+that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
+packed-length variants per batch), and its decode runs on a halving of the slots over the whole page table.
+``warmup`` runs every one of those programs once, for the default and the greedy rule, before the server
+takes requests; other rules and ``n`` > 1 compile their programs at their first request.
+
+``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
+kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
+``top_logprobs`` lists) are not a by-product of sampling: ``top_logprobs`` scores a prompt and its completion
+with one forward of the model (``grpax.models.llama.forward``, the trainer's) at the request's temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import logging
+import queue
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpax.models import llama
+from grpax.models.params import Params
+from grpax.models.registry import ModelConfig
+from grpax.sampler.engine import Engine, SamplerConfig
+from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
+
+logger = logging.getLogger(__name__)
+
+# The rules ``warmup`` compiles by default: OpenAI's default (temperature 1) and greedy (temperature 0).
+WARMUP_RULES = (Sampling(), Sampling(temperature=0.0))
+
+
+def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
+    """Prompt paddings of a server: 64, 128, 256... tokens, the last one ``max_prompt_length``."""
+    buckets, b = [], 64
+    while b < max_prompt_length:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_prompt_length)
+
+
+def slot_counts(num_slots: int) -> list[int]:
+    """The prompt counts a prefill may take (powers of two up to the first >= ``num_slots``) and the slot counts
+    a decode may run on (``num_slots`` halved while even), ascending."""
+    counts, c = {num_slots}, 1
+    while c < 2 * num_slots:
+        counts.add(c)
+        if c >= num_slots:
+            break
+        c *= 2
+    s = num_slots
+    while s % 2 == 0:
+        s //= 2
+        counts.add(s)
+    return sorted(counts)
+
+
+_SHAPE_PLANNED: dict[type, type] = {}
+
+
+def shape_planned(backend):
+    """``backend`` with prefill plans that depend on the prompts' shape only: the plan of N full prompts that
+    share no prefix (every valid plan for that shape covers them), so no batch compiles a plan of its own.
+
+    A backend whose plan is None for every batch (XLA's) is returned as it is.
+    """
+    cls = type(backend)
+    if cls.plan(backend, np.zeros((2, 2), np.int32), np.ones((2,), np.int32)) is None:
+        return backend
+    if cls not in _SHAPE_PLANNED:
+
+        def plan(self, prompt_tokens, prompt_lengths):
+            B, P = np.shape(prompt_tokens)
+            rows = np.zeros((B, P), np.int32)
+            rows[:, 0] = np.arange(B)  # rows that differ at their first token: no shared prefix
+            return cls.plan(self, rows, np.full((B,), P, np.int32))
+
+        _SHAPE_PLANNED[cls] = type(
+            f"ShapePlanned{cls.__name__}", (cls,), {"plan": plan, "__doc__": cls.__doc__}
+        )
+    fields = {f.name: getattr(backend, f.name) for f in dataclasses.fields(backend) if f.init}
+    return _SHAPE_PLANNED[cls](**fields)
+
+
+def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
+    """``sampler_cfg`` with the server's bounded shapes: power-of-two prompt buckets (unless it sets its own)
+    and the decode over the whole page table (no per-length widths; backends that read only the filled pages
+    ignore it)."""
+    buckets = sampler_cfg.prompt_length_buckets or bucket_lengths(sampler_cfg.max_prompt_length)
+    return dataclasses.replace(sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One HTTP request's sequences: G = ``n`` completions of each prompt, rows grouped (row i answers prompt
+    i // n), at most ``max_tokens`` new tokens each, sampled with ``sampling`` and the PRNG key of ``seed``.
+
+    The worker posts ``Progress`` records to ``updates`` on ``loop``.
+    """
+
+    prompts: list[list[int]]
+    n: int
+    max_tokens: int
+    sampling: Sampling
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+    sent: list[int] = dataclasses.field(default_factory=list)  # tokens posted per row
+    request: Any = None  # the engine's Request once submitted
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompts) * self.n
+
+
+@dataclasses.dataclass
+class RowUpdate:
+    """New tokens of one row since the last update (and its finish reason once it ended)."""
+
+    row: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class Progress:
+    """What one engine step added to a job; ``done`` once every row ended; ``error`` when the engine failed."""
+
+    rows: list[RowUpdate]
+    done: bool = False
+    error: str | None = None
+
+
+class EngineWorker:
+    """Owns an ``Engine`` and its thread (see the module docstring).
+
+    Args:
+      params: the model params.
+      cfg: the model config.
+      sampler_cfg: the engine's settings (``max_prompt_length``, ``max_completion_length``, ``max_num_seqs``,
+        stop tokens...); its sampling fields are replaced per group of jobs, its shapes bounded (``bounded``).
+      version: the params' version.
+    """
+
+    def __init__(self, params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, *, version: int = 0):
+        self.cfg = cfg
+        self.engine = Engine(params, cfg, bounded(sampler_cfg), version=version)
+        self.engine.backend = shape_planned(self.engine.backend)
+        self.params, self.version = params, version
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self.sampling: Sampling | None = None
+        self._thread = threading.Thread(target=self._loop, name="grpax-serve-engine", daemon=True)
+        self._stopped = False
+        self.stats = {
+            "steps": 0,
+            "cancelled": 0,
+            "peak_rows": 0,
+        }  # engine steps, jobs cancelled, rows in flight
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self.engine.sc.max_prompt_length
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.engine.sc.max_completion_length
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.num_slots
+
+    # -- the API (any thread) ----------------------------------------------------------------------------------
+
+    def start(self) -> EngineWorker:
+        """Starts the loop's thread (once; later calls do nothing)."""
+        if not self._thread.is_alive() and not self._stopped:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the loop (running jobs are cancelled) and waits for the thread."""
+        self._stopped = True
+        if self._thread.is_alive():
+            self.commands.put(("stop",))
+            self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        """Queues ``job``; it joins the running batch at the next step when its sampling rule matches."""
+        self.commands.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Drops ``job``'s unfinished rows (a client that went away, stop strings met); their pages are freed."""
+        self.commands.put(("cancel", job))
+
+    def update_params(self, params: Params, version: int, timeout: float | None = None) -> None:
+        """Swaps the engine's params between steps and waits until it did (queued and running sequences kept;
+        their later tokens are ``version``'s).
+
+        Raises:
+          TimeoutError: the loop did not take the params within ``timeout`` seconds.
+        """
+        done = threading.Event()
+        self.commands.put(("update", params, version, done))
+        if not done.wait(timeout):
+            raise TimeoutError(f"the engine loop did not take params version {version} in {timeout} s")
+
+    def warmup(self, rules: tuple[Sampling, ...] = WARMUP_RULES) -> int:
+        """Runs every prefill and decode program a request of these rules with ``n`` = 1 can meet (each prompt
+        bucket x each prompt count, each slot count), so that serving them compiles nothing. Call it before
+        ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row decodes).
+
+        Returns:
+          The prefill calls it ran.
+        """
+        if self._thread.is_alive():
+            raise RuntimeError("warmup drives the engine: call it before start")
+        e = self.engine
+        stop_table, sc, prefills = e.stop_table, e.sc, e.stats["prefills"]
+        e.stop_table = np.zeros_like(stop_table)
+        e.update_params(e.params, e.version)  # the params' preparation for this backend (swaps reuse it)
+        try:
+            for rule in rules:
+                e.sc = dataclasses.replace(sc, **rule.sampler_fields())
+                for length in e.sc.buckets():
+                    for count in slot_counts(self.num_slots):
+                        request = e.submit([[0] * length] * min(count, self.num_slots), jax.random.key(0))
+                        request.limit = 2  # a prefill's token and one decode call
+                        e.run(request)
+        finally:
+            e.stop_table, e.sc, self.sampling = stop_table, sc, None
+        return e.stats["prefills"] - prefills
+
+    # -- the loop (the worker thread) ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            idle = not self.engine.busy and not self.pending
+            try:
+                command = self.commands.get(block=idle)
+                while True:
+                    if command[0] == "stop":
+                        for job in [*self.active, *self.pending]:
+                            self._cancel(job)
+                        return
+                    self._handle(command)
+                    command = self.commands.get_nowait()
+            except queue.Empty:
+                pass
+            self._admit()
+            if self.engine.busy:
+                try:
+                    e = self.engine
+                    in_flight = len(e.running) + len(e.ready) + sum(len(q[2]) for q in e.queue)
+                    self.engine.step()
+                    self.stats["steps"] += 1
+                    self.stats["peak_rows"] = max(self.stats["peak_rows"], in_flight)
+                except Exception as e:  # noqa: BLE001 - a failed step fails its jobs, never the server
+                    logger.exception("engine step failed")
+                    self._fail(f"the engine failed: {type(e).__name__}: {e}")
+                    continue
+                self._publish()
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "submit":
+            job = command[1]
+            job.sent = [0] * job.num_rows
+            self.pending.append(job)
+        elif kind == "cancel":
+            self._cancel(command[1])
+        elif kind == "update":
+            _, params, version, done = command
+            self.engine.update_params(params, version)
+            self.params, self.version = params, version
+            done.set()
+
+    def _admit(self) -> None:
+        """Submits pending jobs in order while their rule is the engine's (switched when it is idle)."""
+        while self.pending:
+            job = self.pending[0]
+            if job.sampling != self.sampling:
+                if self.active:
+                    return  # the running jobs finish first; later jobs do not overtake this one
+                self.engine.sc = dataclasses.replace(self.engine.sc, **job.sampling.sampler_fields())
+                self.sampling = job.sampling
+            self.pending.popleft()
+            try:
+                job.request = self.engine.submit(job.prompts, jax.random.key(job.seed), job.n)
+            except ValueError as e:  # the server checked the limits; this is a last guard
+                self._post(job, Progress([], done=True, error=str(e)))
+                continue
+            job.request.limit = job.max_tokens  # the engine reads each request's length limit per row
+            self.active.append(job)
+
+    def _publish(self) -> None:
+        """Posts every active job's new tokens; a finished job leaves the active list."""
+        still = []
+        for job in self.active:
+            rows = []
+            for r, seq in enumerate(job.request.sequences):
+                start = job.sent[r]
+                finished = seq.state == "done"
+                if start < 0:  # its end was posted
+                    continue
+                if seq.n > start or finished:  # (a preempted row restarts below start: nothing new yet)
+                    reason = seq.finish_reason if finished else None
+                    rows.append(
+                        RowUpdate(r, seq.tokens[start:], seq.logprobs[start:], seq.versions[start:], reason)
+                    )
+                    job.sent[r] = -1 if finished else seq.n
+            done = job.request.done
+            if rows or done:
+                self._post(job, Progress(rows, done=done))
+            if not done:
+                still.append(job)
+        self.active = still
+
+    def _cancel(self, job: Job) -> None:
+        if job in self.pending:
+            self.pending.remove(job)
+        if job in self.active:
+            self.engine.cancel(job.request)
+            self.active.remove(job)
+            self.stats["cancelled"] += 1
+        self._post(job, Progress([], done=True, error="cancelled"))
+
+    def _fail(self, message: str) -> None:
+        for job in self.active:
+            self.engine.cancel(job.request)
+            self._post(job, Progress([], done=True, error=message))
+        self.active = []
+
+    @staticmethod
+    def _post(job: Job, progress: Progress) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.updates.put_nowait, progress)
+        except RuntimeError:  # the server's loop has closed (shutdown)
+            pass
+
+    # -- top log-probabilities (any thread) ----------------------------------------------------------------------
+
+    def top_logprobs(
+        self, prompt: list[int], completion: list[int], start: int, k: int, temperature: float
+    ) -> list[list[tuple[int, float]]]:
+        """The ``k`` most likely tokens and their log-probabilities at each completion position ``start..``,
+        scored with the current params at ``temperature`` (1.0 for greedy), unfiltered by top-k / top-p.
+
+        Returns:
+          One list of (token id, logprob) per position, most likely first.
+        """
+        tokens = [*prompt, *completion]
+        T = -(-len(tokens) // 64) * 64  # one compile per 64-token bucket
+        padded = np.zeros((1, T), np.int32)
+        mask = np.zeros((1, T), np.int32)
+        padded[0, : len(tokens)], mask[0, : len(tokens)] = tokens, 1
+        values, ids = _top_logprobs(self.params, padded, mask, np.float32(temperature), cfg=self.cfg)
+        values, ids = np.asarray(values)[0], np.asarray(ids)[0]
+        L = len(prompt)
+        # completion token j (position L + j) is predicted by the logits at position L + j - 1
+        return [
+            [(int(ids[p, i]), float(values[p, i])) for i in range(k)]
+            for p in range(L - 1 + start, L - 1 + len(completion))
+        ]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _top_logprobs(params, tokens, mask, temperature, cfg):
+    """float32 [1, T, 20] top log-probabilities and int32 [1, T, 20] their ids at each position."""
+    logits, _ = llama.forward(params, tokens, cfg, attention_mask=mask)
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jax.lax.top_k(logprobs, MAX_TOP_LOGPROBS)
