@@ -9,6 +9,7 @@ import json
 import re
 import sys
 
+import jax
 import pytest
 
 from grpax.cli.main import main
@@ -604,9 +605,30 @@ def test_the_tpu_decode_updates_its_cache_in_hbm(monkeypatch, evictions):
         "rollout_tensor_parallelism=-1", "compile_topology=v6e-8",
     ]  # fmt: skip
     decode_compile = _decode_compile_module()
-    text, _ = decode_compile.compile_decode(build_config(TrainConfig, keys), num_layers=4)
+    cfg = build_config(TrainConfig, keys)
+    text, _ = decode_compile.compile_decode(cfg, num_layers=4)
     backs = [
         size for kind, _, size in decode_compile.count_moves(text, 2**40)["loop"] if kind == "write-back"
     ]
-    # A key or value buffer per chip: 16 rows x 1 kv head x 128 x (256 + 64 slots) in bfloat16 (first phase).
-    assert (16 * 128 * 320 * 2 in backs) == evictions, backs
+    # A layer's page pool per chip: 257 pages x 32 tokens x (the key and the value of 1 kv head) x 128 in
+    # bfloat16 (16 sequences of 16 pages and the scratch page), 4,210,688 bytes.
+    pools = _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers=4)
+    assert pools == {257 * 32 * 2 * 128 * 2}, pools
+    assert (pools.pop() in backs) == evictions, backs
+
+
+def _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers: int) -> set[int]:
+    """The per-chip bytes of each layer's page pool in the decode that ``compile_decode`` lowers."""
+    import math
+
+    from grpax.sampler import engine
+    from grpax.sampler.backend import select_backend
+
+    job = decode_compile.topology_job(cfg, num_layers)
+    sc = job.sampler_cfg
+    backend = select_backend(sc.backend, job.rollout_params, job.model_cfg, sc.cache_dtype, concrete=False)
+    programs = engine.abstract_programs(
+        job.rollout_params, job.model_cfg, sc, backend, cfg.batch_size, cfg.grpo().num_generations
+    )
+    pages = programs["decode"][1][1]
+    return {math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(pages)}
