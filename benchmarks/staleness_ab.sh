@@ -4,7 +4,7 @@
 # machine's load; each imports its own tree (PYTHONPATH) and runs in it (dataset ../shared/data/gsm8k from the
 # tree's root). The demo's shape: SmolLM2-135M-Instruct from <base params> on GSM8K, 3 steps (step 1 compiles).
 #
-#   bash benchmarks/staleness_ab.sh <paged tree> <static tree> <base params> <max_staleness> <out dir>
+#   bash benchmarks/staleness_ab.sh <paged tree> <static tree> <base params> <max_staleness> <out dir>   (absolute paths)
 #
 # Prints the load average before and after and each step's time/* metrics (from <out dir>/<arm>_s<S>/grpo/
 # metrics.jsonl).
