@@ -653,11 +653,11 @@ def test_a_lora_runs_step_is_served_as_its_base_merged_with_the_adapters(checkpo
     model's and not the base's; a changed base is refused in one line."""
     import shutil
 
+    from grpax.checkpoint.digests import fingerprint
     from grpax.checkpoint.orbax import restore_params
     from grpax.cli.serve import load_checkpoint
     from grpax.config import ConfigError
     from grpax.models import lora as lora_lib
-    from grpax.rl.policy import fingerprint
 
     params, cfg, tokenizer, sc = model
     lora = lora_lib.LoraConfig(4, 8.0)

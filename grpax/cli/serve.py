@@ -117,7 +117,8 @@ def load_checkpoint(path: str, model_cfg, hf: bool = False):
         tokenizer (names it); MissingTensorError: a weight absent from the safetensors.
     """
     from grpax.checkpoint.orbax import find_model_folder, load_model, restore_params
-    from grpax.checkpoint.peft import load_lora_step, lora_meta
+    from grpax.checkpoint.peft import load_lora_step
+    from grpax.checkpoint.train_state import lora_meta
     from grpax.data.tokenizer import load_tokenizer
     from grpax.models.params import convert_layout
 
@@ -142,7 +143,7 @@ def load_checkpoint(path: str, model_cfg, hf: bool = False):
     meta = lora_meta(folder)
     if meta is None:
         return load_model(path, model_cfg)
-    params = load_lora_step(folder, restore_params(folder), meta)
+    params, _ = load_lora_step(folder, restore_params(folder), meta)  # (merged, the base merged into)
     model_folder = find_model_folder(folder)
     return convert_layout(params, model_cfg, model_cfg.scan_layers), model_cfg, load_tokenizer(model_folder)
 
