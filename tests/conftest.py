@@ -77,3 +77,23 @@ def tiny_checkpoint(tmp_path_factory):
     (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
     save_tokenizer(read_gguf().tokenizer(), folder)
     return folder / "0" / "items"
+
+
+# The session's exit status, kept for ``pytest_unconfigure``.
+_EXIT_STATUS = [0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS[0] = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    """Leaves with pytest's own exit status once its summary is written, skipping the interpreter's teardown: a
+    daemon thread still inside XLA or libtpu C++ code when Python finalises aborts the process ("terminate called
+    ... exception not rethrown", seen once after a run of 270 passing tests), which would turn a green run red.
+    The cause is not yet found (noted in the closing note)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[0])
