@@ -603,7 +603,8 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
         running.stop()
         jax.monitoring.unregister_event_duration_listener(count)
     assert all(r is not None and r.choices[0].token_ids for r in results)
-    assert worker.stats["peak_rows"] >= 2  # requests shared the batch
+    # Whether these requests overlapped depends on the machine's speed (a quiet one finishes each before the next
+    # arrives); sharing the batch is test_concurrent_requests_share_the_batch_...'s claim, this test's is that nothing compiles.
     assert compiles == []
 
 
