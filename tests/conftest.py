@@ -60,11 +60,9 @@ def tiny_run_keys(ckpt, out, **overrides) -> dict:
     return keys
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""
-    folder = tmp_path_factory.mktemp("tiny")
-    cfg = get_model_config(
+def tiny_smollm2_config():
+    """A 2-layer random model's config with SmolLM2's vocabulary (hidden 32, 2 heads, 1 kv head, mlp 64)."""
+    return get_model_config(
         "smollm2-135m-Instruct",
         hidden_dim=32,
         num_layers=2,
@@ -73,6 +71,13 @@ def tiny_checkpoint(tmp_path_factory):
         head_dim=16,
         mlp_dim=64,
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""
+    folder = tmp_path_factory.mktemp("tiny")
+    cfg = tiny_smollm2_config()
     save_params(init_params(cfg, jax.random.key(0)), folder / "0" / "items")
     (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
     save_tokenizer(read_gguf().tokenizer(), folder)

@@ -16,13 +16,15 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from conftest import tiny_smollm2_config  # noqa: E402
+
 from grpax import serve  # noqa: E402
 from grpax.checkpoint.gguf import read_gguf  # noqa: E402
 from grpax.checkpoint.orbax import load_model, save_params  # noqa: E402
 from grpax.cli.main import main  # noqa: E402
 from grpax.data.tokenizer import save_tokenizer, stop_token_ids  # noqa: E402
 from grpax.models.params import init_params  # noqa: E402
-from grpax.models.registry import get_model_config, to_hf_config  # noqa: E402
+from grpax.models.registry import to_hf_config  # noqa: E402
 from grpax.sampler.engine import generate  # noqa: E402
 from grpax.sampler.keys import sampler_config  # noqa: E402
 from grpax.serve.app import Server  # noqa: E402
@@ -37,15 +39,7 @@ def checkpoint(tmp_path_factory):
     """A 2-layer random model with SmolLM2's tokenizer whose weights are scaled so that its distributions are
     peaked (greedy choices without near-ties), saved as a converted checkpoint."""
     folder = tmp_path_factory.mktemp("serve")
-    cfg = get_model_config(
-        "smollm2-135m-Instruct",
-        hidden_dim=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        mlp_dim=64,
-    )
+    cfg = tiny_smollm2_config()  # conftest's tiny model, its weights scaled below
     params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.key(0)))
     save_params(params, folder / "0" / "items")
     (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
