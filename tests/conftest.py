@@ -84,6 +84,44 @@ def tiny_checkpoint(tmp_path_factory):
     return folder / "0" / "items"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test file, drops the programs it compiled (the engine's jitted functions and JAX's caches).
+
+    XLA:CPU maps every compiled kernel's code and data as their own memory mappings, kept while the executable
+    lives; jitted functions cached for the process (``grpax.sampler.engine._compiled``) keep every program a
+    test compiled. Over the whole suite that passed Linux's limit of 65,530 mappings per process
+    (``vm.max_map_count``), and the next compile crashed with a segmentation fault inside XLA (CI, at the 581st
+    test). A file's programs freed after it, the suite's mappings stay at one file's.
+    """
+    yield
+    import gc
+
+    from grpax.sampler import engine
+
+    engine._compiled.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+
+
+# Memory mappings per process past which a test's teardown fails with the cause named, well before Linux's
+# default limit (65,530), where XLA's compiler runs out of mappings and crashes the whole run.
+MAX_MAPPINGS = 50_000
+
+
+@pytest.fixture(autouse=True)
+def _mappings_below_the_limit():
+    yield
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as f:
+            count = sum(1 for _ in f)
+        if count > MAX_MAPPINGS:
+            pytest.fail(
+                f"{count} memory mappings in the test process (XLA:CPU maps each compiled kernel; Linux's limit is "
+                "vm.max_map_count, 65,530 by default): free this test's compiled programs (jax.clear_caches)"
+            )
+
+
 # The session's exit status, kept for ``pytest_unconfigure``.
 _EXIT_STATUS = [0]
 
