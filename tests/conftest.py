@@ -84,17 +84,22 @@ def tiny_checkpoint(tmp_path_factory):
     return folder / "0" / "items"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs():
-    """After each test file, drops the programs it compiled (the engine's jitted functions and JAX's caches).
+# XLA:CPU maps each compiled kernel's code and data as their own memory mappings while its executable lives, and
+# jitted functions cached for the process (``grpax.sampler.engine._compiled``, JAX's own caches) keep every program
+# a test compiled. Over the suite that passed Linux's limit of 65,530 mappings per process (``vm.max_map_count``),
+# where LLVM's allocation failed and the next compile crashed the run with a segmentation fault (CI, at the 581st
+# test; tests/test_engine.py alone reaches 45,000). Past FREE_AT mappings a test's teardown frees the compiled
+# programs; past FAIL_AT after that it fails with the cause named instead of a crash later.
+FREE_AT, FAIL_AT = 20_000, 50_000
 
-    XLA:CPU maps every compiled kernel's code and data as their own memory mappings, kept while the executable
-    lives; jitted functions cached for the process (``grpax.sampler.engine._compiled``) keep every program a
-    test compiled. Over the whole suite that passed Linux's limit of 65,530 mappings per process
-    (``vm.max_map_count``), and the next compile crashed with a segmentation fault inside XLA (CI, at the 581st
-    test). A file's programs freed after it, the suite's mappings stay at one file's.
-    """
-    yield
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def free_compiled_programs() -> None:
+    """Drops every compiled program of this process (the engine's jitted functions and JAX's caches)."""
     import gc
 
     from grpax.sampler import engine
@@ -104,22 +109,18 @@ def _free_compiled_programs():
     gc.collect()
 
 
-# Memory mappings per process past which a test's teardown fails with the cause named, well before Linux's
-# default limit (65,530), where XLA's compiler runs out of mappings and crashes the whole run.
-MAX_MAPPINGS = 50_000
-
-
 @pytest.fixture(autouse=True)
 def _mappings_below_the_limit():
     yield
-    if os.path.exists("/proc/self/maps"):
-        with open("/proc/self/maps") as f:
-            count = sum(1 for _ in f)
-        if count > MAX_MAPPINGS:
-            pytest.fail(
-                f"{count} memory mappings in the test process (XLA:CPU maps each compiled kernel; Linux's limit is "
-                "vm.max_map_count, 65,530 by default): free this test's compiled programs (jax.clear_caches)"
-            )
+    if not os.path.exists("/proc/self/maps") or _mappings() <= FREE_AT:
+        return
+    free_compiled_programs()
+    count = _mappings()
+    if count > FAIL_AT:
+        pytest.fail(
+            f"{count} memory mappings in the test process after freeing the compiled programs (Linux's limit is "
+            "vm.max_map_count, 65,530 by default): find what still holds them (jax.live_arrays, a cached jit)"
+        )
 
 
 # The session's exit status, kept for ``pytest_unconfigure``.
