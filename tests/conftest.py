@@ -89,7 +89,8 @@ def tiny_checkpoint(tmp_path_factory):
 # a test compiled. Over the suite that passed Linux's limit of 65,530 mappings per process (``vm.max_map_count``),
 # where LLVM's allocation failed and the next compile crashed the run with a segmentation fault (CI, at the 581st
 # test; tests/test_engine.py alone reaches 45,000). Past FREE_AT mappings a test's teardown frees the compiled
-# programs; past FAIL_AT after that it fails with the cause named instead of a crash later.
+# programs (as the end of every file does); past FAIL_AT after that it fails with the cause named instead of a
+# crash later.
 FREE_AT, FAIL_AT = 20_000, 50_000
 
 
@@ -107,6 +108,13 @@ def free_compiled_programs() -> None:
     engine._compiled.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_each_files_programs():
+    """After each test file (so that a file that keeps a server thread running starts with few mappings)."""
+    yield
+    free_compiled_programs()
 
 
 @pytest.fixture(autouse=True)
