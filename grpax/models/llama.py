@@ -464,7 +464,8 @@ def decode_paged(
     ``cfg.sliding_window`` of them).
 
     Args:
-      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``).
+      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``); a layer's
+        ``wo`` [N, H, D] or its [N * H, D] view (``output_and_mlp`` multiplies by that view).
       tokens: int32 [S] one token per sequence.
       positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page,
         and its output is meaningless).
