@@ -41,6 +41,8 @@ from grpax.sampler.backend import select_backend
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
 _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64)\[([0-9,]*)\]")
 _COPIES = ("copy", "copy-start", "write-back")  # the kinds counted as copies in HBM
+# A fusion that only slices a loop carry (a layer cut out of stacked weights, materialised instead of read in place)
+_SLICE = re.compile(r'op_name="[^"]*/while/body/slice"')
 _INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.+?) (copy|copy-start|fusion|dynamic-update-slice)\(")
 
 
@@ -69,7 +71,9 @@ def _computations(text: str) -> dict[str, list[str]]:
 
 def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int]]]:
     """The copies and large fusions of the decode's HLO, split into those inside a while loop's body (every
-    step) and those outside: {"loop": [(kind, name, bytes)], "once": [...]}."""
+    step) and those outside: {"loop": [(kind, name, bytes)], "once": [...]}. A fusion of the loop body's own
+    slices (``while/body/slice``: per-layer weights cut out of stacked ones and written out) is of kind
+    "slice"."""
     comps = _computations(text)
     bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
     # computations called from a body (fusions, nested calls) belong to it; the kinds are counted where called
@@ -88,6 +92,8 @@ def count_moves(text: str, min_bytes: int) -> dict[str, list[tuple[str, str, int
                 result = destination + "}"
                 if "S(1)" in source and "S(1)" not in result:
                     kind = "write-back"  # a buffer staged in VMEM (and changed there) copied back to HBM
+            if kind == "fusion" and _SLICE.search(line):
+                kind = "slice"
             if kind in ("copy", "copy-start") and "S(1)" in result:
                 kind = "to on-chip memory"  # a prefetch into VMEM (memory space 1), not an HBM copy
             size = _bytes(result)
@@ -138,10 +144,12 @@ def report(
         copies = [m for m in items if m[0] in _COPIES]
         backs = [m for m in items if m[0] == "write-back"]
         big = sorted((m for m in items if m[2] >= min_bytes), key=lambda m: -m[2])
+        slices = [m for m in big if m[0] == "slice"]
         print(
             f"{label}: {len(copies)} copies, {sum(m[2] for m in copies) / 2**30:.3f} GiB (write-backs from VMEM: "
             f"{len(backs)}, {sum(m[2] for m in backs) / 2**30:.3f} GiB); "
-            f"{len(big)} ops with an output >= {min_bytes / 2**20:.0f} MiB, {sum(m[2] for m in big) / 2**30:.3f} GiB"
+            f"{len(big)} ops with an output >= {min_bytes / 2**20:g} MiB, {sum(m[2] for m in big) / 2**30:.3f} GiB "
+            f"(slices: {len(slices)}, {sum(m[2] for m in slices) / 2**30:.3f} GiB)"
         )
         for kind, name, size in big[:shown]:
             print(f"    {kind:<22}{name:<48}{size / 2**20:>10.1f} MiB")

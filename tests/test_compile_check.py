@@ -590,10 +590,12 @@ def _decode_compile_module():
 @pytest.mark.slow
 @pytest.mark.parametrize("evictions", [True, False])
 def test_the_tpu_decode_updates_its_cache_in_hbm(monkeypatch, evictions):
-    """llama3.1-8b's decode loop cut to 4 layers, compiled for v6e-8 (the seed's sampler keys, 20 s): with the
+    """llama3.1-8b's decode loop cut to 3 layers, compiled for v6e-8 (the seed's sampler keys, 20 s): with the
     TPU compiler's default memory-space assignment a layer's cache buffers are staged in VMEM, updated there
     and written back to HBM at every step (a tiny model's are not); with the XLA backend's TPU options (no
-    eviction) the loop bodies write nothing back."""
+    eviction) the loop bodies write nothing back. Which buffers the default stages depends on the whole
+    program: at 4 layers it staged a pool while the loop wrote ``wo``'s slices out, and none since it reads
+    them in place (``merge_heads``); at 3 layers it stages one either way."""
     from grpax.sampler import backend
 
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -606,15 +608,52 @@ def test_the_tpu_decode_updates_its_cache_in_hbm(monkeypatch, evictions):
     ]  # fmt: skip
     decode_compile = _decode_compile_module()
     cfg = build_config(TrainConfig, keys)
-    text, _ = decode_compile.compile_decode(cfg, num_layers=4)
+    text, _ = decode_compile.compile_decode(cfg, num_layers=3)
     backs = [
         size for kind, _, size in decode_compile.count_moves(text, 2**40)["loop"] if kind == "write-back"
     ]
     # A layer's page pool per chip: 257 pages x 32 tokens x (the key and the value of 1 kv head) x 128 in
     # bfloat16 (16 sequences of 16 pages and the scratch page), 4,210,688 bytes.
-    pools = _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers=4)
+    pools = _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers=3)
     assert pools == {257 * 32 * 2 * 128 * 2}, pools
     assert (pools.pop() in backs) == evictions, backs
+
+
+@pytest.mark.parametrize(
+    "sampler, merged",
+    [
+        ("plain", True),
+        pytest.param("plain", False, marks=pytest.mark.slow),
+        pytest.param("lora", True, marks=pytest.mark.slow),
+        pytest.param("lora", False, marks=pytest.mark.slow),
+    ],
+)
+def test_the_tpu_decode_reads_the_projections_in_place(monkeypatch, sampler, merged):
+    """llama3.1-8b's decode loop cut to 2 layers, compiled for v6e-8 (the seed's sampler keys; "lora": rank-16
+    adapters on every projection, ``lora_sampler=adapters``). With ``wo`` (and LoRA's ``wq``) sliced out of
+    the stacked weight and reshaped after, the TPU compiler writes every layer's slice out at every step (a
+    fusion of the loop body's ``slice``s); with the XLA backend's merged views (``merge_heads``) the loop body
+    slices no weight out: each dot reads its slice in place."""
+    from grpax.sampler import backend
+
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    if not merged:
+        monkeypatch.setattr(backend, "merge_heads", lambda params: params)
+    jax.clear_caches()  # the engine's jitted decode keeps its trace: the other case's lowering otherwise
+    keys = [
+        "model_name=llama3.1-8b-Instruct", "chips_per_vm=8", "rollout_data_parallelism=1",
+        "rollout_tensor_parallelism=-1", "compile_topology=v6e-8",
+    ]  # fmt: skip
+    if sampler == "lora":
+        keys += ["lora_rank=16", "lora_sampler=adapters"]
+    decode_compile = _decode_compile_module()
+    text, _ = decode_compile.compile_decode(build_config(TrainConfig, keys), num_layers=2)
+    slices = [size for kind, _, size in decode_compile.count_moves(text, 2**20)["loop"] if kind == "slice"]
+    # Per chip and layer, wo [32 / 8 heads, 128, 4096] and wq [4096, 32 / 8 heads, 128] in bfloat16: 4 MiB each.
+    layer_weight = 4 * 128 * 4096 * 2
+    written = {"plain": 2 * layer_weight, "lora": 2 * 2 * layer_weight}[sampler]
+    assert sum(slices) == (0 if merged else written), slices
 
 
 def _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers: int) -> set[int]:

@@ -464,7 +464,9 @@ def decode_paged(
     ``cfg.sliding_window`` of them).
 
     Args:
-      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``).
+      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``); a layer's
+        ``wo`` [N, H, D] or its [N * H, D] view, its ``wq``/``wk``/``wv`` [D, heads, H] or [D, heads * H] (the
+        views ``output_and_mlp`` and ``_project`` multiply by; ``grpax.sampler.backend.merge_heads``).
       tokens: int32 [S] one token per sequence.
       positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page,
         and its output is meaningless).

@@ -176,7 +176,8 @@ class XlaBackend:
         bytes (a no-op for the rollout's copy, which ``reshard_for_rollout`` already rounds). The layout is
         left as it is: ``decode_step`` slices each layer out of stacked weights itself, inside the step, where
         the TPU compiler reads it in place; cut into per-layer buffers here, outside the loop, they were a
-        second copy of every weight (docs/scaling.md).
+        second copy of every weight (docs/scaling.md). Only views change: some stacked weights' head axes
+        are merged (``merge_heads``).
 
         LoRA's adapters (``lora.LoraWeight``: the LoRA sampler's ``lora_sampler=adapters``) are rounded with
         their weight, as the forward rounds them; a QLoRA weight's codes and scales are left as they are (its
@@ -192,7 +193,8 @@ class XlaBackend:
                 return x
             return x.astype(dtype) if x.dtype.itemsize > dtype.itemsize else x
 
-        return jax.tree.map(narrow, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        narrowed = jax.tree.map(narrow, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        return merge_heads(narrowed)
 
     def decode_step(
         self,
@@ -222,6 +224,44 @@ class XlaBackend:
             params, tokens, positions, pages, page_table, cfg, self.paged_attention, self.record_routes
         )
         return (logits_from_hidden(params, hidden, cfg), pages, *routes)
+
+
+def merge_heads(params: Params) -> Params:
+    """``params`` with some stacked weights' head axes merged, as the decode step multiplies by them: ``wo``
+    [L, N, H, D] as [L, N * H, D] (a LoRA ``wo``'s A [L, N, H, r] too), and a LoRA ``wq``, ``wk``, ``wv``
+    [L, D, N, H] as [L, D, N * H] (their B [L, r, N, H] too). Other trees (listed layers, quantised weights,
+    QLoRA's) as they are.
+
+    ``grpax.models.llama.output_and_mlp`` multiplies by the [N * H, D] view of a layer's ``wo``, ``_project`` by
+    the [D, N * H] view of its projections. Sliced out of the stacked weight first and reshaped after, inside
+    the decode loop, the TPU compiler wrote the L slices out at every step instead of reading them in place as
+    its dots read the other weights' slices (llama3.1-8b on v6e-8, docs/benchmarks.md). Merged here, outside
+    the loop, each layer's slice is the dot's operand as it is. A plain ``wq`` is left apart: the compiler
+    reads its [N, H, D] slices in place (in a convolution over N, after one relayout per call), and merged it
+    sliced them at every step. The reshapes move nothing (N and H adjacent, H never sharded, a multiple of a
+    TPU tile's rows in the supported models) and the products are the same: the tokens do not change.
+    """
+    layers = params["layers"]
+    if not isinstance(layers, dict):
+        return params
+    out = dict(layers)
+    wo = layers["wo"]
+    if _adapted_array(wo):
+        L, D = wo.w.shape[0], wo.w.shape[-1]
+        out["wo"] = LoraWeight(wo.w.reshape(L, -1, D), wo.a.reshape(L, -1, wo.a.shape[-1]), wo.b, wo.scale)
+    elif isinstance(wo, jax.Array):
+        out["wo"] = wo.reshape(wo.shape[0], -1, wo.shape[-1])
+    for name in ("wq", "wk", "wv"):
+        w = layers[name]
+        if _adapted_array(w):
+            L, D = w.w.shape[:2]
+            out[name] = LoraWeight(w.w.reshape(L, D, -1), w.a, w.b.reshape(L, w.b.shape[1], -1), w.scale)
+    return {**params, "layers": out}
+
+
+def _adapted_array(w) -> bool:
+    """Whether ``w`` is a LoRA weight over a plain array (not over QLoRA's quantised base)."""
+    return isinstance(w, LoraWeight) and isinstance(w.w, jax.Array)
 
 
 def _param_devices(params: Params) -> set | None:
