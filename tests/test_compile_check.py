@@ -79,9 +79,10 @@ def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, c
     # AdamW's mu and nu are params-shaped and sharded like them; + its two int32 counts (adam, schedule) and
     # the TrainState's int32 step.
     assert _row(out, "optimizer state") == 2 * params + 3 * 4
-    # KV cache on the sampler mesh tensor=4: K=2 heads do not split 4 ways, so each chip holds all of it.
-    rows, slots = 4 * 2, 64
-    assert _row(out, "KV cache (P + C slots, by the rules)") == 2 * L * rows * K * H * slots * 4
+    # The rollout engine's KV page pool on the sampler mesh tensor=4: K=2 heads do not split 4 ways, so each
+    # chip holds all of it: 1 scratch page + 8 slots x ceil(64 / 32) pages, each 32 tokens x (k, v) x K x H.
+    pages = 1 + 4 * 2 * 2
+    assert _row(out, "KV page pool: 17 pages x 32 tokens") == L * pages * 32 * 2 * K * H * 4
     peak = _row(out, "peak, all colocated")
     assert peak > _row(out, "params") + _row(out, "optimizer state") + _row(out, "reference params")
     assert _row(out, "chip HBM") == 16 * 2**30
@@ -94,14 +95,48 @@ def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, c
 
 
 def test_a_job_that_cannot_fit_exits_1_naming_the_keys(config_only, capsys):
-    # 512 prompts x 16 completions of 8192 tokens: the KV cache alone is 2 (k, v) x 2 layers x 8192 rows x 2 x
-    # 16 x 8192 slots x 4 bytes = 32 GiB per chip (K=2 heads do not split over tensor=4), above v5e's 16 GiB.
+    # 512 prompts x 16 completions of 8192 tokens: the KV pool alone is 1 + 8192 slots x 256 pages of 32 tokens,
+    # x 2 (k, v) x 2 layers x 2 x 16 x 4 bytes = 32 GiB per chip (K=2 heads do not split over tensor=4), above
+    # v5e's 16 GiB.
     args = _keys(config_only, batch_size=512, num_generations=16, max_prefill_predict_length=4096,
                  max_target_length=8192)  # fmt: skip
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "does not fit: peak" in out
     assert "to make it fit, try:" in out and "max_target_length=4096" in out
+
+
+# Heads whose pool the TPU stores without padding: per chip (rollout tensor=1) 2K = 16 bfloat16 rows of H = 128.
+TILED = ModelConfig(
+    vocab_size=512, hidden_dim=256, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128, mlp_dim=512,
+    eos_token_ids=(1,),
+)  # fmt: skip
+
+
+def test_the_compiled_rollout_phase_grows_with_num_pages_by_exactly_the_pools_bytes(
+    tmp_path, monkeypatch, capsys
+):
+    """The engine's programs take the pool as a donated argument, updated in place: the compiled rollout phase
+    is the pool and what does not depend on its size (num_pages: the default, 100 and 300 pages). The sampler's
+    mesh is data-parallel (4 x 1): Pallas's ragged paged attention runs inside a shard_map there too (it was
+    called bare on a mesh without "tensor", which the TPU compiler refused). With TINY's heads (2K = 4 float32
+    rows of H = 16) the TPU stores the pool padded and holds padded copies of it: its phase grows faster."""
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(TILED, "bfloat16")))
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    keys = dict(beta=0, hardware="tpu", rollout_data_parallelism=-1, rollout_tensor_parallelism=1,
+                dtype="bfloat16", weight_dtype="bfloat16", batch_size=8, num_generations=4)  # fmt: skip
+    rows = {}
+    for num_pages in (0, 100, 300):
+        assert main(_keys(tmp_path, **keys, num_pages=num_pages)) == 0
+        out = capsys.readouterr().out
+        pages = num_pages or 1 + 32 * 2  # every slot (8 x 4) holds 64 tokens: 2 pages
+        pool = _row(out, f"KV page pool: {pages} pages x 32 tokens")
+        assert pool == 2 * pages * 32 * 2 * 8 * 128 * 2  # L x pages x page_size x (k, v) x K x H x bfloat16
+        rows[pages] = (pool, _row(out, "rollout phase, beyond the resident arrays"))
+    (pool, phase), *others = rows.values()
+    for other_pool, other_phase in others:
+        assert other_phase - phase == other_pool - pool
 
 
 def test_unknown_topology_names_the_known_ones(config_only, capsys):
@@ -322,9 +357,8 @@ def test_rollout_devices_compile_the_sampler_and_the_trainer_on_their_own_chips(
     params = 4 * (matrices // 2 + norms)  # float32, fsdp=2 on the trainer's 2 chips
     assert _row(out, "params") == params
     assert _row(out, "params versions for rollouts ahead (2)") == 2 * params
-    # The sampler's mesh tensor=2: K=2 heads split 2 ways.
-    rows, slots = 4 * 2, 64
-    assert _row(out, "KV cache (P + C slots, by the rules)") == 2 * L * rows * (K // 2) * H * slots * 4
+    # The sampler's mesh tensor=2: K=2 heads split 2 ways (the pool's pages: 1 + 8 slots x 2).
+    assert _row(out, "KV page pool: 17 pages x 32 tokens") == L * 17 * 32 * 2 * (K // 2) * H * 4
     trainer = _row(out, "peak on the trainer's 2 chips (update, reference)")
     sampler = _row(out, "peak on the sampler's 2 chips (rollout_devices)")
     resident = sum(

@@ -569,3 +569,29 @@ def test_each_program_takes_the_pool_donated_so_no_cache_outlives_its_call(param
     assert all(leaf.is_deleted() for leaf in given)
     full = generate(params, PROMPTS, CFG, dataclasses.replace(sc, max_num_seqs=0), jax.random.key(3), 2)
     _same(out, full)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_engines_pool_is_the_one_the_planner_sizes(params, backend):
+    """``Engine`` allocates the pool ``engine.pool_pages`` counts and ``engine.abstract_pool`` describes (what
+    ``abstract_programs`` compiles and the planner's table row sizes): for several num_pages, page_size,
+    max_num_seqs and cache dtypes, its arrays have those shapes, dtypes and bytes, hand-counted."""
+    from grpax.plan.compile_check import per_chip_bytes
+    from grpax.sampler import engine
+
+    L, K, H, pages_per_row = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, -(-(16 + C) // 4)
+    for keys, pages in [
+        (dict(page_size=4), 1 + 6 * pages_per_row),  # every slot (num_slots=6) holds P + C = 28 tokens
+        (dict(page_size=4, max_num_seqs=3), 1 + 3 * pages_per_row),  # max_num_seqs slots
+        (dict(page_size=8, num_pages=11, cache_dtype="bfloat16"), 11),  # num_pages as given
+        (dict(page_size=2, num_pages=40), 40),
+    ]:
+        sc = _sc(backend=backend, **keys)
+        built = Engine(params, CFG, sc, num_slots=6)
+        assert built.pool.num_pages == engine.pool_pages(sc, built.num_slots) == pages, keys
+        planned = engine.abstract_pool(params, CFG, sc, built.backend, pages)
+        real = jax.tree.leaves(built.pages)
+        assert [(x.shape, x.dtype) for x in real] == [(x.shape, x.dtype) for x in jax.tree.leaves(planned)]
+        itemsize = 2 if "cache_dtype" in keys else 4
+        hand = L * pages * sc.page_size * 2 * K * H * itemsize  # k and v of every page, every layer
+        assert sum(x.nbytes for x in real) == per_chip_bytes(planned) == hand, keys

@@ -402,14 +402,15 @@ def _ragged_tpu(q, kv_pages, page_table, lengths, scale, cap, window):
             num_queries_per_block=blocks[1],
         ).astype(q.dtype)
 
-    # A Pallas call is not partitioned by XLA: over a mesh each chip runs it on its own kv heads (the pool's
-    # axis 2 split over "tensor", k/v pairs staying together) where they divide by "tensor", as the pools are
-    # placed (XLABackend.page_spec); else on all of them (the pools replicated); the rest replicated.
+    # A Pallas call is not partitioned by XLA: over a mesh of several devices (any axes: a data-parallel
+    # rollout mesh too) each chip runs it on its own kv heads (the pool's axis 2 split over "tensor", k/v pairs
+    # staying together) where they divide by "tensor", as the pools are placed (XLABackend.page_spec); else on
+    # all of them (the pools replicated); the rest replicated.
     mesh = jax.sharding.get_abstract_mesh()
-    tensor = 0 if mesh.empty else dict(mesh.shape).get(TENSOR, 1)
-    if tensor <= 1:
+    if mesh.empty or mesh.size == 1:
         return kernel(q, kv_pages, lengths, page_table)
-    heads = TENSOR if (kv_pages.shape[2] // 2) % tensor == 0 else None
+    tensor = dict(mesh.shape).get(TENSOR, 1)
+    heads = TENSOR if tensor > 1 and (kv_pages.shape[2] // 2) % tensor == 0 else None
     P = jax.sharding.PartitionSpec
     return jax.shard_map(
         kernel,

@@ -183,7 +183,7 @@ class Job:
     sampler_cfg: Any
     resident: dict[str, int]  # bytes per chip of what stays for the whole step (table rows, in order)
     rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
-    kv_cache: int  # the full-length cache (P + C slots), per chip
+    kv_cache: int  # the rollout engine's KV page pool (``engine.abstract_pool``), per chip
     shape: StepShape
     lora: lora_lib.LoraConfig | None = None
     base: Any = None  # LoRA: the frozen base params on the trainer's mesh (also the reference)
@@ -197,6 +197,8 @@ class Job:
     train_step: Any = (
         None  # the run's jitted update (``train_step.make_run_update``, as the trainer builds it)
     )
+    num_pages: int = 0  # pages in that pool (``engine.pool_pages``), of ``sampler_cfg.page_size`` tokens
+    sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -298,7 +300,9 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     rollout_params, same = _rollout_params(cfg, model_cfg, rollout_mesh, sampled, sampler)
     stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
-    kv_cache = _kv_cache_bytes(cfg, model_cfg, rollout_mesh, sc)
+    backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
+    num_pages = engine.pool_pages(sc, sc.decode_slots(cfg.batch_size * grpo.num_generations))
+    kv_cache = per_chip_bytes(engine.abstract_pool(rollout_params, model_cfg, sc, backend, num_pages))
     L = model_cfg.num_layers
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
     specs = layer_specs(model_cfg)
@@ -315,7 +319,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref, model_cfg), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
-        reference is not None and cfg.reference_on_host, train_step,
+        reference is not None and cfg.reference_on_host, train_step, num_pages, backend,
     )  # fmt: skip
 
 
@@ -364,21 +368,6 @@ def _rollout_params(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, samp
     if same:
         return sampled, True  # the sampler reads the trainer's arrays (the adapters: float32)
     return _rounded(rollout_params, model_cfg.dtype), False
-
-
-def _kv_cache_bytes(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, sc) -> int:
-    """Per chip, the full-length KV cache (P + C slots) of the rollout's rows, placed as the sampler places it."""
-    rows = cfg.batch_size * cfg.num_generations
-    kv_slots = cfg.max_prefill_predict_length + cfg.max_completion_length
-    kv = sharding.cache_sharding(model_cfg, rollout_mesh, rows, kv_slots)
-    L, K, H = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-    cache_dtype = jnp.dtype(sc.cache_dtype or model_cfg.dtype)
-    return per_chip_bytes(
-        {
-            "k": jax.ShapeDtypeStruct((L, rows, K, H, kv_slots), cache_dtype, sharding=kv["k"]),
-            "v": jax.ShapeDtypeStruct((L, rows, K, kv_slots, H), cache_dtype, sharding=kv["v"]),
-        }
-    )
 
 
 HOST_COPY_PHASE = "reference from host"
@@ -440,6 +429,7 @@ def compile_job(
     flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
+        kv_pool=(job.num_pages, job.sampler_cfg.page_size),
         rollout_chips=cfg.rollout_devices,
         ici_bandwidth=ici_bandwidth,
         merged_copy=job.merged_copy,
@@ -503,8 +493,7 @@ def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
     """The rollout engine's two programs (prefill: admit prompts into the page pool; decode: a call's decode
     steps) on the rollout mesh, and the rollout phase's bytes."""
     cfg, sc, rollout_params, model_cfg = job.cfg, job.sampler_cfg, job.rollout_params, job.model_cfg
-    backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
-    G = cfg.num_generations
+    backend, G = job.sampler_backend, cfg.num_generations
     with jax.set_mesh(job.rollout_mesh):  # the rollout engine's two programs (grpax.sampler.engine)
         for name, (fn, args, kwargs) in engine.abstract_programs(
             rollout_params, model_cfg, sc, backend, cfg.batch_size, G

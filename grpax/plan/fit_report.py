@@ -43,7 +43,7 @@ class Report:
     target: str  # e.g. "v6e-8 (8 x TPU v6e)"
     hbm: int
     resident: dict[str, int]  # params, optimizer state, reference params
-    kv_cache: int  # the full-length cache (P + C slots), per chip
+    kv_cache: int  # the rollout engine's KV page pool, per chip
     rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
     functions: dict[str, Compiled]
     phases: dict[str, int]  # phase -> bytes beyond the resident arrays
@@ -53,6 +53,7 @@ class Report:
     merged_copy: int = (
         0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
     )
+    kv_pool: tuple[int, int] = (0, 0)  # (pages, tokens per page) of that pool (``engine.pool_pages``)
 
     @property
     def trainer_peak(self) -> int:
@@ -80,6 +81,17 @@ class Report:
 def _divisor_at_most(n: int, limit: float) -> int:
     """The largest divisor of ``n`` that is at most ``limit`` (at least 1)."""
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(limit, 1))
+
+
+def _fewer_pages(cfg: TrainConfig, report: Report, resident: int) -> int:
+    """The most pages of the KV pool that leave the rollout phase fitting beside ``resident`` bytes; 0 when even
+    the fewest that hold one sequence (1 + ceil(max_target_length / page_size)) do not."""
+    pages, page_size = report.kv_pool
+    if not pages:
+        return 0
+    over = report.phases["rollout"] - max(report.hbm - resident, 0)
+    fewer = pages - -(-over * pages // report.kv_cache)  # each page's bytes: kv_cache / pages
+    return fewer if 1 + -(-cfg.max_target_length // page_size) <= fewer < pages else 0
 
 
 def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
@@ -124,9 +136,16 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
                 "rollout_data_parallelism / rollout_tensor_parallelism matching the trainer's layout "
                 "(no copy of the params for the sampler)"
             )
+        pages = _fewer_pages(cfg, report, 0 if report.rollout_chips else resident)
+        if pages:
+            out.append(
+                f"num_pages={pages} (now {report.kv_pool[0]}: a KV pool for the rows' real lengths, not all at "
+                "max_target_length; the newest sequence is preempted and restarted when it runs out)"
+            )
         fit = _divisor_at_most(cfg.batch_size, cfg.batch_size * room)
         out.append(
-            f"batch_size={min(fit, cfg.batch_size // 2) or 1} or fewer num_generations (KV-cache rows)"
+            f"batch_size={min(fit, cfg.batch_size // 2) or 1} or fewer num_generations (decode slots and KV "
+            "pages)"
         )
     out.append(
         f"max_target_length={cfg.max_target_length // 2} / max_prefill_predict_length (shorter rows and cache)"
@@ -163,7 +182,7 @@ def _collective_lines(report: Report) -> list[str]:
 def format_report(cfg: TrainConfig, report: Report, num_chips: int) -> str:
     """The per-chip table, the verdict, the step's FLOPs and bytes, the compile times."""
     rows = [(name, b) for name, b in report.resident.items()]
-    rows.append(("KV cache (P + C slots, by the rules)", report.kv_cache))
+    rows.append((f"KV page pool: {report.kv_pool[0]} pages x {report.kv_pool[1]} tokens", report.kv_cache))
     if report.merged_copy:
         rows.append(("merged weights for the sampler (LoRA: lora.merge)", report.merged_copy))
     if report.rollout_copy:

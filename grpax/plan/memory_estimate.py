@@ -3,9 +3,11 @@
 JAX compiles for a TPU slice without the TPU (``grpax.plan.compile_check``), but this JAX has no way to compile
 for an absent GPU, so ``compile_topology=h100-8`` (``GPUS``) gets the same table as an ESTIMATE. What is exact:
 the resident arrays (params, optimizer state, the reference's copy as the trainer stores it: rounded to the
-compute dtype, or in host memory), the params copied for the sampler and the KV cache, all placed by the rules
-table on an ``AbstractMesh`` of the run's mesh keys. What is estimated are the temporaries of each function,
-from the shapes of what it holds at its largest:
+compute dtype, or in host memory), the params copied for the sampler and the rollout engine's KV page pool (the
+engine's own ``engine.pool_pages`` and ``engine.abstract_pool``: ``num_pages`` pages of ``page_size`` tokens,
+replicated over the rollout mesh's data axis, heads split over its tensor axis), all placed on an
+``AbstractMesh`` of the run's mesh keys. What is estimated are the temporaries of each function, from the shapes
+of what it holds at its largest:
 
 * update: the gradients (params-shaped, float32), two layers' gathered weights (FSDP: one in use, one prefetched), the
   residual stream saved at each layer boundary (``remat_policy=full``), one layer's recomputed activations
@@ -14,16 +16,28 @@ from the shapes of what it holds at its largest:
   beyond full's, traced from the model's own ``jax.vjp`` (``remat_extra``);
 * reference logprobs: one layer's gathered weights (the reference's copy: rounded to the compute dtype), its
   activations, three chunks of logits, the output; a reference in host memory is on the devices for this pass;
-* prefill: its output cache (P + the first decode phase's slots, G rows a prompt), the prompts' cache and one
-  layer's activations; decode: a copy of the weights in the compute dtype only where wider weights reach it
-  unrounded (``prepare_decode``: no copy to the sampler's layout, which rounds them), the KV caches the rollout
-  holds at its last phase (``rollout_cache_slots``: the prefill's, that phase's input and its output; 896 slots a
-  row at P = 128, C = 256, not the P + C = 384 of one cache) and the rows' logits (float32: three per step and
-  the prefill's).
+* the rollout engine's two programs (``sampler_terms``), beside the pool they update in place: the prefill's dense
+  cache of the prompts, then one layer's keys and values written for each of the G completions (twice) or the
+  first tokens' float32 logits (three copies), the larger; the decode's one layer of pages gathered for every
+  slot (the XLA paged attention, twice) or the step's float32 logits (three copies), the larger, and a copy of
+  the weights in the compute dtype only where wider weights reach it unrounded (``prepare_decode``). The rollout
+  phase is the pool plus the larger program: it grows with ``num_pages`` by exactly the pool's bytes.
 
-Against the H200 (docs/benchmarks.md, "On an H200"): the device check's peak, 67.04 GiB, is its 32 x 8 rows'
-rollout beside the params and AdamW's state (llama3.2-3b in bfloat16): this estimates 66.88 GiB for it (-0.2%;
-3 caches of 256 rows x 28 MiB per slot, 24.5 GiB, where one cache was counted before: 52.76 GiB, -21%).
+The H200 measurement (docs/benchmarks.md, "On an H200": a peak of 67.04 GiB for 32 x 8 rows of llama3.2-3b beside
+the params and AdamW's state) was of the static engine this replaced, which held three KV caches of P + C slots
+per row at its last decode phase (24.5 GiB there); this estimated 66.88 GiB for it. The paged engine holds one
+pool (10.5 GiB for those rows at the default ``num_pages``) and is not measured on a GPU yet.
+
+Against the TPU compiler's plans of the engine's programs for the same jobs (``benchmarks/sampler_memory.py``,
+the decode with the XLA paged attention a GPU runs; 32 x 8 rows, P = 256, C = 1024; docs/scaling.md): prefill
+0.398 vs 0.359 GiB (llama3.2-1b, v6e-8, tensor 8), 0.508 vs 0.517 (llama3.1-8b cut to 2 layers, v6e-8, data 8),
+0.563 vs 0.658 (a 2-layer model of 8 kv heads of 128, one v6e chip) and 0.516 vs 1.252 on v5e:2x2, data 4 (the
+TPU's schedule holds two layers' all-gathered keys and values with their copies); decode 0.313 vs 0.472 (8B, 2
+layers: the gathered pages, 0.31 GiB, in both; the TPU's relayout copies of the attention weights beside them)
+and 0.367 vs 3.141 for llama3.2-1b at tensor 8, whose pools the TPU pads (2 kv rows of 64 per chip) and copies:
+the TPU's layouts, not a GPU's. The update and reference rows against the compiler's for the seed's 8B job on
+v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB, update temporaries 3.23 vs 2.99 GiB, reference logprobs 0.60
+vs 0.99 (measured with the static engine's sampler).
 
 With LoRA the resident rows are the frozen base (``compile_check.base_bytes_per_param`` bytes per parameter),
 the float32 adapters and their optimizer state, and no reference copy (all exact); the update's gradients are
@@ -34,9 +48,6 @@ compiler's plan of Llama 3.1 70B's bfloat16 merge on v6e-8 holds 33.39 GiB of te
 none with a float32 base (the compiler's plan of 8B's float32 merge: 0). With ``lora_sampler=adapters`` (auto's
 choice on GPUs) there is no merge and no merged copy: the decode reads the base in place and rounds the
 float32 adapters to the compute dtype (``prepare_decode``).
-
-Against the TPU compiler's figures for the seed's 8B job on v6e-8 (docs/scaling.md): peak 11.35 vs 11.41 GiB,
-update temporaries 3.23 vs 2.99 GiB, decode 2.00 vs 1.98, reference logprobs 0.60 vs 0.99, prefill 0.14 vs 0.09.
 """
 
 from __future__ import annotations
@@ -149,17 +160,6 @@ def remat_extra(cfg: ModelConfig, prompts: int, rows: int, P: int, C: int, tenso
     return max(int(per_device(cfg.remat_policy) - per_device("full")), 0)
 
 
-def rollout_cache_slots(P: int, C: int, decode_phase_length: int) -> int:
-    """KV-cache slots per row the rollout holds at once, at its last decode phase: the prefill's cache (P + the
-    first phase's slots: ``generate_padded`` keeps it until the decode returns), and that phase's input (P + the
-    previous phase's end) beside its grown output (P + C); with one phase the loop's copy of the prefill's cache
-    (a loop cannot update an argument in place). ``grpax.sampler.engine``: ``_decode_retiring`` (the run) and
-    ``_decode`` (the compile check) hold the same."""
-    step = decode_phase_length or C
-    ends = [*range(step, C, step), C]
-    return (P + ends[0]) + (P + ends[-2] if len(ends) > 1 else 0) + (P + C)
-
-
 def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Report:
     """The per-GPU table of ``compile_check`` with estimated temporaries (module docstring).
 
@@ -178,7 +178,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     mesh = AbstractMesh(ici, sharding.MESH_AXES)
     job = build_job(cfg, mesh, AbstractMesh((dp, 1, tp, ep), sharding.MESH_AXES))
     update, reference = _trainer_temporaries(cfg, job, ici[0] * ici[1] * ici[3], ici[2], ici[3])
-    prefill, decode = _sampler_temporaries(job, dp, tp, ici[2], ici[3])
+    prefill, decode = _sampler_temporaries(job)
     estimates = [("update", update)]
     if job.merged_copy:
         estimates.append(("merge", _merge_temporaries(job)))
@@ -191,7 +191,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
     phases = {
         "update": int(update + batch),
-        "rollout": int(job.merged_copy + job.rollout_copy + max(prefill, decode)),
+        "rollout": int(job.merged_copy + job.rollout_copy + job.kv_cache + max(prefill, decode)),
     }
     if "merge" in functions:
         phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
@@ -200,7 +200,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
     report = Report(
         target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
-        merged_copy=job.merged_copy,
+        merged_copy=job.merged_copy, kv_pool=(job.num_pages, job.sampler_cfg.page_size),
     )  # fmt: skip
     report.estimated = True
     return report
@@ -236,29 +236,73 @@ def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int, expert: 
     return update, reference
 
 
-def _sampler_temporaries(job, dp: int, tp: int, tensor: int, expert: int) -> tuple[float, float]:
-    """Bytes per GPU of the prefill's and the decode's temporaries on the sampler's (dp, tp) mesh (the
-    prefill's widest activation counted split ``tensor`` ways: the trainer mesh's tensor axis)."""
-    m, s = job.model_cfg, job.shape
-    act, P, C = BYTES[m.dtype], s.prompt_length, s.completion_length
-    widest = _layer_sizes(m, expert)[1] / tensor
-    rollout_rows = _share(s.num_prompts * s.num_generations, dp)
-    ends = [*range(s.decode_phase_length or C, C, s.decode_phase_length or C), C]
-    # The prefill's output (G rows per prompt, P + the first phase's slots) beside the prompts' own cache.
-    prefill = job.kv_cache * (P + ends[0] + P / s.num_generations) / (P + C)
-    prefill += _share(s.num_prompts, dp) * s.prompt_length * widest * act
+def sampler_terms(job) -> dict[str, dict[str, float]]:
+    """Bytes per GPU the rollout engine's two programs hold beside their arguments (the params and the page
+    pool, donated and updated in place) at their largest moment, term by term: {"prefill": {term: bytes},
+    "decode": {term: bytes}}; each program's temporaries are the sum of its terms.
+
+    The programs are those ``engine.abstract_programs`` compiles (``grpax.sampler.decode``). ``admit`` prefills
+    N = batch_size prompts (rounded up to a power of two) of P = max_prompt_length tokens into a dense cache
+    (the model's activation constraints split the prompts over the rollout mesh's data axes where they divide),
+    then writes each layer's keys and values into the pages for each of the G completions (the pool is
+    replicated over the data axes: every chip writes every page, so it holds all N x G x P of one layer: the
+    values written, and their keys and values stacked by ``write_pages``), and samples the first tokens (the
+    N x G rows' float32 logits, replicated). Its largest moment is the write or the sampling, whichever holds
+    more. ``decode`` runs S = ``decode_slots`` slots (split over the data axes where they divide) over page
+    tables of ``pages_per_sequence`` pages: the XLA paged attention gathers one layer's pages of every slot and
+    splits them into keys and values (two copies), or the step's logits and the sampling's float32 copies (three),
+    whichever is more; beside them a copy of weights wider than the compute dtype (``prepare_decode``) and the
+    call's per-step outputs. Heads are split over the ``tensor`` axis as the pool's are.
+    """
+    m, sc, s = job.model_cfg, job.sampler_cfg, job.shape
+    act, V, L = BYTES[m.dtype], m.vocab_size, m.num_layers
+    mesh = dict(job.rollout_mesh.shape)
+    rows_ways, tensor = mesh["data"] * mesh["fsdp"] * mesh["expert"], mesh["tensor"]
+    G, P = s.num_generations, sc.max_prompt_length
+    N = 1 << (s.num_prompts - 1).bit_length()
+    S = _share(sc.decode_slots(s.num_prompts * G), rows_ways)
+    # the pool's bytes per token of one layer on a chip (its keys and values, heads split as the pool's)
+    per_token = job.kv_cache / (job.num_pages * sc.page_size * L)
+    widest = _layer_sizes(m, mesh["expert"])[1] / tensor
+    prompts = _share(N, rows_ways)
+    cache = prompts * P * per_token * L
+    forward = cache + prompts * P * (widest + 2 * m.hidden_dim) * act
+    write = cache + 2 * N * G * P * per_token
+    sampling = 3 * N * G * V * 4
+    prefill = {"prompts' dense cache (all layers)": cache}
+    if write - cache >= max(sampling, forward - cache):
+        prefill["one layer's keys and values for every completion, twice (the write)"] = write - cache
+    elif sampling >= forward - cache:
+        prefill["first tokens' logits, three float32 copies (the sampling)"] = sampling
+    else:
+        prefill["one layer's activations (the forward)"] = forward - cache
     # The decode reads each layer's weights in place; only weights wider than the compute dtype that reached
     # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
     quantised = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731  (QLoRA's: read as they are)
-    decode = sum(
+    rounded = sum(
         compile_check.per_chip_bytes([x]) * act / x.dtype.itemsize
         for x in jax.tree.leaves(job.rollout_params, is_leaf=quantised)
         if not quantised(x) and x.dtype.itemsize > act
     )
-    decode += job.kv_cache * rollout_cache_slots(P, C, s.decode_phase_length) / (P + C)
-    # The rows' logits (float32): three at each step, and the prefill's first-token logits the caller keeps.
-    decode += 4 * rollout_rows * math.ceil(m.vocab_size / tp) * 4
-    return prefill, decode
+    logits = 3 * S * V * 4
+    gathered = 0.0
+    if not job.sampler_backend.reads_filled_pages:
+        gathered = 2 * S * sc.pages_per_sequence() * sc.page_size * per_token
+    decode = {
+        "weights rounded to the compute dtype (prepare_decode)": rounded,
+        "per-step outputs (tokens, logprobs, flags)": S * sc.decode_steps_per_call * 10,
+    }
+    if gathered > logits:
+        decode["one layer's pages gathered for every slot, twice (the attention)"] = gathered
+    else:
+        decode["the step's logits, three float32 copies (the sampling)"] = logits
+    return {"prefill": prefill, "decode": decode}
+
+
+def _sampler_temporaries(job) -> tuple[float, float]:
+    """Bytes per GPU of the prefill's and the decode's temporaries (``sampler_terms`` summed)."""
+    terms = sampler_terms(job)
+    return sum(terms["prefill"].values()), sum(terms["decode"].values())
 
 
 def _merge_temporaries(job) -> float:

@@ -265,9 +265,14 @@ def _adapted_array(w) -> bool:
 
 
 def _param_devices(params: Params) -> set | None:
-    """The devices holding the params (numpy leaves: the default device); None while they are traced."""
+    """The devices holding the params (numpy leaves: the default device); None while they are traced or placed on
+    a ``jax.sharding.AbstractMesh`` (the planner's NVIDIA estimate: no devices)."""
     leaves = jax.tree.leaves(params)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+
+    def abstract(x) -> bool:
+        return isinstance(getattr(getattr(x, "sharding", None), "mesh", None), jax.sharding.AbstractMesh)
+
+    if any(isinstance(x, jax.core.Tracer) or abstract(x) for x in leaves):
         return None
     return set().union(
         *(x.sharding.device_set if hasattr(x, "sharding") else {jax.devices()[0]} for x in leaves)

@@ -150,6 +150,11 @@ class SamplerConfig:
         """The smallest bucket >= ``length`` tokens."""
         return next(b for b in self.buckets() if b >= length)
 
+    def decode_slots(self, num_sequences: int) -> int:
+        """Decode slots of an engine given ``num_sequences`` to run at once (a GRPO rollout's batch_size x G):
+        ``max_num_seqs``, or that many where it is 0."""
+        return self.max_num_seqs or num_sequences
+
     def pages_per_sequence(self) -> int:
         """Pages of a sequence of max_prompt_length + max_completion_length tokens (the page table's width)."""
         return -(-(self.max_prompt_length + self.max_completion_length) // self.page_size)
@@ -240,6 +245,40 @@ def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
     return backend.prepare_decode(params, cfg, num_slots)
 
 
+def pool_pages(sampler_cfg: SamplerConfig, num_slots: int) -> int:
+    """Pages in the KV pool of an engine of ``num_slots`` decode slots: ``num_pages``, or where it is 0 one scratch
+    page and ``pages_per_sequence`` for every slot (each can hold max_prompt_length + max_completion_length
+    tokens: the static engine's memory). ``Engine``, ``abstract_programs`` and the planner
+    (``grpax.plan.compile_check``) all size the pool here."""
+    sc = sampler_cfg
+    return sc.num_pages or 1 + num_slots * sc.pages_per_sequence()
+
+
+def _pool(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int):
+    """(the function that builds the zero page pools, where they are placed): the backend's layout of
+    ``num_pages`` pages of ``page_size`` tokens in ``cache_dtype`` (default the model's dtype)."""
+    sc = sampler_cfg
+    dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
+    init = functools.partial(backend.init_pages, cfg, num_pages, sc.page_size, dtype)
+    return init, _pool_sharding(params, cfg, backend)
+
+
+def abstract_pool(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int):
+    """The page pools ``Engine`` allocates, as ``jax.ShapeDtypeStruct``s placed as it places them (the params'
+    mesh and the backend's ``page_spec``): what ``abstract_programs`` compiles with and the planner sizes.
+
+    Args:
+      params: the rollout's params, concrete or ``jax.ShapeDtypeStruct`` with shardings (a device mesh or an
+        ``AbstractMesh``).
+      backend: ``select_backend``'s choice (its ``init_pages`` and ``page_spec``).
+      num_pages: ``pool_pages``.
+    """
+    init, sharding = _pool(params, cfg, sampler_cfg, backend, num_pages)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(init)
+    )
+
+
 def _pool_sharding(params: Params, cfg: ModelConfig, backend):
     """Where the page pools live: the params' devices, over their mesh as the backend places them (None: the
     default device)."""
@@ -277,15 +316,9 @@ def abstract_programs(
     sc, G = sampler_cfg, num_generations
     backend = routing_backend(backend, cfg, sc)
     N = 1 << (num_prompts - 1).bit_length()
-    S, P, V = sc.max_num_seqs or num_prompts * G, sc.max_prompt_length, cfg.vocab_size
-    num_pages = sc.num_pages or 1 + S * sc.pages_per_sequence()
-    sharding = _pool_sharding(params, cfg, backend)
+    S, P, V = sc.decode_slots(num_prompts * G), sc.max_prompt_length, cfg.vocab_size
+    pages = abstract_pool(params, cfg, sc, backend, pool_pages(sc, S))
     replicated = _pool_sharding(params, cfg, _Replicated())
-    dtype = jnp.dtype(sc.cache_dtype or cfg.dtype)
-    init = functools.partial(backend.init_pages, cfg, num_pages, sc.page_size, dtype)
-    pages = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), jax.eval_shape(init)
-    )
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     key_impl = jax.config.jax_default_prng_impl  # read, not run: the default backend may be compile-only
 
@@ -480,9 +513,9 @@ class Engine:
         sc = self.sc = sampler_cfg
         self.cfg = cfg
         self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
-        self.num_slots = sc.max_num_seqs or num_slots
+        self.num_slots = sc.decode_slots(num_slots)
         self.table_width = sc.pages_per_sequence()
-        num_pages = sc.num_pages or 1 + self.num_slots * self.table_width
+        num_pages = pool_pages(sc, self.num_slots)
         if num_pages < 1 + self.table_width:
             raise ValueError(
                 f"num_pages={num_pages} holds no sequence of max_prompt_length + max_completion_length = "
@@ -509,10 +542,8 @@ class Engine:
         self.update_params(params, version)
 
     def _init_pages(self, params: Params, num_pages: int):
-        """The backend's page pools, zeros, on the params' devices (replicated over a mesh)."""
-        sharding = _pool_sharding(params, self.cfg, self.backend)
-        dtype = jnp.dtype(self.sc.cache_dtype or self.cfg.dtype)
-        init = functools.partial(self.backend.init_pages, self.cfg, num_pages, self.sc.page_size, dtype)
+        """The backend's page pools, zeros, on the params' devices (over their mesh as ``abstract_pool`` says)."""
+        init, sharding = _pool(params, self.cfg, self.sc, self.backend, num_pages)
         return jax.jit(init, out_shardings=sharding)()
 
     def update_params(self, params: Params, version: int) -> None:
