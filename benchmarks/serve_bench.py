@@ -13,7 +13,7 @@ model's stop tokens: the same prompt ids and settings in every arm. Arms:
 
 Every engine arm first runs the same pass untimed (its compiles); the server instead runs its own warm-up at
 start (``EngineWorker.warmup``, what ``grpax serve warmup=true`` does: every prompt bucket x prompt count and slot
-count of the greedy and default rules; its seconds are reported as ``warmup_s``), or with ``--serve_warm_pass``
+count of both sampling programs, the default rule's and the per-row one; its seconds are reported as ``warmup_s``), or with ``--serve_warm_pass``
 the untimed pass as well. JAX's compile seconds left in the timed pass are reported (``compile_s``). Reported per arm: requests/s, completion tokens/s, p50 and p99 request latency (seconds), and
 whether its completions equal the engine's. Results go to ``--json_out`` and a markdown table is printed.
 

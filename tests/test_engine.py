@@ -595,3 +595,121 @@ def test_the_engines_pool_is_the_one_the_planner_sizes(params, backend):
         itemsize = 2 if "cache_dtype" in keys else 4
         hand = L * pages * sc.page_size * 2 * K * H * itemsize  # k and v of every page, every layer
         assert sum(x.nbytes for x in real) == per_chip_bytes(planned) == hand, keys
+
+
+# Per-request settings (Engine.submit): each rule's keyword arguments; the engine's own rule is temperature 1.0.
+RULES = [
+    dict(temperature=0.7),
+    dict(greedy=True),
+    dict(temperature=1.3, top_k=5),
+    dict(temperature=0.9, top_p=0.8),
+    dict(),
+]
+
+
+def test_a_row_in_a_batch_of_mixed_rules_samples_what_a_batch_all_of_its_rule_samples(params):
+    """Requests of five sampling rules share one engine (one prefill, the same decode calls): each row gets the
+    tokens it gets when its whole batch uses its rule (same key, same row ids): bit for bit against such a batch
+    (through the same per-row program), and token for token against ``generate`` with the rule as the engine's
+    (its static program; the logprobs there may differ in the last float32 bit: XLA fuses a static temperature's
+    scaling differently). ``tests/test_sampling.py`` compares the two programs' sampling on many more rules."""
+    sc = _sc(greedy=False, temperature=1.0, num_pages=64)  # room for every row at once
+    engine = Engine(params, CFG, sc, num_slots=len(RULES) * len(PROMPTS))
+    mixed = [engine.submit(PROMPTS, jax.random.key(10 + i), **rule) for i, rule in enumerate(RULES)]
+    engine.run()
+    assert engine.stats["prefills"] == 1  # every request's prompts in one prefill, then the same decode calls
+    outs = [request.output(0) for request in mixed]
+    uniform = Engine(params, CFG, sc, num_slots=len(PROMPTS))
+    for i, (rule, out) in enumerate(zip(RULES, outs, strict=True)):
+        request = uniform.submit(PROMPTS, jax.random.key(10 + i), **rule)
+        uniform.run()
+        _same(out, request.output(0))
+    # temperature 1.3 with top-k 5: the static program scales by a constant and takes lax.top_k's threshold
+    static = generate(params, PROMPTS, CFG, _sc(greedy=False, **RULES[2]), jax.random.key(12))
+    np.testing.assert_array_equal(outs[2].completion_ids, static.completion_ids)
+    np.testing.assert_allclose(outs[2].logprobs, static.logprobs, rtol=0, atol=2e-6)
+    # the rules really sample differently: the greedy rows are the full forward's argmax, the others depart
+    greedy = outs[1].completion_ids
+    for i, prompt in enumerate(PROMPTS):
+        np.testing.assert_array_equal(greedy[i], _full_logits(params, prompt, greedy[i]).argmax(-1))
+    assert all((out.completion_ids != greedy).any() for out in outs[:1] + outs[2:])
+    # the top-k 5 rows drew among their 5 most likely tokens, with the logprobs of those 5 renormalised
+    for i, prompt in enumerate(PROMPTS):
+        chosen = outs[2].completion_ids[i]
+        scaled = _full_logits(params, prompt, chosen) / 1.3
+        kept = scaled >= np.sort(scaled, axis=-1)[:, -5:-4]
+        assert kept[np.arange(C), chosen].all()
+        filtered = _log_softmax(np.where(kept, scaled, -np.inf))
+        np.testing.assert_allclose(outs[2].logprobs[i], filtered[np.arange(C), chosen], atol=1e-4)
+
+
+def test_each_request_ends_at_its_own_max_completion_length_in_a_shared_batch(params):
+    """A request of 5 tokens per row and one of the engine's 12, with the same key, decode together: the short
+    rows end at 5 ("length"), each the first 5 tokens (and logprobs) of its 12-token twin; the others run to 12,
+    the rollout ``generate`` samples."""
+    sc = _sc(greedy=False, temperature=1.0)
+    engine = Engine(params, CFG, sc, num_slots=2 * len(PROMPTS))
+    short = engine.submit(PROMPTS, jax.random.key(3), max_completion_length=5)
+    full = engine.submit(PROMPTS, jax.random.key(3))
+    engine.run()
+    a, b = short.output(0), full.output(0)
+    assert a.completion_ids.shape == (4, 5) and b.completion_ids.shape == (4, C)
+    np.testing.assert_array_equal(a.lengths, 5)
+    np.testing.assert_array_equal(b.lengths, C)
+    assert a.finish_reason == b.finish_reason == ["length"] * 4
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids[:, :5])
+    np.testing.assert_array_equal(a.logprobs, b.logprobs[:, :5])
+    _same(b, generate(params, PROMPTS, CFG, sc, jax.random.key(3)))
+
+
+def test_new_sampling_rules_and_length_limits_compile_nothing(params):
+    """Rules and limits are data: after one request of a rule other than the engine's, requests of new
+    temperatures, top-k / top-p, greedy and shorter limits run the programs already compiled."""
+    engine = Engine(params, CFG, _sc(greedy=False, temperature=1.0), num_slots=len(PROMPTS))
+    engine.run(engine.submit(PROMPTS, jax.random.key(0), temperature=0.5))
+    compiles = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        rules = [
+            dict(temperature=0.8),
+            dict(greedy=True),
+            dict(temperature=1.7, top_k=3, top_p=0.9),
+            dict(temperature=0.3, top_p=0.5, max_completion_length=4),
+        ]
+        for i, rule in enumerate(rules):
+            request = engine.submit(PROMPTS, jax.random.key(i), **rule)
+            engine.run(request)
+            assert request.done
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(max_completion_length=C + 1),
+            f"max_completion_length={C + 1}: expected an integer in 1..{C} tokens",
+        ),
+        (dict(max_completion_length=0), f"max_completion_length=0: expected an integer in 1..{C} tokens"),
+        (dict(max_completion_length=2.5), f"max_completion_length=2.5: expected an integer in 1..{C} tokens"),
+        (dict(temperature=0.0), "temperature=0.0 must be > 0 (use greedy=true for argmax)"),
+        (dict(temperature=-1.0), "temperature=-1.0 must be > 0 (use greedy=true for argmax)"),
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(top_k=-1), "top_k=-1 must be >= 0"),
+        (dict(top_k=2.5), "top_k=2.5 must be an integer"),
+    ],
+)
+def test_bad_per_request_settings_are_refused_in_one_line_and_queue_nothing(params, kwargs, message):
+    engine = Engine(params, CFG, _sc(greedy=False), num_slots=4)
+    with pytest.raises(ValueError) as e:
+        engine.submit(PROMPTS, jax.random.key(0), **kwargs)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    assert not engine.busy

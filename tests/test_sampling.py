@@ -144,3 +144,86 @@ def test_top_k_on_a_gpu_sorts_no_vocabulary_sized_row():
     }
     assert sorted(top_k_inputs["cuda"]) == ["4x1600xf32", "4x4008xf32"], top_k_inputs
     assert top_k_inputs["cpu"] == ["4x128256xf32"], top_k_inputs
+
+
+def test_bisection_threshold_is_the_sorted_kth_value_with_each_rows_own_k():
+    # The per-row top-k threshold (bisection over the float32 order) against lax.top_k's k-th value, bit for bit,
+    # on spread logits, heavy ties, tokens already at -inf and the top k crowded into one block.
+    rng = np.random.default_rng(1)
+    V = 5003
+    spread = 3.0 * rng.standard_normal((6, V))
+    ties = np.round(2.0 * rng.standard_normal((6, V)))
+    filtered = np.where(rng.random((6, V)) < 0.9, -np.inf, spread)
+    crowded = spread.copy()
+    crowded[:, 64:96] = 50.0 + np.arange(32)
+    ks = np.array([1, 7, 50, 77, 400, V - 1], np.int32)
+    for logits in (spread, ties, filtered, crowded):
+        logits = jnp.asarray(logits, jnp.float32)
+        got = np.asarray(sampling._kth_largest_by_bisection(logits, jnp.asarray(ks)))
+        for b, k in enumerate(ks.tolist()):
+            np.testing.assert_array_equal(got[b], sampling._kth_largest_by_sort(logits[b : b + 1], k)[0])
+
+
+def test_per_row_filters_equal_the_scalar_filters_row_by_row():
+    # Each row of filter_logits_per_row is filter_logits of that row with its settings, bit for bit (the kept
+    # tokens and their scaled values), whether every row asks the static k (lax.top_k's path) or not (bisection).
+    logits = 3.0 * jax.random.normal(jax.random.key(2), (6, 5003))
+    settings = [(0.7, 0, 1.0), (1.0, 50, 1.0), (1.3, 0, 0.9), (0.9, 20, 0.95), (0.5, 1, 1.0), (1.0, 0, 1.0)]
+    temperature, top_k, top_p = (jnp.asarray(column) for column in zip(*settings, strict=True))
+    per_row = jax.jit(sampling.filter_logits_per_row, static_argnums=4)
+    for static_k in (0, 50):
+        got = np.asarray(
+            per_row(logits, temperature.astype(jnp.float32), top_k, top_p.astype(jnp.float32), static_k)
+        )
+        for b, (t, k, p) in enumerate(settings):
+            want = jax.jit(sampling.filter_logits, static_argnums=(1, 2, 3))(logits[b : b + 1], t, k, p)
+            np.testing.assert_array_equal(got[b : b + 1], want, err_msg=f"row {b}: {(t, k, p)}")
+    # every row asking the static k: lax.top_k's path, the same tokens
+    same_k = jnp.full((6,), 50, jnp.int32)
+    ones = jnp.ones((6,), jnp.float32)
+    got = np.asarray(per_row(logits, ones, same_k, ones, 50))
+    np.testing.assert_array_equal(got, sampling.apply_top_k(logits, 50))
+    assert (np.isfinite(got).sum(-1) == 50).all()
+
+
+def test_the_per_row_program_samples_each_row_as_the_static_program_of_its_rule():
+    # grpax.sampler.decode.sample on S rows of mixed rules (read as data) against the static program of each row's
+    # rule (its SamplerConfig's fields, the GRPO rollout's program): the same tokens, row by row, and the same
+    # logprobs to float32 rounding (XLA fuses the static temperature's scaling into the draw and the logprobs).
+    from grpax.sampler.decode import RULE_FIELDS, sample
+    from grpax.sampler.engine import SamplerConfig, SamplingRule
+
+    S, V = 12, 4096
+    logits = 4.0 * jax.random.normal(jax.random.key(5), (S, V))
+    keys = jax.random.split(jax.random.key(6), S)
+    n, rows = jnp.arange(S) + 3, jnp.arange(S)
+    configs = [
+        SamplerConfig(temperature=0.7),
+        SamplerConfig(greedy=True),
+        SamplerConfig(temperature=1.3, top_k=5),
+        SamplerConfig(temperature=0.9, top_p=0.8),
+        SamplerConfig(temperature=0.8, top_k=50, top_p=0.95),
+        SamplerConfig(temperature=1.0),
+    ] * 2
+    rules = [SamplingRule.of(c) for c in configs]
+    rule = {
+        name: jnp.asarray(column, dtype)
+        for name, column, dtype in zip(
+            RULE_FIELDS, zip(*rules, strict=True), (jnp.float32, jnp.int32, jnp.float32), strict=True
+        )
+    }
+    per_row = jax.jit(sample, static_argnums=4)
+    for static_k in (
+        0,
+        50,
+    ):  # the per-row program's top-k: bisection for all rows, or lax.top_k where all ask 50
+        token, logprob = per_row(logits, keys, n, rows, SamplerConfig(top_k=static_k), rule)
+        for s, sc in enumerate(configs):
+            want_token, want_logprob = per_row(logits, keys, n, rows, sc)
+            assert int(token[s]) == int(want_token[s]), (s, sc)
+            np.testing.assert_allclose(logprob[s], want_logprob[s], rtol=0, atol=2e-6)
+    same_k = {**rule, "top_k": jnp.full((S,), 50, jnp.int32), "temperature": jnp.full((S,), 0.8, jnp.float32)}
+    same_k["top_p"] = jnp.full((S,), 0.95, jnp.float32)
+    token, _ = per_row(logits, keys, n, rows, SamplerConfig(top_k=50), same_k)
+    np.testing.assert_array_equal(token, per_row(logits, keys, n, rows, configs[4])[0])
+    assert len(set(np.asarray(token).tolist())) > 1

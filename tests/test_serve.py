@@ -443,8 +443,8 @@ def test_a_harness_on_the_server_writes_completions_that_grpax_evaluate_scores(
 
 
 def test_requests_with_different_sampling_rules_each_get_their_own_rule(client, model):
-    """The engine samples one rule at a time: a request with another rule waits for the running ones, then runs
-    under its own (its rows equal the engine's under that rule)."""
+    """Concurrent requests of three rules: each runs under its own (its rows equal the engine's under that
+    rule)."""
     prompt = [1, 17, 402, 9, 33, 5]
     rules = [dict(temperature=0), dict(temperature=0.7, seed=3), dict(temperature=1.0, top_p=0.8, seed=4)]
     results = [None] * len(rules)
@@ -468,6 +468,73 @@ def test_requests_with_different_sampling_rules_each_get_their_own_rule(client, 
         out = _engine(model, prompt, key, max_completion_length=24, **rule)
         assert r.choices[0].token_ids == out.completion_ids[0, : out.lengths[0]].tolist()
     assert len({tuple(r.choices[0].token_ids) for r in results}) == 3
+
+
+def test_requests_of_different_temperatures_share_one_batch_and_each_gets_its_solo_rows(
+    client, server, model, monkeypatch
+):
+    """Three requests (temperatures 0.6 and 1.4, and greedy) held until all three are queued, then admitted
+    together: one prefill for the three prompts, the same decode calls, and each gets exactly the tokens it gets
+    alone (its rows sampled by its own rule inside the shared batch; the logprobs to float32 rounding), which
+    are the engine's under that rule."""
+    worker = server.worker
+    prompt = [1, 17, 402, 9, 33, 5]
+    rules = [dict(temperature=0.6), dict(temperature=1.4), dict(temperature=0)]
+
+    def ask(i):
+        return client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=24,
+            seed=21,
+            logprobs=0,
+            extra_body={"return_token_ids": True},
+            **rules[i],
+        ).choices[0]
+
+    solo = [ask(i) for i in range(len(rules))]
+    held, release = threading.Event(), threading.Event()
+    handle = worker._handle
+
+    def hold_then_handle(command):  # the loop takes no submission until the three are queued
+        if command[0] == "hold":
+            held.set()
+            release.wait(60)
+        else:
+            handle(command)
+
+    monkeypatch.setattr(worker, "_handle", hold_then_handle)
+    prefills, peak = worker.engine.stats["prefills"], worker.stats["peak_rows"]
+    worker.stats["peak_rows"] = 0
+    worker.commands.put(("hold",))
+    assert held.wait(60)
+    together = [None] * len(rules)
+
+    def ask_into(i):
+        together[i] = ask(i)
+
+    threads = [threading.Thread(target=ask_into, args=(i,)) for i in range(len(rules))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while worker.commands.qsize() < len(rules) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join()
+    assert worker.engine.stats["prefills"] == prefills + 1  # the three prompts in one prefill: one batch
+    assert worker.stats["peak_rows"] == len(rules)
+    worker.stats["peak_rows"] = max(peak, len(rules))
+    engine_rules = [dict(temperature=0.6), dict(temperature=1.4), dict(greedy=True)]
+    for alone, shared, rule in zip(solo, together, engine_rules, strict=True):
+        assert shared.token_ids == alone.token_ids
+        # the first token's logprob comes from a prefill of 1 prompt alone, of 3 together: float32 rounding apart
+        np.testing.assert_allclose(
+            shared.logprobs.token_logprobs, alone.logprobs.token_logprobs, rtol=0, atol=2e-6
+        )
+        out = _engine(model, prompt, jax.random.key(21), max_completion_length=24, **rule)
+        assert shared.token_ids == out.completion_ids[0, : out.lengths[0]].tolist()
+    assert len({tuple(c.token_ids) for c in together}) == 3
 
 
 def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
@@ -509,7 +576,8 @@ def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err  # uvicorn's graceful shutdown, then the engine loop's
     assert "Finished server process" in err and "Traceback" not in err
-    assert "warm-up: 6 prefills" in err  # warmup=true by default: 2 rules x bucket 64 x prompt counts 1, 2, 4
+    # warmup=true by default: 2 sampling programs (the engine's rule, any other) x bucket 64 x prompt counts 1, 2, 4
+    assert "warm-up: 6 prefills" in err
 
 
 def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, model, checkpoint, tmp_path):
@@ -549,9 +617,9 @@ def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, mode
 
 
 def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(model):
-    """The warm-up runs every shape a default or greedy request meets (prompt buckets x prompt counts, slot
-    counts), so requests arriving at different times with prompts of 3..120 tokens and different max_tokens
-    trigger no JAX compile."""
+    """The warm-up runs every shape a request meets (prompt buckets x prompt counts, slot counts, both sampling
+    programs), so requests arriving at different times with prompts of 3..120 tokens, different max_tokens and
+    any sampling rule (greedy, temperatures, top-p, top-k) trigger no JAX compile."""
     from grpax.serve.worker import bucket_lengths, slot_counts
 
     assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
@@ -561,7 +629,7 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
         128, 12, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=4, page_size=16
     )
     worker = EngineWorker(params, cfg, sc)
-    assert worker.warmup() == 2 * 2 * 3  # 2 rules x buckets (64, 128) x prompt counts (1, 2, 4)
+    assert worker.warmup() == 2 * 2 * 3  # 2 sampling programs x buckets (64, 128) x prompt counts (1, 2, 4)
     compiles = []
 
     def count(event, duration, **_):
@@ -582,10 +650,11 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
             results[i] = client.completions.create(
                 model="tiny",
                 prompt=prompts[i],
-                temperature=[0, 1][i % 2],
+                temperature=[0, 1, 0.7][i % 3],
+                top_p=[1.0, 0.9][i % 2],
                 seed=i,
+                extra_body={"return_token_ids": True, "top_k": [0, 0, 0, 40][i % 4]},
                 max_tokens=2 + i % 11,
-                extra_body={"return_token_ids": True},
             )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]

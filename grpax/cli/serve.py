@@ -25,8 +25,10 @@ DESCRIPTION = (
     "continuously on the engine (max_num_seqs slots); one over max_prefill_predict_length prompt tokens or the "
     "completion budget is refused with a 400. Binds 127.0.0.1 unless host= is set (then api_key= is required). "
     "allow_update_params=true adds POST /v1/update_params {load_parameters_path, version}. warmup=true (the "
-    "default) compiles every prompt bucket x prompt count and slot count of the default and greedy rules before "
-    "the port opens, so that a running server compiles nothing new for them. Needs "
+    "default) compiles every prompt bucket x prompt count and slot count of both sampling programs (the default "
+    "rule's, and the one every other temperature / top_p / top_k shares, greedy included) before the port opens, "
+    "so that a running server compiles nothing new (n > 1: once, at its first request). Requests of any sampling "
+    "settings share the running batch. Needs "
     "pip install 'grpax[serve]'."
 )
 
@@ -62,7 +64,7 @@ class ServeConfig(ModelKeys, RuntimeKeys):
     page_size: int = field(32, "tokens per KV cache page")
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
     warmup: bool = field(
-        True, "compile every prefill and decode shape of the default and greedy rules before serving (n=1)"
+        True, "compile every prefill and decode shape of both sampling programs before serving (n=1)"
     )
 
 

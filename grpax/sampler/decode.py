@@ -24,10 +24,18 @@ import jax.numpy as jnp
 
 from grpax.models.llama import init_cache, logits_from_hidden
 from grpax.models.moe import route_dtype
-from grpax.sampler.sampling import draw_from_uniform, filter_logits, sample_tokens, token_logprobs
+from grpax.sampler.sampling import (
+    draw_from_uniform,
+    filter_logits,
+    filter_logits_per_row,
+    sample_tokens,
+    token_logprobs,
+)
 
 # Why a slot's segment ended (``reason``); RUNNING: it did not.
 RUNNING, STOP, PAUSE, LENGTH, TURN = range(5)
+# A row's sampling rule, one array per field (``sample``).
+RULE_FIELDS = ("temperature", "top_k", "top_p")
 
 
 def row_uniforms(keys: jax.Array, n: jax.Array, rows: jax.Array) -> jax.Array:
@@ -43,18 +51,53 @@ def row_uniforms(keys: jax.Array, n: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def sample(
-    logits: jax.Array, keys: jax.Array, n: jax.Array, rows: jax.Array, sc
+    logits: jax.Array, keys: jax.Array, n: jax.Array, rows: jax.Array, sc, rule: dict | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Token n of each slot from its logits float32 [S, V] with the noise of ``row_uniforms``; returns int32 [S]
     tokens and their float32 [S] log-probabilities under the distribution drawn from (``filter_logits``;
-    greedy: the unfiltered softmax at temperature 1)."""
+    greedy: the unfiltered softmax at temperature 1).
+
+    ``rule`` None: every slot samples by ``sc``'s fields (static: the GRPO rollout's program). Else each slot by
+    its own rule, read as data (one program for every mix of rules): ``rule`` holds float32 ``temperature`` [S]
+    (0 = greedy), int32 ``top_k`` [S] (0 = off) and float32 ``top_p`` [S] (1.0 = off; greedy rows carry top_k 0
+    and top_p 1.0); where every slot is greedy the draw is skipped, where none is the argmax, and top-k takes
+    ``lax.top_k``'s path where every slot asks ``sc.top_k`` (``apply_top_k_per_row``): a per-row call costs about
+    the static one's except for mixes of greedy and sampled rows and of several top-k values
+    (``benchmarks/per_row_sampling.py``, docs/benchmarks.md). A slot's tokens are the same both ways; its logprobs
+    may differ in the last float32 bit (XLA fuses a static temperature's scaling differently).
+    """
     with jax.named_scope("sampling"):  # profiles split it: top_k, top_p, rng, draw, logprobs
+        if rule is not None:
+            return _sample_per_row(logits, keys, n, rows, rule, sc.top_k)
         if sc.greedy:
             token = sample_tokens(logits, None, greedy=True)
             return token, token_logprobs(logits, token)
         scaled = filter_logits(logits, sc.temperature, sc.top_k, sc.top_p)
         token = draw_from_uniform(scaled, row_uniforms(keys, n, rows))
         return token, token_logprobs(scaled, token)
+
+
+def _sample_per_row(logits, keys, n, rows, rule: dict, static_top_k: int) -> tuple[jax.Array, jax.Array]:
+    """``sample`` with each slot's own ``rule``."""
+    greedy = rule["temperature"] == 0.0
+
+    def argmax(logits):
+        token = sample_tokens(logits, None, greedy=True)
+        return token, token_logprobs(logits, token)
+
+    def draw(logits):
+        temperature = jnp.where(greedy, 1.0, rule["temperature"])  # a greedy row's logits unchanged
+        scaled = filter_logits_per_row(logits, temperature, rule["top_k"], rule["top_p"], static_top_k)
+        token = draw_from_uniform(scaled, row_uniforms(keys, n, rows))
+        token = jax.lax.cond(  # XLA:CPU's argmax over V costs about a draw: only where a row is greedy
+            jnp.any(greedy),
+            lambda token: jnp.where(greedy, sample_tokens(logits, None, greedy=True), token),
+            lambda token: token,
+            token,
+        )
+        return token, token_logprobs(scaled, token)
+
+    return jax.lax.cond(jnp.all(greedy), argmax, draw, logits)
 
 
 def admit(
@@ -65,6 +108,7 @@ def admit(
     dest: jax.Array,
     key_data: jax.Array,
     rows: jax.Array,
+    rule: dict | None,
     cfg,
     sampler_cfg,
     num_generations: int,
@@ -82,6 +126,7 @@ def admit(
         pool (padding, and a shared page's copies for g > 0) it is not written.
       key_data: [N * G, ...] each completion's PRNG key data (``jax.random.key_data``, impl ``key_impl``).
       rows: int32 [N * G] each completion's row id (its noise).
+      rule: each completion's sampling rule, [N * G] per field, or None: ``sampler_cfg``'s for all (``sample``).
       cfg, sampler_cfg, num_generations (G), backend, plan, key_impl: static.
 
     Returns:
@@ -98,7 +143,7 @@ def admit(
         pages = backend.write_prompts(pages, cache, dest)
     logits = jnp.repeat(logits_from_hidden(params, last, cfg), num_generations, axis=0)  # [N * G, V]
     keys = jax.random.wrap_key_data(key_data, impl=key_impl)
-    token, logprob = sample(logits, keys, jnp.zeros_like(rows), rows, sampler_cfg)
+    token, logprob = sample(logits, keys, jnp.zeros_like(rows), rows, sampler_cfg, rule)
     routes = routes[0].astype(route_dtype(cfg.num_experts)) if routes else None
     return pages, token, logprob, routes
 
@@ -142,6 +187,7 @@ def decode(
     prepared,
     pages: list,
     slots: dict,
+    rule: dict | None,
     stop_table: jax.Array,
     pause_table: jax.Array,
     exit_after: jax.Array,
@@ -162,6 +208,7 @@ def decode(
         key data), ``page_table`` int32 [S, n_pages], ``forced`` int32 [S, F] (tokens to feed before sampling
         again), ``num_forced`` and ``forced_pos`` int32, ``turn_end`` int32 (n at which a turn's budget ends),
         ``limit`` int32 (n at which the sequence ends), ``pauses`` bool (its segments end at pause tokens).
+      rule: each slot's sampling rule, [S] per field, or None: ``sampler_cfg``'s for all (``sample``).
       stop_table, pause_table: bool [V], the tokens that end a segment (a stop token) or pause it.
       exit_after: int32 []: return once this many segments have ended in this call.
       cfg, sampler_cfg, backend, num_steps, key_impl: static.
@@ -210,7 +257,7 @@ def decode(
         logits, pages, *routes = backend.decode_step(prepared, s["token"], positions, pages, table, cfg)
         with jax.named_scope("record"):
             forcing = active & (s["forced_pos"] < num_forced)
-            sampled, logprob = sample(logits, keys, s["n"], rows, sc)
+            sampled, logprob = sample(logits, keys, s["n"], rows, sc, rule)
             at = jnp.minimum(s["forced_pos"], forced.shape[1] - 1)[:, None]
             token = jnp.where(forcing, jnp.take_along_axis(forced, at, axis=1)[:, 0], sampled)
             model = active & ~forcing

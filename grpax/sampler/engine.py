@@ -19,6 +19,11 @@ forced tokens through the same decode step (``Engine.resume``). ``update_params`
 calls of a running engine (queued and running sequences kept, the KV of those already prefilled recomputed under
 the new weights before they decode on: ``refill``); each token records the version that sampled it, and its
 logprob is exactly that version's.
+Each request may set its own length limit (at most ``max_completion_length``) and sampling (temperature, top-k,
+top-p, greedy; ``Engine.submit``): the programs read every row's limit and rule as data, so requests of any mix
+share decode calls. Where every row of a call samples by the ``SamplerConfig``'s rule (the GRPO rollout, always)
+the programs take it as static, the code they always ran; rows of other rules run a second program per shape
+that reads each row's (``grpax.sampler.decode.sample``): one more compile per shape, none per setting.
 When no sequence waits, the running ones are packed into the smallest of a ladder of slot counts that holds them
 (``retire_rows``, ``slot_counts``: one compile per count), and a call returns as soon as they fit the next count
 down, so the decode's tail runs on few slots. When the pool runs out of
@@ -66,12 +71,16 @@ TRUNCATIONS = ("left", "drop")
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-    """How completions are sampled (hashable: it is a static argument of the compiled programs)."""
+    """How completions are sampled (hashable: it is a static argument of the compiled programs).
+
+    The sampling fields (temperature, top_k, top_p, greedy) and max_completion_length are the defaults of each
+    request, which ``Engine.submit`` may override; the programs read every row's rule as data.
+    """
 
     max_prompt_length: int = 256  # longest prompt in tokens (after truncation)
-    max_completion_length: int = 256  # C: new tokens per row at most
+    max_completion_length: int = 256  # C: new tokens per row at most (a request may ask fewer)
     temperature: float = 1.0  # divides the logits; logprobs are of log_softmax(logits / temperature)
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off (rows asking this k take lax.top_k's path)
     top_p: float = 1.0  # nucleus mass; 1.0 = off
     greedy: bool = False  # argmax decoding (temperature, top_k, top_p ignored; logprobs at temperature 1)
     stop_token_ids: tuple[int, ...] = ()  # a row finishes after emitting any of these (included in the mask)
@@ -118,6 +127,8 @@ class SamplerConfig:
             raise ValueError(f"temperature={self.temperature} must be > 0 (use greedy=true for argmax)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer):
+            raise ValueError(f"top_k={self.top_k!r} must be an integer (tokens kept; 0 = off)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if self.backend not in BACKENDS:
@@ -158,6 +169,26 @@ class SamplerConfig:
     def pages_per_sequence(self) -> int:
         """Pages of a sequence of max_prompt_length + max_completion_length tokens (the page table's width)."""
         return -(-(self.max_prompt_length + self.max_completion_length) // self.page_size)
+
+
+class SamplingRule(NamedTuple):
+    """A request's sampling as the programs read it per row (``grpax.sampler.decode.sample``).
+
+    Attributes:
+      temperature: divides the logits; 0.0 = greedy (argmax, logprobs at temperature 1).
+      top_k: tokens kept; 0 = off (and for greedy).
+      top_p: nucleus mass; 1.0 = off (and for greedy).
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def of(cls, sampler_cfg: SamplerConfig) -> SamplingRule:
+        """The rule of a ``SamplerConfig``'s sampling fields (already validated)."""
+        sc = sampler_cfg
+        return cls(0.0, 0, 1.0) if sc.greedy else cls(float(sc.temperature), int(sc.top_k), float(sc.top_p))
 
 
 class GenerateOutput(NamedTuple):
@@ -304,7 +335,8 @@ def abstract_programs(
     num_generations: int,
 ) -> dict[str, tuple]:
     """The engine's two programs with abstract arguments for ``num_prompts`` x G sequences all in flight (prompts
-    of the largest bucket, the default pool, the widest page table): what a compile check lowers.
+    of the largest bucket, the default pool, the widest page table, every row at ``sampler_cfg``'s sampling rule:
+    the rollout's programs): what a compile check lowers.
 
     Args:
       params: the rollout's params, concrete or ``jax.ShapeDtypeStruct`` with shardings.
@@ -327,7 +359,7 @@ def abstract_programs(
 
     prefill_args = (
         params, pages, spec((N, P)), spec((N,)), spec((N, G, P)), spec((N * G, *key_data.shape), key_data.dtype),
-        spec((N * G,)),
+        spec((N * G,)), None,
     )  # fmt: skip
     prefill_kwargs = dict(
         cfg=cfg, sampler_cfg=sc, num_generations=G, backend=backend, plan=None, key_impl=key_impl
@@ -346,7 +378,7 @@ def abstract_programs(
         prepared = jax.eval_shape(
             _prepare, params, cfg, backend, sc.max_prompt_length + sc.max_completion_length
         )
-    decode_args = (prepared, pages, slots, spec((V,), bool), spec((V,), bool), spec(()))
+    decode_args = (prepared, pages, slots, None, spec((V,), bool), spec((V,), bool), spec(()))
     decode_kwargs = dict(
         cfg=cfg, sampler_cfg=sc, backend=backend, num_steps=sc.decode_steps_per_call, key_impl=key_impl
     )
@@ -398,18 +430,24 @@ class Sequence:
 
 
 class Request:
-    """A batch of prompts submitted together (``Engine.submit``); its sequences are its rows, G per prompt."""
+    """A batch of prompts submitted together (``Engine.submit``); its sequences are its rows, G per prompt, each
+    at most ``limit`` new tokens, sampled by ``rule``."""
 
     def __init__(
-        self, prompts, key_data, key_impl, num_generations, pauses, turn_budget, limit, route_shape=None
+        self,
+        prompts,
+        key_data,
+        key_impl,
+        num_generations,
+        pauses,
+        turn_budget,
+        limit: int,
+        rule: SamplingRule,
+        route_shape=None,
     ):
         self.prompts, self.key_data, self.key_impl = prompts, key_data, key_impl
-        self.num_generations, self.pauses, self.turn_budget, self.limit = (
-            num_generations,
-            pauses,
-            turn_budget,
-            limit,
-        )
+        self.num_generations, self.pauses, self.turn_budget = num_generations, pauses, turn_budget
+        self.limit, self.rule = limit, rule
         G = num_generations
         self.sequences = [Sequence(self, i, prompts[i // G]) for i in range(len(prompts) * G)]
         self.row_steps = 0
@@ -539,6 +577,7 @@ class Engine:
         self.stats = collections.Counter()
         # A decode call returns as soon as a sequence ends while others wait for a slot (else after its steps).
         self.refill_at_once = True
+        self.default_rule = SamplingRule.of(sc)  # a request's rule unless it sets its own (and idle slots')
         self.update_params(params, version)
 
     def _init_pages(self, params: Params, num_pages: int):
@@ -569,9 +608,18 @@ class Engine:
         *,
         pauses: bool = False,
         turn_budget: int = 0,
+        max_completion_length: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        greedy: bool | None = None,
     ) -> Request:
         """Queues G completions of each prompt; returns their ``Request`` (rows grouped, row i answers prompt
         i // G).
+
+        The length limit and the sampling fields are this request's own: its rows share decode calls with
+        other requests' rows of other settings (each row samples by its own rule, as data: nothing compiles per
+        setting). Unset (None), each is the engine's ``SamplerConfig`` value.
 
         Args:
           prompts: N token-id lists, each 1..max_prompt_length tokens (``prepare_prompts`` truncates).
@@ -580,9 +628,15 @@ class Engine:
           pauses: segments end at stop tokens, pause tokens and turn budgets with the sequence paused (its pages
             kept) until ``resume`` or ``finish`` (multi-turn); else a stop token or the length limit ends it.
           turn_budget: tokens per turn at most (pausing sequences; 0 = the length limit).
+          max_completion_length: new tokens per row at most, 1..the engine's max_completion_length.
+          temperature: > 0, divides the logits (logprobs are of the scaled, filtered distribution).
+          top_k: tokens kept, >= 0 (0 = off).
+          top_p: nucleus mass in (0, 1] (1.0 = off).
+          greedy: argmax (temperature, top_k and top_p ignored; logprobs at temperature 1).
 
         Raises:
-          ValueError: an empty prompt or one longer than max_prompt_length.
+          ValueError: an empty prompt or one longer than max_prompt_length; a length limit or sampling value out
+            of range (one line naming the argument); nothing is queued then.
         """
         sc = self.sc
         for i, p in enumerate(prompts):
@@ -591,17 +645,28 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens: expected 1..max_prompt_length={sc.max_prompt_length} "
                     "(prepare_prompts truncates)"
                 )
+        limit = sc.max_completion_length if max_completion_length is None else max_completion_length
+        integer = isinstance(limit, int | np.integer) and not isinstance(limit, bool)
+        if not integer or not 1 <= limit <= sc.max_completion_length:
+            raise ValueError(
+                f"max_completion_length={limit!r}: expected an integer in 1..{sc.max_completion_length} tokens "
+                "(the engine's max_completion_length; build the engine with a larger one for longer rows)"
+            )
+        rule = self.default_rule
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+        given = {name: value for name, value in given.items() if value is not None}
+        if given:  # the SamplerConfig's checks (one line each), on the engine's values with these replaced
+            rule = SamplingRule.of(dataclasses.replace(sc, **given))
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         key_data = np.asarray(distributed.fetch(jax.random.key_data(key)))
-        C = sc.max_completion_length
         route_shape = None
         if getattr(self.backend, "record_routes", False):
             cfg = self.cfg
             route_shape = (cfg.num_layers, cfg.num_experts_per_tok, route_dtype(cfg.num_experts))
         request = Request(
             [list(p) for p in prompts], key_data, str(jax.random.key_impl(key)), num_generations, pauses,
-            turn_budget or C, C, route_shape,
+            turn_budget or int(limit), int(limit), rule, route_shape,
         )  # fmt: skip
         G = num_generations
         for i in range(len(prompts)):
@@ -695,6 +760,18 @@ class Engine:
             batch.append(self.queue.popleft())
         return self._prefill(batch) if batch else []
 
+    def _rules(self, rules: list[SamplingRule], size: int) -> dict[str, np.ndarray] | None:
+        """A program's ``rule`` for rows sampled by ``rules`` (rows past them: the engine's), [size] per field; None
+        where every row's is the engine's (the static program: the GRPO rollout's, unchanged)."""
+        if all(rule == self.default_rule for rule in rules):
+            return None
+        rows = [*rules, *[self.default_rule] * (size - len(rules))]
+        dtypes = (np.float32, np.int32, np.float32)
+        return {
+            name: np.asarray(column, dtype)
+            for name, column, dtype in zip(programs.RULE_FIELDS, zip(*rows, strict=True), dtypes, strict=True)
+        }
+
     def _prompt_pages(self, length: int, count: int) -> int:
         """Pages a prompt of ``length`` tokens takes for ``count`` completions: its full pages (shared when
         count > 1) and each completion's copy of its partial last page."""
@@ -726,6 +803,7 @@ class Engine:
         fn = compiled_admit(self.backend)
         self.pages, token, logprob, routes = fn(
             self.params, self.pages, tokens, lengths, dest, key_data, rows,
+            self._rules([req.rule for req, _, seqs in batch for _ in seqs], N * G),
             cfg=self.cfg, sampler_cfg=sc, num_generations=G, backend=self.backend, plan=plan,
             key_impl=batch[0][0].key_impl,
         )  # fmt: skip
@@ -934,8 +1012,9 @@ class Engine:
         prepared = self._prepared if self.backend.prepares_once else self.params
         fn = compiled_decode(self.backend)
         key_impl = self.running[0].request.key_impl
+        rule = self._rules([seq.request.rule for seq in self.running], S)
         self.pages, out = fn(
-            prepared, self.pages, slots, self.stop_table, self.pause_table, exit_after,
+            prepared, self.pages, slots, rule, self.stop_table, self.pause_table, exit_after,
             cfg=self.cfg, sampler_cfg=sc, backend=self.backend, num_steps=k, key_impl=key_impl,
         )  # fmt: skip
         out = distributed.fetch(out)

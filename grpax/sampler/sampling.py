@@ -10,6 +10,11 @@ the rollout. Without a filter it is the temperature-scaled softmax the trainer s
 by -log(kept mass) at each step (a biased GRPO ratio and KL, which is why training samples unfiltered by
 default).
 
+The ``*_per_row`` variants take each row's own temperature, top-k and top-p as arrays [B] (the engine's rows of
+requests with different settings, one program for all of them): a row keeps exactly the tokens the scalar
+filters keep for it. Per-row top-k finds each row's k-th largest logit by bisection over the float32 order
+(``_kth_largest_by_bisection``) unless every row asks the one static k, which keeps ``apply_top_k``'s path.
+
 On a GPU no step sorts the vocabulary: top-k's threshold comes from the largest logit of each block of
 ``_TOP_K_BLOCK`` tokens (``_kth_largest_by_blocks``; XLA's GPU top-k sorts the whole row for k > 16), top-p's by
 bisection. CPU and TPU keep ``lax.top_k`` for top-k (XLA:CPU's partial top-k measured faster than the blocks
@@ -117,8 +122,8 @@ def apply_top_p(logits: jax.Array, top_p: float) -> jax.Array:
         return _nucleus(logits, top_p)
 
 
-def _nucleus(logits: jax.Array, top_p: float) -> jax.Array:
-    """``apply_top_p`` for top_p < 1."""
+def _nucleus(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
+    """``apply_top_p`` for top_p < 1 (a number, or float32 [B]: each row's)."""
     probs = jax.nn.softmax(logits, axis=-1)
     keys = _sortable(logits)
 
@@ -135,6 +140,63 @@ def _nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     hi = jnp.max(keys, axis=-1)
     _, threshold = jax.lax.fori_loop(0, 33, step, (lo, hi))
     return jnp.where(keys >= threshold[:, None], logits, _NEG_INF)
+
+
+def _kth_largest_by_bisection(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """float32 [B, 1]: the ``top_k[b]``-th largest of each row of ``logits`` [B, V], each row its own k (int32 [B],
+    clipped to 1..V): the largest value whose row holds at least k values >= it, found by bisection over the
+    float32 order (32 counts over V; no sort). The same value as ``_kth_largest_by_sort`` for the same k."""
+    V = logits.shape[-1]
+    k = jnp.clip(top_k, 1, V)
+    keys = _sortable(logits)
+
+    def step(_, bounds):
+        lo, hi = bounds  # invariant: count(keys >= lo) >= k > count(keys >= hi)
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+        enough = jnp.sum(keys >= mid[:, None], axis=-1, dtype=jnp.int32) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1) + 1))
+    bits = jnp.where(lo >= 0, lo, lo ^ jnp.int32(0x7FFFFFFF))  # _sortable's inverse
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)[:, None]
+
+
+def apply_top_k_per_row(logits: jax.Array, top_k: jax.Array, static_top_k: int = 0) -> jax.Array:
+    """``apply_top_k`` with each row's own k: row b keeps its ``top_k[b]`` largest logits (0 or >= V: all).
+
+    Where every row asks ``static_top_k`` (the engine's configured k) this is ``apply_top_k(logits,
+    static_top_k)``; otherwise each row's threshold comes from ``_kth_largest_by_bisection`` (costlier than
+    ``lax.top_k`` on CPU: docs/benchmarks.md). Both thresholds are the row's k-th largest value exactly, so a row
+    keeps the same tokens either way.
+
+    Args:
+      logits: float32 [B, V].
+      top_k: int32 [B] tokens to keep per row.
+      static_top_k: static; the k whose rows take ``apply_top_k``'s path.
+
+    Returns:
+      float32 [B, V]; ties with a row's k-th value are kept.
+    """
+    V = logits.shape[-1]
+
+    def per_row(x):
+        with jax.named_scope("top_k"):
+            off = ((top_k <= 0) | (top_k >= V))[:, None]
+            return jnp.where(off | (x >= _kth_largest_by_bisection(x, top_k)), x, _NEG_INF)
+
+    same = jnp.all(top_k == static_top_k)
+    return jax.lax.cond(same, lambda x: apply_top_k(x, static_top_k), per_row, logits)
+
+
+def apply_top_p_per_row(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``apply_top_p`` with each row's own mass ``top_p`` float32 [B] (1.0: keeps all); skipped where no row
+    filters. The same bisection as ``apply_top_p``, so a row keeps the same tokens as there."""
+
+    def per_row(x):
+        with jax.named_scope("top_p"):
+            return jnp.where((top_p < 1.0)[:, None], _nucleus(x, top_p), x)
+
+    return jax.lax.cond(jnp.any(top_p < 1.0), per_row, lambda x: x, logits)
 
 
 def _pick(weights: jax.Array, u: jax.Array) -> jax.Array:
@@ -160,6 +222,24 @@ def filter_logits(
     """
     scaled = logits.astype(jnp.float32) / temperature
     return apply_top_p(apply_top_k(scaled, top_k), top_p)
+
+
+def filter_logits_per_row(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, static_top_k: int = 0
+) -> jax.Array:
+    """``filter_logits`` with each row's own settings: ``logits / temperature``, then top-k, then top-p.
+
+    Args:
+      logits: float32 [B, V].
+      temperature: float32 [B], each > 0.
+      top_k: int32 [B] (0 = off) and static_top_k as in ``apply_top_k_per_row``.
+      top_p: float32 [B] (1.0 = off).
+
+    Returns:
+      float32 [B, V], dropped tokens at -inf; a row equals ``filter_logits`` of it with its settings.
+    """
+    scaled = logits.astype(jnp.float32) / temperature[:, None]
+    return apply_top_p_per_row(apply_top_k_per_row(scaled, top_k, static_top_k), top_p)
 
 
 def sample_from_uniform(

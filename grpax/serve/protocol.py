@@ -32,7 +32,7 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """One request's sampling rule (a ``SamplerConfig``'s sampling fields; requests are batched per rule).
+    """One request's sampling rule (``Engine.submit``'s per-request sampling fields; any rules share a batch).
 
     ``temperature`` 0 is argmax (greedy); top_k 0 and top_p 1.0 are off.
     """
@@ -46,7 +46,8 @@ class Sampling:
         return self.temperature == 0.0
 
     def sampler_fields(self) -> dict:
-        """These settings as ``SamplerConfig`` fields (greedy ignores the others, so they are fixed)."""
+        """These settings as ``Engine.submit``'s (``SamplerConfig``'s) fields (greedy ignores the others, so they
+        are fixed)."""
         if self.greedy:
             return {"greedy": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
         return {"greedy": False, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}

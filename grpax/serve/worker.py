@@ -6,17 +6,17 @@ submits pending jobs so that new requests join the running batch at the next ste
 free slots: continuous batching), then runs ``Engine.step`` and posts each job's new tokens, logprobs and
 per-token policy versions to its queue (thread-safely, on the server's event loop).
 
-Sampling settings are per engine (``SamplerConfig`` is a static argument of its compiled programs), so jobs are
-grouped by rule: a job whose rule matches the running batch's joins it at once; one with another rule waits
-until the running jobs finish (first come, first served: later jobs do not overtake it), then the engine's
-rule is switched. Each distinct rule compiles its own programs once.
+A job's sampling rule (temperature, top_p, top_k) and ``max_tokens`` are its own (``Engine.submit``'s per-request
+settings): jobs of any mix of rules join the running batch at once, each row sampled by its own rule, read by the
+engine's programs as data. The engine has two programs per shape: every row at its default rule (the
+``SamplerConfig``'s: OpenAI's default, temperature 1) and rows of any other rules, greedy included.
 
 Shapes are bounded so that a running server compiles nothing new (``bounded``): the engine pads prompts to
-power-of-two buckets, its prefills take N prompts rounded up to a power of two (the engine's rule) and a plan
+power-of-two buckets, its prefills take N prompts rounded up to a power of two (as the engine rounds them) and a plan
 that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
 packed-length variants per batch), and its decode runs on a halving of the slots over the whole page table.
-``warmup`` runs every one of those programs once, for the default and the greedy rule, before the server
-takes requests; other rules and ``n`` > 1 compile their programs at their first request.
+``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests;
+``n`` > 1 compiles its programs at its first request.
 
 ``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
 kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
@@ -46,9 +46,6 @@ from grpax.sampler.engine import Engine, SamplerConfig
 from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
 
 logger = logging.getLogger(__name__)
-
-# The rules ``warmup`` compiles by default: OpenAI's default (temperature 1) and greedy (temperature 0).
-WARMUP_RULES = (Sampling(), Sampling(temperature=0.0))
 
 
 def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
@@ -161,7 +158,7 @@ class EngineWorker:
       params: the model params.
       cfg: the model config.
       sampler_cfg: the engine's settings (``max_prompt_length``, ``max_completion_length``, ``max_num_seqs``,
-        stop tokens...); its sampling fields are replaced per group of jobs, its shapes bounded (``bounded``).
+        stop tokens...); its sampling fields are the default rule, its shapes bounded (``bounded``).
       version: the params' version.
     """
 
@@ -173,7 +170,6 @@ class EngineWorker:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
-        self.sampling: Sampling | None = None
         self._thread = threading.Thread(target=self._loop, name="grpax-serve-engine", daemon=True)
         self._stopped = False
         self.stats = {
@@ -210,7 +206,7 @@ class EngineWorker:
             self._thread.join()
 
     def submit(self, job: Job) -> None:
-        """Queues ``job``; it joins the running batch at the next step when its sampling rule matches."""
+        """Queues ``job``; it joins the running batch at the next step, whatever its sampling rule."""
         self.commands.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -229,10 +225,12 @@ class EngineWorker:
         if not done.wait(timeout):
             raise TimeoutError(f"the engine loop did not take params version {version} in {timeout} s")
 
-    def warmup(self, rules: tuple[Sampling, ...] = WARMUP_RULES) -> int:
-        """Runs every prefill and decode program a request of these rules with ``n`` = 1 can meet (each prompt
-        bucket x each prompt count, each slot count), so that serving them compiles nothing. Call it before
-        ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row decodes).
+    def warmup(self) -> int:
+        """Runs every prefill and decode program a request with ``n`` = 1 can meet (each prompt bucket x each
+        prompt count, each slot count, in both sampling programs: rows at the engine's rule, and rows of another
+        rule, which every other rule and mix of rules shares), so that serving them compiles nothing. Call it
+        before ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row
+        decodes).
 
         Returns:
           The prefill calls it ran.
@@ -240,19 +238,19 @@ class EngineWorker:
         if self._thread.is_alive():
             raise RuntimeError("warmup drives the engine: call it before start")
         e = self.engine
-        stop_table, sc, prefills = e.stop_table, e.sc, e.stats["prefills"]
+        stop_table, prefills = e.stop_table, e.stats["prefills"]
         e.stop_table = np.zeros_like(stop_table)
         e.update_params(e.params, e.version)  # the params' preparation for this backend (swaps reuse it)
+        other = {"greedy": not e.sc.greedy}  # a rule other than the engine's: the per-row program
         try:
-            for rule in rules:
-                e.sc = dataclasses.replace(sc, **rule.sampler_fields())
+            for rule in ({}, other):
                 for length in e.sc.buckets():
                     for count in slot_counts(self.num_slots):
-                        request = e.submit([[0] * length] * min(count, self.num_slots), jax.random.key(0))
-                        request.limit = 2  # a prefill's token and one decode call
-                        e.run(request)
+                        prompts = [[0] * length] * min(count, self.num_slots)
+                        # a prefill's token and one decode call
+                        e.run(e.submit(prompts, jax.random.key(0), max_completion_length=2, **rule))
         finally:
-            e.stop_table, e.sc, self.sampling = stop_table, sc, None
+            e.stop_table = stop_table
         return e.stats["prefills"] - prefills
 
     # -- the loop (the worker thread) ------------------------------------------------------------------------
@@ -300,21 +298,20 @@ class EngineWorker:
             done.set()
 
     def _admit(self) -> None:
-        """Submits pending jobs in order while their rule is the engine's (switched when it is idle)."""
+        """Submits the pending jobs, each with its own rule and length limit: they join the running batch."""
         while self.pending:
-            job = self.pending[0]
-            if job.sampling != self.sampling:
-                if self.active:
-                    return  # the running jobs finish first; later jobs do not overtake this one
-                self.engine.sc = dataclasses.replace(self.engine.sc, **job.sampling.sampler_fields())
-                self.sampling = job.sampling
-            self.pending.popleft()
+            job = self.pending.popleft()
             try:
-                job.request = self.engine.submit(job.prompts, jax.random.key(job.seed), job.n)
+                job.request = self.engine.submit(
+                    job.prompts,
+                    jax.random.key(job.seed),
+                    job.n,
+                    max_completion_length=job.max_tokens,
+                    **job.sampling.sampler_fields(),
+                )
             except ValueError as e:  # the server checked the limits; this is a last guard
                 self._post(job, Progress([], done=True, error=str(e)))
                 continue
-            job.request.limit = job.max_tokens  # the engine reads each request's length limit per row
             self.active.append(job)
 
     def _publish(self) -> None:
