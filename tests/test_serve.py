@@ -620,10 +620,11 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
     """The warm-up runs every shape a request meets (prompt buckets x prompt counts, slot counts, both sampling
     programs), so requests arriving at different times with prompts of 3..120 tokens, different max_tokens and
     any sampling rule (greedy, temperatures, top-p, top-k) trigger no JAX compile."""
-    from grpax.serve.worker import bucket_lengths, slot_counts
+    from grpax.serve.worker import bucket_lengths, prompt_counts
 
     assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
-    assert slot_counts(32) == [1, 2, 4, 8, 16, 32] and slot_counts(24) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert prompt_counts(32) == [1, 2, 4, 8, 16, 32] and prompt_counts(24) == [1, 2, 4, 8, 16, 24]
+    assert prompt_counts(3) == [1, 2, 3] and prompt_counts(1) == [1]
     params, cfg, tokenizer, _ = model
     sc = sampler_config(
         128, 12, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=4, page_size=16
@@ -669,6 +670,41 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
     # Whether these requests overlapped depends on the machine's speed (a quiet one finishes each before the next
     # arrives); sharing the batch is test_concurrent_requests_share_the_batch_...'s claim, this test's is that nothing compiles.
     assert compiles == []
+
+
+def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monkeypatch):
+    """With 12 slots the engine decodes on 12, 10, 8, 6, 4, 2 and 1 (``slot_counts``, not only the halvings):
+    the warm-up runs the decode on each of them and each prefill shape (power-of-two prompt counts, 12) once per
+    sampling program; a server whose warm-up missed 10 compiled that decode while serving."""
+    import grpax.sampler.engine as engine_module
+    from grpax.serve.worker import warmup_counts
+
+    assert warmup_counts(32) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
+    params, cfg, tokenizer, _ = model
+    sc = sampler_config(64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16)
+    seen = {"decode": [], "admit": []}
+
+    def spy(kind, compiled):
+        def wrap(backend):
+            fn = compiled(backend)
+
+            def call(*args, **kwargs):
+                rows = args[2]["token"] if kind == "decode" else args[2]  # slots' tokens [S], prompts [N, P]
+                seen[kind].append((rows.shape[0], args[3] is None if kind == "decode" else args[7] is None))
+                return fn(*args, **kwargs)
+
+            return call
+
+        return wrap
+
+    monkeypatch.setattr(engine_module, "compiled_decode", spy("decode", engine_module.compiled_decode))
+    monkeypatch.setattr(engine_module, "compiled_admit", spy("admit", engine_module.compiled_admit))
+    worker = EngineWorker(params, cfg, sc)
+    assert worker.warmup() == 2 * 7  # 2 sampling programs x the counts 1, 2, 4, 6, 8, 10, 12 (one bucket)
+    for static in (True, False):  # the engine's rule's program and the per-row one
+        decoded = {S for S, s in seen["decode"] if s == static}
+        assert decoded == set(engine_module.slot_counts(12)) == {12, 10, 8, 6, 4, 2, 1}
+        assert {N for N, s in seen["admit"] if s == static} == {1, 2, 4, 8, 16}
 
 
 def _serve_one(params, cfg, tokenizer, sc, prompt):

@@ -43,6 +43,7 @@ from grpax.models import llama
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.engine import Engine, SamplerConfig
+from grpax.sampler.engine import slot_counts as engine_slot_counts
 from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
 
 logger = logging.getLogger(__name__)
@@ -57,20 +58,16 @@ def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
     return (*buckets, max_prompt_length)
 
 
-def slot_counts(num_slots: int) -> list[int]:
-    """The prompt counts a prefill may take (powers of two up to the first >= ``num_slots``) and the slot counts
-    a decode may run on (``num_slots`` halved while even), ascending."""
-    counts, c = {num_slots}, 1
-    while c < 2 * num_slots:
-        counts.add(c)
-        if c >= num_slots:
-            break
-        c *= 2
-    s = num_slots
-    while s % 2 == 0:
-        s //= 2
-        counts.add(s)
-    return sorted(counts)
+def prompt_counts(num_slots: int) -> list[int]:
+    """The prompt counts whose prefills the warm-up runs: powers of two below ``num_slots``, then ``num_slots``
+    (the engine rounds a prefill's prompts up to a power of two: these cover every prefill shape), ascending."""
+    return [*(1 << i for i in range((num_slots - 1).bit_length())), num_slots]
+
+
+def warmup_counts(num_slots: int) -> list[int]:
+    """The prompt counts the warm-up submits at once: ``prompt_counts`` and every slot count the engine's decode
+    may run on (``grpax.sampler.engine.slot_counts``: 32 slots decode on 32, 28, 24, ..., 4, 2, 1), ascending."""
+    return sorted({*prompt_counts(num_slots), *engine_slot_counts(num_slots)})
 
 
 _SHAPE_PLANNED: dict[type, type] = {}
@@ -227,7 +224,7 @@ class EngineWorker:
 
     def warmup(self) -> int:
         """Runs every prefill and decode program a request with ``n`` = 1 can meet (each prompt bucket x each
-        prompt count, each slot count, in both sampling programs: rows at the engine's rule, and rows of another
+        prompt count, each decode slot count, in both sampling programs: rows at the engine's rule, and rows of another
         rule, which every other rule and mix of rules shares), so that serving them compiles nothing. Call it
         before ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row
         decodes).
@@ -244,10 +241,12 @@ class EngineWorker:
         other = {"greedy": not e.sc.greedy}  # a rule other than the engine's: the per-row program
         try:
             for rule in ({}, other):
-                for length in e.sc.buckets():
-                    for count in slot_counts(self.num_slots):
-                        prompts = [[0] * length] * min(count, self.num_slots)
-                        # a prefill's token and one decode call
+                for i, length in enumerate(e.sc.buckets()):
+                    # every prefill shape in each bucket; every decode slot count once, in the smallest bucket
+                    counts = (warmup_counts if i == 0 else prompt_counts)(self.num_slots)
+                    for count in counts:
+                        prompts = [[0] * length] * count
+                        # a prefill's token and one decode call on the slot count that holds ``count`` rows
                         e.run(e.submit(prompts, jax.random.key(0), max_completion_length=2, **rule))
         finally:
             e.stop_table = stop_table
