@@ -681,7 +681,9 @@ def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monke
 
     assert warmup_counts(32) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
     params, cfg, tokenizer, _ = model
-    sc = sampler_config(64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16)
+    sc = sampler_config(
+        64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16
+    )
     seen = {"decode": [], "admit": []}
 
     def spy(kind, compiled):
