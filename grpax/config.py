@@ -464,8 +464,9 @@ class ModelKeys:
 
 @dataclasses.dataclass(frozen=True)
 class EngineKeys:
-    """The rollout engine's KV memory (``grpax.sampler.engine``: a paged cache): train_rl, evaluate and generate
-    take them alike (``engine_keys``), checked once by ``check_engine_keys``."""
+    """The rollout engine's KV memory and decode slots (``grpax.sampler.engine``: a paged cache, continuously
+    batched): train_rl, evaluate and generate take them alike (``engine_keys``), checked once by
+    ``check_engine_keys``."""
 
     page_size: int = field(
         32,
@@ -480,18 +481,29 @@ class EngineKeys:
         "ceil(max_target_length / page_size)",
     )
 
+    max_num_seqs: int = field(
+        0,
+        "decode slots (vLLM's and MaxText rl.yml's key): sequences sampled at once at most, the rest queued and "
+        "started as slots free (continuous batching); 0 = every sequence of a batch at once (train_rl: "
+        "batch_size x num_generations)",
+    )
+
     def engine_keys(self) -> dict:
         """These keys as ``SamplerConfig`` fields."""
-        return dict(page_size=self.page_size, num_pages=self.num_pages)
+        return dict(page_size=self.page_size, num_pages=self.num_pages, max_num_seqs=self.max_num_seqs)
 
 
-def check_engine_keys(keys: EngineKeys, context_length: int, what: str) -> None:
+def check_engine_keys(
+    keys: EngineKeys, context_length: int, what: str, group_sizes: tuple[tuple[str, int], ...] = ()
+) -> None:
     """Checks the KV memory keys against the longest sequence, ``context_length`` tokens (prompt + completion;
-    ``what`` names the keys that set it), before any model loads.
+    ``what`` names the keys that set it), and the decode slots against the command's group sizes
+    (``group_sizes``: (key, completions per prompt) pairs; a prompt's completions start together), before any
+    model loads.
 
     Raises:
-      ConfigError: page_size < 1, num_pages < 0, or a pool (num_pages > 0) that holds no whole sequence: one
-        line naming the key, its value and the fix.
+      ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, or a pool (num_pages >
+        0) that holds no whole sequence: one line naming the key, its value and the fix.
     """
     if keys.page_size < 1:
         raise ConfigError(
@@ -499,6 +511,16 @@ def check_engine_keys(keys: EngineKeys, context_length: int, what: str) -> None:
         )
     if keys.num_pages < 0:
         raise ConfigError(f"num_pages={keys.num_pages}: expected >= 0 (0: pages for every decode slot)")
+    if keys.max_num_seqs < 0:
+        raise ConfigError(
+            f"max_num_seqs={keys.max_num_seqs}: expected >= 0 decode slots (0: every sequence of a batch at once)"
+        )
+    for key, size in group_sizes:
+        if 0 < keys.max_num_seqs < size:
+            raise ConfigError(
+                f"max_num_seqs={keys.max_num_seqs} is below {key}={size}: a prompt's completions start together in "
+                f"the decode slots; pass max_num_seqs >= {size}, or 0 (every sequence of a batch at once)"
+            )
     need = 1 + -(-context_length // keys.page_size)  # a whole sequence and the scratch page
     if 0 < keys.num_pages < need:
         raise ConfigError(

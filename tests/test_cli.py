@@ -522,6 +522,10 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
         ("page_size=0", "page_size=0: expected >= 1 tokens per page of the KV cache (e.g. 32)"),
         ("num_pages=-1", "num_pages=-1: expected >= 0 (0: pages for every decode slot)"),
         (
+            "max_num_seqs=-1",
+            "max_num_seqs=-1: expected >= 0 decode slots (0: every sequence of a batch at once)",
+        ),
+        (
             "num_pages=5",
             "num_pages=5: the KV pool holds no sequence of max_target_length = 512 tokens in pages of "
             "page_size=32; pass num_pages >= 17, or 0 (pages for every decode slot)",
@@ -534,12 +538,31 @@ def test_kv_memory_keys_are_checked_before_loading(tmp_path, capsys, command, ar
     _one_line_error(capsys, needle)
 
 
+@pytest.mark.parametrize(
+    "command, group", [("train_rl", "num_generations"), ("train_rl", "num_eval_passes"),
+                       ("evaluate", "num_eval_passes"), ("generate", "num_generations")]
+)  # fmt: skip
+def test_max_num_seqs_below_a_group_is_refused_before_loading(tmp_path, capsys, command, group):
+    """A prompt's completions start together in the decode slots: fewer slots than a group cannot run it."""
+    extra = ["prompt=hi"] if command == "generate" else []
+    if command == "train_rl" and group == "num_eval_passes":
+        extra = ["num_generations=2"]  # train_rl's default num_generations is 4
+    args = [f"load_parameters_path={tmp_path}/none", *extra, f"{group}=4", "max_num_seqs=3"]
+    assert main([command, *args]) == 2
+    _one_line_error(
+        capsys,
+        f"max_num_seqs=3 is below {group}=4: a prompt's completions start together in the decode slots; "
+        "pass max_num_seqs >= 4, or 0 (every sequence of a batch at once)",
+    )
+
+
 @pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate"])
 def test_help_lists_the_kv_memory_keys(capsys, command):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert "page_size" in out and "tokens per page of the sampler's paged KV cache" in out
     assert "num_pages" in out and "pages in the sampler's KV pool" in out
+    assert "max_num_seqs" in out and "decode slots (vLLM's and MaxText rl.yml's key)" in out
 
 
 def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
@@ -552,7 +575,7 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
 
     def recording(*args, **kwargs):
         built = real_engine(*args, **kwargs)
-        pools.append((built.pool.num_pages, built.sc.page_size, built.table_width))
+        pools.append((built.pool.num_pages, built.sc.page_size, built.table_width, built.num_slots))
         return built
 
     monkeypatch.setattr(engine, "Engine", recording)
@@ -562,8 +585,9 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     assert (
         main(["generate", load, *keys, "page_size=4", "num_pages=20", f"output_path={tmp_path}/b.jsonl"]) == 0
     )
-    assert pools == [(1 + 2 * 1, 32, 1), (20, 4, 8)]  # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4
-    a, b = ((tmp_path / name).read_text() for name in ("a.jsonl", "b.jsonl"))
-    assert [json.loads(x)["completion"] for x in a.splitlines()] == [
-        json.loads(x)["completion"] for x in b.splitlines()
-    ]
+    assert main(["generate", load, *keys, "max_num_seqs=3", f"output_path={tmp_path}/c.jsonl"]) == 0
+    # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3: three slots (a page each, the scratch one)
+    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 3, 32, 1, 3)]
+    a, b, c = ((tmp_path / name).read_text() for name in ("a.jsonl", "b.jsonl", "c.jsonl"))
+    completions = [[json.loads(x)["completion"] for x in text.splitlines()] for text in (a, b, c)]
+    assert completions[0] == completions[1] == completions[2] and len(completions[0]) == 2

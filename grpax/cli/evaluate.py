@@ -150,7 +150,9 @@ def run(config: EvaluateConfig) -> int:
 
     validate_eval_keys(config, allow_no_eval=False)
     validate_task_keys(config)
-    check_engine_keys(config, config.max_target_length, "max_target_length")
+    check_engine_keys(
+        config, config.max_target_length, "max_target_length", (("num_eval_passes", config.num_eval_passes),)
+    )
     if config.output_path:
         check_output("output_path", config.output_path, config.overwrite, ("results.jsonl", "summary.json"))
     if config.completions_path and config.load_parameters_path:

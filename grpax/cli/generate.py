@@ -230,7 +230,12 @@ def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}={getattr(config, key)} must be >= 1")
     check_sampling(config, length, sampling)
-    check_engine_keys(config, config.max_prefill_predict_length + length, _context_keys(config, length))
+    check_engine_keys(
+        config,
+        config.max_prefill_predict_length + length,
+        _context_keys(config, length),
+        (("num_generations", config.num_generations),),
+    )
     check_prompt_preset(config)
     if config.environment:
         from grpax.tasks import validate_environment_keys

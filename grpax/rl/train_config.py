@@ -261,7 +261,8 @@ def validate(cfg: TrainConfig) -> None:
             f"max_target_length={cfg.max_target_length} must exceed "
             f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
         )
-    check_engine_keys(cfg, cfg.max_target_length, "max_target_length")
+    groups = (("num_generations", cfg.num_generations), ("num_eval_passes", cfg.num_eval_passes))
+    check_engine_keys(cfg, cfg.max_target_length, "max_target_length", groups)
     if cfg.overlong_buffer_length > cfg.max_completion_length:
         raise ConfigError(
             f"overlong_buffer_length={cfg.overlong_buffer_length} exceeds max_completion_length="

@@ -635,10 +635,16 @@ class Engine:
           greedy: argmax (temperature, top_k and top_p ignored; logprobs at temperature 1).
 
         Raises:
-          ValueError: an empty prompt or one longer than max_prompt_length; a length limit or sampling value out
-            of range (one line naming the argument); nothing is queued then.
+          ValueError: an empty prompt or one longer than max_prompt_length; num_generations above the decode
+            slots; a length limit or sampling value out of range (one line naming the argument); nothing is
+            queued then.
         """
         sc = self.sc
+        if not 1 <= num_generations <= self.num_slots:
+            raise ValueError(
+                f"num_generations={num_generations}: expected 1..{self.num_slots} (the engine's decode slots, "
+                "max_num_seqs: a prompt's completions start together)"
+            )
         for i, p in enumerate(prompts):
             if not 0 < len(p) <= sc.max_prompt_length:
                 raise ValueError(
