@@ -488,9 +488,21 @@ class EngineKeys:
         "batch_size x num_generations)",
     )
 
+    hbm_utilization_vllm: float = field(
+        0.0,
+        "the fraction of each accelerator's memory (JAX's bytes_limit) the rollout's params and KV pool may take "
+        "together (MaxText rl.yml's key, vLLM's gpu_memory_utilization): the pool gets the pages that fit after "
+        "the params, at most the num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
+    )
+
     def engine_keys(self) -> dict:
         """These keys as ``SamplerConfig`` fields."""
-        return dict(page_size=self.page_size, num_pages=self.num_pages, max_num_seqs=self.max_num_seqs)
+        return dict(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_num_seqs=self.max_num_seqs,
+            hbm_utilization=self.hbm_utilization_vllm,
+        )
 
 
 def check_engine_keys(
@@ -502,8 +514,9 @@ def check_engine_keys(
     model loads.
 
     Raises:
-      ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, or a pool (num_pages >
-        0) that holds no whole sequence: one line naming the key, its value and the fix.
+      ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, hbm_utilization_vllm
+        outside [0, 1] or set with num_pages, or a pool (num_pages > 0) that holds no whole sequence: one line
+        naming the key, its value and the fix.
     """
     if keys.page_size < 1:
         raise ConfigError(
@@ -514,6 +527,16 @@ def check_engine_keys(
     if keys.max_num_seqs < 0:
         raise ConfigError(
             f"max_num_seqs={keys.max_num_seqs}: expected >= 0 decode slots (0: every sequence of a batch at once)"
+        )
+    if not 0.0 <= keys.hbm_utilization_vllm <= 1.0:
+        raise ConfigError(
+            f"hbm_utilization_vllm={keys.hbm_utilization_vllm}: expected a fraction in [0, 1] of each device's "
+            "memory (0: off, num_pages sizes the KV pool)"
+        )
+    if keys.hbm_utilization_vllm and keys.num_pages:
+        raise ConfigError(
+            f"num_pages={keys.num_pages} and hbm_utilization_vllm={keys.hbm_utilization_vllm} both size the KV "
+            "pool: pass one (the other 0)"
         )
     for key, size in group_sizes:
         if 0 < keys.max_num_seqs < size:

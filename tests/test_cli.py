@@ -526,6 +526,15 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
             "max_num_seqs=-1: expected >= 0 decode slots (0: every sequence of a batch at once)",
         ),
         (
+            "hbm_utilization_vllm=1.5",
+            "hbm_utilization_vllm=1.5: expected a fraction in [0, 1] of each device's memory (0: off, num_pages "
+            "sizes the KV pool)",
+        ),
+        (
+            "hbm_utilization_vllm=0.5 num_pages=40",
+            "num_pages=40 and hbm_utilization_vllm=0.5 both size the KV pool: pass one (the other 0)",
+        ),
+        (
             "num_pages=5",
             "num_pages=5: the KV pool holds no sequence of max_target_length = 512 tokens in pages of "
             "page_size=32; pass num_pages >= 17, or 0 (pages for every decode slot)",
@@ -534,7 +543,7 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
 )
 def test_kv_memory_keys_are_checked_before_loading(tmp_path, capsys, command, arg, needle):
     extra = ["prompt=hi"] if command == "generate" else []
-    assert main([command, f"load_parameters_path={tmp_path}/none", *extra, arg]) == 2
+    assert main([command, f"load_parameters_path={tmp_path}/none", *extra, *arg.split()]) == 2
     _one_line_error(capsys, needle)
 
 
@@ -563,6 +572,7 @@ def test_help_lists_the_kv_memory_keys(capsys, command):
     assert "page_size" in out and "tokens per page of the sampler's paged KV cache" in out
     assert "num_pages" in out and "pages in the sampler's KV pool" in out
     assert "max_num_seqs" in out and "decode slots (vLLM's and MaxText rl.yml's key)" in out
+    assert "hbm_utilization_vllm" in out and "the fraction of each accelerator's memory" in out
 
 
 def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
@@ -586,8 +596,17 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
         main(["generate", load, *keys, "page_size=4", "num_pages=20", f"output_path={tmp_path}/b.jsonl"]) == 0
     )
     assert main(["generate", load, *keys, "max_num_seqs=3", f"output_path={tmp_path}/c.jsonl"]) == 0
-    # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3: three slots (a page each, the scratch one)
-    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 3, 32, 1, 3)]
-    a, b, c = ((tmp_path / name).read_text() for name in ("a.jsonl", "b.jsonl", "c.jsonl"))
-    completions = [[json.loads(x)["completion"] for x in text.splitlines()] for text in (a, b, c)]
-    assert completions[0] == completions[1] == completions[2] and len(completions[0]) == 2
+    # hbm_utilization_vllm: room for 10.5 pages after the params (this CPU reports no memory size: the room is
+    # given; tests/test_engine.py counts it from a device's bytes_limit)
+    rooms = []
+    monkeypatch.setattr(engine, "memory_room", lambda *a: rooms.append(a[2].hbm_utilization) or (21, 2))
+    args = ["page_size=4", "hbm_utilization_vllm=0.5", f"output_path={tmp_path}/d.jsonl"]
+    assert main(["generate", load, *keys, *args]) == 0
+    # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3: three slots (a page each, the scratch
+    # one); the room's 10 pages of 4
+    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 3, 32, 1, 3), (10, 4, 8, 2)] and rooms == [
+        0.5
+    ]
+    texts = [(tmp_path / f"{name}.jsonl").read_text() for name in "abcd"]
+    completions = [[json.loads(x)["completion"] for x in text.splitlines()] for text in texts]
+    assert completions[0] == completions[1] == completions[2] == completions[3] and len(completions[0]) == 2

@@ -713,3 +713,37 @@ def test_bad_per_request_settings_are_refused_in_one_line_and_queue_nothing(para
         engine.submit(PROMPTS, jax.random.key(0), **kwargs)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
     assert not engine.busy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monkeypatch):
+    """hbm_utilization (the key hbm_utilization_vllm): the pool takes the pages that fit in the fraction of the
+    device's memory left after the params (hand count: 2 layers x page_size 4 x 2 x 2 kv heads x head_dim 8 x 4
+    bytes = 1 KiB a page), at most the num_pages=0 pool; the same rollouts; a fraction that leaves less than one
+    sequence, and a device that reports no memory size (this CPU), are refused naming the key and the fix."""
+    import grpax.sampler.engine as engine_module
+
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    page = 2 * 4 * 2 * 2 * 8 * 4
+    sc = _sc(page_size=4, max_num_seqs=3, hbm_utilization=0.5, backend=backend)
+    with pytest.raises(ValueError, match=r"hbm_utilization_vllm=0.5: the cpu devices report no memory size; size "
+                       r"the KV pool with num_pages instead"):  # fmt: skip
+        Engine(params, CFG, sc)
+    full = generate(params, PROMPTS, CFG, dataclasses.replace(sc, hbm_utilization=0.0), jax.random.key(3))
+    for room_pages, expected in ((12.5, 12), (1000, 1 + 3 * 7)):  # 7 pages of 4 hold 16 + 12 tokens
+        limit = int((weights + room_pages * page) / 0.5)
+        monkeypatch.setattr(engine_module, "bytes_limit", lambda device, limit=limit: limit)
+        engine = Engine(params, CFG, sc)
+        assert engine.pool.num_pages == expected
+        request = engine.submit(PROMPTS, jax.random.key(3))
+        engine.run(request)
+        _same(request.output(sc.pad_token_id, sc.bucket_for(7), C), full)
+    monkeypatch.setattr(engine_module, "bytes_limit", lambda device: int((weights + 7.9 * page) / 0.5))
+    with pytest.raises(ValueError, match=r"hbm_utilization_vllm=0.5: the KV pool gets 0.00 GiB per device after "
+                       r"the params, 7 pages of 4 tokens, fewer than one sequence of 28 tokens needs \(8\); raise "
+                       r"it, or pass num_pages"):  # fmt: skip
+        Engine(params, CFG, sc)
+    with pytest.raises(
+        ValueError, match="num_pages=30 and hbm_utilization=0.5 both size the KV pool: pass one"
+    ):
+        dataclasses.replace(sc, num_pages=30)

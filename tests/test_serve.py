@@ -386,6 +386,16 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
     assert main(["serve", load, "host=0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "host=0.0.0.0" in err and "api_key=" in err
+    for arg, needle in [
+        ("hbm_utilization_vllm=1.5", "hbm_utilization_vllm=1.5 must be in [0, 1] (0: off)"),
+        (
+            "hbm_utilization_vllm=0.5",
+            "hbm_utilization_vllm=0.5: the cpu devices report no memory size; size the KV",
+        ),
+    ]:
+        assert main(["serve", load, arg, "warmup=false", "port=0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
     monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)
     assert main(["serve", load]) == 2
     err = capsys.readouterr().err.strip()

@@ -2,8 +2,8 @@
 
 MaxText's keys as ``grpax generate`` takes them (``load_parameters_path``, ``max_prefill_predict_length``,
 ``max_target_length``), or ``hf_model_path`` (``grpax to_native``'s key) for a Hugging Face folder, plus the
-server's: ``host``, ``port``, ``api_key`` (required off localhost),
-``max_num_seqs`` (decode slots), ``served_model_name``, ``allow_update_params`` and ``warmup``.
+server's: ``host``, ``port``, ``api_key`` (required off localhost), ``max_num_seqs`` (decode slots),
+``hbm_utilization_vllm`` (the KV pool from memory), ``served_model_name``, ``allow_update_params`` and ``warmup``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ class ServeConfig(ModelKeys, RuntimeKeys):
     max_num_seqs: int = field(32, "decode slots: completions sampled at once (more wait in the queue)")
     num_pages: int = field(0, "KV cache pages (0: every slot can hold max_target_length tokens)")
     page_size: int = field(32, "tokens per KV cache page")
+    hbm_utilization_vllm: float = field(
+        0.0,
+        "the fraction of each accelerator's memory (JAX's bytes_limit) the params and the KV pool may take "
+        "(vLLM's gpu_memory_utilization): the pool gets the pages that fit after the params, at most the "
+        "num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
+    )
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
     warmup: bool = field(
         True, "compile every prefill and decode shape of both sampling programs before serving (n=1)"
@@ -167,11 +173,15 @@ def run(config: ServeConfig) -> int:
     total = config.max_prefill_predict_length + length
     try:
         engine_keys = dict(
-            max_num_seqs=config.max_num_seqs, num_pages=config.num_pages, page_size=config.page_size
+            max_num_seqs=config.max_num_seqs,
+            num_pages=config.num_pages,
+            page_size=config.page_size,
+            hbm_utilization=config.hbm_utilization_vllm,
         )
         sampler_config(config.max_prefill_predict_length, length, **engine_keys)
     except ValueError as e:
-        raise ConfigError(str(e).replace("max_prompt_length", "max_prefill_predict_length")) from None
+        message = str(e).replace("max_prompt_length", "max_prefill_predict_length")
+        raise ConfigError(message.replace("hbm_utilization=", "hbm_utilization_vllm=")) from None
     path, hf = config.hf_model_path or config.load_parameters_path, bool(config.hf_model_path)
     model_cfg, _ = read_model_config(path, config, total, f"max_target_length={total}")
     if model_cfg is None and hf:

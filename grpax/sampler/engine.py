@@ -111,6 +111,11 @@ class SamplerConfig:
     # max_prompt_length + max_completion_length tokens, the static engine's memory; fewer pages give the same
     # rollouts while the running sequences' real lengths fit (sequences preempted and restarted otherwise).
     num_pages: int = 0
+    # The fraction of each device's memory (what JAX may allocate there: memory_stats' bytes_limit) that the
+    # rollout's params and its KV pool may take together (vLLM's gpu_memory_utilization, MaxText's key
+    # hbm_utilization_vllm): the pool gets the pages that fit in what the fraction leaves after the params, at
+    # most the num_pages=0 pool. 0 = off (num_pages sizes the pool); not with num_pages.
+    hbm_utilization: float = 0.0
     # Decode steps per device call at most: between calls the host refills free slots and takes new pages. A
     # call returns early when a sequence ends while another waits for a slot.
     decode_steps_per_call: int = 16
@@ -145,6 +150,13 @@ class SamplerConfig:
         for name in ("max_num_seqs", "num_pages"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
+        if not 0.0 <= self.hbm_utilization <= 1.0:
+            raise ValueError(f"hbm_utilization={self.hbm_utilization} must be in [0, 1] (0: off)")
+        if self.hbm_utilization and self.num_pages:
+            raise ValueError(
+                f"num_pages={self.num_pages} and hbm_utilization={self.hbm_utilization} both size the KV pool: "
+                "pass one"
+            )
 
     def buckets(self) -> tuple[int, ...]:
         """Sorted prompt paddings; the last one is ``max_prompt_length``."""
@@ -276,13 +288,56 @@ def _prepare(params: Params, cfg: ModelConfig, backend, num_slots: int):
     return backend.prepare_decode(params, cfg, num_slots)
 
 
-def pool_pages(sampler_cfg: SamplerConfig, num_slots: int) -> int:
+def pool_pages(sampler_cfg: SamplerConfig, num_slots: int, room: tuple[int, int] | None = None) -> int:
     """Pages in the KV pool of an engine of ``num_slots`` decode slots: ``num_pages``, or where it is 0 one scratch
     page and ``pages_per_sequence`` for every slot (each can hold max_prompt_length + max_completion_length
-    tokens: the static engine's memory). ``Engine``, ``abstract_programs`` and the planner
-    (``grpax.plan.compile_check``) all size the pool here."""
+    tokens: the static engine's memory); with ``hbm_utilization`` and ``room`` (``memory_room``: bytes the pool
+    may take per device, bytes of one page per device), the pages that fit in that room, at most that many.
+    ``Engine``, ``abstract_programs`` and the planner (``grpax.plan.compile_check``) all size the pool here."""
     sc = sampler_cfg
-    return sc.num_pages or 1 + num_slots * sc.pages_per_sequence()
+    full = sc.num_pages or 1 + num_slots * sc.pages_per_sequence()
+    if not sc.hbm_utilization or room is None:
+        return full
+    free, page = room
+    return min(full, max(0, free // page))
+
+
+def bytes_limit(device) -> int | None:
+    """The bytes JAX may allocate on ``device`` (``memory_stats()["bytes_limit"]``), None where it reports none."""
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
+def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend) -> tuple[int, int]:
+    """``(bytes, page bytes)``: what ``hbm_utilization`` of the smallest memory among the params' devices
+    (``memory_stats()["bytes_limit"]``) leaves after the params' largest per-device share, and one page's bytes
+    per device (its largest shard of every pool). Reference: vLLM's gpu_memory_utilization (the instance's
+    weights and KV cache within the fraction; its activation profile is not counted here).
+
+    Raises:
+      ValueError: a device that reports no memory size (CPU): the key and the fix named.
+    """
+    sc = sampler_cfg
+    leaves = [x for x in jax.tree.leaves(params) if hasattr(x, "addressable_shards")]
+    devices = {s.device for x in leaves for s in x.addressable_shards} or set(jax.local_devices()[:1])
+    limits = [bytes_limit(d) for d in devices]
+    if None in limits:
+        kind = next(iter(devices)).platform
+        raise ValueError(
+            f"hbm_utilization_vllm={sc.hbm_utilization}: the {kind} devices report no memory size; size the KV "
+            "pool with num_pages instead (grpax train_rl compile_topology=... suggests one)"
+        )
+    held = collections.Counter()
+    for x in leaves:
+        for shard in x.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    limit = min(limits)
+    page = sum(
+        np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        if x.sharding
+        else x.size * x.dtype.itemsize
+        for x in jax.tree.leaves(abstract_pool(params, cfg, sc, backend, 1))
+    )
+    return int(sc.hbm_utilization * limit) - max(held.values(), default=0), int(page)
 
 
 def _pool(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int):
@@ -553,7 +608,16 @@ class Engine:
         self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
         self.num_slots = sc.decode_slots(num_slots)
         self.table_width = sc.pages_per_sequence()
-        num_pages = pool_pages(sc, self.num_slots)
+        room = memory_room(params, cfg, sc, self.backend) if sc.hbm_utilization else None
+        num_pages = pool_pages(sc, self.num_slots, room)
+        if room is not None and num_pages < 1 + self.table_width:
+            free, page = room
+            raise ValueError(
+                f"hbm_utilization_vllm={sc.hbm_utilization}: the KV pool gets {max(free, 0) / 2**30:.2f} GiB per "
+                f"device after the params, {num_pages} pages of {sc.page_size} tokens, fewer than one sequence of "
+                f"{sc.max_prompt_length + sc.max_completion_length} tokens needs ({1 + self.table_width}); raise it, "
+                "or pass num_pages"
+            )
         if num_pages < 1 + self.table_width:
             raise ValueError(
                 f"num_pages={num_pages} holds no sequence of max_prompt_length + max_completion_length = "
