@@ -146,6 +146,23 @@ MAXTEXT_KEYS = frozenset(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Foreign:
+    """A key of another stack (MaxText's RL trainer) that a command has no field for: given one of ``accepted``
+    (lower-case text; a leading ``*`` matches a suffix; () = any value) it is dropped with an INFO note saying
+    ``why``; any other value is refused naming ``fix``. A command lists them in ``FOREIGN_KEYS``."""
+
+    why: str
+    accepted: tuple[str, ...] = ()
+    fix: str = ""
+
+    def allows(self, value: Any) -> bool:
+        text = "" if value is None else str(value).strip().lower()
+        return not self.accepted or any(
+            text.endswith(a[1:]) if a.startswith("*") else text == a for a in self.accepted
+        )
+
+
 # Keys whose values are secrets (hf_access_token, an API key, a password): never printed or written in clear.
 _SECRET_KEY = re.compile(r"secret|password|passwd|credential|api_?key|(^|_)token$", re.IGNORECASE)
 REDACTED = "<redacted>"
@@ -171,10 +188,16 @@ def redacted(record: dict) -> dict:
 _CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
 
 
-def _drop_maxtext_only(values: dict, fields: dict, where: str) -> dict:
+def _drop_maxtext_only(values: dict, fields: dict, where: str, foreign: dict | None = None) -> dict:
     kept = {}
     for key, value in values.items():
-        if key in fields or key not in MAXTEXT_KEYS:
+        if key not in fields and key in (foreign or {}):
+            rule = foreign[key]
+            if not rule.allows(value):
+                raise ConfigError(f"{key}={value} ({where}): {rule.why}; {rule.fix}")
+            done = "what grpax does anyway" if rule.accepted else "ignored"
+            logging.getLogger("grpax.config").info("%s=%s (%s): %s; %s", key, value, where, rule.why, done)
+        elif key in fields or key not in MAXTEXT_KEYS:
             kept[key] = value
         elif key == "use_multimodal" and str(value).strip().lower() in ("1", "true", "yes", "on"):
             raise ConfigError(
@@ -324,7 +347,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
 
     Args:
       cls: a dataclass type whose fields are the command's keys; an optional class attribute
-        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names, and
+        ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names,
+        ``FOREIGN_KEYS: ClassVar[dict[str, Foreign]]`` names other stacks' keys it drops or refuses, and
         ``PRESET_IGNORES: ClassVar[tuple[str, ...]]`` names keys the model preset does not set for it.
       argv: ``key=value`` tokens (MaxText style).
       **explicit: values that win over everything (used by tests and library callers).
@@ -341,7 +365,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
     overrides = {aliases.get(k, k): v for k, v in overrides.items()}
-    overrides = _drop_maxtext_only(overrides, fields, "the command line")
+    foreign = getattr(cls, "FOREIGN_KEYS", {})
+    overrides = _drop_maxtext_only(overrides, fields, "the command line", foreign)
     for key in list(overrides) + list(explicit):
         if key not in fields:
             raise ConfigError(
@@ -370,7 +395,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
             )
         )
     if user_yaml:
-        user_data = _drop_maxtext_only(user_data, fields, str(user_yaml))
+        user_data = _drop_maxtext_only(user_data, fields, str(user_yaml), foreign)
         for key in user_data:
             if key not in fields:
                 raise ConfigError(f"unknown key '{key}' in {user_yaml}.{suggest(key, fields)}")

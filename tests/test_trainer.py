@@ -212,6 +212,29 @@ def test_zero_test_batches_means_no_evaluation(tiny_checkpoint, tmp_path, capsys
     assert not (run_dir / "eval").exists() and _tensorboard_steps(run_dir, "eval/accuracy") == []
 
 
+def test_profiler_xplane_traces_the_steps_it_names(tiny_checkpoint, tmp_path, monkeypatch):
+    """profiler=xplane (MaxText's keys, Tunix's rl.profiler_* spellings): a JAX trace of profiler_steps steps after
+    skip_first_n_steps_for_profiler, written beside the run's TensorBoard scalars; off, no trace."""
+    events = []
+    for name in ("start_trace", "stop_trace"):
+        real = getattr(jax.profiler, name)
+        monkeypatch.setattr(
+            jax.profiler, name, lambda *a, real=real, name=name: events.append(name) or real(*a)
+        )
+    real_step = trainer._one_step
+    monkeypatch.setattr(trainer, "_one_step", lambda *a, **k: events.append("step") or real_step(*a, **k))
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=3, num_test_batches=0)
+    args = ["profiler=xplane", "rl.profiler_start_invocation=1", "rl.profiler_num_invocations=1"]
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items()), *args]) == 0
+    assert events == ["step", "start_trace", "step", "stop_trace", "step"]
+    traces = list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    events.clear()
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=1, num_test_batches=0, run_name="off")
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
+    assert events == ["step"] and not (tmp_path / "off" / "tensorboard" / "plugins").exists()
+
+
 def test_resume_rerun_and_export_hf(tiny_checkpoint, tmp_path, caplog):
     first = train(_config(tiny_checkpoint, tmp_path, num_batches=2, checkpoint_period=2))
     run_dir = Path(first["run_dir"])

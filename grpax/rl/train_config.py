@@ -30,7 +30,9 @@ from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
+from grpax.rl.maxtext_keys import MAXTEXT_RL_KEYS
 from grpax.rl.policy import LORA_SAMPLERS
+from grpax.rl.profiling import PROFILERS
 from grpax.sampler.engine import SamplerConfig
 from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
@@ -59,7 +61,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "lora.lora_rank": "lora_rank",  # MaxText's SFT LoRA (lora.enable_lora is lora_rank > 0 here)
         "lora.lora_alpha": "lora_alpha",
         "lora.lora_weight_qtype": "lora_base_dtype",  # MaxText's QLoRA (its lora_tile_size is fixed here)
+        "train_micro_batch_size": "micro_batch_size",  # Tunix's prompts per micro-batch of the update
+        "profiler_start_invocation": "skip_first_n_steps_for_profiler",  # rl.profiler_*: Tunix's spelling
+        "profiler_num_invocations": "profiler_steps",
     }
+    FOREIGN_KEYS: ClassVar[dict] = MAXTEXT_RL_KEYS  # MaxText keys without a field here: no-ops, or refused
 
     model_name: str = field(
         "smollm2-135m-Instruct",
@@ -145,6 +151,13 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
     log_period: int = field(1, "write metrics every N steps")
+    profiler: str = field(
+        "",
+        "'' = off; xplane: a JAX profiler trace of profiler_steps training steps into <run>/tensorboard/plugins/"
+        "profile (TensorBoard's profile plugin, Perfetto) (MaxText key; its nsys: run under nsys profile instead)",
+    )
+    skip_first_n_steps_for_profiler: int = field(1, "steps this run executes before the trace (they compile)")
+    profiler_steps: int = field(5, "steps traced")
     export_hf: str = field(
         "", "after training, also export the actor to this new folder in Hugging Face format (bfloat16)"
     )
@@ -242,6 +255,17 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         )
 
 
+def _validate_profiler(cfg: TrainConfig) -> None:
+    if cfg.profiler not in PROFILERS:
+        hint = ": run the command under `nsys profile` instead" if cfg.profiler == "nsys" else ""
+        raise ConfigError(f"profiler={cfg.profiler!r}: expected '' (off) or xplane{hint}")
+    if cfg.skip_first_n_steps_for_profiler < 0 or cfg.profiler_steps < 1:
+        raise ConfigError(
+            f"skip_first_n_steps_for_profiler={cfg.skip_first_n_steps_for_profiler} and profiler_steps="
+            f"{cfg.profiler_steps}: expected >= 0 steps skipped and >= 1 traced"
+        )
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
     the choices', the evaluation and export's and the micro-batches' in the checks below)."""
@@ -283,6 +307,7 @@ def validate(cfg: TrainConfig) -> None:
     for key, meaning in at_least_one.items():
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
+    _validate_profiler(cfg)
     if cfg.decode_sampling_top_k < 0:
         raise ConfigError(
             f"decode_sampling_top_k={cfg.decode_sampling_top_k}: expected >= 0 tokens (0 = off)"

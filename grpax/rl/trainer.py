@@ -53,6 +53,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
 from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
 from grpax.rl.policy import Policy
+from grpax.rl.profiling import StepProfiler
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
@@ -439,11 +440,18 @@ def _loop(
             cfg.num_batches,
         )
         run.ahead.publish(state.params, start_step, run.policy.sampler_params)
+    profile = StepProfiler(
+        cfg.profiler, run.paths.run_dir / "tensorboard", start_step, cfg.skip_first_n_steps_for_profiler,
+        cfg.profiler_steps,
+    )  # fmt: skip
     with contextlib.ExitStack() as stop_thread:
         if run.ahead is not None:
             stop_thread.callback(run.ahead.close)
+        stop_thread.callback(profile.close)
         for step in bar:
+            profile.before(step)
             state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
+            profile.after(step, state)
             _after_step(run, state, iterator, step, metrics, bar, history, before)
     bar.close()
     return state, history

@@ -20,6 +20,7 @@ from grpax.tasks.gsm8k import GSM8KTask
 from grpax.tasks.gsm8k_rewards import get_reward_config
 from grpax.tasks.math import MathTask, check_math_verify
 from grpax.tasks.prompts import GSM8K_PRESETS, PROMPT_PRESETS, get_prompt_preset
+from grpax.tasks.reward_keys import RewardValueKeys, check_reward_value_keys, reward_overrides
 from grpax.tasks.user import load_prompt_template, load_reward_functions
 
 TASKS = ("gsm8k", "math", "custom")
@@ -73,7 +74,7 @@ class EnvironmentConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig(EnvironmentConfig):
+class TaskConfig(RewardValueKeys, EnvironmentConfig):
     """The keys of the task: which one, its columns, its prompt and the user's reward functions."""
 
     task: str = field(
@@ -135,6 +136,7 @@ def validate_task_keys(cfg: Any) -> None:
     if cfg.task == "math":
         check_math_verify()
     _validate_reward_keys(cfg)
+    check_reward_value_keys(cfg)
     if cfg.accuracy_reward and cfg.task != "custom":
         raise ConfigError(
             f"accuracy_reward={cfg.accuracy_reward!r} is for task=custom; task={cfg.task} counts accuracy with its "
@@ -288,7 +290,8 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
     prompt_field = cfg.prompt_field or prompt_default
     answer_field = cfg.answer_field or answer_default
     if cfg.task == "gsm8k":
-        return GSM8KTask(preset, get_reward_config(cfg.reward_preset), user, prompt_field, answer_field)
+        rewards = get_reward_config(cfg.reward_preset, **reward_overrides(cfg))
+        return GSM8KTask(preset, rewards, user, prompt_field, answer_field)
     if cfg.task == "math":
         return MathTask(preset, user, prompt_field, answer_field)
     answer = "" if answer_field == "none" else answer_field

@@ -1,0 +1,150 @@
+"""MaxText's RL keys on grpax train_rl: a real MaxText command line runs unchanged (each key honoured, or a
+no-op for a stack grpax does not run, with a note), or stops at once naming grpax's key; MaxText's reward values
+change the GSM8K rewards."""
+
+import logging
+
+import pytest
+
+from grpax.cli.main import main
+from grpax.config import ConfigError, build_config
+from grpax.rl.train_config import TrainConfig
+from grpax.tasks import build_task
+
+# The keys of MaxText's run_qwen3_30b_rl.sh (src/maxtext/trainers/post_train/rl/scripts), paths replaced; its
+# model (an MoE on 64 chips), dataset files and eval_mode are left out.
+QWEN3_30B = """async_scheduling=True chips_per_vm=8 num_batches=500 num_test_batches=10 rl.num_generations=8
+rl.grpo_beta=0.05 rl.grpo_epsilon=0.2 gradient_clipping_threshold=1.0 decode_sampling_temperature=0.8
+decode_sampling_top_k=50 decode_sampling_nucleus_p=0.95 num_eval_passes=4 max_target_length=8192
+max_prefill_predict_length=512 learning_rate=1e-6 batch_size=128 train_micro_batch_size=32
+rollout_micro_batch_size=128 rollout_data_parallelism=16 rollout_tensor_parallelism=4 enable_dp_attention=True
+hbm_utilization_vllm=0.75 max_num_seqs=256 max_num_batched_tokens=8192 scan_layers=True
+allow_split_physical_axes=True enable_tunix_perf_metrics=True checkpoint_period=2 max_num_checkpoints_to_keep=1000
+enable_checkpointing=true profiler=xplane rl.profiler_start_invocation=5 rl.profiler_num_invocations=2
+vllm_hf_overrides={architectures:[MaxTextForCausalLM]} vllm_additional_config={}""".split()
+
+
+def test_maxtexts_qwen3_30b_command_line_parses_and_each_key_lands(caplog):
+    with caplog.at_level(logging.INFO, logger="grpax.config"):
+        cfg = build_config(TrainConfig, ["model_name=", "load_parameters_path=ckpt", *QWEN3_30B])
+    honoured = dict(
+        num_generations=8, beta=0.05, epsilon=0.2, max_grad_norm=1.0, temperature=0.8, decode_sampling_top_k=50,
+        decode_sampling_nucleus_p=0.95, num_eval_passes=4, max_target_length=8192, max_prefill_predict_length=512,
+        learning_rate=1e-6, batch_size=128, micro_batch_size=32, rollout_data_parallelism=16,
+        rollout_tensor_parallelism=4, hbm_utilization_vllm=0.75, max_num_seqs=256, allow_split_physical_axes=True,
+        checkpoint_period=2, max_num_checkpoints_to_keep=1000, profiler="xplane", skip_first_n_steps_for_profiler=5,
+        profiler_steps=2, num_batches=500, num_test_batches=10,
+    )  # fmt: skip
+    assert {key: getattr(cfg, key) for key in honoured} == honoured
+    sc = cfg.sampler_config((2,), 0)
+    assert (sc.max_num_seqs, sc.hbm_utilization) == (256, 0.75)
+    noted = {r.getMessage().split("=")[0] for r in caplog.records if r.getMessage().endswith("; ignored")}
+    assert noted == {
+        "async_scheduling", "rollout_micro_batch_size", "enable_dp_attention", "max_num_batched_tokens",
+        "enable_tunix_perf_metrics", "vllm_hf_overrides", "vllm_additional_config",
+        "enable_checkpointing",  # grpax's MAXTEXT_KEYS: a run always checkpoints
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arg, fix",
+    [
+        ("trainer_devices_fraction=0.5", "pass rollout_devices=<devices for the sampler> instead"),
+        ("sampler_devices_fraction=0.25", "pass rollout_devices=<devices for the sampler> instead"),
+        ("num_epoch=2", "grpax trains num_batches steps (the data repeats): pass num_batches"),
+        (
+            "loss_algo=gspo-token",
+            "pass importance_sampling_level=sequence loss_agg_mode=sequence-mean-token-mean",
+        ),
+        ("reasoning_start_token=<think>", "for other tags write your own prompt (prompt_template_path=)"),
+        ("chat_template_path=my_template.json", "for another prompt pass prompt_template_path="),
+        ("stop_strings=[###]", "an environment's stop strings end a tool call (environment=)"),
+        ("train_fraction=0.8", "choose the splits"),
+        ("rollout_enable_single_controller=true", "grpax runs one controller per host (jax.distributed)"),
+    ],
+)
+def test_maxtext_keys_grpax_does_otherwise_are_refused_naming_its_key(arg, fix, capsys):
+    with pytest.raises(ConfigError, match=rf"^{arg.split('=')[0]}=.* \(the command line\): .*") as err:
+        build_config(TrainConfig, [arg])
+    assert fix in str(err.value) and "\n" not in str(err.value)
+    assert main(["train_rl", "load_parameters_path=ckpt", arg]) == 2
+    assert fix in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "trainer_devices_fraction=1.0", "num_epoch=1", "loss_algo=grpo", "reasoning_start_token=<reasoning>",
+        "solution_end_token=</answer>", "chat_template_path=maxtext/examples/chat_templates/gsm8k_rl.json",
+        "stop_strings=null", "train_fraction=1.0", "test_batch_start_index=0", "num_trainer_slices=-1",
+        "debug.rl=True", "kv_cache_buffer=256", "swap_space_vllm_gb=2",
+    ],
+)  # fmt: skip
+def test_maxtext_keys_at_what_grpax_does_anyway_are_accepted(arg):
+    assert build_config(TrainConfig, [arg]) == build_config(TrainConfig, [])
+
+
+def test_maxtexts_rl_yml_blocks_load_from_a_user_yaml(tmp_path):
+    """A YAML holding MaxText rl.yml's inference, reward and tag blocks (and debug: {rl: true}) loads; the
+    reward values reach the GSM8K rewards."""
+    (tmp_path / "rl.yml").write_text(
+        "debug:\n  rl: True\nkv_cache_buffer: 256\nhbm_utilization_vllm: 0.72\nswap_space_vllm_gb: 2\n"
+        "async_scheduling: True\nmax_num_batched_tokens: null\nstop_strings: null\n"
+        "reward_exact_format_match: 3.0\nreward_white_space_format_match: 1.5\nreward_partial_format_match: 0.5\n"
+        "reward_ratio_guess_to_answer_high: 0.5\nreward_ratio_guess_to_answer_low: 0.25\n"
+        "penalty_incorrect_format: -0.5\npenalty_incorrect_answer: -1.0\nreasoning_start_token: '<reasoning>'\n"
+        "reasoning_end_token: '</reasoning>'\nsolution_start_token: '<answer>'\nsolution_end_token: '</answer>'\n"
+        "chat_template_path: 'maxtext/examples/chat_templates/gsm8k_rl.json'\n"
+    )
+    cfg = build_config(TrainConfig, [f"config={tmp_path / 'rl.yml'}", "reward_preset=smollm2_demo"])
+    assert cfg.hbm_utilization_vllm == 0.72 and cfg.penalty_incorrect_answer == -1.0
+    rewards = build_task(cfg).reward_config
+    # MaxText's values replace smollm2_demo's (format_exact 1.0, answer_exact 2.0, answer_wrong 0.0, ...)
+    assert (rewards.format_exact, rewards.answer_exact, rewards.answer_whitespace) == (3.0, 3.0, 1.5)
+    assert (rewards.format_tag_present, rewards.format_tag_penalty, rewards.answer_unparseable) == (
+        0.5,
+        -0.5,
+        -0.5,
+    )
+    assert (rewards.answer_ratio_high, rewards.answer_ratio_low, rewards.answer_wrong) == (0.5, 0.25, -1.0)
+
+
+def test_maxtexts_reward_values_change_the_points(tmp_path):
+    """Hand-scored: a well-formed wrong answer, a well-formed right one, and a tagless answer, under
+    reward_preset=smollm2_demo with three of MaxText's values set (the prompt pre-fills <reasoning>)."""
+    rows = [{"question": "q", "gold": "2"}] * 3
+    completions = [
+        "I think</reasoning>\n<answer>5</answer>",
+        "so</reasoning>\n<answer>2</answer>",
+        "no tags 2",
+    ]
+    keys = ["load_parameters_path=x", "reward_preset=smollm2_demo"]
+    base = build_task(build_config(TrainConfig, keys)).score(rows, completions)
+    set_ = ["reward_exact_format_match=7", "penalty_incorrect_answer=-2", "penalty_incorrect_format=-0.75"]
+    scores = build_task(build_config(TrainConfig, [*keys, *set_])).score(rows, completions)
+    assert base["format_exact"] == [1.0, 1.0, 0.0] and scores["format_exact"] == [7.0, 7.0, 0.0]
+    assert base["answer_correct"] == [0.0, 2.0, 0.0] and scores["answer_correct"] == [0.0, 7.0, 0.0]
+    assert base["answer_close"] == [0.0, 0.0, 0.0] and scores["answer_close"] == [-2.0, 0.0, 0.0]
+    # the tagless answer: <reasoning> (pre-filled) once = 0.25, three tags missing = 3 x -0.75
+    assert scores["format_approximate"] == [1.0, 1.0, 0.25 - 3 * 0.75]
+    assert scores["total"] == [7.0 + 1.0 - 2.0, 7.0 + 1.0 + 7.0 + 0.5, -2.0 + 0.5]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["task=math", "penalty_incorrect_answer=-2"], "the built-in GSM8K rewards' points, not task=math's"),
+        (
+            ["reward_functions_path=r.py", "reward_functions=[f]", "reward_exact_format_match=2"],
+            "reward_functions_path=r.py replaces the built-in GSM8K rewards these points are for: drop one",
+        ),
+        (
+            ["penalty_incorrect_format=nan"],
+            "penalty_incorrect_format=nan: expected a finite number of points",
+        ),
+    ],
+)
+def test_reward_values_that_would_not_be_read_are_refused(args, message, capsys):
+    assert main(["train_rl", "load_parameters_path=ckpt", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
