@@ -389,6 +389,10 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
     for arg, needle in [
         ("hbm_utilization_vllm=1.5", "hbm_utilization_vllm=1.5 must be in [0, 1] (0: off)"),
         (
+            "tool_call_parser=mistral",
+            "tool_call_parser='mistral': expected one of hermes, llama3_json, or '' (off)",
+        ),
+        (
             "hbm_utilization_vllm=0.5",
             "hbm_utilization_vllm=0.5: the cpu devices report no memory size; size the KV",
         ),
@@ -811,3 +815,109 @@ def test_a_lora_runs_step_is_served_as_its_base_merged_with_the_adapters(checkpo
     save_params(jax.tree.map(lambda x: x * 1.01, base), base_path)
     with pytest.raises(ConfigError, match="trained on other weights"):
         load_checkpoint(str(step / "model_params"), cfg)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tool_call_parsers_read_the_model_formats():
+    from grpax.serve.tools import parse_tool_calls, streamable
+
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls("hermes", text)
+    assert content == "Let me check.\n"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}),
+        ("function", "get_time", {}),
+    ]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    assert parse_tool_calls("hermes", "<tool_call>{not json}</tool_call>") == (
+        "<tool_call>{not json}</tool_call>",
+        [],
+    )
+    assert parse_tool_calls("hermes", "no call here") == ("no call here", [])
+    content, calls = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"x": 1}
+    content, calls = parse_tool_calls(
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "g", "parameters": {}}',
+    )
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "g"]
+    assert parse_tool_calls("llama3_json", "The answer is {1}.") == ("The answer is {1}.", [])
+    assert parse_tool_calls("llama3_json", '{"city": "Oslo"}') == ('{"city": "Oslo"}', [])  # no name: content
+    # streaming: a call's start (or what may begin one) is held back
+    assert streamable("hermes", "Let me check.<tool") == len("Let me check.")
+    assert streamable("hermes", "Let me check.<tool_call>{") == len("Let me check.")
+    assert streamable("hermes", "a < b") == len("a < b")
+    assert streamable("llama3_json", ' {"name"') == 0 and streamable("llama3_json", "<|pyth") == 0
+    assert streamable("llama3_json", "Sunny.") == len("Sunny.")
+
+
+def _scripted(worker, tokenizer, text, monkeypatch):
+    """``worker`` answering every job's rows with ``text`` (two engine steps), without the model."""
+    from grpax.serve.worker import Progress, RowUpdate
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    half = len(ids) // 2
+
+    def submit(job):
+        for part, done in ((ids[:half], False), (ids[half:], True)):
+            rows = [RowUpdate(r, part, [-0.5] * len(part), [0] * len(part), "stop" if done else None)
+                    for r in range(job.num_rows)]  # fmt: skip
+            job.loop.call_soon_threadsafe(job.updates.put_nowait, Progress(rows, done=done))
+
+    monkeypatch.setattr(worker, "submit", submit)
+
+
+def test_tool_calls_come_back_as_openai_tool_calls(model, monkeypatch):
+    """tool_call_parser=hermes: a chat request with tools gets the model's calls as tool_calls (finish_reason
+    tool_calls), streamed or not; the next turn (the assistant's calls, arguments as text, and the tool's answer)
+    renders; without tools, or with tool_choice=none, the text is the content; tool_choice=required is a 400."""
+    params, cfg, tokenizer, sc = model
+    worker = EngineWorker(params, cfg, sc)
+    said = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    _scripted(worker, tokenizer, said, monkeypatch)
+    running = serve.start(Server(worker, tokenizer, "tiny", tool_call_parser="hermes"))
+    try:
+        client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=[TOOL])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+            "city": "Paris"
+        }
+        content, calls = "", {}
+        for chunk in client.chat.completions.create(
+            model="tiny", messages=messages, tools=[TOOL], stream=True
+        ):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for t in c.delta.tool_calls or []:
+                    calls[t.index] = (t.function.name, t.function.arguments)
+                if c.finish_reason:
+                    assert c.finish_reason == "tool_calls"
+        assert content == "Let me check.\n" and calls == {0: ("get_weather", '{"city": "Paris"}')}
+        follow = [*messages, choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
+        again = client.chat.completions.create(model="tiny", messages=follow, tools=[TOOL])
+        assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+        for kwargs in ({}, {"tools": [TOOL], "tool_choice": "none"}):
+            plain = client.chat.completions.create(model="tiny", messages=messages, **kwargs)
+            assert plain.choices[0].message.content == said and not plain.choices[0].message.tool_calls
+            assert plain.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="tool_choice='required'"):
+            client.chat.completions.create(
+                model="tiny", messages=messages, tools=[TOOL], tool_choice="required"
+            )
+    finally:
+        running.stop()

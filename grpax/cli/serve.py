@@ -3,7 +3,8 @@
 MaxText's keys as ``grpax generate`` takes them (``load_parameters_path``, ``max_prefill_predict_length``,
 ``max_target_length``), or ``hf_model_path`` (``grpax to_native``'s key) for a Hugging Face folder, plus the
 server's: ``host``, ``port``, ``api_key`` (required off localhost), ``max_num_seqs`` (decode slots),
-``hbm_utilization_vllm`` (the KV pool from memory), ``served_model_name``, ``allow_update_params`` and ``warmup``.
+``hbm_utilization_vllm`` (the KV pool from memory), ``served_model_name``, ``allow_update_params``,
+``tool_call_parser`` and ``warmup``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.serve.tools import TOOL_CALL_PARSERS
 
 DESCRIPTION = (
     "Serve a grpax checkpoint (load_parameters_path=<base>/0/items or an actor checkpoint; a LoRA run's step is "
@@ -28,7 +30,8 @@ DESCRIPTION = (
     "default) compiles every prompt bucket x prompt count and slot count of both sampling programs (the default "
     "rule's, and the one every other temperature / top_p / top_k shares, greedy included) before the port opens, "
     "so that a running server compiles nothing new (n > 1: once, at its first request). Requests of any sampling "
-    "settings share the running batch. Needs "
+    "settings share the running batch. tool_call_parser=hermes|llama3_json returns the model's tool calls as "
+    "tool_calls. Needs "
     "pip install 'grpax[serve]'."
 )
 
@@ -69,6 +72,11 @@ class ServeConfig(ModelKeys, RuntimeKeys):
         "num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
     )
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
+    tool_call_parser: str = field(
+        "",
+        "read the model's tool calls into OpenAI's tool_calls for chat requests that send tools (vLLM's "
+        "--tool-call-parser): hermes (Qwen2.5/Qwen3/Hermes <tool_call> JSON) | llama3_json (Llama 3.1/3.2) | '' = off",
+    )
     warmup: bool = field(
         True, "compile every prefill and decode shape of both sampling programs before serving (n=1)"
     )
@@ -111,6 +119,11 @@ def _check_keys(config: ServeConfig) -> None:
         raise ConfigError(f"port={config.port}: expected 0..65535")
     if config.max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs={config.max_num_seqs} must be >= 1")
+    if config.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(
+            f"tool_call_parser={config.tool_call_parser!r}: expected one of "
+            f"{', '.join(p for p in TOOL_CALL_PARSERS if p)}, or '' (off)"
+        )
 
 
 def load_checkpoint(path: str, model_cfg, hf: bool = False):
@@ -216,6 +229,7 @@ def run(config: ServeConfig) -> int:
         model_id(config),
         api_key=config.api_key,
         load_params=load_params if config.allow_update_params else None,
+        tool_call_parser=config.tool_call_parser,
     )
     worker.start()
     try:

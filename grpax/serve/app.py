@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from grpax.serve import protocol
+from grpax.serve import protocol, tools
 from grpax.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from grpax.serve.worker import EngineWorker, Job, Progress
 
@@ -93,9 +93,11 @@ class Server:
         *,
         api_key: str = "",
         load_params: Callable[[str], Any] | None = None,
+        tool_call_parser: str = "",
     ):
         self.worker, self.tokenizer, self.model_id = worker, tokenizer, model_id
         self.api_key, self.load_params = api_key, load_params
+        self.tool_call_parser = tool_call_parser
         self._swap = asyncio.Lock()
 
     # -- checks --------------------------------------------------------------------------------------------
@@ -137,6 +139,7 @@ class Server:
         for i, m in enumerate(body.messages):
             record = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
             record["content"] = m.text()
+            record = tools.arguments_as_objects(record)
             if m.role not in ("system", "user", "assistant", "tool", "developer"):
                 raise RequestError(f"messages[{i}].role={m.role!r} is not a chat role", f"messages[{i}].role")
             messages.append(record)
@@ -152,6 +155,13 @@ class Server:
         except Exception as e:  # noqa: BLE001 - jinja raises anything a template raises
             raise RequestError(f"messages: the chat template refused them ({e})", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def parser_for(self, body, chat: bool) -> str:
+        """The tool-call parser that reads this request's answers ('' = none): the server's, for a chat request
+        that sends ``tools`` and allows calls."""
+        if chat and self.tool_call_parser and body.tools and body.tool_choice != "none":
+            return self.tool_call_parser
+        return ""
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
@@ -323,6 +333,18 @@ async def _respond(server: Server, request: Request, body, prompts, max_tokens: 
     return JSONResponse(await _final(server, job, choices, body, rid, chat))
 
 
+def _streamed_text(parser: str, c: Choice) -> tuple[str, list[dict]]:
+    """A choice's content that may be sent now and, once it finished, its tool calls: without a parser the
+    stable text; with one, the text before a call while it runs, then the parsed content and calls."""
+    if not parser:
+        return c.stable_text(), []
+    if c.finish_reason is None:
+        text = c.stable_text()
+        return text[: tools.streamable(parser, text)], []
+    content, calls = tools.parse_tool_calls(parser, c.text)
+    return content or "", calls
+
+
 def _apply(progress: Progress, choices: list[Choice]) -> bool:
     """Adds a step's tokens to the choices; True when every choice has finished."""
     for row in progress.rows:
@@ -338,6 +360,7 @@ def _version(choices: list[Choice], fallback: int) -> int:
 async def _final(server: Server, job: Job, choices: list[Choice], body, rid: str, chat: bool) -> dict:
     k = body.num_top_logprobs
     temperature = job.sampling.temperature
+    parser = server.parser_for(body, chat)
     out = []
     for i, c in enumerate(choices):
         prompt = job.prompts[i // job.n]
@@ -355,6 +378,12 @@ async def _final(server: Server, job: Job, choices: list[Choice], body, rid: str
         }
         if chat:
             record["message"] = {"role": "assistant", "content": c.text}
+            if parser:
+                content, calls = tools.parse_tool_calls(parser, c.text)
+                record["message"]["content"] = content
+                if calls:
+                    record["message"]["tool_calls"] = calls
+                    record["finish_reason"] = "tool_calls"
         else:
             record["text"] = c.text
         if body.return_token_ids:
@@ -385,6 +414,7 @@ async def _stream(server: Server, job: Job, choices: list[Choice], body, rid: st
     the usage (``stream_options.include_usage``) and ``[DONE]``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, k, temperature = protocol.now(), body.num_top_logprobs, job.sampling.temperature
+    parser = server.parser_for(body, chat)
     sent_text = [0] * len(choices)
     sent_tokens = [0] * len(choices)
     finished = [False] * len(choices)
@@ -418,7 +448,7 @@ async def _stream(server: Server, job: Job, choices: list[Choice], body, rid: st
             for i, c in enumerate(choices):
                 if finished[i]:
                     continue
-                text = c.stable_text()
+                text, calls = _streamed_text(parser, c)
                 delta_text = text[sent_text[i] :]
                 new_ids = c.token_ids[sent_tokens[i] :]
                 if not delta_text and not new_ids and c.finish_reason is None:
@@ -426,6 +456,9 @@ async def _stream(server: Server, job: Job, choices: list[Choice], body, rid: st
                 record: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason}
                 if chat:
                     record["delta"] = {"content": delta_text}
+                    if calls:
+                        record["delta"]["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                        record["finish_reason"] = "tool_calls"
                 else:
                     record["text"] = delta_text
                 if k is not None:

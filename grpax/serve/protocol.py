@@ -7,7 +7,9 @@ choice's ``token_ids``, ``top_k`` sits beside ``top_p``. grpax adds ``policy_ver
 params version that sampled its oldest token, ``Engine.update_params``) and, with ``return_token_ids``, each
 choice's per-token ``policy_versions``. Unknown fields are ignored, as OpenAI-compatible servers do; fields
 grpax cannot honour (penalties, logit_bias, echo, suffix) are refused with a 400 naming them rather than silently
-ignored. ``tools`` reach the chat template (which may render them); tool calls are not parsed out of the text.
+ignored. ``tools`` reach the chat template (which renders them where it can); with the server's
+``tool_call_parser`` the model's calls come back as ``tool_calls`` (``grpax.serve.tools``); ``tool_choice`` may be
+``auto`` or ``none`` (forcing a call needs constrained decoding, which grpax serve does not have).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class ChatCompletionRequest(_Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's extra fields
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -156,6 +159,12 @@ class ChatCompletionRequest(_Body):
         if self.continue_final_message and self.add_generation_prompt:
             raise RequestError(
                 "continue_final_message=true needs add_generation_prompt=false", "continue_final_message"
+            )
+        if self.tool_choice not in (None, "auto", "none"):
+            raise RequestError(
+                f"tool_choice={self.tool_choice!r}: grpax serve lets the model choose ('auto') or not call ('none'); "
+                "forcing a call needs constrained decoding, which it does not have",
+                "tool_choice",
             )
 
     @property
@@ -215,4 +224,4 @@ def completion_logprobs(
     }
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
