@@ -747,3 +747,34 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
         ValueError, match="num_pages=30 and hbm_utilization=0.5 both size the KV pool: pass one"
     ):
         dataclasses.replace(sc, num_pages=30)
+
+
+def test_the_largest_prefill_is_the_groups_that_fill_the_decode_slots(params, monkeypatch):
+    """prefill_prompts: with max_num_seqs slots the engine starts the groups that fill them, so its largest
+    prefill (and the one abstract_programs compiles and the planner sizes) is that many prompts, not the batch."""
+    import grpax.sampler.engine as engine_module
+    from grpax.sampler.backend import select_backend
+    from grpax.sampler.engine import abstract_programs, prefill_prompts
+
+    sc = _sc(backend="xla")
+    assert prefill_prompts(sc, 8, 2) == 8 and prefill_prompts(sc, 5, 3) == 8  # every prompt, a power of two
+    assert prefill_prompts(dataclasses.replace(sc, max_num_seqs=4), 8, 2) == 2  # two groups of 2 fill 4 slots
+    assert (
+        prefill_prompts(dataclasses.replace(sc, max_num_seqs=5), 4, 2) == 4
+    )  # a third group starts in slot 5
+    # pages beyond the default pool: the admission's reserve for the running rows' growth never binds here
+    narrow = dataclasses.replace(sc, max_num_seqs=5, num_pages=64)
+    seen = []
+    real = engine_module.compiled_admit
+
+    def spy(backend):
+        fn = real(backend)
+        return lambda *args, **kwargs: seen.append(args[2].shape[0]) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "compiled_admit", spy)
+    engine = Engine(params, CFG, narrow)
+    engine.run(engine.submit(PROMPTS, jax.random.key(0), 2))  # 4 prompts x 2 in 5 slots
+    assert max(seen) == prefill_prompts(narrow, len(PROMPTS), 2) == 4
+    backend = select_backend("xla", params, CFG, None, True)
+    programs = abstract_programs(params, CFG, narrow, backend, 16, 2)
+    assert programs["prefill"][1][2].shape == (4, narrow.max_prompt_length)  # not 16 prompts

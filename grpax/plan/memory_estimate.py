@@ -75,6 +75,7 @@ from grpax.plan.step_cost import BYTES
 from grpax.plan.topology import Chip
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import LOGITS_CHUNK_ELEMENTS
+from grpax.sampler import engine
 
 # Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
 _MIB = 2**20
@@ -242,7 +243,8 @@ def sampler_terms(job) -> dict[str, dict[str, float]]:
     "decode": {term: bytes}}; each program's temporaries are the sum of its terms.
 
     The programs are those ``engine.abstract_programs`` compiles (``grpax.sampler.decode``). ``admit`` prefills
-    N = batch_size prompts (rounded up to a power of two) of P = max_prompt_length tokens into a dense cache
+    N = ``engine.prefill_prompts`` prompts (batch_size, or the groups that fill max_num_seqs slots; rounded up
+    to a power of two) of P = max_prompt_length tokens into a dense cache
     (the model's activation constraints split the prompts over the rollout mesh's data axes where they divide),
     then writes each layer's keys and values into the pages for each of the G completions (the pool is
     replicated over the data axes: every chip writes every page, so it holds all N x G x P of one layer: the
@@ -259,7 +261,7 @@ def sampler_terms(job) -> dict[str, dict[str, float]]:
     mesh = dict(job.rollout_mesh.shape)
     rows_ways, tensor = mesh["data"] * mesh["fsdp"] * mesh["expert"], mesh["tensor"]
     G, P = s.num_generations, sc.max_prompt_length
-    N = 1 << (s.num_prompts - 1).bit_length()
+    N = engine.prefill_prompts(sc, s.num_prompts, G)
     S = _share(sc.decode_slots(s.num_prompts * G), rows_ways)
     # the pool's bytes per token of one layer on a chip (its keys and values, heads split as the pool's)
     per_token = job.kv_cache / (job.num_pages * sc.page_size * L)

@@ -340,6 +340,15 @@ def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, ba
     return int(sc.hbm_utilization * limit) - max(held.values(), default=0), int(page)
 
 
+def prefill_prompts(sampler_cfg: SamplerConfig, num_prompts: int, num_generations: int) -> int:
+    """The most prompts one prefill of a ``num_prompts`` x G rollout takes (a power of two, as ``_prefill``
+    rounds them): all of them, or with fewer decode slots (``max_num_seqs``) the groups that fill the slots
+    (``_admit`` starts a group while a slot is free). ``abstract_programs`` and the planner size the prefill so."""
+    G = num_generations
+    admitted = min(num_prompts, -(-sampler_cfg.decode_slots(num_prompts * G) // G))
+    return 1 << (admitted - 1).bit_length()
+
+
 def _pool(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int):
     """(the function that builds the zero page pools, where they are placed): the backend's layout of
     ``num_pages`` pages of ``page_size`` tokens in ``cache_dtype`` (default the model's dtype)."""
@@ -389,9 +398,9 @@ def abstract_programs(
     num_prompts: int,
     num_generations: int,
 ) -> dict[str, tuple]:
-    """The engine's two programs with abstract arguments for ``num_prompts`` x G sequences all in flight (prompts
-    of the largest bucket, the default pool, the widest page table, every row at ``sampler_cfg``'s sampling rule:
-    the rollout's programs): what a compile check lowers.
+    """The engine's two programs with abstract arguments for ``num_prompts`` x G sequences in flight (the decode
+    slots full, the largest prefill ``prefill_prompts``, prompts of the largest bucket, the pool, the widest page
+    table, every row at ``sampler_cfg``'s sampling rule: the rollout's programs): what a compile check lowers.
 
     Args:
       params: the rollout's params, concrete or ``jax.ShapeDtypeStruct`` with shardings.
@@ -402,7 +411,7 @@ def abstract_programs(
     """
     sc, G = sampler_cfg, num_generations
     backend = routing_backend(backend, cfg, sc)
-    N = 1 << (num_prompts - 1).bit_length()
+    N = prefill_prompts(sc, num_prompts, G)
     S, P, V = sc.decode_slots(num_prompts * G), sc.max_prompt_length, cfg.vocab_size
     pages = abstract_pool(params, cfg, sc, backend, pool_pages(sc, S))
     replicated = _pool_sharding(params, cfg, _Replicated())
