@@ -169,6 +169,25 @@ def load_checkpoint(path: str, model_cfg, hf: bool = False):
     return convert_layout(params, model_cfg, model_cfg.scan_layers), model_cfg, load_tokenizer(model_folder)
 
 
+def _engine_keys(config: ServeConfig, length: int) -> dict:
+    """The engine's ``SamplerConfig`` fields of the server's keys, checked by ``SamplerConfig`` (ConfigError
+    naming the key)."""
+    from grpax.sampler.keys import sampler_config
+
+    keys = dict(
+        max_num_seqs=config.max_num_seqs,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        hbm_utilization=config.hbm_utilization_vllm,
+    )
+    try:
+        sampler_config(config.max_prefill_predict_length, length, **keys)
+    except ValueError as e:
+        message = str(e).replace("max_prompt_length", "max_prefill_predict_length")
+        raise ConfigError(message.replace("hbm_utilization=", "hbm_utilization_vllm=")) from None
+    return keys
+
+
 def run(config: ServeConfig) -> int:
     _check_keys(config)
     import jax
@@ -184,17 +203,7 @@ def run(config: ServeConfig) -> int:
 
     length = completion_length(config)
     total = config.max_prefill_predict_length + length
-    try:
-        engine_keys = dict(
-            max_num_seqs=config.max_num_seqs,
-            num_pages=config.num_pages,
-            page_size=config.page_size,
-            hbm_utilization=config.hbm_utilization_vllm,
-        )
-        sampler_config(config.max_prefill_predict_length, length, **engine_keys)
-    except ValueError as e:
-        message = str(e).replace("max_prompt_length", "max_prefill_predict_length")
-        raise ConfigError(message.replace("hbm_utilization=", "hbm_utilization_vllm=")) from None
+    engine_keys = _engine_keys(config, length)
     path, hf = config.hf_model_path or config.load_parameters_path, bool(config.hf_model_path)
     model_cfg, _ = read_model_config(path, config, total, f"max_target_length={total}")
     if model_cfg is None and hf:

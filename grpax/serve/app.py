@@ -409,12 +409,51 @@ async def _final(server: Server, job: Job, choices: list[Choice], body, rid: str
     return result
 
 
+async def _chunk(
+    server: Server,
+    job: Job,
+    body,
+    chat: bool,
+    i: int,
+    c: Choice,
+    delta_text: str,
+    calls: list[dict],
+    sent_text: int,
+    sent_tokens: int,
+) -> dict[str, Any]:
+    """Choice ``i``'s record in a streamed chunk: its new text (chat: a delta, with its tool calls once it
+    ended), the new tokens' logprobs and, with ``return_token_ids``, their ids and policy versions."""
+    new_ids = c.token_ids[sent_tokens:]
+    record: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason}
+    if chat:
+        record["delta"] = {"content": delta_text}
+        if calls:
+            record["delta"]["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+            record["finish_reason"] = "tool_calls"
+    else:
+        record["text"] = delta_text
+    record["logprobs"] = None
+    k = body.num_top_logprobs
+    if k is not None:
+        top = await server.top(job.prompts[i // job.n], c, sent_tokens, k, job.sampling.temperature)
+        texts, lps = server.token_texts(new_ids), c.logprobs[sent_tokens:]
+        if chat:
+            record["logprobs"] = protocol.chat_logprobs(texts, lps, top)
+        else:
+            record["logprobs"] = protocol.completion_logprobs(texts, lps, top, len(c.text[:sent_text]))
+    if body.return_token_ids:
+        record["token_ids"] = new_ids
+        record["policy_versions"] = c.versions[sent_tokens:]
+        if not chat and sent_tokens == 0:
+            record["prompt_token_ids"] = job.prompts[i // job.n]
+    return record
+
+
 async def _stream(server: Server, job: Job, choices: list[Choice], body, rid: str, chat: bool):
     """Server-sent events: one chunk per choice per engine step that added text, then each choice's finish,
     the usage (``stream_options.include_usage``) and ``[DONE]``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
-    created, k, temperature = protocol.now(), body.num_top_logprobs, job.sampling.temperature
-    parser = server.parser_for(body, chat)
+    created, parser = protocol.now(), server.parser_for(body, chat)
     sent_text = [0] * len(choices)
     sent_tokens = [0] * len(choices)
     finished = [False] * len(choices)
@@ -453,30 +492,9 @@ async def _stream(server: Server, job: Job, choices: list[Choice], body, rid: st
                 new_ids = c.token_ids[sent_tokens[i] :]
                 if not delta_text and not new_ids and c.finish_reason is None:
                     continue
-                record: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason}
-                if chat:
-                    record["delta"] = {"content": delta_text}
-                    if calls:
-                        record["delta"]["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
-                        record["finish_reason"] = "tool_calls"
-                else:
-                    record["text"] = delta_text
-                if k is not None:
-                    top = await server.top(job.prompts[i // job.n], c, sent_tokens[i], k, temperature)
-                    texts = server.token_texts(new_ids)
-                    lps = c.logprobs[sent_tokens[i] :]
-                    if chat:
-                        record["logprobs"] = protocol.chat_logprobs(texts, lps, top)
-                    else:
-                        offset = len(c.text[: sent_text[i]])
-                        record["logprobs"] = protocol.completion_logprobs(texts, lps, top, offset)
-                else:
-                    record["logprobs"] = None
-                if body.return_token_ids:
-                    record["token_ids"] = new_ids
-                    record["policy_versions"] = c.versions[sent_tokens[i] :]
-                    if not chat and sent_tokens[i] == 0:
-                        record["prompt_token_ids"] = job.prompts[i // job.n]
+                record = await _chunk(
+                    server, job, body, chat, i, c, delta_text, calls, sent_text[i], sent_tokens[i]
+                )
                 version = min(c.versions[sent_tokens[i] :], default=server.worker.version)
                 sent_text[i], sent_tokens[i] = len(text), len(c.token_ids)
                 finished[i] = c.finish_reason is not None
