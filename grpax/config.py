@@ -158,9 +158,17 @@ class Foreign:
 
     def allows(self, value: Any) -> bool:
         text = "" if value is None else str(value).strip().lower()
-        return not self.accepted or any(
-            text.endswith(a[1:]) if a.startswith("*") else text == a for a in self.accepted
-        )
+        return not self.accepted or any(_same_text(text, a) for a in self.accepted)
+
+
+def _same_text(text: str, accepted: str) -> bool:
+    """``text`` is ``accepted`` (numbers as numbers: 1.0 is 1; ``*x``: ends with x)."""
+    if accepted.startswith("*"):
+        return text.endswith(accepted[1:])
+    try:
+        return float(text) == float(accepted)
+    except ValueError:
+        return text == accepted
 
 
 # Keys whose values are secrets (hf_access_token, an API key, a password): never printed or written in clear.
@@ -517,7 +525,8 @@ class EngineKeys:
         0.0,
         "the fraction of each accelerator's memory (JAX's bytes_limit) the rollout's params and KV pool may take "
         "together (MaxText rl.yml's key, vLLM's gpu_memory_utilization): the pool gets the pages that fit after "
-        "the params, at most the num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
+        "the params and any pool already alive (a kept rollout engine's, while an evaluation builds its own), at "
+        "most the num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
     )
 
     def engine_keys(self) -> dict:

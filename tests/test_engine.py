@@ -721,8 +721,12 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
     device's memory left after the params (hand count: 2 layers x page_size 4 x 2 x 2 kv heads x head_dim 8 x 4
     bytes = 1 KiB a page), at most the num_pages=0 pool; the same rollouts; a fraction that leaves less than one
     sequence, and a device that reports no memory size (this CPU), are refused naming the key and the fix."""
+    import gc
+    import weakref
+
     import grpax.sampler.engine as engine_module
 
+    monkeypatch.setattr(engine_module, "_LIVE_ENGINES", weakref.WeakSet())  # no other test's engines
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     page = 2 * 4 * 2 * 2 * 8 * 4
     sc = _sc(page_size=4, max_num_seqs=3, hbm_utilization=0.5, backend=backend)
@@ -738,6 +742,14 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
         request = engine.submit(PROMPTS, jax.random.key(3))
         engine.run(request)
         _same(request.output(sc.pad_token_id, sc.bucket_for(7), C), full)
+    del engine, request
+    gc.collect()
+    # an engine alive holds its pool: the next one's room leaves it out (a kept rollout engine, an evaluation's)
+    monkeypatch.setattr(engine_module, "bytes_limit", lambda device: int((weights + 30.5 * page) / 0.5))
+    kept = Engine(params, CFG, sc)
+    assert kept.pool.num_pages == 1 + 3 * 7 and Engine(params, CFG, sc).pool.num_pages == 8  # 30.5 - 22 pages
+    del kept
+    gc.collect()
     monkeypatch.setattr(engine_module, "bytes_limit", lambda device: int((weights + 7.9 * page) / 0.5))
     with pytest.raises(ValueError, match=r"hbm_utilization_vllm=0.5: the KV pool gets 0.00 GiB per device after "
                        r"the params, 7 pages of 4 tokens, fewer than one sequence of 28 tokens needs \(8\); raise "

@@ -77,7 +77,7 @@ def test_maxtext_keys_grpax_does_otherwise_are_refused_naming_its_key(arg, fix, 
         "trainer_devices_fraction=1.0", "num_epoch=1", "loss_algo=grpo", "reasoning_start_token=<reasoning>",
         "solution_end_token=</answer>", "chat_template_path=maxtext/examples/chat_templates/gsm8k_rl.json",
         "stop_strings=null", "train_fraction=1.0", "test_batch_start_index=0", "num_trainer_slices=-1",
-        "debug.rl=True", "kv_cache_buffer=256", "swap_space_vllm_gb=2",
+        "debug.rl=True", "kv_cache_buffer=256", "swap_space_vllm_gb=2", "num_epoch=1.0", "train_fraction=1",
     ],
 )  # fmt: skip
 def test_maxtext_keys_at_what_grpax_does_anyway_are_accepted(arg):
@@ -148,3 +148,18 @@ def test_reward_values_that_would_not_be_read_are_refused(args, message, capsys)
     assert main(["train_rl", "load_parameters_path=ckpt", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_profiler_that_cannot_start_says_so(tmp_path, caplog):
+    from grpax.rl.profiling import StepProfiler
+
+    with caplog.at_level(logging.WARNING, logger="grpax.rl.profiling"):
+        profile = StepProfiler("xplane", tmp_path, 2, 5, 1, 4)  # resumed at step 3 of 4, skipping 5
+    assert (
+        "no trace: this run executes steps 3-4 and skip_first_n_steps_for_profiler=5 skips them all"
+        in caplog.text
+    )
+    for step in (2, 3):
+        profile.before(step)
+        profile.after(step, None)
+    assert not profile.active and not any(tmp_path.iterdir())

@@ -723,6 +723,13 @@ def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monke
         assert {N for N, s in seen["admit"] if s == static} == {1, 2, 4, 8, 16}
 
 
+def test_warmup_of_a_one_token_budget_runs(model):
+    """max_completion_length=1 (the prefill's token only): the warm-up asks no more of the engine."""
+    params, cfg, tokenizer, _ = model
+    sc = sampler_config(64, 1, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16)
+    assert EngineWorker(params, cfg, sc).warmup() == 2 * 2  # 2 programs x prompt counts 1, 2
+
+
 def _serve_one(params, cfg, tokenizer, sc, prompt):
     """The greedy completion token ids of ``prompt`` from a server on these params."""
     running = serve.start(Server(EngineWorker(jax.device_put(params), cfg, sc), tokenizer, "m"))
@@ -828,7 +835,7 @@ TOOL = {
 
 
 def test_tool_call_parsers_read_the_model_formats():
-    from grpax.serve.tools import parse_tool_calls, streamable
+    from grpax.serve.tools import arguments_as_objects, parse_tool_calls, streamable
 
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     text += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
@@ -851,6 +858,8 @@ def test_tool_call_parsers_read_the_model_formats():
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "g", "parameters": {}}',
     )
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "g"]
+    content, calls = parse_tool_calls("llama3_json", '{"name": "sh", "parameters": {"cmd": "cd /tmp; ls"}};')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"cmd": "cd /tmp; ls"}
     assert parse_tool_calls("llama3_json", "The answer is {1}.") == ("The answer is {1}.", [])
     assert parse_tool_calls("llama3_json", '{"city": "Oslo"}') == ('{"city": "Oslo"}', [])  # no name: content
     # streaming: a call's start (or what may begin one) is held back
@@ -859,6 +868,14 @@ def test_tool_call_parsers_read_the_model_formats():
     assert streamable("hermes", "a < b") == len("a < b")
     assert streamable("llama3_json", ' {"name"') == 0 and streamable("llama3_json", "<|pyth") == 0
     assert streamable("llama3_json", "Sunny.") == len("Sunny.")
+    # a request's malformed tool_calls reach the template unchanged (it refuses them: a 400), never a crash
+    for calls in (["x"], "ab", [{"function": "x"}]):
+        assert arguments_as_objects({"role": "assistant", "tool_calls": calls})["tool_calls"] == calls
+    message = {
+        "role": "assistant",
+        "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    assert arguments_as_objects(message)["tool_calls"][0]["function"]["arguments"] == {"a": 1}
 
 
 def _scripted(worker, tokenizer, text, monkeypatch):

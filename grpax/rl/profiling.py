@@ -31,14 +31,21 @@ class StepProfiler:
       start_step: the first step this run executes (0-based).
       skip: steps run before the trace starts.
       count: steps traced.
+      end_step: the step this run ends before (``num_batches``): a trace that cannot start is warned of.
 
     Every host traces its own devices into ``folder`` (one ``<host>.xplane.pb`` each).
     """
 
-    def __init__(self, profiler: str, folder: Path, start_step: int, skip: int, count: int):
+    def __init__(self, profiler: str, folder: Path, start_step: int, skip: int, count: int, end_step: int):
         self.first = start_step + skip if profiler else None
         self.last = None if self.first is None else self.first + count - 1
         self.folder, self.active = Path(folder), False
+        if self.first is not None and self.first >= end_step:
+            logger.warning(
+                "profiler=%s: no trace: this run executes steps %d-%d and skip_first_n_steps_for_profiler=%d skips "
+                "them all; lower it",
+                profiler, start_step + 1, end_step, skip,
+            )  # fmt: skip
 
     def before(self, step: int) -> None:
         """Starts the trace where ``step`` is the first traced one."""

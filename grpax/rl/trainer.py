@@ -442,7 +442,7 @@ def _loop(
         run.ahead.publish(state.params, start_step, run.policy.sampler_params)
     profile = StepProfiler(
         cfg.profiler, run.paths.run_dir / "tensorboard", start_step, cfg.skip_first_n_steps_for_profiler,
-        cfg.profiler_steps,
+        cfg.profiler_steps, cfg.num_batches,
     )  # fmt: skip
     with contextlib.ExitStack() as stop_thread:
         if run.ahead is not None:

@@ -49,6 +49,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -302,6 +303,10 @@ def pool_pages(sampler_cfg: SamplerConfig, num_slots: int, room: tuple[int, int]
     return min(full, max(0, free // page))
 
 
+# Engines whose page pools are alive: ``memory_room`` leaves their bytes out of a new engine's room.
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
 def bytes_limit(device) -> int | None:
     """The bytes JAX may allocate on ``device`` (``memory_stats()["bytes_limit"]``), None where it reports none."""
     return (device.memory_stats() or {}).get("bytes_limit")
@@ -309,7 +314,8 @@ def bytes_limit(device) -> int | None:
 
 def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend) -> tuple[int, int]:
     """``(bytes, page bytes)``: what ``hbm_utilization`` of the smallest memory among the params' devices
-    (``memory_stats()["bytes_limit"]``) leaves after the params' largest per-device share, and one page's bytes
+    (``memory_stats()["bytes_limit"]``) leaves after the params' largest per-device share and the pools of the
+    engines alive (a training run's kept rollout engine while an evaluation builds its own), and one page's bytes
     per device (its largest shard of every pool). Reference: vLLM's gpu_memory_utilization (the instance's
     weights and KV cache within the fraction; its activation profile is not counted here).
 
@@ -326,8 +332,8 @@ def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, ba
             f"hbm_utilization_vllm={sc.hbm_utilization}: the {kind} devices report no memory size; size the KV "
             "pool with num_pages instead (grpax train_rl compile_topology=... suggests one)"
         )
-    held = collections.Counter()
-    for x in leaves:
+    held = collections.Counter()  # the params, and the pools of the engines alive (a kept rollout's)
+    for x in [*leaves, *(p for engine in list(_LIVE_ENGINES) for p in jax.tree.leaves(engine.pages))]:
         for shard in x.addressable_shards:
             held[shard.device] += shard.data.nbytes
     limit = min(limits)
@@ -635,6 +641,7 @@ class Engine:
             )
         self.pool = PagePool(num_pages)
         self.pages = self._init_pages(params, num_pages)
+        _LIVE_ENGINES.add(self)
         V = cfg.vocab_size
         self.stop_table = np.zeros(V, bool)
         self.stop_table[[i for i in sc.stop_token_ids if 0 <= i < V]] = True

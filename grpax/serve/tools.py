@@ -61,12 +61,14 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict]]:
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, []
-    calls = []
-    for part in body.split(";"):
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):  # JSON objects separated by ";" (which may also sit inside their strings)
         try:
-            record = json.loads(part)
+            record, at = decoder.raw_decode(body, at)
         except json.JSONDecodeError:
             return text, []
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
         call = None
         if isinstance(record, dict):
             call = _call(record.get("name"), record.get("parameters", record.get("arguments", {})))
@@ -112,9 +114,13 @@ def arguments_as_objects(message: dict) -> dict:
     calls = message.get("tool_calls")
     if not calls:
         return message
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    ):
+        return message  # not OpenAI's shape: the template refuses it (a 400 naming messages)
     out = []
     for call in calls:
-        function = dict(call.get("function") or {})
+        function = dict(call["function"])
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])

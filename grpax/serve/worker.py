@@ -14,7 +14,8 @@ engine's programs as data. The engine has two programs per shape: every row at i
 Shapes are bounded so that a running server compiles nothing new (``bounded``): the engine pads prompts to
 power-of-two buckets, its prefills take N prompts rounded up to a power of two (as the engine rounds them) and a plan
 that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
-packed-length variants per batch), and its decode runs on a halving of the slots over the whole page table.
+packed-length variants per batch), and its decode runs on the engine's slot counts (``engine.slot_counts``)
+over the whole page table.
 ``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests;
 ``n`` > 1 compiles its programs at its first request.
 
@@ -247,7 +248,8 @@ class EngineWorker:
                     for count in counts:
                         prompts = [[0] * length] * count
                         # a prefill's token and one decode call on the slot count that holds ``count`` rows
-                        e.run(e.submit(prompts, jax.random.key(0), max_completion_length=2, **rule))
+                        limit = min(2, e.sc.max_completion_length)  # 1: no decode runs at all
+                        e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, **rule))
         finally:
             e.stop_table = stop_table
         return e.stats["prefills"] - prefills
