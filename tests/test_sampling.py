@@ -111,19 +111,24 @@ def test_top_p_bisection_equals_the_sorting_definition():
         np.testing.assert_array_equal(np.isfinite(np.asarray(apply_top_p(logits, p))), expected)
 
 
-def test_block_threshold_is_the_sorted_kth_value_ties_and_filtered_tokens_included():
-    # The GPU's top-k threshold (the largest logit of each block of 32 tokens) against lax.top_k's k-th value,
-    # bit for bit: spread logits, heavy ties (integers), tokens already at -inf, the top k crowded into one
-    # block, a vocabulary that is not a multiple of the block.
-    rng = np.random.default_rng(0)
+def _threshold_cases(seed: int) -> list[jax.Array]:
+    """float32 [6, 5003] logits a top-k threshold must get right: spread, heavy ties (integers), tokens already
+    at -inf, and the 32 largest crowded into one block of 32."""
+    rng = np.random.default_rng(seed)
     V = 5003
     spread = 3.0 * rng.standard_normal((6, V))
     ties = np.round(2.0 * rng.standard_normal((6, V)))
     filtered = np.where(rng.random((6, V)) < 0.9, -np.inf, spread)
     crowded = spread.copy()
-    crowded[:, 64:96] = 50.0 + np.arange(32)  # one block holds the 32 largest
-    for logits in (spread, ties, filtered, crowded):
-        logits = jnp.asarray(logits, jnp.float32)
+    crowded[:, 64:96] = 50.0 + np.arange(32)
+    return [jnp.asarray(x, jnp.float32) for x in (spread, ties, filtered, crowded)]
+
+
+def test_block_threshold_is_the_sorted_kth_value_ties_and_filtered_tokens_included():
+    # The GPU's top-k threshold (the largest logit of each block of 32 tokens) against lax.top_k's k-th value,
+    # bit for bit: spread logits, heavy ties (integers), tokens already at -inf, the top k crowded into one
+    # block, a vocabulary that is not a multiple of the block.
+    for logits in _threshold_cases(0):
         for k in (1, 7, 50, 77):
             blocks = sampling._kth_largest_by_blocks(logits, k)
             np.testing.assert_array_equal(blocks, sampling._kth_largest_by_sort(logits, k))
@@ -149,16 +154,8 @@ def test_top_k_on_a_gpu_sorts_no_vocabulary_sized_row():
 def test_bisection_threshold_is_the_sorted_kth_value_with_each_rows_own_k():
     # The per-row top-k threshold (bisection over the float32 order) against lax.top_k's k-th value, bit for bit,
     # on spread logits, heavy ties, tokens already at -inf and the top k crowded into one block.
-    rng = np.random.default_rng(1)
-    V = 5003
-    spread = 3.0 * rng.standard_normal((6, V))
-    ties = np.round(2.0 * rng.standard_normal((6, V)))
-    filtered = np.where(rng.random((6, V)) < 0.9, -np.inf, spread)
-    crowded = spread.copy()
-    crowded[:, 64:96] = 50.0 + np.arange(32)
-    ks = np.array([1, 7, 50, 77, 400, V - 1], np.int32)
-    for logits in (spread, ties, filtered, crowded):
-        logits = jnp.asarray(logits, jnp.float32)
+    ks = np.array([1, 7, 50, 77, 400, 5002], np.int32)
+    for logits in _threshold_cases(1):
         got = np.asarray(sampling._kth_largest_by_bisection(logits, jnp.asarray(ks)))
         for b, k in enumerate(ks.tolist()):
             np.testing.assert_array_equal(got[b], sampling._kth_largest_by_sort(logits[b : b + 1], k)[0])
