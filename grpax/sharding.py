@@ -94,6 +94,15 @@ class MeshConfig:
     )
 
 
+def per_chip_bytes(tree) -> int:
+    """Bytes of the largest shard of each leaf (arrays or ``ShapeDtypeStruct``s with a sharding), summed: one
+    chip's."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # PRNG keys too (key<fry>: 8)
+        for x in jax.tree.leaves(tree)
+    )
+
+
 # ---------------------------------------------------------------------------------------------- meshes
 
 

@@ -54,6 +54,7 @@ from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
+from grpax.sharding import per_chip_bytes  # noqa: F401  (the plan's callers import it from here)
 
 log = logging.getLogger("grpax.compile_check")
 
@@ -87,14 +88,6 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
 
 def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def per_chip_bytes(tree) -> int:
-    """Bytes of the largest shard of each leaf (``ShapeDtypeStruct``s with a sharding), summed: one chip's."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # PRNG keys too (key<fry>: 8)
-        for x in jax.tree.leaves(tree)
-    )
 
 
 def _batch(cfg: TrainConfig, mesh, with_ref: bool, model_cfg: ModelConfig | None = None) -> Batch:

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpax import distributed
+from grpax import distributed, sharding
 from grpax.host_memory import release_host_memory
 from grpax.models.moe import route_dtype
 from grpax.models.params import Params
@@ -337,12 +337,7 @@ def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, ba
         for shard in x.addressable_shards:
             held[shard.device] += shard.data.nbytes
     limit = min(limits)
-    page = sum(
-        np.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-        if x.sharding
-        else x.size * x.dtype.itemsize
-        for x in jax.tree.leaves(abstract_pool(params, cfg, sc, backend, 1))
-    )
+    page = sharding.per_chip_bytes(abstract_pool(params, cfg, sc, backend, 1))
     return int(sc.hbm_utilization * limit) - max(held.values(), default=0), int(page)
 
 
