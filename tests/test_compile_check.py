@@ -171,7 +171,7 @@ def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
 
 
 def test_step_flops_equal_a_hand_count():
-    # One prompt of P=4 tokens, G=2 completions of C=2 tokens, one decode phase, no reference, remat none.
+    # One prompt of P=4 tokens, G=2 completions of C=2 tokens, the whole page table, no reference, remat none.
     cfg = TINY.replace(remat_policy="none")
     s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
     phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
@@ -179,8 +179,9 @@ def test_step_flops_equal_a_hand_count():
     per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)  # 2 x layer matmul params
     attention = lambda q, k: 4 * L * N * H * q * k  # noqa: E731
     assert phases["prefill"].flops == per_token * 4 + attention(4, 4) + 2 * D * V
-    # Two decode steps x two rows, each attending the whole cache of P + C = 6 slots.
-    assert phases["decode"].flops == 2 * (2 * (per_token + 2 * D * V) + attention(2, 6))
+    # One decode step (the prefill samples the first token) on two slots, each gathering its whole page table: one
+    # page of 32 tokens (P + C = 6).
+    assert phases["decode"].flops == 2 * (per_token + 2 * D * V) + attention(2, 32)
     grouped = per_token * (4 + 4) + attention(4, 4) + attention(4, 6) + 2 * D * V * 4
     layers_and_head = grouped - 2 * D * V * 4
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
@@ -602,14 +603,14 @@ def test_lora_step_flops_equal_a_hand_count():
     assert phases["update"].bytes_per_chip == 2 * 4 * n + adapter_params * (2 * 4 + 20)
     assert phases["decode"] == full["decode"]  # the sampler reads merged plain weights
     # The adapters sampler: no merge; prefill and decode add the adapters' matmuls, 2 FLOPs per adapter
-    # parameter per token (P = 4 prompt tokens; C = 2 decode steps of 2 rows), and each step reads them.
+    # parameter per token (P = 4 prompt tokens; C = 2: one decode step of 2 slots), and each step reads them.
     s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0, adapter_params, adapted, r, sampler_adapters=True)
     adapters = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
     assert "merge" not in adapters and adapters["update"] == phases["update"]
     assert adapters["prefill"].flops == full["prefill"].flops + 2 * adapter_params * 4
-    assert adapters["decode"].flops == full["decode"].flops + 2 * adapter_params * 2 * 2
+    assert adapters["decode"].flops == full["decode"].flops + 2 * adapter_params * 2 * 1
     itemsize = {"float32": 4, "bfloat16": 2}[cfg.dtype]
-    assert adapters["decode"].bytes_per_chip == full["decode"].bytes_per_chip + 2 * adapter_params * itemsize
+    assert adapters["decode"].bytes_per_chip == full["decode"].bytes_per_chip + 1 * adapter_params * itemsize
 
 
 def _decode_compile_module():

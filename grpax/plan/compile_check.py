@@ -306,6 +306,9 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
         adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
         reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
+        decode_slots=sc.decode_slots(cfg.batch_size * grpo.num_generations), page_size=sc.page_size,
+        decode_steps_per_call=sc.decode_steps_per_call, retire_rows=sc.retire_rows,
+        reads_filled_pages=backend.reads_filled_pages,
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,

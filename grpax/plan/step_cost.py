@@ -5,7 +5,14 @@ GRPO step is a loop (the layers are scanned, the micro-batches are scanned, the 
 up to C steps), so its figures are low by factors of L, M and C. The count follows the code as it runs:
 
 * prefill: each prompt's P tokens through the layers (attention over the full P x P square, as computed);
-* decode: C steps of one token per row; attention reads each decode phase's whole cache (P + phase end);
+* decode: the paged engine's (``grpax.sampler.engine``): the rows (prompts x G) pass through its decode slots
+  (``max_num_seqs``, or every row) in waves of C - 1 steps each (the prefill samples each row's first token),
+  every row running to its length limit C: an upper bound on the steps and pages, as real rows stop early and
+  free their slots and pages sooner. A step runs the layers
+  and the vocabulary projection on every slot of the call (``call_slots``: the last wave on the smallest slot
+  count that holds it), reads the weights once, and reads the pages its attention reads: where it gathers them
+  (XLA), every slot's page table cut to the longest sequence's pages at the call's end rounded up to
+  ``decode_phase_length`` (``gathered_width``); Pallas's ragged kernel (TPU), each sequence's filled pages;
 * reference / old logprobs: ``forward_grouped`` (each prompt once, its G completions on top) + the vocabulary
   projection of the completion tokens;
 * update: forward + backward (2x forward) of the same, + one more forward of the layers with
@@ -22,7 +29,9 @@ matmuls per token, and the decode reads the adapters (in the compute dtype) at e
 A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
 (whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
 optimizer's read and write of params, gradients and both moments; activations are left out, so the time is
-a lower bound: ``sum over phases of max(FLOPs / (chips * peak), bytes per chip / bandwidth)``.
+a lower bound: ``sum over phases of max(FLOPs / (chips * peak), bytes per chip / bandwidth)`` (the decode's sum
+over its steps). Every prompt is counted at P tokens (the longest bucket) and the KV pool as holding every
+slot's sequence (no preemption).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpax.models.registry import ModelConfig
+from grpax.sampler.engine import call_pages, call_slots, gathered_width
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of each dtype a model key names
 
@@ -62,6 +72,11 @@ class StepShape:
     lora_rank: int = 0  # LoRA: r
     sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
     reference_dtype: str = ""  # the reference copy's dtype (rounded to the compute dtype); "": weight_dtype
+    decode_slots: int = 0  # the engine's decode slots (SamplerConfig.decode_slots of the rows); 0: every row
+    page_size: int = 32  # SamplerConfig.page_size: tokens per page of the KV cache
+    decode_steps_per_call: int = 16  # SamplerConfig.decode_steps_per_call
+    retire_rows: bool = True  # SamplerConfig.retire_rows: the last wave decodes on fewer slots
+    reads_filled_pages: bool = False  # the sampler backend's: its attention reads only filled pages
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:
@@ -146,33 +161,56 @@ class _Roofline:
 
 
 def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int, rollout_data: int) -> Phase:
-    """The decode, phase by phase: each step reads the sampler's weights (rounded to the compute dtype by
-    ``XlaBackend.prepare_decode``; the adapters too with the adapters sampler) and the phase's whole cache (P +
-    the phase's end slots)."""
+    """The decode, step by step (see the module docstring): each step reads the sampler's weights (rounded to the
+    compute dtype by ``XlaBackend.prepare_decode``; the adapters too with the adapters sampler) and the keys and
+    values of the pages its attention reads (``_keys_read``). Per chip the pages' heads are split over
+    ``tensor`` where they divide (the pools' placement, ``XlaBackend.page_spec``) and the gathered slots over the
+    data axis (Pallas's kernel runs every slot on each chip)."""
     sampler_weights = cfg.num_params() * min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
     adapter_flops = 2.0 * s.adapter_params if s.sampler_adapters else 0.0
     if s.sampler_adapters:
         sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype])
-    head, layer_params = 2.0 * cfg.hidden_dim * cfg.vocab_size, _layer_matmul_params(cfg)
+    # every slot of a call runs the layers and the vocabulary projection, an idle one too
+    per_slot = 2.0 * _layer_matmul_params(cfg) + 2.0 * cfg.hidden_dim * cfg.vocab_size + adapter_flops
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[cfg.dtype]  # all layers' k and v
+    heads_split = rollout_tensor if cfg.num_kv_heads % rollout_tensor == 0 else 1
+    kv_per_chip = kv_token / heads_split / (1 if s.reads_filled_pages else rollout_data)
     rows = s.num_prompts * s.num_generations
-    P, C = s.prompt_length, s.completion_length
-    kv_row_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[cfg.dtype]
-    rows_per_chip = rows / rollout_data / min(rollout_tensor, cfg.num_kv_heads)
-    step_length = s.decode_phase_length or C
-    ends = [*range(step_length, C, step_length), C]
-    decode_flops = decode_seconds = decode_bytes = 0.0
-    start = 0
-    for end in ends:
-        steps = end - start
-        flops = steps * (
-            rows * (2.0 * layer_params + head + adapter_flops) + _attention_flops(cfg, rows, P + end)
-        )
-        per_chip = steps * (sampler_weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
-        decode_flops += flops
-        decode_bytes += per_chip
-        decode_seconds += roof.seconds(flops, per_chip)
-        start = end
-    return Phase("decode", decode_flops, decode_bytes, decode_seconds)
+    num_slots = s.decode_slots or rows
+    waves = -(-rows // num_slots)
+    flops = per_chip = seconds = 0.0
+    # The waves before the last run on every slot (rows wait for one); the last on the slots that hold its rows.
+    for count, running, waiting in [(waves - 1, num_slots, True), (1, rows - (waves - 1) * num_slots, False)]:
+        if not count:
+            continue
+        S = call_slots(num_slots, running, waiting, s.retire_rows)
+        for n in range(1, s.completion_length):  # n: completion tokens before the step
+            keys = _keys_read(s, S, running, n)
+            step_flops = S * per_slot + _attention_flops(cfg, 1, keys)
+            step_bytes = sampler_weights / rollout_tensor + keys * kv_per_chip
+            flops += count * step_flops
+            per_chip += count * step_bytes
+            seconds += count * roof.seconds(step_flops, step_bytes)
+    return Phase("decode", flops, per_chip, seconds)
+
+
+def _keys_read(s: StepShape, S: int, running: int, n: int) -> int:
+    """Key slots (tokens of pages) the attention of one decode step reads over its ``S`` slots, ``running`` of
+    them sequences of P prompt and ``n`` completion tokens, which attend P + n keys (the fed token's own
+    included).
+
+    Filled pages (``reads_filled_pages``: Pallas's ragged kernel): each sequence's pages of P + n tokens, an idle
+    slot's one page (its length 1); the kernel's blocks of several pages are not counted. Gathered (XLA): every
+    slot's row of the page table as the engine cut it for the step's call (calls of ``decode_steps_per_call``
+    steps, the first at n0 tokens): the pages through the call's last position (``call_pages``), rounded up
+    (``gathered_width``)."""
+    P, C, ps = s.prompt_length, s.completion_length, s.page_size
+    if s.reads_filled_pages:
+        return (running * -(-(P + n) // ps) + (S - running)) * ps
+    k = s.decode_steps_per_call
+    n0 = 1 + (n - 1) // k * k
+    table_width = -(-(P + C) // ps)
+    return S * gathered_width(call_pages(P, n0, k, C, ps), table_width, ps, s.decode_phase_length) * ps
 
 
 def _training_phases(cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int) -> list[Phase]:

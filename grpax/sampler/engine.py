@@ -585,6 +585,34 @@ def slot_counts(num_slots: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
+def call_slots(num_slots: int, running: int, waiting: bool, retire_rows: bool) -> int:
+    """Slots a decode call runs on with ``running`` sequences in an engine of ``num_slots``: all of them, or
+    where no sequence waits for a slot and ``retire_rows`` is on, the smallest of ``slot_counts`` that holds the
+    running ones. ``Engine`` and the planner's step count (``grpax.plan.step_cost``) both take it here."""
+    if retire_rows and not waiting:
+        return min(b for b in slot_counts(num_slots) if b >= running)
+    return num_slots
+
+
+def call_pages(prompt_length: int, n: int, steps: int, limit: int, page_size: int) -> int:
+    """Pages a sequence of ``prompt_length`` prompt tokens and ``n`` completion tokens holds for a decode call of
+    ``steps`` steps: through the last position the call may feed (its token n + steps - 1, or its token limit -
+    1 where the length limit comes first; each step feeds the last token and samples the next)."""
+    last = min(prompt_length + n - 1 + steps - 1, prompt_length + limit - 2)
+    return last // page_size + 1
+
+
+def gathered_width(longest: int, table_width: int, page_size: int, decode_phase_length: int) -> int:
+    """Pages of the page table a decode call passes where its attention gathers them (``reads_filled_pages``
+    false): the longest running sequence's ``longest`` pages rounded up to ``decode_phase_length // page_size``
+    pages (at least 1), at most ``table_width``; ``decode_phase_length`` 0: the whole table. Every slot's row of
+    the table is gathered whole at every step of the call."""
+    if not decode_phase_length:
+        return table_width
+    step = max(1, decode_phase_length // page_size)
+    return min(table_width, -(-longest // step) * step)
+
+
 class Engine:
     """The rollout engine on one set of params: submit prompts, step, collect (see the module docstring).
 
@@ -1006,9 +1034,8 @@ class Engine:
         while True:
             short = []
             for seq in self.running:
-                L = len(seq.prompt)
-                last = min(L + seq.n - 1 + k - 1, L + seq.request.limit - 2)  # the last position fed
-                short.append(max(0, last // ps + 1 - len(seq.pages)))
+                need = call_pages(len(seq.prompt), seq.n, k, seq.request.limit, ps)
+                short.append(max(0, need - len(seq.pages)))
             if sum(short) <= self.pool.num_free:
                 for seq, count in zip(self.running, short, strict=True):
                     if count:
@@ -1052,14 +1079,11 @@ class Engine:
         k = sc.decode_steps_per_call
         self._grow(k)
         waiting = bool(self.queue or self.ready)
-        S = self.num_slots
-        if sc.retire_rows and not waiting:
-            S = min(b for b in slot_counts(self.num_slots) if b >= len(self.running))
+        S = call_slots(self.num_slots, len(self.running), waiting, sc.retire_rows)
         width = self.table_width
-        if not self.backend.reads_filled_pages and sc.decode_phase_length:
-            step = max(1, sc.decode_phase_length // ps)
+        if not self.backend.reads_filled_pages:
             longest = max(len(s.pages) for s in self.running)
-            width = min(self.table_width, -(-longest // step) * step)
+            width = gathered_width(longest, self.table_width, ps, sc.decode_phase_length)
         F = self.max_forced_tokens
         slots = {
             "token": np.zeros((S,), np.int32),
