@@ -529,6 +529,13 @@ class EngineKeys:
         "most the num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
     )
 
+    slot_count_step: int = field(
+        0,
+        "the step between the decode slot counts the engine compiles (with nothing queued, a decode runs on the "
+        "smallest count that holds its running sequences): 0 = max(2, slots // 8), e.g. 32 slots: 32, 28, ..., "
+        "4, 2, 1; 1 = every count: no idle slot in the tail, one decode compile per count",
+    )
+
     def engine_keys(self) -> dict:
         """These keys as ``SamplerConfig`` fields."""
         return dict(
@@ -536,6 +543,7 @@ class EngineKeys:
             num_pages=self.num_pages,
             max_num_seqs=self.max_num_seqs,
             hbm_utilization=self.hbm_utilization_vllm,
+            slot_count_step=self.slot_count_step,
         )
 
 
@@ -548,7 +556,8 @@ def check_engine_keys(
     model loads.
 
     Raises:
-      ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, hbm_utilization_vllm
+      ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, slot_count_step < 0,
+        hbm_utilization_vllm
         outside [0, 1] or set with num_pages, or a pool (num_pages > 0) that holds no whole sequence: one line
         naming the key, its value and the fix.
     """
@@ -561,6 +570,10 @@ def check_engine_keys(
     if keys.max_num_seqs < 0:
         raise ConfigError(
             f"max_num_seqs={keys.max_num_seqs}: expected >= 0 decode slots (0: every sequence of a batch at once)"
+        )
+    if keys.slot_count_step < 0:
+        raise ConfigError(
+            f"slot_count_step={keys.slot_count_step}: expected >= 0 (0: max(2, slots // 8); 1: every slot count)"
         )
     if not 0.0 <= keys.hbm_utilization_vllm <= 1.0:
         raise ConfigError(

@@ -526,6 +526,10 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
             "max_num_seqs=-1: expected >= 0 decode slots (0: every sequence of a batch at once)",
         ),
         (
+            "slot_count_step=-1",
+            "slot_count_step=-1: expected >= 0 (0: max(2, slots // 8); 1: every slot count)",
+        ),
+        (
             "hbm_utilization_vllm=1.5",
             "hbm_utilization_vllm=1.5: expected a fraction in [0, 1] of each device's memory (0: off, num_pages "
             "sizes the KV pool)",

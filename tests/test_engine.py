@@ -464,6 +464,19 @@ def test_retired_slots_give_the_same_rollout_with_less_decode_work(params, backe
     assert retired.decode_row_steps == sum(fewest) < 0.7 * full.decode_row_steps
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slot_count_step_one_leaves_no_slot_idle_in_the_tail(params, backend):
+    # slot_count_step=1: a count for every number of running rows, so each decode step runs on exactly the rows
+    # still decoding (no row-step past a row's end); the default ladder (q = 3 for 24 slots) idles up to 2 slots.
+    prompts = [*PROMPTS, [3, 4, 5], [8, 8]]
+    sc = _sc(**LONG_TAILED, backend=backend)
+    ladder = generate(params, prompts, CFG, sc, jax.random.key(3), 4)
+    exact = generate(params, prompts, CFG, dataclasses.replace(sc, slot_count_step=1), jax.random.key(3), 4)
+    _same(exact, ladder)
+    assert slot_counts(24, 1) == list(range(24, 0, -1)) and slot_counts(24, 5) == [24, 20, 15, 10, 5]
+    assert exact.decode_row_steps == int((exact.lengths - 1).sum()) < ladder.decode_row_steps
+
+
 def test_a_row_does_not_depend_on_what_else_is_in_flight(params):
     """A request submitted while another one runs (sharing its slots and pool, admitted between decode calls)
     samples what it samples alone; so does the first one."""

@@ -694,6 +694,7 @@ def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monke
     from grpax.serve.worker import warmup_counts
 
     assert warmup_counts(32) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
+    assert warmup_counts(32, 1) == list(range(1, 33))  # slot_count_step=1: every count decodes
     params, cfg, tokenizer, _ = model
     sc = sampler_config(
         64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16

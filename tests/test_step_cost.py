@@ -53,6 +53,16 @@ def test_one_wave_when_the_slots_hold_every_row():
     assert idle.bytes_per_chip == 5 * WEIGHTS + 8 * 44 * KV_TOKEN
 
 
+def test_slot_count_step_sets_the_last_waves_slots():
+    # 5 rows (5 prompts x G = 1) on 8 slots: the default ladder of 8 (8, 6, 4, 2, 1) runs them on 6 slots, one
+    # idle; slot_count_step=1 on 5. 5 steps each, every slot computed and its table row gathered (44 keys).
+    ladder = _decode(5, 1, 4, 6, decode_slots=8, **GATHERED)
+    exact = _decode(5, 1, 4, 6, decode_slots=8, slot_count_step=1, **GATHERED)
+    assert ladder.flops == 5 * 6 * PER_SLOT + ATTENTION * 6 * 44
+    assert exact.flops == 5 * 5 * PER_SLOT + ATTENTION * 5 * 44
+    assert ladder.bytes_per_chip - exact.bytes_per_chip == 44 * KV_TOKEN
+
+
 def test_the_decode_count_changes_with_max_num_seqs():
     # A chip bound by its memory: each step's time is its bytes (1 B/s).
     counts = {slots: _decode(3, 2, 4, 6, peak=1e30, decode_slots=slots, **GATHERED) for slots in (0, 4, 2)}

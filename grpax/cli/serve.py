@@ -71,6 +71,11 @@ class ServeConfig(ModelKeys, RuntimeKeys):
         "(vLLM's gpu_memory_utilization): the pool gets the pages that fit after the params, at most the "
         "num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
     )
+    slot_count_step: int = field(
+        0,
+        "the step between the decode slot counts compiled (and warmed up): 0 = max(2, max_num_seqs // 8); 1 = "
+        "every count (no idle slot in a batch's tail, one decode compile per count)",
+    )
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
     tool_call_parser: str = field(
         "",
@@ -179,6 +184,7 @@ def _engine_keys(config: ServeConfig, length: int) -> dict:
         num_pages=config.num_pages,
         page_size=config.page_size,
         hbm_utilization=config.hbm_utilization_vllm,
+        slot_count_step=config.slot_count_step,
     )
     try:
         sampler_config(config.max_prefill_predict_length, length, **keys)

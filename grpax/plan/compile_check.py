@@ -308,6 +308,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
         decode_slots=sc.decode_slots(cfg.batch_size * grpo.num_generations), page_size=sc.page_size,
         decode_steps_per_call=sc.decode_steps_per_call, retire_rows=sc.retire_rows,
+        slot_count_step=sc.slot_count_step,
         reads_filled_pages=backend.reads_filled_pages,
     )  # fmt: skip
     return Job(

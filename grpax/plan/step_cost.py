@@ -76,6 +76,7 @@ class StepShape:
     page_size: int = 32  # SamplerConfig.page_size: tokens per page of the KV cache
     decode_steps_per_call: int = 16  # SamplerConfig.decode_steps_per_call
     retire_rows: bool = True  # SamplerConfig.retire_rows: the last wave decodes on fewer slots
+    slot_count_step: int = 0  # SamplerConfig.slot_count_step: the ladder of those slot counts
     reads_filled_pages: bool = False  # the sampler backend's: its attention reads only filled pages
 
 
@@ -183,7 +184,7 @@ def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int
     for count, running, waiting in [(waves - 1, num_slots, True), (1, rows - (waves - 1) * num_slots, False)]:
         if not count:
             continue
-        S = call_slots(num_slots, running, waiting, s.retire_rows)
+        S = call_slots(num_slots, running, waiting, s.retire_rows, s.slot_count_step)
         for n in range(1, s.completion_length):  # n: completion tokens before the step
             keys = _keys_read(s, S, running, n)
             step_flops = S * per_slot + _attention_flops(cfg, 1, keys)

@@ -101,6 +101,9 @@ class SamplerConfig:
     # When no sequence waits for a slot, decode the running ones on the smallest slot count that holds them
     # (``slot_counts``: one compile per count); false: always on max_num_seqs slots. The same tokens and logprobs.
     retire_rows: bool = True
+    # The step between those slot counts (``slot_counts``): 0 = max(2, max_num_seqs // 8); 1 = every count, so
+    # no slot idles in the tail (no decode row-step past EOS), at one compile per count.
+    slot_count_step: int = 0
     # A mixture of experts' routing recorded (``router_replay``): each prompt and completion token's top-k
     # experts in every layer, as the prefill and the decode steps routed it (GenerateOutput's routed fields).
     record_routes: bool = False
@@ -148,7 +151,7 @@ class SamplerConfig:
         for name in ("page_size", "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_num_seqs", "num_pages"):
+        for name in ("max_num_seqs", "num_pages", "slot_count_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
         if not 0.0 <= self.hbm_utilization <= 1.0:
@@ -573,24 +576,26 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def slot_counts(num_slots: int) -> list[int]:
-    """Slot counts a decode call may run on, largest first: ``num_slots``, the multiples of q = max(2,
-    num_slots // 8) below it, then q halved while even (32: 32, 28, 24, ..., 4, 2, 1). A finished sequence's
-    slot idles until the running ones fit the next count down; halvings alone left a quarter of the slots empty
-    on average in the tail (docs/benchmarks.md); each count is one more compile of the decode."""
-    step = max(2, num_slots // 8)
-    sizes = [num_slots, *range(num_slots - num_slots % step or num_slots - step, 0, -step)]
+def slot_counts(num_slots: int, step: int = 0) -> list[int]:
+    """Slot counts a decode call may run on, largest first: ``num_slots``, the multiples of q below it, then q
+    halved while even; q = ``step`` (``slot_count_step``), 0 = max(2, num_slots // 8) (32: 32, 28, 24, ..., 4,
+    2, 1; step 1: every count). A finished sequence's slot idles until the running ones fit the next count down;
+    halvings alone left a quarter of the slots empty on average in the tail (docs/benchmarks.md); each count is
+    one more compile of the decode."""
+    q = step or max(2, num_slots // 8)
+    sizes = [num_slots, *range(num_slots - num_slots % q or num_slots - q, 0, -q)]
     while sizes[-1] % 2 == 0:
         sizes.append(sizes[-1] // 2)
     return sorted(set(sizes), reverse=True)
 
 
-def call_slots(num_slots: int, running: int, waiting: bool, retire_rows: bool) -> int:
+def call_slots(num_slots: int, running: int, waiting: bool, retire_rows: bool, step: int = 0) -> int:
     """Slots a decode call runs on with ``running`` sequences in an engine of ``num_slots``: all of them, or
-    where no sequence waits for a slot and ``retire_rows`` is on, the smallest of ``slot_counts`` that holds the
-    running ones. ``Engine`` and the planner's step count (``grpax.plan.step_cost``) both take it here."""
+    where no sequence waits for a slot and ``retire_rows`` is on, the smallest of ``slot_counts(num_slots,
+    step)`` that holds the running ones. ``Engine`` and the planner's step count (``grpax.plan.step_cost``) both
+    take it here."""
     if retire_rows and not waiting:
-        return min(b for b in slot_counts(num_slots) if b >= running)
+        return min(b for b in slot_counts(num_slots, step) if b >= running)
     return num_slots
 
 
@@ -1068,7 +1073,7 @@ class Engine:
         (all its steps)."""
         if (waiting and self.refill_at_once) or pausing:
             return 1
-        smaller = [b for b in slot_counts(self.num_slots) if b < S]
+        smaller = [b for b in slot_counts(self.num_slots, self.sc.slot_count_step) if b < S]
         if self.sc.retire_rows and not waiting and smaller:
             return len(self.running) - smaller[0]  # >= 1: S is the smallest count that holds them
         return S + 1
@@ -1079,7 +1084,7 @@ class Engine:
         k = sc.decode_steps_per_call
         self._grow(k)
         waiting = bool(self.queue or self.ready)
-        S = call_slots(self.num_slots, len(self.running), waiting, sc.retire_rows)
+        S = call_slots(self.num_slots, len(self.running), waiting, sc.retire_rows, sc.slot_count_step)
         width = self.table_width
         if not self.backend.reads_filled_pages:
             longest = max(len(s.pages) for s in self.running)

@@ -65,10 +65,11 @@ def prompt_counts(num_slots: int) -> list[int]:
     return [*(1 << i for i in range((num_slots - 1).bit_length())), num_slots]
 
 
-def warmup_counts(num_slots: int) -> list[int]:
+def warmup_counts(num_slots: int, slot_count_step: int = 0) -> list[int]:
     """The prompt counts the warm-up submits at once: ``prompt_counts`` and every slot count the engine's decode
-    may run on (``grpax.sampler.engine.slot_counts``: 32 slots decode on 32, 28, 24, ..., 4, 2, 1), ascending."""
-    return sorted({*prompt_counts(num_slots), *engine_slot_counts(num_slots)})
+    may run on (``grpax.sampler.engine.slot_counts``: 32 slots decode on 32, 28, 24, ..., 4, 2, 1 by default),
+    ascending."""
+    return sorted({*prompt_counts(num_slots), *engine_slot_counts(num_slots, slot_count_step)})
 
 
 _SHAPE_PLANNED: dict[type, type] = {}
@@ -244,7 +245,11 @@ class EngineWorker:
             for rule in ({}, other):
                 for i, length in enumerate(e.sc.buckets()):
                     # every prefill shape in each bucket; every decode slot count once, in the smallest bucket
-                    counts = (warmup_counts if i == 0 else prompt_counts)(self.num_slots)
+                    counts = (
+                        warmup_counts(self.num_slots, e.sc.slot_count_step)
+                        if i == 0
+                        else prompt_counts(self.num_slots)
+                    )
                     for count in counts:
                         prompts = [[0] * length] * count
                         # a prefill's token and one decode call on the slot count that holds ``count`` rows
