@@ -24,8 +24,8 @@ under DIR then the paged arm under this tree, each in its own process, and print
 / static useful tokens/s; row-steps past EOS; rows in flight).
 
 Usage: python benchmarks/paged_ab.py [--num_prompts 8] [--num_generations 8] [--new_tokens 512 [1024 ...]]
-       [--static_rows 16] [--slots 32] [--page_size 32] [--steps_per_call 16] [--json_out FILE] [--gsm8k_dir DIR]
-       [--static_tree DIR]
+       [--static_rows 16] [--slots 32] [--page_size 32] [--steps_per_call 16] [--slot_count_step 0]
+       [--json_out FILE] [--gsm8k_dir DIR] [--static_tree DIR]
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--page_size", type=int, default=32)
     ap.add_argument("--steps_per_call", type=int, default=16)
     ap.add_argument(
+        "--slot_count_step", type=int, default=0, help="the paged engine's slot_count_step (0: ladder)"
+    )
+    ap.add_argument(
         "--refill_per_call", action="store_true", help="refill freed slots only between calls, not at once"
     )
     ap.add_argument("--json_out", default="")
@@ -135,6 +138,7 @@ def main() -> None:
             num_pages=1 + tokens_of_memory // args.page_size,
             max_num_seqs=args.slots,
             decode_steps_per_call=args.steps_per_call,
+            slot_count_step=args.slot_count_step,
         )
     sc = engine_module.SamplerConfig(**fields)
     load = os.getloadavg()
@@ -170,6 +174,7 @@ def main() -> None:
         # past-EOS row-steps of slots empty at a call's start (the halving's rounding, or no sequence to put there)
         "past_eos_empty_slots": int(stats.get("row_steps_empty", 0)) / max(int(stats["row_steps"]), 1),
         "steps_per_call": args.steps_per_call if paged else 0,
+        "slot_count_step": args.slot_count_step if paged else 0,
         "refill_at_once": paged and not args.refill_per_call,
         "decode_calls": int(stats.get("calls", 0)),
         "completions_sha256": hashlib.sha256(ids.tobytes()).hexdigest()[:16],
@@ -183,7 +188,16 @@ def main() -> None:
 def _arm(tree: str, args, C: int, out: Path) -> dict:
     """One arm in a process of its own, its grpax the one in ``tree``."""
     cmd = [sys.executable, __file__, "--new_tokens", str(C), "--json_out", str(out)]
-    for name in ("num_prompts", "num_generations", "static_rows", "slots", "page_size", "steps_per_call"):
+    names = (
+        "num_prompts",
+        "num_generations",
+        "static_rows",
+        "slots",
+        "page_size",
+        "steps_per_call",
+        "slot_count_step",
+    )
+    for name in names:
         cmd += [f"--{name}", str(getattr(args, name))]
     cmd += ["--refill_per_call"] if args.refill_per_call else []
     cmd += ["--gsm8k_dir", str(args.gsm8k_dir)]
