@@ -212,6 +212,24 @@ def test_zero_test_batches_means_no_evaluation(tiny_checkpoint, tmp_path, capsys
     assert not (run_dir / "eval").exists() and _tensorboard_steps(run_dir, "eval/accuracy") == []
 
 
+def test_enable_checkpointing_false_saves_no_checkpoint(tiny_checkpoint, tmp_path, capsys):
+    """MaxText's enable_checkpointing=false: the run trains and evaluates as usual but writes no step folder;
+    results name no actor; export_hf is refused before anything loads. true (the default): the final step saved."""
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=2, num_test_batches=0, checkpoint_period=1)
+    args = ["train_rl", *(f"{k}={v}" for k, v in keys.items())]
+    assert main([*args, "enable_checkpointing=false"]) == 0
+    assert "actor checkpoint:  none (enable_checkpointing=false)" in capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "results.json").read_text())["actor_path"] is None
+    assert len(_records(run_dir)) == 2 and list((run_dir / "checkpoints" / "actor").glob("[0-9]*")) == []
+    assert main([*args, "run_name=saved"]) == 0
+    assert (tmp_path / "saved" / "checkpoints" / "actor" / "2" / "model_params").is_dir()
+    assert main([*args, "run_name=export", "enable_checkpointing=false", f"export_hf={tmp_path / 'hf'}"]) == 2
+    err = capsys.readouterr().err
+    assert "exports the final checkpoint, but enable_checkpointing=false saves none" in err
+    assert not (tmp_path / "export").exists()
+
+
 def test_profiler_xplane_traces_the_steps_it_names(tiny_checkpoint, tmp_path, monkeypatch):
     """profiler=xplane (MaxText's keys, Tunix's rl.profiler_* spellings): a JAX trace of profiler_steps steps after
     skip_first_n_steps_for_profiler, written beside the run's TensorBoard scalars; off, no trace."""

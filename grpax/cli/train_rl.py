@@ -51,13 +51,13 @@ def run(config: TrainConfig) -> int:
         raise
     print("\n" + format_before_after(results["before"], results["after"], results.get("paired")))
     print(f"\nrun folder:        {results['run_dir']}")
-    print(f"actor checkpoint:  {results['actor_path']}")
+    print(f"actor checkpoint:  {results['actor_path'] or 'none (enable_checkpointing=false)'}")
     print(
         f"metrics:           {results['run_dir']}/metrics.jsonl (TensorBoard: {results['run_dir']}/tensorboard)"
     )
     if results.get("hf_path"):
         print(f"Hugging Face:      {results['hf_path']}")
-    else:
+    elif results["actor_path"]:
         print(
             f"export with:       grpax to_huggingface model_name={config.model_name} "
             f"load_parameters_path={results['actor_path']} base_output_directory=<folder>"

@@ -147,6 +147,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     )
     seed: int = field(42, "seed of data order, sampling and init (MaxText data_shuffle_seed)")
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
+    enable_checkpointing: bool = field(
+        True,
+        "MaxText's: false saves no checkpoint at all (no resume point, no actor folder: the trained weights "
+        "end with the run; export_hf refused); a checkpoint already in the run folder is still resumed",
+    )
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")
@@ -389,6 +394,11 @@ def _validate_eval_and_export(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"export_hf={cfg.export_hf!r} runs in single-process jobs only (the export restores the checkpoint on "
             "one process); export a multi-process run afterwards with grpax to_huggingface"
+        )
+    if cfg.export_hf and not cfg.enable_checkpointing:
+        raise ConfigError(
+            f"export_hf={cfg.export_hf!r} exports the final checkpoint, but enable_checkpointing=false saves none: "
+            "drop enable_checkpointing=false, or export_hf"
         )
     export = Path(cfg.export_hf) if cfg.export_hf else None
     if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):

@@ -245,6 +245,11 @@ def _open_checkpointer(
         cfg.checkpoint_storage_use_ocdbt,
     )
     closing.callback(checkpointer.close)
+    if not cfg.enable_checkpointing:
+        log.warning(
+            "enable_checkpointing=false: no checkpoint will be saved in %s (the run cannot resume; the trained "
+            "weights end with it)", paths.checkpoints,
+        )  # fmt: skip
     latest = checkpointer.latest_step()
     changes = check_resume(cfg, paths, latest) if latest is not None else {}
     if changes:
@@ -483,7 +488,7 @@ def _after_step(
     )
     if run.evaluating and cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.num_batches:
         _evaluate(run, run.policy.sampler_params(state.params), f"step_{done}", done)
-    if done % cfg.checkpoint_period == 0 or done == cfg.num_batches:
+    if cfg.enable_checkpointing and (done % cfg.checkpoint_period == 0 or done == cfg.num_batches):
         _save(run, state, iterator, done, before)
 
 
@@ -606,7 +611,8 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
         if run.evaluating
         else None
     )
-    results["actor_path"] = str(run.checkpointer.step_dir(final_step) / "model_params")
+    saved = run.cfg.enable_checkpointing or run.checkpointer.latest_step() == final_step
+    results["actor_path"] = str(run.checkpointer.step_dir(final_step) / "model_params") if saved else None
     results["reward_history"] = reward_history(run.writer, final_step, history)  # the whole run's
     run.checkpointer.close()
     run.writer.close()
