@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from grpax.models import moe
 from grpax.models.attention import (
@@ -178,6 +179,7 @@ def _layer(
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
     mask, rope = _pick(local, *mask), _pick(local, *rope)
+    x = _name(x, "decoder_layer_input")
     q, k, v = attention_inputs(x, w, rope, cfg)
     scale, cap, sinks = _scale(cfg), cfg.attn_logit_softcap, w.get("sinks")
     if cache_k is not None:
@@ -197,8 +199,14 @@ def _layer(
     else:
         with jax.named_scope("attention"):
             attn = impl.attend(q, k, v, mask, scale, cap, sinks)
-    x, routing = output_and_mlp(x, attn, w, cfg, route, weights)
+    x, routing = output_and_mlp(x, _name(attn, "context"), w, cfg, route, weights)
     return x, cache_k, cache_v, routing
+
+
+def _name(x: jax.Array, name: str) -> jax.Array:
+    """``x`` named for ``remat_policy=custom`` (``jax.ad_checkpoint.checkpoint_name``; MaxText's names); the
+    identity everywhere else."""
+    return checkpoint_name(x, name)
 
 
 def _project(h: jax.Array, w: dict, name: str, cfg: ModelConfig) -> jax.Array:
@@ -220,7 +228,10 @@ def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax
     # activations for the weight gradients of the backward pass at every layer.
     with jax.named_scope("qkv"):
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset).reshape(B * T, D)
-        q, k, v = (_project(h, w, name, cfg).reshape(B, T, -1, cfg.head_dim) for name in ("wq", "wk", "wv"))
+        q, k, v = (
+            _name(_project(h, w, name, cfg), tag).reshape(B, T, -1, cfg.head_dim)
+            for name, tag in (("wq", "query_proj"), ("wk", "key_proj"), ("wv", "value_proj"))
+        )
     with jax.named_scope("rope"):
         return rotate(q, *rope), rotate(k, *rope), v
 
@@ -244,7 +255,7 @@ def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, rou
     B, T, D = x.shape
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention_out"):
-        out = attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D)
+        out = _name(attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D), "out_proj")
         if cfg.attention_out_bias:
             out = out + w["o_bias"]
         if cfg.post_norms:
@@ -257,7 +268,8 @@ def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, rou
             out, routing = moe.moe_mlp(h.reshape(B, T, D), w, cfg, route, weights)
             out = out.reshape(B * T, D)
         else:
-            out = (_ACTIVATIONS[cfg.mlp_activation](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            gate, up = _name(h @ w["w_gate"], "mlpwi_0"), _name(h @ w["w_up"], "mlpwi_1")
+            out = _name((_ACTIVATIONS[cfg.mlp_activation](gate) * up) @ w["w_down"], "mlpwo")
         if cfg.post_norms:
             out = rms_norm(out, w["mlp_post_norm"], eps, offset)
         return (x + out).reshape(B, T, D), routing
@@ -293,9 +305,21 @@ _REMAT_POLICIES = {
 }
 
 
+def _custom_policy(remat_names: tuple[tuple[str, str], ...]):
+    """MaxText's ``remat_policy=custom``: the named activations (``_name``) saved on the device or offloaded to
+    pinned host memory, as ``remat_names`` says; everything else recomputed."""
+    kept = lambda choice: [name for name, c in remat_names if c == choice]  # noqa: E731
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=kept("device"), names_which_can_be_offloaded=kept("offload"),
+        offload_src="device", offload_dst="pinned_host",
+    )  # fmt: skip
+
+
 def _maybe_remat(fn, cfg: ModelConfig):
     if cfg.remat_policy == "none":
         return fn
+    if cfg.remat_policy == "custom":
+        return jax.checkpoint(fn, policy=_custom_policy(cfg.remat_names))
     if cfg.remat_policy not in _REMAT_POLICIES:
         raise ValueError(f"remat_policy={cfg.remat_policy!r}: expected none, {', '.join(_REMAT_POLICIES)}")
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[cfg.remat_policy])

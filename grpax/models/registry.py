@@ -18,7 +18,14 @@ from grpax.errors import ConfigError, suggest
 # The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation of each layer in the backward pass (grpax.models.llama: jax.checkpoint policies).
-REMAT_POLICIES = ("none", "full", "dots", "minimal")
+REMAT_POLICIES = ("none", "full", "dots", "minimal", "custom")
+# MaxText's remat_policy=custom: activations the layer names (jax.ad_checkpoint.checkpoint_name), each rematerialised
+# (remat), saved on the device (device) or offloaded to host memory (offload) for the backward pass.
+REMAT_NAMES = (
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1",
+    "mlpwo",
+)  # fmt: skip
+REMAT_CHOICES = ("remat", "device", "offload")
 # The attention implementations (grpax.models.attention.IMPLEMENTATIONS): MaxText's ``attention`` key, its
 # dot_product value (the plain XLA einsums); jax.nn.dot_product_attention's XLA and cuDNN implementations.
 ATTENTION_IMPLEMENTATIONS = ("dot_product", "jax_nn", "cudnn")
@@ -73,7 +80,11 @@ class ModelConfig:
     dtype: str = "float32"  # activations / matmul inputs
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
-    remat_policy: str = "none"  # none | full | dots | minimal (jax.checkpoint policies on each layer)
+    remat_policy: str = (
+        "none"  # none | full | dots | minimal | custom (jax.checkpoint policies on each layer)
+    )
+    # remat_policy=custom: (name, "device" | "offload") for the REMAT_NAMES kept; the others are rematerialised.
+    remat_names: tuple[tuple[str, str], ...] = ()
     attention: str = "dot_product"  # one of ATTENTION_IMPLEMENTATIONS (grpax.models.attention)
     # Architecture of the family (defaults: Llama).
     family: str = "llama"  # one of FAMILIES: Hugging Face names and config.json form
@@ -118,6 +129,11 @@ class ModelConfig:
                 f"remat_policy={self.remat_policy!r}: expected one of {', '.join(REMAT_POLICIES)}"
                 f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
             )
+        for name, choice in self.remat_names:
+            if name not in REMAT_NAMES or choice not in REMAT_CHOICES[1:]:
+                raise ConfigError(
+                    f"{name}={choice!r}: expected a name of {', '.join(REMAT_NAMES)} kept on the device or offloaded"
+                )
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             known = _MAXTEXT_ATTENTION.get(self.attention)
             raise ConfigError(

@@ -33,6 +33,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.maxtext_keys import MAXTEXT_RL_KEYS
 from grpax.rl.policy import LORA_SAMPLERS
 from grpax.rl.profiling import PROFILERS
+from grpax.rl.remat_keys import RematKeys, check_remat_keys
 from grpax.sampler.engine import SamplerConfig
 from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
@@ -46,7 +47,7 @@ REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, ModelKeys, RuntimeKeys):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, ModelKeys, RuntimeKeys, RematKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -99,9 +100,10 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     )
     remat_policy: str = field(
         "auto",
-        "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full (full: the "
-        "least memory, and on CPU also the fastest; auto: on CPU full, on an accelerator the one with the least "
-        "recompute, in that order, that the memory plan fits with a 10% margin, full if the fit check refuses it)",
+        "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full | custom (full: "
+        "the least memory, and on CPU also the fastest; auto: on CPU full, on an accelerator the one with the "
+        "least recompute, in that order, that the memory plan fits with a 10% margin, full if the fit check "
+        "refuses it; custom: MaxText's, the named activations kept as decoder_layer_input, query_proj, ... say)",
     )
     dataset_name: str = field("openai/gsm8k", "Hub name, a folder with train.jsonl/test.jsonl, or a file")
     eval_dataset_name: str = field(
@@ -215,7 +217,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
 
     def model_keys(self) -> dict:
         """``ModelKeys.model_keys`` and ``remat_policy`` (``remat``: auto read as full until the plan chooses)."""
-        return {**super().model_keys(), "remat_policy": self.remat}
+        return {**super().model_keys(), "remat_policy": self.remat, "remat_names": self.remat_names()}
 
     @property
     def remat(self) -> str:
@@ -290,6 +292,7 @@ def validate(cfg: TrainConfig) -> None:
             f"max_target_length={cfg.max_target_length} must exceed "
             f"max_prefill_predict_length={cfg.max_prefill_predict_length}"
         )
+    check_remat_keys(cfg, cfg.remat_policy)
     groups = (("num_generations", cfg.num_generations), ("num_eval_passes", cfg.num_eval_passes))
     check_engine_keys(cfg, cfg.max_target_length, "max_target_length", groups)
     if cfg.overlong_buffer_length > cfg.max_completion_length:
@@ -368,7 +371,7 @@ def _validate_lora(cfg: TrainConfig) -> None:
 def _validate_choices(cfg: TrainConfig) -> None:
     """remat_policy, reference_dtype, reference_memory and lora_sampler name one of their choices."""
     choices = {
-        "remat_policy": ("auto", *REMAT_ORDER),
+        "remat_policy": ("auto", *REMAT_ORDER, "custom"),
         "reference_dtype": REFERENCE_DTYPES,
         "reference_memory": REFERENCE_MEMORIES,
     }
