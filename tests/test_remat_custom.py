@@ -79,6 +79,12 @@ def test_the_keys_reach_the_model_config_and_bad_ones_are_refused():
         )
 
 
+def test_maxtext_fused_projection_names_are_accepted_as_remat_and_refused_otherwise():
+    build_config(TrainConfig, ["load_parameters_path=x", "mlpwi=remat", "qkv_proj=remat"])
+    with pytest.raises(ConfigError, match=r"^mlpwi=offload .*; name them mlpwi_0 and mlpwi_1"):
+        build_config(TrainConfig, ["load_parameters_path=x", "remat_policy=custom", "mlpwi=offload"])
+
+
 @pytest.mark.slow
 def test_offloaded_activations_go_to_host_memory_on_tpu():
     """The TPU compiler's own plan (libtpu, no TPU) of one backward pass: offloading the layer inputs and q

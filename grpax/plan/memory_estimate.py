@@ -141,7 +141,9 @@ def remat_extra(cfg: ModelConfig, prompts: int, rows: int, P: int, C: int, tenso
     if cfg.remat_policy == "full":
         return 0
     if cfg.remat_policy == "custom":  # what it offloads is in host memory: traced as recomputed
-        cfg = dataclasses.replace(cfg, remat_names=tuple(kept for kept in cfg.remat_names if kept[1] == "device"))
+        cfg = dataclasses.replace(
+            cfg, remat_names=tuple(kept for kept in cfg.remat_names if kept[1] == "device")
+        )
     split = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731  (the rules table: else replicated)
     local = dataclasses.replace(
         cfg, vocab_size=128, num_heads=split(cfg.num_heads), num_kv_heads=split(cfg.num_kv_heads),

@@ -35,7 +35,14 @@ _TAGS = Foreign(
     "(prompt_template_path=) and rewards (reward_functions_path=)",
 )
 
+_FUSED = (
+    "remat_policy=custom's name of a fused projection MaxText builds with fused_mlp / fused_qkv (off for its "
+    "Llama, Qwen and Gemma); grpax's projections are separate"
+)
+
 MAXTEXT_RL_KEYS: dict[str, Foreign] = {
+    "mlpwi": Foreign(_FUSED, ("remat",), "name them mlpwi_0 and mlpwi_1 (the gate and up projections)"),
+    "qkv_proj": Foreign(_FUSED, ("remat",), "name them query_proj, key_proj and value_proj"),
     "async_scheduling": Foreign(_VLLM),
     "enable_dp_attention": Foreign(_VLLM + "; rollout_data_parallelism splits the rollout's rows"),
     "kv_cache_buffer": Foreign(_VLLM + "; the KV pool: num_pages or hbm_utilization_vllm"),
