@@ -20,7 +20,8 @@ adapters sampler (``StepShape.sampler_adapters``) merges nothing and its prefill
 matmuls per token, and the decode reads the adapters (in the compute dtype) at every step beside the weights.
 
 A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
-(whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
+(whole, except the ``tensor`` split: FSDP gathers them; a mixture of experts' experts split on ``expert`` too,
+each chip reading its own), the KV cache it reads per decode step, and the
 optimizer's read and write of params, gradients and both moments; activations are left out, so the time is
 a lower bound: ``sum over phases of max(FLOPs / (chips * peak), bytes per chip / bandwidth)``.
 """
@@ -73,6 +74,19 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + mlp)
 
 
+def _expert_params(cfg: ModelConfig) -> int:
+    """The experts' parameters of all layers (their weights and biases; 0 for a dense model)."""
+    D, E, Fe = cfg.hidden_dim, cfg.num_experts, cfg.moe_mlp_dim
+    return cfg.num_layers * E * (3 * D * Fe + (2 * Fe + D) * cfg.expert_bias)
+
+
+def _weights_per_chip(cfg: ModelConfig, itemsize: int, tensor: int, expert: int) -> float:
+    """Bytes of the weights one chip reads per pass: all of them split on ``tensor``, the experts on ``expert``
+    too."""
+    experts = _expert_params(cfg)
+    return (cfg.num_params() - experts) * itemsize / tensor + experts * itemsize / (tensor * expert)
+
+
 def _attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
     """QK^T and PV of ``queries`` x ``keys`` pairs over all layers and heads."""
     return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
@@ -97,6 +111,9 @@ def step_phases(
     rollout_data: int,
     peak_flops: float,
     hbm_bandwidth: float,
+    *,
+    trainer_expert: int = 1,
+    rollout_expert: int = 1,
 ) -> list[Phase]:
     """The phases of one GRPO step (rollout, reference, old logprobs, update) with their roofline seconds.
 
@@ -106,11 +123,12 @@ def step_phases(
         update).
       s: the step's sizes.
       num_chips: chips of the slice(s); trainer_tensor: the trainer mesh's tensor axis; rollout_tensor,
-        rollout_data: the sampler mesh's tensor and data axes.
+        rollout_data: the sampler mesh's tensor and data axes; trainer_expert, rollout_expert: the meshes'
+        expert axes (each chip reads its own experts; the sampler's rows and cache split on it too).
       peak_flops: FLOP/s per chip; hbm_bandwidth: bytes/s per chip.
     """
     roof = _Roofline(num_chips, peak_flops, hbm_bandwidth)
-    weights = cfg.num_params() * BYTES[cfg.weight_dtype]
+    weights = _weights_per_chip(cfg, BYTES[cfg.weight_dtype], rollout_tensor, rollout_expert)
     # The adapters sampler: 2 FLOPs per adapter parameter per token, and the adapters read per pass (split
     # as the weights, for the count: their rank axis is replicated, a few MB).
     adapter_bytes = s.adapter_params * min(4, BYTES[cfg.dtype]) if s.sampler_adapters else 0.0
@@ -120,11 +138,11 @@ def step_phases(
     )
     prefill += 2.0 * cfg.hidden_dim * cfg.vocab_size * s.num_prompts
     prefill += (2.0 * s.adapter_params if s.sampler_adapters else 0.0) * s.num_prompts * P
-    training = _training_phases(cfg, s, roof, trainer_tensor)
+    training = _training_phases(cfg, s, roof, trainer_tensor, trainer_expert)
     merge = [p for p in training if p.name == "merge"]  # LoRA's merged sampler: before the rollout
     rollout = [
-        roof.phase("prefill", prefill, (weights + adapter_bytes) / rollout_tensor),
-        _decode(cfg, s, roof, rollout_tensor, rollout_data),
+        roof.phase("prefill", prefill, weights + adapter_bytes / rollout_tensor),
+        _decode(cfg, s, roof, rollout_tensor, rollout_data, rollout_expert),
     ]
     return merge + rollout + [p for p in training if p.name != "merge"]
 
@@ -145,19 +163,27 @@ class _Roofline:
         return Phase(name, flops, bytes_per_chip, self.seconds(flops, bytes_per_chip))
 
 
-def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int, rollout_data: int) -> Phase:
+def _decode(
+    cfg: ModelConfig,
+    s: StepShape,
+    roof: _Roofline,
+    rollout_tensor: int,
+    rollout_data: int,
+    rollout_expert: int,
+) -> Phase:
     """The decode, phase by phase: each step reads the sampler's weights (rounded to the compute dtype by
     ``XlaBackend.prepare_decode``; the adapters too with the adapters sampler) and the phase's whole cache (P +
     the phase's end slots)."""
-    sampler_weights = cfg.num_params() * min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
+    itemsize = min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
+    sampler_weights = _weights_per_chip(cfg, itemsize, rollout_tensor, rollout_expert)
     adapter_flops = 2.0 * s.adapter_params if s.sampler_adapters else 0.0
     if s.sampler_adapters:
-        sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype])
+        sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype]) / rollout_tensor
     head, layer_params = 2.0 * cfg.hidden_dim * cfg.vocab_size, _layer_matmul_params(cfg)
     rows = s.num_prompts * s.num_generations
     P, C = s.prompt_length, s.completion_length
     kv_row_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[cfg.dtype]
-    rows_per_chip = rows / rollout_data / min(rollout_tensor, cfg.num_kv_heads)
+    rows_per_chip = rows / rollout_data / rollout_expert / min(rollout_tensor, cfg.num_kv_heads)
     step_length = s.decode_phase_length or C
     ends = [*range(step_length, C, step_length), C]
     decode_flops = decode_seconds = decode_bytes = 0.0
@@ -167,7 +193,7 @@ def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int
         flops = steps * (
             rows * (2.0 * layer_params + head + adapter_flops) + _attention_flops(cfg, rows, P + end)
         )
-        per_chip = steps * (sampler_weights / rollout_tensor + rows_per_chip * (P + end) * kv_row_slot)
+        per_chip = steps * (sampler_weights + rows_per_chip * (P + end) * kv_row_slot)
         decode_flops += flops
         decode_bytes += per_chip
         decode_seconds += roof.seconds(flops, per_chip)
@@ -175,13 +201,15 @@ def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int
     return Phase("decode", decode_flops, decode_bytes, decode_seconds)
 
 
-def _training_phases(cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int) -> list[Phase]:
+def _training_phases(
+    cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int, trainer_expert: int
+) -> list[Phase]:
     """The reference and pi_old logprob passes, LoRA's merge, and the ``num_iterations`` updates."""
     w = BYTES[cfg.weight_dtype]
     weights = cfg.num_params() * w
     phases = []
     layers, vocab = grouped_forward_flops(cfg, s)
-    forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
+    forward_pass_bytes = s.num_micro_batches * _weights_per_chip(cfg, w, trainer_tensor, trainer_expert)
     if s.with_reference:
         read = BYTES[s.reference_dtype] / w if s.reference_dtype else 1.0  # its copy's bytes per weight's
         phases.append(roof.phase("reference logprobs", layers + vocab, forward_pass_bytes * read))
