@@ -187,6 +187,32 @@ def test_step_flops_equal_a_hand_count():
     assert phases["update"].flops == 3 * layers_and_head + 4 * 2 * D * V * 4
 
 
+def test_each_chip_reads_only_its_own_experts():
+    """A mixture of experts split on ``expert`` (sampler and trainer): each chip reads the dense weights split
+    on ``tensor`` and 1/ep of the experts, and the sampler's rows and cache split on ``expert`` (the count once
+    took every chip as reading all the experts: Qwen3-30B-A3B at rollout expert=8 counted a 9.9 s decode)."""
+    E, Fe, L, D = 4, 32, TINY.num_layers, TINY.hidden_dim
+    cfg = TINY.replace(
+        family="qwen3_moe", num_experts=E, num_experts_per_tok=2, moe_mlp_dim=Fe, remat_policy="none"
+    )
+    s = StepShape(1, 4, 4, 2, 1, 1, False, False, 0)
+    count = lambda **kw: {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0, **kw)}  # noqa: E731
+    one, split = count(), count(trainer_expert=2, rollout_expert=4)
+    experts = L * E * 3 * D * Fe * 4  # float32 bytes of every layer's experts
+    dense = cfg.num_params() * 4 - experts
+    assert one["prefill"].bytes_per_chip == dense + experts
+    assert split["prefill"].bytes_per_chip == dense + experts / 4
+    # One decode step (C = 2: the prefill samples the first token) on 4 slots: the weights and the pages the
+    # chip's slots gather (decode_phase_length 0: the whole table, one page of 32 tokens each; 4 slots split 4
+    # ways on expert: 1 per chip).
+    slot = 2 * L * TINY.num_kv_heads * TINY.head_dim * 4
+    assert one["decode"].bytes_per_chip == dense + experts + 4 * 32 * slot
+    assert split["decode"].bytes_per_chip == dense + experts / 4 + 1 * 32 * slot
+    # remat none: the update's forward and backward read the weights; the optimizer's bytes do not change.
+    assert one["update"].bytes_per_chip - split["update"].bytes_per_chip == 2 * (experts - experts / 2)
+    assert split["decode"].flops == one["decode"].flops and split["update"].flops == one["update"].flops
+
+
 def test_the_old_logprob_pass_is_counted_whenever_the_run_computes_it():
     """Issue 40 item 4: the rollout computes pi_old with max_staleness > 0 too (``needs_old_logprobs``); the
     step count once counted that pass only for num_iterations > 1."""

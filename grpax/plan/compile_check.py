@@ -382,7 +382,7 @@ def step_count(
     mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
     phases = step_phases(
         job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
-        bandwidth,
+        bandwidth, trainer_expert=mesh["expert"], rollout_expert=rollout["expert"],
     )  # fmt: skip
     if job.reference_on_host:
         copied = per_chip_bytes(job.reference)

@@ -27,7 +27,8 @@ adapters sampler (``StepShape.sampler_adapters``) merges nothing and its prefill
 matmuls per token, and the decode reads the adapters (in the compute dtype) at every step beside the weights.
 
 A matmul of an [a, b] by [b, c] is 2abc FLOPs. Bytes per chip count the weights each chip reads per pass
-(whole, except the ``tensor`` split: FSDP gathers them), the KV cache it reads per decode step, and the
+(whole, except the ``tensor`` split: FSDP gathers them; a mixture of experts' experts split on ``expert`` too,
+each chip reading its own), the KV cache it reads per decode step, and the
 optimizer's read and write of params, gradients and both moments; activations are left out, so the time is
 a lower bound: ``sum over phases of max(FLOPs / (chips * peak), bytes per chip / bandwidth)`` (the decode's sum
 over its steps). Every prompt is counted at P tokens (the longest bucket) and the KV pool as holding every
@@ -89,6 +90,19 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + mlp)
 
 
+def _expert_params(cfg: ModelConfig) -> int:
+    """The experts' parameters of all layers (their weights and biases; 0 for a dense model)."""
+    D, E, Fe = cfg.hidden_dim, cfg.num_experts, cfg.moe_mlp_dim
+    return cfg.num_layers * E * (3 * D * Fe + (2 * Fe + D) * cfg.expert_bias)
+
+
+def _weights_per_chip(cfg: ModelConfig, itemsize: int, tensor: int, expert: int) -> float:
+    """Bytes of the weights one chip reads per pass: all of them split on ``tensor``, the experts on ``expert``
+    too."""
+    experts = _expert_params(cfg)
+    return (cfg.num_params() - experts) * itemsize / tensor + experts * itemsize / (tensor * expert)
+
+
 def _attention_flops(cfg: ModelConfig, queries: float, keys: float) -> float:
     """QK^T and PV of ``queries`` x ``keys`` pairs over all layers and heads."""
     return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * keys
@@ -113,6 +127,9 @@ def step_phases(
     rollout_data: int,
     peak_flops: float,
     hbm_bandwidth: float,
+    *,
+    trainer_expert: int = 1,
+    rollout_expert: int = 1,
 ) -> list[Phase]:
     """The phases of one GRPO step (rollout, reference, old logprobs, update) with their roofline seconds.
 
@@ -122,11 +139,12 @@ def step_phases(
         update).
       s: the step's sizes.
       num_chips: chips of the slice(s); trainer_tensor: the trainer mesh's tensor axis; rollout_tensor,
-        rollout_data: the sampler mesh's tensor and data axes.
+        rollout_data: the sampler mesh's tensor and data axes; trainer_expert, rollout_expert: the meshes'
+        expert axes (each chip reads its own experts; the sampler's rows and cache split on it too).
       peak_flops: FLOP/s per chip; hbm_bandwidth: bytes/s per chip.
     """
     roof = _Roofline(num_chips, peak_flops, hbm_bandwidth)
-    weights = cfg.num_params() * BYTES[cfg.weight_dtype]
+    weights = _weights_per_chip(cfg, BYTES[cfg.weight_dtype], rollout_tensor, rollout_expert)
     # The adapters sampler: 2 FLOPs per adapter parameter per token, and the adapters read per pass (split
     # as the weights, for the count: their rank axis is replicated, a few MB).
     adapter_bytes = s.adapter_params * min(4, BYTES[cfg.dtype]) if s.sampler_adapters else 0.0
@@ -136,11 +154,11 @@ def step_phases(
     )
     prefill += 2.0 * cfg.hidden_dim * cfg.vocab_size * s.num_prompts
     prefill += (2.0 * s.adapter_params if s.sampler_adapters else 0.0) * s.num_prompts * P
-    training = _training_phases(cfg, s, roof, trainer_tensor)
+    training = _training_phases(cfg, s, roof, trainer_tensor, trainer_expert)
     merge = [p for p in training if p.name == "merge"]  # LoRA's merged sampler: before the rollout
     rollout = [
-        roof.phase("prefill", prefill, (weights + adapter_bytes) / rollout_tensor),
-        _decode(cfg, s, roof, rollout_tensor, rollout_data),
+        roof.phase("prefill", prefill, weights + adapter_bytes / rollout_tensor),
+        _decode(cfg, s, roof, rollout_tensor, rollout_data, rollout_expert),
     ]
     return merge + rollout + [p for p in training if p.name != "merge"]
 
@@ -161,21 +179,29 @@ class _Roofline:
         return Phase(name, flops, bytes_per_chip, self.seconds(flops, bytes_per_chip))
 
 
-def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int, rollout_data: int) -> Phase:
+def _decode(
+    cfg: ModelConfig,
+    s: StepShape,
+    roof: _Roofline,
+    rollout_tensor: int,
+    rollout_data: int,
+    rollout_expert: int,
+) -> Phase:
     """The decode, step by step (see the module docstring): each step reads the sampler's weights (rounded to the
     compute dtype by ``XlaBackend.prepare_decode``; the adapters too with the adapters sampler) and the keys and
     values of the pages its attention reads (``_keys_read``). Per chip the pages' heads are split over
     ``tensor`` where they divide (the pools' placement, ``XlaBackend.page_spec``) and the gathered slots over the
-    data axis (Pallas's kernel runs every slot on each chip)."""
-    sampler_weights = cfg.num_params() * min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
+    data and expert axes (Pallas's kernel runs every slot on each chip); each chip reads its own experts."""
+    itemsize = min(BYTES[cfg.weight_dtype], BYTES[cfg.dtype])
+    sampler_weights = _weights_per_chip(cfg, itemsize, rollout_tensor, rollout_expert)  # per chip
     adapter_flops = 2.0 * s.adapter_params if s.sampler_adapters else 0.0
     if s.sampler_adapters:
-        sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype])
+        sampler_weights += s.adapter_params * min(4, BYTES[cfg.dtype]) / rollout_tensor
     # every slot of a call runs the layers and the vocabulary projection, an idle one too
     per_slot = 2.0 * _layer_matmul_params(cfg) + 2.0 * cfg.hidden_dim * cfg.vocab_size + adapter_flops
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * BYTES[cfg.dtype]  # all layers' k and v
     heads_split = rollout_tensor if cfg.num_kv_heads % rollout_tensor == 0 else 1
-    kv_per_chip = kv_token / heads_split / (1 if s.reads_filled_pages else rollout_data)
+    kv_per_chip = kv_token / heads_split / (1 if s.reads_filled_pages else rollout_data * rollout_expert)
     rows = s.num_prompts * s.num_generations
     num_slots = s.decode_slots or rows
     waves = -(-rows // num_slots)
@@ -188,7 +214,7 @@ def _decode(cfg: ModelConfig, s: StepShape, roof: _Roofline, rollout_tensor: int
         for n in range(1, s.completion_length):  # n: completion tokens before the step
             keys = _keys_read(s, S, running, n)
             step_flops = S * per_slot + _attention_flops(cfg, 1, keys)
-            step_bytes = sampler_weights / rollout_tensor + keys * kv_per_chip
+            step_bytes = sampler_weights + keys * kv_per_chip
             flops += count * step_flops
             per_chip += count * step_bytes
             seconds += count * roof.seconds(step_flops, step_bytes)
@@ -214,13 +240,15 @@ def _keys_read(s: StepShape, S: int, running: int, n: int) -> int:
     return S * gathered_width(call_pages(P, n0, k, C, ps), table_width, ps, s.decode_phase_length) * ps
 
 
-def _training_phases(cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int) -> list[Phase]:
+def _training_phases(
+    cfg: ModelConfig, s: StepShape, roof: _Roofline, trainer_tensor: int, trainer_expert: int
+) -> list[Phase]:
     """The reference and pi_old logprob passes, LoRA's merge, and the ``num_iterations`` updates."""
     w = BYTES[cfg.weight_dtype]
     weights = cfg.num_params() * w
     phases = []
     layers, vocab = grouped_forward_flops(cfg, s)
-    forward_pass_bytes = s.num_micro_batches * weights / trainer_tensor
+    forward_pass_bytes = s.num_micro_batches * _weights_per_chip(cfg, w, trainer_tensor, trainer_expert)
     if s.with_reference:
         read = BYTES[s.reference_dtype] / w if s.reference_dtype else 1.0  # its copy's bytes per weight's
         phases.append(roof.phase("reference logprobs", layers + vocab, forward_pass_bytes * read))
