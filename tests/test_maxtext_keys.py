@@ -43,7 +43,8 @@ def test_maxtexts_qwen3_30b_command_line_parses_and_each_key_lands(caplog):
         "async_scheduling", "rollout_micro_batch_size", "enable_dp_attention", "max_num_batched_tokens",
         "enable_tunix_perf_metrics", "vllm_hf_overrides", "vllm_additional_config",
     }  # fmt: skip
-    assert cfg.enable_checkpointing is True  # honoured (tests/test_trainer.py: false saves nothing)
+    # honoured (tests/test_trainer.py: false saves nothing)
+    assert build_config(TrainConfig, ["enable_checkpointing=false"]).enable_checkpointing is False
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from grpax.config import ConfigError, build_config
 from grpax.models import llama
 from grpax.models.params import init_params
-from grpax.models.registry import ModelConfig
+from grpax.models.registry import REMAT_NAMES, ModelConfig
 from grpax.plan.memory_estimate import remat_extra
 from grpax.rl.train_config import TrainConfig, validate
 
@@ -23,11 +23,26 @@ CFG = ModelConfig(
 KEPT = (("decoder_layer_input", "device"), ("query_proj", "device"), ("mlpwi_0", "device"))
 
 
+def _grouped_loss(cfg):
+    """A scalar of the trainer's forward (``forward_grouped``: 2 prompts of 6 tokens, 2 completions each of 4)."""
+    prompts = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+    completions = jax.random.randint(jax.random.key(2), (4, 4), 0, cfg.vocab_size)
+    mask = jnp.ones((2, 6), jnp.int32)
+    return lambda p: jnp.mean(llama.forward_grouped(p, prompts, mask, completions, cfg)[0] ** 2)
+
+
 def _grads(cfg):
-    params = init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
-    loss = lambda p: jnp.mean(jax.nn.log_softmax(llama.forward(p, tokens, cfg)[0])[..., 3])  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return jax.jit(jax.value_and_grad(_grouped_loss(cfg)))(init_params(cfg, jax.random.key(0)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_the_trainers_forward_names_every_activation(family):
+    # Every name a key sets is in the update's forward (forward_grouped), dense and mixture of experts alike.
+    cfg = CFG if family == "llama" else CFG.replace(
+        family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_mlp_dim=16
+    )  # fmt: skip
+    text = str(jax.make_jaxpr(_grouped_loss(cfg))(init_params(cfg, jax.random.key(0))))
+    assert {name for name in REMAT_NAMES if f"name={name}" in text} == set(REMAT_NAMES)
 
 
 def test_custom_keeps_other_activations_but_computes_the_same_gradients():
@@ -87,8 +102,8 @@ def test_maxtext_fused_projection_names_are_accepted_as_remat_and_refused_otherw
 
 @pytest.mark.slow
 def test_offloaded_activations_go_to_host_memory_on_tpu():
-    """The TPU compiler's own plan (libtpu, no TPU) of one backward pass: offloading the layer inputs and q
-    projections moves exactly their bytes to host memory, 2 layers x (8 x 1024 tokens x 256 values x 2 B) x 2."""
+    """The TPU compiler's own plan (libtpu, no TPU) of the trainer's backward pass (``forward_grouped``):
+    offloading the layer inputs and q projections moves exactly their bytes to host memory."""
     from jax.sharding import SingleDeviceSharding
 
     from grpax.plan.topology import get_topology
@@ -102,15 +117,21 @@ def test_offloaded_activations_go_to_host_memory_on_tpu():
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place),
         jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))),
     )
-    tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32, sharding=place)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=place)  # noqa: E731
+    batch = (
+        ints(2, 1024),
+        ints(2, 1024),
+        ints(8, 768),
+    )  # 2 prompts of 1024 tokens, 4 completions each of 768
 
     def plan(names):
         c = dataclasses.replace(cfg, remat_policy="custom", remat_names=names)
-        loss = lambda p, t: llama.forward(p, t, c)[0].astype(jnp.float32).mean()  # noqa: E731
-        return jax.jit(jax.grad(loss)).lower(params, tokens).compile().memory_analysis()
+        loss = lambda p, *b: llama.forward_grouped(p, *b, c)[0].astype(jnp.float32).mean()  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(params, *batch).compile().memory_analysis()
 
     names = ("decoder_layer_input", "query_proj")
     offloaded, kept = plan(tuple((n, "offload") for n in names)), plan(tuple((n, "device") for n in names))
-    assert offloaded.host_temp_size_in_bytes == 2 * 2 * 8 * 1024 * 256 * 2 == 16 * 2**20
+    # 2 layers x 2 names x (2 x 1024 + 8 x 768 = 8192 tokens) x 256 values x 2 B
+    assert offloaded.host_temp_size_in_bytes == 2 * 2 * 8192 * 256 * 2 == 16 * 2**20
     assert kept.host_temp_size_in_bytes == 0
     assert offloaded.temp_size_in_bytes < kept.temp_size_in_bytes - 16 * 2**20

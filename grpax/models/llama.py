@@ -199,7 +199,7 @@ def _layer(
     else:
         with jax.named_scope("attention"):
             attn = impl.attend(q, k, v, mask, scale, cap, sinks)
-    x, routing = output_and_mlp(x, _name(attn, "context"), w, cfg, route, weights)
+    x, routing = output_and_mlp(x, attn, w, cfg, route, weights)
     return x, cache_k, cache_v, routing
 
 
@@ -255,7 +255,7 @@ def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, rou
     B, T, D = x.shape
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention_out"):
-        out = _name(attn.reshape(B * T, -1) @ w["wo"].reshape(-1, D), "out_proj")
+        out = _name(_name(attn, "context").reshape(B * T, -1) @ w["wo"].reshape(-1, D), "out_proj")
         if cfg.attention_out_bias:
             out = out + w["o_bias"]
         if cfg.post_norms:
@@ -585,6 +585,7 @@ def forward_grouped(
 
     def layer_fn(xp, xc, layer, local, route_p, route_c):
         w = {name: val.astype(dtype) for name, val in layer.items()}
+        xp, xc = _name(xp, "decoder_layer_input"), _name(xc, "decoder_layer_input")
         qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
         qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
         sinks = w.get("sinks")

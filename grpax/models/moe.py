@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from grpax.models.sharding_rules import EXPERT, logical_to_spec
 
@@ -173,6 +174,7 @@ def _expert_mlp(
     if cfg.expert_bias:
         g = g + w["expert_gate_bias"][expert]
         u = u + w["expert_up_bias"][expert]
+    g, u = checkpoint_name(g, "mlpwi_0"), checkpoint_name(u, "mlpwi_1")  # remat_policy=custom's names
     if cfg.swiglu_limit is None:
         a = jax.nn.silu(g) * u
     else:  # GPT-OSS
@@ -182,7 +184,7 @@ def _expert_mlp(
     y = _grouped(a, w["expert_down"], group_sizes, kernel)
     if cfg.expert_bias:
         y = y + w["expert_down_bias"][expert]
-    return y
+    return checkpoint_name(y, "mlpwo")
 
 
 def _experts(

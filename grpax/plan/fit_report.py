@@ -123,7 +123,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
             fit = _divisor_at_most(cfg.batch_size, prompts * room)
             out.append(f"micro_batch_size={min(fit, prompts // 2)} (now {prompts} prompts per micro-batch)")
         if cfg.remat != "full":
-            out.append(f"remat_policy=full (now {cfg.remat})")
+            kept = " ".join(f"{name}=remat" for name, _ in cfg.remat_names())
+            out.append(f"remat_policy=full (now {cfg.remat}){f' {kept}' if kept else ''}")
     if phase in ("rollout", "reference logprobs", "merge") and report.merged_copy:
         out.append(
             f"lora_sampler=adapters (no merged weights for the sampler: {report.merged_copy / GIB:.2f} GiB per "

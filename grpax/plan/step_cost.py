@@ -16,7 +16,8 @@ up to C steps), so its figures are low by factors of L, M and C. The count follo
 * reference / old logprobs: ``forward_grouped`` (each prompt once, its G completions on top) + the vocabulary
   projection of the completion tokens;
 * update: forward + backward (2x forward) of the same, + one more forward of the layers with
-  ``remat_policy=full`` and of the vocabulary projection (it is always rematerialised).
+  ``remat_policy=full`` or ``custom`` (what custom keeps is not recomputed: an upper bound) and of the vocabulary
+  projection (it is always rematerialised).
 
 With LoRA (``StepShape.adapter_params > 0``) the backward computes the activations' gradients through the frozen
 weights (1x forward) and the weights' gradients of the adapters only; each pass adds the adapters' own matmuls
@@ -254,7 +255,9 @@ def _training_phases(
         phases.append(roof.phase("reference logprobs", layers + vocab, forward_pass_bytes * read))
     if s.with_old_logprobs:
         phases.append(roof.phase("old logprobs", layers + vocab, forward_pass_bytes))
-    forwards = 2 if cfg.remat_policy == "full" else 1  # the forward (and its recomputation)
+    # the forward (and its recomputation: remat full, or custom, which recomputes what it does not keep; counted
+    # whole, an upper bound)
+    forwards = 2 if cfg.remat_policy in ("full", "custom") else 1
     lora = s.adapter_params > 0
     shard = (s.adapter_params if lora else cfg.num_params()) / roof.num_chips  # trained values per chip
     if lora:

@@ -53,7 +53,6 @@ class RematKeys:
 def check_remat_keys(keys: RematKeys, remat_policy: str) -> None:
     """Raises ConfigError naming the key: a value other than remat, device or offload, or a kept activation
     without ``remat_policy=custom`` (the other policies decide by themselves what they keep)."""
-    assert set(_WHAT) == set(REMAT_NAMES)
     for name in REMAT_NAMES:
         value = getattr(keys, name)
         if value not in REMAT_CHOICES:

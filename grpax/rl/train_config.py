@@ -151,7 +151,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     checkpoint_period: int = field(10, "save a checkpoint every N steps (and at the end)")
     enable_checkpointing: bool = field(
         True,
-        "MaxText's: false saves no checkpoint at all (no resume point, no actor folder: the trained weights "
+        "MaxText's: false saves no checkpoint at all (no resume point, no step folder: the trained weights "
         "end with the run; export_hf refused); a checkpoint already in the run folder is still resumed",
     )
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")

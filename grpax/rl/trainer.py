@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
 
     The same ``run_name`` resumes from the latest checkpoint (changed keys are logged, recorded in
     ``config_changes.jsonl`` and ``config.json`` is rewritten); ``num_batches`` equal to that step evaluates the
-    finished run again. ``results`` also holds ``actor_path``, ``reward_history`` (``rewards/total/mean`` of
+    finished run again. ``results`` also holds ``actor_path`` (None with ``enable_checkpointing=false``), ``reward_history`` (``rewards/total/mean`` of
     each logged step of the whole run) and, with ``export_hf``, ``hf_path``.
 
     Raises:
@@ -553,9 +553,14 @@ def _stop_non_finite(run: _Run, metrics: dict[str, Any], step: int) -> None:
         if metrics["nonfinite"]
         else "the update made weights NaN/inf"
     )
+    again = (
+        "run the same command to resume"
+        if run.cfg.enable_checkpointing
+        else "run again (enable_checkpointing=false: it starts over)"
+    )
     raise NonFiniteError(
         f"step {step + 1}: {what} and nothing of this step was saved; {kept}. Lower learning_rate or check "
-        "the rewards, then run the same command to resume"
+        f"the rewards, then {again}"
     )
 
 
