@@ -63,7 +63,7 @@ def compile_programs(
         start = time.perf_counter()
         compiled = step.lower(job.state, job.batch).compile(compiler_options=options)
         print(f"update compiled in {time.perf_counter() - start:.0f} s", flush=True)
-        out["update"] = (compiled.as_text(), _memory(compiled, compile_check.per_chip_bytes(job.state)))
+        out["update"] = (compiled.as_text(), _memory(compiled, sharding.per_chip_bytes(job.state)))
         if not update_only:
             start = time.perf_counter()
             args = (job.state.params, job.batch.tokens(), job.model_cfg, grpo.temperature, cfg.micro_batches)

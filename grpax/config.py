@@ -557,9 +557,8 @@ def check_engine_keys(
 
     Raises:
       ConfigError: page_size < 1, num_pages < 0, max_num_seqs < 0 or below a group size, slot_count_step < 0,
-        hbm_utilization_vllm
-        outside [0, 1] or set with num_pages, or a pool (num_pages > 0) that holds no whole sequence: one line
-        naming the key, its value and the fix.
+        hbm_utilization_vllm outside [0, 1] or set with num_pages, or a pool (num_pages > 0) that holds no whole
+        sequence: one line naming the key, its value and the fix.
     """
     if keys.page_size < 1:
         raise ConfigError(

@@ -15,11 +15,11 @@ import pytest
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
 from grpax.models.registry import ModelConfig, to_hf_config
-from grpax.plan.compile_check import check_before_run, per_chip_bytes
+from grpax.plan.compile_check import check_before_run
 from grpax.plan.step_cost import StepShape, step_phases
 from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
-from grpax.sharding import MeshConfig, create_rollout_mesh
+from grpax.sharding import MeshConfig, create_rollout_mesh, per_chip_bytes
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
 

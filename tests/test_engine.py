@@ -589,8 +589,8 @@ def test_the_engines_pool_is_the_one_the_planner_sizes(params, backend):
     """``Engine`` allocates the pool ``engine.pool_pages`` counts and ``engine.abstract_pool`` describes (what
     ``abstract_programs`` compiles and the planner's table row sizes): for several num_pages, page_size,
     max_num_seqs and cache dtypes, its arrays have those shapes, dtypes and bytes, hand-counted."""
-    from grpax.plan.compile_check import per_chip_bytes
     from grpax.sampler import engine
+    from grpax.sharding import per_chip_bytes
 
     L, K, H, pages_per_row = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, -(-(16 + C) // 4)
     for keys, pages in [

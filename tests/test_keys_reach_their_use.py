@@ -306,9 +306,9 @@ def test_cispo_and_the_tis_weight_take_their_values(steps):
 
 
 def test_the_kv_memory_keys_size_the_samplers_page_pool(checkpoint, monkeypatch):
-    """page_size, num_pages, max_num_seqs and slot_count_step reach the rollout engine: its pool's pages and their size (the
-    default: one page of 32 tokens per row of 16 tokens, and the scratch page) and its decode slots, and the
-    rollout is the same tokens."""
+    """page_size, num_pages, max_num_seqs and slot_count_step reach the rollout engine: its pool's pages and their
+    size (the default: one page of 32 tokens per row of 16 tokens, and the scratch page), its decode slots and
+    their ladder (what the ladder changes: tests/test_engine.py), and the rollout is the same tokens."""
     from grpax.sampler import engine
 
     pools, ladders = [], []

@@ -179,7 +179,7 @@ def _layer(
     dtype = jnp.dtype(cfg.dtype)
     w = {name: val.astype(dtype) for name, val in layer.items()}
     mask, rope = _pick(local, *mask), _pick(local, *rope)
-    x = _name(x, "decoder_layer_input")
+    x = checkpoint_name(x, "decoder_layer_input")  # remat_policy=custom's names (MaxText's), here and below
     q, k, v = attention_inputs(x, w, rope, cfg)
     scale, cap, sinks = _scale(cfg), cfg.attn_logit_softcap, w.get("sinks")
     if cache_k is not None:
@@ -203,12 +203,6 @@ def _layer(
     return x, cache_k, cache_v, routing
 
 
-def _name(x: jax.Array, name: str) -> jax.Array:
-    """``x`` named for ``remat_policy=custom`` (``jax.ad_checkpoint.checkpoint_name``; MaxText's names); the
-    identity everywhere else."""
-    return checkpoint_name(x, name)
-
-
 def _project(h: jax.Array, w: dict, name: str, cfg: ModelConfig) -> jax.Array:
     """h [B * T, D] @ w[name] [D, heads, H] (+ its bias, + its per-head RMSNorm) -> [B * T, heads, H]."""
     out = h @ w[name].reshape(h.shape[-1], -1)
@@ -229,7 +223,7 @@ def attention_inputs(x: jax.Array, w: dict, rope, cfg: ModelConfig) -> tuple[jax
     with jax.named_scope("qkv"):
         h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps, cfg.norm_offset).reshape(B * T, D)
         q, k, v = (
-            _name(_project(h, w, name, cfg), tag).reshape(B, T, -1, cfg.head_dim)
+            checkpoint_name(_project(h, w, name, cfg), tag).reshape(B, T, -1, cfg.head_dim)
             for name, tag in (("wq", "query_proj"), ("wk", "key_proj"), ("wv", "value_proj"))
         )
     with jax.named_scope("rope"):
@@ -255,7 +249,9 @@ def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, rou
     B, T, D = x.shape
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     with jax.named_scope("attention_out"):
-        out = _name(_name(attn, "context").reshape(B * T, -1) @ w["wo"].reshape(-1, D), "out_proj")
+        out = checkpoint_name(
+            checkpoint_name(attn, "context").reshape(B * T, -1) @ w["wo"].reshape(-1, D), "out_proj"
+        )
         if cfg.attention_out_bias:
             out = out + w["o_bias"]
         if cfg.post_norms:
@@ -268,8 +264,8 @@ def output_and_mlp(x: jax.Array, attn: jax.Array, w: dict, cfg: ModelConfig, rou
             out, routing = moe.moe_mlp(h.reshape(B, T, D), w, cfg, route, weights)
             out = out.reshape(B * T, D)
         else:
-            gate, up = _name(h @ w["w_gate"], "mlpwi_0"), _name(h @ w["w_up"], "mlpwi_1")
-            out = _name((_ACTIVATIONS[cfg.mlp_activation](gate) * up) @ w["w_down"], "mlpwo")
+            gate, up = checkpoint_name(h @ w["w_gate"], "mlpwi_0"), checkpoint_name(h @ w["w_up"], "mlpwi_1")
+            out = checkpoint_name((_ACTIVATIONS[cfg.mlp_activation](gate) * up) @ w["w_down"], "mlpwo")
         if cfg.post_norms:
             out = rms_norm(out, w["mlp_post_norm"], eps, offset)
         return (x + out).reshape(B, T, D), routing
@@ -306,8 +302,8 @@ _REMAT_POLICIES = {
 
 
 def _custom_policy(remat_names: tuple[tuple[str, str], ...]):
-    """MaxText's ``remat_policy=custom``: the named activations (``_name``) saved on the device or offloaded to
-    pinned host memory, as ``remat_names`` says; everything else recomputed."""
+    """MaxText's ``remat_policy=custom``: the activations named by ``checkpoint_name`` saved on the device or
+    offloaded to pinned host memory, as ``remat_names`` says; everything else recomputed."""
     kept = lambda choice: [name for name, c in remat_names if c == choice]  # noqa: E731
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=kept("device"), names_which_can_be_offloaded=kept("offload"),
@@ -585,7 +581,7 @@ def forward_grouped(
 
     def layer_fn(xp, xc, layer, local, route_p, route_c):
         w = {name: val.astype(dtype) for name, val in layer.items()}
-        xp, xc = _name(xp, "decoder_layer_input"), _name(xc, "decoder_layer_input")
+        xp, xc = checkpoint_name(xp, "decoder_layer_input"), checkpoint_name(xc, "decoder_layer_input")
         qp, kp, vp = attention_inputs(xp, w, _pick(local, *rope_p), cfg)
         qc, kc, vc = attention_inputs(xc, w, _pick(local, *rope_c), cfg)
         sinks = w.get("sinks")

@@ -80,9 +80,8 @@ class ModelConfig:
     dtype: str = "float32"  # activations / matmul inputs
     weight_dtype: str = "float32"  # stored parameters
     scan_layers: bool = True
-    remat_policy: str = (
-        "none"  # none | full | dots | minimal | custom (jax.checkpoint policies on each layer)
-    )
+    # none | full | dots | minimal | custom (jax.checkpoint policies on each layer)
+    remat_policy: str = "none"
     # remat_policy=custom: (name, "device" | "offload") for the REMAT_NAMES kept; the others are rematerialised.
     remat_names: tuple[tuple[str, str], ...] = ()
     attention: str = "dot_product"  # one of ATTENTION_IMPLEMENTATIONS (grpax.models.attention)
@@ -130,7 +129,7 @@ class ModelConfig:
                 f".{suggest(str(self.remat_policy), REMAT_POLICIES)}"
             )
         for name, choice in self.remat_names:
-            if name not in REMAT_NAMES or choice not in REMAT_CHOICES[1:]:
+            if name not in REMAT_NAMES or choice not in ("device", "offload"):
                 raise ConfigError(
                     f"{name}={choice!r}: expected a name of {', '.join(REMAT_NAMES)} kept on the device or offloaded"
                 )
@@ -212,14 +211,10 @@ class ModelConfig:
         per_layer += 2 * D if self.post_norms else 0
         return V * D * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + D
 
-    def active_params(self) -> int:
-        """Parameters a token computes with: each MoE layer's k experts of E (all of them for a dense model)."""
-        if not self.num_experts:
-            return self.num_params()
-        idle = self.num_experts - self.num_experts_per_tok
+    def expert_params(self) -> int:
+        """The experts' parameters of all layers, their biases included (0 for a dense model)."""
         D, Fe = self.hidden_dim, self.moe_mlp_dim
-        per_expert = 3 * D * Fe + (2 * Fe + D) * self.expert_bias
-        return self.num_params() - self.num_layers * idle * per_expert
+        return self.num_layers * self.num_experts * (3 * D * Fe + (2 * Fe + D) * self.expert_bias)
 
 
 def _llama3_scaling(factor: float) -> tuple[tuple[str, float], ...]:

@@ -54,7 +54,7 @@ from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
-from grpax.sharding import per_chip_bytes  # noqa: F401  (the plan's callers import it from here)
+from grpax.sharding import per_chip_bytes
 
 log = logging.getLogger("grpax.compile_check")
 
@@ -294,7 +294,8 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     stops = model_cfg.eos_token_ids or (0,)  # the tokenizer's ids do not change any shape
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
-    num_pages = engine.pool_pages(sc, sc.decode_slots(cfg.batch_size * grpo.num_generations))
+    slots = sc.decode_slots(cfg.batch_size * grpo.num_generations)
+    num_pages = engine.pool_pages(sc, slots)
     kv_cache = per_chip_bytes(engine.abstract_pool(rollout_params, model_cfg, sc, backend, num_pages))
     L = model_cfg.num_layers
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
@@ -306,7 +307,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
         adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
         reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
-        decode_slots=sc.decode_slots(cfg.batch_size * grpo.num_generations), page_size=sc.page_size,
+        decode_slots=slots, page_size=sc.page_size,
         decode_steps_per_call=sc.decode_steps_per_call, retire_rows=sc.retire_rows,
         slot_count_step=sc.slot_count_step,
         reads_filled_pages=backend.reads_filled_pages,

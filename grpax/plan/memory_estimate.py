@@ -191,9 +191,9 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         estimates.append(("reference logprobs", reference))
     estimates += [("prefill", prefill), ("decode", decode)]
     functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
-    batch = compile_check.per_chip_bytes(job.batch)
+    batch = sharding.per_chip_bytes(job.batch)
     # A reference held in host memory is on the devices during its own pass only.
-    copied = compile_check.per_chip_bytes(job.reference) if job.reference_on_host else 0
+    copied = sharding.per_chip_bytes(job.reference) if job.reference_on_host else 0
     phases = {
         "update": int(update + batch),
         "rollout": int(job.merged_copy + job.rollout_copy + job.kv_cache + max(prefill, decode)),
@@ -225,7 +225,7 @@ def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int, expert: 
     widest /= tensor
     activations = tokens * widest * act
     logits = 3 * LOGITS_CHUNK_ELEMENTS * 4
-    trained = compile_check.per_chip_bytes(job.state.params)
+    trained = sharding.per_chip_bytes(job.state.params)
     # float32 gradients whatever the trained dtype (summed in float32): the params', or the adapters' (float32)
     grads = trained * 4 / (w if job.lora is None else 4)
     update = grads * (2 if M > 1 else 1) + 2 * gathered + m.num_layers * tokens * m.hidden_dim * act
@@ -286,7 +286,7 @@ def sampler_terms(job) -> dict[str, dict[str, float]]:
     # the sampler unrounded (no copy to its layout) are rounded into a copy first (``prepare_decode``).
     quantised = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731  (QLoRA's: read as they are)
     rounded = sum(
-        compile_check.per_chip_bytes([x]) * act / x.dtype.itemsize
+        sharding.per_chip_bytes([x]) * act / x.dtype.itemsize
         for x in jax.tree.leaves(job.rollout_params, is_leaf=quantised)
         if not quantised(x) and x.dtype.itemsize > act
     )
@@ -318,9 +318,7 @@ def _merge_temporaries(job) -> float:
     w = BYTES[job.model_cfg.weight_dtype]
     layers = job.dense_base["layers"]
     stacked = lambda name: layers[name] if isinstance(layers, dict) else [x[name] for x in layers]  # noqa: E731
-    adapted = sum(
-        compile_check.per_chip_bytes(stacked(name)) for name in adapted_weights(job.model_cfg, job.lora)
-    )
+    adapted = sum(sharding.per_chip_bytes(stacked(name)) for name in adapted_weights(job.model_cfg, job.lora))
     return adapted * 4 / w if w < 4 else 0
 
 

@@ -91,16 +91,10 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (2 * D * N * H + 2 * D * K * H + mlp)
 
 
-def _expert_params(cfg: ModelConfig) -> int:
-    """The experts' parameters of all layers (their weights and biases; 0 for a dense model)."""
-    D, E, Fe = cfg.hidden_dim, cfg.num_experts, cfg.moe_mlp_dim
-    return cfg.num_layers * E * (3 * D * Fe + (2 * Fe + D) * cfg.expert_bias)
-
-
 def _weights_per_chip(cfg: ModelConfig, itemsize: int, tensor: int, expert: int) -> float:
     """Bytes of the weights one chip reads per pass: all of them split on ``tensor``, the experts on ``expert``
     too."""
-    experts = _expert_params(cfg)
+    experts = cfg.expert_params()
     return (cfg.num_params() - experts) * itemsize / tensor + experts * itemsize / (tensor * expert)
 
 

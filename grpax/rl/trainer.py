@@ -85,8 +85,9 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
 
     The same ``run_name`` resumes from the latest checkpoint (changed keys are logged, recorded in
     ``config_changes.jsonl`` and ``config.json`` is rewritten); ``num_batches`` equal to that step evaluates the
-    finished run again. ``results`` also holds ``actor_path`` (None with ``enable_checkpointing=false``), ``reward_history`` (``rewards/total/mean`` of
-    each logged step of the whole run) and, with ``export_hf``, ``hf_path``.
+    finished run again. ``results`` also holds ``actor_path`` (None with ``enable_checkpointing=false``),
+    ``reward_history`` (``rewards/total/mean`` of each logged step of the whole run) and, with ``export_hf``,
+    ``hf_path``.
 
     Raises:
       ConfigError: invalid keys or paths (message names the key); a resume with ``num_batches`` below the
