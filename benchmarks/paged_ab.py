@@ -8,7 +8,8 @@ of that many rows, one ``generate`` per wave; the paged engine gets a pool of th
 ``--slots`` decode slots, and the same waves submitted at once as requests with the same keys, so both sample the
 same tokens (each row's noise depends on its key, row and token index) and the same useful tokens. Reported per
 arm: wall seconds of the sampling (compile seconds measured by JAX's compile events and subtracted), useful
-tokens (the completions' lengths) per second, decode row-steps (slots x steps run) and the fraction past EOS
+tokens (the completions' lengths) per second (``--warm``: of a second run of the same sampling in the same
+process, its programs compiled, as a GRPO run's engine from its second step on), decode row-steps (slots x steps run) and the fraction past EOS
 (1 - sum(length - 1) / row-steps; ``past_eos_empty_slots``: the part on slots no sequence held at a decode call's
 start), rows in flight (sum(length - 1) / decode steps), the paged engine's
 preemptions, a hash of the completions (equal = the same tokens) and the load average.
@@ -25,7 +26,7 @@ under DIR then the paged arm under this tree, each in its own process, and print
 
 Usage: python benchmarks/paged_ab.py [--num_prompts 8] [--num_generations 8] [--new_tokens 512 [1024 ...]]
        [--static_rows 16] [--slots 32] [--page_size 32] [--steps_per_call 16] [--slot_count_step 0]
-       [--json_out FILE] [--gsm8k_dir DIR] [--static_tree DIR]
+       [--warm] [--json_out FILE] [--gsm8k_dir DIR] [--static_tree DIR]
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument(
         "--refill_per_call", action="store_true", help="refill freed slots only between calls, not at once"
     )
+    ap.add_argument(
+        "--warm", action="store_true", help="time a second run of the same sampling (programs compiled)"
+    )
     ap.add_argument("--json_out", default="")
     ap.add_argument("--static_tree", default="", help="run both arms side by side (see above)")
     add_gsm8k_dir_option(ap)
@@ -141,13 +145,14 @@ def main() -> None:
             slot_count_step=args.slot_count_step,
         )
     sc = engine_module.SamplerConfig(**fields)
-    load = os.getloadavg()
-    start, compile_before = time.perf_counter(), COMPILE_S[0]
-    if paged:
-        outs, stats = run_paged(params, cfg, sc, waves, G, args.slots, not args.refill_per_call)
-    else:
-        outs, stats = run_static(params, cfg, sc, waves, G)
-    wall = time.perf_counter() - start
+    for _ in range(2 if args.warm else 1):  # --warm: the timed run is the second, every program compiled
+        load = os.getloadavg()
+        start, compile_before = time.perf_counter(), COMPILE_S[0]
+        if paged:
+            outs, stats = run_paged(params, cfg, sc, waves, G, args.slots, not args.refill_per_call)
+        else:
+            outs, stats = run_static(params, cfg, sc, waves, G)
+        wall = time.perf_counter() - start
     compile_s = COMPILE_S[0] - compile_before
     lengths = np.concatenate([o.lengths for o in outs])
     needed = int(np.maximum(lengths - 1, 0).sum())
@@ -177,6 +182,7 @@ def main() -> None:
         "slot_count_step": args.slot_count_step if paged else 0,
         "refill_at_once": paged and not args.refill_per_call,
         "decode_calls": int(stats.get("calls", 0)),
+        "warm": args.warm,
         "completions_sha256": hashlib.sha256(ids.tobytes()).hexdigest()[:16],
         "load_average": [load, os.getloadavg()],
     }
@@ -200,6 +206,7 @@ def _arm(tree: str, args, C: int, out: Path) -> dict:
     for name in names:
         cmd += [f"--{name}", str(getattr(args, name))]
     cmd += ["--refill_per_call"] if args.refill_per_call else []
+    cmd += ["--warm"] if args.warm else []
     cmd += ["--gsm8k_dir", str(args.gsm8k_dir)]
     env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
