@@ -23,7 +23,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -91,6 +91,13 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
+    if annotation is dict or origin is dict:  # a YAML mapping, or its flow form on the command line
+        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        if parsed is None or parsed == "":
+            return {}
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping, e.g. {key}={{name: {{key: value}}}}")
+        return parsed
     if annotation is str:
         if value is None or isinstance(
             value, bool
@@ -356,7 +363,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     Args:
       cls: a dataclass type whose fields are the command's keys; an optional class attribute
         ``ALIASES: ClassVar[dict[str, str]]`` maps other spellings (MaxText's) to field names,
-        ``FOREIGN_KEYS: ClassVar[dict[str, Foreign]]`` names other stacks' keys it drops or refuses, and
+        ``FOREIGN_KEYS: ClassVar[dict[str, Foreign]]`` names other stacks' keys it drops or refuses,
+        ``NULL_MEANS: ClassVar[dict[str, Any]]`` the value a key's null (YAML ``null``, ``none``) stands for, and
         ``PRESET_IGNORES: ClassVar[tuple[str, ...]]`` names keys the model preset does not set for it.
       argv: ``key=value`` tokens (MaxText style).
       **explicit: values that win over everything (used by tests and library callers).
@@ -410,8 +418,11 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         layers.append((str(user_yaml), user_data))
     layers.append(("command line", overrides))
     values: dict[str, Any] = {}
+    nulls = getattr(cls, "NULL_MEANS", {})
     for _, layer in layers:
         for key, value in layer.items():
+            if key in nulls and (value is None or str(value).strip().lower() in ("null", "none")):
+                value = nulls[key]
             values[key] = _coerce(key, value, hints[key])
     values.update(explicit)
     seed = values.get("seed")
@@ -469,6 +480,7 @@ class RuntimeKeys:
     hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
     jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
+    debug: bool = field(False, "log grpax's DEBUG messages too (MaxText key)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,10 +526,12 @@ class EngineKeys:
         "ceil(max_target_length / page_size)",
     )
 
+    NULL_MEANS: ClassVar[dict[str, Any]] = {"max_num_seqs": 0}  # MaxText rl.yml's null: the engine decides
+
     max_num_seqs: int = field(
         0,
         "decode slots (vLLM's and MaxText rl.yml's key): sequences sampled at once at most, the rest queued and "
-        "started as slots free (continuous batching); 0 = every sequence of a batch at once (train_rl: "
+        "started as slots free (continuous batching); 0 (or null) = every sequence of a batch at once (train_rl: "
         "batch_size x num_generations)",
     )
 

@@ -473,6 +473,7 @@ def test_evaluate_defaults_are_train_rls():
         "num_test_batches",
         "eval_batch_size",
         "eval_sampling_strategy",
+        "eval_mode",
     ):
         assert getattr(evaluate, key) == getattr(train, key), key
     assert evaluate.num_test_batches == 4

@@ -8,14 +8,15 @@ import pytest
 
 from grpax.cli.main import main
 from grpax.config import ConfigError, build_config
-from grpax.rl.train_config import TrainConfig
+from grpax.rl.train_config import TrainConfig, validate
 from grpax.tasks import build_task
 
 # The keys of MaxText's run_qwen3_30b_rl.sh (src/maxtext/trainers/post_train/rl/scripts), paths replaced; its
-# model (an MoE on 64 chips), dataset files and eval_mode are left out.
+# model (an MoE on 64 chips) and dataset names are left out.
 QWEN3_30B = """async_scheduling=True chips_per_vm=8 num_batches=500 num_test_batches=10 rl.num_generations=8
 rl.grpo_beta=0.05 rl.grpo_epsilon=0.2 gradient_clipping_threshold=1.0 decode_sampling_temperature=0.8
-decode_sampling_top_k=50 decode_sampling_nucleus_p=0.95 num_eval_passes=4 max_target_length=8192
+decode_sampling_top_k=50 decode_sampling_nucleus_p=0.95 hf_train_files=data/train_1M-*.parquet
+train_split=train_1M eval_mode=pass_at_1 num_eval_passes=4 max_target_length=8192
 max_prefill_predict_length=512 learning_rate=1e-6 batch_size=128 train_micro_batch_size=32
 rollout_micro_batch_size=128 rollout_data_parallelism=16 rollout_tensor_parallelism=4 enable_dp_attention=True
 hbm_utilization_vllm=0.75 max_num_seqs=256 max_num_batched_tokens=8192 scan_layers=True
@@ -33,7 +34,8 @@ def test_maxtexts_qwen3_30b_command_line_parses_and_each_key_lands(caplog):
         learning_rate=1e-6, batch_size=128, micro_batch_size=32, rollout_data_parallelism=16,
         rollout_tensor_parallelism=4, hbm_utilization_vllm=0.75, max_num_seqs=256, allow_split_physical_axes=True,
         checkpoint_period=2, max_num_checkpoints_to_keep=1000, profiler="xplane", skip_first_n_steps_for_profiler=5,
-        profiler_steps=2, num_batches=500, num_test_batches=10,
+        profiler_steps=2, num_batches=500, num_test_batches=10, hf_train_files="data/train_1M-*.parquet",
+        train_split="train_1M", eval_mode="pass_at_1",
     )  # fmt: skip
     assert {key: getattr(cfg, key) for key in honoured} == honoured
     sc = cfg.sampler_config((2,), 0)
@@ -62,6 +64,14 @@ def test_maxtexts_qwen3_30b_command_line_parses_and_each_key_lands(caplog):
         ("stop_strings=[###]", "an environment's stop strings end a tool call (environment=)"),
         ("train_fraction=0.8", "choose the splits"),
         ("rollout_enable_single_controller=true", "grpax runs one controller per host (jax.distributed)"),
+        ("use_agentic_rollout=true", "grpax overlaps rollouts with the update by max_staleness=1"),
+        (
+            "reasoning_start_token_in_prompt=true",
+            "pass prompt_template_path= with response_prefix: '<reasoning>'",
+        ),
+        ("dataset_processor_path=process.py", "pass prompt_field= and answer_field="),
+        ("data_template_path=my_template.json", "for another prompt pass prompt_template_path="),
+        ("debug_converter=true", "export with grpax to_huggingface and load the folder in vLLM"),
     ],
 )
 def test_maxtext_keys_grpax_does_otherwise_are_refused_naming_its_key(arg, fix, capsys):
@@ -79,6 +89,11 @@ def test_maxtext_keys_grpax_does_otherwise_are_refused_naming_its_key(arg, fix, 
         "solution_end_token=</answer>", "chat_template_path=maxtext/examples/chat_templates/gsm8k_rl.json",
         "stop_strings=null", "train_fraction=1.0", "test_batch_start_index=0", "num_trainer_slices=-1",
         "debug.rl=True", "kv_cache_buffer=256", "swap_space_vllm_gb=2", "num_epoch=1.0", "train_fraction=1",
+        "rl.use_agentic_rollout=false", "rl.max_concurrency=256", "rl.reshard_chunk_size=420",
+        "math_verify_timeout=120", "math_verify_num_procs=null", "reasoning_start_token_in_prompt=false",
+        "data_template_path=maxtext/examples/chat_templates/gsm8k_rl.json", "dataset_processor_path=",
+        "vllm_load_format=dummy", "debug_converter=false", "gcs_debug_path=", "max_num_seqs=null",
+        "logical_axis_rules=[[activation_batch,[data,fsdp]]]",
     ],
 )  # fmt: skip
 def test_maxtext_keys_at_what_grpax_does_anyway_are_accepted(arg):
@@ -164,3 +179,107 @@ def test_a_profiler_that_cannot_start_says_so(tmp_path, caplog):
         profile.before(step)
         profile.after(step, None)
     assert not profile.active and not any(tmp_path.iterdir())
+
+
+def test_maxtexts_newer_rl_yml_keys_load_from_a_user_yaml_and_land(tmp_path):
+    """The keys MaxText's rl.yml gained (its agentic learner, math-verify pool, converter checks, dataset
+    subset, evaluation configs): a YAML of them at MaxText's defaults loads; each honoured one lands."""
+    (tmp_path / "rl.yml").write_text(
+        "rl:\n  use_agentic_rollout: false\n  max_concurrency: 256\n  off_policy_steps: 1\n"
+        "  system_prompt: 'Answer briefly.'\n  reshard_chunk_size: null\nconvert_checkpoint_if_possible: true\n"
+        "debug: false\ngeneration_configs:\n  greedy:\n    eval_temperature: 0.01\n    eval_top_k: 1\n"
+        "    eval_top_p: 1.0\n  standard:\n    eval_temperature: 0.6\n    eval_top_k: 20\n    eval_top_p: 0.9\n"
+        "eval_sampling_strategy: standard\nmax_num_batched_tokens: null\nmax_num_seqs: null\n"
+        "reward_exact_answer: 2.5\nreward_exact_format_match: 0.1\nmath_verify_timeout: 120\n"
+        "math_verify_num_procs: null\nreasoning_start_token_in_prompt: false\n"
+        "data_template_path: 'maxtext/examples/chat_templates/gsm8k_rl.json'\ndataset_processor_path: ''\n"
+        "hf_subset: 'socratic'\nvllm_load_format: dummy\ndebug_converter: false\ngcs_debug_path: ''\n"
+        "eval_mode: maj\nhf_train_files: ''\n"
+    )
+    cfg = build_config(TrainConfig, [f"config={tmp_path / 'rl.yml'}"])
+    assert (cfg.max_staleness, cfg.max_num_seqs, cfg.convert_checkpoint_if_possible, cfg.eval_mode) == (
+        1, 0, True, "maj",
+    )  # fmt: skip
+    task = build_task(cfg)
+    assert task.preset.system_prompt == "Answer briefly." and task.hf_subset == "socratic"
+    # reward_exact_answer scores the exact answer, reward_exact_format_match the layout alone
+    assert (task.reward_config.answer_exact, task.reward_config.format_exact) == (2.5, 0.1)
+    from grpax.eval.keys import eval_sampling
+
+    assert eval_sampling(cfg) == dict(greedy=False, temperature=0.6, top_k=20, top_p=0.9)
+    greedy = build_config(TrainConfig, [f"config={tmp_path / 'rl.yml'}", "eval_sampling_strategy=greedy"])
+    assert eval_sampling(greedy) == dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0)  # top-k 1: argmax
+
+
+def test_reward_exact_format_match_alone_scores_the_answer_too():
+    """MaxText's older rl.yml had no reward_exact_answer: its exact-format value scored the exact answer too."""
+    older = build_task(build_config(TrainConfig, ["reward_exact_format_match=3"])).reward_config
+    newer = build_task(build_config(TrainConfig, ["reward_exact_format_match=3", "reward_exact_answer=4"]))
+    assert (older.format_exact, older.answer_exact) == (3.0, 3.0)
+    assert (newer.reward_config.format_exact, newer.reward_config.answer_exact) == (3.0, 4.0)
+
+
+def test_hf_subset_picks_the_hub_datasets_config(monkeypatch):
+    from grpax.data import datasets
+
+    seen = []
+    monkeypatch.setattr(datasets, "_load_from_hub", lambda name, split, config: seen.append(config) or [])
+    for keys, config in ((["hf_subset=socratic"], "socratic"), ([], "main")):
+        build_task(build_config(TrainConfig, keys)).load_rows("openai/gsm8k", "train")
+        assert seen.pop() == config
+
+
+def test_system_prompt_replaces_the_presets_system_turn():
+    from grpax.data.prompts import build_messages
+
+    preset = build_task(build_config(TrainConfig, ["rl.system_prompt=Think step by step."])).preset
+    assert build_messages("1 + 1?", preset.system_prompt, preset.user_template)[0] == {
+        "role": "system",
+        "content": "Think step by step.",
+    }
+    assert build_task(build_config(TrainConfig, [])).preset.system_prompt != "Think step by step."
+
+
+def test_convert_checkpoint_if_possible_converts_model_name_once(tmp_path, monkeypatch):
+    """Without load_parameters_path the run reads base_output_directory/0/items, converted there first (once)."""
+    from grpax.checkpoint import convert
+    from grpax.rl.trainer import converted_base
+
+    calls = []
+
+    def to_native(**kwargs):
+        calls.append(kwargs)
+        (tmp_path / "0" / "items").mkdir(parents=True)
+
+    monkeypatch.setattr(convert, "to_native", to_native)
+    keys = [
+        f"base_output_directory={tmp_path}",
+        "convert_checkpoint_if_possible=true",
+        "weight_dtype=bfloat16",
+    ]
+    cfg = build_config(TrainConfig, keys)
+    for _ in range(2):
+        assert converted_base(cfg).load_parameters_path == str(tmp_path / "0" / "items")
+    assert [(c["model_name"], c["base_output_directory"], c["weight_dtype"]) for c in calls] == [
+        ("smollm2-135m-Instruct", str(tmp_path), "bfloat16")
+    ]
+    given = build_config(TrainConfig, [*keys, "load_parameters_path=ckpt"])
+    assert (
+        converted_base(given) is given
+        and converted_base(build_config(TrainConfig, [])).load_parameters_path == ""
+    )
+    with pytest.raises(
+        ConfigError, match="^load_parameters_path is required: .*convert_checkpoint_if_possible=true"
+    ):
+        validate(build_config(TrainConfig, []))
+
+
+def test_debug_logs_grpaxs_debug_messages(tmp_path):
+    path = tmp_path / "completions.jsonl"
+    path.write_text('{"question": "q", "answer": "#### 2", "completion": "<answer>2</answer>"}\n')
+    grpax_log = logging.getLogger("grpax")
+    try:
+        assert main(["evaluate", f"completions_path={path}", "debug=true"]) == 0
+        assert grpax_log.level == logging.DEBUG
+    finally:
+        grpax_log.setLevel(logging.NOTSET)

@@ -129,6 +129,9 @@ def test_gsm8k_records_and_summarize():
         "mean_reward_ci95",
         "pass@k_ci95",
         "maj@k_ci95",
+        "eval_mode",
+        "score",
+        "score_ci95",
     }
     assert (s["num_questions"], s["num_completions"]) == (3, 12)
     assert s["accuracy"] == 0.25
@@ -139,6 +142,18 @@ def test_gsm8k_records_and_summarize():
     assert s["mean_reward"] == pytest.approx(0.325)
     assert s["pass@k"] == pytest.approx(2 / 3)
     assert s["maj@k"] == pytest.approx(1 / 3)
+    # eval_mode (MaxText's): the score is pass@k (the default), maj@k or the fraction correct, with its interval
+    for mode, value, metric in (
+        ("pass", 2 / 3, "pass@k"),
+        ("maj", 1 / 3, "maj@k"),
+        ("pass_at_1", 0.25, "accuracy"),
+    ):
+        s = summarize(records, num_samples=4, check=is_correct, eval_mode=mode)
+        assert (s["eval_mode"], s["score"], s["score_ci95"]) == (
+            mode,
+            pytest.approx(value),
+            s[f"{metric}_ci95"],
+        )
 
 
 def test_summarize_with_prefix_and_validation():

@@ -16,6 +16,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.resume import RunPaths, check_resume
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.trainer import train
+from grpax.tasks import build_task
 
 
 def _config(tmp_path, **overrides):
@@ -336,3 +337,44 @@ def test_max_target_length_beyond_the_models_positions_is_refused(tmp_path):
         f"max_target_length=272 exceeds the model's max_position_embeddings=256 ({tmp_path}/ckpt/config.json): "
         "positions past it were never trained; pass at most 256 tokens"
     )
+
+
+def test_hf_train_files_and_hf_eval_files_name_the_rows_read(tmp_path):
+    """MaxText's hf_train_files / hf_eval_files: the files read instead of the dataset's splits, a glob reading
+    every file it matches in order, and the errors naming the key."""
+    shards = [_jsonl(tmp_path / "data" / f"train-{i}.jsonl", 3) for i in range(2)]
+    held_out = _jsonl(tmp_path / "held_out.jsonl", 2)
+    glob = str(tmp_path / "data" / "train-*.jsonl")
+    cfg = _config(tmp_path, hf_train_files=glob, hf_eval_files=held_out, batch_size=4, num_generations=2)
+    inputs = train_config.check_inputs(cfg, build_task(cfg))
+    assert [r["question"] for r in inputs.train_rows] == [f"What is {i} + 1?" for i in range(3)] * 2
+    assert [r["question"] for r in inputs.eval_rows] == ["What is 0 + 1?", "What is 1 + 1?"]
+    assert len(shards) == 2 and _refused_before_loading(
+        tmp_path, hf_train_files=glob, hf_eval_files=held_out, batch_size=8, num_generations=2
+    ) == (
+        f"hf_train_files={glob!r} (train_split='train') has 6 rows, fewer than batch_size=8 (prompts per step): "
+        "lower batch_size or pass a larger dataset"
+    )
+    nothing = str(tmp_path / "data" / "eval-*.parquet")
+    assert _refused_before_loading(tmp_path, hf_train_files=glob, hf_eval_files=nothing).startswith(
+        f"hf_eval_files={nothing!r}: no .jsonl / .json / .parquet file matches {nothing!r}"
+    )
+    assert "holds the training rows (hf_train_files=" in _refused_before_loading(
+        tmp_path, hf_train_files=glob, hf_eval_files=glob
+    )
+
+
+def test_hf_files_on_the_hub_are_refused_offline_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    files = "hf://datasets/nvidia/OpenMathInstruct-2/data/train_1M-*.parquet"
+    assert _refused_before_loading(tmp_path, hf_train_files=files, num_test_batches=0) == (
+        f"hf_train_files={files!r} (train_split='train'): cannot load Hub files {files!r}: offline mode is set; "
+        "download them and pass their local path or glob"
+    )
+
+
+def test_eval_mode_is_one_of_maxtexts(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^eval_mode='pass@1': expected one of pass \(pass@k\), maj \(maj@k\), "
+    ):
+        train_config.validate(_config(tmp_path, eval_mode="pass@1"))

@@ -15,6 +15,7 @@ from grpax.config import (
     field,
     read_model_config,
 )
+from grpax.eval.keys import GENERATION_CONFIGS_HELP
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -51,6 +52,12 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     eval_batch_size: int = field(16, "questions per generate call")
     num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
+    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
+    eval_mode: str = field(
+        "pass",
+        "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
+        "maj = maj@k (the majority answer correct), pass_at_1 = accuracy (the fraction of samples correct)",
+    )
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
     response_prefix: str = field(
@@ -142,7 +149,7 @@ def _score_file(config: EvaluateConfig, task) -> tuple[list[dict], dict]:
     task.preset = dataclasses.replace(task.preset, response_prefix=_response_prefix(config, lines))
     _check_groups(config, [r["question"] for r in rows])
     records = task.records(rows, completions)
-    return records, summarize(records, config.num_eval_passes, task.is_correct)
+    return records, summarize(records, config.num_eval_passes, task.is_correct, config.eval_mode)
 
 
 def run(config: EvaluateConfig) -> int:
@@ -183,7 +190,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
     from grpax.data.prompts import prepare_rows
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
-    from grpax.eval.keys import EVAL_STRATEGIES
+    from grpax.eval.keys import eval_sampling
     from grpax.sampler.keys import sampler_config
 
     # The checkpoint's config.json, read once: the context check here, the load below.
@@ -214,7 +221,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
         config.max_target_length - config.max_prefill_predict_length,
         stop_token_ids(tokenizer, model_cfg),
         model_cfg.pad_token_id,
-        **EVAL_STRATEGIES[config.eval_sampling_strategy],
+        **eval_sampling(config),
         **config.engine_keys(),
     )
     return evaluate(
@@ -226,6 +233,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
         sampler_cfg=sampler_cfg,
         batch_size=config.eval_batch_size,
         num_eval_passes=config.num_eval_passes,
+        eval_mode=config.eval_mode,
         seed=config.seed,
         output_path=config.output_path or None,
         trajectories=_trajectories(config, task, tokenizer, model_cfg, sampler_cfg),

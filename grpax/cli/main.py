@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts.handled():
             config = build_config(module.CONFIG, rest)
+            if getattr(config, "debug", False):  # MaxText's key
+                logging.getLogger("grpax").setLevel(logging.DEBUG)
             hardware = getattr(config, "hardware", None)
             if getattr(config, "compile_topology", ""):
                 # Compile-only (MaxText's train_compile): the slice's devices come from libtpu, so the host

@@ -1,8 +1,9 @@
 """Reading any task's rows: a JSONL / Parquet file, a folder of either, or a Hugging Face Hub dataset.
 
-Rows load from a local JSONL / Parquet file, a folder in either layout (including the Hub's
-``main/{split}-*.parquet``), or a Hub name ``owner/name`` through the ``datasets`` library. Offline, a Hub name
-fails at once with a message asking for a local path, rather than retrying for minutes. Rows come back as they
+Rows load from a local JSONL / Parquet file or a glob of them (``data/train-*.parquet``), a folder in either
+layout (including the Hub's ``main/{split}-*.parquet``), a Hub name ``owner/name`` or Hub files
+``hf://datasets/owner/name/<glob>`` (MaxText's ``hf_train_files``) through the ``datasets`` library. Offline, a
+Hub name fails at once with a message asking for a local path, rather than retrying for minutes. Rows come back as they
 are stored (every column); a task (``grpax.tasks``) checks the columns it needs with ``require_columns``,
 ``require_values`` and ``require_text``, whose errors name the file, the row, the column and the key that chose it.
 """
@@ -26,6 +27,8 @@ _HUB_TIMEOUT_S = 2.0
 _TRUE = ("1", "true", "yes", "on")
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _SUFFIXES = (".jsonl", ".json", ".parquet")
+_HUB_FILES = "hf://"
+_GLOB = ("*", "?", "[")
 
 
 class DatasetUnavailableError(ValueError):
@@ -91,6 +94,14 @@ def _files_in_folder(folder: Path, split: str) -> list[Path]:
     )
 
 
+def _read_files(files: Sequence[Path]) -> list[dict]:
+    """The rows of local files in order, each read by its suffix (Parquet, else JSONL)."""
+    rows: list[dict] = []
+    for f in files:
+        rows.extend(_read_parquet([f]) if f.suffix == ".parquet" else read_jsonl(f))
+    return rows
+
+
 def _hub_reachable(timeout_s: float = _HUB_TIMEOUT_S) -> bool:
     # DNS lookups ignore socket timeouts, so the probe runs in a daemon thread that is abandoned if slow.
     result: list[bool] = []
@@ -109,24 +120,31 @@ def _hub_reachable(timeout_s: float = _HUB_TIMEOUT_S) -> bool:
 
 
 def _load_from_hub(name: str, split: str, config: str | None) -> list[dict]:
-    hint = f"pass a local path instead, e.g. dataset_name=../shared/data/gsm8k (a folder with {split}.jsonl)"
+    """A Hub dataset's split, or with ``name`` ``hf://...`` the rows of those Hub files (their one split)."""
+    files = name.startswith(_HUB_FILES)
+    what = f"Hub files {name!r}" if files else f"Hub dataset {name!r}"
+    hint = (
+        "download them and pass their local path or glob"
+        if files
+        else f"pass a local path instead, e.g. dataset_name=../shared/data/gsm8k (a folder with {split}.jsonl)"
+    )
     if any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        raise DatasetUnavailableError(f"cannot load Hub dataset {name!r}: offline mode is set; {hint}")
+        raise DatasetUnavailableError(f"cannot load {what}: offline mode is set; {hint}")
     try:
         import datasets  # noqa: PLC0415 - optional dependency
     except ImportError as e:
         raise DatasetUnavailableError(
-            f"cannot load Hub dataset {name!r}: the datasets library is not installed "
-            f"(pip install 'grpax[hub]'); or {hint}"
+            f"cannot load {what}: the datasets library is not installed (pip install 'grpax[hub]'); or {hint}"
         ) from e
     if not _hub_reachable():
-        raise DatasetUnavailableError(f"cannot load Hub dataset {name!r}: {_HUB_HOST} is unreachable; {hint}")
+        raise DatasetUnavailableError(f"cannot load {what}: {_HUB_HOST} is unreachable; {hint}")
     try:
+        if files:
+            builder = "parquet" if name.endswith(".parquet") else "json"
+            return list(datasets.load_dataset(builder, data_files=name, split="train"))
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:
-        raise DatasetUnavailableError(
-            f"cannot load Hub dataset {name!r} (split {split!r}): {e}; {hint}"
-        ) from e
+        raise DatasetUnavailableError(f"cannot load {what} (split {split!r}): {e}; {hint}") from e
 
 
 def _is_hub_name(name: str) -> bool:
@@ -136,19 +154,32 @@ def _is_hub_name(name: str) -> bool:
 
 
 def dataset_files(path_or_name: str, split: str) -> list[Path]:
-    """The local files holding ``split`` of a dataset file or folder; [] for a Hub name (``owner/name``).
+    """The local files holding ``split`` of a dataset file, glob or folder; [] for a Hub name (``owner/name``) or
+    Hub files (``hf://...``).
 
     Raises:
-        FileNotFoundError: a path (anything but ``owner/name``) that does not exist, or a folder without
-            the split; the message lists what the loader accepts.
+        FileNotFoundError: a path (anything but ``owner/name`` or ``hf://``) that does not exist, a glob that
+            matches no .jsonl / .json / .parquet file, or a folder without the split; the message lists what
+            the loader accepts.
     """
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return _files_in_folder(path, split)
     if path.is_file():
         return [path]
-    if _is_hub_name(path_or_name):
+    if path_or_name.startswith(_HUB_FILES) or _is_hub_name(path_or_name):
         return []
+    if any(c in path_or_name for c in _GLOB):
+        root = Path(path.anchor) if path.is_absolute() else Path()
+        files = sorted(
+            f for f in root.glob(str(path.relative_to(root))) if f.suffix in _SUFFIXES and f.is_file()
+        )
+        if files:
+            return files
+        raise FileNotFoundError(
+            f"no .jsonl / .json / .parquet file matches {path_or_name!r} (relative to {Path.cwd()}): pass a glob "
+            "of existing files"
+        )
     raise FileNotFoundError(
         f"dataset path {path_or_name!r} does not exist (relative to {Path.cwd()}); pass a .jsonl/.parquet file, "
         f"a folder with {split}.jsonl or {split}.parquet, or a Hub name owner/name such as openai/gsm8k"
@@ -168,10 +199,11 @@ def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> t
     """The raw rows (every column) of ``split`` of a file, a folder or a Hub dataset, and where they came from.
 
     Args:
-        path_or_name: a ``.jsonl`` or ``.parquet`` file; a folder with ``{split}.jsonl``, ``{split}.parquet``,
-            ``{split}-*.parquet`` or ``main/{split}-*.parquet``; or a Hub name ``owner/name``, which needs the
-            ``datasets`` library and a network.
-        split: used for folders and Hub names (a file has no splits).
+        path_or_name: a ``.jsonl`` or ``.parquet`` file or a glob of them (read in sorted order); a folder with
+            ``{split}.jsonl``, ``{split}.parquet``, ``{split}-*.parquet`` or ``main/{split}-*.parquet``; a Hub name
+            ``owner/name``; or Hub files ``hf://datasets/owner/name/<glob>`` (the last two need the ``datasets``
+            library and a network).
+        split: used for folders and Hub names (a file has no splits, nor do Hub files).
         hub_config: the Hub dataset's config name, for a dataset that has several (None: its only one).
 
     Returns:
@@ -185,9 +217,17 @@ def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> t
     """
     files = dataset_files(path_or_name, split)
     if files:
-        source = str(files[0]) if len(files) == 1 else f"{files[0].parent}/{split}-*.parquet"
-        return (_read_parquet(files) if files[0].suffix == ".parquet" else read_jsonl(files[0])), source
-    return _load_from_hub(path_or_name, split, hub_config), f"Hub dataset {path_or_name}"
+        glob = any(c in path_or_name for c in _GLOB)
+        source = (
+            str(files[0])
+            if len(files) == 1
+            else path_or_name
+            if glob
+            else f"{files[0].parent}/{split}-*.parquet"
+        )
+        return _read_files(files), source
+    what = "Hub files" if path_or_name.startswith(_HUB_FILES) else "Hub dataset"
+    return _load_from_hub(path_or_name, split, hub_config), f"{what} {path_or_name}"
 
 
 def require_columns(row: Any, source: str, index: int, columns: dict[str, str]) -> None:

@@ -51,6 +51,7 @@ def evaluate(
     sampler_cfg: SamplerConfig,
     batch_size: int,
     num_eval_passes: int = 1,
+    eval_mode: str = "pass",
     seed: int = 0,
     output_path: str | Path | None = None,
     desc: str = "eval",
@@ -69,6 +70,7 @@ def evaluate(
       sampler_cfg: sampling settings (greedy for the usual accuracy).
       batch_size: questions per generate call (rows per call = batch_size * num_eval_passes).
       num_eval_passes: samples per question (k of pass@k and maj@k).
+      eval_mode: which metric is the summary's ``score`` (``grpax.eval.metrics.summarize``).
       seed: sampling seed.
       output_path: a folder to write ``results.jsonl`` (one record per completion) and ``summary.json``.
       desc: progress-bar label.
@@ -79,7 +81,7 @@ def evaluate(
 
     Returns:
       The summary dict of ``grpax.eval.metrics.summarize`` (num_questions, accuracy, partial_accuracy,
-      format_accuracy, mean_reward, pass@k, maj@k, with 95% intervals).
+      format_accuracy, mean_reward, pass@k, maj@k, score, with 95% intervals).
 
     Raises:
       ValueError: if ``rows`` is empty or ``batch_size`` / ``num_eval_passes`` < 1.
@@ -118,7 +120,7 @@ def evaluate(
             if trajectories is not None:
                 record.update({k: int(getattr(out, k)[j]) for k in TURN_FIELDS})
         records.extend(batch_records)
-    summary = summarize(records, num_eval_passes, task.is_correct)
+    summary = summarize(records, num_eval_passes, task.is_correct, eval_mode)
     if trajectories is not None:
         summary.update({k: float(np.mean([r[k] for r in records])) for k in TURN_FIELDS})
     if output_path is not None and jax.process_index() == 0:  # each file atomically: never half a file

@@ -1,7 +1,8 @@
 """The evaluation keys that ``grpax train_rl`` and ``grpax evaluate`` share, and their checks.
 
-``EVAL_STRATEGIES`` are MaxText rl.yml's ``generation_configs``: the sampler settings an
-``eval_sampling_strategy`` name selects.
+``EVAL_STRATEGIES`` are MaxText rl.yml's default ``generation_configs``: the sampler settings an
+``eval_sampling_strategy`` name selects; the key ``generation_configs`` changes them or adds names
+(``eval_sampling``).
 """
 
 from __future__ import annotations
@@ -9,12 +10,59 @@ from __future__ import annotations
 from typing import Any
 
 from grpax.errors import ConfigError
+from grpax.eval.metrics import EVAL_MODES
 
 EVAL_STRATEGIES = {  # MaxText rl.yml generation_configs
     "greedy": dict(greedy=True, temperature=1.0, top_k=0, top_p=1.0),
     "standard": dict(greedy=False, temperature=0.7, top_k=50, top_p=0.95),
     "liberal": dict(greedy=False, temperature=0.85, top_k=2000, top_p=1.0),
 }
+
+
+# MaxText's generation_configs entry keys -> SamplerConfig fields
+GENERATION_KEYS = {"eval_temperature": "temperature", "eval_top_k": "top_k", "eval_top_p": "top_p"}
+GENERATION_CONFIGS_HELP = (
+    "MaxText's sampling of each eval_sampling_strategy name, {name: {eval_temperature: T, eval_top_k: K, "
+    "eval_top_p: P}}, over the built-in greedy / standard / liberal (its defaults; eval_top_k 1 = greedy) or "
+    "adding names"
+)
+
+
+def eval_sampling(cfg: Any) -> dict[str, Any]:
+    """The ``SamplerConfig`` fields of ``cfg.eval_sampling_strategy``: ``EVAL_STRATEGIES``' with the
+    ``generation_configs`` entry of that name over them (a new name's unset values: temperature 1, no top-k or
+    top-p; ``validate_eval_keys`` has passed); top-k 1 is greedy decoding (MaxText's greedy entry: temperature
+    0.01, top-k 1)."""
+    name = cfg.eval_sampling_strategy
+    fields = dict(EVAL_STRATEGIES.get(name, dict(greedy=False, temperature=1.0, top_k=0, top_p=1.0)))
+    given = (cfg.generation_configs or {}).get(name) or {}
+    fields.update({GENERATION_KEYS[k]: v for k, v in given.items()})
+    if fields["top_k"] == 1:
+        return dict(EVAL_STRATEGIES["greedy"])
+    return {**fields, "greedy": False} if given else fields
+
+
+def _validate_generation_configs(configs: Any) -> None:
+    for name, entry in (configs or {}).items():
+        where = f"generation_configs.{name}"
+        if not isinstance(entry, dict) or set(entry) - set(GENERATION_KEYS):
+            raise ConfigError(f"{where}={entry!r}: expected a mapping of {', '.join(GENERATION_KEYS)}")
+        for key, value in entry.items():
+            kind = int if key == "eval_top_k" else float
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == kind(value)
+            low = {"eval_temperature": 0.0, "eval_top_k": 0, "eval_top_p": 0.0}[key]
+            if (
+                not ok
+                or value < low
+                or (key != "eval_top_k" and value <= low)
+                or (key == "eval_top_p" and value > 1)
+            ):
+                need = {
+                    "eval_temperature": "> 0",
+                    "eval_top_k": "an integer >= 0 (0: off)",
+                    "eval_top_p": "in (0, 1]",
+                }
+                raise ConfigError(f"{where}.{key}={value!r}: expected {need[key]}")
 
 
 def validate_eval_keys(cfg: Any, *, allow_no_eval: bool) -> None:
@@ -25,7 +73,8 @@ def validate_eval_keys(cfg: Any, *, allow_no_eval: bool) -> None:
 
     Raises:
       ConfigError: num_test_batches not >= 1 or -1 (or 0 with allow_no_eval), eval_batch_size or
-        num_eval_passes < 1, or an unknown eval_sampling_strategy (the key, value and accepted values named).
+        num_eval_passes < 1, an unknown eval_sampling_strategy or eval_mode (the key, value and accepted values
+        named), or a generation_configs entry with other keys or values out of range.
     """
     if cfg.num_test_batches < (0 if allow_no_eval else 1) and cfg.num_test_batches != -1:
         raise ConfigError(
@@ -38,8 +87,15 @@ def validate_eval_keys(cfg: Any, *, allow_no_eval: bool) -> None:
     ):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"{key}={getattr(cfg, key)}: expected >= 1 ({meaning})")
-    if cfg.eval_sampling_strategy not in EVAL_STRATEGIES:
+    _validate_generation_configs(cfg.generation_configs)
+    names = {**EVAL_STRATEGIES, **(cfg.generation_configs or {})}
+    if cfg.eval_sampling_strategy not in names:
         raise ConfigError(
-            f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of "
-            f"{', '.join(EVAL_STRATEGIES)}"
+            f"eval_sampling_strategy={cfg.eval_sampling_strategy!r}: expected one of {', '.join(names)} (or a name "
+            "given in generation_configs)"
+        )
+    if cfg.eval_mode not in EVAL_MODES:
+        raise ConfigError(
+            f"eval_mode={cfg.eval_mode!r}: expected one of "
+            f"{', '.join(f'{mode} ({metric})' for mode, metric in EVAL_MODES.items())}"
         )

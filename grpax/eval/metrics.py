@@ -22,6 +22,8 @@ import numpy as np
 from grpax.tasks.answers import normalize_number
 
 Z_95 = 1.959963984540054
+# MaxText rl.yml's eval_mode: which metric is the evaluation's score (its evaluate_rl.score_responses)
+EVAL_MODES = {"pass": "pass@k", "maj": "maj@k", "pass_at_1": "accuracy"}
 
 
 @dataclass(frozen=True)
@@ -240,8 +242,11 @@ def maj_at_k(
 
 
 def summarize(
-    records: Sequence[dict], num_samples: int, check: Callable[[str | None, str], bool]
-) -> dict[str, float | int | list[float]]:
+    records: Sequence[dict],
+    num_samples: int,
+    check: Callable[[str | None, str], bool],
+    eval_mode: str = "pass",
+) -> dict[str, float | int | str | list[float]]:
     """Summary metrics of scored records, ``num_samples`` consecutive records per question.
 
     Args:
@@ -249,10 +254,14 @@ def summarize(
             ``close``, ``formatted`` and ``rewards``; ``rewards["total"]`` is the mean reward's value when present).
         num_samples: completions per question (the k of pass@k and maj@k).
         check: maj@k's answer check, ``check(answer, gold)`` (the task's ``is_correct``).
+        eval_mode: which metric is the ``score`` (MaxText's key, ``EVAL_MODES``): ``pass`` = pass@k (a question
+            scores when any of its samples is correct), ``maj`` = maj@k (its majority answer is), ``pass_at_1`` =
+            accuracy (the fraction of its samples that are, averaged).
 
     Returns:
         ``num_questions``, ``num_completions``, ``accuracy``, ``partial_accuracy``, ``format_accuracy``,
-        ``mean_reward``, ``pass@k``, ``maj@k`` and for each metric ``<name>_ci95`` = [low, high].
+        ``mean_reward``, ``pass@k``, ``maj@k``, ``score`` (one of them, as ``eval_mode`` names it; ``eval_mode``
+        is in the dict too) and for each metric ``<name>_ci95`` = [low, high].
 
     Raises:
         ValueError: if the record count is not a multiple of num_samples, or a group mixes questions.
@@ -261,8 +270,8 @@ def summarize(
         >>> recs = [{"question": "q", "answer": "4", "extracted_answer": a, "correct": a == "4", "close": a == "4",
         ...          "formatted": True, "rewards": {"total": float(a == "4")}} for a in ("4", "5")]
         >>> s = summarize(recs, num_samples=2, check=lambda answer, gold: answer == gold)
-        >>> s["accuracy"], s["pass@k"], s["maj@k"]
-        (0.5, 1.0, 1.0)
+        >>> s["accuracy"], s["pass@k"], s["maj@k"], s["score"]
+        (0.5, 1.0, 1.0, 1.0)
     """
     if num_samples < 1 or len(records) % num_samples:
         raise ValueError(f"{len(records)} records do not split into groups of num_samples={num_samples}")
@@ -293,10 +302,16 @@ def summarize(
     for name, est in metrics.items():
         summary[name] = est.value
         summary[f"{name}_ci95"] = [est.ci95[0], est.ci95[1]]
+    summary["eval_mode"] = eval_mode
+    summary["score"], summary["score_ci95"] = (
+        summary[EVAL_MODES[eval_mode]],
+        summary[f"{EVAL_MODES[eval_mode]}_ci95"],
+    )
     return summary
 
 
 __all__ = [
+    "EVAL_MODES",
     "Estimate",
     "maj_at_k",
     "majority_answer",

@@ -35,6 +35,9 @@ _TAGS = Foreign(
     "(prompt_template_path=) and rewards (reward_functions_path=)",
 )
 
+_CONVERTER = "a check of MaxText's converter to vLLM, which grpax does not run (to_huggingface exports)"
+_FALSE = ("false", "0", "no", "off")
+
 _FUSED = (
     "remat_policy=custom's name of a fused projection MaxText builds with fused_mlp / fused_qkv (off for its "
     "Llama, Qwen and Gemma); grpax's projections are separate"
@@ -108,5 +111,51 @@ MAXTEXT_RL_KEYS: dict[str, Foreign] = {
         "MaxText's GSM8K prompt (gsm8k_rl.json), which grpax's prompt_preset=maxtext renders",
         ("*gsm8k_rl.json",),
         "for another prompt pass prompt_template_path= (YAML/JSON with system_prompt, user_template)",
+    ),
+    "data_template_path": Foreign(
+        "MaxText's GSM8K prompt (gsm8k_rl.json), which grpax's prompt_preset=maxtext renders",
+        ("*gsm8k_rl.json",),
+        "for another prompt pass prompt_template_path= (YAML/JSON with system_prompt, user_template)",
+    ),
+    "dataset_processor_path": Foreign(
+        "MaxText's own process_data for a dataset's columns",
+        ("",),
+        "grpax reads a dataset's prompt and answer columns by name: pass prompt_field= and answer_field= (task=math "
+        "or task=custom for other data, reward_functions_path= for its rewards)",
+    ),
+    "reasoning_start_token_in_prompt": Foreign(
+        "MaxText's prompt ending in the reasoning tag",
+        _FALSE,
+        "pass prompt_template_path= with response_prefix: '<reasoning>' (the prompt ends with the tag and the format "
+        "check reads it as the completion's start)",
+    ),
+    "use_agentic_rollout": Foreign(
+        "Tunix's asynchronous agentic learner",
+        _FALSE,
+        "grpax overlaps rollouts with the update by max_staleness=1 (rl.off_policy_steps) and runs tool-using "
+        "rollouts with environment=",
+    ),
+    "max_concurrency": Foreign(
+        "Tunix's agentic rollout's requests in flight (use_agentic_rollout); grpax's engine samples max_num_seqs "
+        "sequences at once"
+    ),
+    "reshard_chunk_size": Foreign(
+        "Tunix's chunking of the weights it reshards into vLLM, which grpax does not run"
+    ),
+    "math_verify_timeout": Foreign(
+        "MaxText's time limit of a batch's math-verify process pool; grpax's task=math checks each answer with "
+        "math-verify's own limits (a check past them counts as wrong)"
+    ),
+    "math_verify_num_procs": Foreign(
+        "MaxText's math-verify worker processes; grpax's task=math checks answers in the reward call"
+    ),
+    "vllm_load_format": Foreign(_CONVERTER),
+    "debug_converter": Foreign(
+        _CONVERTER, _FALSE, "export with grpax to_huggingface and load the folder in vLLM"
+    ),
+    "gcs_debug_path": Foreign(_CONVERTER),
+    "logical_axis_rules": Foreign(
+        "MaxText's logical-to-mesh axis rules; grpax shards by its own (grpax/models/sharding_rules.py) over the "
+        "mesh keys (ici_*_parallelism, rollout_*_parallelism)"
     ),
 }

@@ -14,6 +14,7 @@ from typing import Any
 
 from grpax.checkpoint.convert import to_huggingface
 from grpax.eval.compare import compare_eval_folders
+from grpax.eval.metrics import EVAL_MODES
 from grpax.rl.metrics_writer import MetricsWriter
 
 log = logging.getLogger("grpax.train")
@@ -76,7 +77,8 @@ def format_before_after(before: dict | None, after: dict | None, paired: dict | 
     """The evaluation metrics before and after training, each with its 95% interval, and the paired test.
 
     Args:
-      before, after: ``summarize`` dicts (None: that evaluation did not run).
+      before, after: ``summarize`` dicts (None: that evaluation did not run); the first row is their ``score``,
+        named by the metric their ``eval_mode`` made it, with that metric's paired p-value.
       paired: ``grpax.eval.compare.compare`` of the two evaluations' records (None: no paired test). Its
         sign-test p-values fill the last column, and a final line names the proportions whose change
         (after - before) is larger than the noise (p < its alpha) and those within it.
@@ -88,7 +90,11 @@ def format_before_after(before: dict | None, after: dict | None, paired: dict | 
         return "evaluation skipped (num_test_batches=0): no before/after metrics"
     keys = ["accuracy", "partial_accuracy", "format_accuracy", "mean_reward"]
     keys += [k for k in (after or before) if k.startswith(("pass@", "maj@")) and not k.endswith("ci95")]
-    tests = (paired or {}).get("metrics", {})
+    keys = ["score", *keys] if all("score" in s for s in (before, after) if s) else keys
+    tests = dict((paired or {}).get("metrics", {}))
+    scored = EVAL_MODES.get((after or before).get("eval_mode", ""))
+    if scored in tests:
+        tests["score"] = tests[scored]
 
     def cell(summary: dict | None, key: str) -> str:
         value, ci = (summary or {}).get(key), (summary or {}).get(f"{key}_ci95")
@@ -100,13 +106,14 @@ def format_before_after(before: dict | None, after: dict | None, paired: dict | 
     for k in keys:
         change = f"{after[k] - before[k]:>+10.3f}" if before and after else f"{'-':>10}"
         p = f"{tests[k]['p_value']:>10.3g}" if k in tests else f"{'-':>10}"
-        lines.append(f"{k:<18}{cell(before, k)}  {cell(after, k)}{change}{p}")
+        name = f"score ({scored})" if k == "score" else k
+        lines.append(f"{name:<18}{cell(before, k)}  {cell(after, k)}{change}{p}")
     count = lambda s: (s or {}).get("num_questions", "-")  # noqa: E731
     lines.append(f"{'questions':<18}{count(before):>22}  {count(after):>22}")
     if paired and tests:
         alpha = paired["alpha"]
-        larger = [k for k, t in tests.items() if t["p_value"] < alpha]
-        within = [k for k, t in tests.items() if t["p_value"] >= alpha]
+        larger = [k for k, t in tests.items() if k != "score" and t["p_value"] < alpha]
+        within = [k for k, t in tests.items() if k != "score" and t["p_value"] >= alpha]
         lines.append(
             f"change larger than the noise (exact sign test on the {paired['num_questions']} paired questions, "
             f"p < {alpha}): {', '.join(larger) or 'none'}; within the noise: {', '.join(within) or 'none'}"

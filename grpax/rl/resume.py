@@ -255,9 +255,10 @@ def restore_or_start(
     try:
         iterator.load_state_dict(meta["iterator"])
     except ValueError:  # a smaller dataset than the run was trained on
+        key, dataset = cfg.train_dataset()
         raise ConfigError(
             f"run {paths.run_dir} stopped at prompt {meta['iterator']['index']} of an epoch of its training prompts, "
-            f"past the {len(iterator.rows)} prompts of dataset_name={cfg.dataset_name!r} (train_split="
+            f"past the {len(iterator.rows)} prompts of {key}={dataset!r} (train_split="
             f"{cfg.train_split!r}) now: resume with the dataset it was trained on (a larger one continues at the "
             "saved position), or pass a new run_name"
         ) from None

@@ -25,7 +25,7 @@ from grpax.config import (
 )
 from grpax.data.datasets import dataset_source, too_few_rows
 from grpax.errors import suggest
-from grpax.eval.keys import validate_eval_keys
+from grpax.eval.keys import GENERATION_CONFIGS_HELP, validate_eval_keys
 from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig
@@ -65,6 +65,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "train_micro_batch_size": "micro_batch_size",  # Tunix's prompts per micro-batch of the update
         "profiler_start_invocation": "skip_first_n_steps_for_profiler",  # rl.profiler_*: Tunix's spelling
         "profiler_num_invocations": "profiler_steps",
+        "off_policy_steps": "max_staleness",  # rl.off_policy_steps: Tunix's agentic learner's staleness
     }
     FOREIGN_KEYS: ClassVar[dict] = MAXTEXT_RL_KEYS  # MaxText keys without a field here: no-ops, or refused
 
@@ -77,6 +78,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "converted checkpoint <base>/0/items (from grpax to_native) or an actor "
         "checkpoint .../actor/<step>/model_params",
     )
+    convert_checkpoint_if_possible: bool = field(
+        False,
+        "MaxText key: without load_parameters_path, train from base_output_directory/0/items, converting model_name "
+        "there first (grpax to_native; the Hub with hf_access_token) when it is not there yet; one host",
+    )
+    hf_access_token: str = field("", "Hugging Face token for convert_checkpoint_if_possible's download")
     base_output_directory: str = field("outputs", "root folder of all runs")
     run_name: str = field("grpo", "run folder under base_output_directory; the same name resumes the run")
     weight_dtype: str = field(
@@ -114,6 +121,14 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     )
     train_split: str = field("train", "split used for training")
     eval_split: str = field("test", "split used for evaluation")
+    hf_train_files: str = field(
+        "",
+        "the training rows' files (MaxText key), read instead of dataset_name's train_split: a path or glob of "
+        ".jsonl / .parquet files, or hf://datasets/<owner>/<name>/<glob> (the datasets library, online)",
+    )
+    hf_eval_files: str = field(
+        "", "the evaluation rows' files, as hf_train_files, read instead of the eval dataset's eval_split"
+    )
     batch_size: int = field(4, "prompts per step (rows per step = batch_size * num_generations)")
     micro_batch_size: int = field(
         -1,
@@ -132,6 +147,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     eval_before: bool = field(True, "evaluate before the first step")
     num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
     eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
+    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
+    eval_mode: str = field(
+        "pass",
+        "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
+        "maj = maj@k (the majority answer correct), pass_at_1 = accuracy (the fraction of samples correct)",
+    )
     max_prefill_predict_length: int = field(256, "max prompt tokens; longer prompts are dropped (counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
     decode_sampling_top_k: int = field(
@@ -237,6 +258,22 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
             return None
         return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_target_modules, self.use_rslora)
 
+    def train_dataset(self) -> tuple[str, str]:
+        """(the key that names the training rows, its value): hf_train_files when set, else dataset_name."""
+        return (
+            ("hf_train_files", self.hf_train_files)
+            if self.hf_train_files
+            else ("dataset_name", self.dataset_name)
+        )
+
+    def eval_dataset(self) -> tuple[str, str]:
+        """(the key that names the evaluation rows, its value): hf_eval_files, eval_dataset_name or
+        dataset_name, the first set."""
+        for key in ("hf_eval_files", "eval_dataset_name", "dataset_name"):
+            if getattr(self, key):
+                return key, getattr(self, key)
+        return "dataset_name", self.dataset_name
+
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
 
@@ -279,7 +316,8 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.load_parameters_path and not cfg.compile_topology:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
-            "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items"
+            "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items (or convert_checkpoint_if_possible="
+            "true: model_name converted into base_output_directory)"
         )
     name = cfg.run_name
     if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
@@ -457,6 +495,14 @@ def _warn_on_biased_choices(cfg: TrainConfig) -> None:
         )
 
 
+def _source(key: str, dataset: str, split: str) -> str:
+    """``dataset_source`` with its errors naming the key (they are raised again when the rows are read)."""
+    try:
+        return dataset_source(dataset, split)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}={dataset!r}: {e}") from None
+
+
 def _load_rows(task: Task, key: str, dataset: str, split: str, split_key: str) -> list[dict]:
     """``task.load_rows`` with its errors naming the key that chose the dataset."""
     try:
@@ -516,23 +562,20 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     if lora is not None and model_cfg is not None:
         check_rank(lora, model_cfg, str(source))
     check_router_replay(cfg, model_cfg, source)
-    rows = _load_rows(task, "dataset_name", cfg.dataset_name, cfg.train_split, "train_split")
+    train_key, train_dataset = cfg.train_dataset()
+    rows = _load_rows(task, train_key, train_dataset, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
         fix = "lower batch_size or pass a larger dataset"
         got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
-        raise too_few_rows("dataset_name", cfg.dataset_name, "train_split", cfg.train_split, got, need, fix)
+        raise too_few_rows(train_key, train_dataset, "train_split", cfg.train_split, got, need, fix)
     if cfg.num_test_batches == 0:
         return Inputs(model_cfg, rows, [])
-    key, dataset = (
-        ("eval_dataset_name", cfg.eval_dataset_name)
-        if cfg.eval_dataset_name
-        else ("dataset_name", cfg.dataset_name)
-    )
-    train_source = dataset_source(cfg.dataset_name, cfg.train_split)
-    if dataset_source(dataset, cfg.eval_split) == train_source and not cfg.allow_eval_on_train_rows:
+    key, dataset = cfg.eval_dataset()
+    train_source = _source(train_key, train_dataset, cfg.train_split)
+    if _source(key, dataset, cfg.eval_split) == train_source and not cfg.allow_eval_on_train_rows:
         raise ConfigError(
-            f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds the training rows (dataset_name="
-            f"{cfg.dataset_name!r}, train_split={cfg.train_split!r}; a file has no splits): set "
+            f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds the training rows ({train_key}="
+            f"{train_dataset!r}, train_split={cfg.train_split!r}; a file has no splits): set "
             "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
             "training rows anyway (num_test_batches=0: no evaluation)"
         )

@@ -44,7 +44,8 @@ from grpax.data.prompts import prepare_rows
 from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
-from grpax.eval.keys import EVAL_STRATEGIES
+from grpax.eval.keys import eval_sampling
+from grpax.eval.metrics import EVAL_MODES
 from grpax.models.llama import round_as_read
 from grpax.models.registry import ModelConfig, check_matches
 from grpax.rl.ahead import AheadRollouts
@@ -72,6 +73,36 @@ class NonFiniteError(ConfigError):
     checkpoint is kept."""
 
 
+def converted_base(cfg: TrainConfig) -> TrainConfig:
+    """MaxText's ``convert_checkpoint_if_possible``: without ``load_parameters_path``, ``cfg`` reading
+    ``base_output_directory/0/items``, where ``model_name`` is converted first (``grpax to_native``, in
+    ``weight_dtype``) unless a conversion is there already; ``cfg`` itself otherwise.
+
+    Raises:
+      ConfigError: no ``model_name`` to convert, or the conversion's own errors (no network for the Hub, ...).
+    """
+    if cfg.load_parameters_path or not cfg.convert_checkpoint_if_possible or cfg.compile_topology:
+        return cfg
+    base = Path(cfg.base_output_directory)
+    if not (base / "0" / "items").exists():
+        if not cfg.model_name:
+            raise ConfigError(
+                "convert_checkpoint_if_possible=true without load_parameters_path needs model_name=<registered "
+                "name> to convert (or pass load_parameters_path)"
+            )
+        from grpax.checkpoint.convert import to_native  # noqa: PLC0415 - only for this key
+
+        log.info("convert_checkpoint_if_possible: converting %s into %s/0/items", cfg.model_name, base)
+        to_native(
+            model_name=cfg.model_name,
+            base_output_directory=str(base),
+            hf_access_token=cfg.hf_access_token or None,
+            weight_dtype=cfg.weight_dtype,
+            scan_layers=cfg.scan_layers,
+        )
+    return dataclasses.replace(cfg, load_parameters_path=str(base / "0" / "items"))
+
+
 def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = None) -> dict:
     """Runs GRPO as configured; returns ``{"before": summary, "after": summary, "run_dir": str, ...}``.
 
@@ -97,6 +128,7 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
       RewardFunctionError: a user reward function raised or returned a bad value (before that step's update;
         the last checkpoint is kept).
     """
+    cfg = converted_base(cfg)
     validate(cfg)
     task = build_task(cfg)
     inputs = check_inputs(cfg, task)
@@ -306,13 +338,14 @@ def _load_rows(
     """The training prompt iterator and the evaluation rows (none with num_test_batches=0), from the rows
     ``check_inputs`` read; with ``environment`` a prompt is measured as the environment renders it."""
     render = prompt_renderer(tokenizer, environment_factory(cfg), task.preset) if cfg.environment else None
+    (train_key, train_dataset), (eval_key, eval_dataset) = cfg.train_dataset(), cfg.eval_dataset()
     train_rows = prepare_rows(
         tokenizer,
-        cfg.dataset_name,
+        train_dataset,
         cfg.train_split,
         task.preset,
         cfg.max_prefill_predict_length,
-        need=("dataset_name", "train_split", cfg.batch_size),
+        need=(train_key, "train_split", cfg.batch_size),
         load=lambda dataset, split: inputs.train_rows,
         render=render,
     )
@@ -320,12 +353,12 @@ def _load_rows(
     eval_rows = (
         prepare_rows(
             tokenizer,
-            cfg.eval_dataset_name or cfg.dataset_name,
+            eval_dataset,
             cfg.eval_split,
             task.preset,
             cfg.max_prefill_predict_length,
             eval_limit,
-            need=("eval_dataset_name" if cfg.eval_dataset_name else "dataset_name", "eval_split", 1),
+            need=(eval_key, "eval_split", 1),
             load=lambda dataset, split: inputs.eval_rows,
             render=render,
         )
@@ -341,7 +374,7 @@ def _sampler_configs(
 ) -> tuple[SamplerConfig, SamplerConfig]:
     """The rollout sampler's config and the evaluation sampler's (``eval_sampling_strategy``)."""
     sampler_cfg = cfg.sampler_config(stop_token_ids(tokenizer, model_cfg), model_cfg.pad_token_id)
-    return sampler_cfg, dataclasses.replace(sampler_cfg, **EVAL_STRATEGIES[cfg.eval_sampling_strategy])
+    return sampler_cfg, dataclasses.replace(sampler_cfg, **eval_sampling(cfg))
 
 
 def _init_state(
@@ -397,6 +430,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
             sampler_cfg=run.eval_sampler_cfg,
             batch_size=cfg.eval_batch_size,
             num_eval_passes=cfg.num_eval_passes,
+            eval_mode=cfg.eval_mode,
             seed=cfg.seed,
             output_path=run.paths.eval_dir / tag,
             desc=f"eval {tag}",
@@ -405,10 +439,14 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
     release_host_memory()
     run.writer.write(step, {k: v for k, v in summary.items() if isinstance(v, (int, float))}, prefix="eval/")
     log.info(
-        "eval %s (step %d, %.0f s): accuracy %.3f, format %.3f, mean reward %.3f over %d questions",
+        "eval %s (step %d, %.0f s): score %.3f (eval_mode=%s: %s), accuracy %.3f, format %.3f, mean reward %.3f "
+        "over %d questions",
         tag,
         step,
         time.perf_counter() - t0,
+        summary["score"],
+        cfg.eval_mode,
+        EVAL_MODES[cfg.eval_mode],
         summary["accuracy"],
         summary["format_accuracy"],
         summary["mean_reward"],

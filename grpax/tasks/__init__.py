@@ -101,6 +101,14 @@ class TaskConfig(RewardValueKeys, EnvironmentConfig):
         "prompt from a file instead of prompt_preset: YAML/JSON with system_prompt, user_template "
         "({question} slot), response_prefix; or a text file holding the user turn",
     )
+    system_prompt: str = field(
+        "",
+        "the prompt's system turn, replacing the preset's or template's (MaxText's rl.system_prompt); '' = theirs",
+    )
+    hf_subset: str = field(
+        "",
+        "a Hub dataset's config (MaxText key), e.g. main or socratic for openai/gsm8k; '' = its only one (gsm8k: main)",
+    )
     reward_functions_path: str = field(
         "", "Python file of reward functions (MaxText key); they replace the task's built-in rewards"
     )
@@ -277,6 +285,8 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
         if cfg.prompt_template_path
         else get_prompt_preset(cfg.prompt_preset)
     )
+    if getattr(cfg, "system_prompt", ""):
+        preset = dataclasses.replace(preset, system_prompt=cfg.system_prompt)
     user = None
     if cfg.reward_functions_path:
         user = load_reward_functions(
@@ -291,11 +301,14 @@ def build_task(cfg: Any, tmvp_config: Any = None) -> Task:
     answer_field = cfg.answer_field or answer_default
     if cfg.task == "gsm8k":
         rewards = get_reward_config(cfg.reward_preset, **reward_overrides(cfg))
-        return GSM8KTask(preset, rewards, user, prompt_field, answer_field)
-    if cfg.task == "math":
-        return MathTask(preset, user, prompt_field, answer_field)
-    answer = "" if answer_field == "none" else answer_field
-    return CustomTask(preset, user, prompt_field, answer, cfg.accuracy_reward)
+        task = GSM8KTask(preset, rewards, user, prompt_field, answer_field)
+    elif cfg.task == "math":
+        task = MathTask(preset, user, prompt_field, answer_field)
+    else:
+        answer = "" if answer_field == "none" else answer_field
+        task = CustomTask(preset, user, prompt_field, answer, cfg.accuracy_reward)
+    task.hf_subset = getattr(cfg, "hf_subset", "")
+    return task
 
 
 __all__ = [

@@ -62,16 +62,18 @@ class UserRewards:
     timeout_s: float = 0.0
 
 
-def read_dataset(dataset: str, split: str) -> tuple[list[dict], str]:
+def read_dataset(dataset: str, split: str, hf_subset: str = "") -> tuple[list[dict], str]:
     """``grpax.data.datasets.read_rows`` of a task's dataset: its raw rows and their source, for ``Task.load_rows``.
 
-    GSM8K's Hub copy (``openai/gsm8k``) has two configs, ``main`` and ``socratic``: a Hub name ending in ``gsm8k``
-    reads ``main``, whichever task reads it.
+    ``hf_subset`` (MaxText's key) is a Hub dataset's config; '' = its only one, or for GSM8K's Hub copy
+    (``openai/gsm8k``, configs ``main`` and ``socratic``: a Hub name ending in ``gsm8k``) ``main``, whichever task
+    reads it.
 
     Raises:
       FileNotFoundError, DatasetUnavailableError, ValueError: as ``read_rows``.
     """
-    return read_rows(dataset, split, "main" if dataset.rstrip("/").endswith("gsm8k") else None)
+    gsm8k = dataset.rstrip("/").endswith("gsm8k")
+    return read_rows(dataset, split, hf_subset or ("main" if gsm8k else None))
 
 
 def _short(value: Any) -> str:
@@ -334,6 +336,7 @@ class Task:
     def __init__(self, preset: PromptPreset, user_rewards: UserRewards | None = None):
         self.preset = preset
         self.user_rewards = user_rewards
+        self.hf_subset = ""  # a Hub dataset's config (``read_dataset``), set by ``build_task``
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
         """The rows of ``split`` of ``dataset`` (a file, a folder or a Hub name)."""

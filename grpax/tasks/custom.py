@@ -40,7 +40,7 @@ class CustomTask(Task):
         self.accuracy_reward = accuracy_reward or next(iter(user_rewards.fns))
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
-        return self.rows_from(*read_dataset(dataset, split))
+        return self.rows_from(*read_dataset(dataset, split, self.hf_subset))
 
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field}

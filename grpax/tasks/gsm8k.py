@@ -230,7 +230,7 @@ class GSM8KTask(Task):
           ValueError: a row lacks the prompt or answer column, or holds a null, a non-text prompt, or an answer
             without a final finite number (file, row, column and value named).
         """
-        raw, source = read_dataset(dataset, split)
+        raw, source = read_dataset(dataset, split, self.hf_subset)
         return [self._row(r, source, i) for i, r in enumerate(with_all_columns(raw))]
 
     def _row(self, r: dict, source: str, i: int) -> dict:

@@ -119,7 +119,7 @@ class MathTask(Task):
         self.answer_field = answer_field
 
     def load_rows(self, dataset: str, split: str) -> list[dict]:
-        return self.rows_from(*read_dataset(dataset, split))
+        return self.rows_from(*read_dataset(dataset, split, self.hf_subset))
 
     def rows_from(self, raw: list[dict], source: str) -> list[dict]:
         keys = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}

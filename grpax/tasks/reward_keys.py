@@ -1,8 +1,8 @@
 """MaxText's GSM8K reward values as keys (``rl.yml``'s ``reward_*`` / ``penalty_*``): each replaces the
 ``reward_preset``'s points of the ``RewardConfig`` fields it names (``grpax.tasks.gsm8k_rewards``), as MaxText's
-``utils_rl.py`` reads them: ``reward_exact_format_match`` scores both the exact layout and the exact answer,
-``penalty_incorrect_format`` both a missing or repeated tag and an answer that holds no number. Unset (None),
-the preset's value stays.
+``utils_rl.py`` reads them: ``reward_exact_format_match`` scores the exact layout and, unless
+``reward_exact_answer`` is given (MaxText's newer key for it), the exact answer; ``penalty_incorrect_format``
+both a missing or repeated tag and an answer that holds no number. Unset (None), the preset's value stays.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from grpax.errors import ConfigError
 # key -> the RewardConfig fields it sets
 MAXTEXT_REWARD_FIELDS: dict[str, tuple[str, ...]] = {
     "reward_exact_format_match": ("format_exact", "answer_exact"),
+    "reward_exact_answer": ("answer_exact",),  # after reward_exact_format_match: it wins for the answer
     "reward_white_space_format_match": ("answer_whitespace",),
     "reward_partial_format_match": ("format_tag_present",),
     "reward_ratio_guess_to_answer_high": ("answer_ratio_high",),
@@ -31,7 +32,10 @@ _HELP = "task=gsm8k's points (MaxText key; none = reward_preset's): "
 class RewardValueKeys:
     """MaxText's reward values (``MAXTEXT_REWARD_FIELDS``); None keeps the ``reward_preset``'s."""
 
-    reward_exact_format_match: float | None = field(None, _HELP + "the exact layout, and the exact answer")
+    reward_exact_format_match: float | None = field(
+        None, _HELP + "the exact layout, and the exact answer unless reward_exact_answer is given"
+    )
+    reward_exact_answer: float | None = field(None, _HELP + "the exact answer")
     reward_white_space_format_match: float | None = field(None, _HELP + "an answer off by whitespace only")
     reward_partial_format_match: float | None = field(None, _HELP + "each tag present exactly once")
     reward_ratio_guess_to_answer_high: float | None = field(None, _HELP + "an answer within 10% of the gold")
