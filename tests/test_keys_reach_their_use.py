@@ -196,6 +196,7 @@ OUTCOME_KEYS = [
     ("lr_schedule", "linear", TWO_UPDATES),
     ("lr_schedule", "constant", TWO_UPDATES),
     ("end_lr_ratio", 0.5, TWO_UPDATES),
+    ("learning_rate_schedule_steps", 8, TWO_UPDATES),
     ("decode_sampling_top_k", 4, {}),
     ("decode_sampling_nucleus_p", 0.5, {}),
     ("max_target_length", 12, {}),

@@ -283,3 +283,22 @@ def test_debug_logs_grpaxs_debug_messages(tmp_path):
         assert grpax_log.level == logging.DEBUG
     finally:
         grpax_log.setLevel(logging.NOTSET)
+
+
+def test_learning_rate_schedule_steps_sets_the_schedules_length():
+    """MaxText's learning_rate_schedule_steps: the cosine spans that many steps, not num_batches (a longer one
+    ends the run before its decay does), and warmup_steps_fraction is a fraction of it."""
+    from grpax.rl.optim import learning_rate_at, optimizer_from_config
+
+    def rates(*keys):
+        grpo = build_config(
+            TrainConfig, ["num_batches=10", "learning_rate=1.0", "warmup_ratio=0", *keys]
+        ).grpo()
+        _, schedule = optimizer_from_config(grpo, grpo.schedule_steps(10))
+        return [round(learning_rate_at(schedule, s), 6) for s in (0, 5, 10)]
+
+    assert rates() == [1.0, 0.5, 0.0]  # the cosine over the run's 10 steps
+    assert rates("learning_rate_schedule_steps=20") == [1.0, 0.853553, 0.5]
+    assert rates("learning_rate_schedule_steps=20", "warmup_steps_fraction=0.5") == [0.090909, 0.545455, 1.0]
+    with pytest.raises(ConfigError, match=r"^learning_rate_schedule_steps=0: expected >= 1 steps, or -1"):
+        validate(build_config(TrainConfig, ["load_parameters_path=x", "learning_rate_schedule_steps=0"]))

@@ -154,6 +154,17 @@ class GRPOConfig:
     warmup_ratio: float = field(0.1, "fraction of the training steps spent in linear warmup from 0")
     lr_schedule: str = field("cosine", "after warmup: cosine (to end_lr_ratio * eta), linear, or constant")
     end_lr_ratio: float = field(0.0, "final learning rate as a fraction of learning_rate")
+    learning_rate_schedule_steps: int = field(
+        -1,
+        "the schedule's length in training steps (MaxText key; warmup_ratio is of it): -1 = num_batches; longer: "
+        "the run ends before the decay does; shorter: the rate stays at end_lr_ratio x learning_rate after it",
+    )
+
+    def schedule_steps(self, num_batches: int) -> int:
+        """Optimizer updates the learning-rate schedule spans: its training steps x ``num_iterations``."""
+        steps = num_batches if self.learning_rate_schedule_steps < 0 else self.learning_rate_schedule_steps
+        return steps * self.num_iterations
+
     num_micro_batches: int = field(
         1,
         "gradient accumulation: the batch rows are split into this many "
@@ -250,6 +261,11 @@ def _validate_counts(cfg: GRPOConfig) -> None:
         )
     if cfg.num_micro_batches < 1:
         raise ConfigError(f"num_micro_batches={cfg.num_micro_batches}: expected >= 1")
+    if cfg.learning_rate_schedule_steps == 0 or cfg.learning_rate_schedule_steps < -1:
+        raise ConfigError(
+            f"learning_rate_schedule_steps={cfg.learning_rate_schedule_steps}: expected >= 1 steps, or -1 for "
+            "num_batches"
+        )
     if cfg.dynamic_sampling_max_batches < (2 if cfg.filter_zero_std_groups else 1):
         raise ConfigError(
             f"dynamic_sampling_max_batches={cfg.dynamic_sampling_max_batches}: expected >= 2 with "

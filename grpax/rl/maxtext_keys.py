@@ -35,6 +35,10 @@ _TAGS = Foreign(
     "(prompt_template_path=) and rewards (reward_functions_path=)",
 )
 
+_KERNELS = (
+    "a choice among MaxText's kernels, which grpax does not have: its MoE runs its own grouped matmul "
+    "(grpax/models/moe.py) and its attention is the attention key's"
+)
 _CONVERTER = "a check of MaxText's converter to vLLM, which grpax does not run (to_huggingface exports)"
 _FALSE = ("false", "0", "no", "off")
 
@@ -154,6 +158,37 @@ MAXTEXT_RL_KEYS: dict[str, Foreign] = {
         _CONVERTER, _FALSE, "export with grpax to_huggingface and load the folder in vLLM"
     ),
     "gcs_debug_path": Foreign(_CONVERTER),
+    **{
+        key: Foreign(_KERNELS)
+        for key in (
+            "megablox",
+            "sparse_matmul",
+            "use_custom_sort_vjp",
+            "use_tokamax_splash",
+            "sa_use_fused_bwd_kernel",
+            "sa_block_q",
+            "sa_block_kv",
+            "sa_block_kv_compute",
+            "sa_block_q_dkv",
+            "sa_block_kv_dkv",
+            "sa_block_kv_dkv_compute",
+            "sa_block_q_dq",
+            "sa_block_kv_dq",
+            "use_iota_embed",
+        )
+    },  # fmt: skip
+    "grad_dtype": Foreign(
+        "MaxText's gradient dtype; grpax's gradients take the params' dtype (weight_dtype)"
+    ),
+    "base_emb_dim": Foreign(
+        "MaxText's model width; grpax reads the model's dims from the checkpoint's config.json"
+    ),
+    "vocab_size": Foreign(
+        "MaxText's vocabulary size; grpax reads the model's dims from the checkpoint's config.json"
+    ),
+    "hf_name": Foreign(
+        "MaxText's pre-training input pipeline's dataset config; its RL trainer's is hf_subset"
+    ),
     "logical_axis_rules": Foreign(
         "MaxText's logical-to-mesh axis rules; grpax shards by its own (grpax/models/sharding_rules.py) over the "
         "mesh keys (ici_*_parallelism, rollout_*_parallelism)"

@@ -137,6 +137,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, latest: int) -> dict[str, tu
 SCHEDULE_KEYS = (
     "learning_rate",
     "num_batches",
+    "learning_rate_schedule_steps",
     "num_iterations",
     "warmup_ratio",
     "lr_schedule",
@@ -155,10 +156,10 @@ def warn_on_schedule_change(saved: dict, current: dict, changes: dict, step: int
         return
 
     def rate(c: dict) -> float:
-        iters = int(c.get("num_iterations", 1))
+        iters, length = int(c.get("num_iterations", 1)), int(c.get("learning_rate_schedule_steps", -1))
         schedule = make_lr_schedule(
             float(c["learning_rate"]),
-            int(c["num_batches"]) * iters,
+            (int(c["num_batches"]) if length < 0 else length) * iters,
             warmup_ratio=float(c.get("warmup_ratio", 0.0)),
             schedule=str(c.get("lr_schedule", "cosine")),
             end_lr_ratio=float(c.get("end_lr_ratio", 0.0)),

@@ -478,7 +478,8 @@ def make_run_update(
     Args:
       grpo: the algorithm and optimizer keys.
       cfg: the policy's model config (``weight_dtype``: a 16-bit one trains through float32 master weights).
-      num_batches: training steps; the schedule spans ``num_batches * grpo.num_iterations`` optimizer updates.
+      num_batches: training steps; the schedule spans ``grpo.schedule_steps(num_batches)`` optimizer updates
+        (``num_batches * grpo.num_iterations`` unless ``learning_rate_schedule_steps`` is set).
       num_micro_batches: micro-batches of the update (``TrainConfig.micro_batches``).
       max_completion_length: L_max in tokens (the sampler's; the batches are trimmed below it).
       lora, base: LoRA: the adapters' config and the frozen base (float32 adapters are what the optimizer
@@ -488,7 +489,7 @@ def make_run_update(
       (optimizer, lr schedule, ``make_train_step``'s jitted step).
     """
     optimizer, lr_schedule = optimizer_from_config(
-        grpo, num_batches * grpo.num_iterations, "float32" if lora is not None else cfg.weight_dtype
+        grpo, grpo.schedule_steps(num_batches), "float32" if lora is not None else cfg.weight_dtype
     )
     step = make_train_step(
         cfg,
