@@ -605,6 +605,7 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     # given; tests/test_engine.py counts it from a device's bytes_limit)
     rooms = []
     monkeypatch.setattr(engine, "memory_room", lambda *a: rooms.append(a[2].hbm_utilization) or (21, 2))
+    monkeypatch.setattr(engine, "check_memory_fraction", lambda fraction: None)  # the room is given
     args = ["page_size=4", "hbm_utilization_vllm=0.5", f"output_path={tmp_path}/d.jsonl"]
     assert main(["generate", load, *keys, *args]) == 0
     # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3: three slots (a page each, the scratch

@@ -803,3 +803,22 @@ def test_the_largest_prefill_is_the_groups_that_fill_the_decode_slots(params, mo
     backend = select_backend("xla", params, CFG, None, True)
     programs = abstract_programs(params, CFG, narrow, backend, 16, 2)
     assert programs["prefill"][1][2].shape == (4, narrow.max_prompt_length)  # not 16 prompts
+
+
+def test_a_memory_fraction_on_a_device_without_a_memory_size_is_refused_before_the_model_loads(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """hbm_utilization_vllm on this CPU (no bytes_limit) stopped train_rl only when its engine was built, after
+    the model's load; now before it (the load is never reached), in the same words."""
+    from conftest import tiny_run_keys
+
+    from grpax.errors import ConfigError
+    from grpax.rl import trainer
+    from grpax.rl.train_config import TrainConfig
+
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    cfg = TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "out", hbm_utilization_vllm=0.5))
+    with pytest.raises(
+        ConfigError, match=r"^hbm_utilization_vllm=0.5: the cpu devices report no memory size; "
+    ):
+        trainer.train(cfg)

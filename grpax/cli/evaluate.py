@@ -191,6 +191,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import eval_sampling
+    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
 
     # The checkpoint's config.json, read once: the context check here, the load below.
@@ -203,6 +204,7 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
             f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
         ) from None
     distributed.maybe_initialize(config.skip_jax_distributed_system)
+    check_memory_fraction(config.hbm_utilization_vllm)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(

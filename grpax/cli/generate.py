@@ -257,6 +257,7 @@ def run(config: GenerateConfig) -> int:
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
+    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
 
     length = completion_length(config) if config.load_parameters_path else 0
@@ -270,6 +271,7 @@ def run(config: GenerateConfig) -> int:
     # The checkpoint's config.json, read once: the context check here, the load below.
     model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
+    check_memory_fraction(config.hbm_utilization_vllm)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)

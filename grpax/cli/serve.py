@@ -203,6 +203,7 @@ def run(config: ServeConfig) -> int:
     from grpax.cli.generate import completion_length
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
+    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
     from grpax.serve.app import Server, build_app
     from grpax.serve.worker import EngineWorker
@@ -215,6 +216,7 @@ def run(config: ServeConfig) -> int:
     if model_cfg is None and hf:
         raise ConfigError(f"hf_model_path={path} holds no config.json: pass a Hugging Face model folder")
     distributed.maybe_initialize(config.skip_jax_distributed_system)
+    check_memory_fraction(config.hbm_utilization_vllm)
     params, model_cfg, tokenizer = load_checkpoint(path, model_cfg, hf)
     if config.model_name:
         check_matches(model_cfg, config.model_name, path)

@@ -62,7 +62,7 @@ from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_run_update, make_update
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.engine import SamplerConfig, check_memory_fraction
 from grpax.tasks import RewardFunctionError, Task, build_task, environment_factory, multi_turn_config
 
 log = logging.getLogger("grpax.train")
@@ -133,6 +133,7 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
     task = build_task(cfg)
     inputs = check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
+    check_memory_fraction(cfg.hbm_utilization_vllm)
     if cfg.max_staleness > 0 and jax.process_count() > 1:
         raise ConfigError(
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax import distributed, sharding
+from grpax.errors import ConfigError
 from grpax.host_memory import release_host_memory
 from grpax.models.moe import route_dtype
 from grpax.models.params import Params
@@ -315,6 +316,24 @@ def bytes_limit(device) -> int | None:
     return (device.memory_stats() or {}).get("bytes_limit")
 
 
+def check_memory_fraction(hbm_utilization: float) -> None:
+    """Refuses ``hbm_utilization_vllm`` where this host's devices report no memory size (CPU) before any model
+    loads, rather than ``memory_room`` after the load (the same message).
+
+    Raises:
+      ConfigError: the key, its value and the fix (num_pages) named.
+    """
+    if hbm_utilization and bytes_limit(jax.local_devices()[0]) is None:
+        raise ConfigError(_no_memory_size(hbm_utilization, jax.local_devices()[0].platform))
+
+
+def _no_memory_size(hbm_utilization: float, kind: str) -> str:
+    return (
+        f"hbm_utilization_vllm={hbm_utilization}: the {kind} devices report no memory size; size the KV pool with "
+        "num_pages instead (grpax train_rl compile_topology=... suggests one)"
+    )
+
+
 def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend) -> tuple[int, int]:
     """``(bytes, page bytes)``: what ``hbm_utilization`` of the smallest memory among the params' devices
     (``memory_stats()["bytes_limit"]``) leaves after the params' largest per-device share and the pools of the
@@ -330,11 +349,7 @@ def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, ba
     devices = {s.device for x in leaves for s in x.addressable_shards} or set(jax.local_devices()[:1])
     limits = [bytes_limit(d) for d in devices]
     if None in limits:
-        kind = next(iter(devices)).platform
-        raise ValueError(
-            f"hbm_utilization_vllm={sc.hbm_utilization}: the {kind} devices report no memory size; size the KV "
-            "pool with num_pages instead (grpax train_rl compile_topology=... suggests one)"
-        )
+        raise ValueError(_no_memory_size(sc.hbm_utilization, next(iter(devices)).platform))
     held = collections.Counter()  # the params, and the pools of the engines alive (a kept rollout's)
     for x in [*leaves, *(p for engine in list(_LIVE_ENGINES) for p in jax.tree.leaves(engine.pages))]:
         for shard in x.addressable_shards:
