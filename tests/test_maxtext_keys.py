@@ -2,6 +2,7 @@
 no-op for a stack grpax does not run, with a note), or stops at once naming grpax's key; MaxText's reward values
 change the GSM8K rewards."""
 
+import json
 import logging
 
 import pytest
@@ -302,3 +303,15 @@ def test_learning_rate_schedule_steps_sets_the_schedules_length():
     assert rates("learning_rate_schedule_steps=20", "warmup_steps_fraction=0.5") == [0.090909, 0.545455, 1.0]
     with pytest.raises(ConfigError, match=r"^learning_rate_schedule_steps=0: expected >= 1 steps, or -1"):
         validate(build_config(TrainConfig, ["load_parameters_path=x", "learning_rate_schedule_steps=0"]))
+
+
+def test_a_mapping_key_keeps_the_config_hashable_and_read_only():
+    """The planner hashes the run's config (a dict-valued generation_configs made it unhashable)."""
+    keys = ["generation_configs={standard: {eval_temperature: 0.5, eval_top_k: 20}}"]
+    cfg, again = build_config(TrainConfig, keys), build_config(TrainConfig, keys)
+    assert cfg == again and hash(cfg) == hash(again) and hash(build_config(TrainConfig, [])) is not None
+    assert json.loads(json.dumps(cfg.generation_configs)) == {
+        "standard": {"eval_temperature": 0.5, "eval_top_k": 20}
+    }
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.generation_configs["standard"]["eval_top_k"] = 1

@@ -150,3 +150,34 @@ def test_the_seeds_8b_job_fits_one_h200_with_a_tenth_of_it_free(capsys):
         "mu_dtype=bfloat16 (AdamW's first moment in half the memory); reference_dtype=compute"
     )
     assert "; reference_memory=pinned_host (the reference copy in host memory" in tries
+
+
+def test_a_mixture_of_experts_lora_job_is_told_of_attention_only_adapters_and_the_expert_split():
+    """Qwen3-30B-A3B with LoRA on 8 chips: the suggestions name attention-only adapters (the estimate: 27.04 ->
+    22.49 GiB per H100), and the expert split where the TPU compiler's rollout is the peak (docs/scaling.md); a
+    dense model gets neither."""
+    from grpax.plan.fit_report import suggestions
+
+    keys = ["model_name=qwen3-30b-a3b", "lora_rank=16", "chips_per_vm=8", "rollout_tensor_parallelism=-1"]
+    report = estimate_job(build_config(TrainConfig, keys), GPUS["h100"], 8, "h100-8")
+    adapted = build_config(TrainConfig, [*keys, "lora_target_modules=q_proj,k_proj,v_proj,o_proj"])
+    assert report.num_experts == 128 and estimate_job(adapted, GPUS["h100"], 8, "h100-8").peak < report.peak
+    named = suggestions(build_config(TrainConfig, keys), report, 8)
+    assert any(
+        s.startswith("lora_target_modules=q_proj,k_proj,v_proj,o_proj (adapters on the attention")
+        for s in named
+    )
+    assert not any("ici_expert_parallelism" in s for s in named)  # an estimate: no relayout modelled
+    report.estimated, report.phases = (
+        False,
+        {"rollout": 2, "update": 1},
+    )  # as the TPU compiler's report of that job
+    compiled = suggestions(build_config(TrainConfig, keys), report, 8)
+    assert any(
+        s.startswith("ici_fsdp_parallelism=1 ici_expert_parallelism=8 rollout_expert_parallelism=8")
+        for s in compiled
+    )
+    assert not any(
+        "expert" in s or "lora_target_modules" in s
+        for s in suggestions(build_config(TrainConfig, []), _estimate(), 1)
+    )

@@ -9,6 +9,7 @@ from pathlib import Path
 from grpax.config import (
     ConfigError,
     EngineKeys,
+    FrozenDict,
     ModelKeys,
     RuntimeKeys,
     check_engine_keys,
@@ -52,7 +53,7 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     eval_batch_size: int = field(16, "questions per generate call")
     num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
     eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
-    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
+    generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
         "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "

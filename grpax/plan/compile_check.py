@@ -431,6 +431,7 @@ def compile_job(
         rollout_chips=cfg.rollout_devices,
         ici_bandwidth=ici_bandwidth,
         merged_copy=job.merged_copy,
+        num_experts=job.model_cfg.num_experts,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ its other arguments, its temporaries and its new (not aliased) outputs.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from grpax.plan.collectives import Collective
 from grpax.rl.train_config import TrainConfig
@@ -54,6 +55,7 @@ class Report:
         0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
     )
     kv_pool: tuple[int, int] = (0, 0)  # (pages, tokens per page) of that pool (``engine.pool_pages``)
+    num_experts: int = 0  # the model's routed experts (0: dense), for the expert-parallel suggestions
 
     @property
     def trainer_peak(self) -> int:
@@ -117,6 +119,7 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
         out.append(
             f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
         )
+    out += _expert_suggestions(cfg, report, num_chips, phase)
     if phase in ("update", "reference logprobs"):
         prompts = cfg.batch_size // cfg.micro_batches
         if prompts > 1:
@@ -152,6 +155,31 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
         f"max_target_length={cfg.max_target_length // 2} / max_prefill_predict_length (shorter rows and cache)"
     )
     return out
+
+
+def _expert_suggestions(cfg: TrainConfig, report: Report, num_chips: int, phase: str) -> list[str]:
+    """A mixture of experts': LoRA adapters on the attention only; and where the TPU compiler's rollout is the
+    peak, the experts split over the chips in training and sampling alike, which spares the decode the experts'
+    relayout and the sampler its copy (docs/scaling.md: Qwen3-30B-A3B on v6e-8, 37.97 -> 17.25 GiB; the GPU
+    estimate models no relayout, and there the split's whole attention weights per chip cost more)."""
+    ways = math.gcd(report.num_experts, num_chips)
+    out = []
+    split = cfg.ici_expert_parallelism * cfg.dcn_expert_parallelism > 1
+    if ways > 1 and not split and phase == "rollout" and not report.estimated:
+        out.append(
+            f"ici_fsdp_parallelism=1 ici_expert_parallelism={ways} rollout_expert_parallelism={ways} "
+            f"rollout_tensor_parallelism=1 (each chip holds 1/{ways} of the {report.num_experts} experts in "
+            "training and sampling; the sampler reads the trainer's arrays)"
+        )
+    if report.num_experts and cfg.lora_rank and set(cfg.lora_target_modules) - set(_ATTENTION):
+        out.append(
+            f"lora_target_modules={','.join(_ATTENTION)} (adapters on the attention only: none on the experts, "
+            "which are not trained)"
+        )
+    return out
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _collective_lines(report: Report) -> list[str]:

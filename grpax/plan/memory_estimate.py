@@ -206,6 +206,7 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     report = Report(
         target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
         merged_copy=job.merged_copy, kv_pool=(job.num_pages, job.sampler_cfg.page_size),
+        num_experts=job.model_cfg.num_experts,
     )  # fmt: skip
     report.estimated = True
     return report

@@ -17,6 +17,7 @@ from grpax import sharding
 from grpax.config import (
     ConfigError,
     EngineKeys,
+    FrozenDict,
     ModelKeys,
     RuntimeKeys,
     check_engine_keys,
@@ -147,7 +148,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     eval_before: bool = field(True, "evaluate before the first step")
     num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
     eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
-    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
+    generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
         "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
