@@ -207,68 +207,18 @@ def generate_multi_turn(
     V = cfg.vocab_size
     stop_table = np.zeros(V, bool)
     stop_table[[i for i in sc.stop_token_ids if i < V]] = True
-    turn_budget = turn_cfg.max_turn_tokens or T
     engine = Engine(
         params, cfg, sc, num_slots=B, pause_table=pause_table(tokenizer, V, stop_strings) & ~stop_table,
         max_forced_tokens=F,
     )  # fmt: skip
-    request = engine.submit(kept, key, G, pauses=True, turn_budget=turn_budget)
-    turns, calls, errors, obs_tokens = (np.zeros(B, np.int64) for _ in range(4))
-    turns[:] = 1
-    rewards = np.zeros(B, np.float64)
-    turn_start = np.zeros(B, np.int64)
-    truncation = [""] * B
+    trajectories = _Trajectories(engine, envs, tokenizer, turn_cfg, stop_strings, T)
+    request = engine.submit(kept, key, G, pauses=True, turn_budget=trajectories.turn_budget)
     while not request.done:
         paused = engine.run(request)
         assert paused or request.done, "a pausing request stopped without a paused sequence"
         for seq in paused:
-            b, r, n = seq.index, seq.reason, seq.n
-            turn = seq.tokens[turn_start[b] : n]
-            overshoot = ""
-            if r == reasons.PAUSE:
-                text = tokenizer.decode(turn)
-                end = stop_string_end(text, tokenizer.decode(turn[-1:]), stop_strings)
-                if end is None:  # not a stop string after all
-                    if n >= T:
-                        engine.finish(seq)
-                        truncation[b] = "trajectory"
-                    elif n >= seq.turn_end:
-                        engine.finish(seq)
-                        truncation[b] = "turn"
-                    else:
-                        engine.resume(seq)  # decode on in the same turn
-                    continue
-                text, overshoot = text[:end], text[end:]
-            elif r == reasons.TURN:
-                engine.finish(seq)
-                truncation[b] = "turn"
-                continue
-            stop_token = turn[-1] if r == reasons.STOP else None
-            if r != reasons.PAUSE:
-                text = tokenizer.decode(turn[:-1] if stop_token is not None else turn)
-            observation, points, finished = envs[b].step(text)
-            rewards[b] += points
-            if finished or observation is None:
-                engine.finish(seq)
-                continue
-            if turns[b] >= turn_cfg.max_turns:
-                engine.finish(seq)
-                truncation[b] = "max_turns"
-                continue
-            rendered = render_observation(tokenizer, envs[b], observation, stop_token, turn_cfg)
-            if overshoot and rendered.startswith(overshoot):  # the model's last token began the observation
-                rendered = rendered[len(overshoot) :]
-            tokens = encode(tokenizer, rendered)[:F]
-            if n + len(tokens) >= T:  # no room for a model token after it
-                engine.finish(seq)
-                truncation[b] = "trajectory"
-                continue
-            calls[b] += 1
-            errors[b] += observation.lstrip().startswith(("error", "<result>error"))
-            obs_tokens[b] += len(tokens)
-            turns[b] += 1
-            turn_start[b] = n + len(tokens)
-            engine.resume(seq, tokens, turn_budget)
+            trajectories.paused(seq)
+    truncation = trajectories.truncation
     for seq in request.sequences:  # the length limit ends a sequence without a pause
         if seq.reason == reasons.LENGTH and not truncation[seq.index]:
             truncation[seq.index] = "trajectory"
@@ -283,14 +233,85 @@ def generate_multi_turn(
         finish_reason=["length" if t else "stop" for t in truncation],
         prompt_indices=np.array(indices, np.int32),
         texts=tokenizer.batch_decode([seq.tokens for seq in request.sequences], skip_special_tokens=True),
-        turns=turns,
-        tool_calls=calls,
-        tool_errors=errors,
-        observation_tokens=obs_tokens,
-        env_rewards=rewards,
+        turns=trajectories.turns,
+        tool_calls=trajectories.calls,
+        tool_errors=trajectories.errors,
+        observation_tokens=trajectories.obs_tokens,
+        env_rewards=trajectories.rewards,
         truncation=truncation,
         policy_versions=out.policy_versions,
     )
+
+
+class _Trajectories:
+    """The host's side of ``generate_multi_turn``'s B trajectories: each one's environment, its counts (turns,
+    tool calls and errors, observation tokens, the environment's reward points) and what ends, resumes or answers
+    a sequence the engine paused (a stop token, a stop string, the turn's budget)."""
+
+    def __init__(self, engine, envs, tokenizer, turn_cfg: MultiTurnConfig, stop_strings: list[str], T: int):
+        self.engine, self.envs, self.tokenizer, self.turn_cfg = engine, envs, tokenizer, turn_cfg
+        self.stop_strings, self.T, B = stop_strings, T, len(envs)
+        self.turn_budget = turn_cfg.max_turn_tokens or T
+        self.turns, self.calls, self.errors, self.obs_tokens = (np.zeros(B, np.int64) for _ in range(4))
+        self.turns[:] = 1
+        self.rewards = np.zeros(B, np.float64)
+        self.turn_start = np.zeros(B, np.int64)
+        self.truncation = [""] * B
+
+    def _end(self, seq, truncation: str = "") -> None:
+        self.engine.finish(seq)
+        if truncation:
+            self.truncation[seq.index] = truncation
+
+    def paused(self, seq) -> None:
+        """Ends, resumes or answers (``_answer``) a sequence the engine paused."""
+        b, r, n = seq.index, seq.reason, seq.n
+        turn = seq.tokens[self.turn_start[b] : n]
+        overshoot, stop_token = "", turn[-1] if r == reasons.STOP else None
+        if r == reasons.PAUSE:
+            text = self.tokenizer.decode(turn)
+            end = stop_string_end(text, self.tokenizer.decode(turn[-1:]), self.stop_strings)
+            if end is None:  # not a stop string after all
+                if n >= self.T:
+                    self._end(seq, "trajectory")
+                elif n >= seq.turn_end:
+                    self._end(seq, "turn")
+                else:
+                    self.engine.resume(seq)  # decode on in the same turn
+                return
+            text, overshoot = text[:end], text[end:]
+        elif r == reasons.TURN:
+            self._end(seq, "turn")
+            return
+        else:
+            text = self.tokenizer.decode(turn[:-1] if stop_token is not None else turn)
+        self._answer(seq, text, stop_token, overshoot)
+
+    def _answer(self, seq, text: str, stop_token: int | None, overshoot: str) -> None:
+        """Steps the sequence's environment with its turn's ``text``; ends the trajectory, or resumes it with the
+        observation's tokens."""
+        b, n, F = seq.index, seq.n, self.turn_cfg.max_observation_tokens
+        observation, points, finished = self.envs[b].step(text)
+        self.rewards[b] += points
+        if finished or observation is None:
+            self._end(seq)
+            return
+        if self.turns[b] >= self.turn_cfg.max_turns:
+            self._end(seq, "max_turns")
+            return
+        rendered = render_observation(self.tokenizer, self.envs[b], observation, stop_token, self.turn_cfg)
+        if overshoot and rendered.startswith(overshoot):  # the model's last token began the observation
+            rendered = rendered[len(overshoot) :]
+        tokens = encode(self.tokenizer, rendered)[:F]
+        if n + len(tokens) >= self.T:  # no room for a model token after it
+            self._end(seq, "trajectory")
+            return
+        self.calls[b] += 1
+        self.errors[b] += observation.lstrip().startswith(("error", "<result>error"))
+        self.obs_tokens[b] += len(tokens)
+        self.turns[b] += 1
+        self.turn_start[b] = n + len(tokens)
+        self.engine.resume(seq, tokens, self.turn_budget)
 
 
 def render_observation(
