@@ -1095,7 +1095,7 @@ class Engine:
 
     def _decode(self) -> list[Sequence]:
         """One decode call on the running sequences; returns the ones that paused."""
-        sc, ps = self.sc, self.sc.page_size
+        sc = self.sc
         k = sc.decode_steps_per_call
         self._grow(k)
         waiting = bool(self.queue or self.ready)
@@ -1103,7 +1103,28 @@ class Engine:
         width = self.table_width
         if not self.backend.reads_filled_pages:
             longest = max(len(s.pages) for s in self.running)
-            width = gathered_width(longest, self.table_width, ps, sc.decode_phase_length)
+            width = gathered_width(longest, self.table_width, sc.page_size, sc.decode_phase_length)
+        slots = self._slots(S, width)
+        pausing = any(seq.request.pauses for seq in self.running)
+        exit_after = np.int32(self._exit_after(S, waiting, pausing))
+        prepared = self._prepared if self.backend.prepares_once else self.params
+        fn = compiled_decode(self.backend)
+        key_impl = self.running[0].request.key_impl
+        rule = self._rules([seq.request.rule for seq in self.running], S)
+        self.pages, out = fn(
+            prepared, self.pages, slots, rule, self.stop_table, self.pause_table, exit_after,
+            cfg=self.cfg, sampler_cfg=sc, backend=self.backend, num_steps=k, key_impl=key_impl,
+        )  # fmt: skip
+        out = distributed.fetch(out)
+        steps = int(out["steps"])
+        self.stats["calls"] += 1
+        self.stats["steps"] += steps
+        self.stats["row_steps"] += S * steps
+        self.stats["row_steps_empty"] += (S - len(self.running)) * steps  # slots without a sequence
+        return self._collect(out, S * steps)
+
+    def _slots(self, S: int, width: int) -> dict[str, np.ndarray]:
+        """The decode program's per-slot inputs: the running sequences in its first slots, the rest idle."""
         F = self.max_forced_tokens
         slots = {
             "token": np.zeros((S,), np.int32),
@@ -1132,22 +1153,11 @@ class Engine:
             slots["num_forced"][s], slots["forced_pos"][s] = len(seq.forced), seq.forced_pos
             slots["turn_end"][s], slots["limit"][s] = seq.turn_end, seq.request.limit
             slots["pauses"][s] = seq.request.pauses
-        pausing = any(seq.request.pauses for seq in self.running)
-        exit_after = np.int32(self._exit_after(S, waiting, pausing))
-        prepared = self._prepared if self.backend.prepares_once else self.params
-        fn = compiled_decode(self.backend)
-        key_impl = self.running[0].request.key_impl
-        rule = self._rules([seq.request.rule for seq in self.running], S)
-        self.pages, out = fn(
-            prepared, self.pages, slots, rule, self.stop_table, self.pause_table, exit_after,
-            cfg=self.cfg, sampler_cfg=sc, backend=self.backend, num_steps=k, key_impl=key_impl,
-        )  # fmt: skip
-        out = distributed.fetch(out)
-        steps = int(out["steps"])
-        self.stats["calls"] += 1
-        self.stats["steps"] += steps
-        self.stats["row_steps"] += S * steps
-        self.stats["row_steps_empty"] += (S - len(self.running)) * steps  # slots without a sequence
+        return slots
+
+    def _collect(self, out: dict[str, np.ndarray], row_steps: int) -> list[Sequence]:
+        """Records a decode call's tokens into its sequences (``row_steps``: its slots x steps), keeps the ones
+        still running and returns the ones that paused."""
         paused, still = [], []
         for s, seq in enumerate(self.running):
             wrote = np.flatnonzero(out["wrote"][s])
@@ -1166,7 +1176,7 @@ class Engine:
                 still.append(seq)
             elif self._segment_ended(seq, reason):
                 paused.append(seq)
-        idle = S * steps - int(out["wrote"].sum())
+        idle = row_steps - int(out["wrote"].sum())
         oldest = min(self.running, key=lambda q: q.order).request
         oldest.row_steps += idle  # idle slots' steps count against the oldest request in flight
         self.running = still
