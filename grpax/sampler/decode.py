@@ -225,18 +225,8 @@ def decode(
     if not backend.prepares_once:  # the compiler reads the weights in place, no prepared copy
         prepared = backend.prepare_decode(prepared, cfg, sc.max_prompt_length + sc.max_completion_length)
     keys = jax.random.wrap_key_data(slots["key_data"], impl=key_impl)
-    rows, forced, num_forced = slots["rows"], slots["forced"], slots["num_forced"]
-    turn_end, limit, table = slots["turn_end"], slots["limit"], slots["page_table"]
     positions_base = slots["prompt_length"] - 1
-    out = {
-        "tokens": jnp.full((S, num_steps), sc.pad_token_id, jnp.int32),
-        "logprobs": jnp.zeros((S, num_steps), jnp.float32),
-        "model": jnp.zeros((S, num_steps), bool),
-        "wrote": jnp.zeros((S, num_steps), bool),
-    }
-    if getattr(backend, "record_routes", False):
-        route_shape = (cfg.num_layers, cfg.num_experts_per_tok)
-        out["routes"] = jnp.zeros((S, num_steps, *route_shape), route_dtype(cfg.num_experts))
+    out = _empty_outputs(S, num_steps, cfg, sc, backend)
     state = {
         "token": slots["token"].astype(jnp.int32),
         "n": slots["n"].astype(jnp.int32),
@@ -252,40 +242,70 @@ def decode(
 
     def body(carry):
         i, s, pages, out = carry
-        active = s["active"]
-        positions = jnp.where(active, positions_base + s["n"], -1)  # the fed token's position
-        logits, pages, *routes = backend.decode_step(prepared, s["token"], positions, pages, table, cfg)
+        positions = jnp.where(s["active"], positions_base + s["n"], -1)  # the fed token's position
+        logits, pages, *routes = backend.decode_step(
+            prepared, s["token"], positions, pages, slots["page_table"], cfg
+        )
         with jax.named_scope("record"):
-            forcing = active & (s["forced_pos"] < num_forced)
-            sampled, logprob = sample(logits, keys, s["n"], rows, sc, rule)
-            at = jnp.minimum(s["forced_pos"], forced.shape[1] - 1)[:, None]
-            token = jnp.where(forcing, jnp.take_along_axis(forced, at, axis=1)[:, 0], sampled)
-            model = active & ~forcing
-            out = {
-                **out,
-                "tokens": out["tokens"].at[:, i].set(jnp.where(active, token, sc.pad_token_id)),
-                "logprobs": out["logprobs"].at[:, i].set(jnp.where(model, logprob, 0.0)),
-                "model": out["model"].at[:, i].set(model),
-                "wrote": out["wrote"].at[:, i].set(active),
-            }
-            if routes:
-                out["routes"] = out["routes"].at[:, i].set(routes[0].astype(out["routes"].dtype))
-            n = s["n"] + active.astype(jnp.int32)
-            reason = segment_end(token, model, n, turn_end, limit, stop_table, pause_table, slots["pauses"])
-            ended = active & (reason != RUNNING)
-            s = {
-                "token": jnp.where(active, token, s["token"]),
-                "n": n,
-                "forced_pos": s["forced_pos"] + forcing.astype(jnp.int32),
-                "active": active & ~ended,
-                "reason": jnp.where(active, reason, s["reason"]),
-                "ended": s["ended"] + jnp.sum(ended, dtype=jnp.int32),
-            }
+            sampled, logprob = sample(logits, keys, s["n"], slots["rows"], sc, rule)
+            s, out = _record(
+                i, s, out, sampled, logprob, routes, slots, sc.pad_token_id, stop_table, pause_table
+            )
         return i + 1, s, pages, out
 
     steps, state, pages, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, pages, out))
     final = {name: state[name] for name in ("token", "n", "forced_pos", "reason")}
     return pages, {**out, **final, "steps": steps}
+
+
+def _empty_outputs(S: int, num_steps: int, cfg, sc, backend) -> dict:
+    """``decode``'s per-step outputs before its first step (pad tokens, nothing written)."""
+    out = {
+        "tokens": jnp.full((S, num_steps), sc.pad_token_id, jnp.int32),
+        "logprobs": jnp.zeros((S, num_steps), jnp.float32),
+        "model": jnp.zeros((S, num_steps), bool),
+        "wrote": jnp.zeros((S, num_steps), bool),
+    }
+    if getattr(backend, "record_routes", False):
+        route_shape = (cfg.num_layers, cfg.num_experts_per_tok)
+        out["routes"] = jnp.zeros((S, num_steps, *route_shape), route_dtype(cfg.num_experts))
+    return out
+
+
+def _record(
+    i, s: dict, out: dict, sampled, logprob, routes, slots: dict, pad_token_id: int, stop_table, pause_table
+):
+    """``decode``'s step ``i`` recorded: each active slot's token (its next forced token, else ``sampled``) and
+    logprob into ``out``; the slots' state ``s`` advanced, a slot whose segment ended (``segment_end``) made
+    inactive. Returns ``(s, out)``."""
+    active, forced, num_forced = s["active"], slots["forced"], slots["num_forced"]
+    forcing = active & (s["forced_pos"] < num_forced)
+    at = jnp.minimum(s["forced_pos"], forced.shape[1] - 1)[:, None]
+    token = jnp.where(forcing, jnp.take_along_axis(forced, at, axis=1)[:, 0], sampled)
+    model = active & ~forcing
+    out = {
+        **out,
+        "tokens": out["tokens"].at[:, i].set(jnp.where(active, token, pad_token_id)),
+        "logprobs": out["logprobs"].at[:, i].set(jnp.where(model, logprob, 0.0)),
+        "model": out["model"].at[:, i].set(model),
+        "wrote": out["wrote"].at[:, i].set(active),
+    }
+    if routes:
+        out["routes"] = out["routes"].at[:, i].set(routes[0].astype(out["routes"].dtype))
+    n = s["n"] + active.astype(jnp.int32)
+    reason = segment_end(
+        token, model, n, slots["turn_end"], slots["limit"], stop_table, pause_table, slots["pauses"]
+    )
+    ended = active & (reason != RUNNING)
+    s = {
+        "token": jnp.where(active, token, s["token"]),
+        "n": n,
+        "forced_pos": s["forced_pos"] + forcing.astype(jnp.int32),
+        "active": active & ~ended,
+        "reason": jnp.where(active, reason, s["reason"]),
+        "ended": s["ended"] + jnp.sum(ended, dtype=jnp.int32),
+    }
+    return s, out
 
 
 def segment_end(token, model, n, turn_end, limit, stop_table, pause_table, pauses) -> jax.Array:
