@@ -15,6 +15,7 @@ An unknown key is an error that suggests the closest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -92,7 +93,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
     if annotation is dict or origin is dict:  # a YAML mapping, or its flow form on the command line
-        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        parsed = _flow_mapping(key, value) if isinstance(value, str) else value
         if parsed is None or parsed == "":
             return {}
         if not isinstance(parsed, dict):
@@ -111,6 +112,30 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: {value!r} is a YAML {type(value).__name__}: expected one text value")
         return str(value).strip()
     return value
+
+
+# A colon that YAML's flow style reads as part of a plain scalar ("a:1" is one key): one followed by neither a
+# space nor "//" (a URL's).
+_TIGHT_COLON = re.compile(r":(?=[^\s/])")
+
+
+def _flow_mapping(key: str, value: str) -> Any:
+    """A command-line mapping in YAML's flow style. MaxText's scripts write it without spaces
+    (``vllm_hf_overrides={architectures:[MaxTextForCausalLM]}``), where YAML would read ``{a:{b:1}}`` as the key
+    ``'a:{b:1}'``: inside braces a colon followed by text is read as a separator.
+
+    Raises:
+      ConfigError: text that is not YAML (the key, the value and the problem named).
+    """
+    text = _TIGHT_COLON.sub(": ", value) if value.lstrip().startswith("{") else value
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(
+            f"{key}={value!r} is not a YAML mapping ({problem}): write it as {key}={{name: {{key: value}}}} and "
+            "quote it for the shell"
+        ) from None
 
 
 # The key of every command that compiles (MaxText's jax_cache_dir); acted on in grpax.cli.common.
@@ -459,7 +484,13 @@ def describe(cls: type, values: Any = None) -> str:
 def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field with a one-line help text shown by --help."""
     if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda: default, metadata={"help": help})
+        # Each instance its own copy; a mapping is left out of the frozen config's hash (a dict has none), so the
+        # config stays hashable (equality still compares it).
+        return dataclasses.field(
+            default_factory=lambda: copy.deepcopy(default),
+            hash=False if isinstance(default, dict) else None,
+            metadata={"help": help},
+        )
     return dataclasses.field(default=default, metadata={"help": help})
 
 

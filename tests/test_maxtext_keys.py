@@ -302,3 +302,39 @@ def test_learning_rate_schedule_steps_sets_the_schedules_length():
     assert rates("learning_rate_schedule_steps=20", "warmup_steps_fraction=0.5") == [0.090909, 0.545455, 1.0]
     with pytest.raises(ConfigError, match=r"^learning_rate_schedule_steps=0: expected >= 1 steps, or -1"):
         validate(build_config(TrainConfig, ["load_parameters_path=x", "learning_rate_schedule_steps=0"]))
+
+
+def test_generation_configs_in_the_compact_flow_form_of_maxtexts_scripts():
+    """MaxText's scripts write command-line mappings without spaces (``vllm_hf_overrides={architectures:[...]}``);
+    YAML alone reads ``{mine:{eval_temperature:0.5}}`` as the key 'eval_temperature:0.5' with no value."""
+    from grpax.eval.keys import eval_sampling
+
+    keys = ["generation_configs={mine:{eval_temperature:0.5,eval_top_p:0.9}}", "eval_sampling_strategy=mine"]
+    cfg = build_config(TrainConfig, keys)
+    assert cfg.generation_configs == {"mine": {"eval_temperature": 0.5, "eval_top_p": 0.9}}
+    assert eval_sampling(cfg) == dict(greedy=False, temperature=0.5, top_k=0, top_p=0.9)
+    spaced = build_config(
+        TrainConfig, ["generation_configs={mine: {eval_temperature: 0.5, eval_top_p: 0.9}}"]
+    )
+    assert spaced.generation_configs == cfg.generation_configs
+
+
+def test_generation_configs_that_is_not_yaml_is_one_line(capsys):
+    assert main(["train_rl", "load_parameters_path=x", "generation_configs={{standard"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("grpax train_rl: error: generation_configs='{{standard' is not a YAML mapping (")
+        and err.count("\n") == 1
+    )
+
+
+def test_a_config_with_generation_configs_stays_hashable_with_its_own_mapping():
+    """A frozen config is hashable (a dict field is left out of the hash, still compared); each instance's default
+    mapping is its own, so changing one cannot change another's."""
+    keys = ["generation_configs={mine:{eval_temperature:0.5}}"]
+    a, b = build_config(TrainConfig, keys), build_config(TrainConfig, keys)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != build_config(TrainConfig, ["generation_configs={mine:{eval_temperature:0.6}}"])
+    first, second = TrainConfig(), TrainConfig()
+    first.generation_configs["mine"] = {"eval_temperature": 0.5}
+    assert second.generation_configs == {}
