@@ -338,3 +338,12 @@ def test_a_config_with_generation_configs_stays_hashable_with_its_own_mapping():
     first, second = TrainConfig(), TrainConfig()
     first.generation_configs["mine"] = {"eval_temperature": 0.5}
     assert second.generation_configs == {}
+
+
+def test_eval_batch_size_minus_one_is_batch_size_as_in_maxtexts_rl_yml():
+    """MaxText's newest rl.yml sets eval_batch_size: -1, "use batch_size"; grpax refused it before."""
+    cfg = build_config(TrainConfig, ["load_parameters_path=x", "batch_size=3", "eval_batch_size=-1"])
+    validate(cfg)
+    assert cfg.eval_batch_size == 3
+    with pytest.raises(ConfigError, match=r"^eval_batch_size=-2: expected >= 1"):
+        validate(build_config(TrainConfig, ["load_parameters_path=x", "eval_batch_size=-2"]))

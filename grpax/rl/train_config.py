@@ -142,7 +142,9 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split; "
         "0 = no evaluation",
     )
-    eval_batch_size: int = field(16, "questions per evaluation batch")
+    eval_batch_size: int = field(
+        16, "questions per evaluation batch; -1 = batch_size (MaxText rl.yml's default)"
+    )
     eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
     eval_before: bool = field(True, "evaluate before the first step")
     num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
@@ -257,6 +259,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         if self.lora_rank == 0:
             return None
         return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_target_modules, self.use_rslora)
+
+    def __post_init__(self):
+        if self.eval_batch_size == -1:  # MaxText rl.yml's default: the training batch_size
+            object.__setattr__(self, "eval_batch_size", self.batch_size)
+        super().__post_init__()
 
     def train_dataset(self) -> tuple[str, str]:
         """(the key that names the training rows, its value): hf_train_files when set, else dataset_name."""
