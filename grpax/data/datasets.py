@@ -186,15 +186,6 @@ def dataset_files(path_or_name: str, split: str) -> list[Path]:
     )
 
 
-def dataset_source(path_or_name: str, split: str) -> str:
-    """What ``read_rows(path_or_name, split)`` reads: its resolved files, or the Hub name and split.
-
-    Two sources are equal exactly when they yield the same rows (a file has no splits).
-    """
-    files = dataset_files(path_or_name, split)
-    return ",".join(str(f.resolve()) for f in files) if files else f"hub:{path_or_name}:{split}"
-
-
 def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> tuple[list[dict], str]:
     """The raw rows (every column) of ``split`` of a file, a folder or a Hub dataset, and where they came from.
 
