@@ -347,3 +347,34 @@ def test_eval_batch_size_minus_one_is_batch_size_as_in_maxtexts_rl_yml():
     assert cfg.eval_batch_size == 3
     with pytest.raises(ConfigError, match=r"^eval_batch_size=-2: expected >= 1"):
         validate(build_config(TrainConfig, ["load_parameters_path=x", "eval_batch_size=-2"]))
+
+
+def test_convert_checkpoint_if_possible_checks_the_keys_first_and_says_what_failed(
+    tmp_path, monkeypatch, capsys
+):
+    """A bad key stops the run before the conversion's download (it converted first, then refused batch_size=0);
+    offline, the conversion's fix (hf_model_path=, gguf_path=: to_native's keys, unknown to train_rl) comes with
+    the grpax to_native command that takes them."""
+    from grpax.checkpoint import convert
+
+    calls = []
+
+    def offline(**kwargs):
+        calls.append(kwargs)
+        raise ConfigError(
+            "cannot reach the Hugging Face Hub for HuggingFaceTB/SmolLM2-135M-Instruct (ConnectError); download "
+            "it elsewhere and pass hf_model_path=<that folder>, or pass gguf_path=<file.gguf>"
+        )
+
+    monkeypatch.setattr(convert, "to_native", offline)
+    keys = ["train_rl", f"base_output_directory={tmp_path}", "convert_checkpoint_if_possible=true"]
+    assert main([*keys, "batch_size=0"]) == 2
+    assert capsys.readouterr().err.startswith("grpax train_rl: error: batch_size=0") and calls == []
+    assert main(keys) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"grpax train_rl: error: convert_checkpoint_if_possible=true: converting model_name=smollm2-135m-Instruct "
+        f"into {tmp_path}/0/items failed: cannot reach the Hugging Face Hub for HuggingFaceTB/SmolLM2-135M-Instruct "
+        "(ConnectError); download it elsewhere and pass hf_model_path=<that folder>, or pass gguf_path=<file.gguf> "
+        "(the keys named are grpax to_native's: convert with grpax to_native model_name=smollm2-135m-Instruct "
+        f"base_output_directory={tmp_path} and them, then pass load_parameters_path={tmp_path}/0/items)"
+    )
