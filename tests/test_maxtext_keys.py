@@ -378,3 +378,13 @@ def test_convert_checkpoint_if_possible_checks_the_keys_first_and_says_what_fail
         "(the keys named are grpax to_native's: convert with grpax to_native model_name=smollm2-135m-Instruct "
         f"base_output_directory={tmp_path} and them, then pass load_parameters_path={tmp_path}/0/items)"
     )
+
+
+def test_maxtexts_debug_rl_note_names_grpaxs_debug_key(caplog, tmp_path):
+    """The note said "grpax logs at INFO", but grpax's debug=true (MaxText's newer key) logs DEBUG too."""
+    (tmp_path / "debug.yml").write_text("debug:\n  rl: true\n")
+    with caplog.at_level(logging.INFO, logger="grpax.config"):
+        build_config(TrainConfig, ["debug.rl=true"])
+        build_config(TrainConfig, [str(tmp_path / "debug.yml")])
+    notes = [r.getMessage() for r in caplog.records if "RL debug logging" in r.getMessage()]
+    assert len(notes) == 2 and all("grpax's is debug=true (its DEBUG messages" in n for n in notes), notes
