@@ -340,14 +340,35 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _flatten(data: dict) -> dict:
-    """Flattens MaxText's nested sections (``rl: {num_generations: 2}``) into top-level keys."""
+    """Flattens MaxText's nested sections (``rl: {num_generations: 2}``) into top-level keys, a key given both in
+    a section and outside it spelled ``rl.<key>`` for ``_resolve_aliases`` to refuse if the two differ."""
     flat: dict = {}
     for key, value in data.items():
         if isinstance(value, dict) and key in ("rl", "debug"):
-            flat.update(_flatten(value))
+            flat.update({(f"{key}.{k}" if k in data else k): v for k, v in _flatten(value).items()})
         else:
             flat[key] = value
     return flat
+
+
+def _resolve_aliases(values: dict, aliases: dict[str, str], where: str, refuse_twice: bool) -> dict:
+    """``values`` keyed by field names: each alias (MaxText's spelling, or ``rl.<key>``) replaced by the key it
+    stands for; on a command line the last spelling wins, as the last of a key given twice does.
+
+    Raises:
+      ConfigError: with ``refuse_twice`` (a YAML file, where a key given twice is refused too), two spellings
+        of one key with different values (the last one won without a word).
+    """
+    resolved: dict = {}
+    spelled: dict[str, str] = {}
+    for given, value in values.items():
+        key = aliases.get(given.removeprefix("rl."), given.removeprefix("rl."))
+        if refuse_twice and key in resolved and str(resolved[key]) != str(value):
+            raise ConfigError(
+                f"{spelled[key]}={resolved[key]} and {given}={value} ({where}) both set {key}: keep one"
+            )
+        resolved[key], spelled[key] = value, given
+    return resolved
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
@@ -365,7 +386,6 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
         else:
             key, value = token.split("=", 1)
             key = key.strip().lstrip("-").replace("-", "_")
-            key = key.removeprefix("rl.")
             if key != "config":
                 overrides[key] = value
                 continue
@@ -405,7 +425,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     hints = typing.get_type_hints(cls)
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
-    overrides = {aliases.get(k, k): v for k, v in overrides.items()}
+    overrides = _resolve_aliases(overrides, aliases, "the command line", refuse_twice=False)
     foreign = getattr(cls, "FOREIGN_KEYS", {})
     overrides = _drop_maxtext_only(overrides, fields, "the command line", foreign)
     for key in list(overrides) + list(explicit):
@@ -417,7 +437,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     layers: list[tuple[str, dict]] = []
     model_name = explicit.get("model_name", overrides.get("model_name"))
     user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
-    user_data = {aliases.get(k, k): v for k, v in user_data.items()}
+    user_data = _resolve_aliases(user_data, aliases, str(user_yaml), refuse_twice=True)
     model_name = model_name or user_data.get("model_name")
     if model_name is None and "model_name" in fields:
         model_name = fields["model_name"].default

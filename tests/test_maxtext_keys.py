@@ -388,3 +388,21 @@ def test_maxtexts_debug_rl_note_names_grpaxs_debug_key(caplog, tmp_path):
         build_config(TrainConfig, [str(tmp_path / "debug.yml")])
     notes = [r.getMessage() for r in caplog.records if "RL debug logging" in r.getMessage()]
     assert len(notes) == 2 and all("grpax's is debug=true (its DEBUG messages" in n for n in notes), notes
+
+
+def test_two_spellings_of_one_key_in_a_yaml_file_are_refused(tmp_path):
+    """A YAML file giving one key twice is refused; two spellings of it (rl: {grpo_beta: ..} and beta:, or
+    rl.off_policy_steps and max_staleness) ran with whichever came last, without a word. The same value twice is
+    fine; on the command line the last spelling wins, as the last of a key given twice does."""
+    path = tmp_path / "rl.yml"
+    path.write_text("rl:\n  grpo_beta: 0.08\n  num_generations: 4\nbeta: 0.04\nnum_generations: 4\n")
+    with pytest.raises(
+        ConfigError, match=r"^grpo_beta=0.08 and beta=0.04 \(.*rl.yml\) both set beta: keep one$"
+    ):
+        build_config(TrainConfig, [str(path)])
+    path.write_text("rl:\n  num_generations: 4\n  off_policy_steps: 1\nnum_generations: 2\n")
+    with pytest.raises(ConfigError, match=r"^rl.num_generations=4 and num_generations=2 \(.*\) both set num"):
+        build_config(TrainConfig, [str(path)])
+    path.write_text("rl:\n  grpo_beta: 0.08\n  num_generations: 4\nnum_generations: 4\n")
+    cfg = build_config(TrainConfig, [str(path), "beta=0.02", "rl.off_policy_steps=2", "max_staleness=1"])
+    assert (cfg.beta, cfg.num_generations, cfg.max_staleness) == (0.02, 4, 1)
