@@ -228,15 +228,29 @@ def redacted(record: dict) -> dict:
 _CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
 
 
+def _shown(value: Any, limit: int = 120) -> str:
+    """``value`` as a note prints it: cut to ``limit`` characters (MaxText's logical_axis_rules runs to 3,000)."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _drop_maxtext_only(values: dict, fields: dict, where: str, foreign: dict | None = None) -> dict:
     kept = {}
     for key, value in values.items():
         if key not in fields and key in (foreign or {}):
             rule = foreign[key]
             if not rule.allows(value):
-                raise ConfigError(f"{key}={value} ({where}): {rule.why}; {rule.fix}")
+                literal = [a for a in rule.accepted if not a.startswith("*")]
+                override = (
+                    f" (or give {key}={literal[0]} on the command line, which wins over {where})"
+                    if literal and where != "the command line"
+                    else ""
+                )
+                raise ConfigError(f"{key}={_shown(value)} ({where}): {rule.why}; {rule.fix}{override}")
             done = "what grpax does anyway" if rule.accepted else "ignored"
-            logging.getLogger("grpax.config").info("%s=%s (%s): %s; %s", key, value, where, rule.why, done)
+            logging.getLogger("grpax.config").info(
+                "%s=%s (%s): %s; %s", key, _shown(value), where, rule.why, done
+            )
         elif key in fields or key not in MAXTEXT_KEYS:
             kept[key] = value
         elif key == "use_multimodal" and str(value).strip().lower() in ("1", "true", "yes", "on"):
@@ -427,6 +441,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     overrides, user_yaml = parse_overrides(list(argv or []))
     overrides = _resolve_aliases(overrides, aliases, "the command line", refuse_twice=False)
     foreign = getattr(cls, "FOREIGN_KEYS", {})
+    given = set(overrides)  # another stack's key given here is not read from the YAML file too
     overrides = _drop_maxtext_only(overrides, fields, "the command line", foreign)
     for key in list(overrides) + list(explicit):
         if key not in fields:
@@ -456,6 +471,8 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
             )
         )
     if user_yaml:
+        shadowed = {k for k in user_data if k in given and k in foreign and k not in fields}
+        user_data = {k: v for k, v in user_data.items() if k not in shadowed}
         user_data = _drop_maxtext_only(user_data, fields, str(user_yaml), foreign)
         for key in user_data:
             if key not in fields:

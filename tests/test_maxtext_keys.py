@@ -406,3 +406,29 @@ def test_two_spellings_of_one_key_in_a_yaml_file_are_refused(tmp_path):
     path.write_text("rl:\n  grpo_beta: 0.08\n  num_generations: 4\nnum_generations: 4\n")
     cfg = build_config(TrainConfig, [str(path), "beta=0.02", "rl.off_policy_steps=2", "max_staleness=1"])
     assert (cfg.beta, cfg.num_generations, cfg.max_staleness) == (0.02, 4, 1)
+
+
+def test_a_yaml_files_refused_maxtext_key_is_overridden_on_the_command_line(tmp_path, caplog):
+    """MaxText's rl.yml sets trainer_devices_fraction: 0.5; its refusal asked for rollout_devices=, which left the
+    file's key refused still. The command line's value now wins over the file's (refused in turn if it is not what
+    grpax does), and the file's refusal says so."""
+    path = tmp_path / "rl.yml"
+    rules = [["activation_batch", ["data", "fsdp", "fsdp_transpose", "expert"]]] * 20
+    path.write_text(
+        f"trainer_devices_fraction: 0.5\nsampler_devices_fraction: 0.5\nlogical_axis_rules: {rules}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, [str(path)])
+    assert str(err.value).startswith(f"trainer_devices_fraction=0.5 ({path}): Pathways' placement") and str(
+        err.value
+    ).endswith(
+        "pass rollout_devices=<devices for the sampler> instead (or give trainer_devices_fraction=1 on the "
+        f"command line, which wins over {path})"
+    )
+    with caplog.at_level(logging.INFO, logger="grpax.config"):
+        build_config(TrainConfig, [str(path), "trainer_devices_fraction=1", "sampler_devices_fraction=1.0"])
+    with pytest.raises(ConfigError, match=r"^sampler_devices_fraction=0.25 \(the command line\): Pathways'"):
+        build_config(TrainConfig, [str(path), "trainer_devices_fraction=1", "sampler_devices_fraction=0.25"])
+    # a long value is cut in its note (MaxText's logical_axis_rules printed 3,000 characters)
+    note = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("logical_axis_rules="))
+    assert note.startswith(f"logical_axis_rules={str(rules)[:117]}... ({path}): MaxText's logical-to-mesh")
