@@ -365,9 +365,12 @@ def _flatten(data: dict) -> dict:
     return flat
 
 
-def _resolve_aliases(values: dict, aliases: dict[str, str], where: str, refuse_twice: bool) -> dict:
+def _resolve_aliases(
+    values: dict, aliases: dict[str, str], where: str, refuse_twice: bool
+) -> tuple[dict, dict[str, str]]:
     """``values`` keyed by field names: each alias (MaxText's spelling, or ``rl.<key>``) replaced by the key it
-    stands for; on a command line the last spelling wins, as the last of a key given twice does.
+    stands for; on a command line the last spelling wins, as the last of a key given twice does. Returned with
+    each key's spelling as given, for the errors of its value to name.
 
     Raises:
       ConfigError: with ``refuse_twice`` (a YAML file, where a key given twice is refused too), two spellings
@@ -382,7 +385,7 @@ def _resolve_aliases(values: dict, aliases: dict[str, str], where: str, refuse_t
                 f"{spelled[key]}={resolved[key]} and {given}={value} ({where}) both set {key}: keep one"
             )
         resolved[key], spelled[key] = value, given
-    return resolved
+    return resolved, spelled
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
@@ -439,7 +442,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     hints = typing.get_type_hints(cls)
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
-    overrides = _resolve_aliases(overrides, aliases, "the command line", refuse_twice=False)
+    overrides, spelled = _resolve_aliases(overrides, aliases, "the command line", refuse_twice=False)
     foreign = getattr(cls, "FOREIGN_KEYS", {})
     given = set(overrides)  # another stack's key given here is not read from the YAML file too
     overrides = _drop_maxtext_only(overrides, fields, "the command line", foreign)
@@ -449,10 +452,10 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
                 f"unknown key '{key}' for this command.{suggest(key, fields)} "
                 f"(run with --help to list the keys)"
             )
-    layers: list[tuple[str, dict]] = []
+    layers: list[tuple[dict, dict[str, str]]] = []  # (key: value, key: its spelling as given)
     model_name = explicit.get("model_name", overrides.get("model_name"))
     user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
-    user_data = _resolve_aliases(user_data, aliases, str(user_yaml), refuse_twice=True)
+    user_data, spelled_in_yaml = _resolve_aliases(user_data, aliases, str(user_yaml), refuse_twice=True)
     model_name = model_name or user_data.get("model_name")
     if model_name is None and "model_name" in fields:
         model_name = fields["model_name"].default
@@ -464,12 +467,7 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     if preset_file is not None and preset_file.exists():
         preset = _read_yaml(preset_file)
         ignored = getattr(cls, "PRESET_IGNORES", ())
-        layers.append(
-            (
-                f"preset {preset_file.name}",
-                {k: v for k, v in preset.items() if k in fields and k not in ignored},
-            )
-        )
+        layers.append(({k: v for k, v in preset.items() if k in fields and k not in ignored}, {}))
     if user_yaml:
         shadowed = {k for k in user_data if k in given and k in foreign and k not in fields}
         user_data = {k: v for k, v in user_data.items() if k not in shadowed}
@@ -477,15 +475,17 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
         for key in user_data:
             if key not in fields:
                 raise ConfigError(f"unknown key '{key}' in {user_yaml}.{suggest(key, fields)}")
-        layers.append((str(user_yaml), user_data))
-    layers.append(("command line", overrides))
+        layers.append((user_data, spelled_in_yaml))
+    layers.append((overrides, spelled))
     values: dict[str, Any] = {}
     nulls = getattr(cls, "NULL_MEANS", {})
-    for _, layer in layers:
+    for layer, spellings in layers:
         for key, value in layer.items():
             if key in nulls and (value is None or str(value).strip().lower() in ("null", "none")):
                 value = nulls[key]
-            values[key] = _coerce(key, value, hints[key])
+            values[key] = _coerce(
+                spellings.get(key, key), value, hints[key]
+            )  # the error names the key as given
     values.update(explicit)
     seed = values.get("seed")
     if "seed" in fields and seed is not None and not 0 <= seed <= SEED_MAX:

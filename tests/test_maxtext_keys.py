@@ -432,3 +432,14 @@ def test_a_yaml_files_refused_maxtext_key_is_overridden_on_the_command_line(tmp_
     # a long value is cut in its note (MaxText's logical_axis_rules printed 3,000 characters)
     note = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("logical_axis_rules="))
     assert note.startswith(f"logical_axis_rules={str(rules)[:117]}... ({path}): MaxText's logical-to-mesh")
+
+
+def test_a_bad_value_of_an_alias_names_the_key_as_given(tmp_path):
+    """rl.off_policy_steps=abc was refused as "max_staleness='abc'": a key the user never wrote."""
+    with pytest.raises(ConfigError, match=r"^rl.off_policy_steps='abc': expected an integer$"):
+        build_config(TrainConfig, ["rl.off_policy_steps=abc"])
+    (tmp_path / "rl.yml").write_text("rl:\n  grpo_beta: high\n")
+    with pytest.raises(ConfigError, match=r"^grpo_beta='high': expected a number$"):
+        build_config(TrainConfig, [str(tmp_path / "rl.yml")])
+    with pytest.raises(ConfigError, match=r"^max_staleness='abc': expected an integer$"):
+        build_config(TrainConfig, ["max_staleness=abc"])
