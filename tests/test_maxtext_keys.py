@@ -443,3 +443,22 @@ def test_a_bad_value_of_an_alias_names_the_key_as_given(tmp_path):
         build_config(TrainConfig, [str(tmp_path / "rl.yml")])
     with pytest.raises(ConfigError, match=r"^max_staleness='abc': expected an integer$"):
         build_config(TrainConfig, ["max_staleness=abc"])
+
+
+def test_a_whole_number_eval_top_k_reaches_the_sampler_as_an_integer():
+    """eval_top_k: 50.0 passed the check (a whole number) and then stopped the run at its first evaluation, after
+    the model load: "top_k=50.0 must be an integer", naming no key."""
+    import dataclasses
+
+    from grpax.eval.keys import eval_sampling
+    from grpax.sampler.engine import SamplerConfig
+
+    keys = [
+        "generation_configs={standard:{eval_top_k:50.0,eval_temperature:1}}",
+        "eval_sampling_strategy=standard",
+    ]
+    fields = eval_sampling(build_config(TrainConfig, keys))
+    assert (
+        fields == dict(greedy=False, temperature=1.0, top_k=50, top_p=0.95) and type(fields["top_k"]) is int
+    )
+    assert dataclasses.replace(SamplerConfig(), **fields).top_k == 50
