@@ -462,3 +462,19 @@ def test_a_whole_number_eval_top_k_reaches_the_sampler_as_an_integer():
         fields == dict(greedy=False, temperature=1.0, top_k=50, top_p=0.95) and type(fields["top_k"]) is int
     )
     assert dataclasses.replace(SamplerConfig(), **fields).top_k == 50
+
+
+def test_hf_train_files_reads_a_json_file_holding_one_array(tmp_path):
+    """The datasets library (MaxText's hf_train_files) reads a .json file holding a JSON array; grpax read it as
+    one JSONL row, a list, and said the row had no columns ("its columns are []")."""
+    import json
+
+    from grpax.data.datasets import read_rows
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "b.json").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))  # JSON Lines
+    assert read_rows(str(tmp_path / "a.json"), "train")[0] == rows
+    assert read_rows(str(tmp_path / "*.json"), "train") == (rows + rows[:2], str(tmp_path / "*.json"))
+    cfg = build_config(TrainConfig, [f"hf_train_files={tmp_path / 'a.json'}"])
+    assert [r["gold"] for r in build_task(cfg).load_rows(cfg.hf_train_files, "train")] == ["1", "2", "3"]

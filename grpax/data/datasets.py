@@ -94,11 +94,29 @@ def _files_in_folder(folder: Path, split: str) -> list[Path]:
     )
 
 
+def _read_json_array(path: Path) -> list[Any] | None:
+    """The rows of a ``.json`` file holding one JSON array (as the ``datasets`` library's json builder reads it);
+    None for a file in JSON Lines."""
+    text = path.read_text(encoding="utf-8-sig")
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # a JSONL file whose first row is a list: read_jsonl says what is wrong
+    return rows if isinstance(rows, list) else None
+
+
 def _read_files(files: Sequence[Path]) -> list[dict]:
-    """The rows of local files in order, each read by its suffix (Parquet, else JSONL)."""
+    """The rows of local files in order, each read by its suffix (Parquet; a .json file's JSON array; else
+    JSONL)."""
     rows: list[dict] = []
     for f in files:
-        rows.extend(_read_parquet([f]) if f.suffix == ".parquet" else read_jsonl(f))
+        if f.suffix == ".parquet":
+            rows.extend(_read_parquet([f]))
+        else:
+            array = _read_json_array(f) if f.suffix == ".json" else None
+            rows.extend(read_jsonl(f) if array is None else array)
     return rows
 
 
@@ -190,7 +208,8 @@ def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> t
     """The raw rows (every column) of ``split`` of a file, a folder or a Hub dataset, and where they came from.
 
     Args:
-        path_or_name: a ``.jsonl`` or ``.parquet`` file or a glob of them (read in sorted order); a folder with
+        path_or_name: a ``.jsonl``, ``.json`` (JSON Lines or one array of rows) or ``.parquet`` file or a glob
+            of them (read in sorted order); a folder with
             ``{split}.jsonl``, ``{split}.parquet``, ``{split}-*.parquet`` or ``main/{split}-*.parquet``; a Hub name
             ``owner/name``; or Hub files ``hf://datasets/owner/name/<glob>`` (the last two need the ``datasets``
             library and a network).
