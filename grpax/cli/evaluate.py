@@ -56,7 +56,9 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     )
     eval_batch_size: int = field(16, "questions per generate call")
     num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
-    eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
+    eval_sampling_strategy: str = field(
+        "greedy", "greedy | standard | liberal (MaxText rl.yml), or a name given in generation_configs"
+    )
     generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",

@@ -148,7 +148,10 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
     eval_before: bool = field(True, "evaluate before the first step")
     num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
-    eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
+    eval_sampling_strategy: str = field(
+        "greedy",
+        "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal, or a name given in generation_configs",
+    )
     generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
