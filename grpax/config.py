@@ -15,6 +15,7 @@ An unknown key is an error that suggests the closest valid one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -61,6 +62,12 @@ class FrozenDict(dict):
         raise TypeError("a config's mapping is read-only")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen  # type: ignore[assignment]
+
+    def __copy__(self) -> FrozenDict:
+        return self  # read-only: a copy is itself (``field``'s default is deep-copied per instance)
+
+    def __deepcopy__(self, memo: dict) -> FrozenDict:
+        return self
 
     @classmethod
     def of(cls, value: Any) -> Any:
@@ -112,7 +119,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r}: expected a number") from None
     if annotation is dict or origin is dict:  # a YAML mapping, or its flow form on the command line
-        parsed = yaml.safe_load(value) if isinstance(value, str) else value
+        parsed = _flow_mapping(key, value) if isinstance(value, str) else value
         if parsed is None or parsed == "":
             return FrozenDict()
         if not isinstance(parsed, dict):
@@ -131,6 +138,30 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key}: {value!r} is a YAML {type(value).__name__}: expected one text value")
         return str(value).strip()
     return value
+
+
+# A colon that YAML's flow style reads as part of a plain scalar ("a:1" is one key): one followed by neither a
+# space nor "//" (a URL's).
+_TIGHT_COLON = re.compile(r":(?=[^\s/])")
+
+
+def _flow_mapping(key: str, value: str) -> Any:
+    """A command-line mapping in YAML's flow style. MaxText's scripts write it without spaces
+    (``vllm_hf_overrides={architectures:[MaxTextForCausalLM]}``), where YAML would read ``{a:{b:1}}`` as the key
+    ``'a:{b:1}'``: inside braces a colon followed by text is read as a separator.
+
+    Raises:
+      ConfigError: text that is not YAML (the key, the value and the problem named).
+    """
+    text = _TIGHT_COLON.sub(": ", value) if value.lstrip().startswith("{") else value
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(
+            f"{key}={value!r} is not a YAML mapping ({problem}): write it as {key}={{name: {{key: value}}}} and "
+            "quote it for the shell"
+        ) from None
 
 
 # The key of every command that compiles (MaxText's jax_cache_dir); acted on in grpax.cli.common.
@@ -223,15 +254,29 @@ def redacted(record: dict) -> dict:
 _CHECKPOINT_KEYS = ("load_parameters_path", "hf_model_path")
 
 
+def _shown(value: Any, limit: int = 120) -> str:
+    """``value`` as a note prints it: cut to ``limit`` characters (MaxText's logical_axis_rules runs to 3,000)."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _drop_maxtext_only(values: dict, fields: dict, where: str, foreign: dict | None = None) -> dict:
     kept = {}
     for key, value in values.items():
         if key not in fields and key in (foreign or {}):
             rule = foreign[key]
             if not rule.allows(value):
-                raise ConfigError(f"{key}={value} ({where}): {rule.why}; {rule.fix}")
+                literal = [a for a in rule.accepted if not a.startswith("*")]
+                override = (
+                    f" (or give {key}={literal[0]} on the command line, which wins over {where})"
+                    if literal and where != "the command line"
+                    else ""
+                )
+                raise ConfigError(f"{key}={_shown(value)} ({where}): {rule.why}; {rule.fix}{override}")
             done = "what grpax does anyway" if rule.accepted else "ignored"
-            logging.getLogger("grpax.config").info("%s=%s (%s): %s; %s", key, value, where, rule.why, done)
+            logging.getLogger("grpax.config").info(
+                "%s=%s (%s): %s; %s", key, _shown(value), where, rule.why, done
+            )
         elif key in fields or key not in MAXTEXT_KEYS:
             kept[key] = value
         elif key == "use_multimodal" and str(value).strip().lower() in ("1", "true", "yes", "on"):
@@ -335,14 +380,38 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _flatten(data: dict) -> dict:
-    """Flattens MaxText's nested sections (``rl: {num_generations: 2}``) into top-level keys."""
+    """Flattens MaxText's nested sections (``rl: {num_generations: 2}``) into top-level keys, a key given both in
+    a section and outside it spelled ``rl.<key>`` for ``_resolve_aliases`` to refuse if the two differ."""
     flat: dict = {}
     for key, value in data.items():
         if isinstance(value, dict) and key in ("rl", "debug"):
-            flat.update(_flatten(value))
+            flat.update({(f"{key}.{k}" if k in data else k): v for k, v in _flatten(value).items()})
         else:
             flat[key] = value
     return flat
+
+
+def _resolve_aliases(
+    values: dict, aliases: dict[str, str], where: str, refuse_twice: bool
+) -> tuple[dict, dict[str, str]]:
+    """``values`` keyed by field names: each alias (MaxText's spelling, or ``rl.<key>``) replaced by the key it
+    stands for; on a command line the last spelling wins, as the last of a key given twice does. Returned with
+    each key's spelling as given, for the errors of its value to name.
+
+    Raises:
+      ConfigError: with ``refuse_twice`` (a YAML file, where a key given twice is refused too), two spellings
+        of one key with different values (the last one won without a word).
+    """
+    resolved: dict = {}
+    spelled: dict[str, str] = {}
+    for given, value in values.items():
+        key = aliases.get(given.removeprefix("rl."), given.removeprefix("rl."))
+        if refuse_twice and key in resolved and str(resolved[key]) != str(value):
+            raise ConfigError(
+                f"{spelled[key]}={resolved[key]} and {given}={value} ({where}) both set {key}: keep one"
+            )
+        resolved[key], spelled[key] = value, given
+    return resolved, spelled
 
 
 def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
@@ -360,7 +429,6 @@ def parse_overrides(argv: list[str]) -> tuple[dict[str, str], Path | None]:
         else:
             key, value = token.split("=", 1)
             key = key.strip().lstrip("-").replace("-", "_")
-            key = key.removeprefix("rl.")
             if key != "config":
                 overrides[key] = value
                 continue
@@ -400,8 +468,9 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     hints = typing.get_type_hints(cls)
     aliases: dict[str, str] = getattr(cls, "ALIASES", {})
     overrides, user_yaml = parse_overrides(list(argv or []))
-    overrides = {aliases.get(k, k): v for k, v in overrides.items()}
+    overrides, spelled = _resolve_aliases(overrides, aliases, "the command line", refuse_twice=False)
     foreign = getattr(cls, "FOREIGN_KEYS", {})
+    given = set(overrides)  # another stack's key given here is not read from the YAML file too
     overrides = _drop_maxtext_only(overrides, fields, "the command line", foreign)
     for key in list(overrides) + list(explicit):
         if key not in fields:
@@ -409,10 +478,10 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
                 f"unknown key '{key}' for this command.{suggest(key, fields)} "
                 f"(run with --help to list the keys)"
             )
-    layers: list[tuple[str, dict]] = []
+    layers: list[tuple[dict, dict[str, str]]] = []  # (key: value, key: its spelling as given)
     model_name = explicit.get("model_name", overrides.get("model_name"))
     user_data = _flatten(_read_yaml(user_yaml)) if user_yaml else {}
-    user_data = {aliases.get(k, k): v for k, v in user_data.items()}
+    user_data, spelled_in_yaml = _resolve_aliases(user_data, aliases, str(user_yaml), refuse_twice=True)
     model_name = model_name or user_data.get("model_name")
     if model_name is None and "model_name" in fields:
         model_name = fields["model_name"].default
@@ -424,26 +493,25 @@ def build_config(cls: type, argv: list[str] | None = None, **explicit: Any):
     if preset_file is not None and preset_file.exists():
         preset = _read_yaml(preset_file)
         ignored = getattr(cls, "PRESET_IGNORES", ())
-        layers.append(
-            (
-                f"preset {preset_file.name}",
-                {k: v for k, v in preset.items() if k in fields and k not in ignored},
-            )
-        )
+        layers.append(({k: v for k, v in preset.items() if k in fields and k not in ignored}, {}))
     if user_yaml:
+        shadowed = {k for k in user_data if k in given and k in foreign and k not in fields}
+        user_data = {k: v for k, v in user_data.items() if k not in shadowed}
         user_data = _drop_maxtext_only(user_data, fields, str(user_yaml), foreign)
         for key in user_data:
             if key not in fields:
                 raise ConfigError(f"unknown key '{key}' in {user_yaml}.{suggest(key, fields)}")
-        layers.append((str(user_yaml), user_data))
-    layers.append(("command line", overrides))
+        layers.append((user_data, spelled_in_yaml))
+    layers.append((overrides, spelled))
     values: dict[str, Any] = {}
     nulls = getattr(cls, "NULL_MEANS", {})
-    for _, layer in layers:
+    for layer, spellings in layers:
         for key, value in layer.items():
             if key in nulls and (value is None or str(value).strip().lower() in ("null", "none")):
                 value = nulls[key]
-            values[key] = _coerce(key, value, hints[key])
+            values[key] = _coerce(
+                spellings.get(key, key), value, hints[key]
+            )  # the error names the key as given
     values.update(explicit)
     seed = values.get("seed")
     if "seed" in fields and seed is not None and not 0 <= seed <= SEED_MAX:
@@ -479,7 +547,13 @@ def describe(cls: type, values: Any = None) -> str:
 def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field with a one-line help text shown by --help."""
     if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda: default, metadata={"help": help})
+        # Each instance its own copy; a mapping is left out of the frozen config's hash (a dict has none), so the
+        # config stays hashable (equality still compares it).
+        return dataclasses.field(
+            default_factory=lambda: copy.deepcopy(default),
+            hash=False if isinstance(default, dict) else None,
+            metadata={"help": help},
+        )
     return dataclasses.field(default=default, metadata={"help": help})
 
 

@@ -616,3 +616,28 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     texts = [(tmp_path / f"{name}.jsonl").read_text() for name in "abcd"]
     completions = [[json.loads(x)["completion"] for x in text.splitlines()] for text in texts]
     assert completions[0] == completions[1] == completions[2] == completions[3] and len(completions[0]) == 2
+
+
+def test_evaluate_reads_hf_eval_files(tiny_checkpoint, tmp_path, capsys):
+    """MaxText's hf_eval_files on grpax evaluate (it was an unknown key there): the rows of every file its glob
+    matches, in order, instead of dataset_name's eval_split; a glob that matches nothing is named in one line."""
+    from test_train_validation import _jsonl
+
+    _jsonl(tmp_path / "data" / "part-0.jsonl", 3), _jsonl(tmp_path / "data" / "part-1.jsonl", 2)
+    glob, out = str(tmp_path / "data" / "part-*.jsonl"), tmp_path / "eval"
+    keys = ["evaluate", "model_name=", f"load_parameters_path={tiny_checkpoint}", "max_target_length=272"]
+    assert (
+        main(
+            [*keys, f"hf_eval_files={glob}", "num_test_batches=-1", "eval_batch_size=4", f"output_path={out}"]
+        )
+        == 0
+    )
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in results] == [f"What is {i} + 1?" for i in (0, 1, 2, 0, 1)]
+    assert json.loads((out / "summary.json").read_text())["num_questions"] == 5
+    capsys.readouterr()
+    nothing = str(tmp_path / "data" / "eval-*.jsonl")
+    assert main([*keys, f"hf_eval_files={nothing}"]) == 2
+    _one_line_error(
+        capsys, f"hf_eval_files={nothing!r} (eval_split='test'): no .jsonl / .json / .parquet file matches"
+    )

@@ -315,3 +315,180 @@ def test_a_mapping_key_keeps_the_config_hashable_and_read_only():
     }
     with pytest.raises(TypeError, match="read-only"):
         cfg.generation_configs["standard"]["eval_top_k"] = 1
+
+
+def test_generation_configs_in_the_compact_flow_form_of_maxtexts_scripts():
+    """MaxText's scripts write command-line mappings without spaces (``vllm_hf_overrides={architectures:[...]}``);
+    YAML alone reads ``{mine:{eval_temperature:0.5}}`` as the key 'eval_temperature:0.5' with no value."""
+    from grpax.eval.keys import eval_sampling
+
+    keys = ["generation_configs={mine:{eval_temperature:0.5,eval_top_p:0.9}}", "eval_sampling_strategy=mine"]
+    cfg = build_config(TrainConfig, keys)
+    assert cfg.generation_configs == {"mine": {"eval_temperature": 0.5, "eval_top_p": 0.9}}
+    assert eval_sampling(cfg) == dict(greedy=False, temperature=0.5, top_k=0, top_p=0.9)
+    spaced = build_config(
+        TrainConfig, ["generation_configs={mine: {eval_temperature: 0.5, eval_top_p: 0.9}}"]
+    )
+    assert spaced.generation_configs == cfg.generation_configs
+
+
+def test_generation_configs_that_is_not_yaml_is_one_line(capsys):
+    assert main(["train_rl", "load_parameters_path=x", "generation_configs={{standard"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("grpax train_rl: error: generation_configs='{{standard' is not a YAML mapping (")
+        and err.count("\n") == 1
+    )
+
+
+def test_a_config_with_generation_configs_stays_hashable_with_its_own_mapping():
+    """A frozen config is hashable (a dict field is left out of the hash, still compared); each instance's default
+    mapping is its own, so changing one cannot change another's."""
+    keys = ["generation_configs={mine:{eval_temperature:0.5}}"]
+    a, b = build_config(TrainConfig, keys), build_config(TrainConfig, keys)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != build_config(TrainConfig, ["generation_configs={mine:{eval_temperature:0.6}}"])
+    first, second = TrainConfig(), TrainConfig()
+    with pytest.raises(TypeError, match="read-only"):  # no instance can change another's (or its own)
+        first.generation_configs["mine"] = {"eval_temperature": 0.5}
+    assert first.generation_configs == second.generation_configs == {}
+
+
+def test_eval_batch_size_minus_one_is_batch_size_as_in_maxtexts_rl_yml():
+    """MaxText's newest rl.yml sets eval_batch_size: -1, "use batch_size"; grpax refused it before."""
+    cfg = build_config(TrainConfig, ["load_parameters_path=x", "batch_size=3", "eval_batch_size=-1"])
+    validate(cfg)
+    assert cfg.eval_batch_size == 3
+    with pytest.raises(ConfigError, match=r"^eval_batch_size=-2: expected >= 1"):
+        validate(build_config(TrainConfig, ["load_parameters_path=x", "eval_batch_size=-2"]))
+
+
+def test_convert_checkpoint_if_possible_checks_the_keys_first_and_says_what_failed(
+    tmp_path, monkeypatch, capsys
+):
+    """A bad key stops the run before the conversion's download (it converted first, then refused batch_size=0);
+    offline, the conversion's fix (hf_model_path=, gguf_path=: to_native's keys, unknown to train_rl) comes with
+    the grpax to_native command that takes them."""
+    from grpax.checkpoint import convert
+
+    calls = []
+
+    def offline(**kwargs):
+        calls.append(kwargs)
+        raise ConfigError(
+            "cannot reach the Hugging Face Hub for HuggingFaceTB/SmolLM2-135M-Instruct (ConnectError); download "
+            "it elsewhere and pass hf_model_path=<that folder>, or pass gguf_path=<file.gguf>"
+        )
+
+    monkeypatch.setattr(convert, "to_native", offline)
+    keys = ["train_rl", f"base_output_directory={tmp_path}", "convert_checkpoint_if_possible=true"]
+    assert main([*keys, "batch_size=0"]) == 2
+    assert capsys.readouterr().err.startswith("grpax train_rl: error: batch_size=0") and calls == []
+    assert main(keys) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"grpax train_rl: error: convert_checkpoint_if_possible=true: converting model_name=smollm2-135m-Instruct "
+        f"into {tmp_path}/0/items failed: cannot reach the Hugging Face Hub for HuggingFaceTB/SmolLM2-135M-Instruct "
+        "(ConnectError); download it elsewhere and pass hf_model_path=<that folder>, or pass gguf_path=<file.gguf> "
+        "(the keys named are grpax to_native's: convert with grpax to_native model_name=smollm2-135m-Instruct "
+        f"base_output_directory={tmp_path} and them, then pass load_parameters_path={tmp_path}/0/items)"
+    )
+
+
+def test_maxtexts_debug_rl_note_names_grpaxs_debug_key(caplog, tmp_path):
+    """The note said "grpax logs at INFO", but grpax's debug=true (MaxText's newer key) logs DEBUG too."""
+    (tmp_path / "debug.yml").write_text("debug:\n  rl: true\n")
+    with caplog.at_level(logging.INFO, logger="grpax.config"):
+        build_config(TrainConfig, ["debug.rl=true"])
+        build_config(TrainConfig, [str(tmp_path / "debug.yml")])
+    notes = [r.getMessage() for r in caplog.records if "RL debug logging" in r.getMessage()]
+    assert len(notes) == 2 and all("grpax's is debug=true (its DEBUG messages" in n for n in notes), notes
+
+
+def test_two_spellings_of_one_key_in_a_yaml_file_are_refused(tmp_path):
+    """A YAML file giving one key twice is refused; two spellings of it (rl: {grpo_beta: ..} and beta:, or
+    rl.off_policy_steps and max_staleness) ran with whichever came last, without a word. The same value twice is
+    fine; on the command line the last spelling wins, as the last of a key given twice does."""
+    path = tmp_path / "rl.yml"
+    path.write_text("rl:\n  grpo_beta: 0.08\n  num_generations: 4\nbeta: 0.04\nnum_generations: 4\n")
+    with pytest.raises(
+        ConfigError, match=r"^grpo_beta=0.08 and beta=0.04 \(.*rl.yml\) both set beta: keep one$"
+    ):
+        build_config(TrainConfig, [str(path)])
+    path.write_text("rl:\n  num_generations: 4\n  off_policy_steps: 1\nnum_generations: 2\n")
+    with pytest.raises(ConfigError, match=r"^rl.num_generations=4 and num_generations=2 \(.*\) both set num"):
+        build_config(TrainConfig, [str(path)])
+    path.write_text("rl:\n  grpo_beta: 0.08\n  num_generations: 4\nnum_generations: 4\n")
+    cfg = build_config(TrainConfig, [str(path), "beta=0.02", "rl.off_policy_steps=2", "max_staleness=1"])
+    assert (cfg.beta, cfg.num_generations, cfg.max_staleness) == (0.02, 4, 1)
+
+
+def test_a_yaml_files_refused_maxtext_key_is_overridden_on_the_command_line(tmp_path, caplog):
+    """MaxText's rl.yml sets trainer_devices_fraction: 0.5; its refusal asked for rollout_devices=, which left the
+    file's key refused still. The command line's value now wins over the file's (refused in turn if it is not what
+    grpax does), and the file's refusal says so."""
+    path = tmp_path / "rl.yml"
+    rules = [["activation_batch", ["data", "fsdp", "fsdp_transpose", "expert"]]] * 20
+    path.write_text(
+        f"trainer_devices_fraction: 0.5\nsampler_devices_fraction: 0.5\nlogical_axis_rules: {rules}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, [str(path)])
+    assert str(err.value).startswith(f"trainer_devices_fraction=0.5 ({path}): Pathways' placement") and str(
+        err.value
+    ).endswith(
+        "pass rollout_devices=<devices for the sampler> instead (or give trainer_devices_fraction=1 on the "
+        f"command line, which wins over {path})"
+    )
+    with caplog.at_level(logging.INFO, logger="grpax.config"):
+        build_config(TrainConfig, [str(path), "trainer_devices_fraction=1", "sampler_devices_fraction=1.0"])
+    with pytest.raises(ConfigError, match=r"^sampler_devices_fraction=0.25 \(the command line\): Pathways'"):
+        build_config(TrainConfig, [str(path), "trainer_devices_fraction=1", "sampler_devices_fraction=0.25"])
+    # a long value is cut in its note (MaxText's logical_axis_rules printed 3,000 characters)
+    note = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("logical_axis_rules="))
+    assert note.startswith(f"logical_axis_rules={str(rules)[:117]}... ({path}): MaxText's logical-to-mesh")
+
+
+def test_a_bad_value_of_an_alias_names_the_key_as_given(tmp_path):
+    """rl.off_policy_steps=abc was refused as "max_staleness='abc'": a key the user never wrote."""
+    with pytest.raises(ConfigError, match=r"^rl.off_policy_steps='abc': expected an integer$"):
+        build_config(TrainConfig, ["rl.off_policy_steps=abc"])
+    (tmp_path / "rl.yml").write_text("rl:\n  grpo_beta: high\n")
+    with pytest.raises(ConfigError, match=r"^grpo_beta='high': expected a number$"):
+        build_config(TrainConfig, [str(tmp_path / "rl.yml")])
+    with pytest.raises(ConfigError, match=r"^max_staleness='abc': expected an integer$"):
+        build_config(TrainConfig, ["max_staleness=abc"])
+
+
+def test_a_whole_number_eval_top_k_reaches_the_sampler_as_an_integer():
+    """eval_top_k: 50.0 passed the check (a whole number) and then stopped the run at its first evaluation, after
+    the model load: "top_k=50.0 must be an integer", naming no key."""
+    import dataclasses
+
+    from grpax.eval.keys import eval_sampling
+    from grpax.sampler.engine import SamplerConfig
+
+    keys = [
+        "generation_configs={standard:{eval_top_k:50.0,eval_temperature:1}}",
+        "eval_sampling_strategy=standard",
+    ]
+    fields = eval_sampling(build_config(TrainConfig, keys))
+    assert (
+        fields == dict(greedy=False, temperature=1.0, top_k=50, top_p=0.95) and type(fields["top_k"]) is int
+    )
+    assert dataclasses.replace(SamplerConfig(), **fields).top_k == 50
+
+
+def test_hf_train_files_reads_a_json_file_holding_one_array(tmp_path):
+    """The datasets library (MaxText's hf_train_files) reads a .json file holding a JSON array; grpax read it as
+    one JSONL row, a list, and said the row had no columns ("its columns are []")."""
+    import json
+
+    from grpax.data.datasets import read_rows
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "b.json").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))  # JSON Lines
+    assert read_rows(str(tmp_path / "a.json"), "train")[0] == rows
+    assert read_rows(str(tmp_path / "*.json"), "train") == (rows + rows[:2], str(tmp_path / "*.json"))
+    cfg = build_config(TrainConfig, [f"hf_train_files={tmp_path / 'a.json'}"])
+    assert [r["gold"] for r in build_task(cfg).load_rows(cfg.hf_train_files, "train")] == ["1", "2", "3"]

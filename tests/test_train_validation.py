@@ -378,3 +378,29 @@ def test_eval_mode_is_one_of_maxtexts(tmp_path):
         ConfigError, match=r"^eval_mode='pass@1': expected one of pass \(pass@k\), maj \(maj@k\), "
     ):
         train_config.validate(_config(tmp_path, eval_mode="pass@1"))
+
+
+def test_evaluation_files_shared_with_a_training_glob_are_refused(tmp_path):
+    """Two globs, or a glob and a file, that share a file read those rows for training and evaluation both: it
+    was compared as the whole list of files, so a partial overlap went unseen. The fix names the key that chose
+    the evaluation rows (hf_eval_files wins over eval_dataset_name, so naming that one fixed nothing)."""
+    shards = [_jsonl(tmp_path / "data" / f"part-{i}.jsonl", 3) for i in range(2)]
+    glob = str(tmp_path / "data" / "*.jsonl")
+    assert _refused_before_loading(tmp_path, hf_train_files=glob, hf_eval_files=shards[0]) == (
+        f"hf_eval_files={shards[0]!r} (eval_split='test') holds the training rows (hf_train_files={glob!r}, "
+        "train_split='train'; a file has no splits): set hf_eval_files=<held-out file or folder>, or "
+        "allow_eval_on_train_rows=true to evaluate on training rows anyway (num_test_batches=0: no evaluation)"
+    )
+    held_out = _jsonl(tmp_path / "held_out.jsonl", 2)
+    both = str(tmp_path / "*" / "*.jsonl")  # part-0, part-1 and held_out (the last under tmp_path itself: no)
+    wider = str(tmp_path / "**" / "*.jsonl")
+    assert _refused_before_loading(tmp_path, hf_train_files=shards[1], hf_eval_files=wider).startswith(
+        f"hf_eval_files={wider!r} (eval_split='test') holds training rows (both read part-1.jsonl) "
+    )
+    assert "holds training rows (both read part-0.jsonl, part-1.jsonl)" in _refused_before_loading(
+        tmp_path, hf_train_files=both, eval_dataset_name=wider
+    )
+    _passes_input_checks(tmp_path, hf_train_files=glob, hf_eval_files=held_out)
+    _passes_input_checks(
+        tmp_path, hf_train_files=glob, hf_eval_files=shards[0], allow_eval_on_train_rows=True
+    )

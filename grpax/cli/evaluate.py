@@ -46,13 +46,20 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     dataset_name: str = field(
         "openai/gsm8k", "Hub name, a folder with test.jsonl or test.parquet, or a .jsonl / .parquet file"
     )
+    hf_eval_files: str = field(
+        "",
+        "the rows' files (MaxText key), read instead of dataset_name's eval_split: a path or glob of .jsonl / "
+        ".parquet files, or hf://datasets/<owner>/<name>/<glob> (the datasets library, online)",
+    )
     eval_split: str = field("test", "split to evaluate")
     num_test_batches: int = field(
         4, "evaluate num_test_batches * eval_batch_size questions, as train_rl (-1: the whole split)"
     )
     eval_batch_size: int = field(16, "questions per generate call")
     num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
-    eval_sampling_strategy: str = field("greedy", "greedy | standard | liberal (MaxText rl.yml)")
+    eval_sampling_strategy: str = field(
+        "greedy", "greedy | standard | liberal (MaxText rl.yml), or a name given in generation_configs"
+    )
     generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
@@ -69,6 +76,14 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     seed: int = field(0, "sampling seed")
     output_path: str = field("", "folder for results.jsonl and summary.json")
     overwrite: bool = field(False, "replace results.jsonl / summary.json already in output_path")
+
+    def eval_dataset(self) -> tuple[str, str]:
+        """(the key that names the rows, its value): hf_eval_files when set, else dataset_name."""
+        return (
+            ("hf_eval_files", self.hf_eval_files)
+            if self.hf_eval_files
+            else ("dataset_name", self.dataset_name)
+        )
 
 
 CONFIG = EvaluateConfig
@@ -198,24 +213,23 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
     # The checkpoint's config.json, read once: the context check here, the load below.
     what = f"max_target_length={config.max_target_length}"
     model_cfg, _ = read_model_config(config.load_parameters_path, config, config.max_target_length, what)
+    key, dataset = config.eval_dataset()
     try:  # before the model loads: a wrong path or column is named at once, with the keys that chose it
-        task_rows = task.load_rows(config.dataset_name, config.eval_split)
+        task_rows = task.load_rows(dataset, config.eval_split)
     except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(
-            f"dataset_name={config.dataset_name!r} (eval_split={config.eval_split!r}): {e}"
-        ) from None
+        raise ConfigError(f"{key}={dataset!r} (eval_split={config.eval_split!r}): {e}") from None
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     check_memory_fraction(config.hbm_utilization_vllm)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     limit = config.num_test_batches * config.eval_batch_size if config.num_test_batches > 0 else -1
     rows = prepare_rows(
         tokenizer,
-        config.dataset_name,
+        dataset,
         config.eval_split,
         task.preset,
         config.max_prefill_predict_length,
         limit,
-        need=("dataset_name", "eval_split", 1),
+        need=(key, "eval_split", 1),
         load=lambda dataset, split: task_rows,
         render=_renderer(config, task, tokenizer),
     )

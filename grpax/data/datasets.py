@@ -94,11 +94,29 @@ def _files_in_folder(folder: Path, split: str) -> list[Path]:
     )
 
 
+def _read_json_array(path: Path) -> list[Any] | None:
+    """The rows of a ``.json`` file holding one JSON array (as the ``datasets`` library's json builder reads it);
+    None for a file in JSON Lines."""
+    text = path.read_text(encoding="utf-8-sig")
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # a JSONL file whose first row is a list: read_jsonl says what is wrong
+    return rows if isinstance(rows, list) else None
+
+
 def _read_files(files: Sequence[Path]) -> list[dict]:
-    """The rows of local files in order, each read by its suffix (Parquet, else JSONL)."""
+    """The rows of local files in order, each read by its suffix (Parquet; a .json file's JSON array; else
+    JSONL)."""
     rows: list[dict] = []
     for f in files:
-        rows.extend(_read_parquet([f]) if f.suffix == ".parquet" else read_jsonl(f))
+        if f.suffix == ".parquet":
+            rows.extend(_read_parquet([f]))
+        else:
+            array = _read_json_array(f) if f.suffix == ".json" else None
+            rows.extend(read_jsonl(f) if array is None else array)
     return rows
 
 
@@ -186,20 +204,12 @@ def dataset_files(path_or_name: str, split: str) -> list[Path]:
     )
 
 
-def dataset_source(path_or_name: str, split: str) -> str:
-    """What ``read_rows(path_or_name, split)`` reads: its resolved files, or the Hub name and split.
-
-    Two sources are equal exactly when they yield the same rows (a file has no splits).
-    """
-    files = dataset_files(path_or_name, split)
-    return ",".join(str(f.resolve()) for f in files) if files else f"hub:{path_or_name}:{split}"
-
-
 def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> tuple[list[dict], str]:
     """The raw rows (every column) of ``split`` of a file, a folder or a Hub dataset, and where they came from.
 
     Args:
-        path_or_name: a ``.jsonl`` or ``.parquet`` file or a glob of them (read in sorted order); a folder with
+        path_or_name: a ``.jsonl``, ``.json`` (JSON Lines or one array of rows) or ``.parquet`` file or a glob
+            of them (read in sorted order); a folder with
             ``{split}.jsonl``, ``{split}.parquet``, ``{split}-*.parquet`` or ``main/{split}-*.parquet``; a Hub name
             ``owner/name``; or Hub files ``hf://datasets/owner/name/<glob>`` (the last two need the ``datasets``
             library and a network).

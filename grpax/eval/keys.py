@@ -36,7 +36,8 @@ def eval_sampling(cfg: Any) -> dict[str, Any]:
     name = cfg.eval_sampling_strategy
     fields = dict(EVAL_STRATEGIES.get(name, dict(greedy=False, temperature=1.0, top_k=0, top_p=1.0)))
     given = (cfg.generation_configs or {}).get(name) or {}
-    fields.update({GENERATION_KEYS[k]: v for k, v in given.items()})
+    # as the sampler takes them: eval_top_k 50.0 (a whole number, accepted) is the integer 50
+    fields.update({GENERATION_KEYS[k]: (int if k == "eval_top_k" else float)(v) for k, v in given.items()})
     if fields["top_k"] == 1:
         return dict(EVAL_STRATEGIES["greedy"])
     return {**fields, "greedy": False} if given else fields

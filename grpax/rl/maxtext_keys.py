@@ -67,8 +67,12 @@ MAXTEXT_RL_KEYS: dict[str, Foreign] = {
     "eval_make_lst": Foreign(
         "Tunix's evaluation debug lists; grpax writes every answer to the run's eval/<tag>/results.jsonl"
     ),
-    "debug.rl": Foreign("MaxText's RL debug logging; grpax logs at INFO (GRPAX_DEBUG=1 keeps tracebacks)"),
-    "rl": Foreign("MaxText's RL debug logging (debug: {rl: ...}); grpax logs at INFO"),
+    "debug.rl": Foreign(
+        "MaxText's RL debug logging; grpax's is debug=true (its DEBUG messages; GRPAX_DEBUG=1 keeps tracebacks)"
+    ),
+    "rl": Foreign(
+        "MaxText's RL debug logging (debug: {rl: ...}); grpax's is debug=true (its DEBUG messages)"
+    ),
     "rollout_enable_single_controller": Foreign(
         _PATHWAYS, ("false", "0", "no", "off"), "grpax runs one controller per host (jax.distributed)"
     ),

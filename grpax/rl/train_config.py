@@ -24,7 +24,7 @@ from grpax.config import (
     field,
     read_model_config,
 )
-from grpax.data.datasets import dataset_source, too_few_rows
+from grpax.data.datasets import dataset_files, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import GENERATION_CONFIGS_HELP, validate_eval_keys
 from grpax.models.lora import LoraConfig, check_rank
@@ -143,11 +143,16 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "evaluation batches (questions = num_test_batches * eval_batch_size); -1 = the whole split; "
         "0 = no evaluation",
     )
-    eval_batch_size: int = field(16, "questions per evaluation batch")
+    eval_batch_size: int = field(
+        16, "questions per evaluation batch; -1 = batch_size (MaxText rl.yml's default)"
+    )
     eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
     eval_before: bool = field(True, "evaluate before the first step")
     num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
-    eval_sampling_strategy: str = field("greedy", "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal")
+    eval_sampling_strategy: str = field(
+        "greedy",
+        "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal, or a name given in generation_configs",
+    )
     generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
@@ -258,6 +263,11 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         if self.lora_rank == 0:
             return None
         return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_target_modules, self.use_rslora)
+
+    def __post_init__(self):
+        if self.eval_batch_size == -1:  # MaxText rl.yml's default: the training batch_size
+            object.__setattr__(self, "eval_batch_size", self.batch_size)
+        super().__post_init__()
 
     def train_dataset(self) -> tuple[str, str]:
         """(the key that names the training rows, its value): hf_train_files when set, else dataset_name."""
@@ -496,12 +506,36 @@ def _warn_on_biased_choices(cfg: TrainConfig) -> None:
         )
 
 
-def _source(key: str, dataset: str, split: str) -> str:
-    """``dataset_source`` with its errors naming the key (they are raised again when the rows are read)."""
+def _sources(key: str, dataset: str, split: str) -> set[str]:
+    """What ``read_rows(dataset, split)`` reads, as a set: its resolved files (a glob's each), or the Hub name and
+    split; ``dataset_files``' errors naming the key (they are raised again when the rows are read)."""
     try:
-        return dataset_source(dataset, split)
+        files = dataset_files(dataset, split)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}={dataset!r}: {e}") from None
+    return {str(f.resolve()) for f in files} if files else {f"hub:{dataset}:{split}"}
+
+
+def _check_held_out(cfg: TrainConfig, train: tuple[str, str], evaluation: tuple[str, str]) -> None:
+    """Refuses evaluation rows read from a file the training rows are read from too (two globs may share some),
+    unless allow_eval_on_train_rows."""
+    (train_key, train_dataset), (key, dataset) = train, evaluation
+    train_sources = _sources(train_key, train_dataset, cfg.train_split)
+    eval_sources = _sources(key, dataset, cfg.eval_split)
+    shared = eval_sources & train_sources
+    if not shared or cfg.allow_eval_on_train_rows:
+        return
+    which = (
+        "the training rows"
+        if shared == eval_sources
+        else f"training rows (both read {', '.join(sorted(Path(s).name for s in shared))})"
+    )
+    raise ConfigError(
+        f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds {which} ({train_key}={train_dataset!r}, "
+        f"train_split={cfg.train_split!r}; a file has no splits): set "
+        f"{'hf_eval_files' if key == 'hf_eval_files' else 'eval_dataset_name'}=<held-out file or folder>, or "
+        "allow_eval_on_train_rows=true to evaluate on training rows anyway (num_test_batches=0: no evaluation)"
+    )
 
 
 def _load_rows(task: Task, key: str, dataset: str, split: str, split_key: str) -> list[dict]:
@@ -572,14 +606,7 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     if cfg.num_test_batches == 0:
         return Inputs(model_cfg, rows, [])
     key, dataset = cfg.eval_dataset()
-    train_source = _source(train_key, train_dataset, cfg.train_split)
-    if _source(key, dataset, cfg.eval_split) == train_source and not cfg.allow_eval_on_train_rows:
-        raise ConfigError(
-            f"{key}={dataset!r} (eval_split={cfg.eval_split!r}) holds the training rows ({train_key}="
-            f"{train_dataset!r}, train_split={cfg.train_split!r}; a file has no splits): set "
-            "eval_dataset_name=<held-out file or folder>, or allow_eval_on_train_rows=true to evaluate on "
-            "training rows anyway (num_test_batches=0: no evaluation)"
-        )
+    _check_held_out(cfg, (train_key, train_dataset), (key, dataset))
     eval_rows = _load_rows(task, key, dataset, cfg.eval_split, "eval_split")
     if not eval_rows:
         fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"

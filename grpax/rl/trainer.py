@@ -79,28 +79,44 @@ def converted_base(cfg: TrainConfig) -> TrainConfig:
     ``weight_dtype``) unless a conversion is there already; ``cfg`` itself otherwise.
 
     Raises:
-      ConfigError: no ``model_name`` to convert, or the conversion's own errors (no network for the Hub, ...).
+      ConfigError: no ``model_name`` to convert, the run's other keys (``validate``, checked before the
+        conversion's download), or the conversion's own errors (no network for the Hub, ...) in one line with
+        the ``grpax to_native`` command that takes that error's keys.
     """
     if cfg.load_parameters_path or not cfg.convert_checkpoint_if_possible or cfg.compile_topology:
         return cfg
     base = Path(cfg.base_output_directory)
+    converted = dataclasses.replace(cfg, load_parameters_path=str(base / "0" / "items"))
     if not (base / "0" / "items").exists():
         if not cfg.model_name:
             raise ConfigError(
                 "convert_checkpoint_if_possible=true without load_parameters_path needs model_name=<registered "
                 "name> to convert (or pass load_parameters_path)"
             )
+        validate(converted)  # a bad key stops the run before minutes of download, not after
         from grpax.checkpoint.convert import to_native  # noqa: PLC0415 - only for this key
 
         log.info("convert_checkpoint_if_possible: converting %s into %s/0/items", cfg.model_name, base)
-        to_native(
-            model_name=cfg.model_name,
-            base_output_directory=str(base),
-            hf_access_token=cfg.hf_access_token or None,
-            weight_dtype=cfg.weight_dtype,
-            scan_layers=cfg.scan_layers,
-        )
-    return dataclasses.replace(cfg, load_parameters_path=str(base / "0" / "items"))
+        try:
+            to_native(
+                model_name=cfg.model_name,
+                base_output_directory=str(base),
+                hf_access_token=cfg.hf_access_token or None,
+                weight_dtype=cfg.weight_dtype,
+                scan_layers=cfg.scan_layers,
+            )
+        except (
+            ConfigError,
+            OSError,
+            ValueError,
+        ) as e:  # its fixes name to_native's keys (hf_model_path, ...)
+            raise ConfigError(
+                f"convert_checkpoint_if_possible=true: converting model_name={cfg.model_name} into {base}/0/items "
+                f"failed: {e} (the keys named are grpax to_native's: convert with grpax to_native "
+                f"model_name={cfg.model_name} base_output_directory={base} and them, then pass "
+                f"load_parameters_path={base}/0/items)"
+            ) from None
+    return converted
 
 
 def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = None) -> dict:
