@@ -220,12 +220,44 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(server: Server) -> FastAPI:
     """The FastAPI app over ``server`` (its worker must be started)."""
     app = FastAPI(title="grpax serve", docs_url=None, redoc_url=None)
+    _add_error_handlers(app)
 
     async def authorize(request: Request) -> None:
         if server.api_key:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
                 raise RequestError("invalid or missing API key (Authorization: Bearer <api_key>)", None, 401)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "policy_version": server.worker.version}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return _models(server)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = server.completion_prompts(body)
+        max_tokens = server.check(body, prompts, body.max_tokens, 16)  # OpenAI's default for completions
+        return await _respond(server, request, body, prompts, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompts = [server.chat_prompt(body)]
+        asked = body.max_completion_tokens or body.max_tokens
+        max_tokens = server.check(body, prompts, asked, server.worker.max_completion_length)
+        return await _respond(server, request, body, prompts, max_tokens, chat=True)
+
+    @app.post("/v1/update_params", dependencies=[Depends(authorize)])
+    async def update_params(request: Request):
+        return await _update_params(server, request)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answered as OpenAI's JSON error body: a request's own, a validation's, HTTP's, a crash's."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -244,64 +276,48 @@ def build_app(server: Server) -> FastAPI:
         logger.exception("request failed")
         return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "policy_version": server.worker.version}
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models():
-        w = server.worker
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_id,
-                    "object": "model",
-                    "created": protocol.now(),
-                    "owned_by": "grpax",
-                    "max_model_len": w.max_prompt_length + w.max_completion_length,
-                    "policy_version": w.version,
-                }
-            ],
-        }
+def _models(server: Server) -> dict:
+    """``GET /v1/models``: the one model served, its context length and policy version."""
+    w = server.worker
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": server.model_id,
+                "object": "model",
+                "created": protocol.now(),
+                "owned_by": "grpax",
+                "max_model_len": w.max_prompt_length + w.max_completion_length,
+                "policy_version": w.version,
+            }
+        ],
+    }
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request):
-        prompts = server.completion_prompts(body)
-        max_tokens = server.check(body, prompts, body.max_tokens, 16)  # OpenAI's default for completions
-        return await _respond(server, request, body, prompts, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompts = [server.chat_prompt(body)]
-        asked = body.max_completion_tokens or body.max_tokens
-        max_tokens = server.check(body, prompts, asked, server.worker.max_completion_length)
-        return await _respond(server, request, body, prompts, max_tokens, chat=True)
-
-    @app.post("/v1/update_params", dependencies=[Depends(authorize)])
-    async def update_params(request: Request):
-        if server.load_params is None:
-            raise RequestError(
-                "weight updates are off: start grpax serve with allow_update_params=true", None, 403
-            )
+async def _update_params(server: Server, request: Request) -> dict:
+    """``POST /v1/update_params``: the weights of ``load_parameters_path`` swapped in as ``version`` (default:
+    the next), queued work kept."""
+    if server.load_params is None:
+        raise RequestError(
+            "weight updates are off: start grpax serve with allow_update_params=true", None, 403
+        )
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RequestError(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("load_parameters_path"), str):
+        raise RequestError("load_parameters_path: expected the checkpoint's path", "load_parameters_path")
+    version = body.get("version", server.worker.version + 1)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RequestError(f"version={version!r}: expected an integer", "version")
+    async with server._swap:
         try:
-            body = await request.json()
-        except ValueError as e:
-            raise RequestError(f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict) or not isinstance(body.get("load_parameters_path"), str):
-            raise RequestError("load_parameters_path: expected the checkpoint's path", "load_parameters_path")
-        version = body.get("version", server.worker.version + 1)
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise RequestError(f"version={version!r}: expected an integer", "version")
-        async with server._swap:
-            try:
-                params = await asyncio.to_thread(server.load_params, body["load_parameters_path"])
-            except (OSError, ValueError) as e:
-                raise RequestError(f"load_parameters_path: {e}", "load_parameters_path") from None
-            await asyncio.to_thread(server.worker.update_params, params, version)
-        return {"policy_version": version}
-
-    return app
+            params = await asyncio.to_thread(server.load_params, body["load_parameters_path"])
+        except (OSError, ValueError) as e:
+            raise RequestError(f"load_parameters_path: {e}", "load_parameters_path") from None
+        await asyncio.to_thread(server.worker.update_params, params, version)
+    return {"policy_version": version}
 
 
 async def _respond(server: Server, request: Request, body, prompts, max_tokens: int, *, chat: bool):
