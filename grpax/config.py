@@ -51,32 +51,6 @@ def _parse_bool(key: str, text: str) -> bool:
     raise ConfigError(f"{key}={text!r}: expected a boolean (true/false)")
 
 
-class FrozenDict(dict):
-    """A mapping key's value: a dict (JSON writes it as one) that is hashable, as the frozen configs holding it
-    must be, and refuses changes."""
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(tuple(sorted(self.items(), key=lambda kv: str(kv[0]))))
-
-    def _frozen(self, *args, **kwargs):
-        raise TypeError("a config's mapping is read-only")
-
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen  # type: ignore[assignment]
-
-    def __copy__(self) -> FrozenDict:
-        return self  # read-only: a copy is itself (``field``'s default is deep-copied per instance)
-
-    def __deepcopy__(self, memo: dict) -> FrozenDict:
-        return self
-
-    @classmethod
-    def of(cls, value: Any) -> Any:
-        """``value`` with its mappings frozen and its lists made tuples, all the way down."""
-        if isinstance(value, dict):
-            return cls((k, cls.of(v)) for k, v in value.items())
-        return tuple(cls.of(v) for v in value) if isinstance(value, list) else value
-
-
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Converts a YAML or command-line value to the field's annotated type."""
     if isinstance(annotation, str):
@@ -121,10 +95,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if annotation is dict or origin is dict:  # a YAML mapping, or its flow form on the command line
         parsed = _flow_mapping(key, value) if isinstance(value, str) else value
         if parsed is None or parsed == "":
-            return FrozenDict()
+            return {}
         if not isinstance(parsed, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping, e.g. {key}={{name: {{key: value}}}}")
-        return FrozenDict.of(parsed)
+        return parsed
     if annotation is str:
         if value is None or isinstance(
             value, bool

@@ -257,13 +257,14 @@ def test_convert_checkpoint_if_possible_converts_model_name_once(tmp_path, monke
         f"base_output_directory={tmp_path}",
         "convert_checkpoint_if_possible=true",
         "weight_dtype=bfloat16",
+        "hf_access_token=hf_secret",
     ]
     cfg = build_config(TrainConfig, keys)
     for _ in range(2):
         assert converted_base(cfg).load_parameters_path == str(tmp_path / "0" / "items")
-    assert [(c["model_name"], c["base_output_directory"], c["weight_dtype"]) for c in calls] == [
-        ("smollm2-135m-Instruct", str(tmp_path), "bfloat16")
-    ]
+    assert [
+        (c["model_name"], c["base_output_directory"], c["weight_dtype"], c["hf_access_token"]) for c in calls
+    ] == [("smollm2-135m-Instruct", str(tmp_path), "bfloat16", "hf_secret")]
     given = build_config(TrainConfig, [*keys, "load_parameters_path=ckpt"])
     assert (
         converted_base(given) is given
@@ -305,18 +306,6 @@ def test_learning_rate_schedule_steps_sets_the_schedules_length():
         validate(build_config(TrainConfig, ["load_parameters_path=x", "learning_rate_schedule_steps=0"]))
 
 
-def test_a_mapping_key_keeps_the_config_hashable_and_read_only():
-    """The planner hashes the run's config (a dict-valued generation_configs made it unhashable)."""
-    keys = ["generation_configs={standard: {eval_temperature: 0.5, eval_top_k: 20}}"]
-    cfg, again = build_config(TrainConfig, keys), build_config(TrainConfig, keys)
-    assert cfg == again and hash(cfg) == hash(again) and hash(build_config(TrainConfig, [])) is not None
-    assert json.loads(json.dumps(cfg.generation_configs)) == {
-        "standard": {"eval_temperature": 0.5, "eval_top_k": 20}
-    }
-    with pytest.raises(TypeError, match="read-only"):
-        cfg.generation_configs["standard"]["eval_top_k"] = 1
-
-
 def test_generation_configs_in_the_compact_flow_form_of_maxtexts_scripts():
     """MaxText's scripts write command-line mappings without spaces (``vllm_hf_overrides={architectures:[...]}``);
     YAML alone reads ``{mine:{eval_temperature:0.5}}`` as the key 'eval_temperature:0.5' with no value."""
@@ -349,9 +338,9 @@ def test_a_config_with_generation_configs_stays_hashable_with_its_own_mapping():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != build_config(TrainConfig, ["generation_configs={mine:{eval_temperature:0.6}}"])
     first, second = TrainConfig(), TrainConfig()
-    with pytest.raises(TypeError, match="read-only"):  # no instance can change another's (or its own)
-        first.generation_configs["mine"] = {"eval_temperature": 0.5}
-    assert first.generation_configs == second.generation_configs == {}
+    first.generation_configs["mine"] = {"eval_temperature": 0.5}
+    assert second.generation_configs == {}
+    assert json.loads(json.dumps(a.generation_configs)) == {"mine": {"eval_temperature": 0.5}}  # config.json
 
 
 def test_eval_batch_size_minus_one_is_batch_size_as_in_maxtexts_rl_yml():
@@ -492,3 +481,27 @@ def test_hf_train_files_reads_a_json_file_holding_one_array(tmp_path):
     assert read_rows(str(tmp_path / "*.json"), "train") == (rows + rows[:2], str(tmp_path / "*.json"))
     cfg = build_config(TrainConfig, [f"hf_train_files={tmp_path / 'a.json'}"])
     assert [r["gold"] for r in build_task(cfg).load_rows(cfg.hf_train_files, "train")] == ["1", "2", "3"]
+
+
+def test_generation_configs_reach_the_trainers_evaluation_sampler(monkeypatch):
+    """train_rl's evaluation sampler takes the chosen strategy's generation_configs entry."""
+    from grpax.models.registry import ModelConfig
+    from grpax.rl import trainer
+
+    monkeypatch.setattr(trainer, "stop_token_ids", lambda tokenizer, model_cfg: (1,))
+    model_cfg = ModelConfig(
+        vocab_size=64, hidden_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64
+    )
+    keys = [
+        "generation_configs={standard:{eval_temperature:0.5,eval_top_k:20}}",
+        "eval_sampling_strategy=standard",
+    ]
+    cfg = build_config(TrainConfig, keys)
+    rollout, evaluation = trainer._sampler_configs(cfg, cfg.grpo(), None, model_cfg)
+    assert (evaluation.greedy, evaluation.temperature, evaluation.top_k, evaluation.top_p) == (
+        False,
+        0.5,
+        20,
+        0.95,
+    )
+    assert (rollout.temperature, rollout.top_k) == (cfg.temperature, cfg.decode_sampling_top_k)

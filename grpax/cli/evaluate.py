@@ -9,7 +9,6 @@ from pathlib import Path
 from grpax.config import (
     ConfigError,
     EngineKeys,
-    FrozenDict,
     ModelKeys,
     RuntimeKeys,
     check_engine_keys,
@@ -60,7 +59,7 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
     eval_sampling_strategy: str = field(
         "greedy", "greedy | standard | liberal (MaxText rl.yml), or a name given in generation_configs"
     )
-    generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
+    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
         "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "

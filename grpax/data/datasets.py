@@ -226,16 +226,11 @@ def read_rows(path_or_name: str, split: str, hub_config: str | None = None) -> t
         ValueError: a JSONL line is not UTF-8 or not JSON (file and line named).
     """
     files = dataset_files(path_or_name, split)
-    if files:
+    if len(files) == 1:
+        return _read_files(files), str(files[0])
+    if files:  # a glob as given, or a folder's shards
         glob = any(c in path_or_name for c in _GLOB)
-        source = (
-            str(files[0])
-            if len(files) == 1
-            else path_or_name
-            if glob
-            else f"{files[0].parent}/{split}-*.parquet"
-        )
-        return _read_files(files), source
+        return _read_files(files), path_or_name if glob else f"{files[0].parent}/{split}-*.parquet"
     what = "Hub files" if path_or_name.startswith(_HUB_FILES) else "Hub dataset"
     return _load_from_hub(path_or_name, split, hub_config), f"{what} {path_or_name}"
 

@@ -43,27 +43,24 @@ def eval_sampling(cfg: Any) -> dict[str, Any]:
     return {**fields, "greedy": False} if given else fields
 
 
+# each entry key's type, range and the range's words
+_GENERATION_RANGES = {
+    "eval_temperature": (float, lambda v: v > 0, "> 0"),
+    "eval_top_k": (int, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "eval_top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
 def _validate_generation_configs(configs: Any) -> None:
     for name, entry in (configs or {}).items():
         where = f"generation_configs.{name}"
         if not isinstance(entry, dict) or set(entry) - set(GENERATION_KEYS):
             raise ConfigError(f"{where}={entry!r}: expected a mapping of {', '.join(GENERATION_KEYS)}")
         for key, value in entry.items():
-            kind = int if key == "eval_top_k" else float
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == kind(value)
-            low = {"eval_temperature": 0.0, "eval_top_k": 0, "eval_top_p": 0.0}[key]
-            if (
-                not ok
-                or value < low
-                or (key != "eval_top_k" and value <= low)
-                or (key == "eval_top_p" and value > 1)
-            ):
-                need = {
-                    "eval_temperature": "> 0",
-                    "eval_top_k": "an integer >= 0 (0: off)",
-                    "eval_top_p": "in (0, 1]",
-                }
-                raise ConfigError(f"{where}.{key}={value!r}: expected {need[key]}")
+            kind, in_range, need = _GENERATION_RANGES[key]
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and value == kind(value) and in_range(value)):
+                raise ConfigError(f"{where}.{key}={value!r}: expected {need}")
 
 
 def validate_eval_keys(cfg: Any, *, allow_no_eval: bool) -> None:

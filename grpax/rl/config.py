@@ -160,11 +160,6 @@ class GRPOConfig:
         "the run ends before the decay does; shorter: the rate stays at end_lr_ratio x learning_rate after it",
     )
 
-    def schedule_steps(self, num_batches: int) -> int:
-        """Optimizer updates the learning-rate schedule spans: its training steps x ``num_iterations``."""
-        steps = num_batches if self.learning_rate_schedule_steps < 0 else self.learning_rate_schedule_steps
-        return steps * self.num_iterations
-
     num_micro_batches: int = field(
         1,
         "gradient accumulation: the batch rows are split into this many "
@@ -209,8 +204,19 @@ class GRPOConfig:
         """eps_high, defaulting to eps."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def schedule_steps(self, num_batches: int) -> int:
+        """Optimizer updates the learning-rate schedule spans (``schedule_steps``)."""
+        return schedule_steps(num_batches, self.learning_rate_schedule_steps, self.num_iterations)
+
     def replace(self, **kwargs) -> GRPOConfig:
         return dataclasses.replace(self, **kwargs)
+
+
+def schedule_steps(num_batches: int, learning_rate_schedule_steps: int, num_iterations: int) -> int:
+    """Optimizer updates the learning-rate schedule spans: its training steps (``learning_rate_schedule_steps``,
+    -1 = ``num_batches``) x ``num_iterations``."""
+    steps = num_batches if learning_rate_schedule_steps < 0 else learning_rate_schedule_steps
+    return steps * num_iterations
 
 
 def validate(cfg: GRPOConfig) -> None:

@@ -149,6 +149,7 @@ def warn_on_schedule_change(saved: dict, current: dict, changes: dict, step: int
     """Warns (one line) when a resume's changed keys rebuild the learning-rate schedule so that the rate at
     ``step`` differs from the saved run's: a longer run's cosine restarts its decay from higher up, a new
     ``learning_rate`` jumps at once."""
+    from grpax.rl.config import schedule_steps
     from grpax.rl.optim import make_lr_schedule
 
     changed = [k for k in SCHEDULE_KEYS if k in changes]
@@ -159,7 +160,7 @@ def warn_on_schedule_change(saved: dict, current: dict, changes: dict, step: int
         iters, length = int(c.get("num_iterations", 1)), int(c.get("learning_rate_schedule_steps", -1))
         schedule = make_lr_schedule(
             float(c["learning_rate"]),
-            (int(c["num_batches"]) if length < 0 else length) * iters,
+            schedule_steps(int(c["num_batches"]), length, iters),
             warmup_ratio=float(c.get("warmup_ratio", 0.0)),
             schedule=str(c.get("lr_schedule", "cosine")),
             end_lr_ratio=float(c.get("end_lr_ratio", 0.0)),

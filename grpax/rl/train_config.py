@@ -17,7 +17,6 @@ from grpax import sharding
 from grpax.config import (
     ConfigError,
     EngineKeys,
-    FrozenDict,
     ModelKeys,
     RuntimeKeys,
     check_engine_keys,
@@ -153,7 +152,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "greedy",
         "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal, or a name given in generation_configs",
     )
-    generation_configs: dict = field(FrozenDict(), GENERATION_CONFIGS_HELP)
+    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
     eval_mode: str = field(
         "pass",
         "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
@@ -280,7 +279,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     def eval_dataset(self) -> tuple[str, str]:
         """(the key that names the evaluation rows, its value): hf_eval_files, eval_dataset_name or
         dataset_name, the first set."""
-        for key in ("hf_eval_files", "eval_dataset_name", "dataset_name"):
+        for key in ("hf_eval_files", "eval_dataset_name"):
             if getattr(self, key):
                 return key, getattr(self, key)
         return "dataset_name", self.dataset_name
@@ -324,7 +323,7 @@ def _validate_profiler(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
     the choices', the evaluation and export's and the micro-batches' in the checks below)."""
-    if not cfg.load_parameters_path and not cfg.compile_topology:
+    if not cfg.load_parameters_path and not cfg.compile_topology and not cfg.convert_checkpoint_if_possible:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
             "`grpax to_native ... base_output_directory=DIR` and pass DIR/0/items (or convert_checkpoint_if_possible="

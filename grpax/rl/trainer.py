@@ -78,10 +78,11 @@ def converted_base(cfg: TrainConfig) -> TrainConfig:
     ``base_output_directory/0/items``, where ``model_name`` is converted first (``grpax to_native``, in
     ``weight_dtype``) unless a conversion is there already; ``cfg`` itself otherwise.
 
+    Called after ``validate``, which lets an empty ``load_parameters_path`` through with this key.
+
     Raises:
-      ConfigError: no ``model_name`` to convert, the run's other keys (``validate``, checked before the
-        conversion's download), or the conversion's own errors (no network for the Hub, ...) in one line with
-        the ``grpax to_native`` command that takes that error's keys.
+      ConfigError: no ``model_name`` to convert, or the conversion's own errors (no network for the Hub, ...) in
+        one line with the ``grpax to_native`` command that takes that error's keys.
     """
     if cfg.load_parameters_path or not cfg.convert_checkpoint_if_possible or cfg.compile_topology:
         return cfg
@@ -93,7 +94,6 @@ def converted_base(cfg: TrainConfig) -> TrainConfig:
                 "convert_checkpoint_if_possible=true without load_parameters_path needs model_name=<registered "
                 "name> to convert (or pass load_parameters_path)"
             )
-        validate(converted)  # a bad key stops the run before minutes of download, not after
         from grpax.checkpoint.convert import to_native  # noqa: PLC0415 - only for this key
 
         log.info("convert_checkpoint_if_possible: converting %s into %s/0/items", cfg.model_name, base)
@@ -144,8 +144,8 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
       RewardFunctionError: a user reward function raised or returned a bad value (before that step's update;
         the last checkpoint is kept).
     """
+    validate(cfg)  # a bad key stops the run before a conversion's minutes of download, not after
     cfg = converted_base(cfg)
-    validate(cfg)
     task = build_task(cfg)
     inputs = check_inputs(cfg, task)
     distributed.maybe_initialize(cfg.skip_jax_distributed_system)
