@@ -146,6 +146,18 @@ JAX_CACHE_DIR_HELP = (
 )
 
 
+HARDWARE_HELP = (
+    "auto | cpu | gpu | tpu | gpu_multiprocess: auto = the accelerator JAX finds (TPU, then GPU), else the CPU; "
+    "a JAX_PLATFORMS set in the environment wins"
+)
+# to_native and to_huggingface: conversion is host work (numpy and file I/O), and an accelerator is held by one
+# process at a time, so they leave it to a job that may be running.
+HOST_HARDWARE_HELP = (
+    "cpu | auto | gpu | tpu | gpu_multiprocess: cpu by default, since conversion is host work and leaves the "
+    "accelerator to a job that may hold it; auto = the accelerator JAX finds; a JAX_PLATFORMS set wins"
+)
+
+
 # MaxText keys that some grpax commands do not need: accepted everywhere (so MaxText command lines work
 # unchanged) with a note, instead of an unknown-key error.
 MAXTEXT_KEYS = frozenset(
@@ -545,7 +557,7 @@ ATTENTION_HELP = (
 class RuntimeKeys:
     """Where a command runs (MaxText's keys): the JAX platform, the compilation cache, several hosts."""
 
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets the JAX platform when unset)")
+    hardware: str = field("auto", HARDWARE_HELP)
     jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     debug: bool = field(False, "log grpax's DEBUG messages too (MaxText key)")

@@ -5,7 +5,11 @@ import json
 import os
 from pathlib import Path
 
-import jax
+# Tests and CI run on the CPU on purpose (CI has no accelerator; hardware=auto would pick one where attached):
+# JAX_PLATFORMS=tpu python3 -m pytest ... runs them on a chip instead.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402 - after the platform is pinned
 import pytest
 
 from grpax.checkpoint.gguf import read_gguf

@@ -187,6 +187,44 @@ def test_select_hardware(monkeypatch):
         select_hardware("x")
 
 
+def test_hardware_auto_lets_jax_take_an_attached_accelerator_and_pins_the_cpu_otherwise(monkeypatch):
+    from grpax.cli import common
+    from grpax.cli.train_rl import CONFIG
+
+    assert build_config(CONFIG, []).hardware == "auto"  # the default of the commands that compute
+    monkeypatch.delenv("JAX_PLATFORMS")
+    select_hardware("auto", attached=["/dev/accel0"])  # a TPU VM: JAX picks the TPU (then a GPU, then the CPU)
+    assert "JAX_PLATFORMS" not in os.environ
+    select_hardware("auto", attached=[])  # no accelerator: the CPU, without probing libtpu for a chip
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(common.glob, "glob", lambda p: ["/dev/nvidia0"] if p == "/dev/nvidia[0-9]*" else [])
+    assert common.attached_accelerators() == ["/dev/nvidia0"]
+    select_hardware("auto")  # the default probe, on a mocked device list
+    assert "JAX_PLATFORMS" not in os.environ
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    select_hardware("auto", attached=["/dev/accel0"])  # an explicit JAX_PLATFORMS wins
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_describe_devices_names_platform_kind_and_count(monkeypatch):
+    import types
+
+    import jax
+
+    from grpax.cli.common import describe_devices
+
+    chips = [types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite") for _ in range(4)]
+    monkeypatch.setattr(jax, "devices", lambda: chips)
+    assert describe_devices() == "tpu: 4 x TPU v5 lite"
+
+
+def test_the_first_log_line_names_the_devices(tmp_path, capfd):
+    assert main(["to_native", f"base_output_directory={tmp_path}", "hf_model_path=/nonexistent"]) == 2
+    first = capfd.readouterr().err.splitlines()[0]
+    assert first.endswith(f" grpax: grpax to_native on cpu: {jax.device_count()} x cpu"), first
+
+
 def test_maybe_initialize_distributed(monkeypatch):
     import jax
 

@@ -2,29 +2,55 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 
 from grpax.config import JAX_CACHE_DIR_HELP, ConfigError  # noqa: F401 - the key's doc, for its users
 
-HARDWARE = ("cpu", "gpu", "tpu", "gpu_multiprocess")
+HARDWARE = ("auto", "cpu", "gpu", "tpu", "gpu_multiprocess")
+# Device nodes of attached accelerators: TPU chips (/dev/accel* on v2-v4 and v5e, VFIO groups on v5p and v6e),
+# NVIDIA GPUs, AMD GPUs (the ROCm kernel driver).
+ACCELERATOR_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
 log = logging.getLogger("grpax")
 
 
-def select_hardware(hardware: str) -> None:
+def attached_accelerators() -> list[str]:
+    """The accelerator device nodes of this machine (``ACCELERATOR_NODES``), sorted; empty on a CPU-only host."""
+    return sorted(path for pattern in ACCELERATOR_NODES for path in glob.glob(pattern))
+
+
+def select_hardware(hardware: str, attached: list[str] | None = None) -> None:
     """Validates ``hardware`` and sets ``JAX_PLATFORMS`` from it unless the user already set it.
 
-    Must run before JAX initialises a backend.
+    ``auto`` lets JAX choose (it takes a TPU, then a GPU, then the CPU) where an accelerator is attached
+    (``attached``: ``attached_accelerators()`` by default), and pins the CPU where none is, so that a CPU-only
+    host with an accelerator's runtime installed (``libtpu`` from ``jax[tpu]``) starts at once and quietly
+    instead of probing for a chip. Must run before JAX initialises a backend.
 
     Raises:
-      ConfigError: if ``hardware`` is not one of cpu, gpu, tpu, gpu_multiprocess.
+      ConfigError: if ``hardware`` is not one of ``HARDWARE``.
     """
     if hardware not in HARDWARE:
         raise ConfigError(f"hardware={hardware!r}: expected one of {', '.join(HARDWARE)}")
-    if not os.environ.get("JAX_PLATFORMS"):
-        os.environ["JAX_PLATFORMS"] = {"gpu_multiprocess": "cuda"}.get(
-            hardware, "cuda" if hardware == "gpu" else hardware
-        )
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    if hardware == "auto":
+        if not (attached_accelerators() if attached is None else attached):
+            os.environ["JAX_PLATFORMS"] = "cpu"
+        return
+    os.environ["JAX_PLATFORMS"] = "cuda" if hardware in ("gpu", "gpu_multiprocess") else hardware
+
+
+def describe_devices() -> str:
+    """One line naming the platform, device kind and count a command runs on, e.g. ``tpu: 1 x TPU v5 lite``
+    (``4 x NVIDIA H100 80GB HBM3 on 2 hosts`` over several processes)."""
+    import jax
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    hosts = f" on {jax.process_count()} hosts" if jax.process_count() > 1 else ""
+    return f"{devices[0].platform}: {len(devices)} x {', '.join(kinds)}{hosts}"
 
 
 def compilation_cache_dir(jax_cache_dir: str) -> str | None:

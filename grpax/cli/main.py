@@ -41,9 +41,13 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def select_platform(hardware: str) -> None:
-    """Points JAX at ``hardware`` (unless JAX_PLATFORMS is set) and checks that the platform exists: the one
-    place a command's ``hardware`` key is acted on (before the command runs, before JAX starts a backend).
+def select_platform(hardware: str) -> str:
+    """Points JAX at ``hardware`` (``grpax.cli.common.select_hardware``; a JAX_PLATFORMS set wins) and checks
+    that the platform exists: the one place a command's ``hardware`` key is acted on (before the command runs,
+    before JAX starts a backend).
+
+    Returns:
+      ``describe_devices()``: the platform, device kind and count the command runs on.
 
     Raises:
       ConfigError: an unknown value, or no such device (one line instead of JAX's traceback).
@@ -52,10 +56,11 @@ def select_platform(hardware: str) -> None:
 
     import jax
 
-    from grpax.cli.common import select_hardware
+    from grpax.cli.common import attached_accelerators, describe_devices, select_hardware
 
     select_hardware(hardware)
-    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+    if os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     try:
         jax.devices()
     except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or AssertionError here
@@ -66,6 +71,13 @@ def select_platform(hardware: str) -> None:
             f"{str(e).splitlines()[0][:120] if str(e) else 'backend failed to start'}); "
             f"{hint}pass hardware=cpu"
         ) from None
+    if hardware == "auto" and jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu":
+        logging.getLogger("grpax").warning(
+            "hardware=auto: an accelerator is attached (%s) but JAX found none and runs on the CPU: install "
+            'its JAX build (pip install -e ".[tpu]" or ".[cuda]"), or pass hardware=cpu to say so',
+            ", ".join(attached_accelerators()[:2]),
+        )
+    return describe_devices()
 
 
 def usage() -> str:
@@ -110,12 +122,18 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(config, "debug", False):  # MaxText's key
                 logging.getLogger("grpax").setLevel(logging.DEBUG)
             hardware = getattr(config, "hardware", None)
-            if getattr(config, "compile_topology", ""):
+            topology = getattr(config, "compile_topology", "")
+            if topology:
                 # Compile-only (MaxText's train_compile): the slice's devices come from libtpu, so the host
                 # needs no accelerator, whatever `hardware` the run's own command names.
                 hardware = "cpu"
             if hardware:
-                select_platform(hardware)
+                where = select_platform(hardware)
+                if topology:
+                    where = f"{topology}'s compiler (compile only; this host: {where})"
+                elif hardware == "auto":
+                    where += " (hardware=auto)"
+                logging.getLogger("grpax").info("grpax %s on %s", name, where)
                 if not getattr(config, "compile_topology", ""):  # a slice's programs never run here
                     from grpax.cli.common import enable_compilation_cache
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from grpax.config import field
+from grpax.config import HOST_HARDWARE_HELP, field
 
 DESCRIPTION = (
     "Exports the grpax checkpoint at load_parameters_path (<base>/0/items of a conversion, or "
@@ -48,7 +48,7 @@ class CONFIG:
     max_shard_size: int = field(2 * 1024**3, "bytes per safetensors shard; more shards write an index")
     scan_layers: bool = field(True, "accepted for MaxText compatibility; the stored layout is read as it is")
     use_multimodal: bool = field(False, "multimodal models are not supported; must be false")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets JAX_PLATFORMS unless already set)")
+    hardware: str = field("cpu", HOST_HARDWARE_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize() on multi-host")
 
 

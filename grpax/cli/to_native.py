@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from grpax.config import field
+from grpax.config import HOST_HARDWARE_HELP, field
 
 DESCRIPTION = (
     "Converts a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3 causal LMs, or the text "
@@ -37,7 +37,7 @@ class CONFIG:
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr v3 array format")
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT key-value store (fewer files)")
     use_multimodal: bool = field(False, "multimodal models are not supported; must be false")
-    hardware: str = field("cpu", "cpu | gpu | tpu | gpu_multiprocess (sets JAX_PLATFORMS unless already set)")
+    hardware: str = field("cpu", HOST_HARDWARE_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize() on multi-host")
 
 
