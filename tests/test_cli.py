@@ -193,7 +193,9 @@ def test_hardware_auto_lets_jax_take_an_attached_accelerator_and_pins_the_cpu_ot
 
     assert build_config(CONFIG, []).hardware == "auto"  # the default of the commands that compute
     monkeypatch.delenv("JAX_PLATFORMS")
-    select_hardware("auto", attached=["/dev/accel0"])  # a TPU VM: JAX picks the TPU (then a GPU, then the CPU)
+    select_hardware(
+        "auto", attached=["/dev/accel0"]
+    )  # a TPU VM: JAX picks the TPU (then a GPU, then the CPU)
     assert "JAX_PLATFORMS" not in os.environ
     select_hardware("auto", attached=[])  # no accelerator: the CPU, without probing libtpu for a chip
     assert os.environ["JAX_PLATFORMS"] == "cpu"

@@ -69,6 +69,7 @@ from grpax.sampler.paging import PagePool
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("left", "drop")
+PROGRAM_SETS = ("auto", "fixed", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,14 @@ class SamplerConfig:
     # Decode steps per device call at most: between calls the host refills free slots and takes new pages. A
     # call returns early when a sequence ends while another waits for a slot.
     decode_steps_per_call: int = 16
+    # Which programs the engine compiles (``program_set``): "fixed" = one decode slot count (every slot), the
+    # whole page table, one prompt padding (max_prompt_length, or prompt_length_buckets where given), one prompt
+    # count per group size, and sampling rules read as data, so that every use (rollout, evaluation, generate)
+    # shares them: a small set known before the run, compiled once; "adaptive" = the ladders that follow the
+    # work (retire_rows' slot counts, decode_phase_length's widths, 64-token buckets, power-of-two prompt
+    # counts: one compile each, worth it where an idle slot costs its full work); "auto" = fixed on an
+    # accelerator, where an idle slot costs far less than a compile (docs/benchmarks.md), adaptive on CPU.
+    programs: str = "auto"
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -143,6 +152,8 @@ class SamplerConfig:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        if self.programs not in PROGRAM_SETS:
+            raise ValueError(f"programs={self.programs!r}: expected one of {PROGRAM_SETS}")
         if not isinstance(self.retire_rows, bool):
             raise ValueError(f"retire_rows={self.retire_rows!r}: expected true or false")
         if self.decode_phase_length < 0:
@@ -186,6 +197,33 @@ class SamplerConfig:
     def pages_per_sequence(self) -> int:
         """Pages of a sequence of max_prompt_length + max_completion_length tokens (the page table's width)."""
         return -(-(self.max_prompt_length + self.max_completion_length) // self.page_size)
+
+
+def fixed_programs(sampler_cfg: SamplerConfig, params: Params) -> bool:
+    """Whether an engine on ``params`` (concrete or abstract with shardings) compiles the fixed program set
+    (``SamplerConfig.programs``; auto: where the params live on accelerators)."""
+    if sampler_cfg.programs != "auto":
+        return sampler_cfg.programs == "fixed"
+    try:
+        devices = jax.tree.leaves(params)[0].sharding.device_set
+    except (AttributeError, ValueError, RuntimeError):  # unplaced, or an abstract mesh without devices
+        devices = jax.devices()
+    return all(d.platform != "cpu" for d in devices)
+
+
+def program_config(sampler_cfg: SamplerConfig, fixed: bool) -> SamplerConfig:
+    """The ``SamplerConfig`` the programs are compiled with (a static argument): with the fixed set, its
+    sampling fields at their neutral values (every row's rule is data), so that engines of other sampling (an
+    evaluation's greedy rows, a request's own) run the rollout's programs."""
+    if not fixed:
+        return sampler_cfg
+    return dataclasses.replace(sampler_cfg, temperature=1.0, top_k=0, top_p=1.0, greedy=False)
+
+
+def fixed_prefill_prompts(num_slots: int, num_generations: int) -> int:
+    """The prompt count of every prefill of a fixed program set: the most prompts of G completions that fill
+    ``num_slots`` slots, rounded up to a power of two."""
+    return _pow2(-(-num_slots // num_generations))
 
 
 class SamplingRule(NamedTuple):
@@ -420,6 +458,8 @@ def abstract_programs(
     """The engine's two programs with abstract arguments for ``num_prompts`` x G sequences in flight (the decode
     slots full, the largest prefill ``prefill_prompts``, prompts of the largest bucket, the pool, the widest page
     table, every row at ``sampler_cfg``'s sampling rule: the rollout's programs): what a compile check lowers.
+    With the fixed program set (``fixed_programs``) they are exactly the programs the engine runs, its inputs
+    placed as here (``Engine._put``), so that a run reads them from the persistent compilation cache.
 
     Args:
       params: the rollout's params, concrete or ``jax.ShapeDtypeStruct`` with shardings.
@@ -428,10 +468,12 @@ def abstract_programs(
     Returns:
       {"prefill": (jitted, args, kwargs), "decode": (jitted, args, kwargs)}: ``jitted.lower(*args, **kwargs)``.
     """
-    sc, G = sampler_cfg, num_generations
-    backend = routing_backend(backend, cfg, sc)
-    N = prefill_prompts(sc, num_prompts, G)
+    G = num_generations
+    backend = routing_backend(backend, cfg, sampler_cfg)
+    fixed = fixed_programs(sampler_cfg, params)
+    sc = program_config(sampler_cfg, fixed)
     S, P, V = sc.decode_slots(num_prompts * G), sc.max_prompt_length, cfg.vocab_size
+    N = fixed_prefill_prompts(S, G) if fixed else prefill_prompts(sc, num_prompts, G)
     pages = abstract_pool(params, cfg, sc, backend, pool_pages(sc, S))
     replicated = _pool_sharding(params, cfg, _Replicated())
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
@@ -440,9 +482,17 @@ def abstract_programs(
     def spec(shape, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
+    def rule(rows):  # the fixed set reads every row's sampling rule as data (Engine._rules)
+        dtypes = (jnp.float32, jnp.int32, jnp.float32)
+        return (
+            dict(zip(programs.RULE_FIELDS, (spec((rows,), d) for d in dtypes), strict=True))
+            if fixed
+            else None
+        )
+
     prefill_args = (
         params, pages, spec((N, P)), spec((N,)), spec((N, G, P)), spec((N * G, *key_data.shape), key_data.dtype),
-        spec((N * G,)), None,
+        spec((N * G,)), rule(N * G),
     )  # fmt: skip
     prefill_kwargs = dict(
         cfg=cfg, sampler_cfg=sc, num_generations=G, backend=backend, plan=None, key_impl=key_impl
@@ -461,7 +511,7 @@ def abstract_programs(
         prepared = jax.eval_shape(
             _prepare, params, cfg, backend, sc.max_prompt_length + sc.max_completion_length
         )
-    decode_args = (prepared, pages, slots, None, spec((V,), bool), spec((V,), bool), spec(()))
+    decode_args = (prepared, pages, slots, rule(S), spec((V,), bool), spec((V,), bool), spec(()))
     decode_kwargs = dict(
         cfg=cfg, sampler_cfg=sc, backend=backend, num_steps=sc.decode_steps_per_call, key_impl=key_impl
     )
@@ -666,6 +716,14 @@ class Engine:
         self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
         self.num_slots = sc.decode_slots(num_slots)
         self.table_width = sc.pages_per_sequence()
+        self.fixed = fixed_programs(sc, params)
+        self.program_cfg = program_config(sc, self.fixed)  # the programs' static config
+        # The fixed set's host inputs placed as abstract_programs' specs (replicated over the params' devices):
+        # the compile check's programs are then the run's, read back from the persistent compilation cache.
+        replicated = _pool_sharding(params, cfg, _Replicated()) if self.fixed else None
+        self._put = (
+            functools.partial(jax.device_put, device=replicated) if replicated else (lambda tree: tree)
+        )
         room = memory_room(params, cfg, sc, self.backend) if sc.hbm_utilization else None
         num_pages = pool_pages(sc, self.num_slots, room)
         if room is not None and num_pages < 1 + self.table_width:
@@ -892,7 +950,7 @@ class Engine:
     def _rules(self, rules: list[SamplingRule], size: int) -> dict[str, np.ndarray] | None:
         """A program's ``rule`` for rows sampled by ``rules`` (rows past them: the engine's), [size] per field; None
         where every row's is the engine's (the static program: the GRPO rollout's, unchanged)."""
-        if all(rule == self.default_rule for rule in rules):
+        if not self.fixed and all(rule == self.default_rule for rule in rules):
             return None
         rows = [*rules, *[self.default_rule] * (size - len(rules))]
         dtypes = (np.float32, np.int32, np.float32)
@@ -912,8 +970,12 @@ class Engine:
         sc = self.sc
         G = len(batch[0][2])
         prompts = [req.prompts[i] for req, i, _ in batch]
-        N = 1 << (len(prompts) - 1).bit_length()  # prompt counts rounded up to a power of two: few compiles
-        P = sc.bucket_for(max(map(len, prompts)))
+        if self.fixed:  # one prefill program per group size
+            N = max(_pow2(len(prompts)), fixed_prefill_prompts(self.num_slots, G))
+            P = sc.bucket_for(max(map(len, prompts))) if sc.prompt_length_buckets else sc.max_prompt_length
+        else:
+            N = _pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
+            P = sc.bucket_for(max(map(len, prompts)))
         tokens = np.full((N, P), sc.pad_token_id, np.int32)
         lengths = np.ones((N,), np.int32)
         dest = np.full((N, G, P), self.pool.num_pages, np.int32)  # past the pool: not written
@@ -930,10 +992,10 @@ class Engine:
                 key_data[j * G + g], rows[j * G + g] = request.key_data, seq.index
         plan = self.backend.plan(tokens, lengths)
         fn = compiled_admit(self.backend)
+        rule = self._rules([req.rule for req, _, seqs in batch for _ in seqs], N * G)
         self.pages, token, logprob, routes = fn(
-            self.params, self.pages, tokens, lengths, dest, key_data, rows,
-            self._rules([req.rule for req, _, seqs in batch for _ in seqs], N * G),
-            cfg=self.cfg, sampler_cfg=sc, num_generations=G, backend=self.backend, plan=plan,
+            self.params, self.pages, *self._put((tokens, lengths, dest, key_data, rows, rule)),
+            cfg=self.cfg, sampler_cfg=self.program_cfg, num_generations=G, backend=self.backend, plan=plan,
             key_impl=batch[0][0].key_impl,
         )  # fmt: skip
         token, logprob, routes = distributed.fetch((token, logprob, routes))
@@ -1040,7 +1102,7 @@ class Engine:
         fn = compiled_refill(self.backend)
         self.pages = fn(
             self.params, self.pages, tokens, lengths, dest,
-            cfg=self.cfg, sampler_cfg=self.sc, backend=self.backend, plan=self.backend.plan(tokens, lengths),
+            cfg=self.cfg, sampler_cfg=self.program_cfg, backend=self.backend, plan=self.backend.plan(tokens, lengths),
         )  # fmt: skip
         self.stats["refills"] += 1
         self.stats["recomputed_tokens"] += int(sum(len(context) for context, _ in rows))
@@ -1080,6 +1142,12 @@ class Engine:
         self.queue.appendleft((seq.request, seq.index // seq.request.num_generations, [seq]))
         self.stats["preempted"] += 1
 
+    @property
+    def _retires(self) -> bool:
+        """Whether decode calls shrink to the smallest slot count that holds the running sequences
+        (``retire_rows``; never with the fixed program set)."""
+        return self.sc.retire_rows and not self.fixed
+
     def _exit_after(self, S: int, waiting: bool, pausing: bool) -> int:
         """How many segments may end in a decode call on ``S`` slots before it returns: 1 where a sequence waits
         for a slot (refilled at once) or segments pause (the host answers them); with nothing waiting and
@@ -1089,7 +1157,7 @@ class Engine:
         if (waiting and self.refill_at_once) or pausing:
             return 1
         smaller = [b for b in slot_counts(self.num_slots, self.sc.slot_count_step) if b < S]
-        if self.sc.retire_rows and not waiting and smaller:
+        if self._retires and not waiting and smaller:
             return len(self.running) - smaller[0]  # >= 1: S is the smallest count that holds them
         return S + 1
 
@@ -1099,9 +1167,9 @@ class Engine:
         k = sc.decode_steps_per_call
         self._grow(k)
         waiting = bool(self.queue or self.ready)
-        S = call_slots(self.num_slots, len(self.running), waiting, sc.retire_rows, sc.slot_count_step)
+        S = call_slots(self.num_slots, len(self.running), waiting, self._retires, sc.slot_count_step)
         width = self.table_width
-        if not self.backend.reads_filled_pages:
+        if not (self.backend.reads_filled_pages or self.fixed):
             longest = max(len(s.pages) for s in self.running)
             width = gathered_width(longest, self.table_width, sc.page_size, sc.decode_phase_length)
         slots = self._slots(S, width)
@@ -1112,8 +1180,8 @@ class Engine:
         key_impl = self.running[0].request.key_impl
         rule = self._rules([seq.request.rule for seq in self.running], S)
         self.pages, out = fn(
-            prepared, self.pages, slots, rule, self.stop_table, self.pause_table, exit_after,
-            cfg=self.cfg, sampler_cfg=sc, backend=self.backend, num_steps=k, key_impl=key_impl,
+            prepared, self.pages, *self._put((slots, rule, self.stop_table, self.pause_table, exit_after)),
+            cfg=self.cfg, sampler_cfg=self.program_cfg, backend=self.backend, num_steps=k, key_impl=key_impl,
         )  # fmt: skip
         out = distributed.fetch(out)
         steps = int(out["steps"])

@@ -1,0 +1,89 @@
+"""The engine's fixed program set (``SamplerConfig.programs``, the accelerators' default): the same tokens as the
+adaptive ladders, one decode program for every slot count, length and sampling rule, and exactly the programs
+``abstract_programs`` names (the compile check's), read back from the persistent compilation cache."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from grpax.compiles import CompileLog
+from grpax.models.params import init_params
+from grpax.models.registry import ModelConfig
+from grpax.sampler.engine import Engine, SamplerConfig, abstract_programs, fixed_programs, generate
+
+CFG = ModelConfig(
+    vocab_size=61, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
+    rope_theta=10000.0,
+)  # fmt: skip
+PROMPTS = [[5, 9, 11, 3, 7, 21, 30] * 10, [1, 2], [40, 41, 42, 43, 44], [17] * 70]
+G = 3
+STOPS = (3, 7, 12, 20, 33, 50)
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = init_params(CFG, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 15.0 if x.ndim >= 2 else x, p)  # peaked, varied distributions
+
+
+def _sc(**kw) -> SamplerConfig:
+    base = dict(
+        max_prompt_length=128, max_completion_length=40, temperature=0.9, pad_token_id=0, backend="xla"
+    )
+    return SamplerConfig(**{**base, **kw})
+
+
+def test_auto_is_fixed_on_accelerators_and_adaptive_on_cpu(params):
+    assert not fixed_programs(_sc(), params)  # this host's CPU
+    assert fixed_programs(_sc(programs="fixed"), params) and not fixed_programs(
+        _sc(programs="adaptive"), params
+    )
+    with pytest.raises(ValueError, match="programs='some': expected one of"):
+        _sc(programs="some")
+
+
+@pytest.mark.parametrize("max_num_seqs", [0, 5])
+def test_fixed_set_samples_the_adaptive_ladders_tokens(params, max_num_seqs):
+    """Rows stop at different lengths (STOPS), slots free and refill (max_num_seqs=5 < 12 sequences): the
+    fixed set decodes every call on all slots and the whole page table, with rules as data; each row's tokens
+    are the ladders'."""
+    sc = _sc(stop_token_ids=STOPS, max_num_seqs=max_num_seqs)
+    key = jax.random.key(7)
+    adaptive = generate(params, PROMPTS, CFG, dataclasses.replace(sc, programs="adaptive"), key, G)
+    fixed = generate(params, PROMPTS, CFG, dataclasses.replace(sc, programs="fixed"), key, G)
+    assert len(set(adaptive.lengths.tolist())) > 3  # rows really end at different steps
+    np.testing.assert_array_equal(fixed.completion_ids, adaptive.completion_ids)
+    np.testing.assert_array_equal(fixed.completion_mask, adaptive.completion_mask)
+    np.testing.assert_allclose(fixed.logprobs, adaptive.logprobs, atol=2e-5)
+
+
+def test_fixed_set_runs_the_programs_abstract_programs_names_and_no_other(params):
+    """The compile check's programs (abstract_programs, compiled ahead of time, in the run's process) are the
+    engine's: the rollout and an evaluation (greedy, one completion per prompt, as many rows) over new prompt
+    lengths obtain no other prefill or decode. The adaptive ladders, as a control, compile their own."""
+    sc = _sc(stop_token_ids=STOPS, programs="fixed")
+    placed = jax.device_put(params, jax.devices()[0])
+    with CompileLog() as log:
+        with log.phase("ahead"):
+            backend = Engine(placed, CFG, sc, num_slots=4 * G).backend
+            rollout = abstract_programs(placed, CFG, sc, backend, 4, G)
+            eval_prefill = abstract_programs(placed, CFG, sc, backend, 4 * G, 1)["prefill"]
+            for fn, args, kwargs in (*rollout.values(), eval_prefill):
+                fn.lower(*args, **kwargs).compile()
+        with log.phase("run"):
+            engine = Engine(placed, CFG, sc, num_slots=4 * G)
+            engine.run(engine.submit(PROMPTS, jax.random.key(0), num_generations=G))
+            greedy = [[9] * 100, [4, 5], [6] * 33, [2] * 10] * 3  # 12 prompts, G = 1: the rollout's 12 slots
+            evaluation = Engine(placed, CFG, dataclasses.replace(sc, greedy=True), num_slots=len(greedy))
+            evaluation.run(evaluation.submit(greedy, jax.random.key(1)))
+        with log.phase("control"):
+            adaptive = Engine(placed, CFG, dataclasses.replace(sc, programs="adaptive"), num_slots=4 * G)
+            adaptive.run(adaptive.submit(PROMPTS, jax.random.key(0), num_generations=G))
+    ahead = sorted(p.name for p in log.programs if p.phase == "ahead" and p.name in ("admit", "decode"))
+    assert ahead == ["admit", "admit", "decode"]
+    assert engine.stats["prefills"] and engine.stats["calls"] >= 3 and evaluation.stats["calls"] >= 3
+    assert [p for p in log.programs if p.phase == "run" and p.name in ("admit", "decode")] == []
+    control = [p.name for p in log.programs if p.phase == "control"]
+    assert control.count("decode") >= 2 and "admit" in control
