@@ -587,6 +587,9 @@ class ModelKeys:
         )
 
 
+SAMPLER_PROGRAMS = ("auto", "fixed", "adaptive")  # SamplerConfig.programs' values
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineKeys:
     """The rollout engine's KV memory and decode slots (``grpax.sampler.engine``: a paged cache, continuously
@@ -630,6 +633,14 @@ class EngineKeys:
         "4, 2, 1; 1 = every count: no idle slot in the tail, one decode compile per count",
     )
 
+    sampler_programs: str = field(
+        "auto",
+        "the programs the sampler compiles: fixed = one decode slot count, the whole page table, one prompt "
+        "padding, sampling settings as data (a small set known before the run and shared by the rollout and the "
+        "evaluation, compiled once); adaptive = slot counts, page-table widths and 64-token prompt buckets that "
+        "follow the work (one compile each); auto = fixed on an accelerator, adaptive on CPU",
+    )
+
     def engine_keys(self) -> dict:
         """These keys as ``SamplerConfig`` fields."""
         return dict(
@@ -638,6 +649,7 @@ class EngineKeys:
             max_num_seqs=self.max_num_seqs,
             hbm_utilization=self.hbm_utilization_vllm,
             slot_count_step=self.slot_count_step,
+            programs=self.sampler_programs,
         )
 
 
@@ -663,6 +675,10 @@ def check_engine_keys(
     if keys.max_num_seqs < 0:
         raise ConfigError(
             f"max_num_seqs={keys.max_num_seqs}: expected >= 0 decode slots (0: every sequence of a batch at once)"
+        )
+    if keys.sampler_programs not in SAMPLER_PROGRAMS:
+        raise ConfigError(
+            f"sampler_programs={keys.sampler_programs!r}: expected one of {', '.join(SAMPLER_PROGRAMS)}"
         )
     if keys.slot_count_step < 0:
         raise ConfigError(

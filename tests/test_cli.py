@@ -222,9 +222,18 @@ def test_describe_devices_names_platform_kind_and_count(monkeypatch):
 
 
 def test_the_first_log_line_names_the_devices(tmp_path, capfd):
+    """A command that runs logs its devices first; one that stops at a bad key prints its one-line error alone."""
+    import logging
+
     assert main(["to_native", f"base_output_directory={tmp_path}", "hf_model_path=/nonexistent"]) == 2
-    first = capfd.readouterr().err.splitlines()[0]
-    assert first.endswith(f" grpax: grpax to_native on cpu: {jax.device_count()} x cpu"), first
+    assert capfd.readouterr().err.splitlines() == [
+        "grpax to_native: error: hf_model_path=/nonexistent is not a folder; pass the folder holding config.json "
+        "and *.safetensors (GRPAX_DEBUG=1 shows the traceback)"
+    ]
+    logging.getLogger("grpax.convert").info("converting")  # the command's first log line, after the devices'
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[0].endswith(f" grpax: grpax to_native on cpu: {jax.device_count()} x cpu"), lines
+    assert lines[1].endswith(" grpax.convert: converting") and len(lines) == 2, lines
 
 
 def test_maybe_initialize_distributed(monkeypatch):
@@ -570,6 +579,7 @@ def test_generate_prompt_preset_renders_as_the_trainer(tmp_path, capsys):
             "slot_count_step=-1",
             "slot_count_step=-1: expected >= 0 (0: max(2, slots // 8); 1: every slot count)",
         ),
+        ("sampler_programs=some", "sampler_programs='some': expected one of auto, fixed, adaptive"),
         (
             "hbm_utilization_vllm=1.5",
             "hbm_utilization_vllm=1.5: expected a fraction in [0, 1] of each device's memory (0: off, num_pages "

@@ -307,9 +307,10 @@ def test_cispo_and_the_tis_weight_take_their_values(steps):
 
 
 def test_the_kv_memory_keys_size_the_samplers_page_pool(checkpoint, monkeypatch):
-    """page_size, num_pages, max_num_seqs and slot_count_step reach the rollout engine: its pool's pages and their
-    size (the default: one page of 32 tokens per row of 16 tokens, and the scratch page), its decode slots and
-    their ladder (what the ladder changes: tests/test_engine.py), and the rollout is the same tokens."""
+    """page_size, num_pages, max_num_seqs, slot_count_step and sampler_programs reach the rollout engine: its
+    pool's pages and their size (the default: one page of 32 tokens per row of 16 tokens, and the scratch page),
+    its decode slots and their ladder (what the ladder changes: tests/test_engine.py), its program set (auto on
+    this CPU: adaptive; what fixed changes: tests/test_program_set.py), and the rollout is the same tokens."""
     from grpax.sampler import engine
 
     pools, ladders = [], []
@@ -318,21 +319,20 @@ def test_the_kv_memory_keys_size_the_samplers_page_pool(checkpoint, monkeypatch)
     def recording(*args, **kwargs):
         built = real_engine(*args, **kwargs)
         pools.append((built.pool.num_pages, built.sc.page_size, built.table_width, built.num_slots))
-        ladders.append(built.sc.slot_count_step)
+        ladders.append((built.sc.slot_count_step, built.fixed))
         return built
 
     monkeypatch.setattr(engine, "Engine", recording)
     default = _step(checkpoint)
     paged = _step(checkpoint, page_size=4, num_pages=24)
     slots = _step(checkpoint, max_num_seqs=5, slot_count_step=1)
+    fixed = _step(checkpoint, sampler_programs="fixed")
     # 2 prompts x G = 4: 8 rows of max_target_length=16 tokens, a page of 32 each or 4 pages of 4 (24 pages: the
     # pool holds 5 full-length rows, the rest taken as real lengths allow); max_num_seqs=5: 5 slots decode the
     # 8 rows (the rest wait for a slot), a page each and the scratch page
-    assert pools == [(1 + 8 * 1, 32, 1, 8), (24, 4, 4, 8), (1 + 5 * 1, 32, 1, 5)]
-    assert ladders == [
-        0,
-        0,
-        1,
-    ]  # slot_count_step: the engine's ladder of decode slot counts (tests/test_engine.py)
+    assert pools == [(1 + 8 * 1, 32, 1, 8), (24, 4, 4, 8), (1 + 5 * 1, 32, 1, 5), (1 + 8 * 1, 32, 1, 8)]
+    # slot_count_step: the engine's ladder of decode slot counts; sampler_programs: its program set
+    assert ladders == [(0, False), (0, False), (1, False), (0, True)]
+    np.testing.assert_array_equal(fixed.batch[".completion_ids"], default.batch[".completion_ids"])
     np.testing.assert_array_equal(paged.batch[".completion_ids"], default.batch[".completion_ids"])
     np.testing.assert_array_equal(slots.batch[".completion_ids"], default.batch[".completion_ids"])

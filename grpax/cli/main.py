@@ -80,6 +80,28 @@ def select_platform(hardware: str) -> str:
     return describe_devices()
 
 
+class _FirstLine(logging.Filter):
+    """Logs ``line`` just before the first record a handler emits (then passes every record)."""
+
+    def __init__(self, line: str):
+        super().__init__()
+        self.line: str | None = line
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.line is not None:
+            line, self.line = self.line, None
+            logging.getLogger("grpax").info("%s", line)
+        return True
+
+
+def announce(line: str) -> None:
+    """Makes ``line`` (the platform, device kind and count a command runs on) the first line the command logs:
+    a command that stops at a bad key before logging anything prints its one-line error alone."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_FirstLine(line))
+        break
+
+
 def usage() -> str:
     lines = ["usage: grpax <command> [config.yml] key=value ...", "", "commands:"]
     lines += [f"  {name:<15} {text}" for name, text in COMMANDS.items()]
@@ -133,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     where = f"{topology}'s compiler (compile only; this host: {where})"
                 elif hardware == "auto":
                     where += " (hardware=auto)"
-                logging.getLogger("grpax").info("grpax %s on %s", name, where)
+                announce(f"grpax {name} on {where}")
                 if not getattr(config, "compile_topology", ""):  # a slice's programs never run here
                     from grpax.cli.common import enable_compilation_cache
 
