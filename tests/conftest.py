@@ -110,6 +110,7 @@ def free_compiled_programs() -> None:
     from grpax.sampler import engine
 
     engine._compiled.cache_clear()
+    engine._zeros_program.cache_clear()
     jax.clear_caches()
     gc.collect()
 

@@ -3,14 +3,18 @@ adaptive ladders, one decode program for every slot count, length and sampling r
 ``abstract_programs`` names (the compile check's), read back from the persistent compilation cache."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_run_keys
 
 from grpax.compiles import CompileLog
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
+from grpax.rl.train_config import TrainConfig
+from grpax.rl.trainer import train
 from grpax.sampler.engine import Engine, SamplerConfig, abstract_programs, fixed_programs, generate
 
 CFG = ModelConfig(
@@ -87,3 +91,28 @@ def test_fixed_set_runs_the_programs_abstract_programs_names_and_no_other(params
     assert [p for p in log.programs if p.phase == "run" and p.name in ("admit", "decode")] == []
     control = [p.name for p in log.programs if p.phase == "control"]
     assert control.count("decode") >= 2 and "admit" in control
+
+
+def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """The guard: from step 2 on, and in the evaluation after, nothing is compiled; the evaluation before ran the
+    rollout's decode program (sampling as data), so step 1 compiles no decode of its own. Each step's metrics
+    and the results give the compiles per phase. On XLA's ops, as an accelerator runs them (the CPU kernels'
+    prefill picks its own plan per prompt lengths)."""
+    monkeypatch.setenv("GRPAX_CPU_KERNELS", "0")
+    keys = tiny_run_keys(
+        tiny_checkpoint, tmp_path, sampler_programs="fixed", num_batches=3, eval_before=True, num_test_batches=2,
+        eval_batch_size=4, num_generations=2, batch_size=2,
+    )  # fmt: skip
+    result = train(TrainConfig(**keys))
+    compiles = result["compiles"]
+    assert compiles["step 1"]["compiled"] > 0 and compiles["eval before"]["compiled"] > 0
+    for phase in ("step 2", "step 3", "eval after"):
+        assert compiles.get(phase, {"compiled": 0})["compiled"] == 0, (phase, compiles)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {m["step"]: m for m in metrics if "compile/compiled" in m}
+    assert (
+        by_step[1]["compile/compiled"] > 0
+        and by_step[2]["compile/compiled"] == by_step[3]["compile/compiled"] == 0
+    )

@@ -34,7 +34,11 @@ def _config(ckpt, out, **overrides):
 def _records(run_dir):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [
-        {k: v for k, v in r.items() if k != "time" and not k.startswith("time/") and k != "tokens_per_s"}
+        {
+            k: v
+            for k, v in r.items()
+            if k != "time" and not k.startswith(("time/", "compile/")) and k != "tokens_per_s"
+        }
         for r in lines
     ]
 

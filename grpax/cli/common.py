@@ -69,9 +69,11 @@ def compilation_cache_dir(jax_cache_dir: str) -> str | None:
 def enable_compilation_cache(jax_cache_dir: str) -> str | None:
     """Points JAX's persistent compilation cache at ``compilation_cache_dir(jax_cache_dir)`` (None: off).
 
-    Call it before the first compilation (JAX reads the folder once). JAX keeps programs that took at least
-    ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile. A folder that cannot be created turns the
-    cache off with one warning: a run never fails for its cache.
+    Call it before the first compilation (JAX reads the folder once). On CPU JAX keeps programs that took at
+    least ``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile; on an accelerator every program (its
+    small ones too, each a compile of a tenth of a second or more there), so that a second run of the same keys
+    compiles nothing. A folder that cannot be created turns the cache off with one warning: a run never fails
+    for its cache.
 
     Returns:
       The folder in use, or None.
@@ -88,4 +90,6 @@ def enable_compilation_cache(jax_cache_dir: str) -> str | None:
             )
             path = None
     jax.config.update("jax_compilation_cache_dir", path)
+    if path is not None and jax.default_backend() != "cpu":
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path

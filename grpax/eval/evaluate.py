@@ -112,6 +112,7 @@ def evaluate(
                 sampler_cfg,
                 jax.random.fold_in(key, i),
                 num_generations=num_eval_passes,
+                num_slots=batch_size * num_eval_passes,  # a short last batch: the full batches' programs
             )
             completions = decode_completions(tokenizer, out.completion_ids, out.completion_mask)
         batch_records = task.records([row for row in batch_rows for _ in range(num_eval_passes)], completions)

@@ -402,6 +402,7 @@ def compile_job(
     ici_bandwidth: float = 0.0,
     model_cfg: ModelConfig | None = None,
     host_bandwidth: float = 0.0,
+    evaluation: bool = False,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -412,6 +413,8 @@ def compile_job(
         no step count); ici_bandwidth: bytes/s per chip between chips (0: no ICI time).
       model_cfg: the model (default ``model_config(cfg)``: the checkpoint's config.json or ``model_name``).
       host_bandwidth: bytes/s per chip to and from its host (0: unknown), for a reference in host memory.
+      evaluation: also compile the evaluation's programs where the sampler's program set is fixed (a run's
+        check on its own devices: the run then obtains every program it needs from here).
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
@@ -424,6 +427,8 @@ def compile_job(
         _compile_update(job, len(devices), functions, phases)
         _compile_reference(job, len(devices), functions, phases)
     _compile_sampler(job, len(devices), functions, phases)
+    if evaluation:
+        _compile_evaluation(job, len(devices))
     flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
@@ -508,6 +513,21 @@ def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
     phases["rollout"] = merged + job.rollout_copy + max(sampled)
 
 
+def _compile_evaluation(job: Job, n: int) -> None:
+    """The evaluation's prefill and decode (eval_batch_size x num_eval_passes rows, greedy or not: with the fixed
+    program set the sampling rule is data, so a decode of as many slots as the rollout's is the same program)."""
+    cfg = job.cfg
+    if cfg.num_test_batches == 0 or not engine.fixed_programs(job.sampler_cfg, job.rollout_params):
+        return
+    with jax.set_mesh(job.rollout_mesh):
+        programs = engine.abstract_programs(
+            job.rollout_params, job.model_cfg, job.sampler_cfg, job.sampler_backend, cfg.eval_batch_size,
+            cfg.num_eval_passes,
+        )  # fmt: skip
+        for name, (fn, args, kwargs) in programs.items():
+            _compile(f"the evaluation's {name}", n, fn, *args, **kwargs)
+
+
 def run(cfg: TrainConfig) -> int:
     """``grpax train_rl ... compile_topology=NAME``: compiles the job for that slice; 0 if it fits, else 1."""
     topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
@@ -549,7 +569,7 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     peaks = (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) if chip else (None, None, 0.0)
     report = compile_job(
         cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks,
-        host_bandwidth=chip.host_bandwidth if chip else 0.0,
+        host_bandwidth=chip.host_bandwidth if chip else 0.0, evaluation=True,
     )  # fmt: skip
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:

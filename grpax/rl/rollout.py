@@ -36,7 +36,14 @@ from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion
 from grpax.rl.config import GRPOConfig
 from grpax.rl.reference import FrozenParams, release_host_memory
 from grpax.rl.train_step import compute_logprobs
-from grpax.sampler.engine import Engine, GenerateOutput, SamplerConfig, generate, prepare_prompts
+from grpax.sampler.engine import (
+    Engine,
+    GenerateOutput,
+    SamplerConfig,
+    fixed_programs,
+    generate,
+    prepare_prompts,
+)
 
 # (rows [B], rollout) -> ({reward name: [B] points, "total" included; NaN = abstain}, correct [B])
 Scorer = Callable[[list[dict], GenerateOutput], tuple[dict[str, Any], Any]]
@@ -106,6 +113,7 @@ class Rollout:
             reference = FrozenParams(reference)
         self.reference, self.num_micro_batches = reference, num_micro_batches
         self.min_completion_bucket = min_completion_bucket
+        self._full_width = False  # the last rollout ran the fixed program set (_sample)
         self.params: Any = None
         self.version = 0
         self.engine: Engine | None = None  # one engine running across calls (``keep_engine``), else None
@@ -250,13 +258,16 @@ class Rollout:
                 if self._on_tail is not None and not queued and len(engine.running) <= engine.num_slots // 2:
                     hook, self._on_tail = self._on_tail, None
                     hook()
-        out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), sc.max_completion_length)
+        out = request.output(sc.pad_token_id, engine.prompt_width(kept), sc.max_completion_length)
         return out._replace(prompt_indices=np.array(indices, np.int32))
 
     def _sample(self, rows: list[dict], key: jax.Array) -> tuple[GenerateOutput, dict[str, np.ndarray], Any]:
         """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""
         t0 = time.perf_counter()
         params = self._sampler_params()
+        # The fixed program set (accelerators): the update and the reference pass run on the full widths too, one
+        # program each, as the compile check compiled them.
+        self._full_width = fixed_programs(self.sampler_cfg, params)
         prompts = [row["prompt_ids"] for row in rows]
         if self._keep_engine:
             out = self._engine_generate(params, rows, key)
@@ -334,7 +345,9 @@ class Rollout:
             truncated=np.asarray([r == "length" for r in out.finish_reason]),
             routed_experts=out.routed_experts,  # a mixture of experts' (router_replay): metrics, replay
             prompt_routed_experts=out.prompt_routed_experts,
-        ).trim_completions(completion_bucket(longest, C, self.min_completion_bucket))
+        ).trim_completions(
+            C if self._full_width else completion_bucket(longest, C, self.min_completion_bucket)
+        )
         if self.mesh is not None:
             return sharding.shard_global_batch(batch, self.mesh)
         return jax.tree.map(jnp.asarray, batch)

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from grpax import distributed, interrupts, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
+from grpax.compiles import CompileLog
 from grpax.data.iterator import PromptIterator
 from grpax.data.prompts import prepare_rows
 from grpax.data.tokenizer import stop_token_ids
@@ -144,6 +145,12 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
       RewardFunctionError: a user reward function raised or returned a bad value (before that step's update;
         the last checkpoint is kept).
     """
+    with CompileLog() as programs:
+        return _train_logged(cfg, fit, programs)
+
+
+def _train_logged(cfg: TrainConfig, fit: Callable | None, programs: CompileLog) -> dict:
+    """``train`` with its programs filed per phase in ``programs`` (``grpax.compiles``)."""
     validate(cfg)  # a bad key stops the run before a conversion's minutes of download, not after
     cfg = converted_base(cfg)
     task = build_task(cfg)
@@ -158,7 +165,8 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
     if (
         fit is not None
     ):  # the auto keys chosen; an accelerator run that cannot fit stops before any weight is read
-        cfg = fit(cfg)
+        with programs.phase("fit check"):
+            cfg = fit(cfg)
         if inputs.model_cfg is not None:
             inputs = dataclasses.replace(
                 inputs, model_cfg=dataclasses.replace(inputs.model_cfg, remat_policy=cfg.remat)
@@ -171,7 +179,8 @@ def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = N
     # The checkpointer and the metrics files are closed on any exit, a Ctrl-C included (closing waits for
     # Orbax's writes), before the folder is released.
     with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
-        return _train(cfg, task, paths, main_process, closing, inputs)
+        with programs.phase("load and save"):
+            return _train(cfg, task, paths, main_process, closing, inputs, programs)
 
 
 @dataclasses.dataclass
@@ -197,6 +206,7 @@ class _Run:
     writer: MetricsWriter
     mismatch_warned: bool = False  # the sampler/trainer mismatch alarm is given once per run
     ahead: AheadRollouts | None = None  # max_staleness >= 1: the rollout thread (``_loop`` starts it)
+    programs: CompileLog = dataclasses.field(default_factory=CompileLog)  # the programs obtained, per phase
 
     @property
     def evaluating(self) -> bool:
@@ -210,6 +220,7 @@ def _train(
     main_process: bool,
     closing: contextlib.ExitStack,
     inputs: Inputs,
+    programs: CompileLog,
 ) -> dict:
     """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
     grpo = cfg.grpo()
@@ -248,6 +259,7 @@ def _train(
         policy=policy,
         checkpointer=checkpointer,
         writer=writer,
+        programs=programs,
     )
     fresh = checkpointer.latest_step() is None
     state, start_step, before = restore_or_start(
@@ -437,7 +449,7 @@ def _evaluate(run: _Run, params: Any, tag: str, step: int) -> dict:
     """Evaluates ``params`` into ``eval/<tag>``, writes its ``eval/`` metrics at ``step`` and logs them."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    with mesh_context(run.mesh):
+    with mesh_context(run.mesh), run.programs.phase(f"eval {tag}"):
         summary = evaluate(
             params,
             run.model_cfg,
@@ -511,7 +523,9 @@ def _loop(
         stop_thread.callback(profile.close)
         for step in bar:
             profile.before(step)
-            state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
+            with run.programs.phase(f"step {step + 1}"):
+                state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
+            metrics.update(compile_metrics(run.programs, f"step {step + 1}"))
             profile.after(step, state)
             _after_step(run, state, iterator, step, metrics, bar, history, before)
     bar.close()
@@ -675,6 +689,10 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
     saved = run.cfg.enable_checkpointing or run.checkpointer.latest_step() == final_step
     results["actor_path"] = str(run.checkpointer.step_dir(final_step) / "model_params") if saved else None
     results["reward_history"] = reward_history(run.writer, final_step, history)  # the whole run's
+    results["compiles"] = run.programs.summary()
+    log.info(
+        "programs obtained per phase (compiled, or read from the persistent cache):\n%s", run.programs.table()
+    )
     run.checkpointer.close()
     run.writer.close()
     if run.main_process:
@@ -682,6 +700,13 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
             results, run.paths.run_dir, run.paths.eval_dir, run.cfg.export_hf, final_step, run.task.is_correct
         )
     return results
+
+
+def compile_metrics(programs: CompileLog, phase: str) -> dict[str, float]:
+    """A phase's ``compile/programs`` (obtained), ``compile/compiled`` (by the backend, not read from the cache)
+    and ``compile/seconds``: from step 2 on, a run of the fixed program set compiles nothing."""
+    row = programs.summary().get(phase, {"programs": 0, "compiled": 0, "seconds": 0.0})
+    return {f"compile/{k}": float(row[k]) for k in ("programs", "compiled", "seconds")}
 
 
 def step_metrics(batch: Batch, update_metrics: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:

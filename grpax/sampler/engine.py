@@ -406,6 +406,13 @@ def prefill_prompts(sampler_cfg: SamplerConfig, num_prompts: int, num_generation
     return 1 << (admitted - 1).bit_length()
 
 
+@functools.cache
+def _zeros_program(backend, args: tuple, sharding):
+    """The jitted ``backend.init_pages(*args)`` placed on ``sharding``, once per process and equal backend: an
+    engine built per rollout (or per evaluation batch) compiles no new program for its pool."""
+    return jax.jit(functools.partial(backend.init_pages, *args), out_shardings=sharding)
+
+
 def _pool(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int):
     """(the function that builds the zero page pools, where they are placed): the backend's layout of
     ``num_pages`` pages of ``page_size`` tokens in ``cache_dtype`` (default the model's dtype)."""
@@ -764,7 +771,7 @@ class Engine:
     def _init_pages(self, params: Params, num_pages: int):
         """The backend's page pools, zeros, on the params' devices (over their mesh as ``abstract_pool`` says)."""
         init, sharding = _pool(params, self.cfg, self.sc, self.backend, num_pages)
-        return jax.jit(init, out_shardings=sharding)()
+        return _zeros_program(self.backend, init.args, sharding)()
 
     def update_params(self, params: Params, version: int) -> None:
         """The params the next decode calls and prefills read (not copied) and their version. Queued, ready,
@@ -970,12 +977,10 @@ class Engine:
         sc = self.sc
         G = len(batch[0][2])
         prompts = [req.prompts[i] for req, i, _ in batch]
+        N = _pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
         if self.fixed:  # one prefill program per group size
-            N = max(_pow2(len(prompts)), fixed_prefill_prompts(self.num_slots, G))
-            P = sc.bucket_for(max(map(len, prompts))) if sc.prompt_length_buckets else sc.max_prompt_length
-        else:
-            N = _pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
-            P = sc.bucket_for(max(map(len, prompts)))
+            N = max(N, fixed_prefill_prompts(self.num_slots, G))
+        P = self.prompt_width(prompts)
         tokens = np.full((N, P), sc.pad_token_id, np.int32)
         lengths = np.ones((N,), np.int32)
         dest = np.full((N, G, P), self.pool.num_pages, np.int32)  # past the pool: not written
@@ -1016,6 +1021,13 @@ class Engine:
                 elif self._segment_ended(seq, reason):
                     paused.append(seq)
         return paused
+
+    def prompt_width(self, prompts: list[list[int]]) -> int:
+        """The padding of ``prompts`` in a prefill and in an output (``Request.output``): the bucket of the
+        longest, or with the fixed program set max_prompt_length (unless prompt_length_buckets are given)."""
+        if self.fixed and not self.sc.prompt_length_buckets:
+            return self.sc.max_prompt_length
+        return self.sc.bucket_for(max(map(len, prompts)))
 
     def _place_prompt(self, seqs: list[Sequence], length: int, dest: np.ndarray) -> None:
         """Takes the pages of a prompt of ``length`` tokens for its completions ``seqs`` and fills ``dest``
@@ -1290,6 +1302,7 @@ def generate(
     sampler_cfg: SamplerConfig,
     key: jax.Array,
     num_generations: int = 1,
+    num_slots: int | None = None,
 ) -> GenerateOutput:
     """Samples ``num_generations`` completions per prompt (a GRPO group), rows grouped contiguously.
 
@@ -1300,6 +1313,8 @@ def generate(
       sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens.
       key: PRNG key (one per call; rows get independent noise).
       num_generations: G completions per prompt; row i answers prompt i // G (each prompt is prefilled once).
+      num_slots: the engine's decode slots where ``max_num_seqs`` is 0; default every row at once (a caller of
+        batches passes its full batch's rows, so that a short last batch runs the same programs).
 
     Returns:
       A ``GenerateOutput`` of numpy arrays.
@@ -1313,10 +1328,10 @@ def generate(
         raise ValueError(
             "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
         )
-    engine = Engine(params, cfg, sc, num_slots=len(kept) * num_generations)
+    engine = Engine(params, cfg, sc, num_slots=max(num_slots or 0, len(kept) * num_generations))
     request = engine.submit(kept, key, num_generations)
     engine.run(request)
-    out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), sc.max_completion_length)
+    out = request.output(sc.pad_token_id, engine.prompt_width(kept), sc.max_completion_length)
     del engine, request
     release_host_memory()  # the page pool's buffers: before the next call allocates
     return out._replace(prompt_indices=np.array(indices, np.int32))
