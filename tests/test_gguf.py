@@ -233,7 +233,29 @@ def test_tokenizer_from_tiny_gguf(tmp_path):
     assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
     assert tok.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "<s>ab</s>"
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
-    assert ref("ab ab a")["input_ids"] == ids
+    # transformers 5.17 (pyproject's floor) drops the file's add_bos_token; llama.cpp and grpax add the BOS.
+    assert ref("ab ab a")["input_ids"] == (ids if ref.add_bos_token else ids[1:])
+
+
+def test_tokenizer_takes_the_files_flags_and_special_tokens_over_the_converters(tmp_path, monkeypatch):
+    # transformers 5.17's GGUF converter (integrations.ggml) has no add_bos_token in its mapping and returns the
+    # BOS id's token as both bos_token and eos_token; here the newer converter is made to behave the same.
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    if not hasattr(mapping, "convert_gguf_tokenizer"):
+        pytest.skip("transformers 5.17's layout: test_tokenizer_from_tiny_gguf checks it for real")
+    convert = mapping.convert_gguf_tokenizer
+
+    def like_5_17(architecture, tokenizer_dict):
+        backend, extra = convert(architecture, tokenizer_dict)
+        bos = tokenizer_dict["tokens"][tokenizer_dict["bos_token_id"]]
+        return backend, {**extra, "bos_token": bos, "eos_token": bos}
+
+    monkeypatch.setattr(mapping, "convert_gguf_tokenizer", like_5_17)
+    monkeypatch.delitem(mapping.GGUF_TOKENIZER_MAPPING["tokenizer_config"], "ggml.add_bos_token")
+    _write_gguf(tmp_path / "tok.gguf", _hf_state_dict(True), tokenizer=True)
+    tok = gg.read_gguf(tmp_path / "tok.gguf").tokenizer()
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+    assert tok("ab")["input_ids"][0] == 0  # the file's add_bos_token
 
 
 def test_bad_files_raise_one_line_errors(tmp_path):

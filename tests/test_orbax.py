@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jax
@@ -253,6 +254,42 @@ def test_failed_lazy_build_leaves_nothing(tmp_path):
         save_params(params, tmp_path / "0" / "items")
     assert not (tmp_path / "0" / "items").exists()
     assert list((tmp_path / "0").iterdir()) == []
+
+
+def test_lazy_save_copies_no_leaf(tmp_path, monkeypatch):
+    # The streaming handler exists to hold one leaf at a time: the stock handler's deep copy of every array
+    # (Orbax's NumpyHandler.serialize) must never run, whichever Orbax is installed.
+    from orbax.checkpoint._src.serialization import type_handlers
+
+    copied = []
+
+    class CopySpy:
+        @staticmethod
+        def deepcopy(x, *args):
+            copied.append(type(x))
+            return copy.deepcopy(x, *args)
+
+    monkeypatch.setattr(type_handlers, "copy", CopySpy)
+    params, _ = _params(True)
+    save_params(_lazy(params, []), tmp_path / "ckpt")
+    assert np.ndarray not in copied
+    _assert_equal(params, restore_params(tmp_path / "ckpt"))
+
+
+def test_lazy_save_works_with_orbax_0_12_4s_numpy_handler(tmp_path, monkeypatch):
+    # orbax-checkpoint 0.12.4 (pyproject's floor) has no deepcopy_host_arrays argument; a handler that passed
+    # it failed with "NumpyHandler.__init__() got an unexpected keyword argument" (grpax to_native).
+    from orbax.checkpoint._src.serialization import type_handlers
+
+    def init_of_0_12_4(self, metadata_key=None, ocdbt_process_id=None):
+        self._metadata_key = metadata_key
+        self._override_ocdbt_process_id = ocdbt_process_id
+        self._deepcopy_host_arrays = True  # what the newer stock serialize reads; never used by grpax's
+
+    monkeypatch.setattr(type_handlers.NumpyHandler, "__init__", init_of_0_12_4)
+    params, _ = _params(True)
+    save_params(_lazy(params, []), tmp_path / "ckpt")
+    _assert_equal(params, restore_params(tmp_path / "ckpt"))
 
 
 @pytest.fixture(scope="module")

@@ -370,6 +370,11 @@ class GGUFModel:
             for group, renames in GGUF_TOKENIZER_MAPPING.items()
         }
         tokenizer_dict, init = groups["tokenizer"], groups["tokenizer_config"]
+        # Read here, not through the mapping: transformers 5.17's (integrations.ggml) has neither flag, so a Llama 3
+        # file's tokenizer added no BOS.
+        for flag in ("add_bos_token", "add_eos_token"):
+            if f"tokenizer.ggml.{flag}" in self.metadata:
+                init[flag] = bool(self.metadata[f"tokenizer.ggml.{flag}"])
         if tokenizer_dict.get("tokenizer_type") == "llama":
             init.setdefault("add_bos_token", True)  # sentencepiece files without the flag: llama.cpp adds BOS
         tokens = tokenizer_dict["tokens"]
@@ -383,7 +388,9 @@ class GGUFModel:
             if token_id is not None and 0 <= int(token_id) < len(tokens):
                 init[name] = tokens[int(token_id)]
         backend, extra = convert_gguf_tokenizer("llama", tokenizer_dict)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **{**init, **extra})
+        # The special tokens above win: transformers 4's and early 5's converter returns bos and eos both as the
+        # BOS id's token.
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **init})
 
     def __repr__(self) -> str:
         return f"GGUFModel({self.path!r}, {len(self.tensor_names)} tensors)"

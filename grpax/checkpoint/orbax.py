@@ -119,11 +119,10 @@ def _streaming_handler_registry():
 
         The stock handler deep-copies every array up front and writes them all concurrently, so the whole tree
         is held twice plus tensorstore's encode buffers. Here each array is built, written, and dropped before
-        the next one; ``save_params`` blocks until the writes finish, so no copy is needed.
+        the next one; ``save_params`` blocks until the writes finish, so no copy is needed. The copy lives in the
+        stock ``serialize``, which this one replaces, so no constructor flag is needed either (newer Orbax's
+        ``deepcopy_host_arrays`` does not exist in orbax-checkpoint 0.12.4).
         """
-
-        def __init__(self):
-            super().__init__(deepcopy_host_arrays=False)
 
         async def serialize(self, values, infos, args=None):
             args = args or [types.SaveArgs()] * len(values)
