@@ -113,17 +113,27 @@ TILED = ModelConfig(
 )  # fmt: skip
 
 
-def test_the_compiled_rollout_phase_grows_with_num_pages_by_exactly_the_pools_bytes(
+def test_the_compiled_rollout_programs_grow_with_num_pages_by_exactly_the_pools_bytes(
     tmp_path, monkeypatch, capsys
 ):
-    """The engine's programs take the pool as a donated argument, updated in place: the compiled rollout phase
-    is the pool and what does not depend on its size (num_pages: the default, 100 and 300 pages). The sampler's
-    mesh is data-parallel (4 x 1): Pallas's ragged paged attention runs inside a shard_map there too (it was
-    called bare on a mesh without "tensor", which the TPU compiler refused). With TINY's heads (2K = 4 float32
-    rows of H = 16) the TPU stores the pool padded and holds padded copies of it: its phase grows faster."""
+    """The engine's programs take the pool as a donated argument, updated in place: each program's arguments,
+    outputs and aliased bytes grow by exactly the pool's growth (num_pages: the default, 100 and 300 pages), so
+    its phase beyond the resident arrays grows by the pool and by the compiler's temporaries alone (which vary a
+    little with the shapes, far less than a copy of the pool; the rollout phase, the larger of the two programs',
+    may so grow a little less or more than the pool when the other program becomes the larger). The sampler's mesh is data-parallel (4 x 1):
+    Pallas's ragged paged attention runs inside a shard_map there too (it was called bare on a mesh without
+    "tensor", which the TPU compiler refused). With TINY's heads (2K = 4 float32 rows of H = 16) the TPU stores
+    the pool padded and holds padded copies of it: its phase grows faster."""
+    from grpax.plan import compile_check
+
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config(TILED, "bfloat16")))
     monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    reports = []
+    real = compile_check.compile_job
+    monkeypatch.setattr(
+        compile_check, "compile_job", lambda *a, **k: reports.append(real(*a, **k)) or reports[-1]
+    )
     keys = dict(beta=0, hardware="tpu", rollout_data_parallelism=-1, rollout_tensor_parallelism=1,
                 dtype="bfloat16", weight_dtype="bfloat16", batch_size=8, num_generations=4)  # fmt: skip
     rows = {}
@@ -133,10 +143,17 @@ def test_the_compiled_rollout_phase_grows_with_num_pages_by_exactly_the_pools_by
         pages = num_pages or 1 + 32 * 2  # every slot (8 x 4) holds 64 tokens: 2 pages
         pool = _row(out, f"KV page pool: {pages} pages x 32 tokens")
         assert pool == 2 * pages * 32 * 2 * 8 * 128 * 2  # L x pages x page_size x (k, v) x K x H x bfloat16
-        rows[pages] = (pool, _row(out, "rollout phase, beyond the resident arrays"))
-    (pool, phase), *others = rows.values()
-    for other_pool, other_phase in others:
-        assert other_phase - phase == other_pool - pool
+        programs = {name: reports[-1].functions[name] for name in ("prefill", "decode")}
+        rows[pages] = (pool, programs)
+    (pool, programs), *others = rows.values()
+    for other_pool, other_programs in others:
+        grown = other_pool - pool
+        for name, c in programs.items():
+            d = other_programs[name]
+            assert (d.arguments - c.arguments, d.outputs - c.outputs, d.aliased - c.aliased) == (
+                grown,
+            ) * 3, name
+            assert abs(d.temporaries - c.temporaries) < grown // 8, name  # no copy of the pool's growth
 
 
 def test_unknown_topology_names_the_known_ones(config_only, capsys):
