@@ -6,8 +6,11 @@ a job that cannot fit exits 1 naming keys to change, and an unknown slice or a m
 """
 
 import json
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -749,3 +752,28 @@ def _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers: int) -> set[int]
     )
     pages = programs["decode"][1][1]
     return {math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(pages)}
+
+
+@pytest.mark.slow
+def test_the_update_with_remat_none_compiles_for_v6e_8(tmp_path):
+    """llama3.2-1b's attention (32 heads of 64 over 8 kv heads) in a 1-layer model (D=256, F=512, V=512): the seed's
+    keys, bfloat16 compute, compiled for v6e-8 (80 s). ``remat_policy=auto`` takes none and the TPU compiler used
+    to fuse both attention einsums and the softmax into one three-deep fusion whose cost model overflowed a
+    compiler thread's stack (SIGSEGV; issue 53); the softmax's output now crosses an optimization barrier. In a
+    subprocess: a crash is a failed test, not a dead session."""
+    shape = ModelConfig(
+        vocab_size=512, hidden_dim=256, num_layers=1, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=512,
+        eos_token_ids=(1,),
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(shape, "float32")))
+    keys = [
+        "model_name=", f"load_parameters_path={tmp_path}", "dtype=bfloat16", "chips_per_vm=8",
+        "rollout_data_parallelism=1", "rollout_tensor_parallelism=-1", "compile_topology=v6e-8",
+    ]  # fmt: skip
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
+    cmd = [sys.executable, "-m", "grpax", "train_rl", *keys]
+    repo = Path(__file__).resolve().parents[1]  # python -m imports this tree's grpax
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=repo)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert "chosen by the memory plan: remat_policy=auto -> none" in done.stdout, done.stdout
+    assert "fits: peak" in done.stdout

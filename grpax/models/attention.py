@@ -104,7 +104,10 @@ def attention(
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = softcap(scores / math.sqrt(H) if scale is None else scores * scale, cap)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = sink_softmax(scores, sinks).astype(v.dtype)
+    # The barrier (an identity) keeps the TPU compiler from fusing both einsums and the softmax between them into
+    # one output fusion nested three deep: libtpu's cost model recursed through it until a compiler thread's stack
+    # overflowed (SIGSEGV; llama3.2-1b's update on v6e-8 with remat none, tests/test_compile_check.py).
+    probs = jax.lax.optimization_barrier(sink_softmax(scores, sinks).astype(v.dtype))
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(B, T, N, H)
 
