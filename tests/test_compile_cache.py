@@ -178,10 +178,10 @@ def test_the_fit_checks_update_is_the_runs_cache_hit(tmp_path, jax_cache, events
     assert train_step._cache_size() == 1
 
 
-def test_the_fit_check_compiles_in_threads_the_same_job_and_the_evaluations_programs():
-    """``compile_job(threads=4)`` (the run's own check) compiles the update, the reference pass and the
-    sampler's and the evaluation's programs at once: the same figures as one at a time, and with the fixed
-    program set the evaluation's prefill (one completion per question) among the programs compiled."""
+def test_the_runs_fit_check_compiles_the_evaluations_programs_too():
+    """``compile_job(evaluation=True)`` (the run's own check) compiles the sampler's and the evaluation's
+    programs besides the update and the reference pass, with the same memory table: with the fixed program set
+    the evaluation's prefill (one completion per question) is a program of its own, its decode the rollout's."""
     from grpax.compiles import CompileLog
 
     cfg = build_config(
@@ -190,28 +190,12 @@ def test_the_fit_check_compiles_in_threads_the_same_job_and_the_evaluations_prog
          "max_target_length=24", "beta=0.04", "eval_batch_size=4", "sampler_programs=fixed"],
     )  # fmt: skip
     with CompileLog() as log:
-        with log.phase("one"):
-            one = compile_job(cfg, jax.devices(), "cpu", 2**40, None, None, model_cfg=TINY)
+        with log.phase("job"):
+            job = compile_job(cfg, jax.devices(), "cpu", 2**40, None, None, model_cfg=TINY)
         jax.clear_caches()
-        with log.phase("threads"):
-            threads = compile_job(
-                cfg, jax.devices(), "cpu", 2**40, None, None, model_cfg=TINY, evaluation=True, threads=4
-            )
-    assert (
-        list(threads.functions)
-        == list(one.functions)
-        == ["update", "reference logprobs", "prefill", "decode"]
-    )
-    for name, c in one.functions.items():
-        d = threads.functions[name]
-        assert (d.arguments, d.outputs, d.aliased, d.temporaries) == (
-            c.arguments,
-            c.outputs,
-            c.aliased,
-            c.temporaries,
-        )
-    assert threads.phases == one.phases
-    names = [p.name for p in log.programs if p.phase == "threads"]
-    assert (
-        names.count("admit") == 2 and names.count("step") == 1
-    )  # the rollout's prefill and the evaluation's
+        with log.phase("run's check"):
+            run = compile_job(cfg, jax.devices(), "cpu", 2**40, None, None, model_cfg=TINY, evaluation=True)
+    assert list(run.functions) == list(job.functions) == ["update", "reference logprobs", "prefill", "decode"]
+    assert run.phases == job.phases
+    names = [p.name for p in log.programs if p.phase == "run's check"]
+    assert names.count("admit") == 2 and names.count("decode") == 1 and names.count("step") == 1

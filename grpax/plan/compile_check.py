@@ -22,8 +22,6 @@ again (tests/test_compile_cache.py). MaxText's
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
@@ -405,7 +403,6 @@ def compile_job(
     model_cfg: ModelConfig | None = None,
     host_bandwidth: float = 0.0,
     evaluation: bool = False,
-    threads: int = 1,
 ) -> Report:
     """Compiles the run's update, reference pass, prefill and decode for ``devices``; returns the per-chip table.
 
@@ -418,32 +415,20 @@ def compile_job(
       host_bandwidth: bytes/s per chip to and from its host (0: unknown), for a reference in host memory.
       evaluation: also compile the evaluation's programs where the sampler's program set is fixed (a run's
         check on its own devices: the run then obtains every program it needs from here).
-      threads: compile the update, the reference pass, the sampler's and the evaluation's programs in this many
-        threads at once (XLA compiles without Python's lock: the check then takes about its longest compile).
 
     Raises:
       ConfigError: mesh keys that do not fit the devices (``grpax.sharding``).
     """
     mesh_cfg = dataclasses.replace(cfg.mesh(), chips_per_vm=0)  # checked against the topology by the caller
     job = build_job(cfg, *sharding.create_meshes(mesh_cfg, devices), model_cfg)
-    # the trainer's passes on its mesh; the sampler's programs set the rollout mesh themselves
-    groups = [(_compile_update, True), (_compile_reference, True), (_compile_sampler, False)]
-    groups += [(_compile_evaluation, False)] * evaluation
-    found = [({}, {}) for _ in groups]  # each group's functions and phases, merged in this order
-
-    def compile_group(i: int) -> None:
-        compile_fn, on_trainer_mesh = groups[i]
-        with jax.set_mesh(job.mesh) if on_trainer_mesh else contextlib.nullcontext():
-            compile_fn(job, len(devices), *found[i])
-
-    if threads > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(compile_group, range(len(groups))))
-    else:
-        for i in range(len(groups)):
-            compile_group(i)
-    functions: dict[str, Compiled] = {k: v for f, _ in found for k, v in f.items()}
-    phases: dict[str, int] = {k: v for _, p in found for k, v in p.items()}
+    functions: dict[str, Compiled] = {}
+    phases: dict[str, int] = {}
+    with jax.set_mesh(job.mesh):
+        _compile_update(job, len(devices), functions, phases)
+        _compile_reference(job, len(devices), functions, phases)
+    _compile_sampler(job, len(devices), functions, phases)
+    if evaluation:
+        _compile_evaluation(job, len(devices))
     flops = step_count(job, len(devices), peak_flops, bandwidth, host_bandwidth)
     return Report(
         target, hbm, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,
@@ -528,10 +513,12 @@ def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
     phases["rollout"] = merged + job.rollout_copy + max(sampled)
 
 
-def _compile_evaluation(job: Job, n: int, functions: dict, phases: dict) -> None:
+def _compile_evaluation(job: Job, n: int) -> None:
     """The evaluation's prefill and decode (eval_batch_size x num_eval_passes rows, greedy or not: with the fixed
     program set the sampling rule is data, so a decode of as many slots as the rollout's is the same program);
-    compiled for the run to find, outside the memory table (``functions``, ``phases``: the rollout's bound it)."""
+    compiled for the run to find, outside the memory table (the rollout's programs bound it). Compiling the
+    groups in threads saved 10 of 111 s on a TPU v5e host (the TPU compiler already keeps its cores busy:
+    docs/benchmarks.md), so they compile one after another."""
     cfg = job.cfg
     if cfg.num_test_batches == 0 or not engine.fixed_programs(job.sampler_cfg, job.rollout_params):
         return
@@ -585,7 +572,7 @@ def check_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -
     peaks = (chip.peak_flops, chip.hbm_bandwidth, chip.ici_bandwidth) if chip else (None, None, 0.0)
     report = compile_job(
         cfg, devices, f"{len(devices)} x {devices[0].device_kind}", limit, *peaks,
-        host_bandwidth=chip.host_bandwidth if chip else 0.0, evaluation=True, threads=4,
+        host_bandwidth=chip.host_bandwidth if chip else 0.0, evaluation=True,
     )  # fmt: skip
     log.info("%s", format_report(cfg, report, len(devices)))
     if not report.fits:
