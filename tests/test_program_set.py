@@ -116,3 +116,18 @@ def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step
         by_step[1]["compile/compiled"] > 0
         and by_step[2]["compile/compiled"] == by_step[3]["compile/compiled"] == 0
     )
+
+
+def test_the_runs_programs_are_named_before_it_runs():
+    """train_rl logs the sampler's programs derived from the keys (the fixed set's shapes: what the fit check
+    compiles; an evaluation of as many rows runs the rollout's decode)."""
+    from grpax.sampler.engine import describe_programs
+
+    sc = SamplerConfig(max_prompt_length=256, max_completion_length=192)
+    assert describe_programs(sc, True, {"rollout": (4, 4), "evaluation": (16, 1)}) == (
+        "fixed: rollout: prefill 4 prompts x 256 tokens (G = 4), decode 16 slots x 14 pages x 16 steps; "
+        "evaluation: prefill 16 prompts x 256 tokens (G = 1), the same decode"
+    )
+    adaptive = describe_programs(sc, False, {"rollout": (4, 4), "evaluation": (8, 1)})
+    assert "8 slots: [8, 6, 4, 2, 1]; 16 slots: [16, 14, 12, 10, 8, 6, 4, 2, 1]" in adaptive
+    assert "prompt buckets [64, 128, 192, 256]" in adaptive

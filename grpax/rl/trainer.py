@@ -63,7 +63,7 @@ from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_run_update, make_update
-from grpax.sampler.engine import SamplerConfig, check_memory_fraction
+from grpax.sampler.engine import SamplerConfig, check_memory_fraction, describe_programs, fixed_programs
 from grpax.tasks import RewardFunctionError, Task, build_task, environment_factory, multi_turn_config
 
 log = logging.getLogger("grpax.train")
@@ -239,6 +239,11 @@ def _train(
         mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
     )
     rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
+    uses = {"rollout": (cfg.batch_size, cfg.num_generations)}
+    if cfg.num_test_batches != 0:
+        uses["evaluation"] = (cfg.eval_batch_size, cfg.num_eval_passes)
+    fixed = fixed_programs(sampler_cfg, trainable)
+    log.info("sampler programs, %s", describe_programs(sampler_cfg, fixed, uses))
     writer = MetricsWriter(paths.run_dir)
     closing.callback(writer.close)
     run = _Run(

@@ -220,6 +220,32 @@ def program_config(sampler_cfg: SamplerConfig, fixed: bool) -> SamplerConfig:
     return dataclasses.replace(sampler_cfg, temperature=1.0, top_k=0, top_p=1.0, greedy=False)
 
 
+def describe_programs(sampler_cfg: SamplerConfig, fixed: bool, uses: dict[str, tuple[int, int]]) -> str:
+    """One line naming the prefill and decode programs an engine compiles for each use (``uses``: name ->
+    (prompts, G) at once, e.g. {"rollout": (4, 4), "evaluation": (16, 1)}): with the fixed set their shapes
+    (a decode of as many slots as an earlier use's is that program); else the adaptive ladders."""
+    sc = sampler_cfg
+    if not fixed:
+        counts = {sc.decode_slots(n * g) for n, g in uses.values()}
+        ladders = "; ".join(f"{S} slots: {slot_counts(S, sc.slot_count_step)}" for S in sorted(counts))
+        return (
+            f"adaptive: decode slot counts ({ladders}), page-table widths by {sc.decode_phase_length} tokens, "
+            f"prompt buckets {list(sc.buckets())}, power-of-two prompt counts: one program each as met"
+        )
+    parts, decodes = [], set()
+    for use, (n, g) in uses.items():
+        S = sc.decode_slots(n * g)
+        decode = (
+            "the same decode"
+            if S in decodes
+            else (f"decode {S} slots x {sc.pages_per_sequence()} pages x {sc.decode_steps_per_call} steps")
+        )
+        decodes.add(S)
+        prefill = f"prefill {fixed_prefill_prompts(S, g)} prompts x {sc.max_prompt_length} tokens (G = {g})"
+        parts.append(f"{use}: {prefill}, {decode}")
+    return "fixed: " + "; ".join(parts)
+
+
 def fixed_prefill_prompts(num_slots: int, num_generations: int) -> int:
     """The prompt count of every prefill of a fixed program set: the most prompts of G completions that fill
     ``num_slots`` slots, rounded up to a power of two."""
