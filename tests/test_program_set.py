@@ -93,14 +93,11 @@ def test_fixed_set_runs_the_programs_abstract_programs_names_and_no_other(params
     assert control.count("decode") >= 2 and "admit" in control
 
 
-def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step(
-    tiny_checkpoint, tmp_path, monkeypatch
-):
+def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step(tiny_checkpoint, tmp_path):
     """The guard: from step 2 on, and in the evaluation after, nothing is compiled; the evaluation before ran the
     rollout's decode program (sampling as data), so step 1 compiles no decode of its own. Each step's metrics
-    and the results give the compiles per phase. On XLA's ops, as an accelerator runs them (the CPU kernels'
+    and the results give the compiles per phase. The fixed set runs XLA's ops on CPU too (the CPU kernels'
     prefill picks its own plan per prompt lengths)."""
-    monkeypatch.setenv("GRPAX_CPU_KERNELS", "0")
     keys = tiny_run_keys(
         tiny_checkpoint, tmp_path, sampler_programs="fixed", num_batches=3, eval_before=True, num_test_batches=2,
         eval_batch_size=4, num_generations=2, batch_size=2,

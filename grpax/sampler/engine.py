@@ -746,10 +746,12 @@ class Engine:
     ):
         sc = self.sc = sampler_cfg
         self.cfg = cfg
-        self.backend = routing_backend(select_backend(sc.backend, params, cfg, sc.cache_dtype, True), cfg, sc)
+        self.fixed = fixed_programs(sc, params)
+        # the CPU kernels' prefill picks its plan per prompt lengths (a program each): the fixed set runs XLA's ops
+        name = "xla" if self.fixed and sc.backend == "auto" else sc.backend
+        self.backend = routing_backend(select_backend(name, params, cfg, sc.cache_dtype, True), cfg, sc)
         self.num_slots = sc.decode_slots(num_slots)
         self.table_width = sc.pages_per_sequence()
-        self.fixed = fixed_programs(sc, params)
         self.program_cfg = program_config(sc, self.fixed)  # the programs' static config
         # The fixed set's host inputs placed as abstract_programs' specs (replicated over the params' devices):
         # the compile check's programs are then the run's, read back from the persistent compilation cache.
