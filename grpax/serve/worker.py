@@ -16,8 +16,9 @@ power-of-two buckets, its prefills take N prompts rounded up to a power of two (
 that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
 packed-length variants per batch), and its decode runs on the engine's slot counts (``engine.slot_counts``)
 over the whole page table.
-``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests;
-``n`` > 1 compiles its programs at its first request.
+``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests.
+The prefill takes ``n`` as a shape (``num_generations``): each other ``n`` compiles its own prefill programs
+(one per bucket, prompt count and sampling program) at the first request that meets each; the decode's are shared.
 
 ``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
 kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
