@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import resource
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,27 @@ def release_host_memory() -> None:
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def available_host_bytes() -> int | None:
+    """Bytes this process may still allocate on the host: the kernel's ``MemAvailable``, capped by what the
+    address-space limit (``ulimit -v``, RLIMIT_AS) leaves above the process's size; None where ``/proc`` has no
+    ``MemAvailable`` (off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        room = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if limit != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        except (OSError, StopIteration, ValueError):
+            size = 0
+        room = min(room, max(0, limit - size))
+    return room
 
 
 def memory_mappings() -> tuple[int, int] | None:

@@ -96,3 +96,15 @@ def test_a_compile_past_half_the_mappings_limit_warns_once(monkeypatch, caplog):
         listeners[0]("/jax/compilation_cache/cache_retrieval_time_sec", 0.1)
     assert len(caplog.records) == 1
     assert "40000 memory mappings, over 50% of the kernel's limit (vm.max_map_count=65530)" in caplog.text
+
+
+@pytest.mark.skipif(host_memory.available_host_bytes() is None, reason="Linux's /proc only")
+def test_available_host_bytes_heeds_an_address_space_limit():
+    # ulimit -v: an engine sized from MemAvailable alone met a MemoryError instead of its one-line refusal
+    probe = (
+        "import resource; from grpax.host_memory import available_host_bytes as a;"
+        "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'));"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY)); print(a())"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert 0 <= int(out.stdout) <= 64 << 20
