@@ -858,6 +858,7 @@ def test_a_pool_the_host_cannot_hold_is_refused_in_one_line_before_it_is_allocat
 
     monkeypatch.setattr(engine_module, "available_host_bytes", lambda: 4 << 20)
     monkeypatch.setattr(Engine, "_init_pages", lambda *a: pytest.fail("the pool was allocated"))
-    with pytest.raises(ValueError, match=message) as e:
-        Engine(params, CFG, _sc(**keys))
-    assert "\n" not in str(e.value) and "of host memory available; pass " in str(e.value)
+    for held in (params, jax.tree.map(np.asarray, params)):  # on the device, or numpy (a server's load)
+        with pytest.raises(ValueError, match=message) as e:
+            Engine(held, CFG, _sc(**keys))
+        assert "\n" not in str(e.value) and "of host memory available; pass " in str(e.value)

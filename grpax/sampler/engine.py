@@ -376,7 +376,8 @@ def check_host_room(
     room = available_host_bytes()
     if room is None or any(bytes_limit(d) is not None for d in devices):
         return
-    page = sharding.per_chip_bytes(abstract_pool(params, cfg, sc, backend, 1)) * len(devices)
+    init, _ = _pool(params, cfg, sc, backend, 1)
+    page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init)))  # all on this host
     usable = int(room * 0.9)  # a tenth for the prefill's cache, the logits and the programs
     if num_pages * page <= usable:
         return
