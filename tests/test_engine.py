@@ -822,3 +822,43 @@ def test_a_memory_fraction_on_a_device_without_a_memory_size_is_refused_before_t
         ConfigError, match=r"^hbm_utilization_vllm=0.5: the cpu devices report no memory size; "
     ):
         trainer.train(cfg)
+
+
+def test_generate_sizes_its_slots_and_pool_from_its_rows_not_a_larger_max_num_seqs(params, monkeypatch):
+    # grpax generate max_num_seqs=100000 batch_size=4 allocated 100000 slots' pages (the OOM killer, no message)
+    import grpax.sampler.engine as engine_module
+
+    pools = []
+    real = engine_module.PagePool
+    monkeypatch.setattr(engine_module, "PagePool", lambda n: pools.append(n) or real(n))
+    prompts = [[3, 4, 5], [6, 7]]
+    wide = generate(params, prompts, CFG, _sc(max_num_seqs=100_000), jax.random.key(1), 2)
+    assert pools == [1 + 4 * _sc().pages_per_sequence()]  # 2 prompts x 2 completions
+    exact = generate(params, prompts, CFG, _sc(), jax.random.key(1), 2)
+    np.testing.assert_array_equal(wide.completion_ids, exact.completion_ids)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (
+            dict(max_num_seqs=100_000),
+            r"^max_num_seqs=100000: the KV pool of 100000 decode slots of 28 tokens needs \d+ MiB, more than the 4 MiB",
+        ),
+        (
+            dict(num_pages=10**9),
+            r"^num_pages=1000000000: the KV pool needs [\d.]+ GiB, more than the 4 MiB",
+        ),
+    ],
+)
+def test_a_pool_the_host_cannot_hold_is_refused_in_one_line_before_it_is_allocated(
+    params, monkeypatch, keys, message
+):
+    import grpax.sampler.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: 4 << 20)
+    monkeypatch.setattr(Engine, "_init_pages", lambda *a: pytest.fail("the pool was allocated"))
+    for held in (params, jax.tree.map(np.asarray, params)):  # on the device, or numpy (a server's load)
+        with pytest.raises(ValueError, match=message) as e:
+            Engine(held, CFG, _sc(**keys))
+        assert "\n" not in str(e.value) and "of host memory available; pass " in str(e.value)

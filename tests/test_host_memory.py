@@ -1,13 +1,17 @@
-"""grpax.host_memory: the commands keep large blocks out of glibc's heap (``limit_heap_blocks``)."""
+"""grpax.host_memory: the commands keep large blocks out of glibc's heap (``limit_heap_blocks``) and warn before
+XLA's compiled programs hold the process's last memory mappings (``watch_memory_mappings``)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import subprocess
 import sys
 
 import pytest
+
+from grpax import host_memory
 
 _LIBC = ctypes.util.find_library("c")
 
@@ -54,3 +58,53 @@ def test_the_grpax_command_limits_heap_blocks_before_it_imports_the_command(monk
     monkeypatch.setattr(cli.importlib, "import_module", lambda name: calls.append(name) or real_import(name))
     cli.main(["to_native", "--help"])
     assert calls[:2] == ["limit", "grpax.cli.to_native"]
+
+
+@pytest.mark.skipif(host_memory.memory_mappings() is None, reason="Linux's /proc only")
+def test_a_compiled_program_holds_memory_mappings_while_it_lives():
+    # XLA:CPU links each kernel on pages of its own: what a long warm-up runs out of (vm.max_map_count).
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((8, 16))
+    lowered = jax.jit(lambda a, i: [a.at[i].set(k) for k in range(10)]).lower(x, jnp.arange(2))
+    before, limit = host_memory.memory_mappings()
+    compiled = lowered.compile()
+    held, _ = host_memory.memory_mappings()
+    assert limit > 0 and held - before >= 10 * 2  # ten scatter kernels: code and data pages each
+    del compiled
+
+
+def test_a_compile_past_half_the_mappings_limit_warns_once(monkeypatch, caplog):
+    import jax.monitoring
+
+    monkeypatch.setattr(host_memory, "_watching", False)
+    held = [1000]
+    monkeypatch.setattr(host_memory, "memory_mappings", lambda: (held[0], 65530))
+    listeners = []
+    monkeypatch.setattr(jax.monitoring, "register_event_duration_secs_listener", listeners.append)
+    host_memory.watch_memory_mappings()
+    host_memory.watch_memory_mappings()  # idempotent
+    assert len(listeners) == 1
+    compiled = "/jax/core/compile/backend_compile_duration"
+    with caplog.at_level(logging.WARNING, logger="grpax.host_memory"):
+        listeners[0](compiled, 0.1)
+        held[0] = 40000
+        listeners[0]("/jax/core/compile/jaxpr_trace_duration", 0.1)  # not a compile
+        assert not caplog.records
+        listeners[0](compiled, 0.1)
+        listeners[0]("/jax/compilation_cache/cache_retrieval_time_sec", 0.1)
+    assert len(caplog.records) == 1
+    assert "40000 memory mappings, over 50% of the kernel's limit (vm.max_map_count=65530)" in caplog.text
+
+
+@pytest.mark.skipif(host_memory.available_host_bytes() is None, reason="Linux's /proc only")
+def test_available_host_bytes_heeds_an_address_space_limit():
+    # ulimit -v: an engine sized from MemAvailable alone met a MemoryError instead of its one-line refusal
+    probe = (
+        "import resource; from grpax.host_memory import available_host_bytes as a;"
+        "size = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'));"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY)); print(a())"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert 0 <= int(out.stdout) <= 64 << 20

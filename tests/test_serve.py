@@ -4,6 +4,8 @@ server keeps serving, a client that goes away cancels its rows."""
 
 import http.client
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -729,6 +731,34 @@ def test_warmup_of_a_one_token_budget_runs(model):
     params, cfg, tokenizer, _ = model
     sc = sampler_config(64, 1, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16)
     assert EngineWorker(params, cfg, sc).warmup() == 2 * 2  # 2 programs x prompt counts 1, 2
+
+
+def test_warmup_logs_each_group_it_compiled_before_the_port_opens(model, caplog):
+    """A long warm-up says what it does as it goes (a server that crashed in it had logged nothing): a line
+    first, then one per sampling program's prompt bucket with the programs it compiled, the seconds and the
+    memory mappings held."""
+    params, cfg, tokenizer, _ = model
+    sc = sampler_config(
+        100, 3, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16
+    )
+    with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
+        EngineWorker(params, cfg, sc).warmup()  # 2 sampling programs x buckets 64, 100 x prompt counts 1, 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + 2 * 2, lines
+    assert lines[0].startswith(
+        "warm-up: running the prefill and decode shapes of 2 prompt buckets (64, 100 tokens)"
+    )
+    # the decode's slot counts (2, 1) compiled in the first bucket only
+    assert lines[1].startswith(
+        "warm-up 1/4 (the engine's rule, prompts of 64 tokens, 2 prompt counts): 2 prefill and 2 decode programs "
+        "compiled"
+    )
+    bucket_100 = (
+        r"warm-up 2/4 \(the engine's rule, prompts of 100 tokens, 2 prompt counts\): \d prefill and 0 decode"
+    )
+    assert re.match(bucket_100, lines[2])
+    assert lines[3].startswith("warm-up 3/4 (other rules, prompts of 64 tokens")
+    assert all(" s; " in line and "memory mappings held" in line for line in lines[1:])
 
 
 def _serve_one(params, cfg, tokenizer, sc, prompt):

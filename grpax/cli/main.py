@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from grpax import interrupts
 from grpax.config import ConfigError, build_config, describe, suggest
-from grpax.host_memory import limit_heap_blocks
+from grpax.host_memory import limit_heap_blocks, watch_memory_mappings
 
 COMMANDS = {
     "to_native": "convert a Hugging Face checkpoint (folder, Hub or GGUF) to a grpax Orbax checkpoint",
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     from grpax.cli.common import enable_compilation_cache
 
                     enable_compilation_cache(getattr(config, "jax_cache_dir", "auto"))
+            watch_memory_mappings()  # a warning before XLA's JIT runs out of them
             return int(module.run(config) or 0)
     except USER_ERRORS as e:
         if os.environ.get("GRPAX_DEBUG", "") not in ("", "0"):

@@ -58,7 +58,7 @@ import numpy as np
 
 from grpax import distributed, sharding
 from grpax.errors import ConfigError
-from grpax.host_memory import release_host_memory
+from grpax.host_memory import available_host_bytes, release_host_memory
 from grpax.models.moe import route_dtype
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
@@ -423,6 +423,48 @@ def memory_room(params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, ba
     return int(sc.hbm_utilization * limit) - max(held.values(), default=0), int(page)
 
 
+def check_host_room(
+    params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, backend, num_pages: int, num_slots: int
+) -> None:
+    """Refuses a KV pool of ``num_pages`` pages that the host's available memory cannot hold
+    (``grpax.host_memory.available_host_bytes``), before it is allocated, where the pool lives on devices that
+    report no memory size (CPU: there an oversized pool ends in the kernel's OOM killer, with no message).
+
+    Raises:
+      ValueError: one line naming the key that sized the pool (num_pages, else max_num_seqs), its value, the
+        bytes needed and available, and the largest value that fits.
+    """
+    sc = sampler_cfg
+    leaves = [x for x in jax.tree.leaves(params) if hasattr(x, "addressable_shards")]
+    devices = {s.device for x in leaves for s in x.addressable_shards} or set(jax.local_devices()[:1])
+    room = available_host_bytes()
+    if room is None or any(bytes_limit(d) is not None for d in devices):
+        return
+    init, _ = _pool(params, cfg, sc, backend, 1)
+    page = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init)))  # all on this host
+    usable = int(room * 0.9)  # a tenth for the prefill's cache, the logits and the programs
+    if num_pages * page <= usable:
+        return
+    fit = max(0, usable // page - 1)  # pages, less the scratch page
+    gib = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"  # noqa: E731
+    if sc.num_pages:
+        raise ValueError(
+            f"num_pages={sc.num_pages}: the KV pool needs {gib(num_pages * page)}, more than the {gib(room)} of host "
+            f"memory available; pass num_pages <= {fit}"
+        )
+    tokens = sc.max_prompt_length + sc.max_completion_length
+    key = (
+        f"max_num_seqs={sc.max_num_seqs}"
+        if sc.max_num_seqs
+        else f"max_num_seqs=0 ({num_slots} slots: the batch)"
+    )
+    raise ValueError(
+        f"{key}: the KV pool of {num_slots} decode slots of {tokens} tokens needs "
+        f"{gib(num_pages * page)}, more than the {gib(room)} of host memory available; pass max_num_seqs <= "
+        f"{fit // sc.pages_per_sequence()}, or num_pages <= {fit} (sequences then share the pool)"
+    )
+
+
 def prefill_prompts(sampler_cfg: SamplerConfig, num_prompts: int, num_generations: int) -> int:
     """The most prompts one prefill of a ``num_prompts`` x G rollout takes (a power of two, as ``_prefill``
     rounds them): all of them, or with fewer decode slots (``max_num_seqs``) the groups that fill the slots
@@ -730,7 +772,8 @@ class Engine:
       max_forced_tokens: F, the most forced tokens (an observation) fed at once (``resume``).
 
     Raises:
-      ValueError: ``backend="cpu"`` where it cannot run (``select_backend``); a pool too small for one sequence.
+      ValueError: ``backend="cpu"`` where it cannot run (``select_backend``); a pool too small for one sequence;
+        a pool larger than the host memory available where the devices report no size (``check_host_room``).
     """
 
     def __init__(
@@ -775,6 +818,7 @@ class Engine:
                 f"{sc.max_prompt_length + sc.max_completion_length} tokens in pages of {sc.page_size}: "
                 f"pass at least {1 + self.table_width}"
             )
+        check_host_room(params, cfg, sc, self.backend, num_pages, self.num_slots)
         self.pool = PagePool(num_pages)
         self.pages = self._init_pages(params, num_pages)
         _LIVE_ENGINES.add(self)
@@ -1356,7 +1400,10 @@ def generate(
         raise ValueError(
             "no prompt left to generate from (all longer than max_prompt_length, truncation=drop)"
         )
-    engine = Engine(params, cfg, sc, num_slots=max(num_slots or 0, len(kept) * num_generations))
+    rows = max(num_slots or 0, len(kept) * num_generations)
+    if sc.max_num_seqs > rows:  # slots (and their pages) past the call's rows would never hold a sequence
+        sc = dataclasses.replace(sc, max_num_seqs=rows)
+    engine = Engine(params, cfg, sc, num_slots=rows)
     request = engine.submit(kept, key, num_generations)
     engine.run(request)
     out = request.output(sc.pad_token_id, engine.prompt_width(kept), sc.max_completion_length)

@@ -16,8 +16,9 @@ power-of-two buckets, its prefills take N prompts rounded up to a power of two (
 that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
 packed-length variants per batch), and its decode runs on the engine's slot counts (``engine.slot_counts``)
 over the whole page table.
-``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests;
-``n`` > 1 compiles its programs at its first request.
+``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests.
+The prefill takes ``n`` as a shape (``num_generations``): each other ``n`` compiles its own prefill programs
+(one per bucket, prompt count and sampling program) at the first request that meets each; the decode's are shared.
 
 ``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
 kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
@@ -34,12 +35,14 @@ import functools
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpax.host_memory import memory_mappings
 from grpax.models import llama
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
@@ -105,6 +108,20 @@ def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
     ignore it)."""
     buckets = sampler_cfg.prompt_length_buckets or bucket_lengths(sampler_cfg.max_prompt_length)
     return dataclasses.replace(sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0)
+
+
+class _ProgramCounter(collections.Counter):
+    """A ``jax.monitoring`` listener counting the programs compiled (the engine's admit and decode, others) and
+    those loaded from the persistent compilation cache."""
+
+    def __call__(self, event: str, duration: float, fun_name: str = "", **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self[next((n for n in ("admit", "decode") if fun_name == f"jit({n})"), "other")] += 1
+        elif event == "/jax/compilation_cache/cache_retrieval_time_sec":
+            self["cached"] += 1
+
+    def copy(self) -> collections.Counter:
+        return collections.Counter(self)
 
 
 @dataclasses.dataclass(eq=False)
@@ -229,7 +246,9 @@ class EngineWorker:
         prompt count, each decode slot count, in both sampling programs: rows at the engine's rule, and rows of another
         rule, which every other rule and mix of rules shares), so that serving them compiles nothing. Call it
         before ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row
-        decodes).
+        decodes). Logs a line before it starts and one per group (a sampling program's prompt bucket): the
+        programs it compiled (or loaded from the compilation cache), the seconds, and the memory mappings the
+        process holds (``grpax.host_memory.memory_mappings``: XLA:CPU keeps some per compiled kernel).
 
         Returns:
           The prefill calls it ran.
@@ -241,21 +260,49 @@ class EngineWorker:
         e.stop_table = np.zeros_like(stop_table)
         e.update_params(e.params, e.version)  # the params' preparation for this backend (swaps reuse it)
         other = {"greedy": not e.sc.greedy}  # a rule other than the engine's: the per-row program
+        buckets = e.sc.buckets()
+        logger.info(
+            "warm-up: running the prefill and decode shapes of %d prompt buckets (%s tokens) x 2 sampling programs "
+            "before the port opens (a line per group)",
+            len(buckets),
+            ", ".join(map(str, buckets)),
+        )
+        counted = _ProgramCounter()
+        jax.monitoring.register_event_duration_secs_listener(counted)
         try:
-            for rule in ({}, other):
-                for i, length in enumerate(e.sc.buckets()):
+            for g, (name, rule) in enumerate((("the engine's rule", {}), ("other rules", other))):
+                for i, length in enumerate(buckets):
                     # every prefill shape in each bucket; every decode slot count once, in the smallest bucket
                     counts = (
                         warmup_counts(self.num_slots, e.sc.slot_count_step)
                         if i == 0
                         else prompt_counts(self.num_slots)
                     )
+                    start, before = time.perf_counter(), counted.copy()
                     for count in counts:
                         prompts = [[0] * length] * count
                         # a prefill's token and one decode call on the slot count that holds ``count`` rows
                         limit = min(2, e.sc.max_completion_length)  # 1: no decode runs at all
                         e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, **rule))
+                    new = counted - before
+                    held = memory_mappings()
+                    logger.info(
+                        "warm-up %d/%d (%s, prompts of %d tokens, %d prompt counts): %d prefill and %d decode "
+                        "programs compiled, %d other, %d loaded from the compilation cache, in %.1f s%s",
+                        g * len(buckets) + i + 1,
+                        2 * len(buckets),
+                        name,
+                        length,
+                        len(counts),
+                        new["admit"],
+                        new["decode"],
+                        new["other"],
+                        new["cached"],
+                        time.perf_counter() - start,
+                        f"; {held[0]} memory mappings held (vm.max_map_count {held[1]})" if held else "",
+                    )
         finally:
+            jax.monitoring.unregister_event_duration_listener(counted)
             e.stop_table = stop_table
         return e.stats["prefills"] - prefills
 

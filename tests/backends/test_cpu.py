@@ -607,6 +607,59 @@ def test_packed_prefill_equals_each_prompt_alone():
                 )
 
 
+def _packed_prompts(lengths, T):
+    rng = np.random.RandomState(3)
+    B = len(lengths)
+    rows = np.concatenate([np.full(n, b) for b, n in enumerate(lengths)] + [np.full(T - sum(lengths), B)])
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(T - sum(lengths), int)])
+    packed = rng.randint(0, CFG.vocab_size, T)
+    return jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(rows)
+
+
+@pytest.mark.parametrize("prefix", [0, 4])
+def test_scanned_prefill_of_stacked_layers_equals_the_unrolled_one(prefix):
+    stacked = init_params(dataclasses.replace(CFG, num_layers=3), jax.random.key(1))
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    unrolled = convert_layout(stacked, cfg, scan_layers=False)
+    tokens, positions, rows = _packed_prompts([9, 5, 12], 32)
+    outs = [
+        cpu_backend.packed_prefill_forward(
+            p, tokens, positions, rows, init_cache(cfg, 3, 16, stacked=False), cfg, prefix=prefix
+        )
+        for p in (stacked, unrolled)
+    ]
+    for ours, theirs in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=1e-6, rtol=0)
+
+
+def _maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux's /proc only")
+def test_a_prefill_program_of_stacked_layers_maps_little_code_per_layer():
+    # XLA:CPU links each kernel of a program on pages of its own (code, constants, data: 3 mappings each, held
+    # while the program lives). Unrolled, every layer added ~13 kernels (~40 mappings) to every prefill program:
+    # a server's warm-up of 30-layer SmolLM2 passed the kernel's 65,530 mappings (vm.max_map_count). Scanned,
+    # a layer adds only the slices of its cache buffers.
+    backend = cpu_backend.CpuBackend()
+    tokens = jnp.asarray(np.arange(24).reshape(3, 8) % CFG.vocab_size, jnp.int32)
+    lengths = jnp.asarray([8, 5, 3], jnp.int32)
+    added = {}
+    for L in (2, 8):
+        cfg = dataclasses.replace(CFG, num_layers=L, hidden_dim=40 + L)  # programs no other test compiled
+        params = init_params(cfg, jax.random.key(0))
+        fn = jax.jit(backend.prefill, static_argnames=("cfg", "plan"))
+        cache = init_cache(cfg, 3, 8, stacked=False)
+        lowered = fn.lower(params, tokens, lengths, cache, cfg=cfg, plan=backend.plan(tokens, lengths))
+        before = _maps()
+        compiled = lowered.compile()
+        added[L] = _maps() - before
+        del compiled
+    assert added[8] - added[2] < 6 * 10, added  # unrolled: ~6 * 40
+
+
 def test_packed_and_padded_prefill_sample_the_same(params):
     # The CPU backend (packed prefill, kernels) against the XLA backend (padded prefill, XLA's ops): the same
     # tokens, greedy and sampled with top-p, and logprobs within float32 rounding.

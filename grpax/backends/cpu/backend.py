@@ -20,6 +20,7 @@ another order (tests/backends/test_cpu.py holds each kernel and the whole backen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -35,7 +36,7 @@ from grpax.models.llama import (
     rope_tables,
     rotate,
 )
-from grpax.models.params import Params, convert_layout
+from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
 
 _KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -143,8 +144,14 @@ def packed_prefill_forward(
 ) -> tuple[jax.Array, dict]:
     """The decoder over one packed sequence of several rows' prompts, writing each row's KV cache.
 
+    Stacked layers (``scan_layers``) are scanned, as the XLA backend's prefill is: one compiled layer instead of
+    L unrolled ones. XLA:CPU links every kernel of a program on pages of its own (code, constants, data: three
+    memory mappings each, held while the program lives), and the unrolled layers' weight slices, cache scatters
+    and fusions made ~400 kernels of every prefill program, ~1,200 mappings each (a server's warm-up passed
+    the kernel's 65,530); a list of layers is unrolled.
+
     Args:
-      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``).
+      params: the params tree, its layers stacked (a dict of [L, ...] weights) or a list of layers.
       tokens: int32 [T] the prompts back to back (no padding between them), after an optional shared prefix.
       positions: int32 [T] each token's position in its row.
       rows: int32 [T] each token's cache row; tokens of a row contiguous and in order; rows out of the cache's
@@ -163,25 +170,43 @@ def packed_prefill_forward(
     rows = rows.astype(jnp.int32)
     x = params["embed"].astype(dtype)[tokens[None]]
     rope = rope_tables(positions, rope_inv_freq(cfg))
-    ck, cv = list(cache["k"]), list(cache["v"])
-    for i, layer in enumerate(params["layers"]):
-        w = {name: val.astype(dtype) for name, val in layer.items()}
-        q, k, v = attention_inputs(x, w, rope, cfg)
-        # Advanced indices split by slices: the indexed view is [1, T, K, H], the layout of k and v.
-        cache_k = ck[i].at[rows[None, :], :, :, positions].set(k.astype(ck[i].dtype), mode="drop")
-        cache_v = cv[i].at[rows[None, :], :, positions, :].set(v.astype(cv[i].dtype), mode="drop")
-        num_rows = cache_k.shape[0]
-        if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
-            pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
-            pv = jnp.broadcast_to(
-                v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3])
-            )
-            cache_k = cache_k.at[:, :, :, :prefix].set(pk.astype(cache_k.dtype))
-            cache_v = cache_v.at[:, :, :prefix, :].set(pv.astype(cache_v.dtype))
-        ck[i], cv[i] = cache_k, cache_v
-        attn = ops.packed_attention(q[0], k[0], v[0], rows, num_rows, prefix)[None]
-        x = attention_output_and_mlp(x, attn, w, cfg)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), {"k": ck, "v": cv}
+    layer = functools.partial(
+        _prefill_layer, rope=rope, positions=positions, rows=rows, prefix=prefix, cfg=cfg
+    )
+    if isinstance(params["layers"], dict):
+        stacked = {name: jnp.stack(buffers) for name, buffers in cache.items()}
+
+        def body(x, scanned):
+            w, cache_k, cache_v = scanned
+            x, cache_k, cache_v = layer(x, w, cache_k, cache_v)
+            return x, (cache_k, cache_v)
+
+        x, (ck, cv) = jax.lax.scan(body, x, (params["layers"], stacked["k"], stacked["v"]))
+        cache = {"k": list(ck), "v": list(cv)}
+    else:
+        ck, cv = list(cache["k"]), list(cache["v"])
+        for i, w in enumerate(params["layers"]):
+            x, ck[i], cv[i] = layer(x, w, ck[i], cv[i])
+        cache = {"k": ck, "v": cv}
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def _prefill_layer(x, layer, cache_k, cache_v, *, rope, positions, rows, prefix: int, cfg: ModelConfig):
+    """One decoder block of ``packed_prefill_forward``: its keys and values written to its cache buffers."""
+    dtype = jnp.dtype(cfg.dtype)
+    w = {name: val.astype(dtype) for name, val in layer.items()}
+    q, k, v = attention_inputs(x, w, rope, cfg)
+    # Advanced indices split by slices: the indexed view is [1, T, K, H], the layout of k and v.
+    cache_k = cache_k.at[rows[None, :], :, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows[None, :], :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+    num_rows = cache_k.shape[0]
+    if prefix:  # the shared prefix's keys/values go to slots 0..A-1 of every row
+        pk = jnp.broadcast_to(k[0, :prefix].transpose(1, 2, 0), (num_rows, *k.shape[2:], prefix))
+        pv = jnp.broadcast_to(v[0, :prefix].transpose(1, 0, 2), (num_rows, k.shape[2], prefix, k.shape[3]))
+        cache_k = cache_k.at[:, :, :, :prefix].set(pk.astype(cache_k.dtype))
+        cache_v = cache_v.at[:, :, :prefix, :].set(pv.astype(cache_v.dtype))
+    attn = ops.packed_attention(q[0], k[0], v[0], rows, num_rows, prefix)[None]
+    return attention_output_and_mlp(x, attn, w, cfg), cache_k, cache_v
 
 
 def _decode_layer(x, layer, positions, rope, k_pages, v_pages, page_table, cfg: ModelConfig):
@@ -276,7 +301,6 @@ class CpuBackend:
     ) -> tuple[jax.Array, dict]:
         packed_length, A = plan
         B, P = prompt_tokens.shape
-        params = convert_layout(params, cfg, scan_layers=False)
         # The shared prefix (A tokens, taken from row 0) first, then token t >= A of prompt b at packed index
         # offsets[b] + t - A. The prefix and the padding get row B, which the scatter drops; the prefix is
         # written to every row by packed_prefill_forward itself.
