@@ -264,3 +264,30 @@ def test_unretrieved_tensorstore_errors_of_orbax_futures_are_not_logged(caplog):
     loop.close()
     logged = [r for r in caplog.records if "never retrieved" in r.getMessage()]
     assert [str(r.exc_info[1]) for r in logged] == ["something else"]
+
+
+def test_a_trees_digests_are_one_program_and_each_arrays_own():
+    """A checkpoint's digests compile one program for the whole tree (each distinct leaf shape was a program of
+    its own: a compile each on an accelerator), with every array's digest as computed alone."""
+    import jax.numpy as jnp
+
+    from grpax.checkpoint import digests
+    from grpax.compiles import CompileLog
+
+    tree = {
+        "a": jnp.arange(1000, dtype=jnp.float32) * 0.37,
+        "b": {"c": np.arange(12, dtype=np.int32).reshape(3, 4), "d": jnp.ones((5,), jnp.bfloat16)},
+        "m": np.array([True, False]),
+        "x": np.float64(1.0),  # 8-byte: no digest
+    }
+    with CompileLog() as log:
+        whole = digests.tree_digests(tree)
+    assert [p.name for p in log.programs] == ["_sums"]
+    assert whole == {
+        k: digests.array_digest(v)
+        for k, v in [("a", tree["a"]), ("b.c", tree["b"]["c"]), ("b.d", tree["b"]["d"]), ("m", tree["m"])]
+    }
+    assert (
+        whole["b.c"] == "int32[3, 4]:b9a6881c6dd33522"
+    )  # the digests written before: checkpoints still check
+    assert digests.mismatches({**tree, "a": tree["a"] + 1}, whole) == ["a"]

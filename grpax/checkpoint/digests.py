@@ -24,8 +24,7 @@ from grpax.models import quantize as quant
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-@jax.jit
-def _sums(x: jax.Array) -> jax.Array:
+def _array_sums(x: jax.Array) -> jax.Array:
     """Two uint32 sums over the array's bits: weighted by position, and by a second odd multiplier."""
     size = x.dtype.itemsize
     bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _UINT[size])
@@ -36,27 +35,42 @@ def _sums(x: jax.Array) -> jax.Array:
     return jnp.stack([a, b])
 
 
+@jax.jit
+def _sums(arrays: list) -> list:
+    """``_array_sums`` of each array, in one program per list of shapes: a whole tree's leaves at once, so a
+    checkpoint's digests compile once, not once per distinct leaf shape (each a compile on an accelerator)."""
+    return [_array_sums(x) for x in arrays]
+
+
 def _signature(x: Any) -> str:
     return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _digestible(x: Any) -> bool:
+    """Whether ``x`` is an array with fixed bits to digest (not an 8-byte dtype, not a non-array leaf)."""
+    return hasattr(x, "dtype") and (np.dtype(x.dtype).itemsize in _UINT or x.dtype == np.bool_)
+
+
+def _digests(arrays: list) -> list[str]:
+    """``array_digest`` of each of ``arrays`` (all digestible), computed in one program."""
+    sums = np.asarray(jax.device_get(_sums(arrays))) if arrays else []
+    return [f"{_signature(x)}:{int(a):08x}{int(b):08x}" for x, (a, b) in zip(arrays, sums, strict=True)]
 
 
 def array_digest(x: Any) -> str | None:
     """``"<dtype>[shape]:<16 hex digits>"`` of one array (jax or numpy), or None for what has no fixed bits
     (an 8-byte dtype, a non-array leaf)."""
-    if not hasattr(x, "dtype") or (np.dtype(x.dtype).itemsize not in _UINT and x.dtype != np.bool_):
-        return None
-    a, b = (int(v) for v in np.asarray(_sums(x)))
-    return f"{_signature(x)}:{a:08x}{b:08x}"
+    return _digests([x])[0] if _digestible(x) else None
 
 
 def tree_digests(tree: Any) -> dict[str, str]:
-    """``{path: digest}`` of every array leaf of ``tree`` (dotted paths: ``layers.wq``)."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        digest = array_digest(leaf)
-        if digest is not None:
-            out[jax.tree_util.keystr(path, simple=True, separator=".")] = digest
-    return out
+    """``{path: digest}`` of every array leaf of ``tree`` (dotted paths: ``layers.wq``), in one program."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree) if _digestible(x)]
+    digests = _digests([x for _, x in leaves])
+    return {
+        jax.tree_util.keystr(p, simple=True, separator="."): d
+        for (p, _), d in zip(leaves, digests, strict=True)
+    }
 
 
 def mismatches(tree: Any, expected: dict[str, str]) -> list[str]:
@@ -65,15 +79,14 @@ def mismatches(tree: Any, expected: dict[str, str]) -> list[str]:
     An array stored under another dtype or shape than the one read (a resume that casts to a new
     ``weight_dtype``) or absent from ``expected`` (a checkpoint written before digests) is not compared.
     """
-    bad = []
+    compared = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         key = jax.tree_util.keystr(path, simple=True, separator=".")
         want = expected.get(key)
-        if want is None or not hasattr(leaf, "dtype") or not want.startswith(_signature(leaf) + ":"):
-            continue
-        if array_digest(leaf) != want:
-            bad.append(key)
-    return bad
+        if want is not None and _digestible(leaf) and want.startswith(_signature(leaf) + ":"):
+            compared.append((key, leaf, want))
+    digests = _digests([leaf for _, leaf, _ in compared])
+    return [key for (key, _, want), got in zip(compared, digests, strict=True) if got != want]
 
 
 def fingerprint(params: Any, quantization: str = "") -> str:
