@@ -1345,7 +1345,8 @@ def generate(
       params: model params.
       prompts: N token-id lists (no padding).
       cfg: model config.
-      sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens.
+      sampler_cfg: sampling settings; prompts are padded to ``Engine.prompt_width`` tokens (the longest's bucket,
+        or max_prompt_length with the fixed program set).
       key: PRNG key (one per call; rows get independent noise).
       num_generations: G completions per prompt; row i answers prompt i // G (each prompt is prefilled once).
       num_slots: the engine's decode slots where ``max_num_seqs`` is 0; default every row at once (a caller of
