@@ -691,3 +691,14 @@ def test_evaluate_reads_hf_eval_files(tiny_checkpoint, tmp_path, capsys):
     _one_line_error(
         capsys, f"hf_eval_files={nothing!r} (eval_split='test'): no .jsonl / .json / .parquet file matches"
     )
+
+
+def test_generate_names_its_devices_before_it_samples(tiny_checkpoint, capfd):
+    """generate without output_path logged nothing of its own, so the devices' line (announced by the first
+    record) never came; it comes before the completions once the keys are checked."""
+    keys = [f"load_parameters_path={tiny_checkpoint}", "model_name=", "prompt=hi", "max_completion_length=2"]
+    assert main(["generate", *keys]) == 0
+    err = [line for line in capfd.readouterr().err.splitlines() if " grpax" in line]
+    assert err and err[0].endswith(
+        f" grpax: grpax generate on cpu: {jax.device_count()} x cpu (hardware=auto)"
+    ), err

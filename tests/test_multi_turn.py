@@ -392,3 +392,51 @@ def test_a_stop_string_that_ends_inside_a_token_ends_the_turn():
     n = 5 + len(fed) + 1  # model tokens, the observation, EOS
     assert out.completion_ids[0, :n].tolist() == [*script[1:], *fed, 0]
     assert out.completion_mask[0, :n].tolist() == [1] * 5 + [0] * len(fed) + [1]
+
+
+def test_the_fixed_program_set_keeps_a_multi_turn_rollouts_full_widths(params, monkeypatch):
+    """With the fixed program set (the accelerators' default) a multi-turn rollout samples the adaptive ladders'
+    tokens, pads its prompts to max_prompt_length as the engine's programs do, and its batch keeps the full
+    completion width: the update compiles once, as for a single-turn rollout (not once per prompt bucket and
+    completion length)."""
+    from grpax.rl import multi_turn
+
+    sc = SamplerConfig(
+        max_prompt_length=100, max_completion_length=T, stop_token_ids=(0,), pad_token_id=0, backend="xla"
+    )
+    outs = {}
+    for programs in ("adaptive", "fixed"):
+        envs = [CountEnv(k) for k in [1, 2, 1, 2, 1, 1]]
+        outs[programs] = generate_multi_turn(
+            params, PROMPTS, envs, CharTokenizer(), CFG, dataclasses.replace(sc, programs=programs),
+            MultiTurnConfig(), jax.random.key(3), G,
+        )  # fmt: skip
+    np.testing.assert_array_equal(outs["fixed"].completion_ids, outs["adaptive"].completion_ids)
+    assert outs["adaptive"].prompt_ids.shape[1] == 64 and outs["fixed"].prompt_ids.shape[1] == 100
+
+    def sample(
+        params, rows, task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, key, num_generations, mesh
+    ):
+        envs = [CountEnv(1) for _ in rows for _ in range(num_generations)]
+        prompts = [row["prompt_ids"] for row in rows]
+        return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
+
+    def score(task, rows, out):
+        return {"total": np.arange(len(rows), dtype=np.float64)}, np.zeros(len(rows))
+
+    monkeypatch.setattr(multi_turn, "sample_trajectories", sample)
+    monkeypatch.setattr(multi_turn, "score_trajectories", score)
+    grpo = GRPOConfig(num_generations=G, beta=0.0)
+    rollout = multi_turn.MultiTurnRollout(
+        CFG,
+        dataclasses.replace(sc, programs="fixed"),
+        grpo,
+        None,
+        CharTokenizer(),
+        CountEnv,
+        MultiTurnConfig(),
+    )
+    rollout.update_params(params, 0)
+    batch = rollout([{"prompt_ids": p} for p in PROMPTS], jax.random.key(1))
+    assert int(batch.host.completion_lengths.max()) < T  # every row stopped early
+    assert batch.completion_ids.shape == (len(PROMPTS) * G, T) and batch.prompt_ids.shape[1] == 100

@@ -128,3 +128,19 @@ def test_the_runs_programs_are_named_before_it_runs():
     adaptive = describe_programs(sc, False, {"rollout": (4, 4), "evaluation": (8, 1)})
     assert "8 slots: [8, 6, 4, 2, 1]; 16 slots: [16, 14, 12, 10, 8, 6, 4, 2, 1]" in adaptive
     assert "prompt buckets [64, 128, 192, 256]" in adaptive
+
+
+def test_the_programs_named_follow_the_keys_that_change_them():
+    """retire_rows=false decodes on one slot count, decode_phase_length=0 on the whole page table, and the fixed
+    set pads prompts to prompt_length_buckets where they are given: the line says so."""
+    from grpax.sampler.engine import describe_programs
+
+    sc = SamplerConfig(
+        max_prompt_length=256, max_completion_length=192, retire_rows=False, decode_phase_length=0
+    )
+    adaptive = describe_programs(sc, False, {"rollout": (4, 4)})
+    assert "(16 slots: [16])" in adaptive and "the whole page table" in adaptive
+    bucketed = dataclasses.replace(sc, prompt_length_buckets=(64, 128))
+    assert "prefill 4 prompts x [64, 128, 256] tokens (G = 4)" in describe_programs(
+        bucketed, True, {"rollout": (4, 4)}
+    )

@@ -969,3 +969,33 @@ def test_tool_calls_come_back_as_openai_tool_calls(model, monkeypatch):
             )
     finally:
         running.stop()
+
+
+def test_the_server_keeps_its_bounded_shapes_where_sampler_programs_would_be_fixed(model, monkeypatch):
+    """On an accelerator the engine's default (``SamplerConfig.programs`` auto) is the fixed program set: every
+    prefill of max_num_seqs prompts and one decode slot count. The server has no such key and its own bounded
+    shapes (``bounded``, compiled by ``warmup``): a one-prompt request prefills one prompt row, not twelve."""
+    import grpax.sampler.engine as engine_module
+
+    params, cfg, tokenizer, _ = model
+    sc = sampler_config(
+        64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16
+    )
+    auto_is_fixed = lambda sampler_cfg, params: sampler_cfg.programs != "adaptive"  # noqa: E731 - as on a TPU
+    monkeypatch.setattr(engine_module, "fixed_programs", auto_is_fixed)
+    seen = []
+    compiled_admit = engine_module.compiled_admit
+
+    def spy(backend):
+        fn = compiled_admit(backend)
+
+        def call(*args, **kwargs):
+            seen.append(args[2].shape[0])  # prompts [N, P]
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine_module, "compiled_admit", spy)
+    e = EngineWorker(params, cfg, sc).engine
+    e.run(e.submit([[5, 6, 7]], jax.random.key(0)))
+    assert seen == [1] and not e.fixed

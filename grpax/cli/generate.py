@@ -275,6 +275,12 @@ def run(config: GenerateConfig) -> int:
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)
     if config.model_name:
         check_matches(model_cfg, config.model_name, config.load_parameters_path)
+    # The keys and the checkpoint are checked: the command's first log line (after the devices',
+    # grpax.cli.main.announce), before the sampling.
+    log.info(
+        "%d prompts x %d completions of up to %d tokens from %s",
+        len(texts), config.num_generations, length, config.load_parameters_path,
+    )  # fmt: skip
     params = jax.device_put(params)
     stops = stop_token_ids(tokenizer, model_cfg)
     sampler_cfg = sampler_config(

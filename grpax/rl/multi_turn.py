@@ -222,7 +222,7 @@ def generate_multi_turn(
     for seq in request.sequences:  # the length limit ends a sequence without a pause
         if seq.reason == reasons.LENGTH and not truncation[seq.index]:
             truncation[seq.index] = "trajectory"
-    out = request.output(sc.pad_token_id, sc.bucket_for(max(map(len, kept))), T)
+    out = request.output(sc.pad_token_id, engine.prompt_width(kept), T)
     return MultiTurnOutput(
         prompt_ids=out.prompt_ids,
         prompt_mask=out.prompt_mask,

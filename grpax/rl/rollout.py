@@ -113,7 +113,6 @@ class Rollout:
             reference = FrozenParams(reference)
         self.reference, self.num_micro_batches = reference, num_micro_batches
         self.min_completion_bucket = min_completion_bucket
-        self._full_width = False  # the last rollout ran the fixed program set (_sample)
         self.params: Any = None
         self.version = 0
         self.engine: Engine | None = None  # one engine running across calls (``keep_engine``), else None
@@ -265,9 +264,6 @@ class Rollout:
         """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""
         t0 = time.perf_counter()
         params = self._sampler_params()
-        # The fixed program set (accelerators): the update and the reference pass run on the full widths too, one
-        # program each, as the compile check compiled them.
-        self._full_width = fixed_programs(self.sampler_cfg, params)
         prompts = [row["prompt_ids"] for row in rows]
         if self._keep_engine:
             out = self._engine_generate(params, rows, key)
@@ -333,8 +329,12 @@ class Rollout:
     def _place(self, out: GenerateOutput, advantages: np.ndarray) -> Batch:
         """The update's arrays on the trainer's mesh (every process holds the whole rollout and computed the
         same rewards: each keeps its devices' rows), or as plain device arrays without one; the completion axis
-        cut to the longest completion's bucket (the same on every process: the rollouts are equal)."""
+        cut to the longest completion's bucket (the same on every process: the rollouts are equal), or kept whole
+        with the fixed program set."""
         longest, C = counted_length(out.completion_mask), out.completion_ids.shape[1]
+        # The fixed program set (accelerators): the update and the reference pass run on the full widths too, one
+        # program each, as the compile check compiled them (decided here, for every rollout's ``_sample``).
+        full_width = fixed_programs(self.sampler_cfg, self.params)
         batch = Batch(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
@@ -345,9 +345,7 @@ class Rollout:
             truncated=np.asarray([r == "length" for r in out.finish_reason]),
             routed_experts=out.routed_experts,  # a mixture of experts' (router_replay): metrics, replay
             prompt_routed_experts=out.prompt_routed_experts,
-        ).trim_completions(
-            C if self._full_width else completion_bucket(longest, C, self.min_completion_bucket)
-        )
+        ).trim_completions(C if full_width else completion_bucket(longest, C, self.min_completion_bucket))
         if self.mesh is not None:
             return sharding.shard_global_batch(batch, self.mesh)
         return jax.tree.map(jnp.asarray, batch)

@@ -227,10 +227,18 @@ def describe_programs(sampler_cfg: SamplerConfig, fixed: bool, uses: dict[str, t
     sc = sampler_cfg
     if not fixed:
         counts = {sc.decode_slots(n * g) for n, g in uses.values()}
-        ladders = "; ".join(f"{S} slots: {slot_counts(S, sc.slot_count_step)}" for S in sorted(counts))
+        ladders = "; ".join(
+            f"{S} slots: {slot_counts(S, sc.slot_count_step) if sc.retire_rows else [S]}"
+            for S in sorted(counts)
+        )
+        widths = (
+            f"page-table widths by {sc.decode_phase_length} tokens"
+            if sc.decode_phase_length
+            else "the whole page table"
+        )
         return (
-            f"adaptive: decode slot counts ({ladders}), page-table widths by {sc.decode_phase_length} tokens, "
-            f"prompt buckets {list(sc.buckets())}, power-of-two prompt counts: one program each as met"
+            f"adaptive: decode slot counts ({ladders}), {widths}, prompt buckets {list(sc.buckets())}, "
+            "power-of-two prompt counts: one program each as met"
         )
     parts, decodes = [], set()
     for use, (n, g) in uses.items():
@@ -241,7 +249,8 @@ def describe_programs(sampler_cfg: SamplerConfig, fixed: bool, uses: dict[str, t
             else (f"decode {S} slots x {sc.pages_per_sequence()} pages x {sc.decode_steps_per_call} steps")
         )
         decodes.add(S)
-        prefill = f"prefill {fixed_prefill_prompts(S, g)} prompts x {sc.max_prompt_length} tokens (G = {g})"
+        P = list(sc.buckets()) if sc.prompt_length_buckets else sc.max_prompt_length  # Engine.prompt_width
+        prefill = f"prefill {fixed_prefill_prompts(S, g)} prompts x {P} tokens (G = {g})"
         parts.append(f"{use}: {prefill}, {decode}")
     return "fixed: " + "; ".join(parts)
 
@@ -1382,7 +1391,8 @@ def generate(
       params: model params.
       prompts: N token-id lists (no padding).
       cfg: model config.
-      sampler_cfg: sampling settings; prompts are padded to ``sampler_cfg.bucket_for(longest)`` tokens.
+      sampler_cfg: sampling settings; prompts are padded to ``Engine.prompt_width`` tokens (the longest's bucket,
+        or max_prompt_length with the fixed program set).
       key: PRNG key (one per call; rows get independent noise).
       num_generations: G completions per prompt; row i answers prompt i // G (each prompt is prefilled once).
       num_slots: the engine's decode slots where ``max_num_seqs`` is 0; default every row at once (a caller of

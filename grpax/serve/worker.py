@@ -105,9 +105,12 @@ def shape_planned(backend):
 def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
     """``sampler_cfg`` with the server's bounded shapes: power-of-two prompt buckets (unless it sets its own)
     and the decode over the whole page table (no per-length widths; backends that read only the filled pages
-    ignore it)."""
+    ignore it), on the adaptive program set on any device (the fixed set, an accelerator's default elsewhere,
+    would prefill max_num_seqs prompts for a request of one: a server's first token waits for it)."""
     buckets = sampler_cfg.prompt_length_buckets or bucket_lengths(sampler_cfg.max_prompt_length)
-    return dataclasses.replace(sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0)
+    return dataclasses.replace(
+        sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0, programs="adaptive"
+    )
 
 
 class _ProgramCounter(collections.Counter):
