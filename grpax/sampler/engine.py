@@ -206,7 +206,7 @@ def fixed_programs(sampler_cfg: SamplerConfig, params: Params) -> bool:
         return sampler_cfg.programs == "fixed"
     try:
         devices = jax.tree.leaves(params)[0].sharding.device_set
-    except (AttributeError, ValueError, RuntimeError):  # unplaced, or an abstract mesh without devices
+    except (IndexError, AttributeError, ValueError, RuntimeError):  # none, unplaced, or an abstract mesh
         devices = jax.devices()
     return all(d.platform != "cpu" for d in devices)
 
