@@ -658,9 +658,10 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     monkeypatch.setattr(engine, "check_memory_fraction", lambda fraction: None)  # the room is given
     args = ["page_size=4", "hbm_utilization_vllm=0.5", f"output_path={tmp_path}/d.jsonl"]
     assert main(["generate", load, *keys, *args]) == 0
-    # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3: three slots (a page each, the scratch
-    # one); the room's 10 pages of 4
-    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 3, 32, 1, 3), (10, 4, 8, 2)] and rooms == [
+    # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3 over the call's 2 rows: capped at 2
+    # slots (a third would never hold a sequence; max_num_seqs below the rows: tests/test_keys_reach_their_use.py);
+    # the room's 10 pages of 4
+    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 2 * 1, 32, 1, 2), (10, 4, 8, 2)] and rooms == [
         0.5
     ]
     texts = [(tmp_path / f"{name}.jsonl").read_text() for name in "abcd"]
