@@ -636,8 +636,8 @@ class EngineKeys:
     sampler_programs: str = field(
         "auto",
         "the programs the sampler compiles: fixed = one decode slot count, the whole page table, one prompt "
-        "padding, sampling settings as data (a small set known before the run and shared by the rollout and the "
-        "evaluation, compiled once); adaptive = slot counts, page-table widths and 64-token prompt buckets that "
+        "padding, sampling settings as data (a small set known before the run, shared by every sampling call of "
+        "the command: rollout, evaluation, request; compiled once); adaptive = slot counts, page-table widths and 64-token prompt buckets that "
         "follow the work (one compile each); auto = fixed on an accelerator, adaptive on CPU",
     )
 

@@ -73,8 +73,9 @@ def select_platform(hardware: str) -> str:
         ) from None
     if hardware == "auto" and jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS") != "cpu":
         logging.getLogger("grpax").warning(
-            "hardware=auto: an accelerator is attached (%s) but JAX found none and runs on the CPU: install "
-            'its JAX build (pip install -e ".[tpu]" or ".[cuda]"), or pass hardware=cpu to say so',
+            "hardware=auto: an accelerator is attached (%s) but JAX found none and runs on the CPU: another "
+            'process may hold it, or its JAX build is missing (pip install -e ".[tpu]" or ".[cuda]"); '
+            "hardware=cpu says the CPU is meant",
             ", ".join(attached_accelerators()[:2]),
         )
     return describe_devices()
