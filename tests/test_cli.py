@@ -661,9 +661,12 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3 over the call's 2 rows: capped at 2
     # slots (a third would never hold a sequence; max_num_seqs below the rows: tests/test_keys_reach_their_use.py);
     # the room's 10 pages of 4
-    assert pools == [(1 + 2 * 1, 32, 1, 2), (20, 4, 8, 2), (1 + 2 * 1, 32, 1, 2), (10, 4, 8, 2)] and rooms == [
-        0.5
-    ]
+    assert pools == [
+        (1 + 2 * 1, 32, 1, 2),
+        (20, 4, 8, 2),
+        (1 + 2 * 1, 32, 1, 2),
+        (10, 4, 8, 2),
+    ] and rooms == [0.5]
     texts = [(tmp_path / f"{name}.jsonl").read_text() for name in "abcd"]
     completions = [[json.loads(x)["completion"] for x in text.splitlines()] for text in texts]
     assert completions[0] == completions[1] == completions[2] == completions[3] and len(completions[0]) == 2

@@ -58,6 +58,7 @@ def test_eval_mode_reaches_the_trainers_evaluation_and_its_log(tmp_path, monkeyp
     import logging
     from types import SimpleNamespace
 
+    from grpax.compiles import CompileLog
     from grpax.rl import trainer
 
     cfg = build_config(
@@ -76,7 +77,7 @@ def test_eval_mode_reaches_the_trainers_evaluation_and_its_log(tmp_path, monkeyp
     writer = SimpleNamespace(write=lambda step, values, prefix: written.update(values))
     run = SimpleNamespace(
         cfg=cfg, mesh=None, model_cfg=None, tokenizer=None, eval_rows=rows[:1], task=task, eval_sampler_cfg=None,
-        paths=SimpleNamespace(eval_dir=tmp_path), writer=writer,
+        paths=SimpleNamespace(eval_dir=tmp_path), writer=writer, programs=CompileLog(),
     )  # fmt: skip
     with caplog.at_level(logging.INFO, logger="grpax.train"):
         summary = trainer._evaluate(run, None, "before", 0)
