@@ -291,3 +291,23 @@ def test_a_trees_digests_are_one_program_and_each_arrays_own():
         whole["b.c"] == "int32[3, 4]:b9a6881c6dd33522"
     )  # the digests written before: checkpoints still check
     assert digests.mismatches({**tree, "a": tree["a"] + 1}, whole) == ["a"]
+
+
+def test_a_steps_two_trees_digest_in_one_program():
+    """``trees_digests``: the params' and the optimizer state's digests of a checkpoint in one program, each tree's
+    equal to its own ``tree_digests``."""
+    import jax.numpy as jnp
+
+    from grpax.checkpoint import digests
+    from grpax.compiles import CompileLog
+
+    params = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3), "b": jnp.ones((7,), jnp.float32)}
+    opt_state = ({"mu": {"w": jnp.zeros((2, 3), jnp.bfloat16)}}, {"count": jnp.int32(3)})
+    with CompileLog() as log:
+        both = digests.trees_digests({"model_params": params, "opt_state": opt_state})
+    assert [p.name for p in log.programs] == ["_sums"]
+    assert both == {
+        "model_params": digests.tree_digests(params),
+        "opt_state": digests.tree_digests(opt_state),
+    }
+    assert set(both["opt_state"]) == {"0.mu.w", "1.count"}

@@ -93,6 +93,34 @@ def test_fixed_set_runs_the_programs_abstract_programs_names_and_no_other(params
     assert control.count("decode") >= 2 and "admit" in control
 
 
+def test_with_prefill_group_an_evaluation_runs_the_rollouts_prefill(params):
+    """prefill_group = G (a GRPO run's): an evaluation of one completion per prompt over as many rows as the
+    rollout obtains no program beyond the rollout's two (its prompts prefilled G rows apart, in calls of the
+    rollout's prompt count), with the tokens of its own program; abstract_programs names the same program."""
+    sc = _sc(stop_token_ids=STOPS, programs="fixed", prefill_group=G)
+    placed = jax.device_put(params, jax.devices()[0])
+    greedy = [[9] * 100, [4, 5], [6] * 33, [2] * 10] * 3  # 12 prompts, G = 1: the rollout's 12 slots
+    own = generate(
+        placed, greedy, CFG, dataclasses.replace(sc, greedy=True, prefill_group=0), jax.random.key(1)
+    )
+    with CompileLog() as log:
+        with log.phase("ahead"):
+            backend = Engine(placed, CFG, sc, num_slots=4 * G).backend
+            rollout = abstract_programs(placed, CFG, sc, backend, 4, G)
+            evaluation = abstract_programs(placed, CFG, sc, backend, 4 * G, 1)
+            for fn, args, kwargs in rollout.values():
+                fn.lower(*args, **kwargs).compile()
+        with log.phase("run"):
+            engine = Engine(placed, CFG, sc, num_slots=4 * G)
+            engine.run(engine.submit(PROMPTS, jax.random.key(0), num_generations=G))
+            out = generate(placed, greedy, CFG, dataclasses.replace(sc, greedy=True), jax.random.key(1))
+    assert [p for p in log.programs if p.phase == "run" and p.name in ("admit", "decode")] == []
+    assert jax.tree.leaves(evaluation["prefill"][1]) == jax.tree.leaves(rollout["prefill"][1])
+    np.testing.assert_array_equal(out.completion_ids, own.completion_ids)
+    np.testing.assert_array_equal(out.completion_mask, own.completion_mask)
+    np.testing.assert_allclose(out.logprobs, own.logprobs, atol=2e-5)
+
+
 def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step(tiny_checkpoint, tmp_path):
     """The guard: from step 2 on, and in the evaluation after, nothing is compiled; the evaluation before ran the
     rollout's decode program (sampling as data), so step 1 compiles no decode of its own. Each step's metrics
@@ -102,7 +130,15 @@ def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step
         tiny_checkpoint, tmp_path, sampler_programs="fixed", num_batches=3, eval_before=True, num_test_batches=2,
         eval_batch_size=4, num_generations=2, batch_size=2,
     )  # fmt: skip
-    result = train(TrainConfig(**keys))
+    with CompileLog() as log:
+        result = train(TrainConfig(**keys))
+    names = [p.name for p in log.programs]
+    # the evaluation's prefills (4 questions, one pass) run the rollout's program (2 prompts x G = 2)
+    assert names.count("admit") == 1 and names.count("decode") == 1, names
+    # keys made on the host, the step counter from numpy, the update's flags reduced on the host: no small
+    # eager programs beside the run's own
+    eager = ("stage", "_threefry_seed", "_threefry_fold_in", "convert_element_type", "_reduce_any")
+    assert not [n for n in names if n in eager], names
     compiles = result["compiles"]
     assert compiles["step 1"]["compiled"] > 0 and compiles["eval before"]["compiled"] > 0
     for phase in ("step 2", "step 3", "eval after"):
@@ -124,6 +160,12 @@ def test_the_runs_programs_are_named_before_it_runs():
     assert describe_programs(sc, True, {"rollout": (4, 4), "evaluation": (16, 1)}) == (
         "fixed: rollout: prefill 4 prompts x 256 tokens (G = 4), decode 16 slots x 14 pages x 16 steps; "
         "evaluation: prefill 16 prompts x 256 tokens (G = 1), the same decode"
+    )
+    # a GRPO run's (prefill_group = G): the evaluation's prefills run the rollout's program
+    grouped = dataclasses.replace(sc, prefill_group=4)
+    assert describe_programs(grouped, True, {"rollout": (4, 4), "evaluation": (16, 1)}) == (
+        "fixed: rollout: prefill 4 prompts x 256 tokens (G = 4), decode 16 slots x 14 pages x 16 steps; "
+        "evaluation: the same prefill, the same decode"
     )
     adaptive = describe_programs(sc, False, {"rollout": (4, 4), "evaluation": (8, 1)})
     assert "8 slots: [8, 6, 4, 2, 1]; 16 slots: [16, 14, 12, 10, 8, 6, 4, 2, 1]" in adaptive

@@ -73,6 +73,15 @@ def tree_digests(tree: Any) -> dict[str, str]:
     }
 
 
+def trees_digests(trees: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """``tree_digests`` of each named tree (names without dots), all computed in one program."""
+    flat = tree_digests(trees)
+    return {
+        name: {key.removeprefix(name + "."): d for key, d in flat.items() if key.startswith(name + ".")}
+        for name in trees
+    }
+
+
 def mismatches(tree: Any, expected: dict[str, str]) -> list[str]:
     """The paths of ``tree``'s arrays whose digest differs from ``expected``.
 

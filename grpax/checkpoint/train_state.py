@@ -294,10 +294,7 @@ class TrainCheckpointer:
     def _write(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         meta = {
             **meta,
-            "digests": {
-                "model_params": digests.tree_digests(params),
-                "opt_state": digests.tree_digests(opt_state),
-            },
+            "digests": digests.trees_digests({"model_params": params, "opt_state": opt_state}),
         }
         self.manager.save(
             step,

@@ -253,7 +253,7 @@ def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
 def run(config: GenerateConfig) -> int:
     import jax
 
-    from grpax import distributed
+    from grpax import distributed, prng
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
@@ -291,7 +291,7 @@ def run(config: GenerateConfig) -> int:
         **sampling,
         **config.engine_keys(),
     )
-    key = jax.random.key(config.seed)
+    key = prng.key(config.seed)
     generate_rows = _generate_with_environment if config.environment else _generate_single_turn
     records, record_prompts = generate_rows(config, params, model_cfg, tokenizer, sampler_cfg, texts, key)
     return _report(config, records, record_prompts)
@@ -302,9 +302,9 @@ def _generate_single_turn(
 ) -> tuple[list[dict], list[int]]:
     """``num_generations`` completions of every prompt in blocks of ``batch_size`` rows (each block's key folded
     from ``key`` by its first row), as records, and the prompt index of each."""
-    import jax
     from tqdm import tqdm
 
+    from grpax import prng
     from grpax.sampler.engine import generate
 
     token_ids = [
@@ -315,7 +315,7 @@ def _generate_single_turn(
     for start in tqdm(range(0, len(rows), config.batch_size), desc="generate", unit="batch"):
         batch = rows[start : start + config.batch_size]
         out = generate(
-            params, [token_ids[i] for i in batch], model_cfg, sampler_cfg, jax.random.fold_in(key, start)
+            params, [token_ids[i] for i in batch], model_cfg, sampler_cfg, prng.fold_in(key, start)
         )
         for r, row_index in enumerate(out.prompt_indices):
             i = batch[int(row_index)]
@@ -339,8 +339,7 @@ def _generate_with_environment(
     ``batch_size`` rows, and the prompt index of each."""
     import types
 
-    import jax
-
+    from grpax import prng
     from grpax.data.prompts import PromptPreset
     from grpax.rl.multi_turn import sample_trajectories
     from grpax.tasks import environment_factory, multi_turn_config
@@ -364,7 +363,7 @@ def _generate_with_environment(
             model_cfg,
             sampler_cfg,
             turn_cfg,
-            jax.random.fold_in(key, start),
+            prng.fold_in(key, start),
             G,
         )
         for r in range(len(out.texts)):

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from grpax import prng
 from grpax.eval.metrics import summarize
 from grpax.files import write_text_atomic
 from grpax.models.registry import ModelConfig
@@ -94,7 +95,7 @@ def evaluate(
             f"evaluate: batch_size={batch_size} and num_eval_passes={num_eval_passes} must be >= 1"
         )
     prompt_ids = [row["prompt_ids"] for row in rows]
-    key = jax.random.key(seed)
+    key = prng.key(seed)
     records: list[dict] = []
     starts = range(0, len(rows), batch_size)
     for i, start in enumerate(
@@ -102,7 +103,7 @@ def evaluate(
     ):
         batch_rows = rows[start : start + batch_size]
         if trajectories is not None:
-            out = trajectories(params, batch_rows, jax.random.fold_in(key, i), num_eval_passes)
+            out = trajectories(params, batch_rows, prng.fold_in(key, i), num_eval_passes)
             completions = out.texts
         else:
             out = generate(
@@ -110,7 +111,7 @@ def evaluate(
                 prompt_ids[start : start + batch_size],
                 model_cfg,
                 sampler_cfg,
-                jax.random.fold_in(key, i),
+                prng.fold_in(key, i),
                 num_generations=num_eval_passes,
                 num_slots=batch_size * num_eval_passes,  # a short last batch: the full batches' programs
             )

@@ -523,12 +523,26 @@ def _compile_evaluation(job: Job, n: int) -> None:
     if cfg.num_test_batches == 0 or not engine.fixed_programs(job.sampler_cfg, job.rollout_params):
         return
     with jax.set_mesh(job.rollout_mesh):
-        programs = engine.abstract_programs(
-            job.rollout_params, job.model_cfg, job.sampler_cfg, job.sampler_backend, cfg.eval_batch_size,
-            cfg.num_eval_passes,
-        )  # fmt: skip
+        rollout, programs = (
+            engine.abstract_programs(
+                job.rollout_params, job.model_cfg, job.sampler_cfg, job.sampler_backend, prompts, G
+            )
+            for prompts, G in (
+                (cfg.batch_size, cfg.num_generations),
+                (cfg.eval_batch_size, cfg.num_eval_passes),
+            )
+        )
         for name, (fn, args, kwargs) in programs.items():
-            _compile(f"the evaluation's {name}", n, fn, *args, **kwargs)
+            if not _same_program(rollout[name], (fn, args, kwargs)):  # the rollout's: compiled already
+                _compile(f"the evaluation's {name}", n, fn, *args, **kwargs)
+
+
+def _same_program(a: tuple, b: tuple) -> bool:
+    """Whether two ``abstract_programs`` entries (jitted, args, kwargs) lower to the same program."""
+    (fa, args_a, kw_a), (fb, args_b, kw_b) = a, b
+    leaves_a, tree_a = jax.tree.flatten(args_a)
+    leaves_b, tree_b = jax.tree.flatten(args_b)
+    return fa is fb and kw_a == kw_b and tree_a == tree_b and leaves_a == leaves_b
 
 
 def run(cfg: TrainConfig) -> int:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpax import sharding
+from grpax import prng, sharding
 from grpax.eval.evaluate import decode_completions
 from grpax.models.registry import ModelConfig
 from grpax.rl import dapo
@@ -307,9 +307,7 @@ class Rollout:
             int((~np.concatenate(flags)).sum()) < num_groups
             and len(outs) < self.grpo.dynamic_sampling_max_batches
         ):
-            more, more_scores, more_correct = self._sample(
-                next(extra_rows), jax.random.fold_in(key, len(outs))
-            )
+            more, more_scores, more_correct = self._sample(next(extra_rows), prng.fold_in(key, len(outs)))
             outs.append(more)
             all_scores.append(more_scores)
             all_correct.append(more_correct)

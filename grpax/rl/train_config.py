@@ -305,6 +305,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
             greedy=False,
             retire_rows=self.decode_retire_rows,
             record_routes=self.router_replay != "none",
+            prefill_group=self.num_generations,  # the evaluation's prefills run the rollout's program
             **self.engine_keys(),
         )
 

@@ -31,6 +31,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from grpax import distributed
@@ -519,9 +520,11 @@ def make_update(train_step, num_iterations: int):
             state, metrics = train_step(state, batch)
             updates.append(metrics)
         metrics = {**updates[-1], **{k: v for k, v in updates[0].items() if k.startswith("mismatch/")}}
-        for flag in ("nonfinite", "nonfinite_params"):
-            metrics[flag] = jnp.any(jnp.asarray([u[flag] for u in updates]))
-        return state, distributed.fetch(metrics)
+        flags = ("nonfinite", "nonfinite_params")
+        metrics, fetched = distributed.fetch((metrics, [[u[f] for f in flags] for u in updates]))
+        for i, flag in enumerate(flags):  # on the host: an eager jnp.any compiles two small programs
+            metrics[flag] = np.any([u[i] for u in fetched])
+        return state, metrics
 
     return update
 

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from grpax import distributed, interrupts, sharding
+from grpax import distributed, interrupts, prng, sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.compiles import CompileLog
@@ -437,7 +437,8 @@ def _init_state(
         params=params,
         opt_state=sharding.init_optimizer_state(optimizer, params, mesh),
         # Placed as the update returns it: an unplaced step made the second update compile again.
-        step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
+        # From numpy: an eager jnp.zeros compiles a program of its own.
+        step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
     )
     return state, train_step
 
@@ -498,7 +499,7 @@ def _loop(
       The final state and ``rewards/total/mean`` of each step this call ran.
     """
     cfg = run.cfg
-    base_key = jax.random.key(cfg.seed)
+    base_key = prng.key(cfg.seed)
     bar = tqdm(
         range(start_step, cfg.num_batches),
         initial=start_step,
@@ -512,7 +513,7 @@ def _loop(
         run.ahead = AheadRollouts(
             run.rollout,
             iterator,
-            lambda step: jax.random.fold_in(base_key, step),
+            lambda step: prng.fold_in(base_key, step),
             run.grpo.max_staleness,
             start_step,
             cfg.num_batches,
@@ -529,7 +530,7 @@ def _loop(
         for step in bar:
             profile.before(step)
             with run.programs.phase(f"step {step + 1}"):
-                state, metrics = _one_step(run, state, iterator, step, jax.random.fold_in(base_key, step))
+                state, metrics = _one_step(run, state, iterator, step, prng.fold_in(base_key, step))
             metrics.update(compile_metrics(run.programs, f"step {step + 1}"))
             profile.after(step, state)
             _after_step(run, state, iterator, step, metrics, bar, history, before)

@@ -133,6 +133,11 @@ class SamplerConfig:
     # counts: one compile each, worth it where an idle slot costs its full work); "auto" = fixed on an
     # accelerator, where an idle slot costs far less than a compile (docs/benchmarks.md), adaptive on CPU.
     programs: str = "auto"
+    # With the fixed program set, the completions per prompt its prefill program is compiled for (a GRPO run's
+    # num_generations): a request of fewer (the evaluation's one pass, a preempted sequence's re-prefill) runs
+    # that program, each prompt's rows past its own unused, so it compiles no prefill of its own. 0 = each
+    # request's own count. Not a key: the trainer sets it.
+    prefill_group: int = 0
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -163,7 +168,7 @@ class SamplerConfig:
         for name in ("page_size", "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_num_seqs", "num_pages", "slot_count_step"):
+        for name in ("max_num_seqs", "num_pages", "slot_count_step", "prefill_group"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
         if not 0.0 <= self.hbm_utilization <= 1.0:
@@ -240,9 +245,9 @@ def describe_programs(sampler_cfg: SamplerConfig, fixed: bool, uses: dict[str, t
             f"adaptive: decode slot counts ({ladders}), {widths}, prompt buckets {list(sc.buckets())}, "
             "power-of-two prompt counts: one program each as met"
         )
-    parts, decodes = [], set()
+    parts, decodes, prefills = [], set(), set()
     for use, (n, g) in uses.items():
-        S = sc.decode_slots(n * g)
+        S, G = sc.decode_slots(n * g), program_group(sc, fixed, g)
         decode = (
             "the same decode"
             if S in decodes
@@ -250,9 +255,17 @@ def describe_programs(sampler_cfg: SamplerConfig, fixed: bool, uses: dict[str, t
         )
         decodes.add(S)
         P = list(sc.buckets()) if sc.prompt_length_buckets else sc.max_prompt_length  # Engine.prompt_width
-        prefill = f"prefill {fixed_prefill_prompts(S, g)} prompts x {P} tokens (G = {g})"
+        N = fixed_prefill_prompts(S, G)
+        prefill = "the same prefill" if (N, G) in prefills else f"prefill {N} prompts x {P} tokens (G = {G})"
+        prefills.add((N, G))
         parts.append(f"{use}: {prefill}, {decode}")
     return "fixed: " + "; ".join(parts)
+
+
+def program_group(sampler_cfg: SamplerConfig, fixed: bool, num_generations: int) -> int:
+    """The completions per prompt of the prefill program that admits groups of ``num_generations``: with the
+    fixed set at least ``prefill_group`` (fewer rows run the larger group's program), else their own."""
+    return max(num_generations, sampler_cfg.prefill_group) if fixed else num_generations
 
 
 def fixed_prefill_prompts(num_slots: int, num_generations: int) -> int:
@@ -552,11 +565,11 @@ def abstract_programs(
     Returns:
       {"prefill": (jitted, args, kwargs), "decode": (jitted, args, kwargs)}: ``jitted.lower(*args, **kwargs)``.
     """
-    G = num_generations
     backend = routing_backend(backend, cfg, sampler_cfg)
     fixed = fixed_programs(sampler_cfg, params)
     sc = program_config(sampler_cfg, fixed)
-    S, P, V = sc.decode_slots(num_prompts * G), sc.max_prompt_length, cfg.vocab_size
+    G = program_group(sc, fixed, num_generations)
+    S, P, V = sc.decode_slots(num_prompts * num_generations), sc.max_prompt_length, cfg.vocab_size
     N = fixed_prefill_prompts(S, G) if fixed else prefill_prompts(sc, num_prompts, G)
     pages = abstract_pool(params, cfg, sc, backend, pool_pages(sc, S))
     replicated = _pool_sharding(params, cfg, _Replicated())
@@ -1010,7 +1023,24 @@ class Engine:
 
     def _admit(self) -> list[Sequence]:
         """Prefills queued prompts while free slots (and pages, beyond a reserve for the running sequences'
-        growth) allow; returns the sequences that paused at their first token."""
+        growth) allow: one prefill call, or with the fixed program set as many calls of its prompt count as the
+        slots take; returns the sequences that paused at their first token."""
+        paused = []
+        while batch := self._next_batch():
+            paused += self._prefill(batch)
+            if not self.fixed:
+                break
+        return paused
+
+    def _prefill_cap(self, num_generations: int) -> int:
+        """The most prompts of ``num_generations`` completions one prefill call takes: with the fixed set its
+        program's prompt count, else no cap (the count is rounded up to a power of two)."""
+        if not self.fixed:
+            return self.num_slots
+        return fixed_prefill_prompts(self.num_slots, program_group(self.sc, True, num_generations))
+
+    def _next_batch(self) -> list:
+        """The queue entries the next prefill call admits (one group size and key kind): [] if none."""
         sc, ps = self.sc, self.sc.page_size
         free_slots = self.num_slots - len(self.running) - len(self.ready)
         batch, pages_left = [], self.pool.num_free
@@ -1020,6 +1050,8 @@ class Engine:
             request, i, seqs = self.queue[0]
             if batch and (len(seqs), request.key_impl) != (len(batch[0][2]), batch[0][0].key_impl):
                 break  # one program per group size and key kind
+            if len(batch) == self._prefill_cap(len(seqs)):
+                break
             need = self._prompt_pages(len(request.prompts[i]), len(seqs))
             if need > pages_left or pages_left - need < (in_flight + len(seqs)) * growth:
                 if in_flight or batch:
@@ -1033,7 +1065,7 @@ class Engine:
             free_slots -= len(seqs)
             in_flight += len(seqs)
             batch.append(self.queue.popleft())
-        return self._prefill(batch) if batch else []
+        return batch
 
     def _rules(self, rules: list[SamplingRule], size: int) -> dict[str, np.ndarray] | None:
         """A program's ``rule`` for rows sampled by ``rules`` (rows past them: the engine's), [size] per field; None
@@ -1056,7 +1088,7 @@ class Engine:
     def _prefill(self, batch: list) -> list[Sequence]:
         """Runs ``admit`` for the queue entries ``batch`` (one group size G); returns the paused sequences."""
         sc = self.sc
-        G = len(batch[0][2])
+        G = program_group(sc, self.fixed, len(batch[0][2]))  # rows per prompt in the program
         prompts = [req.prompts[i] for req, i, _ in batch]
         N = _pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
         if self.fixed:  # one prefill program per group size
