@@ -327,14 +327,18 @@ def test_pread_reader_matches_safetensors(tmp_path):
 
 @pytest.mark.parametrize("zarr3, ocdbt", [(True, True), (False, False)])
 def test_lazy_conversion_streams_leaf_by_leaf(untied, tmp_path, monkeypatch, zarr3, ocdbt):
-    """The lazy write reads each stacked leaf's tensors together, frees it before the next, and restores bit-exact."""
+    """The lazy write reads each stacked leaf's tensors together, frees it before the next (STREAM_BYTES=0: one
+    leaf at a time), and restores bit-exact."""
     import weakref
 
     import jax
     import orbax.checkpoint as ocp
 
     import grpax.checkpoint.convert as convert
+    import grpax.checkpoint.orbax as orbax_lib
     from grpax.checkpoint.orbax import LazyArray, restore_params
+
+    monkeypatch.setattr(orbax_lib, "STREAM_BYTES", 0)
 
     src, _ = untied
     reads: list[str] = []

@@ -245,3 +245,81 @@ def test_mistyped_local_path_is_not_taken_for_a_hub_name(tmp_path, monkeypatch, 
         f"dataset path {name!r} does not exist (relative to {tmp_path}); pass a .jsonl/.parquet file, a folder "
         "with train.jsonl or train.parquet, or a Hub name owner/name such as openai/gsm8k"
     )
+
+
+# ----------------------------------------------------------------------------------------------- token cache
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from grpax.checkpoint.gguf import default_gguf_path, read_gguf
+
+    try:
+        return read_gguf(default_gguf_path()).tokenizer()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def _gsm8k_slice(split: str, count: int) -> list[dict]:
+    return load_dataset_rows(str(gsm8k_dir()), split)[:count]
+
+
+def test_a_second_run_reads_the_same_prompts_ids_and_drops_from_the_token_cache(
+    smollm2_tokenizer, tmp_path, caplog, monkeypatch
+):
+    """prepare_rows with a cache: the first run stores the ids, the second reads them without tokenizing; both
+    give the rows, ids and dropped counts (in the log line) of a run without the cache, and the cached ids are
+    SmolLM2's tokenizer's own."""
+    import grpax.data.prompts as prompts
+    from grpax.data.prompts import prepare_rows
+
+    rows = _gsm8k_slice("test", 300)
+    preset = get_prompt_preset("smollm2_demo")
+
+    def run(cache_dir):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="grpax.train"):
+            out = prepare_rows(
+                smollm2_tokenizer, "gsm8k", "test", preset, 180, load=lambda d, s: [dict(r) for r in rows],
+                cache_dir=cache_dir,
+            )  # fmt: skip
+        line = [r.getMessage() for r in caplog.records if r.name == "grpax.train"]
+        return [(r["question"], r["prompt_ids"]) for r in out], line
+
+    plain = run(None)
+    assert "gsm8k/test: " in plain[1][0] and "0 longer" not in plain[1][0]  # some prompts are dropped at 180
+    texts = [render_prompt(smollm2_tokenizer, r["question"], preset) for r in rows]
+    by_text = dict(zip(texts, smollm2_tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True))
+    assert all(ids == by_text[render_prompt(smollm2_tokenizer, q, preset)] for q, ids in plain[0])
+    assert run(tmp_path) == plain
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+    monkeypatch.setattr(prompts, "tokenize_prompts", lambda *a: pytest.fail("tokenized again"))
+    assert run(tmp_path) == plain
+
+
+def test_the_token_cache_keys_on_tokenizer_and_texts_and_survives_a_bad_file(
+    smollm2_tokenizer, tokenizer, tmp_path
+):
+    from grpax.data.token_cache import cache_folder, cache_key, cached_token_ids
+
+    texts = [r["question"] for r in _gsm8k_slice("train", 20)]
+    key = cache_key(smollm2_tokenizer, texts)
+    assert key != cache_key(tokenizer, texts)  # another tokenizer
+    assert (
+        key != cache_key(smollm2_tokenizer, texts[:-1]) != cache_key(smollm2_tokenizer, ["".join(texts[:2])])
+    )
+    calls = []
+
+    def tokenize(t):
+        calls.append(len(t))
+        return tokenize_prompts(smollm2_tokenizer, t)
+
+    expected = tokenize_prompts(smollm2_tokenizer, texts)
+    assert cached_token_ids(smollm2_tokenizer, texts, tokenize, str(tmp_path)) == expected
+    (tmp_path / f"{key}.npz").write_bytes(b"cut short")  # a damaged file: tokenized and stored again
+    assert cached_token_ids(smollm2_tokenizer, texts, tokenize, str(tmp_path)) == expected
+    assert cached_token_ids(smollm2_tokenizer, texts, tokenize, str(tmp_path)) == expected
+    assert calls == [20, 20]
+    (tmp_path / "file").write_text("")  # an unwritable folder: tokenized, never an error
+    assert cached_token_ids(smollm2_tokenizer, texts, tokenize, str(tmp_path / "file")) == expected
+    assert cache_folder("") is None and cache_folder("/x/jax") == "/x/jax/tokens"

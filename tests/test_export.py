@@ -60,6 +60,28 @@ def test_the_rounding_report_counts_by_hand():
         measure(trained, {"v": base["w"]}, np.dtype(np.float32), "the base")
 
 
+@pytest.mark.parametrize("base_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_an_export_dtype_that_keeps_every_weight_counts_as_the_compiled_measure_does(monkeypatch, base_dtype):
+    """float32 keeps float32 and bfloat16 weights exactly: the numpy count gives the report the compiled
+    comparison gives (every changed weight kept, error 0); a base with an inf or NaN takes the compiled one."""
+    from grpax.checkpoint import rounding
+
+    rng = np.random.default_rng(0)
+    base = {"w": rng.standard_normal((64, 48)).astype(base_dtype), "n": np.ones(48, base_dtype)}
+    trained = {k: v.astype(np.float32) for k, v in base.items()}
+    trained["w"][::3] += rng.standard_normal((22, 48)).astype(np.float32) * 1e-3
+    fast = rounding.measure(trained, base, np.dtype(np.float32), "the base")
+    monkeypatch.setattr(rounding, "_exact", lambda x, dtype: False)
+    compiled = rounding.measure(trained, base, np.dtype(np.float32), "the base")
+    assert fast == compiled and (fast.changed, fast.kept, fast.relative_error) == (22 * 48, 22 * 48, 0.0)
+    monkeypatch.undo()
+    base["n"][0] = np.inf
+    assert not rounding._exact(base["n"], np.dtype(np.float32))
+    report = rounding.measure(trained, base, np.dtype(np.float32), "the base")
+    assert (report.changed, report.kept) == (22 * 48 + 1, 22 * 48 + 1) and np.isnan(report.relative_error)
+    assert not rounding._exact(trained["w"], np.dtype(ml_dtypes.bfloat16))
+
+
 def test_to_native_records_the_hugging_face_source_that_a_peft_export_names(tmp_path):
     from grpax.checkpoint.peft import hf_base, save_peft
 

@@ -258,6 +258,75 @@ def test_tokenizer_takes_the_files_flags_and_special_tokens_over_the_converters(
     assert tok("ab")["input_ids"][0] == 0  # the file's add_bos_token
 
 
+def _reader_values(path) -> tuple[dict, list[tuple]]:
+    """``gguf.GGUFReader``'s view of a file: every metadata value in Python types (what grpax read through it
+    before reading the header itself) and each tensor's ``(name, type, shape, data)``."""
+    reader = gguf.GGUFReader(str(path))
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        string = field.types[-1] == gguf.GGUFValueType.STRING
+        values = [
+            bytes(field.parts[i]).decode("utf-8", errors="replace") if string else field.parts[i].tolist()[0]
+            for i in field.data
+        ]
+        metadata[name] = values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
+    tensors = [(t.name, t.tensor_type, tuple(int(n) for n in t.shape), t.data) for t in reader.tensors]
+    return metadata, tensors
+
+
+def _assert_reads_like_gguf_reader(path) -> None:
+    metadata, tensors = gg._read_header(str(path))
+    ref_metadata, ref_tensors = _reader_values(path)
+    assert list(metadata) == list(ref_metadata)
+    for key, value in ref_metadata.items():  # values and their Python types (1 == 1.0 == True would pass)
+        assert metadata[key] == value and type(metadata[key]) is type(value), key
+        if isinstance(value, list):
+            assert [type(v) for v in metadata[key]] == [type(v) for v in value], key
+    assert [(t.name, t.tensor_type, t.shape) for t in tensors] == [r[:3] for r in ref_tensors]
+    for t, (*_, data) in zip(tensors, ref_tensors, strict=True):
+        assert t.data.dtype == data.dtype and t.data.shape == data.shape and not t.data.flags.writeable
+        np.testing.assert_array_equal(t.data, data)
+
+
+def test_header_reads_the_values_gguf_reader_does(tmp_path):
+    _write_gguf(tmp_path / "tok.gguf", _hf_state_dict(False), tokenizer=True)
+    _assert_reads_like_gguf_reader(tmp_path / "tok.gguf")
+    w = gguf.GGUFWriter(
+        str(tmp_path / "kinds.gguf"), "llama"
+    )  # every value type, a nested array, odd tensors
+    w.add_uint8("k.u8", 7)
+    w.add_int8("k.i8", -7)
+    w.add_uint16("k.u16", 65535)
+    w.add_int16("k.i16", -300)
+    w.add_int32("k.i32", -(2**31))
+    w.add_uint64("k.u64", 2**64 - 1)
+    w.add_int64("k.i64", -(2**63))
+    w.add_float32("k.f32", 0.1)
+    w.add_float64("k.f64", 0.1)
+    w.add_bool("k.bool", True)
+    w.add_string("k.str", "héllo")
+    w.add_array("k.bools", [True, False])
+    w.add_array("k.floats", [0.5, 1e-5])
+    w.add_array("k.nested", [[1, 2], [3]])
+    w.add_array("k.empty", [])
+    w.add_tensor("f16", np.arange(6, dtype=np.float16).reshape(2, 3))
+    w.add_tensor("i32", np.arange(5, dtype=np.int32))
+    w.add_tensor(
+        "q8",
+        gguf.quants.quantize(
+            np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), gguf.GGMLQuantizationType.Q8_0
+        ),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_reads_like_gguf_reader(tmp_path / "kinds.gguf")
+
+
 def test_bad_files_raise_one_line_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.gguf does not exist"):
         gg.read_gguf(tmp_path / "missing.gguf")
@@ -341,6 +410,10 @@ def test_smollm2_config_tensors_and_tokenizer(smollm2_path):
     assert prompt.startswith("<|im_start|>system") and ids[:2] == [1, tok.convert_tokens_to_ids("system")]
     assert ids.count(1) == prompt.count("<|im_start|>") == 3
     assert tok.decode(ids) == prompt
+
+
+def test_smollm2_header_reads_the_values_gguf_reader_does(smollm2_path):
+    _assert_reads_like_gguf_reader(smollm2_path)  # 49,152 tokens, their types and the merges
 
 
 def test_loading_gguf_and_tokenizer_does_not_import_torch(smollm2_path):

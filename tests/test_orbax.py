@@ -217,28 +217,43 @@ def test_lazy_leaves_restore_like_a_plain_save(tmp_path, zarr3, ocdbt):
     assert meta[0]["use_zarr3"] == meta[1]["use_zarr3"] == zarr3
 
 
-def test_lazy_leaves_are_built_and_freed_one_at_a_time(tmp_path):
+@pytest.mark.parametrize("budget_leaves", [0, 3])
+def test_lazy_leaves_are_built_one_at_a_time_and_freed_within_the_budget(
+    tmp_path, monkeypatch, budget_leaves
+):
+    """Built leaves alive at once stay within STREAM_BYTES (0: one at a time, each dropped before the next is
+    built; 3 of the largest leaves: several written side by side), and each leaf is built once."""
     import weakref
 
-    params, _ = _params(True)
-    live, peak, order = [0], [0], []
+    import grpax.checkpoint.orbax as orbax_lib
 
-    def release():
+    params, _ = _params(True)
+    largest = max(x.nbytes for x in jax.tree.leaves(params))
+    monkeypatch.setattr(orbax_lib, "STREAM_BYTES", budget_leaves * largest)
+    live, peak, order = [0, 0], [0, 0], []  # leaves, bytes
+
+    def release(nbytes):
         live[0] -= 1
+        live[1] -= nbytes
 
     def lazy(path, x):
         def build():
             live[0] += 1
-            peak[0] = max(peak[0], live[0])
+            live[1] += x.nbytes
+            peak[:] = [max(p, n) for p, n in zip(peak, live, strict=True)]
             order.append(jax.tree_util.keystr(path))
             out = x.copy()
-            weakref.finalize(out, release)
+            weakref.finalize(out, release, x.nbytes)
             return out
 
         return LazyArray(x.shape, x.dtype, build)
 
     save_params(jax.tree_util.tree_map_with_path(lazy, params), tmp_path / "ckpt")
-    assert peak[0] == 1 and live[0] == 0  # each built leaf was dropped before the next was built
+    if budget_leaves:
+        assert peak[0] > 1 and peak[1] <= budget_leaves * largest  # side by side, within the budget
+    else:
+        assert peak[0] == 1  # each built leaf was dropped before the next was built
+    assert live == [0, 0]
     assert len(order) == len(set(order)) == len(jax.tree.leaves(params))
     _assert_equal(params, restore_params(tmp_path / "ckpt"))
 

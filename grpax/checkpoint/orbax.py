@@ -15,14 +15,16 @@ every array and ``_CHECKPOINT_METADATA`` are written, so an interrupted save lea
 Params may be stored stacked (``scan_layers=True``) or as a per-layer list; restore converts to the layout asked.
 
 Streaming writes: a leaf may be a ``LazyArray`` (shape, dtype and a function that builds the array). Such leaves
-are built and written one at a time inside Orbax's own save, each freed before the next is built, so a
-conversion holds about one stacked leaf at a time instead of the whole tree (plus Orbax's copy of it). The files
+are built one at a time inside Orbax's own save and written while the next are built, each freed once written,
+with at most ``STREAM_BYTES`` of them (or one larger leaf) alive, so a conversion holds a bounded part of the tree
+instead of the whole tree (plus Orbax's copy of it). The files
 are the ones a plain ``PyTreeSave`` of numpy arrays writes (same ``_METADATA``, typestr ``np.ndarray``), so the
 ordinary Orbax restore reads them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import dataclasses
 import json
@@ -77,6 +79,9 @@ class BrokenCheckpointError(ValueError):
     """A checkpoint folder whose files are missing, truncated or of another kind; the message names the fix."""
 
 
+# Bytes of built leaves a streaming save holds at once (a larger leaf is written alone): tensorstore compresses
+# each leaf (one zstd chunk) on one core, so leaves written side by side use as many cores as fit in it.
+STREAM_BYTES = 1 << 30
 _RECONVERT = "re-convert the model (grpax to_native) or pass another step's .../actor/<step>/model_params"
 
 
@@ -108,8 +113,47 @@ def _release_free_memory() -> None:
         pass
 
 
+async def _write_streaming(values: list, names: list[str], write: Callable[[int, np.ndarray], Any]) -> None:
+    """Builds each of ``values`` in turn (a ``LazyArray`` in a thread, so that the writes already started go on)
+    and starts the coroutine ``write(i, array)``, waiting for writes to finish while the next would hold more than
+    ``STREAM_BYTES`` of built arrays; all writes are finished (or cancelled) when it returns or raises.
+
+    Raises:
+      ValueError: a ``LazyArray`` built another shape or dtype than it declared (names the leaf).
+    """
+    pending: set[asyncio.Future] = set()
+    in_flight: dict[asyncio.Future, int] = {}
+    try:
+        for i, (value, name) in enumerate(zip(values, names, strict=True)):
+            while pending and sum(in_flight.values()) + value.nbytes > STREAM_BYTES:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # raises a failed write's error
+                    del in_flight[task]
+                _release_free_memory()
+            start = time.perf_counter()
+            array = await asyncio.to_thread(value.build) if isinstance(value, LazyArray) else value
+            if array.shape != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
+                raise ValueError(
+                    f"{name}: built {array.dtype}{list(array.shape)}, declared "
+                    f"{np.dtype(value.dtype)}{list(value.shape)}"
+                )
+            log.debug("%s: built in %.2f s", name, time.perf_counter() - start)
+            task = asyncio.ensure_future(write(i, array))
+            pending.add(task)
+            in_flight[task] = array.nbytes
+            del array
+        await asyncio.gather(*pending)
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        _release_free_memory()
+
+
 def _streaming_handler_registry():
-    """Orbax's default type handlers plus one that builds and writes ``LazyArray`` leaves one at a time."""
+    """Orbax's default type handlers plus one that builds ``LazyArray`` leaves one at a time and writes them
+    within ``STREAM_BYTES``."""
     from orbax.checkpoint._src.futures import future
     from orbax.checkpoint._src.serialization import type_handler_registry as registry
     from orbax.checkpoint._src.serialization import type_handlers, types
@@ -118,38 +162,26 @@ def _streaming_handler_registry():
         """``NumpyHandler`` (typestr ``np.ndarray``, so restore reads the leaves as usual) that writes leaf by leaf.
 
         The stock handler deep-copies every array up front and writes them all concurrently, so the whole tree
-        is held twice plus tensorstore's encode buffers. Here each array is built, written, and dropped before
-        the next one; ``save_params`` blocks until the writes finish, so no copy is needed. The copy lives in the
-        stock ``serialize``, which this one replaces, so no constructor flag is needed either (newer Orbax's
-        ``deepcopy_host_arrays`` does not exist in orbax-checkpoint 0.12.4).
+        is held twice plus tensorstore's encode buffers. Here each array is built, written and dropped once
+        written, at most ``STREAM_BYTES`` of them alive (``_write_streaming``); ``save_params`` blocks until
+        the writes finish, so no copy is needed. The copy lives in the stock ``serialize``, which this one
+        replaces, so no constructor flag is needed either (newer Orbax's ``deepcopy_host_arrays`` does not exist
+        in orbax-checkpoint 0.12.4).
         """
 
         async def serialize(self, values, infos, args=None):
             args = args or [types.SaveArgs()] * len(values)
             types.check_input_arguments(values, infos, args)
 
-            async def write_one_by_one():
-                for value, info, arg in zip(values, infos, args, strict=True):
-                    start = time.perf_counter()
-                    array = value.build() if isinstance(value, LazyArray) else value
-                    built = time.perf_counter()
-                    if array.shape != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
-                        raise ValueError(
-                            f"{info.name}: built {array.dtype}{list(array.shape)}, declared "
-                            f"{np.dtype(value.dtype)}{list(value.shape)}"
-                        )
-                    await self._background_serialize([array], [info], [arg])
-                    log.debug(
-                        "%s: %.0f MB built in %.2f s, written in %.2f s",
-                        info.name,
-                        array.nbytes / 1e6,
-                        built - start,
-                        time.perf_counter() - built,
-                    )
-                    del array
-                    _release_free_memory()
+            async def write(i: int, array: np.ndarray) -> None:
+                start = time.perf_counter()
+                await self._background_serialize([array], [infos[i]], [args[i]])
+                seconds = time.perf_counter() - start
+                log.debug("%s: %.0f MB written in %.2f s", infos[i].name, array.nbytes / 1e6, seconds)
 
-            return [future.CommitFutureAwaitingContractedSignals(write_one_by_one(), name="grpax_streaming")]
+            names = [info.name for info in infos]
+            streaming = _write_streaming(values, names, write)
+            return [future.CommitFutureAwaitingContractedSignals(streaming, name="grpax_streaming")]
 
     handler = StreamingNumpyHandler()
     return registry.create_type_handler_registry(
@@ -182,8 +214,8 @@ def save_params(
 
     Args:
       params: the params tree; numpy leaves are written as they are (bfloat16 via ``ml_dtypes``). ``LazyArray``
-        leaves are built and written one at a time (with the numpy leaves), so peak memory is about one leaf
-        plus its encode buffers; they restore as numpy arrays.
+        leaves are built one at a time and written side by side (with the numpy leaves) within ``STREAM_BYTES``,
+        so peak memory is about that much (or one larger leaf) plus encode buffers; they restore as numpy arrays.
       directory: the checkpoint folder to create, e.g. ``<base>/0/items``; must not exist.
       use_zarr3: zarr v3 array format (MaxText ``checkpoint_storage_use_zarr3``).
       use_ocdbt: one OCDBT key-value store instead of a file per chunk (``checkpoint_storage_use_ocdbt``).

@@ -101,10 +101,21 @@ def _chunk_stats(t: jax.Array, b: jax.Array, dtype: np.dtype) -> tuple[jax.Array
     )
 
 
+def _exact(x: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds every value of ``x`` as it is and ``x``'s differences are finite: then R is the
+    identity, every changed weight is kept and the exported update's error is exactly 0, as ``_chunk_stats``
+    would count them (a float32 export of float32 or bfloat16 weights), with no program to compile."""
+    if not np.can_cast(x.dtype, dtype, "safe"):
+        return False
+    # Below 2**127 a value is finite and so is any difference of two (float32's largest is just under 2**128).
+    return x.size == 0 or bool(np.max(np.abs(x)) < 2.0**127)
+
+
 def measure(trained: Any, base: Any, dtype: np.dtype, base_name: str) -> RoundingReport:
     """Compares ``trained`` with ``base`` rounded to ``dtype`` (the module docstring's measures).
 
-    Counts are exact; the norms are float32 sums along each weight's last axis, added in float64.
+    Counts are exact; the norms are float32 sums along each weight's last axis, added in float64. When
+    ``dtype`` keeps both trees exactly (``_exact``), only the changed weights are counted, with numpy.
 
     Args:
       trained: the params to export (numpy leaves, any float dtype).
@@ -119,15 +130,19 @@ def measure(trained: Any, base: Any, dtype: np.dtype, base_name: str) -> Roundin
     b_leaves, b_tree = jax.tree.flatten(base)
     if t_tree != b_tree:
         raise ValueError(f"{base_name} holds another params tree than the checkpoint exported")
-    total = changed = kept = 0
-    delta_sq = error_sq = 0.0
-    for t, b in zip(t_leaves, b_leaves, strict=True):
-        t, b = np.asarray(t), np.asarray(b)
+    pairs = [(np.asarray(t), np.asarray(b)) for t, b in zip(t_leaves, b_leaves, strict=True)]
+    for t, b in pairs:
         if t.shape != b.shape:
             raise ValueError(
                 f"{base_name} has a weight of shape {list(b.shape)} where the checkpoint has {list(t.shape)}"
             )
-        total += t.size
+    total = sum(t.size for t, _ in pairs)
+    if all(_exact(t, dtype) and _exact(b, dtype) for t, b in pairs):
+        changed = sum(int(np.count_nonzero(t != b)) for t, b in pairs)
+        return RoundingReport(base_name, str(np.dtype(dtype)), total, changed, changed, 0.0)
+    changed = kept = 0
+    delta_sq = error_sq = 0.0
+    for t, b in pairs:
         cols = t.shape[-1] if t.ndim else 1
         t2, b2 = t.reshape(-1, cols), b.reshape(-1, cols)
         rows = max(1, _CHUNK // cols)

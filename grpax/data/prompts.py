@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpax.data.datasets import too_few_rows
+from grpax.data.token_cache import cached_token_ids
 
 logger = logging.getLogger(__name__)
 _train_log = logging.getLogger("grpax.train")  # the name prepare_rows has always logged under
@@ -154,6 +155,7 @@ def prepare_rows(
     load: Callable[[str, str], list[dict]],
     need: tuple[str, str, int] = ("dataset_name", "split", 0),
     render: Callable[[dict], str] | None = None,
+    cache_dir: str | None = None,
 ) -> list[dict]:
     """Loads a split, renders and tokenizes its prompts (``row["prompt_ids"]``), drops over-long ones.
 
@@ -164,6 +166,8 @@ def prepare_rows(
       render: a row's prompt text as it is sampled, when it is not ``render_prompt`` of its question with
         ``preset`` (an environment adds its instructions: ``grpax.rl.multi_turn.prompt_renderer``), so that
         the length filter measures the prompt the sampler gets; None: ``render_prompt``.
+      cache_dir: the token cache (``grpax.data.token_cache``): the ids of these texts with this tokenizer are
+        read from there when an earlier run stored them; None: tokenize.
 
     Raises:
       ConfigError: fewer rows than ``need`` fit max_prefill_predict_length (the keys, counts and fix named).
@@ -173,7 +177,7 @@ def prepare_rows(
         texts = [render_prompt(tokenizer, row["question"], preset) for row in rows]
     else:
         texts = [render(row) for row in rows]
-    ids = tokenize_prompts(tokenizer, texts)
+    ids = cached_token_ids(tokenizer, texts, lambda t: tokenize_prompts(tokenizer, t), cache_dir)
     rows, ids, dropped = filter_by_length(rows, ids, max_prompt_length)
     _train_log.info(
         "%s/%s: %d prompts (%d longer than max_prefill_predict_length=%d dropped)",

@@ -42,6 +42,7 @@ from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.compiles import CompileLog
 from grpax.data.iterator import PromptIterator
 from grpax.data.prompts import prepare_rows
+from grpax.data.token_cache import cache_folder
 from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
@@ -372,6 +373,7 @@ def _load_rows(
     """The training prompt iterator and the evaluation rows (none with num_test_batches=0), from the rows
     ``check_inputs`` read; with ``environment`` a prompt is measured as the environment renders it."""
     render = prompt_renderer(tokenizer, environment_factory(cfg), task.preset) if cfg.environment else None
+    cache_dir = cache_folder(cfg.jax_cache_dir)
     (train_key, train_dataset), (eval_key, eval_dataset) = cfg.train_dataset(), cfg.eval_dataset()
     train_rows = prepare_rows(
         tokenizer,
@@ -382,6 +384,7 @@ def _load_rows(
         need=(train_key, "train_split", cfg.batch_size),
         load=lambda dataset, split: inputs.train_rows,
         render=render,
+        cache_dir=cache_dir,
     )
     eval_limit = cfg.num_test_batches * cfg.eval_batch_size if cfg.num_test_batches >= 0 else -1
     eval_rows = (
@@ -395,6 +398,7 @@ def _load_rows(
             need=(eval_key, "eval_split", 1),
             load=lambda dataset, split: inputs.eval_rows,
             render=render,
+            cache_dir=cache_dir,
         )
         if cfg.num_test_batches != 0
         else []
