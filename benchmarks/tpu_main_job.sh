@@ -34,7 +34,8 @@ for run in $RUNS; do
     >"$dir.to_native.log" 2>&1 || { tail -20 "$dir.to_native.log"; exit 1; }
   t1=$SECONDS
   # scripts/demo.sh's train_rl keys, nothing added: the platform is hardware=auto's choice
-  "${GRPAX[@]}" train_rl model_name=$MODEL load_parameters_path="$dir/base/0/items" base_output_directory="$dir" \
+  # JAX_LOG_COMPILES: each program's name in the log (the summary counts them by name)
+  JAX_LOG_COMPILES=1 "${GRPAX[@]}" train_rl model_name=$MODEL load_parameters_path="$dir/base/0/items" base_output_directory="$dir" \
     run_name=grpo dataset_name="$DATASET" num_batches="$STEPS" learning_rate=3e-5 num_test_batches="$EVAL_BATCHES" \
     max_target_length=448 checkpoint_period=2 mu_dtype=bfloat16 ${EXTRA:-} 2>&1 | tee "$dir.train_rl.log" \
     | grep -E "grpax train_rl on|eval (before|after) \(|compiled the|fits|programs obtained|^(fit check|load and|eval|step) " \
@@ -66,6 +67,8 @@ for tag in ("before", "after"):
     print(f"eval {tag}: format accuracy {s.get('format_accuracy', float('nan')):.3f}, accuracy "
           f"{s.get('accuracy', float('nan')):.3f}, mean reward {s.get('mean_reward', float('nan')):.3f}")
 print("rewards per step:", ", ".join(f"{r:.2f}" for r in results.get("reward_history", [])))
+names = re.findall(r"Finished XLA compilation of jit\((\w+)\)", log)
+print(f"programs obtained by name ({len(names)}):", ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names)))
 EOF
   sed -n '/^metric  /,/^change larger/p' "$dir.train_rl.log"
 done
