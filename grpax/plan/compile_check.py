@@ -44,6 +44,7 @@ from grpax.models.llama import round_as_read
 from grpax.models.moe import route_dtype
 from grpax.models.params import abstract_params, layer_specs
 from grpax.models.registry import ModelConfig, find_hf_config, get_model_config, load_hf_config
+from grpax.plan import figures_cache
 from grpax.plan.collectives import count_collectives, fsdp_minimum
 from grpax.plan.fit_report import GIB, Compiled, Report, format_report, suggestions
 from grpax.plan.step_cost import Phase, StepShape, step_phases
@@ -120,10 +121,19 @@ _OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
 def _compile(name: str, num_devices: int, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
     """Lowers and compiles ``fn`` for its abstract arguments on ``num_devices``; (its memory and collectives,
     the executable or None if refused)."""
-    log.info("compiling %s ...", name)
     start = time.perf_counter()
+    lowered = fn.lower(*args, **kwargs)
+    key = figures_cache.program_key(lowered, _devices_of((args, kwargs)))
+    kept = figures_cache.read(key)
+    if kept is not None:  # the same program compiled before: its figures, no compile (figures_cache)
+        kept = dataclasses.replace(kept, name=name, seconds=time.perf_counter() - start)
+        log.info(
+            "%s: the figures of the same program compiled before (%s), no compile", name, figures_cache.FOLDER
+        )
+        return kept, None
+    log.info("compiling %s ...", name)
     try:
-        compiled = fn.lower(*args, **kwargs).compile()
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         match = _OVER_HBM.search(str(e))
         if match is None:
@@ -151,7 +161,17 @@ def _compile(name: str, num_devices: int, fn, *args, **kwargs) -> tuple[Compiled
     c = Compiled(
         name, *(int(x) for x in sizes), int(memory.temp_size_in_bytes), seconds, collectives=collectives
     )
+    figures_cache.write(key, c)
     return c, compiled
+
+
+def _devices_of(tree) -> list:
+    """The devices of the first sharded leaf of ``tree`` (abstract arguments), else ``jax.devices()``."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and hasattr(sharding, "device_set"):
+            return sorted(sharding.device_set, key=lambda d: d.id)
+    return jax.devices()
 
 
 def _extra(c: Compiled, counted: int) -> int:
