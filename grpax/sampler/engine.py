@@ -133,6 +133,13 @@ class SamplerConfig:
     # counts: one compile each, worth it where an idle slot costs its full work); "auto" = fixed on an
     # accelerator, where an idle slot costs far less than a compile (docs/benchmarks.md), adaptive on CPU.
     programs: str = "auto"
+    # Prompts one prefill call takes at most (the adaptive set's; 0 = as many as free slots allow): an engine step
+    # admits more in further calls, so the prefill's prompt counts are the powers of two up to it (grpax serve on
+    # CPU: 1, one prefill program per prompt bucket; a CPU prefill's time grows with its prompts anyway).
+    max_prefill_prompts: int = 0
+    # Every row's sampling rule read as data, the default rule's rows too (the fixed set always does): one program
+    # per shape for every mix of rules, not a second one for rows of the SamplerConfig's rule.
+    rules_as_data: bool = False
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -163,7 +170,7 @@ class SamplerConfig:
         for name in ("page_size", "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_num_seqs", "num_pages", "slot_count_step"):
+        for name in ("max_num_seqs", "num_pages", "slot_count_step", "max_prefill_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
         if not 0.0 <= self.hbm_utilization <= 1.0:
@@ -1010,12 +1017,14 @@ class Engine:
 
     def _admit(self) -> list[Sequence]:
         """Prefills queued prompts while free slots (and pages, beyond a reserve for the running sequences'
-        growth) allow; returns the sequences that paused at their first token."""
+        growth) allow, ``max_prefill_prompts`` per call at most; returns the sequences that paused at their first
+        token."""
         sc, ps = self.sc, self.sc.page_size
         free_slots = self.num_slots - len(self.running) - len(self.ready)
         batch, pages_left = [], self.pool.num_free
         growth = -(-sc.decode_steps_per_call // ps)  # pages a sequence may take in the next call at most
         in_flight = len(self.running) + len(self.ready)
+        paused = []
         while self.queue and free_slots > 0:
             request, i, seqs = self.queue[0]
             if batch and (len(seqs), request.key_impl) != (len(batch[0][2]), batch[0][0].key_impl):
@@ -1033,12 +1042,16 @@ class Engine:
             free_slots -= len(seqs)
             in_flight += len(seqs)
             batch.append(self.queue.popleft())
-        return self._prefill(batch) if batch else []
+            if len(batch) == sc.max_prefill_prompts:  # one call's prompts at most: admit the rest in the next
+                paused += self._prefill(batch)
+                batch = []
+        return paused + (self._prefill(batch) if batch else [])
 
     def _rules(self, rules: list[SamplingRule], size: int) -> dict[str, np.ndarray] | None:
         """A program's ``rule`` for rows sampled by ``rules`` (rows past them: the engine's), [size] per field; None
-        where every row's is the engine's (the static program: the GRPO rollout's, unchanged)."""
-        if not self.fixed and all(rule == self.default_rule for rule in rules):
+        where every row's is the engine's (the static program: the GRPO rollout's, unchanged) and rules are not data
+        (``rules_as_data``, the fixed set)."""
+        if not (self.fixed or self.sc.rules_as_data) and all(rule == self.default_rule for rule in rules):
             return None
         rows = [*rules, *[self.default_rule] * (size - len(rules))]
         dtypes = (np.float32, np.int32, np.float32)
