@@ -148,8 +148,8 @@ def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
 
 
 class _ProgramCounter(collections.Counter):
-    """A ``jax.monitoring`` listener counting the programs compiled (the engine's admit and decode, others) and
-    those loaded from the persistent compilation cache."""
+    """A ``jax.monitoring`` listener counting the programs obtained (the engine's admit and decode, others),
+    compiled or read from the persistent compilation cache (``cached``: those read)."""
 
     def __call__(self, event: str, duration: float, fun_name: str = "", **kwargs) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
@@ -336,7 +336,7 @@ class EngineWorker:
             e.stop_table = stop_table
         held = memory_mappings()
         logger.info(
-            "warm-up %d/%d (%s): %d programs compiled (%d of the engine's), %d loaded from the compilation cache, "
+            "warm-up %d/%d (%s): %d programs (%d of the engine's; %d of them read from the compilation cache) "
             "in %.1f s%s",
             i,
             total,
