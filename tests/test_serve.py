@@ -521,7 +521,8 @@ def test_requests_of_different_temperatures_share_one_batch_and_each_gets_its_so
     client, server, model, monkeypatch
 ):
     """Three requests (temperatures 0.6 and 1.4, and greedy) held until all three are queued, then admitted
-    together: one prefill for the three prompts, the same decode calls, and each gets exactly the tokens it gets
+    together: in one engine step (three one-prompt prefills, ``max_prefill_prompts`` 1), the same decode calls,
+    and each gets exactly the tokens it gets
     alone (its rows sampled by its own rule inside the shared batch; the logprobs to float32 rounding), which
     are the engine's under that rule."""
     worker = server.worker
@@ -569,7 +570,7 @@ def test_requests_of_different_temperatures_share_one_batch_and_each_gets_its_so
     release.set()
     for t in threads:
         t.join()
-    assert worker.engine.stats["prefills"] == prefills + 1  # the three prompts in one prefill: one batch
+    assert worker.engine.stats["prefills"] == prefills + 3  # a prefill each, in one step: one batch
     assert worker.stats["peak_rows"] == len(rules)
     worker.stats["peak_rows"] = max(peak, len(rules))
     engine_rules = [dict(temperature=0.6), dict(temperature=1.4), dict(greedy=True)]
@@ -688,7 +689,7 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
     with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
         # prefills of 1 prompt x buckets 64, 128; decodes on the halvings of 8 slots: 1, 2, 4, 8
         assert worker.warmup() == 2 + 4
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
     assert lines[0] == (
         "warm-up: 6 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; prefill of 1 prompt x 128 tokens; "
         "decode on 2 slots; decode on 4 slots; decode on 8 slots), 6 before the port opens"
@@ -780,7 +781,7 @@ def test_a_background_warmup_runs_the_first_requests_programs_first_and_the_rest
         finally:
             running.stop()
     assert first.choices[0].text is not None and len(later.choices) == 3 and compiles == []
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
     assert lines[0].endswith("2 before the port opens, the rest while the engine has no request")
     assert [line.split(" (")[0] for line in lines[1:6]] == [f"warm-up {i}/5" for i in range(1, 6)]
     assert len(lines) == 7 and lines[6].startswith("warm-up: done, 5 programs in ")
