@@ -12,8 +12,9 @@ model's stop tokens: the same prompt ids and settings in every arm. Arms:
   returned), so N requests are in flight.
 
 Every engine arm first runs the same pass untimed (its compiles); the server instead runs its own warm-up at
-start (``EngineWorker.warmup``, what ``grpax serve warmup=true`` does: every prompt bucket x prompt count and slot
-count of both sampling programs, the default rule's and the per-row one; its seconds are reported as ``warmup_s``), or with ``--serve_warm_pass``
+start (``EngineWorker.warmup``, the whole program set that ``grpax serve warmup=true`` compiles: a one-prompt prefill
+per prompt bucket, a decode per slot count; its seconds are reported as ``warmup_s``, the process's memory mappings
+after it as ``mappings``, and after each serve arm in its row), or with ``--serve_warm_pass``
 the untimed pass as well. JAX's compile seconds left in the timed pass are reported (``compile_s``). Reported per arm: requests/s, completion tokens/s, p50 and p99 request latency (seconds), and
 whether its completions equal the engine's. Results go to ``--json_out`` and a markdown table is printed.
 
@@ -41,6 +42,7 @@ from rollout_bench import add_gsm8k_dir_option, gsm8k_file  # noqa: E402
 from grpax.checkpoint.gguf import default_gguf_path, read_gguf  # noqa: E402
 from grpax.checkpoint.hf import load_params_from_tensors  # noqa: E402
 from grpax.data.tokenizer import stop_token_ids  # noqa: E402
+from grpax.host_memory import memory_mappings  # noqa: E402
 from grpax.models.registry import from_hf_config  # noqa: E402
 from grpax.sampler.engine import generate  # noqa: E402
 from grpax.sampler.keys import sampler_config  # noqa: E402
@@ -196,6 +198,7 @@ def main() -> None:
         wall, latencies, outputs = run()
         result = summary(name, wall, latencies, outputs, reference)
         result["compile_s"] = COMPILE_S[0] - before
+        result["mappings"] = (memory_mappings() or (None,))[0]
         if reference is None:
             reference = outputs
         results.append(result)
@@ -216,7 +219,8 @@ def main() -> None:
     warmup = {
         "warmup_s": time.perf_counter() - t,
         "warmup_compile_s": COMPILE_S[0] - before,
-        "prefills": prefills,
+        "programs": prefills,
+        "mappings": (memory_mappings() or (None,))[0],
     }
     print(json.dumps(warmup), flush=True)
     running = serve.start(Server(worker, tokenizer, "smollm2"))

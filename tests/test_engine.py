@@ -703,6 +703,64 @@ def test_new_sampling_rules_and_length_limits_compile_nothing(params):
     assert compiles == []
 
 
+def test_max_prefill_prompts_admits_a_step_in_calls_of_that_many_with_the_same_rollout(params, monkeypatch):
+    """max_prefill_prompts=1: the 4 prompts enter in 4 one-prompt prefills of the same step (no prefill of 4 or
+    2 prompts), and the rollout is the uncapped engine's."""
+    import grpax.sampler.engine as engine_module
+
+    seen = []
+    compiled_admit = engine_module.compiled_admit
+
+    def spy(backend):
+        fn = compiled_admit(backend)
+
+        def call(*args, **kwargs):
+            seen.append(args[2].shape[0])  # prompts [N, P]
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine_module, "compiled_admit", spy)
+    outs = []
+    for cap in (0, 1):
+        engine = Engine(params, CFG, _sc(max_prefill_prompts=cap, num_pages=40), num_slots=len(PROMPTS))
+        request = engine.submit(PROMPTS, jax.random.key(3))
+        engine.step()
+        assert not engine.queue  # every prompt entered in the first step
+        engine.run(request)
+        outs.append(request.output(0, engine.prompt_width(PROMPTS), C))
+    assert seen == [4, 1, 1, 1, 1]
+    _same(*outs)
+    with pytest.raises(ValueError, match="max_prefill_prompts=-1 must be >= 0"):
+        _sc(max_prefill_prompts=-1)
+
+
+def test_rules_as_data_runs_the_default_rules_rows_on_the_other_rules_program(params):
+    """rules_as_data: rows of the engine's own rule and rows of another rule share one program per shape (the
+    adaptive set's default compiles a second, static one), with the same tokens as that static program."""
+    compiles = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    outs = []
+    for as_data in (False, True):
+        sc = _sc(greedy=False, temperature=1.0, programs="adaptive", rules_as_data=as_data)
+        engine = Engine(params, CFG, sc, num_slots=len(PROMPTS))
+        engine.run(engine.submit(PROMPTS, jax.random.key(0), temperature=0.5))
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            request = engine.submit(PROMPTS, jax.random.key(1))  # the engine's own rule
+            engine.run(request)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        outs.append((request.output(0, engine.prompt_width(PROMPTS), C), len(compiles)))
+    (static, compiled_static), (as_data, compiled_as_data) = outs
+    assert compiled_static >= 2 and compiled_as_data == compiled_static  # the static prefill and decode only
+    np.testing.assert_array_equal(static.completion_ids, as_data.completion_ids)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

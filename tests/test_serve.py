@@ -5,7 +5,6 @@ server keeps serving, a client that goes away cancels its rows."""
 import http.client
 import json
 import logging
-import re
 import socket
 import threading
 import time
@@ -398,6 +397,7 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
             "hbm_utilization_vllm=0.5",
             "hbm_utilization_vllm=0.5: the cpu devices report no memory size; size the KV",
         ),
+        ("max_prefill_prompts=0", "max_prefill_prompts=0 must be >= 1 (1: one prefill program per bucket)"),
     ]:
         assert main(["serve", load, arg, "warmup=false", "port=0"]) == 2
         err = capsys.readouterr().err.strip()
@@ -406,6 +406,37 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
     assert main(["serve", load]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'grpax[serve]'" in err
+
+
+def test_the_serve_keys_set_the_program_set_and_when_it_compiles(checkpoint, monkeypatch):
+    """max_prefill_prompts=4 adds the prefills of 2 and 4 prompts per bucket; slot_count_step=1 decodes on every
+    count; warmup_in_background=false compiles every program before the port opens, true only the first
+    request's (the rest once the engine loop runs); warmup=false none."""
+    import uvicorn
+
+    from grpax.serve import worker as worker_module
+
+    runs = []
+    warmup = worker_module.EngineWorker.warmup
+
+    def spy(self, background=False):
+        runs.append(
+            (background, warmup(self, background), len(self._warm), self.engine.sc.max_prefill_prompts)
+        )
+        return runs[-1][1]
+
+    monkeypatch.setattr(worker_module.EngineWorker, "warmup", spy)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    base = [f"load_parameters_path={checkpoint}", "max_num_seqs=4", "max_prefill_predict_length=64"]
+    base += ["max_target_length=72", "port=0"]
+    assert main(["serve", *base, "warmup_in_background=false"]) == 0
+    assert main(["serve", *base]) == 0
+    assert main(["serve", *base, "warmup=false"]) == 0
+    # prefill 1 x 64; decodes on 1, 2 and 4 slots (the halvings of 4)
+    assert runs == [(False, 4, 0, 1), (True, 2, 2, 1)]
+    wider = ["max_prefill_prompts=4", "slot_count_step=1", "warmup_in_background=false"]
+    assert main(["serve", *base, *wider]) == 0
+    assert runs[-1] == (False, 3 + 4, 0, 4)  # prefills of 1, 2 and 4 prompts; decodes on 1, 2, 3 and 4 slots
 
 
 def test_a_harness_on_the_server_writes_completions_that_grpax_evaluate_scores(
@@ -490,7 +521,8 @@ def test_requests_of_different_temperatures_share_one_batch_and_each_gets_its_so
     client, server, model, monkeypatch
 ):
     """Three requests (temperatures 0.6 and 1.4, and greedy) held until all three are queued, then admitted
-    together: one prefill for the three prompts, the same decode calls, and each gets exactly the tokens it gets
+    together: in one engine step (three one-prompt prefills, ``max_prefill_prompts`` 1), the same decode calls,
+    and each gets exactly the tokens it gets
     alone (its rows sampled by its own rule inside the shared batch; the logprobs to float32 rounding), which
     are the engine's under that rule."""
     worker = server.worker
@@ -538,7 +570,7 @@ def test_requests_of_different_temperatures_share_one_batch_and_each_gets_its_so
     release.set()
     for t in threads:
         t.join()
-    assert worker.engine.stats["prefills"] == prefills + 1  # the three prompts in one prefill: one batch
+    assert worker.engine.stats["prefills"] == prefills + 3  # a prefill each, in one step: one batch
     assert worker.stats["peak_rows"] == len(rules)
     worker.stats["peak_rows"] = max(peak, len(rules))
     engine_rules = [dict(temperature=0.6), dict(temperature=1.4), dict(greedy=True)]
@@ -592,8 +624,12 @@ def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
             proc.kill()
     assert proc.returncode == 0, err  # uvicorn's graceful shutdown, then the engine loop's
     assert "Finished server process" in err and "Traceback" not in err
-    # warmup=true by default: 2 sampling programs (the engine's rule, any other) x bucket 64 x prompt counts 1, 2, 4
-    assert "warm-up: 6 prefills" in err
+    # warmup=true by default: the first request's programs before the port opens, the rest in the background:
+    # prefill of 1 prompt x bucket 64, decodes on the halvings of 4 slots (1, 2, 4)
+    assert (
+        "warm-up: 4 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; decode on 2 slots; " in err
+    )
+    assert "2 before the port opens, the rest while the engine has no request" in err
 
 
 def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, model, checkpoint, tmp_path):
@@ -632,21 +668,35 @@ def test_the_update_params_endpoint_loads_a_checkpoint_when_allowed(server, mode
         guarded.stop(stop_worker=False)
 
 
-def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(model):
-    """The warm-up runs every shape a request meets (prompt buckets x prompt counts, slot counts, both sampling
-    programs), so requests arriving at different times with prompts of 3..120 tokens, different max_tokens and
-    any sampling rule (greedy, temperatures, top-p, top-k) trigger no JAX compile."""
-    from grpax.serve.worker import bucket_lengths, prompt_counts
+def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, caplog):
+    """The warm-up runs the server's whole program set (a prefill per prompt bucket, a decode per slot count,
+    every rule as data), logged a line per program, so that requests arriving at different times with prompts of
+    3..120 tokens, n of 1..8, different max_tokens and any sampling rule (greedy, temperatures, top-p, top-k)
+    trigger no JAX compile: ``n`` is no shape."""
+    from grpax.serve.worker import bucket_lengths, prefill_counts
 
     assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
-    assert prompt_counts(32) == [1, 2, 4, 8, 16, 32] and prompt_counts(24) == [1, 2, 4, 8, 16, 24]
-    assert prompt_counts(3) == [1, 2, 3] and prompt_counts(1) == [1]
+    assert (
+        prefill_counts(1, 32) == [1]
+        and prefill_counts(3, 32) == [1, 2, 4]
+        and prefill_counts(0, 8) == [1, 2, 4, 8]
+    )
     params, cfg, tokenizer, _ = model
     sc = sampler_config(
-        128, 12, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=4, page_size=16
+        128, 12, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=8, page_size=16
     )
     worker = EngineWorker(params, cfg, sc)
-    assert worker.warmup() == 2 * 2 * 3  # 2 sampling programs x buckets (64, 128) x prompt counts (1, 2, 4)
+    with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
+        # prefills of 1 prompt x buckets 64, 128; decodes on the halvings of 8 slots: 1, 2, 4, 8
+        assert worker.warmup() == 2 + 4
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
+    assert lines[0] == (
+        "warm-up: 6 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; prefill of 1 prompt x 128 tokens; "
+        "decode on 2 slots; decode on 4 slots; decode on 8 slots), 6 before the port opens"
+    )
+    assert len(lines) == 1 + 6 + 1 and lines[-1].startswith("warm-up: done, 6 programs in ")
+    assert lines[1].startswith("warm-up 1/6 (prefill of 1 prompt x 64 tokens): ")
+    assert all("memory mappings held" in line for line in lines[1:-1])
     compiles = []
 
     def count(event, duration, **_):
@@ -667,6 +717,7 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
             results[i] = client.completions.create(
                 model="tiny",
                 prompt=prompts[i],
+                n=1 + i % 8,
                 temperature=[0, 1, 0.7][i % 3],
                 top_p=[1.0, 0.9][i % 2],
                 seed=i,
@@ -682,25 +733,69 @@ def test_after_warmup_concurrent_requests_of_varied_lengths_compile_nothing(mode
     finally:
         running.stop()
         jax.monitoring.unregister_event_duration_listener(count)
-    assert all(r is not None and r.choices[0].token_ids for r in results)
+    assert [len(r.choices) for r in results] == [1 + i % 8 for i in range(len(lengths))]
+    assert all(c.token_ids for r in results for c in r.choices)
     # Whether these requests overlapped depends on the machine's speed (a quiet one finishes each before the next
     # arrives); sharing the batch is test_concurrent_requests_share_the_batch_...'s claim, this test's is that nothing compiles.
     assert compiles == []
 
 
-def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monkeypatch):
-    """With 12 slots the engine decodes on 12, 10, 8, 6, 4, 2 and 1 (``slot_counts``, not only the halvings):
-    the warm-up runs the decode on each of them and each prefill shape (power-of-two prompt counts, 12) once per
-    sampling program; a server whose warm-up missed 10 compiled that decode while serving."""
-    import grpax.sampler.engine as engine_module
-    from grpax.serve.worker import warmup_counts
-
-    assert warmup_counts(32) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32]
-    assert warmup_counts(32, 1) == list(range(1, 33))  # slot_count_step=1: every count decodes
+def test_a_background_warmup_runs_the_first_requests_programs_first_and_the_rest_between_requests(
+    model, caplog
+):
+    """warmup(background=True): the one-prompt prefill of the smallest bucket and the decode on one slot before
+    it returns; the engine thread runs the others while no request is in flight, then compiles nothing more."""
     params, cfg, tokenizer, _ = model
     sc = sampler_config(
-        64, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16
+        128, 6, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=4, page_size=16
     )
+    worker = EngineWorker(params, cfg, sc)
+    with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
+        assert worker.warmup(background=True) == 2
+        assert [item.describe() for _, item in worker._warm] == [
+            "prefill of 1 prompt x 128 tokens",
+            "decode on 2 slots",
+            "decode on 4 slots",
+        ]
+        running = serve.start(Server(worker, tokenizer, "tiny"))
+        try:
+            client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+            first = client.completions.create(model="tiny", prompt=[5, 6, 7], temperature=0, max_tokens=4)
+            deadline = time.monotonic() + 120
+            while worker._warm or not any("warm-up: done" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the background warm-up did not end"
+                time.sleep(0.1)
+            compiles = []
+
+            def count(event, duration, **_):
+                if event == "/jax/core/compile/backend_compile_duration":
+                    compiles.append(duration)
+
+            jax.monitoring.register_event_duration_secs_listener(count)
+            try:
+                later = client.completions.create(
+                    model="tiny", prompt=list(range(5, 105)), n=3, temperature=0.8, seed=1, max_tokens=6
+                )
+            finally:
+                jax.monitoring.unregister_event_duration_listener(count)
+        finally:
+            running.stop()
+    assert first.choices[0].text is not None and len(later.choices) == 3 and compiles == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
+    assert lines[0].endswith("2 before the port opens, the rest while the engine has no request")
+    assert [line.split(" (")[0] for line in lines[1:6]] == [f"warm-up {i}/5" for i in range(1, 6)]
+    assert len(lines) == 7 and lines[6].startswith("warm-up: done, 5 programs in ")
+
+
+def test_warmup_runs_the_decode_on_every_slot_count_and_each_bucket_with_one_program_per_shape(
+    model, monkeypatch
+):
+    """With 12 slots the server decodes on the halvings 12, 6, 3 (``slot_count_step`` 0): the warm-up runs the
+    decode on each and a one-prompt prefill per bucket, every row's rule as data (no static program); with
+    slot_count_step=4 it decodes on 12, 8, 4, 2, 1 instead."""
+    import grpax.sampler.engine as engine_module
+
+    params, cfg, tokenizer, _ = model
     seen = {"decode": [], "admit": []}
 
     def spy(kind, compiled):
@@ -709,7 +804,8 @@ def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monke
 
             def call(*args, **kwargs):
                 rows = args[2]["token"] if kind == "decode" else args[2]  # slots' tokens [S], prompts [N, P]
-                seen[kind].append((rows.shape[0], args[3] is None if kind == "decode" else args[7] is None))
+                rule = args[3] if kind == "decode" else args[7]
+                seen[kind].append((rows.shape[0], rows.shape[-1] if kind == "admit" else 0, rule is None))
                 return fn(*args, **kwargs)
 
             return call
@@ -718,47 +814,24 @@ def test_warmup_runs_the_decode_on_every_slot_count_the_engine_uses(model, monke
 
     monkeypatch.setattr(engine_module, "compiled_decode", spy("decode", engine_module.compiled_decode))
     monkeypatch.setattr(engine_module, "compiled_admit", spy("admit", engine_module.compiled_admit))
-    worker = EngineWorker(params, cfg, sc)
-    assert worker.warmup() == 2 * 7  # 2 sampling programs x the counts 1, 2, 4, 6, 8, 10, 12 (one bucket)
-    for static in (True, False):  # the engine's rule's program and the per-row one
-        decoded = {S for S, s in seen["decode"] if s == static}
-        assert decoded == set(engine_module.slot_counts(12)) == {12, 10, 8, 6, 4, 2, 1}
-        assert {N for N, s in seen["admit"] if s == static} == {1, 2, 4, 8, 16}
+    for step, slots in ((0, {12, 6, 3}), (4, {12, 8, 4, 2, 1})):
+        seen["decode"].clear(), seen["admit"].clear()
+        sc = sampler_config(
+            100, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16,
+            slot_count_step=step,
+        )  # fmt: skip
+        assert EngineWorker(params, cfg, sc).warmup() == 2 + len(slots)  # buckets 64, 100; the slot counts
+        assert {S for S, _, _ in seen["decode"]} == slots
+        assert {(N, P) for N, P, _ in seen["admit"]} == {(1, 64), (1, 100)}
+        assert not any(static for *_, static in seen["decode"] + seen["admit"])
 
 
 def test_warmup_of_a_one_token_budget_runs(model):
-    """max_completion_length=1 (the prefill's token only): the warm-up asks no more of the engine."""
+    """max_completion_length=1 (the prefill's token only): the warm-up runs no decode."""
     params, cfg, tokenizer, _ = model
     sc = sampler_config(64, 1, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16)
-    assert EngineWorker(params, cfg, sc).warmup() == 2 * 2  # 2 programs x prompt counts 1, 2
-
-
-def test_warmup_logs_each_group_it_compiled_before_the_port_opens(model, caplog):
-    """A long warm-up says what it does as it goes (a server that crashed in it had logged nothing): a line
-    first, then one per sampling program's prompt bucket with the programs it compiled, the seconds and the
-    memory mappings held."""
-    params, cfg, tokenizer, _ = model
-    sc = sampler_config(
-        100, 3, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16
-    )
-    with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
-        EngineWorker(params, cfg, sc).warmup()  # 2 sampling programs x buckets 64, 100 x prompt counts 1, 2
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 + 2 * 2, lines
-    assert lines[0].startswith(
-        "warm-up: running the prefill and decode shapes of 2 prompt buckets (64, 100 tokens)"
-    )
-    # the decode's slot counts (2, 1) compiled in the first bucket only
-    assert lines[1].startswith(
-        "warm-up 1/4 (the engine's rule, prompts of 64 tokens, 2 prompt counts): 2 prefill and 2 decode programs "
-        "compiled"
-    )
-    bucket_100 = (
-        r"warm-up 2/4 \(the engine's rule, prompts of 100 tokens, 2 prompt counts\): \d prefill and 0 decode"
-    )
-    assert re.match(bucket_100, lines[2])
-    assert lines[3].startswith("warm-up 3/4 (other rules, prompts of 64 tokens")
-    assert all(" s; " in line and "memory mappings held" in line for line in lines[1:])
+    assert EngineWorker(params, cfg, sc).warmup() == 1  # the prefill of 1 prompt x 64 tokens
+    assert EngineWorker(params, cfg, sc).warmup(background=True) == 1
 
 
 def _serve_one(params, cfg, tokenizer, sc, prompt):

@@ -4,14 +4,13 @@ MaxText's keys as ``grpax generate`` takes them (``load_parameters_path``, ``max
 ``max_target_length``), or ``hf_model_path`` (``grpax to_native``'s key) for a Hugging Face folder, plus the
 server's: ``host``, ``port``, ``api_key`` (required off localhost), ``max_num_seqs`` (decode slots),
 ``hbm_utilization_vllm`` (the KV pool from memory), ``served_model_name``, ``allow_update_params``,
-``tool_call_parser`` and ``warmup``.
+``tool_call_parser``, ``max_prefill_prompts``, ``slot_count_step``, ``warmup`` and ``warmup_in_background``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 
 from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
@@ -26,11 +25,13 @@ DESCRIPTION = (
     "(prompt as token ids, return_token_ids) and the policy_version of each response. Requests are batched "
     "continuously on the engine (max_num_seqs slots); one over max_prefill_predict_length prompt tokens or the "
     "completion budget is refused with a 400. Binds 127.0.0.1 unless host= is set (then api_key= is required). "
-    "allow_update_params=true adds POST /v1/update_params {load_parameters_path, version}. warmup=true (the "
-    "default) compiles every prompt bucket x prompt count and slot count of both sampling programs (the default "
-    "rule's, and the one every other temperature / top_p / top_k shares, greedy included) before the port opens, "
-    "so that a running server compiles nothing new for n=1 (each other n compiles its own prefill programs at the "
-    "first request of each bucket and prompt count). Requests of any sampling "
+    "allow_update_params=true adds POST /v1/update_params {load_parameters_path, version}. The server runs a small "
+    "program set known from its keys: a one-prompt prefill (max_prefill_prompts) per power-of-two prompt bucket, a "
+    "decode per slot count (the halvings of max_num_seqs), every sampling rule as data and n as n copies of the "
+    "prompt (no shape); warmup=true (the default) compiles the first request's programs before the port opens and "
+    "the rest while no request is in flight (warmup_in_background=false: all before), logged a line each, so that "
+    "a warm server compiles nothing per request (but top_logprobs' scoring forward: one program per power-of-two "
+    "length, at its first request). Requests of any sampling "
     "settings share the running batch. tool_call_parser=hermes|llama3_json returns the model's tool calls as "
     "tool_calls. Needs "
     "pip install 'grpax[serve]'."
@@ -74,8 +75,14 @@ class ServeConfig(ModelKeys, RuntimeKeys):
     )
     slot_count_step: int = field(
         0,
-        "the step between the decode slot counts compiled (and warmed up): 0 = max(2, max_num_seqs // 8); 1 = "
-        "every count (no idle slot in a batch's tail, one decode compile per count)",
+        "the step between the decode slot counts compiled (and warmed up): 0 = max_num_seqs // 2 (the halvings: "
+        "32, 16, 8, 4, 2, 1); 1 = every count (no idle slot in a batch's tail, one decode program per count)",
+    )
+    max_prefill_prompts: int = field(
+        1,
+        "prompts one prefill call takes at most (more enter in further calls of the same step): one prefill "
+        "program per prompt bucket and power-of-two count up to it (1: one per bucket; a CPU prefill's time "
+        "grows with its prompts, docs/benchmarks.md)",
     )
     allow_update_params: bool = field(False, "enable POST /v1/update_params (swap in another checkpoint)")
     tool_call_parser: str = field(
@@ -84,7 +91,12 @@ class ServeConfig(ModelKeys, RuntimeKeys):
         "--tool-call-parser): hermes (Qwen2.5/Qwen3/Hermes <tool_call> JSON) | llama3_json (Llama 3.1/3.2) | '' = off",
     )
     warmup: bool = field(
-        True, "compile every prefill and decode shape of both sampling programs before serving (n=1)"
+        True, "compile every program of the server's set (logged a line each) before serving it"
+    )
+    warmup_in_background: bool = field(
+        True,
+        "open the port once the first request's programs are compiled and compile the rest while no request is "
+        "in flight (a request may wait for one compile); false: every program before the port opens",
     )
 
 
@@ -125,6 +137,10 @@ def _check_keys(config: ServeConfig) -> None:
         raise ConfigError(f"port={config.port}: expected 0..65535")
     if config.max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs={config.max_num_seqs} must be >= 1")
+    if config.max_prefill_prompts < 1:
+        raise ConfigError(
+            f"max_prefill_prompts={config.max_prefill_prompts} must be >= 1 (1: one prefill program per bucket)"
+        )
     if config.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(
             f"tool_call_parser={config.tool_call_parser!r}: expected one of "
@@ -186,6 +202,7 @@ def _engine_keys(config: ServeConfig, length: int) -> dict:
         page_size=config.page_size,
         hbm_utilization=config.hbm_utilization_vllm,
         slot_count_step=config.slot_count_step,
+        max_prefill_prompts=config.max_prefill_prompts,
     )
     try:
         sampler_config(config.max_prefill_predict_length, length, **keys)
@@ -230,13 +247,7 @@ def run(config: ServeConfig) -> int:
     )
     worker = EngineWorker(jax.device_put(params), model_cfg, sampler_cfg)
     if config.warmup:
-        start = time.perf_counter()
-        prefills = worker.warmup()
-        log.info(
-            "warm-up: %d prefills (every bucket, prompt count and slot count) in %.1f s",
-            prefills,
-            time.perf_counter() - start,
-        )
+        worker.warmup(background=config.warmup_in_background)
 
     def load_params(path: str):  # native checkpoints and LoRA steps
         return jax.device_put(load_checkpoint(path, model_cfg)[0])

@@ -138,6 +138,13 @@ class SamplerConfig:
     # that program, each prompt's rows past its own unused, so it compiles no prefill of its own. 0 = each
     # request's own count. Not a key: the trainer sets it.
     prefill_group: int = 0
+    # Prompts one prefill call takes at most (the adaptive set's; 0 = as many as free slots allow): an engine step
+    # admits more in further calls, so the prefill's prompt counts are the powers of two up to it (grpax serve on
+    # CPU: 1, one prefill program per prompt bucket; a CPU prefill's time grows with its prompts anyway).
+    max_prefill_prompts: int = 0
+    # Every row's sampling rule read as data, the default rule's rows too (the fixed set always does): one program
+    # per shape for every mix of rules, not a second one for rows of the SamplerConfig's rule.
+    rules_as_data: bool = False
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
@@ -168,7 +175,7 @@ class SamplerConfig:
         for name in ("page_size", "decode_steps_per_call"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_num_seqs", "num_pages", "slot_count_step", "prefill_group"):
+        for name in ("max_num_seqs", "num_pages", "slot_count_step", "prefill_group", "max_prefill_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: the default)")
         if not 0.0 <= self.hbm_utilization <= 1.0:
@@ -1023,21 +1030,23 @@ class Engine:
 
     def _admit(self) -> list[Sequence]:
         """Prefills queued prompts while free slots (and pages, beyond a reserve for the running sequences'
-        growth) allow: one prefill call, or with the fixed program set as many calls of its prompt count as the
-        slots take; returns the sequences that paused at their first token."""
+        growth) allow: one prefill call, or (the fixed program set, ``max_prefill_prompts``) as many calls of at most
+        ``_prefill_cap`` prompts as the slots take; returns the sequences that paused at their first token."""
         paused = []
         while batch := self._next_batch():
             paused += self._prefill(batch)
-            if not self.fixed:
+            if not (self.fixed or self.sc.max_prefill_prompts):
                 break
         return paused
 
     def _prefill_cap(self, num_generations: int) -> int:
-        """The most prompts of ``num_generations`` completions one prefill call takes: with the fixed set its
-        program's prompt count, else no cap (the count is rounded up to a power of two)."""
+        """The most prompts of ``num_generations`` completions one prefill call takes: ``max_prefill_prompts``
+        where set, and with the fixed set its program's prompt count; else no cap (the count is rounded up to a
+        power of two)."""
+        cap = self.sc.max_prefill_prompts or self.num_slots
         if not self.fixed:
-            return self.num_slots
-        return fixed_prefill_prompts(self.num_slots, program_group(self.sc, True, num_generations))
+            return cap
+        return min(cap, fixed_prefill_prompts(self.num_slots, program_group(self.sc, True, num_generations)))
 
     def _next_batch(self) -> list:
         """The queue entries the next prefill call admits (one group size and key kind): [] if none."""
@@ -1069,8 +1078,9 @@ class Engine:
 
     def _rules(self, rules: list[SamplingRule], size: int) -> dict[str, np.ndarray] | None:
         """A program's ``rule`` for rows sampled by ``rules`` (rows past them: the engine's), [size] per field; None
-        where every row's is the engine's (the static program: the GRPO rollout's, unchanged)."""
-        if not self.fixed and all(rule == self.default_rule for rule in rules):
+        where every row's is the engine's (the static program: the GRPO rollout's, unchanged) and rules are not data
+        (``rules_as_data``, the fixed set)."""
+        if not (self.fixed or self.sc.rules_as_data) and all(rule == self.default_rule for rule in rules):
             return None
         rows = [*rules, *[self.default_rule] * (size - len(rules))]
         dtypes = (np.float32, np.int32, np.float32)

@@ -8,17 +8,17 @@ per-token policy versions to its queue (thread-safely, on the server's event loo
 
 A job's sampling rule (temperature, top_p, top_k) and ``max_tokens`` are its own (``Engine.submit``'s per-request
 settings): jobs of any mix of rules join the running batch at once, each row sampled by its own rule, read by the
-engine's programs as data. The engine has two programs per shape: every row at its default rule (the
-``SamplerConfig``'s: OpenAI's default, temperature 1) and rows of any other rules, greedy included.
+engine's programs as data (``rules_as_data``: one program per shape for every rule, the default's included).
 
-Shapes are bounded so that a running server compiles nothing new (``bounded``): the engine pads prompts to
-power-of-two buckets, its prefills take N prompts rounded up to a power of two (as the engine rounds them) and a plan
-that depends on N and the bucket only (the backend's plan of N full, unrelated prompts: no shared-prefix or
-packed-length variants per batch), and its decode runs on the engine's slot counts (``engine.slot_counts``)
-over the whole page table.
-``warmup`` runs every one of those programs once, both sampling programs, before the server takes requests.
-The prefill takes ``n`` as a shape (``num_generations``): each other ``n`` compiles its own prefill programs
-(one per bucket, prompt count and sampling program) at the first request that meets each; the decode's are shared.
+The server's programs are a small set known from its keys (``bounded``, ``warmup_plan``), so that XLA:CPU, which
+maps each kernel of every live program on pages of its own, stays far from ``vm.max_map_count``: prompts padded to
+power-of-two buckets (64, 128, 256... tokens, the last ``max_prompt_length``); prefills of at most
+``max_prefill_prompts`` prompts (1 by default: one prefill program per bucket; the engine rounds a call's prompts up
+to a power of two); ``n`` completions of a prompt submitted as ``n`` copies of it (one prefill shape for every ``n``:
+the rows and their noise are those of a group of ``n``, the prompt prefilled ``n`` times); the decode over the whole
+page table on the halvings of the slots (``slot_count_step`` 0: 32, 16, 8, 4, 2, 1). ``warmup`` runs each program
+once: the first request's (the smallest bucket's one-prompt prefill, the decode on the fewest slots) before the port
+opens, and the rest either then too or (``background``) from the engine thread while it has no request to step.
 
 ``update_params`` swaps the weights between steps (``Engine.update_params``): queued and running sequences are
 kept, and every token records the version that sampled it. Top log-probabilities (the alternatives OpenAI's
@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,19 +62,45 @@ def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
     return (*buckets, max_prompt_length)
 
 
-def prompt_counts(num_slots: int) -> list[int]:
-    """The prompt counts whose prefills the warm-up runs: powers of two below ``num_slots``, then ``num_slots``
-    (the engine rounds a prefill's prompts up to a power of two: these cover every prefill shape), ascending."""
-    return [*(1 << i for i in range((num_slots - 1).bit_length())), num_slots]
+class WarmupItem(NamedTuple):
+    """One program of a server's set, as the warm-up runs it: ``kind`` "prefill" (``count`` prompts of ``tokens``
+    tokens, their first token sampled) or "decode" (a decode call on ``slots`` slots, holding ``count`` rows)."""
+
+    kind: str
+    tokens: int
+    count: int
+    slots: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill of {self.count} prompt{'s' * (self.count > 1)} x {self.tokens} tokens"
+        return f"decode on {self.slots} slot{'s' * (self.slots > 1)}"
 
 
-def warmup_counts(num_slots: int, slot_count_step: int = 0) -> list[int]:
-    """The prompt counts the warm-up submits at once: ``prompt_counts`` and every slot count the engine's decode
-    may run on (``grpax.sampler.engine.slot_counts``: 32 slots decode on 32, 28, 24, ..., 4, 2, 1 by default),
-    ascending."""
-    return sorted({*prompt_counts(num_slots), *engine_slot_counts(num_slots, slot_count_step)})
+def prefill_counts(max_prefill_prompts: int, num_slots: int) -> list[int]:
+    """The prompt counts of a server's prefills: the powers of two up to ``max_prefill_prompts`` (at most the
+    slots) rounded up to one, as the engine rounds a call's prompts, ascending."""
+    top = min(max_prefill_prompts or num_slots, num_slots)
+    return [1 << i for i in range((top - 1).bit_length() + 1)]
 
 
+def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
+    """The programs a server's engine (``bounded``'s config, ``num_slots`` slots) runs, in warm-up order: first
+    the ones a first short request needs (the smallest bucket's one-prompt prefill, the decode on the fewest
+    slots), then each bucket's one-prompt prefill, the other slot counts ascending, the other prompt counts.
+
+    A decode item holds one row more than the next smaller slot count (the engine picks the smallest count that
+    holds its rows); its rows are one-token prompts, prefilled by the smallest bucket's programs."""
+    sc = sampler_cfg
+    buckets, counts = sc.buckets(), prefill_counts(sc.max_prefill_prompts, num_slots)
+    slots = sorted(engine_slot_counts(num_slots, sc.slot_count_step)) if sc.max_completion_length > 1 else []
+    decodes = [WarmupItem("decode", buckets[0], ([0, *slots][i] + 1), s) for i, s in enumerate(slots)]
+    prefills = [WarmupItem("prefill", b, n) for n in counts for b in buckets]
+    first = [prefills[0], *decodes[:1]]
+    return [*first, *prefills[1 : len(buckets)], *decodes[1:], *prefills[len(buckets) :]]
+
+
+DEFAULT_SLOTS = 64  # an Engine's slots where max_num_seqs is 0
 _SHAPE_PLANNED: dict[type, type] = {}
 
 
@@ -103,19 +129,27 @@ def shape_planned(backend):
 
 
 def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
-    """``sampler_cfg`` with the server's bounded shapes: power-of-two prompt buckets (unless it sets its own)
-    and the decode over the whole page table (no per-length widths; backends that read only the filled pages
-    ignore it), on the adaptive program set on any device (the fixed set, an accelerator's default elsewhere,
-    would prefill max_num_seqs prompts for a request of one: a server's first token waits for it)."""
-    buckets = sampler_cfg.prompt_length_buckets or bucket_lengths(sampler_cfg.max_prompt_length)
+    """``sampler_cfg`` with the server's program set (the module docstring): power-of-two prompt buckets (unless
+    it sets its own), one-prompt prefills (unless ``max_prefill_prompts`` is set), the halvings of the slots as
+    decode slot counts (unless ``slot_count_step`` is set), the decode over the whole page table (backends that
+    read only the filled pages ignore it), every rule as data, on the adaptive program set on any device (the
+    fixed set, an accelerator's default elsewhere, would prefill max_num_seqs prompts for a request of one: a
+    server's first token waits for it)."""
+    sc = sampler_cfg
     return dataclasses.replace(
-        sampler_cfg, prompt_length_buckets=buckets, decode_phase_length=0, programs="adaptive"
+        sc,
+        prompt_length_buckets=sc.prompt_length_buckets or bucket_lengths(sc.max_prompt_length),
+        max_prefill_prompts=sc.max_prefill_prompts or 1,
+        slot_count_step=sc.slot_count_step or max(1, sc.decode_slots(DEFAULT_SLOTS) // 2),
+        decode_phase_length=0,
+        rules_as_data=True,
+        programs="adaptive",
     )
 
 
 class _ProgramCounter(collections.Counter):
-    """A ``jax.monitoring`` listener counting the programs compiled (the engine's admit and decode, others) and
-    those loaded from the persistent compilation cache."""
+    """A ``jax.monitoring`` listener counting the programs obtained (the engine's admit and decode, others),
+    compiled or read from the persistent compilation cache (``cached``: those read)."""
 
     def __call__(self, event: str, duration: float, fun_name: str = "", **kwargs) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
@@ -191,6 +225,10 @@ class EngineWorker:
         self.active: list[Job] = []
         self._thread = threading.Thread(target=self._loop, name="grpax-serve-engine", daemon=True)
         self._stopped = False
+        self._warm: collections.deque[tuple[int, WarmupItem]] = (
+            collections.deque()
+        )  # a warm-up's programs left
+        self._warm_start = 0.0
         self.stats = {
             "steps": 0,
             "cancelled": 0,
@@ -244,70 +282,73 @@ class EngineWorker:
         if not done.wait(timeout):
             raise TimeoutError(f"the engine loop did not take params version {version} in {timeout} s")
 
-    def warmup(self) -> int:
-        """Runs every prefill and decode program a request with ``n`` = 1 can meet (each prompt bucket x each
-        prompt count, each decode slot count, in both sampling programs: rows at the engine's rule, and rows of another
-        rule, which every other rule and mix of rules shares), so that serving them compiles nothing. Call it
-        before ``start`` (it drives the engine from this thread). Stop tokens are ignored meanwhile (every row
-        decodes). Logs a line before it starts and one per group (a sampling program's prompt bucket): the
-        programs it compiled (or loaded from the compilation cache), the seconds, and the memory mappings the
-        process holds (``grpax.host_memory.memory_mappings``: XLA:CPU keeps some per compiled kernel).
+    def warmup(self, background: bool = False) -> int:
+        """Runs each program of the server's set once (``warmup_plan``), so that serving compiles nothing: all of
+        them now, or (``background``) the first request's now and the rest from the engine thread once it runs
+        (``start``), one program at a time while no request is in flight (a request arriving meanwhile waits for
+        the one being compiled, at most). Call it before ``start`` (it drives the engine from this thread). Stop
+        tokens are ignored meanwhile (every row decodes). Logs the set first, then a line per program: compiled
+        (or loaded from the compilation cache), its seconds, and the memory mappings the process holds
+        (``grpax.host_memory.memory_mappings``: XLA:CPU keeps some per compiled kernel); then a line at the end.
 
         Returns:
-          The prefill calls it ran.
+          The programs run now: the whole set, or with ``background`` the first request's (2; 1 where the
+          completion budget is one token: no decode).
         """
         if self._thread.is_alive():
             raise RuntimeError("warmup drives the engine: call it before start")
         e = self.engine
-        stop_table, prefills = e.stop_table, e.stats["prefills"]
-        e.stop_table = np.zeros_like(stop_table)
         e.update_params(e.params, e.version)  # the params' preparation for this backend (swaps reuse it)
-        other = {"greedy": not e.sc.greedy}  # a rule other than the engine's: the per-row program
-        buckets = e.sc.buckets()
+        plan = warmup_plan(e.sc, self.num_slots)
+        first = 2 if len(plan) > 1 and plan[1].kind == "decode" else 1
+        now = first if background else len(plan)
         logger.info(
-            "warm-up: running the prefill and decode shapes of %d prompt buckets (%s tokens) x 2 sampling programs "
-            "before the port opens (a line per group)",
-            len(buckets),
-            ", ".join(map(str, buckets)),
+            "warm-up: %d programs (%s), %d before the port opens%s",
+            len(plan),
+            "; ".join(item.describe() for item in plan),
+            now,
+            ", the rest while the engine has no request" if now < len(plan) else "",
         )
+        self._warm = collections.deque(enumerate(plan, 1))
+        self._warm_start = time.perf_counter()
+        for _ in range(now):
+            self._warm_next()
+        return now
+
+    def _warm_next(self) -> None:
+        """Runs the next program of the warm-up (``warmup``) on an idle engine and logs it."""
+        e = self.engine
+        i, item = self._warm.popleft()
+        total = i + len(self._warm)
+        stop_table, e.stop_table = e.stop_table, np.zeros_like(e.stop_table)
         counted = _ProgramCounter()
         jax.monitoring.register_event_duration_secs_listener(counted)
+        start = time.perf_counter()
         try:
-            for g, (name, rule) in enumerate((("the engine's rule", {}), ("other rules", other))):
-                for i, length in enumerate(buckets):
-                    # every prefill shape in each bucket; every decode slot count once, in the smallest bucket
-                    counts = (
-                        warmup_counts(self.num_slots, e.sc.slot_count_step)
-                        if i == 0
-                        else prompt_counts(self.num_slots)
-                    )
-                    start, before = time.perf_counter(), counted.copy()
-                    for count in counts:
-                        prompts = [[0] * length] * count
-                        # a prefill's token and one decode call on the slot count that holds ``count`` rows
-                        limit = min(2, e.sc.max_completion_length)  # 1: no decode runs at all
-                        e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, **rule))
-                    new = counted - before
-                    held = memory_mappings()
-                    logger.info(
-                        "warm-up %d/%d (%s, prompts of %d tokens, %d prompt counts): %d prefill and %d decode "
-                        "programs compiled, %d other, %d loaded from the compilation cache, in %.1f s%s",
-                        g * len(buckets) + i + 1,
-                        2 * len(buckets),
-                        name,
-                        length,
-                        len(counts),
-                        new["admit"],
-                        new["decode"],
-                        new["other"],
-                        new["cached"],
-                        time.perf_counter() - start,
-                        f"; {held[0]} memory mappings held (vm.max_map_count {held[1]})" if held else "",
-                    )
+            prompts = [[0] * (item.tokens if item.kind == "prefill" else 1)] * item.count
+            limit = 1 if item.kind == "prefill" else 2  # decode: the prefill's token, then one decode call
+            e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, greedy=True))
+        except Exception:  # noqa: BLE001 - a program that fails here compiles (or fails) at its first request
+            logger.exception("warm-up %d/%d (%s) failed", i, total, item.describe())
+            return
         finally:
             jax.monitoring.unregister_event_duration_listener(counted)
             e.stop_table = stop_table
-        return e.stats["prefills"] - prefills
+        held = memory_mappings()
+        logger.info(
+            "warm-up %d/%d (%s): %d programs (%d of the engine's; %d of them read from the compilation cache) "
+            "in %.1f s%s",
+            i,
+            total,
+            item.describe(),
+            counted["admit"] + counted["decode"] + counted["other"],
+            counted["admit"] + counted["decode"],
+            counted["cached"],
+            time.perf_counter() - start,
+            f"; {held[0]} memory mappings held (vm.max_map_count {held[1]})" if held else "",
+        )
+        if not self._warm:
+            logger.info("warm-up: done, %d programs in %.1f s", total, time.perf_counter() - self._warm_start)
 
     # -- the loop (the worker thread) ------------------------------------------------------------------------
 
@@ -315,7 +356,7 @@ class EngineWorker:
         while True:
             idle = not self.engine.busy and not self.pending
             try:
-                command = self.commands.get(block=idle)
+                command = self.commands.get(block=idle and not self._warm)
                 while True:
                     if command[0] == "stop":
                         for job in [*self.active, *self.pending]:
@@ -338,6 +379,8 @@ class EngineWorker:
                     self._fail(f"the engine failed: {type(e).__name__}: {e}")
                     continue
                 self._publish()
+            elif self._warm:  # nothing to step: the next program of a background warm-up
+                self._warm_next()
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
@@ -359,9 +402,8 @@ class EngineWorker:
             job = self.pending.popleft()
             try:
                 job.request = self.engine.submit(
-                    job.prompts,
+                    [p for p in job.prompts for _ in range(job.n)],  # n copies: one prefill shape for every n
                     jax.random.key(job.seed),
-                    job.n,
                     max_completion_length=job.max_tokens,
                     **job.sampling.sampler_fields(),
                 )
@@ -427,7 +469,9 @@ class EngineWorker:
           One list of (token id, logprob) per position, most likely first.
         """
         tokens = [*prompt, *completion]
-        T = -(-len(tokens) // 64) * 64  # one compile per 64-token bucket
+        # 64, 128, 256... tokens, the last the server's longest sequence: one compile each (at its first request)
+        longest = -(-(self.max_prompt_length + self.max_completion_length) // 64) * 64
+        T = min(64 << (-(-len(tokens) // 64) - 1).bit_length(), longest)
         padded = np.zeros((1, T), np.int32)
         mask = np.zeros((1, T), np.int32)
         padded[0, : len(tokens)], mask[0, : len(tokens)] = tokens, 1
