@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_run_keys
+from jax._src import compilation_cache
 
 from grpax.compiles import CompileLog
 from grpax.models.params import init_params
@@ -130,8 +131,16 @@ def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step
         tiny_checkpoint, tmp_path, sampler_programs="fixed", num_batches=3, eval_before=True, num_test_batches=2,
         eval_batch_size=4, num_generations=2, batch_size=2,
     )  # fmt: skip
-    with CompileLog() as log:
-        result = train(TrainConfig(**keys))
+    # no persistent cache (an earlier test's CLI run may have opened one): its programs would be read, not compiled
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    try:
+        with CompileLog() as log:
+            result = train(TrainConfig(**keys))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+        compilation_cache.reset_cache()
     names = [p.name for p in log.programs]
     # the evaluation's prefills (4 questions, one pass) run the rollout's program (2 prompts x G = 2)
     assert names.count("admit") == 1 and names.count("decode") == 1, names

@@ -535,8 +535,10 @@ def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
 
 def _compile_evaluation(job: Job, n: int) -> None:
     """The evaluation's prefill and decode (eval_batch_size x num_eval_passes rows, greedy or not: with the fixed
-    program set the sampling rule is data, so a decode of as many slots as the rollout's is the same program);
-    compiled for the run to find, outside the memory table (the rollout's programs bound it). Compiling the
+    program set the sampling rule is data, so a decode of as many slots as the rollout's is the same program, and
+    its prompts are prefilled in the rollout's program where num_eval_passes <= num_generations: prefill_group);
+    those that are not the rollout's are compiled for the run to find, outside the memory table (the rollout's
+    programs bound it). Compiling the
     groups in threads saved 10 of 111 s on a TPU v5e host (the TPU compiler already keeps its cores busy:
     docs/benchmarks.md), so they compile one after another."""
     cfg = job.cfg
