@@ -77,6 +77,27 @@ def tiny_smollm2_config():
     )
 
 
+@pytest.fixture
+def prefill_counts(monkeypatch) -> list[int]:
+    """The prompt count N of every prefill call (``admit``'s prompts [N, P]) the engine makes during the test."""
+    import grpax.sampler.engine as engine_module
+
+    seen: list[int] = []
+    compiled_admit = engine_module.compiled_admit
+
+    def spy(backend):
+        fn = compiled_admit(backend)
+
+        def call(*args, **kwargs):
+            seen.append(args[2].shape[0])
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine_module, "compiled_admit", spy)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer random model with SmolLM2's vocabulary and tokenizer, converted layout: <dir>/0/items."""

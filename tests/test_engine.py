@@ -703,24 +703,12 @@ def test_new_sampling_rules_and_length_limits_compile_nothing(params):
     assert compiles == []
 
 
-def test_max_prefill_prompts_admits_a_step_in_calls_of_that_many_with_the_same_rollout(params, monkeypatch):
+def test_max_prefill_prompts_admits_a_step_in_calls_of_that_many_with_the_same_rollout(
+    params, prefill_counts
+):
     """max_prefill_prompts=1: the 4 prompts enter in 4 one-prompt prefills of the same step (no prefill of 4 or
     2 prompts), and the rollout is the uncapped engine's."""
-    import grpax.sampler.engine as engine_module
-
-    seen = []
-    compiled_admit = engine_module.compiled_admit
-
-    def spy(backend):
-        fn = compiled_admit(backend)
-
-        def call(*args, **kwargs):
-            seen.append(args[2].shape[0])  # prompts [N, P]
-            return fn(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(engine_module, "compiled_admit", spy)
+    seen = prefill_counts
     outs = []
     for cap in (0, 1):
         engine = Engine(params, CFG, _sc(max_prefill_prompts=cap, num_pages=40), num_slots=len(PROMPTS))

@@ -23,6 +23,7 @@ from grpax import serve  # noqa: E402
 from grpax.checkpoint.gguf import read_gguf  # noqa: E402
 from grpax.checkpoint.orbax import load_model, save_params  # noqa: E402
 from grpax.cli.main import main  # noqa: E402
+from grpax.compiles import CompileLog  # noqa: E402
 from grpax.data.tokenizer import save_tokenizer, stop_token_ids  # noqa: E402
 from grpax.models.params import init_params  # noqa: E402
 from grpax.models.registry import to_hf_config  # noqa: E402
@@ -765,22 +766,13 @@ def test_a_background_warmup_runs_the_first_requests_programs_first_and_the_rest
             while worker._warm or not any("warm-up: done" in r.getMessage() for r in caplog.records):
                 assert time.monotonic() < deadline, "the background warm-up did not end"
                 time.sleep(0.1)
-            compiles = []
-
-            def count(event, duration, **_):
-                if event == "/jax/core/compile/backend_compile_duration":
-                    compiles.append(duration)
-
-            jax.monitoring.register_event_duration_secs_listener(count)
-            try:
+            with CompileLog() as compiles:  # the engine thread's compiles too (JAX's listeners are global)
                 later = client.completions.create(
                     model="tiny", prompt=list(range(5, 105)), n=3, temperature=0.8, seed=1, max_tokens=6
                 )
-            finally:
-                jax.monitoring.unregister_event_duration_listener(count)
         finally:
             running.stop()
-    assert first.choices[0].text is not None and len(later.choices) == 3 and compiles == []
+    assert first.choices[0].text is not None and len(later.choices) == 3 and compiles.programs == []
     lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
     assert lines[0].endswith("2 before the port opens, the rest while the engine has no request")
     assert [line.split(" (")[0] for line in lines[1:6]] == [f"warm-up {i}/5" for i in range(1, 6)]
@@ -1044,7 +1036,9 @@ def test_tool_calls_come_back_as_openai_tool_calls(model, monkeypatch):
         running.stop()
 
 
-def test_the_server_keeps_its_bounded_shapes_where_sampler_programs_would_be_fixed(model, monkeypatch):
+def test_the_server_keeps_its_bounded_shapes_where_sampler_programs_would_be_fixed(
+    model, monkeypatch, prefill_counts
+):
     """On an accelerator the engine's default (``SamplerConfig.programs`` auto) is the fixed program set: every
     prefill of max_num_seqs prompts and one decode slot count. The server has no such key and its own bounded
     shapes (``bounded``, compiled by ``warmup``): a one-prompt request prefills one prompt row, not twelve."""
@@ -1056,19 +1050,6 @@ def test_the_server_keeps_its_bounded_shapes_where_sampler_programs_would_be_fix
     )
     auto_is_fixed = lambda sampler_cfg, params: sampler_cfg.programs != "adaptive"  # noqa: E731 - as on a TPU
     monkeypatch.setattr(engine_module, "fixed_programs", auto_is_fixed)
-    seen = []
-    compiled_admit = engine_module.compiled_admit
-
-    def spy(backend):
-        fn = compiled_admit(backend)
-
-        def call(*args, **kwargs):
-            seen.append(args[2].shape[0])  # prompts [N, P]
-            return fn(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(engine_module, "compiled_admit", spy)
     e = EngineWorker(params, cfg, sc).engine
     e.run(e.submit([[5, 6, 7]], jax.random.key(0)))
-    assert seen == [1] and not e.fixed
+    assert prefill_counts == [1] and not e.fixed
