@@ -81,13 +81,14 @@ from grpax.models.registry import ModelConfig
 from grpax.plan.compile_check import compile_job, model_config
 from grpax.plan.fit_report import GIB, format_report
 from grpax.plan.step_cost import StepShape, step_phases
+from grpax.rl import train_step as train_step_module
 from grpax.rl.batch import Batch
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.sampler import backend as sampler_backend
-from grpax.sampler import sampling
+from grpax.sampler import engine, sampling
 from grpax.sampler.engine import generate
 
 # device_kind substring -> (HBM bytes/s, bf16 dense FLOP/s), per chip (vendor data sheets).
@@ -104,6 +105,9 @@ PEAKS: tuple[tuple[str, float, float], ...] = (
     ("TPU v4", 1.2e12, 275e12),
 )
 BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 480))  # no part starts that would end after this
+# Parts left out by name (comma-separated, e.g. "grpo step,memory"; a variant's name starts "variant "): a short
+# lease measures what it came for first.
+SKIP = {name.strip() for name in os.environ.get("DEVICE_CHECK_SKIP", "").split(",") if name.strip()}
 
 # The GRPO job of the check, as train_rl keys (the 8B run and the tiny one share every key but the shapes).
 JOB_KEYS = dict(
@@ -173,11 +177,18 @@ class Variant:
     sort_top_k: bool = False
     gpu_only: bool = False
     seconds: float = 45.0
+    head_chunk_min_tokens: int | None = None  # train_step.LOGITS_CHUNK_MIN_TOKENS for an update variant
+    xla_paged: bool = False  # the decode's paged attention by XLA's gather where Pallas's kernel would run
 
 
 # In the order they run: the likeliest to explain the decode's 22% of the HBM roofline first (one decode step
 # launches hundreds of kernels and XLA's GPU top-k sorts the vocabulary for k > 16), then the update's remat.
 VARIANTS: tuple[Variant, ...] = (
+    # the vocabulary head's chunks as they were before issue 54 (2**24 logits per chip, no floor of tokens)
+    Variant("update head chunks of 2**24 logits (no token floor)", head_chunk_min_tokens=0, seconds=40),
+    Variant("update head chunks of >= 1024 tokens", head_chunk_min_tokens=1024, seconds=40),
+    Variant("update head chunks of >= 2048 tokens", head_chunk_min_tokens=2048, seconds=40),
+    Variant("decode paged attention by XLA's gather (not Pallas's ragged kernel)", rows=4, xla_paged=True),
     Variant("main's sampler (lax.top_k threshold)", rows=4, sort_top_k=True, seconds=45),
     Variant(
         "command buffers +WHILE,+CONDITIONAL", rows=4, gpu_options=(COMMAND_BUFFERS_WHILE,), gpu_only=True
@@ -314,17 +325,23 @@ def hlo_dumps(modules: tuple[str, ...]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def applied(variant: Variant):
-    """The sampler's GPU options and top-k threshold of ``variant`` while inside (restored after)."""
+    """The sampler's GPU options, top-k threshold and paged attention of ``variant`` while inside (restored
+    after)."""
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
+    takes = sampler_backend.ragged_tpu_takes
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
     if variant.sort_top_k:
         sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
-        jax.clear_caches()  # the sampler's programs traced again with the patched threshold
+    if variant.xla_paged:
+        sampler_backend.ragged_tpu_takes = lambda *args: False
+    if variant.sort_top_k or variant.xla_paged:
+        jax.clear_caches()  # the sampler's programs traced again with the patched function
     try:
         yield
     finally:
         sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks = options, blocks
-        if variant.sort_top_k:
+        sampler_backend.ragged_tpu_takes = takes
+        if variant.sort_top_k or variant.xla_paged:
             jax.clear_caches()
 
 
@@ -513,6 +530,7 @@ class Check:
             weights = self.variant_params
         # As the rollout reads them: on the sampler's mesh (a copy only when its layout differs).
         params, _ = sharding.reshard_for_rollout(weights, self.mesh, self.rollout_mesh)
+        sc, pool_note = self.fitting_pool(sc, params, num_prompts * G)
         with jax.set_mesh(self.rollout_mesh):
             _, first = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(1), G))
             out, run = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(2), G))
@@ -538,8 +556,23 @@ class Check:
             mean_length=float(lengths.mean()),
             stopped=float(np.mean([r == "stop" for r in out.finish_reason])),
             past_stop=past_stop,
-            note=f"T {sc.temperature}, top-k {sc.top_k}; roofline {roof:,.0f} tok/s",
+            note=f"T {sc.temperature}, top-k {sc.top_k}; roofline {roof:,.0f} tok/s{pool_note}",
         )
+
+    def fitting_pool(self, sc, params, rows: int):
+        """``sc`` with a KV pool that fits beside what the device holds (the train state, the kept copies): the
+        pages 85% of its memory leaves (the rest for the decode's temporaries), at most every row's; as
+        train_rl's plan sizes its pool. On a CPU (no memory size) ``sc`` as it is. Returns (sc, a note)."""
+        stats = self.devices[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return sc, ""
+        backend = sampler_backend.select_backend("xla", params, self.model_cfg, sc.cache_dtype, True)
+        page = sharding.per_chip_bytes(engine.abstract_pool(params, self.model_cfg, sc, backend, 1))
+        full = engine.pool_pages(sc, rows)
+        fits = int((0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // page)
+        if fits >= full:
+            return sc, ""
+        return dataclasses.replace(sc, num_pages=fits), f"; pool {fits} of {full} pages (memory)"
 
     def part_decode_profile(self) -> None:
         """One more 32 x 8 decode (the default's prompts and key) under ``jax.profiler.trace``, summarised."""
@@ -675,7 +708,13 @@ class Check:
             )
             return
         if not variant.rows:
-            self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
+            floor = train_step_module.LOGITS_CHUNK_MIN_TOKENS
+            if variant.head_chunk_min_tokens is not None:
+                train_step_module.LOGITS_CHUNK_MIN_TOKENS = variant.head_chunk_min_tokens
+            try:  # a new ModelConfig object: a new train step, traced with the variant's chunks
+                self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
+            finally:
+                train_step_module.LOGITS_CHUNK_MIN_TOKENS = floor
             return
         sc = dataclasses.replace(self.sampler_cfg, **dict(variant.sampler))
         with applied(variant):
@@ -785,6 +824,7 @@ def main() -> int:
 
     # The budget guards a lease; a tiny run (CI, on a CPU) runs every part unless a budget is given.
     budget = BUDGET_S if not tiny or "DEVICE_CHECK_BUDGET_S" in os.environ else float("inf")
+    parts = [p for p in parts if p[0] not in SKIP and not (p[0].startswith("variant ") and "variants" in SKIP)]
     for name, seconds, part in parts:
         estimate = 0.0 if tiny else seconds  # the H200's estimate; the tiny model's parts take seconds each
         if check.elapsed() + estimate > budget:

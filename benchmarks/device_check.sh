@@ -23,6 +23,7 @@
 # tests (DEVICE_CHECK_TESTS, empty: none; 104-221 s on the H200) run only if DEVICE_CHECK_TOTAL_S (570 s) leaves
 # them 120 s, so with the defaults the whole command ends inside the device tool's 10 minutes:
 #   DEVICE_CHECK_TESTS= bash benchmarks/device_check.sh     # the figures only (docs/benchmarks.md, "On an H200")
+# DEVICE_CHECK_SKIP leaves parts out by name (comma-separated: "grpo step,memory"; "variants": all of them).
 # The 8B GRPO step on one H200 has its own command (benchmarks/h200_8b_step.py, not part of this one).
 # Exit 0 only if every part that ran passed.
 set -uo pipefail

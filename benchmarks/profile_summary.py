@@ -8,7 +8,9 @@ it too). The events:
   "Thunk:#name=<JAX name stack>,hlo_op=<HLO instruction>#" inside "XlaModule:#hlo_module=<module>,...#"; the
   reader takes these from any stat that carries them (``hlo_op`` / ``hlo_module`` / ``tf_op`` stats or the
   annotation string), so it does not depend on one stat's name;
-* TPU: the device plane's "XLA Ops" line;
+* TPU: the device plane's "XLA Ops" line, each event named by its HLO instruction's text ("%fusion.3 = bf16[...]
+  fusion(...), kind=kOutput, calls=..."; no name stack: the caller's HLO text gives it), inside the "XLA Modules"
+  line's module ("jit_step(<id>)"); a ``while``'s event spans its body's, so control flow is left out;
 * CPU (no device plane): the host threads' XLA thunks (events with an ``hlo_op`` stat), without the control-flow
   thunks (``while``, ``conditional``, ``call``) that contain the others.
 
@@ -119,13 +121,18 @@ def read_events_from(data) -> tuple[list[Event], str]:
         ops = [line for line in lines if line.name == "XLA Ops"]
         streams = [line for line in lines if line.name.startswith("Stream")]
         chosen = ops or streams or lines
+        modules = _module_spans(lines)
         for line in chosen:
             for e in line.events:
                 fields = _stat_fields(dict(e.stats))
-                hlo_op = fields.get("hlo_op", e.name if ops else "")
+                name, hlo_op, inside = e.name, fields.get("hlo_op", e.name if ops else ""), ""
+                if instruction := _INSTRUCTION.match(e.name):  # a TPU's op: its HLO instruction's text
+                    name = hlo_op = instruction.group(1)
+                    inside = " ".join(_instruction_ops(instruction.group(2)))
+                module = fields.get("hlo_module") or _module_at(modules, e.start_ns)
                 events.append(
-                    Event(e.name, e.start_ns, e.duration_ns, line.name, hlo_op, fields.get("hlo_module", ""),
-                          fields.get("op_name", ""))
+                    Event(name, e.start_ns, e.duration_ns, line.name, hlo_op, module, fields.get("op_name", ""),
+                          inside)
                 )  # fmt: skip
         where = f"{plane.name}: {len(chosen)} line(s) ({', '.join(line.name for line in chosen[:4])})"
         return events, where
@@ -144,6 +151,33 @@ def read_events_from(data) -> tuple[list[Event], str]:
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+
+
+def _instruction_ops(rest: str) -> list[str]:
+    """The opcode and custom-call target of one HLO instruction's text after its ``=`` (a TPU op's event name)."""
+    return [m.group(1) for m in (_OPCODE.search(rest), _TARGET.search(rest)) if m]
+
+
+def _module_spans(lines) -> list[tuple[float, float, str]]:
+    """(start ns, end ns, module name) of a device plane's "XLA Modules" line (a TPU's: "jit_step(<id>)" ->
+    "jit_step", the name of the module's HLO text), sorted by start."""
+    spans = [
+        (e.start_ns, e.start_ns + e.duration_ns, e.name.split("(")[0])
+        for line in lines
+        if line.name == "XLA Modules"
+        for e in line.events
+    ]
+    return sorted(spans)
+
+
+def _module_at(spans: list[tuple[float, float, str]], t: float) -> str:
+    """The module whose span holds time ``t`` ("" if none)."""
+    for start, end, name in spans:
+        if start <= t <= end:
+            return name
+    return ""
+
+
 _OPCODE = re.compile(r" ([a-z][\w\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -208,11 +242,12 @@ def attribute(events: list[Event], hlo_texts: dict[str, str] | None) -> list[Eve
         if not e.hlo_op:  # no annotation: XLA names a kernel after its instruction ("loop_fusion.3" -> "_3")
             e.hlo_op = next((n for n in (e.name, re.sub(r"_(\d+)$", r".\1", e.name)) if n in table), "")
         opcode, op_name, inside = table.get(e.hlo_op, ("", "", ""))
+        opcode = opcode or (e.inside.split() or [""])[0]  # a TPU op's own text names its opcode
         if opcode in _CONTROL or (not opcode and e.hlo_op.split(".")[0] in _CONTROL):
             continue
         if not e.op_name and op_name:
             e.op_name = op_name
-        e.inside = inside
+        e.inside = inside or e.inside
         kept.append(e)
     return kept
 

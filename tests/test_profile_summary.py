@@ -143,3 +143,92 @@ ENTRY %main.3 (x: f32[4]) -> f32[4] {
     assert table["fusion"] == ("fusion", "jit(f)/mlp/tanh", "fusion parameter tanh")
     assert table["tanh.1"] == ("tanh", "jit(f)/mlp/tanh", "tanh")
     assert ps.module_name(hlo) == "jit_f"
+
+
+# A TPU trace as libtpu writes it: the device plane's "XLA Modules" line holds the program ("jit_step(<id>)"),
+# its "XLA Ops" line one event per HLO instruction, named by the instruction's text, with no name stack; a
+# while's event spans its body's ops. Times in ps: (event name, start, duration).
+_TPU_OPS = (
+    ("%while.7 = (s32[], f32[8,8]) while(%tuple.1), condition=%cond, body=%body", 1_000_000, 9_000_000),
+    (
+        "%fusion.3 = f32[8,8]{1,0:T(8,128)} fusion(%p, %w), kind=kOutput, calls=%fused_dot",
+        1_000_000,
+        4_000_000,
+    ),
+    (
+        "%fusion.4 = f32[8,8]{1,0:T(8,128)} fusion(%fusion.3), kind=kLoop, calls=%fused_exp",
+        6_000_000,
+        2_000_000,
+    ),
+    ("%copy.5 = f32[8,8]{0,1:T(8,128)} copy(%fusion.4)", 8_000_000, 2_000_000),
+)
+_TPU_HLO = """HloModule jit_step, entry_computation_layout={(f32[8,8]{1,0})->f32[8,8]{1,0}}
+
+%fused_dot (p: f32[8,8], w: f32[8,8]) -> f32[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  ROOT %convolution.1 = f32[8,8]{1,0} convolution(%p, %w), dim_labels=bf_io->bf, metadata={op_name="jit(step)/transpose(jvp(forward))/mlp/dot_general"}
+}
+
+%fused_exp (x: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  ROOT %exponential.1 = f32[8,8]{1,0} exponential(%x), metadata={op_name="jit(step)/jvp(forward)/attention/exp"}
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  %fusion.3 = f32[8,8]{1,0} fusion(%a, %a), kind=kOutput, calls=%fused_dot
+  %fusion.4 = f32[8,8]{1,0} fusion(%fusion.3), kind=kLoop, calls=%fused_exp
+  ROOT %copy.5 = f32[8,8]{0,1} copy(%fusion.4), metadata={op_name="jit(step)/attention/copy"}
+}
+"""
+
+
+def _tpu_xspace() -> str:
+    names = ["jit_step(4242)", *(name for name, _, _ in _TPU_OPS)]
+    quoted = [n.replace('"', '\\"') for n in names]
+    ops = [
+        f"events {{ metadata_id: {names.index(n) + 1} offset_ps: {start} duration_ps: {duration} }}"
+        for n, start, duration in _TPU_OPS
+    ]
+    metadata = [
+        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(quoted)
+    ]
+    return "\n".join(
+        [
+            'planes { id: 1 name: "/device:TPU:0"',
+            'lines { id: 1 name: "XLA Modules" timestamp_ns: 1000',
+            "events { metadata_id: 1 offset_ps: 500000 duration_ps: 10000000 } }",
+            'lines { id: 2 name: "XLA Ops" timestamp_ns: 1000',
+            *ops,
+            "}",
+            *metadata,
+            "}",
+        ]
+    )
+
+
+def test_a_tpu_trace_is_read_by_its_instructions_and_the_modules_hlo():
+    """A TPU's ops are named by their instruction's text: the reader takes the instruction's name and opcode,
+    the module from the "XLA Modules" line, leaves the while (which spans its body) out, and the module's HLO
+    text gives each op its name stack: scope, pass and kind (a fusion holding a convolution is a matmul)."""
+    events, where = ps.read_events_from(jax.profiler.ProfileData.from_text_proto(_tpu_xspace()))
+    assert where.startswith("/device:TPU:0") and len(events) == 4
+    assert [e.hlo_op for e in events] == ["while.7", "fusion.3", "fusion.4", "copy.5"]
+    assert {e.module for e in events} == {"jit_step"}
+    # without the HLO text: no name stack, but the while is still left out and the copy known by its opcode
+    text, figures = ps.summarize(ps.attribute(events, None), "update")
+    assert figures["kernels"] == 3 and figures["kernel_ms"] == pytest.approx(0.008)
+    assert figures["shares"] == {"unattributed": 1.0}
+    assert figures["kinds"]["copy / scatter"] == pytest.approx(0.25)
+    events, _ = ps.read_events_from(jax.profiler.ProfileData.from_text_proto(_tpu_xspace()))
+    text, figures = ps.summarize(
+        ps.attribute(events, {ps.module_name(_TPU_HLO): _TPU_HLO}), "update", by_pass=True
+    )
+    assert figures["kernels"] == 3
+    assert figures["shares"] == pytest.approx({"mlp (norm + matmuls)": 0.5, "attention": 0.5})
+    assert figures["kinds"] == pytest.approx({"matmul": 0.5, "other kernels": 0.25, "copy / scatter": 0.25})
+    assert figures["passes"] == pytest.approx(
+        {"backward": 0.5, "forward": 0.25, "other (optimizer, loss, ...)": 0.25}
+    )
+    assert "fusion.3" in text and "%fusion.3 =" not in text

@@ -733,6 +733,7 @@ def test_vocab_parallel_logprobs_equal_unsharded(name, params, monkeypatch):
     from grpax.rl import train_step
 
     monkeypatch.setattr(train_step, "LOGITS_CHUNK_ELEMENTS", 2 * 3 * CFG.vocab_size)  # several chunks
+    monkeypatch.setattr(train_step, "LOGITS_CHUNK_MIN_TOKENS", 0)
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(8, 7, CFG.hidden_dim)).astype(np.float32))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (8, 7)).astype(np.int32))

@@ -124,8 +124,10 @@ def test_micro_batches_refuse_a_split_across_groups(params):
 
 
 def test_chunked_logprobs_and_entropy_equal_the_full_logits(params, monkeypatch):
-    """Projected in chunks (here 5 tokens of 61 logits, C = 6 padded to 10), the same values as at once."""
+    """Projected in chunks (here 2 chunks of 3 tokens), the same values as at once."""
     monkeypatch.setattr(train_step_module, "LOGITS_CHUNK_ELEMENTS", 2 * 5 * CFG.vocab_size)
+    monkeypatch.setattr(train_step_module, "LOGITS_CHUNK_MIN_TOKENS", 0)
+    assert train_step_module.logits_chunk(2, CFG.vocab_size, C) == 3
     rng = np.random.default_rng(3)
     hidden = jnp.asarray(rng.normal(size=(2, C, CFG.hidden_dim)).astype(np.float32))
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, C)).astype(np.int32))
@@ -555,3 +557,18 @@ def test_spread_prompts_give_the_same_loss_and_gradients(params, monkeypatch):
     flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
     np.testing.assert_allclose(float(loss6), float(loss1), rtol=1e-6, atol=1e-7)
     assert np.linalg.norm(flat(grads6) - flat(grads1)) <= 1e-6 * np.linalg.norm(flat(grads1))
+
+
+def test_logits_chunk_holds_enough_tokens_per_chip_for_a_large_vocabulary():
+    """The head's chunks: the element budget alone cut qwen3-0.6b's 64 x 256 completion tokens on one chip into
+    256 chunks of one token per row (each chunk reads the float32 head and its gradient: bound by bytes); the
+    token floor makes 32 chunks of 8 (512 tokens per chip). A small vocabulary keeps the element budget's larger
+    chunks; a short completion is one chunk."""
+    logits_chunk = train_step_module.logits_chunk
+    assert train_step_module.LOGITS_CHUNK_MIN_TOKENS == 512
+    assert logits_chunk(64, 151_936, 256) == 8  # was 1
+    assert logits_chunk(16, 49_152, 192) == 32  # the README's main job: 6 chunks (was 10 of 20)
+    assert logits_chunk(2, 1_000, 10_000) == 5_000  # 2**24 logits per chip: 8,388 positions; 2 equal chunks
+    assert logits_chunk(64, 151_936, 5) == 5
+    bound = train_step_module.logits_chunk_bytes(151_936)
+    assert bound == 4 * 512 * 151_936 >= 4 * 64 * logits_chunk(64, 151_936, 256) * 151_936

@@ -11,7 +11,7 @@ of what it holds at its largest:
 
 * update: the gradients (params-shaped, float32), two layers' gathered weights (FSDP: one in use, one prefetched), the
   residual stream saved at each layer boundary (``remat_policy=full``), one layer's recomputed activations
-  (attention inputs and MLP hidden, the longer of them), three chunks of logits (``LOGITS_CHUNK_ELEMENTS``); with
+  (attention inputs and MLP hidden, the longer of them), three chunks of logits (``logits_chunk_bytes``); with
   micro-batches, a second gradient tree (the running sum); with a cheaper remat policy, what the backward keeps
   beyond full's, traced from the model's own ``jax.vjp`` (``remat_extra``);
 * reference logprobs: one layer's gathered weights (the reference's copy: rounded to the compute dtype), its
@@ -74,7 +74,7 @@ from grpax.plan.fit_report import Compiled, Report, format_report
 from grpax.plan.step_cost import BYTES
 from grpax.plan.topology import Chip
 from grpax.rl.train_config import TrainConfig
-from grpax.rl.train_step import LOGITS_CHUNK_ELEMENTS
+from grpax.rl.train_step import logits_chunk_bytes
 from grpax.sampler import engine
 
 # Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
@@ -225,7 +225,7 @@ def _trainer_temporaries(cfg: TrainConfig, job, data: int, tensor: int, expert: 
     tokens = prompts * s.prompt_length + rows * s.completion_length
     widest /= tensor
     activations = tokens * widest * act
-    logits = 3 * LOGITS_CHUNK_ELEMENTS * 4
+    logits = 3 * logits_chunk_bytes(-(-m.vocab_size // tensor))  # at most; the vocabulary split over tensor
     trained = sharding.per_chip_bytes(job.state.params)
     # float32 gradients whatever the trained dtype (summed in float32): the params', or the adapters' (float32)
     grads = trained * 4 / (w if job.lora is None else 4)

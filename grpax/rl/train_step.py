@@ -147,6 +147,28 @@ def _routing_aux(routing, mb: Batch, grpo: GRPOConfig, num_micro_batches: int) -
 # gradient several times that), and a chunk still holds a thousand tokens or more on each chip (llama3.2-1b on
 # v6e-8 at B = 16, C = 256: 4 chunks of 16 x 64 tokens, each chip a 16,032-entry slice of the vocabulary).
 LOGITS_CHUNK_ELEMENTS = 2**24
+# ... but at least this many tokens per chip in a chunk, whatever the vocabulary: every chunk reads the float32
+# head three times (projection, its recompute, the hidden states' gradient) and reads and writes its float32
+# gradient, 20 bytes per head entry, against 8 FLOPs per entry per token; below ~600 tokens a chunk is bound by
+# those bytes on a TPU v5e (197 TFLOP/s over 819 GB/s). With the element budget alone a large vocabulary on one
+# chip made chunks of a few tokens per row: qwen3-0.6b (151,936 entries) at 64 rows cut 256 completion tokens
+# into 256 chunks of one, 43% of its update in the head's gradient accumulation (docs/benchmarks.md, issue 54).
+LOGITS_CHUNK_MIN_TOKENS = 512
+
+
+def logits_chunk(rows_per_chip: int, vocab_per_chip: int, length: int) -> int:
+    """Completion positions per chunk of ``completion_logprobs``: ``LOGITS_CHUNK_ELEMENTS`` logits per chip, at
+    least ``LOGITS_CHUNK_MIN_TOKENS`` tokens per chip, at most ``length`` (the chunks equal, padded the least)."""
+    by_elements = LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)
+    by_tokens = -(-LOGITS_CHUNK_MIN_TOKENS // rows_per_chip)
+    chunk = max(1, min(length, max(by_elements, by_tokens)))
+    num_chunks = -(-length // chunk)
+    return -(-length // num_chunks)
+
+
+def logits_chunk_bytes(vocab_per_chip: int) -> int:
+    """The most bytes of one chunk's float32 logits per chip (``logits_chunk``'s bound), for the memory plan."""
+    return 4 * max(LOGITS_CHUNK_ELEMENTS, LOGITS_CHUNK_MIN_TOKENS * vocab_per_chip)
 
 
 def _mesh_ways(logical_axis: str, size: int) -> int:
@@ -184,7 +206,8 @@ def completion_logprobs(
     each chip's head gradient stays local: it is accumulated in float32 across the chunks (the scan's carry),
     exchanged back to the head's layout once, and no chunk reduce-scatters a head-sized gradient.
 
-    The completion axis is cut into chunks of at most ``LOGITS_CHUNK_ELEMENTS`` logits per chip; each chunk
+    The completion axis is cut into chunks (``logits_chunk``: at most ``LOGITS_CHUNK_ELEMENTS`` logits per chip,
+    at least ``LOGITS_CHUNK_MIN_TOKENS`` tokens per chip, the larger where they disagree); each chunk
     is projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
     pass (``jax.checkpoint``), so only one chunk's logits exist at a time, forward or backward ("fused linear
     cross-entropy", as Liger-Kernel's, in plain JAX). Outside a mesh the same code runs on one device.
@@ -204,9 +227,8 @@ def completion_logprobs(
     V = cfg.vocab_size
     rows_per_chip = -(-B // _mesh_ways("head_batch", B))
     vocab_per_chip = -(-V // _mesh_ways("head_vocab", V))
-    chunk = max(1, min(C, LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)))
+    chunk = logits_chunk(rows_per_chip, vocab_per_chip, C)
     num_chunks = -(-C // chunk)
-    chunk = -(-C // num_chunks)  # the same chunks, padded the least
     pad = num_chunks * chunk - C
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
     t = jnp.pad(tokens.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, num_chunks, chunk).swapaxes(0, 1)
