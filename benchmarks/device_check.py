@@ -824,7 +824,9 @@ def main() -> int:
 
     # The budget guards a lease; a tiny run (CI, on a CPU) runs every part unless a budget is given.
     budget = BUDGET_S if not tiny or "DEVICE_CHECK_BUDGET_S" in os.environ else float("inf")
-    parts = [p for p in parts if p[0] not in SKIP and not (p[0].startswith("variant ") and "variants" in SKIP)]
+    parts = [
+        p for p in parts if p[0] not in SKIP and not (p[0].startswith("variant ") and "variants" in SKIP)
+    ]
     for name, seconds, part in parts:
         estimate = 0.0 if tiny else seconds  # the H200's estimate; the tiny model's parts take seconds each
         if check.elapsed() + estimate > budget:
