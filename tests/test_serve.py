@@ -433,11 +433,16 @@ def test_the_serve_keys_set_the_program_set_and_when_it_compiles(checkpoint, mon
     assert main(["serve", *base, "warmup_in_background=false"]) == 0
     assert main(["serve", *base]) == 0
     assert main(["serve", *base, "warmup=false"]) == 0
-    # prefill 1 x 64; decodes on 1, 2 and 4 slots (the halvings of 4)
-    assert runs == [(False, 4, 0, 1), (True, 2, 2, 1)]
+    # prefill 1 x 64; decodes on 1, 2 and 4 slots (the halvings of 4); top_logprobs' scoring of 64 and 128 tokens
+    assert runs == [(False, 6, 0, 1), (True, 2, 4, 1)]
     wider = ["max_prefill_prompts=4", "slot_count_step=1", "warmup_in_background=false"]
     assert main(["serve", *base, *wider]) == 0
-    assert runs[-1] == (False, 3 + 4, 0, 4)  # prefills of 1, 2 and 4 prompts; decodes on 1, 2, 3 and 4 slots
+    assert runs[-1] == (
+        False,
+        3 + 4 + 2,
+        0,
+        4,
+    )  # prefills of 1, 2 and 4 prompts; decodes on 1-4 slots; scoring
 
 
 def test_a_harness_on_the_server_writes_completions_that_grpax_evaluate_scores(
@@ -628,7 +633,7 @@ def test_grpax_serve_command_serves_until_interrupted(checkpoint, tmp_path):
     # warmup=true by default: the first request's programs before the port opens, the rest in the background:
     # prefill of 1 prompt x bucket 64, decodes on the halvings of 4 slots (1, 2, 4)
     assert (
-        "warm-up: 4 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; decode on 2 slots; " in err
+        "warm-up: 6 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; decode on 2 slots; " in err
     )
     assert "2 before the port opens, the rest while the engine has no request" in err
 
@@ -674,9 +679,10 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
     every rule as data), logged a line per program, so that requests arriving at different times with prompts of
     3..120 tokens, n of 1..8, different max_tokens and any sampling rule (greedy, temperatures, top-p, top-k)
     trigger no JAX compile: ``n`` is no shape."""
-    from grpax.serve.worker import bucket_lengths, prefill_counts
+    from grpax.serve.worker import bucket_lengths, prefill_counts, scoring_lengths
 
     assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
+    assert scoring_lengths(128, 12) == (64, 128, 192) and scoring_lengths(50, 14) == (64,)
     assert (
         prefill_counts(1, 32) == [1]
         and prefill_counts(3, 32) == [1, 2, 4]
@@ -688,15 +694,17 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
     )
     worker = EngineWorker(params, cfg, sc)
     with caplog.at_level(logging.INFO, logger="grpax.serve.worker"):
-        # prefills of 1 prompt x buckets 64, 128; decodes on the halvings of 8 slots: 1, 2, 4, 8
-        assert worker.warmup() == 2 + 4
+        # prefills of 1 prompt x buckets 64, 128; decodes on the halvings of 8 slots: 1, 2, 4, 8; top_logprobs'
+        # scoring of 64, 128 and 192 tokens (the longest sequence, 140, rounded up to 64)
+        assert worker.warmup() == 2 + 4 + 3
     lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
     assert lines[0] == (
-        "warm-up: 6 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; prefill of 1 prompt x 128 tokens; "
-        "decode on 2 slots; decode on 4 slots; decode on 8 slots), 6 before the port opens"
+        "warm-up: 9 programs (prefill of 1 prompt x 64 tokens; decode on 1 slot; prefill of 1 prompt x 128 tokens; "
+        "decode on 2 slots; decode on 4 slots; decode on 8 slots; top_logprobs scoring of 64 tokens; "
+        "top_logprobs scoring of 128 tokens; top_logprobs scoring of 192 tokens), 9 before the port opens"
     )
-    assert len(lines) == 1 + 6 + 1 and lines[-1].startswith("warm-up: done, 6 programs in ")
-    assert lines[1].startswith("warm-up 1/6 (prefill of 1 prompt x 64 tokens): ")
+    assert len(lines) == 1 + 9 + 1 and lines[-1].startswith("warm-up: done, 9 programs in ")
+    assert lines[1].startswith("warm-up 1/9 (prefill of 1 prompt x 64 tokens): ")
     assert all("memory mappings held" in line for line in lines[1:-1])
     compiles = []
 
@@ -724,6 +732,7 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
                 seed=i,
                 extra_body={"return_token_ids": True, "top_k": [0, 0, 0, 40][i % 4]},
                 max_tokens=2 + i % 11,
+                logprobs=[None, 2][i % 2],  # top_logprobs: a scoring forward of the prompt and completion
             )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(lengths))]
@@ -736,6 +745,7 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
         jax.monitoring.unregister_event_duration_listener(count)
     assert [len(r.choices) for r in results] == [1 + i % 8 for i in range(len(lengths))]
     assert all(c.token_ids for r in results for c in r.choices)
+    assert all(len(t) == 2 for r in results[1::2] for c in r.choices for t in c.logprobs.top_logprobs)
     # Whether these requests overlapped depends on the machine's speed (a quiet one finishes each before the next
     # arrives); sharing the batch is test_concurrent_requests_share_the_batch_...'s claim, this test's is that nothing compiles.
     assert compiles == []
@@ -757,6 +767,9 @@ def test_a_background_warmup_runs_the_first_requests_programs_first_and_the_rest
             "prefill of 1 prompt x 128 tokens",
             "decode on 2 slots",
             "decode on 4 slots",
+            "top_logprobs scoring of 64 tokens",
+            "top_logprobs scoring of 128 tokens",
+            "top_logprobs scoring of 192 tokens",
         ]
         running = serve.start(Server(worker, tokenizer, "tiny"))
         try:
@@ -775,8 +788,8 @@ def test_a_background_warmup_runs_the_first_requests_programs_first_and_the_rest
     assert first.choices[0].text is not None and len(later.choices) == 3 and compiles.programs == []
     lines = [r.getMessage() for r in caplog.records if r.name == "grpax.serve.worker"]
     assert lines[0].endswith("2 before the port opens, the rest while the engine has no request")
-    assert [line.split(" (")[0] for line in lines[1:6]] == [f"warm-up {i}/5" for i in range(1, 6)]
-    assert len(lines) == 7 and lines[6].startswith("warm-up: done, 5 programs in ")
+    assert [line.split(" (")[0] for line in lines[1:9]] == [f"warm-up {i}/8" for i in range(1, 9)]
+    assert len(lines) == 10 and lines[9].startswith("warm-up: done, 8 programs in ")
 
 
 def test_warmup_runs_the_decode_on_every_slot_count_and_each_bucket_with_one_program_per_shape(
@@ -812,7 +825,8 @@ def test_warmup_runs_the_decode_on_every_slot_count_and_each_bucket_with_one_pro
             100, 4, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=12, page_size=16,
             slot_count_step=step,
         )  # fmt: skip
-        assert EngineWorker(params, cfg, sc).warmup() == 2 + len(slots)  # buckets 64, 100; the slot counts
+        # buckets 64, 100; the slot counts; top_logprobs' scoring of 64 and 128 tokens
+        assert EngineWorker(params, cfg, sc).warmup() == 2 + len(slots) + 2
         assert {S for S, _, _ in seen["decode"]} == slots
         assert {(N, P) for N, P, _ in seen["admit"]} == {(1, 64), (1, 100)}
         assert not any(static for *_, static in seen["decode"] + seen["admit"])
@@ -822,7 +836,7 @@ def test_warmup_of_a_one_token_budget_runs(model):
     """max_completion_length=1 (the prefill's token only): the warm-up runs no decode."""
     params, cfg, tokenizer, _ = model
     sc = sampler_config(64, 1, stop_token_ids(tokenizer, cfg), cfg.pad_token_id, max_num_seqs=2, page_size=16)
-    assert EngineWorker(params, cfg, sc).warmup() == 1  # the prefill of 1 prompt x 64 tokens
+    assert EngineWorker(params, cfg, sc).warmup() == 1 + 2  # the prefill of 1 prompt x 64 tokens; 2 scorings
     assert EngineWorker(params, cfg, sc).warmup(background=True) == 1
 
 

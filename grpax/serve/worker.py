@@ -16,7 +16,8 @@ power-of-two buckets (64, 128, 256... tokens, the last ``max_prompt_length``); p
 ``max_prefill_prompts`` prompts (1 by default: one prefill program per bucket; the engine rounds a call's prompts up
 to a power of two); ``n`` completions of a prompt submitted as ``n`` copies of it (one prefill shape for every ``n``:
 the rows and their noise are those of a group of ``n``, the prompt prefilled ``n`` times); the decode over the whole
-page table on the halvings of the slots (``slot_count_step`` 0: 32, 16, 8, 4, 2, 1). ``warmup`` runs each program
+page table on the halvings of the slots (``slot_count_step`` 0: 32, 16, 8, 4, 2, 1); the scoring forward of
+``top_logprobs`` on the same buckets of the longest sequence (``scoring_lengths``). ``warmup`` runs each program
 once: the first request's (the smallest bucket's one-prompt prefill, the decode on the fewest slots) before the port
 opens, and the rest either then too or (``background``) from the engine thread while it has no request to step.
 
@@ -62,9 +63,21 @@ def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
     return (*buckets, max_prompt_length)
 
 
+def scoring_lengths(max_prompt_length: int, max_completion_length: int) -> tuple[int, ...]:
+    """Paddings of the scoring forward (``top_logprobs``): 64, 128, 256... tokens, the last one the server's longest
+    sequence rounded up to 64."""
+    longest = -(-(max_prompt_length + max_completion_length) // 64) * 64
+    lengths, t = [], 64
+    while t < longest:
+        lengths.append(t)
+        t *= 2
+    return (*lengths, longest)
+
+
 class WarmupItem(NamedTuple):
     """One program of a server's set, as the warm-up runs it: ``kind`` "prefill" (``count`` prompts of ``tokens``
-    tokens, their first token sampled) or "decode" (a decode call on ``slots`` slots, holding ``count`` rows)."""
+    tokens, their first token sampled), "decode" (a decode call on ``slots`` slots, holding ``count`` rows) or
+    "scoring" (``top_logprobs``' forward over ``tokens`` tokens)."""
 
     kind: str
     tokens: int
@@ -74,6 +87,8 @@ class WarmupItem(NamedTuple):
     def describe(self) -> str:
         if self.kind == "prefill":
             return f"prefill of {self.count} prompt{'s' * (self.count > 1)} x {self.tokens} tokens"
+        if self.kind == "scoring":
+            return f"top_logprobs scoring of {self.tokens} tokens"
         return f"decode on {self.slots} slot{'s' * (self.slots > 1)}"
 
 
@@ -87,7 +102,8 @@ def prefill_counts(max_prefill_prompts: int, num_slots: int) -> list[int]:
 def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
     """The programs a server's engine (``bounded``'s config, ``num_slots`` slots) runs, in warm-up order: first
     the ones a first short request needs (the smallest bucket's one-prompt prefill, the decode on the fewest
-    slots), then each bucket's one-prompt prefill, the other slot counts ascending, the other prompt counts.
+    slots), then each bucket's one-prompt prefill, the other slot counts ascending, the other prompt counts, and
+    last the scoring forward of ``top_logprobs`` at each of its lengths (``scoring_lengths``).
 
     A decode item holds one row more than the next smaller slot count (the engine picks the smallest count that
     holds its rows); its rows are one-token prompts, prefilled by the smallest bucket's programs."""
@@ -97,7 +113,10 @@ def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
     decodes = [WarmupItem("decode", buckets[0], ([0, *slots][i] + 1), s) for i, s in enumerate(slots)]
     prefills = [WarmupItem("prefill", b, n) for n in counts for b in buckets]
     first = [prefills[0], *decodes[:1]]
-    return [*first, *prefills[1 : len(buckets)], *decodes[1:], *prefills[len(buckets) :]]
+    scoring = [
+        WarmupItem("scoring", t, 1) for t in scoring_lengths(sc.max_prompt_length, sc.max_completion_length)
+    ]
+    return [*first, *prefills[1 : len(buckets)], *decodes[1:], *prefills[len(buckets) :], *scoring]
 
 
 DEFAULT_SLOTS = 64  # an Engine's slots where max_num_seqs is 0
@@ -325,9 +344,15 @@ class EngineWorker:
         jax.monitoring.register_event_duration_secs_listener(counted)
         start = time.perf_counter()
         try:
-            prompts = [[0] * (item.tokens if item.kind == "prefill" else 1)] * item.count
-            limit = 1 if item.kind == "prefill" else 2  # decode: the prefill's token, then one decode call
-            e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, greedy=True))
+            if item.kind == "scoring":
+                ones = np.ones((1, item.tokens), np.int32)
+                jax.block_until_ready(_top_logprobs(self.params, ones, ones, np.float32(1.0), cfg=self.cfg))
+            else:
+                prompts = [[0] * (item.tokens if item.kind == "prefill" else 1)] * item.count
+                limit = (
+                    1 if item.kind == "prefill" else 2
+                )  # decode: the prefill's token, then one decode call
+                e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, greedy=True))
         except Exception:  # noqa: BLE001 - a program that fails here compiles (or fails) at its first request
             logger.exception("warm-up %d/%d (%s) failed", i, total, item.describe())
             return
@@ -469,9 +494,9 @@ class EngineWorker:
           One list of (token id, logprob) per position, most likely first.
         """
         tokens = [*prompt, *completion]
-        # 64, 128, 256... tokens, the last the server's longest sequence: one compile each (at its first request)
-        longest = -(-(self.max_prompt_length + self.max_completion_length) // 64) * 64
-        T = min(64 << (-(-len(tokens) // 64) - 1).bit_length(), longest)
+        # 64, 128, 256... tokens, the last the server's longest sequence: one program each (run by the warm-up)
+        lengths = scoring_lengths(self.max_prompt_length, self.max_completion_length)
+        T = next((t for t in lengths if t >= len(tokens)), lengths[-1])
         padded = np.zeros((1, T), np.int32)
         mask = np.zeros((1, T), np.int32)
         padded[0, : len(tokens)], mask[0, : len(tokens)] = tokens, 1
