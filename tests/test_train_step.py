@@ -566,9 +566,27 @@ def test_logits_chunk_holds_enough_tokens_per_chip_for_a_large_vocabulary():
     chunks; a short completion is one chunk."""
     logits_chunk = train_step_module.logits_chunk
     assert train_step_module.LOGITS_CHUNK_MIN_TOKENS == 512
-    assert logits_chunk(64, 151_936, 256) == 8  # was 1
-    assert logits_chunk(16, 49_152, 192) == 32  # the README's main job: 6 chunks (was 10 of 20)
-    assert logits_chunk(2, 1_000, 10_000) == 5_000  # 2**24 logits per chip: 8,388 positions; 2 equal chunks
-    assert logits_chunk(64, 151_936, 5) == 5
+    assert logits_chunk(64, 151_936, 256) == 1  # the element budget alone (a CPU)
+    assert logits_chunk(64, 151_936, 256, 512) == 8  # an accelerator's floor
+    assert logits_chunk(16, 49_152, 192) == 20  # the README's main job on a CPU: 10 chunks of 20
+    assert logits_chunk(16, 49_152, 192, 512) == 32  # ... on a TPU: 6 of 32
+    assert (
+        logits_chunk(2, 1_000, 10_000, 512) == 5_000
+    )  # 2**24 logits per chip: 8,388 positions; 2 equal chunks
+    assert logits_chunk(64, 151_936, 5, 512) == 5
     bound = train_step_module.logits_chunk_bytes(151_936)
     assert bound == 4 * 512 * 151_936 >= 4 * 64 * logits_chunk(64, 151_936, 256) * 151_936
+
+
+def test_the_head_chunk_floor_is_an_accelerators(monkeypatch):
+    """The floor of tokens per chunk applies where the mesh is on an accelerator (a TPU topology compiled from
+    this CPU included), not on a CPU's mesh or outside one: the CPU's chunks, and so the README's main job, are
+    as before."""
+    import types
+
+    assert train_step_module.head_chunk_floor() == 0  # no mesh
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        assert train_step_module.head_chunk_floor() == 0  # a CPU's
+    tpu = types.SimpleNamespace(abstract_device=types.SimpleNamespace(platform="tpu"))
+    monkeypatch.setattr(jax.sharding, "get_abstract_mesh", lambda: tpu)
+    assert train_step_module.head_chunk_floor() == 512

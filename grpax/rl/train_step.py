@@ -147,27 +147,37 @@ def _routing_aux(routing, mb: Batch, grpo: GRPOConfig, num_micro_batches: int) -
 # gradient several times that), and a chunk still holds a thousand tokens or more on each chip (llama3.2-1b on
 # v6e-8 at B = 16, C = 256: 4 chunks of 16 x 64 tokens, each chip a 16,032-entry slice of the vocabulary).
 LOGITS_CHUNK_ELEMENTS = 2**24
-# ... but at least this many tokens per chip in a chunk, whatever the vocabulary: every chunk reads the float32
-# head three times (projection, its recompute, the hidden states' gradient) and reads and writes its float32
-# gradient, 20 bytes per head entry, against 8 FLOPs per entry per token; below ~600 tokens a chunk is bound by
-# those bytes on a TPU v5e (197 TFLOP/s over 819 GB/s). With the element budget alone a large vocabulary on one
-# chip made chunks of a few tokens per row: qwen3-0.6b (151,936 entries) at 64 rows cut 256 completion tokens
-# into 256 chunks of one, 43% of its update in the head's gradient accumulation (docs/benchmarks.md, issue 54).
+# ... but on an accelerator at least this many tokens per chip in a chunk, whatever the vocabulary: every chunk
+# reads the float32 head three times (projection, its recompute, the hidden states' gradient) and reads and writes
+# its float32 gradient, 20 bytes per head entry, against 8 FLOPs per entry per token; below ~600 tokens a chunk is
+# bound by those bytes on a TPU v5e (197 TFLOP/s over 819 GB/s). With the element budget alone a large vocabulary
+# on one chip made chunks of a few tokens per row: qwen3-0.6b (151,936 entries) at 64 rows cut 256 completion
+# tokens into 256 chunks of one, 43% of its update in the head's gradient accumulation (docs/benchmarks.md, issue
+# 54). A CPU (~10 FLOPs per byte) keeps the element budget alone: small chunks cost it nothing.
 LOGITS_CHUNK_MIN_TOKENS = 512
 
 
-def logits_chunk(rows_per_chip: int, vocab_per_chip: int, length: int) -> int:
+def head_chunk_floor() -> int:
+    """``LOGITS_CHUNK_MIN_TOKENS`` where the current mesh is on an accelerator (its abstract device's platform:
+    a TPU topology's too, compiled from a CPU host), else 0 (a CPU's mesh, or none)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return LOGITS_CHUNK_MIN_TOKENS if getattr(device, "platform", "cpu") not in ("cpu", None) else 0
+
+
+def logits_chunk(rows_per_chip: int, vocab_per_chip: int, length: int, min_tokens: int = 0) -> int:
     """Completion positions per chunk of ``completion_logprobs``: ``LOGITS_CHUNK_ELEMENTS`` logits per chip, at
-    least ``LOGITS_CHUNK_MIN_TOKENS`` tokens per chip, at most ``length`` (the chunks equal, padded the least)."""
+    least ``min_tokens`` tokens per chip (``head_chunk_floor``), at most ``length`` (the chunks equal, padded the
+    least)."""
     by_elements = LOGITS_CHUNK_ELEMENTS // (rows_per_chip * vocab_per_chip)
-    by_tokens = -(-LOGITS_CHUNK_MIN_TOKENS // rows_per_chip)
+    by_tokens = -(-min_tokens // rows_per_chip)
     chunk = max(1, min(length, max(by_elements, by_tokens)))
     num_chunks = -(-length // chunk)
     return -(-length // num_chunks)
 
 
 def logits_chunk_bytes(vocab_per_chip: int) -> int:
-    """The most bytes of one chunk's float32 logits per chip (``logits_chunk``'s bound), for the memory plan."""
+    """The most bytes of one chunk's float32 logits per chip on an accelerator (``logits_chunk``'s bound with
+    ``LOGITS_CHUNK_MIN_TOKENS``), for the memory plan."""
     return 4 * max(LOGITS_CHUNK_ELEMENTS, LOGITS_CHUNK_MIN_TOKENS * vocab_per_chip)
 
 
@@ -207,7 +217,7 @@ def completion_logprobs(
     exchanged back to the head's layout once, and no chunk reduce-scatters a head-sized gradient.
 
     The completion axis is cut into chunks (``logits_chunk``: at most ``LOGITS_CHUNK_ELEMENTS`` logits per chip,
-    at least ``LOGITS_CHUNK_MIN_TOKENS`` tokens per chip, the larger where they disagree); each chunk
+    on an accelerator at least ``LOGITS_CHUNK_MIN_TOKENS`` tokens per chip, the larger where they disagree); each chunk
     is projected, reduced to its chosen-token log-probability (and entropy) and rematerialised in the backward
     pass (``jax.checkpoint``), so only one chunk's logits exist at a time, forward or backward ("fused linear
     cross-entropy", as Liger-Kernel's, in plain JAX). Outside a mesh the same code runs on one device.
@@ -227,7 +237,7 @@ def completion_logprobs(
     V = cfg.vocab_size
     rows_per_chip = -(-B // _mesh_ways("head_batch", B))
     vocab_per_chip = -(-V // _mesh_ways("head_vocab", V))
-    chunk = logits_chunk(rows_per_chip, vocab_per_chip, C)
+    chunk = logits_chunk(rows_per_chip, vocab_per_chip, C, head_chunk_floor())
     num_chunks = -(-C // chunk)
     pad = num_chunks * chunk - C
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, num_chunks, chunk, D).swapaxes(0, 1)
