@@ -34,6 +34,15 @@ TINY = ModelConfig(
 
 
 @pytest.fixture
+def no_kept_figures(monkeypatch):
+    """The fit check's figures cache off (``figures_cache.read`` finds nothing): a test that asserts what a compile
+    logs or returns must compile, whatever an earlier run left in the compilation cache's folder."""
+    from grpax.plan import figures_cache
+
+    monkeypatch.setattr(figures_cache, "read", lambda key: None)
+
+
+@pytest.fixture
 def config_only(tmp_path, monkeypatch):
     """A folder holding only config.json (a load_parameters_path with no weights in it)."""
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config(TINY, "float32")))
@@ -62,7 +71,7 @@ def _row(out: str, name: str) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, capsys):
+def test_tiny_model_compiles_for_v5e_2x2_with_hand_counted_shards(config_only, capsys, no_kept_figures):
     # hardware=tpu, as the run's own command on the slice says: compiling needs no TPU on this host.
     assert main(_keys(config_only, hardware="tpu")) == 0
     out, err = capsys.readouterr()
@@ -301,7 +310,7 @@ def test_per_chip_bytes_counts_prng_keys():
     assert per_chip_bytes([key, logits]) == 8 + 4 * 10 * 2
 
 
-def test_a_refused_programs_temporaries_leave_out_its_arguments():
+def test_a_refused_programs_temporaries_leave_out_its_arguments(no_kept_figures):
     """The TPU compiler's refusal names the program's whole peak, arguments included: on v6e-8 a donated
     argument x of 20 GiB per chip beside the 16 GiB of temporaries the same program holds when it compiles
     (x of 4 GiB) is refused with "(36.00G)"; ``_compile`` reports 20 GiB of arguments and 16 of temporaries
