@@ -360,8 +360,11 @@ def _reference(
     ref = round_as_read(params, model_cfg) if cfg.reference_dtype == "compute" else params
     folder = None if cfg.reference_on_host else offload_folder(paths.run_dir)
     if folder is None and not cfg.reference_on_host:  # on the devices: no leaf may be a donated one of params
-        # a copy where it lives, no program (an eager jnp.copy compiled one per leaf shape: 8 on a TPU)
-        ref = jax.tree.map(lambda r, p: jax.device_put(r, may_alias=False) if r is p else r, ref, params)
+        # a copy where it lives, no program (an eager jnp.copy compiled one per leaf shape: 8 on a TPU); its own
+        # sharding named: without it device_put refuses an array of several processes (jax.distributed)
+        ref = jax.tree.map(
+            lambda r, p: jax.device_put(r, r.sharding, may_alias=False) if r is p else r, ref, params
+        )
     ref_params = FrozenParams(ref, folder, host_memory=cfg.reference_on_host)
     closing.callback(ref_params.close)  # its files go on any exit (an interrupt ends with os._exit)
     return ref_params
