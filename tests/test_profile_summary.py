@@ -22,6 +22,14 @@ KERNELS = (  # (kernel, start ps, duration ps, name stack, HLO instruction)
 )
 
 
+def _event_metadata(names: list[str]) -> list[str]:
+    """An XSpace text proto's event_metadata entries: ``names[i]`` (quotes escaped) under id i + 1."""
+    return [
+        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n.replace(chr(34), chr(92) + chr(34))}" }} }}'
+        for i, n in enumerate(names)
+    ]
+
+
 def _gpu_xspace() -> str:
     names = sorted({k[0] for k in KERNELS})
     events = []
@@ -33,9 +41,7 @@ def _gpu_xspace() -> str:
         events.append(
             f"events {{ metadata_id: {names.index(kernel) + 1} offset_ps: {start} duration_ps: {duration} {stats} }}"
         )
-    metadata = [
-        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(names)
-    ]
+    metadata = _event_metadata(names)
     return "\n".join(
         [
             'planes { id: 1 name: "/device:GPU:0"',
@@ -186,14 +192,11 @@ ENTRY %main (a: f32[8,8]) -> f32[8,8] {
 
 def _tpu_xspace() -> str:
     names = ["jit_step(4242)", *(name for name, _, _ in _TPU_OPS)]
-    quoted = [n.replace('"', '\\"') for n in names]
     ops = [
         f"events {{ metadata_id: {names.index(n) + 1} offset_ps: {start} duration_ps: {duration} }}"
         for n, start, duration in _TPU_OPS
     ]
-    metadata = [
-        f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} name: "{n}" }} }}' for i, n in enumerate(quoted)
-    ]
+    metadata = _event_metadata(names)
     return "\n".join(
         [
             'planes { id: 1 name: "/device:TPU:0"',
