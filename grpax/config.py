@@ -146,6 +146,15 @@ JAX_CACHE_DIR_HELP = (
 )
 
 
+# The key of every command that compiles; acted on in grpax.cli.common.set_optimization_level.
+XLA_OPTIMIZATION_LEVEL_HELP = (
+    "auto | O0 | O1 | O2 | O3: XLA's optimization level of the programs a command compiles (JAX's "
+    "jax_optimization_level, openxla.org/xla/effort_levels); auto = the compiler's default (or "
+    "$JAX_OPTIMIZATION_LEVEL). O1 and O0 compile faster and run slower (on a TPU: the update's compile about a "
+    "third, its run 1.5-2.4x longer; docs/benchmarks.md): for smoke runs, not for training"
+)
+
+
 HARDWARE_HELP = (
     "auto | cpu | gpu | tpu | gpu_multiprocess: auto = the accelerator JAX finds (TPU, then GPU), else the CPU; "
     "a JAX_PLATFORMS set in the environment wins"
@@ -559,6 +568,7 @@ class RuntimeKeys:
 
     hardware: str = field("auto", HARDWARE_HELP)
     jax_cache_dir: str = field("auto", JAX_CACHE_DIR_HELP)
+    xla_optimization_level: str = field("auto", XLA_OPTIMIZATION_LEVEL_HELP)
     skip_jax_distributed_system: bool = field(True, "do not call jax.distributed.initialize (single host)")
     debug: bool = field(False, "log grpax's DEBUG messages too (MaxText key)")
 

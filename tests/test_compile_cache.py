@@ -1,4 +1,5 @@
-"""JAX's persistent compilation cache (``jax_cache_dir``) and compiling the GRPO update once per run.
+"""JAX's persistent compilation cache (``jax_cache_dir``), XLA's optimization level (``xla_optimization_level``)
+and compiling the GRPO update once per run.
 
 The key's folder by default, moved, and off; every command that compiles sets it before its first compilation;
 a second process finds the first one's programs on disk; the update compiled by the pre-run fit check
@@ -12,12 +13,13 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import compilation_cache, monitoring
 
 from grpax import sharding
-from grpax.cli.common import compilation_cache_dir, enable_compilation_cache
+from grpax.cli.common import compilation_cache_dir, enable_compilation_cache, set_optimization_level
 from grpax.cli.main import main
 from grpax.config import build_config
 from grpax.models.params import init_params
@@ -84,6 +86,60 @@ def test_commands_set_the_cache_before_they_run(command, monkeypatch, tmp_path, 
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "moved")
     assert main([*keys, "jax_cache_dir="]) == 2
     assert jax.config.jax_compilation_cache_dir is None
+
+
+@pytest.fixture
+def optimization_level():
+    """Restores JAX's optimization level after the test (the key sets it for the whole process)."""
+    before = jax.config.jax_optimization_level
+    yield
+    jax.config.update("jax_optimization_level", before)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("command", ["generate", "evaluate", "train_rl", "serve"])
+def test_commands_set_the_optimization_level_before_they_run(command, tmp_path, optimization_level, capsys):
+    """Each compiling command sets XLA's level from its key before its run (here the run fails at once: no
+    checkpoint); auto leaves JAX's own; a value that is no level is refused in one line naming the key."""
+    keys = [command, "hardware=cpu", "jax_cache_dir=", f"load_parameters_path={tmp_path / 'missing'}"]
+    jax.config.update("jax_optimization_level", "UNKNOWN")
+    assert main(keys) == 2
+    assert jax.config.jax_optimization_level == "UNKNOWN"
+    assert main([*keys, "xla_optimization_level=O1"]) == 2
+    assert jax.config.jax_optimization_level == "O1"
+    capsys.readouterr()
+    assert main([*keys, "xla_optimization_level=fast"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "xla_optimization_level='fast'" in err and "O0, O1, O2, O3" in err
+
+
+def test_the_level_reaches_the_compiler_and_the_kept_figures(optimization_level):
+    """A program compiled for a TPU v5e (libtpu's compiler, no TPU needed) at O0 is another program than at the
+    compiler's default: its temporaries and its text differ; the fit check's kept figures are keyed apart."""
+    pytest.importorskip("libtpu", reason="the tpu extra brings libtpu; CI installs it")
+    from grpax.plan import figures_cache
+    from grpax.plan.topology import get_topology
+
+    devices = list(get_topology("v5e-1").devices)
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x",)), jax.sharding.PartitionSpec())
+
+    def loss(w, x):  # a scanned tanh MLP's squared norm: its gradient keeps activations for the backward
+        h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi) * 1.5 + h, None), x, w)
+        return jnp.sum(h**2)
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=replicated) for s in ((4, 256, 256), (64, 256))]
+    grad = jax.jit(jax.grad(loss))
+    compiled, keys = {}, {}
+    for level in ("auto", "O0"):
+        set_optimization_level(level)
+        jax.clear_caches()
+        lowered = grad.lower(*args)
+        keys[level] = figures_cache.program_key(lowered, devices)
+        compiled[level] = lowered.compile()
+    assert compiled["O0"].as_text() != compiled["auto"].as_text()
+    temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    assert temps["O0"] != temps["auto"], temps
+    assert keys["O0"] != keys["auto"]
 
 
 def test_an_unwritable_folder_turns_the_cache_off(tmp_path, jax_cache, caplog):

@@ -42,6 +42,29 @@ def select_hardware(hardware: str, attached: list[str] | None = None) -> None:
     os.environ["JAX_PLATFORMS"] = "cuda" if hardware in ("gpu", "gpu_multiprocess") else hardware
 
 
+XLA_OPTIMIZATION_LEVELS = ("auto", "O0", "O1", "O2", "O3")
+
+
+def set_optimization_level(level: str) -> None:
+    """Sets XLA's optimization level of every later compile (JAX's ``jax_optimization_level``) from the key
+    ``xla_optimization_level`` (``grpax.config.XLA_OPTIMIZATION_LEVEL_HELP``); ``auto`` leaves JAX's own setting.
+    The level is part of a program's compile options, so JAX's persistent cache keeps each level apart, and of
+    the fit check's kept figures (``grpax.plan.figures_cache``). Call it before the first compile.
+
+    Raises:
+      ConfigError: if ``level`` is not one of ``XLA_OPTIMIZATION_LEVELS``.
+    """
+    if level not in XLA_OPTIMIZATION_LEVELS:
+        raise ConfigError(
+            f"xla_optimization_level={level!r}: expected one of {', '.join(XLA_OPTIMIZATION_LEVELS)} "
+            "(auto = the compiler's default)"
+        )
+    if level != "auto":
+        import jax
+
+        jax.config.update("jax_optimization_level", level)
+
+
 def describe_devices() -> str:
     """One line naming the platform, device kind and count a command runs on, e.g. ``tpu: 1 x TPU v5 lite``
     (``4 x NVIDIA H100 80GB HBM3 on 2 hosts`` over several processes)."""

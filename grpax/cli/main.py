@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 # Compile-only (MaxText's train_compile): the slice's devices come from libtpu, so the host
                 # needs no accelerator, whatever `hardware` the run's own command names.
                 hardware = "cpu"
+            if hasattr(config, "xla_optimization_level"):
+                from grpax.cli.common import set_optimization_level
+
+                set_optimization_level(config.xla_optimization_level)
             if hardware:
                 where = select_platform(hardware)
                 if topology:

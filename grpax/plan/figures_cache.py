@@ -5,7 +5,8 @@ The fit check (``grpax.plan.compile_check``) needs of each program only its memo
 its collectives (read from its HLO). On a second run with the persistent cache warm, obtaining the executable
 means reading it back (1-4 s a program on a TPU v5e host), and the run reads it again where it first calls it.
 Here the figures are stored per lowered program, keyed by a SHA-256 of the lowered module's text, the devices
-(platform, kind, count, the backend's version) and JAX's version, as one small JSON file in
+(platform, kind, count, the backend's version), JAX's version and XLA's optimization level (the key
+``xla_optimization_level``: the same module compiles to other memory figures at another level), as one small JSON file in
 ``<compilation cache>/grpax_figures/``: the same key means the same program for the same compiler, so the
 same figures. No cache folder (``jax_cache_dir=''``): nothing is kept. A damaged file is ignored.
 """
@@ -37,7 +38,8 @@ def program_key(lowered: jax.stages.Lowered, devices) -> str:
     """The key of a lowered program for ``devices`` (hex SHA-256)."""
     d = list(devices)[0]
     backend = getattr(getattr(d, "client", None), "platform_version", "")
-    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}\n"
+    level = jax.config.jax_optimization_level
+    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{level}\n"
     return hashlib.sha256((ident + lowered.as_text()).encode()).hexdigest()
 
 
