@@ -20,10 +20,11 @@ cut by the time budget last):
    ``lax.top_k``'s k-th value on rows of random and tied logits of the vocabulary's width: equal, and each one's
    time;
 4. ``decode``: the rollout's sampler exactly as GRPO samples (``generate``: each prompt prefilled once, G
-   completions, temperature, top-k, stop tokens), at the job's 8 x 8 rows and at 32 x 8; useful tokens/s
+   completions, temperature, top-k, stop tokens), at the job's 8 x 8 rows and (after the memory part: its pool
+   is sized to fill the chip) at 32 x 8; useful tokens/s
    (completion tokens before each row's stop) against the HBM roofline, ms per decode step, the rows' mean
    length, the fraction of decode row-steps spent past a row's stop;
-5. ``profile of one decode`` (32 x 8 rows): kernels per decode step, idle gaps between kernels, the shares of
+5. ``profile of one decode`` (8 x 8 rows, the job's): kernels per decode step, idle gaps between kernels, the shares of
    the matmuls, attention, sampling (top-k, top-p, rng, draw, logprobs), cache writes, stop bookkeeping and the
    loop's condition;
 6. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
@@ -108,6 +109,8 @@ BUDGET_S = float(os.environ.get("DEVICE_CHECK_BUDGET_S", 480))  # no part starts
 # Parts left out by name (comma-separated, e.g. "grpo step,memory"; a variant's name starts "variant "): a short
 # lease measures what it came for first.
 SKIP = {name.strip() for name in os.environ.get("DEVICE_CHECK_SKIP", "").split(",") if name.strip()}
+# Only the variants whose name contains one of these (comma-separated); unset or empty: every variant.
+ONLY_VARIANTS = [w.strip() for w in os.environ.get("DEVICE_CHECK_VARIANTS", "").split(",") if w.strip()]
 
 # The GRPO job of the check, as train_rl keys (the 8B run and the tiny one share every key but the shapes).
 JOB_KEYS = dict(
@@ -179,11 +182,17 @@ class Variant:
     seconds: float = 45.0
     head_chunk_min_tokens: int | None = None  # train_step.LOGITS_CHUNK_MIN_TOKENS for an update variant
     xla_paged: bool = False  # the decode's paged attention by XLA's gather where Pallas's kernel would run
+    optimization_level: str = ""  # XLA's level (jax_optimization_level, O0-O3) of its programs
 
 
 # In the order they run: the likeliest to explain the decode's 22% of the HBM roofline first (one decode step
 # launches hundreds of kernels and XLA's GPU top-k sorts the vocabulary for k > 16), then the update's remat.
 VARIANTS: tuple[Variant, ...] = (
+    # XLA's optimization level (the key xla_optimization_level): compile seconds against run seconds
+    Variant("update at XLA O1", optimization_level="O1", seconds=30),
+    Variant("update at XLA O0", optimization_level="O0", seconds=30),
+    Variant("decode at XLA O1", rows=1, optimization_level="O1", seconds=30),
+    Variant("decode at XLA O0", rows=1, optimization_level="O0", seconds=30),
     # the vocabulary head's chunks as they were before issue 54 (2**24 logits per chip, no floor of tokens)
     Variant("update head chunks of 2**24 logits (no token floor)", head_chunk_min_tokens=0, seconds=40),
     Variant("update head chunks of >= 1024 tokens", head_chunk_min_tokens=1024, seconds=40),
@@ -328,20 +337,24 @@ def applied(variant: Variant):
     """The sampler's GPU options, top-k threshold and paged attention of ``variant`` while inside (restored
     after)."""
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
-    takes = sampler_backend.ragged_tpu_takes
+    takes, level = sampler_backend.ragged_tpu_takes, jax.config.jax_optimization_level
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
     if variant.sort_top_k:
         sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
     if variant.xla_paged:
         sampler_backend.ragged_tpu_takes = lambda *args: False
-    if variant.sort_top_k or variant.xla_paged:
-        jax.clear_caches()  # the sampler's programs traced again with the patched function
+    if variant.optimization_level:
+        jax.config.update("jax_optimization_level", variant.optimization_level)
+    retrace = variant.sort_top_k or variant.xla_paged or variant.optimization_level
+    if retrace:
+        jax.clear_caches()  # the programs traced and compiled again with the patched function or level
     try:
         yield
     finally:
         sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks = options, blocks
         sampler_backend.ragged_tpu_takes = takes
-        if variant.sort_top_k or variant.xla_paged:
+        jax.config.update("jax_optimization_level", level)
+        if retrace:
             jax.clear_caches()
 
 
@@ -520,10 +533,10 @@ class Check:
         prompts = self.prompts.setdefault(
             num_prompts, random_prompts(self.rng, model_cfg.vocab_size, num_prompts, sc.max_prompt_length)
         )
+        weights = self.state.params
         if self.decode_weights is None:  # on the host: not counted in the device's peak
             self.decode_weights = jax.device_get(self.state.params)
-        weights = self.state.params
-        if label != "default":
+        else:  # every later decode samples with the first one's weights (the GRPO step moves the state)
             if self.variant_params is None:
                 shardings = sharding.param_shardings(model_cfg, self.mesh)
                 self.variant_params = jax.device_put(self.decode_weights, shardings)
@@ -575,11 +588,13 @@ class Check:
         return dataclasses.replace(sc, num_pages=fits), f"; pool {fits} of {full} pages (memory)"
 
     def part_decode_profile(self) -> None:
-        """One more 32 x 8 decode (the default's prompts and key) under ``jax.profiler.trace``, summarised."""
+        """One more decode of the job's rows (8 x 8: the default's prompts and key, its pool) under
+        ``jax.profiler.trace``, summarised; before the 32 x 8 decode, whose pool fills the chip."""
         model_cfg, sc, G = self.model_cfg, self.sampler_cfg, self.grpo.num_generations
-        num_prompts = 4 * self.cfg.batch_size
+        num_prompts = self.cfg.batch_size
         prompts = self.prompts[num_prompts]
         params, _ = sharding.reshard_for_rollout(self.state.params, self.mesh, self.rollout_mesh)
+        sc, _ = self.fitting_pool(sc, params, num_prompts * G)
         folder = self.out / "trace_decode"
         with jax.set_mesh(self.rollout_mesh), jax.profiler.trace(str(folder)):
             out, traced = _timed(lambda: generate(params, prompts, model_cfg, sc, jax.random.key(2), G))
@@ -712,7 +727,8 @@ class Check:
             if variant.head_chunk_min_tokens is not None:
                 train_step_module.LOGITS_CHUNK_MIN_TOKENS = variant.head_chunk_min_tokens
             try:  # a new ModelConfig object: a new train step, traced with the variant's chunks
-                self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
+                with applied(variant):
+                    self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
             finally:
                 train_step_module.LOGITS_CHUNK_MIN_TOKENS = floor
             return
@@ -794,12 +810,14 @@ def main() -> int:
         ("profile", PART_SECONDS["profile"], check.part_profile),
         ("top-k threshold", PART_SECONDS["top-k threshold"], check.part_threshold),
         ("decode", PART_SECONDS["decode 1"], lambda: check.part_decode(1)),
-        ("decode", PART_SECONDS["decode 4"], lambda: check.part_decode(4)),
         ("decode profile", PART_SECONDS["decode profile"], check.part_decode_profile),
         ("grpo step", PART_SECONDS["grpo step"], check.part_grpo_step),
+        # the job's peak against its plan: before the 32 x 8 decode, whose pool is sized to fill the chip
         ("memory", PART_SECONDS["memory"], check.part_memory),
+        ("decode 256 rows", PART_SECONDS["decode 4"], lambda: check.part_decode(4)),
     ]
-    parts += [(f"variant {v.name}", v.seconds, lambda v=v: check.part_variant(v)) for v in VARIANTS]
+    chosen = [v for v in VARIANTS if not ONLY_VARIANTS or any(w in v.name for w in ONLY_VARIANTS)]
+    parts += [(f"variant {v.name}", v.seconds, lambda v=v: check.part_variant(v)) for v in chosen]
     failed = 0
 
     def write(final: bool) -> str:

@@ -87,7 +87,7 @@ result = json.loads((out / "device_check.json").read_text())
 rows = result["rows"]
 parts = [row["part"].split()[0] for row in rows]
 bad = [row for row in rows if "FAILED" in row.get("note", "") or "skipped" in row.get("note", "")]
-want = ["setup", "update", "profile", "top-k", "decode", "decode", "profile", "grpo", "memory"]
+want = ["setup", "update", "profile", "top-k", "decode", "profile", "grpo", "memory", "decode"]
 for name in ("device_check.txt", "trace_update.tar.gz", "trace_decode.tar.gz", "fit_report.txt", "profiles.txt"):
     assert (out / name).stat().st_size > 0, f"no {name} under {out}"
 assert parts[: len(want)] == want and not bad and result["failed"] == 0 and result["finished"], (parts, bad)

