@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from grpax.models.families import FAMILY_TABLE
 from grpax.models.params import layer_specs
 from grpax.models.registry import ModelConfig
 
@@ -80,20 +81,6 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], -1)
 
 
-# Per-expert checkpoints (Qwen3-MoE, Mixtral): the router's name, each expert's projection names and grpax's
-# weight of each.
-_PER_EXPERT = {
-    "qwen3_moe": (
-        "mlp.gate.weight",
-        "mlp.experts.{e}.{proj}.weight",
-        {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"},
-    ),
-    "mixtral": (
-        "block_sparse_moe.gate.weight",
-        "block_sparse_moe.experts.{e}.{proj}.weight",
-        {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"},
-    ),
-}
 _GPT_OSS_HALF = {"expert_gate": 0, "expert_up": 1, "expert_gate_bias": 0, "expert_up_bias": 1}
 
 
@@ -105,8 +92,9 @@ def _moe_sources(
     if not cfg.num_experts or not (name == "router" or name.startswith(("expert_", "router_"))):
         return None
     p = f"model.layers.{i}.mlp."
-    if cfg.family in _PER_EXPERT:
-        router, expert, projs = _PER_EXPERT[cfg.family]
+    per_expert = FAMILY_TABLE[cfg.family].per_expert  # (Qwen3-MoE, Mixtral) or None (GPT-OSS's fused experts)
+    if per_expert:
+        router, expert, projs = per_expert
         if name == "router":
             return [f"model.layers.{i}.{router}"], lambda ws: ws[0].T
         names = [f"model.layers.{i}.{expert.format(e=e, proj=projs[name])}" for e in range(cfg.num_experts)]
@@ -127,8 +115,9 @@ def _moe_sources(
 def _moe_hf_tensors(i: int, layer: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Layer ``i``'s mixture-of-experts weights as the HF tensors ``_moe_sources`` reads (GPT-OSS: unquantised)."""
     p = f"model.layers.{i}.mlp."
-    if cfg.family in _PER_EXPERT:
-        router, expert, projs = _PER_EXPERT[cfg.family]
+    per_expert = FAMILY_TABLE[cfg.family].per_expert
+    if per_expert:
+        router, expert, projs = per_expert
         yield f"model.layers.{i}.{router}", np.asarray(layer["router"]).T
         for e in range(cfg.num_experts):
             for name, proj in projs.items():

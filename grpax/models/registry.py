@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from grpax.errors import ConfigError, suggest
+from grpax.models.families import (  # noqa: F401 - SUPPORTED_ARCHITECTURES: the supported list, for its users
+    BY_MODEL_TYPE,
+    FAMILY_TABLE,
+    SUPPORTED_ARCHITECTURES,
+    every_nth_global,
+    read_family,
+)
 
 # The dtypes a model's parameters (weight_dtype) and activations (dtype) may take.
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -37,8 +44,9 @@ _MAXTEXT_ATTENTION = {
 }
 
 
-# The families one forward runs (``family`` picks the Hugging Face names and config.json form on export).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss", "mixtral")
+# The families one forward runs (``family`` picks the Hugging Face names and config.json form on export:
+# ``grpax.models.families``, one record each).
+FAMILIES = tuple(FAMILY_TABLE)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("global", "local")  # full causal attention | sliding-window attention
 
@@ -145,8 +153,8 @@ class ModelConfig:
                 f"attention={self.attention} has no soft-capping of the scores, which this model uses "
                 f"(attn_logit_softcap={self.attn_logit_softcap}): pass attention=dot_product"
             )
-        if self.family not in FAMILIES:
-            raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILIES)}")
+        if self.family not in FAMILY_TABLE:  # read at each check: a family is its record
+            raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILY_TABLE)}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ConfigError(
                 f"mlp_activation={self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}"
@@ -281,11 +289,6 @@ _SMOL_INSTRUCT = dict(bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
 _LLAMA_INSTRUCT = dict(eos_token_ids=_LLAMA3_INSTRUCT_EOS)
 
 
-def _every_nth_global(num_layers: int, n: int) -> tuple[str, ...]:
-    """Layer i is global when (i + 1) % n == 0, local otherwise (Gemma 2: n = 2; Gemma 3: n = 6)."""
-    return tuple("global" if (i + 1) % n == 0 else "local" for i in range(num_layers))
-
-
 # Qwen2.5 and Qwen3 (config.json of Qwen/Qwen2.5-*, Qwen/Qwen3-*): <|endoftext|> 151643, <|im_end|> 151645.
 _QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151643,))
 _QWEN_CHAT = dict(eos_token_ids=(151645,), pad_token_id=151643)
@@ -358,7 +361,7 @@ _GEMMA2_2B = dict(
     attn_logit_softcap=50.0,
     final_logit_softcap=30.0,
     sliding_window=4096,
-    layer_types=_every_nth_global(26, 2),
+    layer_types=every_nth_global(26, 2),
 )
 _GEMMA2_9B = dict(
     _GEMMA2_2B,
@@ -367,7 +370,7 @@ _GEMMA2_9B = dict(
     num_heads=16,
     num_kv_heads=8,
     mlp_dim=14336,
-    layer_types=_every_nth_global(42, 2),
+    layer_types=every_nth_global(42, 2),
 )
 # Gemma 3 text (google/gemma-3-1b-*: Gemma3ForCausalLM; 4b/12b: the text_config of
 # Gemma3ForConditionalGeneration, whose unset keys take Gemma3TextConfig's defaults); <end_of_turn> is 106.
@@ -385,7 +388,7 @@ _GEMMA3_1B = dict(
     rope_theta=1000000.0,
     rope_local_theta=10000.0,
     sliding_window=512,
-    layer_types=_every_nth_global(26, 6),
+    layer_types=every_nth_global(26, 6),
 )
 _GEMMA3_4B = dict(
     _GEMMA3_1B,
@@ -398,7 +401,7 @@ _GEMMA3_4B = dict(
     max_position_embeddings=131072,
     rope_scaling=(("factor", 8.0),),
     sliding_window=1024,
-    layer_types=_every_nth_global(34, 6),
+    layer_types=every_nth_global(34, 6),
 )
 _GEMMA3_12B = dict(
     _GEMMA3_4B,
@@ -407,7 +410,7 @@ _GEMMA3_12B = dict(
     num_heads=16,
     num_kv_heads=8,
     mlp_dim=15360,
-    layer_types=_every_nth_global(48, 6),
+    layer_types=every_nth_global(48, 6),
 )
 _GEMMA2_IT, _GEMMA3_IT = dict(eos_token_ids=(1, 107)), dict(eos_token_ids=(1, 106))
 # Mistral 7B v0.3 (mistralai/Mistral-7B-v0.3): full attention (v0.1's sliding_window=4096 was dropped in v0.2).
@@ -465,7 +468,7 @@ _GPT_OSS_20B = dict(
     eos_token_ids=(200002,),
     pad_token_id=199999,
     sliding_window=128,
-    layer_types=_every_nth_global(24, 2),
+    layer_types=every_nth_global(24, 2),
     attention_bias=True,
     attention_out_bias=True,
     attention_sinks=True,
@@ -589,153 +592,6 @@ def _as_tuple(x: Any) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
-# model_type of a config.json -> family; Gemma3ForConditionalGeneration ("gemma3") is read from its text_config.
-_HF_FAMILIES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma2": "gemma2",
-    "gemma3_text": "gemma3",
-    "qwen3_moe": "qwen3_moe",
-    "gpt_oss": "gpt_oss",
-    "mixtral": "mixtral",
-}
-_HF_ARCHS = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, "
-    "Gemma3ForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, MixtralForCausalLM and the text model of "
-    "Gemma3ForConditionalGeneration"
-)
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
-_HF_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
-
-
-def _rope(rope: dict[str, Any], theta: float) -> tuple[float, tuple[tuple[str, float], ...] | None]:
-    """(theta, scaling) of one rope dict (``rope_scaling`` or ``rope_parameters``: default, llama3, linear)."""
-    theta = float(rope.get("rope_theta") or theta)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        return theta, tuple(sorted((k, float(rope[k])) for k in keys))
-    if rope_type == "linear":
-        return theta, (("factor", float(rope["factor"])),)
-    if rope_type == "yarn":  # GPT-OSS (transformers' _compute_yarn_parameters; its defaults where unset)
-        keys = dict(beta_fast=32.0, beta_slow=1.0, truncate=True)
-        keys.update({k: rope[k] for k in ("beta_fast", "beta_slow", "truncate") if rope.get(k) is not None})
-        keys.update(
-            factor=rope["factor"], original_max_position_embeddings=rope["original_max_position_embeddings"]
-        )
-        if rope.get("attention_factor") is not None:
-            keys["attention_factor"] = rope["attention_factor"]
-        return theta, tuple(sorted((k, float(v)) for k, v in keys.items()))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear, yarn are)")
-    return theta, None
-
-
-def _family_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """The family fields of ``ModelConfig`` from a config.json dict of ``family``."""
-    n = hf["num_hidden_layers"]
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    if act not in _ACTIVATIONS:
-        raise ConfigError(f"hidden_act={act!r} is not supported ({', '.join(_ACTIVATIONS)} are)")
-    values: dict[str, Any] = dict(family=family, mlp_activation=_ACTIVATIONS[act])
-    window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
-        window = None
-    types = hf.get("layer_types")
-    if types is not None:
-        layer_types = tuple(_HF_LAYER_TYPES[t] for t in types)
-    elif family in ("mistral", "mixtral"):
-        layer_types = ("local",) * n
-    elif family in ("qwen2", "qwen3", "qwen3_moe"):
-        first = int(hf.get("max_window_layers", n))
-        layer_types = tuple("local" if i >= first else "global" for i in range(n))
-    elif family in ("gemma2", "gemma3", "gpt_oss"):  # every 2nd layer global (Gemma 3: 6th)
-        nth = int(hf.get("sliding_window_pattern", 6)) if family == "gemma3" else 2
-        layer_types = _every_nth_global(n, nth)
-    else:
-        layer_types = ()
-    if not window:
-        layer_types, window = (), None
-    values.update(sliding_window=window, layer_types=() if "local" not in layer_types else layer_types)
-    if family == "qwen2":
-        values["attention_bias"] = True
-    if family in ("qwen3", "gemma3", "qwen3_moe"):
-        values["qk_norm"] = True
-    if family in ("qwen3_moe", "gpt_oss", "mixtral"):
-        values.update(_moe_values(hf, family))
-    if family in ("gemma2", "gemma3"):
-        values.update(
-            norm_offset=1.0,
-            post_norms=True,
-            scale_embeddings=True,
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-            attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
-            final_logit_softcap=hf.get("final_logit_softcapping", 30.0 if family == "gemma2" else None),
-        )
-    return values
-
-
-def _moe_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of ``ModelConfig`` from a Qwen3-MoE or GPT-OSS config.json dict.
-
-    Raises:
-      ConfigError: a Qwen3-MoE with dense layers among its sparse ones (``decoder_sparse_step`` > 1 or
-        ``mlp_only_layers``), which grpax's stacked layers do not hold.
-    """
-    n = hf["num_hidden_layers"]
-    step, dense = int(hf.get("decoder_sparse_step", 1)), list(hf.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise ConfigError(
-            f"decoder_sparse_step={step}, mlp_only_layers={dense}: grpax runs Qwen3-MoE with every one of its "
-            f"{n} layers sparse (decoder_sparse_step=1, mlp_only_layers=[]), as the published models are"
-        )
-    values = dict(
-        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok") or hf.get("experts_per_token")),
-        moe_mlp_dim=int(hf["moe_intermediate_size"] if family == "qwen3_moe" else hf["intermediate_size"]),
-        # Qwen3-MoE's key; GPT-OSS's softmax over the top-k logits and Mixtral's renormalised gates are the same
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if family == "qwen3_moe" else True,
-    )
-    if family == "gpt_oss":
-        values.update(
-            router_bias=True,
-            expert_bias=True,
-            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-            attention_sinks=True,
-            attention_bias=True,
-            attention_out_bias=True,
-        )
-    return values
-
-
-def _rope_values(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """rope_theta, rope_scaling (and Gemma 3's rope_local_theta) of a config.json, transformers 4 or 5 form."""
-    params = hf.get("rope_parameters") or {}
-    if family != "gemma3":
-        theta, scaling = _rope(params or hf.get("rope_scaling") or {}, hf.get("rope_theta") or 10000.0)
-        return dict(rope_theta=theta, rope_scaling=scaling)
-    # Gemma 3: global layers at rope_theta (1e6) with optional linear scaling; local ones at rope_local_base_freq.
-    glob = params.get("full_attention") or hf.get("rope_scaling") or {}
-    theta, scaling = _rope(glob, hf.get("rope_theta") or 1000000.0)
-    local = params.get("sliding_attention") or {}
-    local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
-    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta)
-
-
 def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides: Any) -> ModelConfig:
     """Builds a ``ModelConfig`` from a config.json dict of a supported architecture (transformers 4 or 5 form).
 
@@ -747,8 +603,10 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
         or Qwen3 do not have, an unsupported rope type or activation, a Qwen3-MoE with dense layers.
     """
     model_type = hf.get("model_type", "llama")
-    family = _HF_FAMILIES.get(model_type)
-    default_arch = "Gemma3ForConditionalGeneration" if model_type == "gemma3" else _HF_ARCHS.get(family, "?")
+    family = BY_MODEL_TYPE.get(model_type)
+    default_arch = (
+        "Gemma3ForConditionalGeneration" if model_type == "gemma3" else getattr(family, "architecture", "?")
+    )
     given = hf.get("architectures")
     archs = given or [default_arch]  # transformers' own to_dict() leaves them out
     if model_type == "gemma3" and "Gemma3ForConditionalGeneration" in archs:
@@ -765,22 +623,21 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
         )  # fmt: skip
         hf = {**defaults, **{k: v for k, v in text.items() if v is not None}}
         hf.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"])
-        model_type, archs, family = "gemma3_text", hf["architectures"], "gemma3"
-    if family is None or _HF_ARCHS[family] not in archs:
+        model_type, archs, family = "gemma3_text", hf["architectures"], FAMILY_TABLE["gemma3"]
+    if family is None or family.architecture not in archs:
         raise ConfigError(
             f"{source}: architectures={given or '(none)'}, model_type={model_type!r} is not supported; "
             f"grpax supports {SUPPORTED_ARCHITECTURES}: convert a checkpoint of one of them"
         )
-    if (family not in ("qwen2", "gpt_oss") and hf.get("attention_bias")) or hf.get("mlp_bias"):
+    if (not family.attention_bias and hf.get("attention_bias")) or hf.get("mlp_bias"):
         raise ConfigError(
-            f"{source}: attention_bias/mlp_bias=true is not supported; grpax runs {_HF_ARCHS[family]} without them"
+            f"{source}: attention_bias/mlp_bias=true is not supported; grpax runs {family.architecture} without them"
         )
     try:
-        rope, family_values = _rope_values(hf, family), _family_values(hf, family)
+        rope, family_values = family.rope(hf), read_family(hf, family)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     num_heads = hf["num_attention_heads"]
-    gemma = family in ("gemma2", "gemma3")
     values = dict(
         vocab_size=hf["vocab_size"],
         hidden_dim=hf["hidden_size"],
@@ -790,7 +647,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", **overrides:
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         mlp_dim=hf["intermediate_size"],
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_default)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
@@ -817,17 +674,13 @@ def _hf_rope(theta: float, scaling: dict[str, float] | None) -> dict[str, Any] |
     }
 
 
-def _int_if_whole(x: float | None) -> float | int | None:
-    """transformers' strict Gemma configs take an int ``query_pre_attn_scalar``."""
-    return int(x) if x is not None and float(x).is_integer() else x
-
-
 def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
     """The transformers 4-form ``config.json`` dict for ``cfg`` (loads in transformers 4 and 5, and vLLM)."""
     eos = list(cfg.eos_token_ids)
+    family = FAMILY_TABLE[cfg.family]
     out = {
-        "architectures": [_HF_ARCHS[cfg.family]],
-        "model_type": "gemma3_text" if cfg.family == "gemma3" else cfg.family,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_dim,
         "intermediate_size": cfg.mlp_dim,
@@ -849,70 +702,9 @@ def to_hf_config(cfg: ModelConfig, torch_dtype: str = "bfloat16") -> dict[str, A
         "pad_token_id": cfg.pad_token_id,
         "torch_dtype": torch_dtype,
     }
-    out.update(_hf_family_keys(cfg, out["hidden_act"]))
-    if (
-        cfg.family in ("gemma2", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-        and out["rope_scaling"] is None
-    ):
+    out.update(family.write(cfg, out["hidden_act"]))
+    if not family.null_rope_scaling and out["rope_scaling"] is None:
         del out["rope_scaling"]
-    return out
-
-
-def _hf_family_keys(cfg: ModelConfig, hidden_act: str) -> dict[str, Any]:
-    """The family's own config.json keys (biases, windows, soft caps, experts) for ``to_hf_config``."""
-    out: dict[str, Any] = {}
-    if cfg.family == "llama":
-        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    if cfg.family in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
-        out["attention_bias"] = False
-    hf_types = [{"global": "full_attention", "local": "sliding_attention"}[t] for t in cfg.layer_types]
-    if cfg.family in ("mistral", "mixtral"):
-        out["sliding_window"] = cfg.sliding_window  # every layer (Mistral has no layer_types)
-    elif cfg.family in ("qwen2", "qwen3", "qwen3_moe"):
-        local = [i for i, t in enumerate(cfg.layer_types) if t == "local"]
-        out.update(
-            use_sliding_window=bool(local),
-            sliding_window=cfg.sliding_window,
-            max_window_layers=local[0] if local else cfg.num_layers,
-        )
-        if local:
-            out["layer_types"] = hf_types
-    elif cfg.family == "gpt_oss":
-        out.update(
-            sliding_window=cfg.sliding_window, layer_types=hf_types or ["full_attention"] * cfg.num_layers
-        )
-    else:  # Gemma 2 / 3
-        out.update(
-            hidden_activation=hidden_act,
-            query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
-            attn_logit_softcapping=cfg.attn_logit_softcap,
-            final_logit_softcapping=cfg.final_logit_softcap,
-            sliding_window=cfg.sliding_window,
-            layer_types=hf_types or ["full_attention"] * cfg.num_layers,
-            cache_implementation="hybrid",
-        )
-        if cfg.family == "gemma3":
-            out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
-    if cfg.family == "qwen3_moe":
-        out.update(
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            moe_intermediate_size=cfg.moe_mlp_dim,
-            norm_topk_prob=cfg.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    if cfg.family == "mixtral":
-        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok)
-    if cfg.family == "gpt_oss":
-        out.update(
-            attention_bias=True,
-            num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            swiglu_limit=cfg.swiglu_limit,
-        )
-        if cfg.swiglu_alpha != 1.702:  # transformers' GptOssConfig has the key; the published configs do not
-            out["swiglu_alpha"] = cfg.swiglu_alpha
     return out
 
 
