@@ -278,7 +278,7 @@ def program_group(sampler_cfg: SamplerConfig, fixed: bool, num_generations: int)
 def fixed_prefill_prompts(num_slots: int, num_generations: int) -> int:
     """The prompt count of every prefill of a fixed program set: the most prompts of G completions that fill
     ``num_slots`` slots, rounded up to a power of two."""
-    return _pow2(-(-num_slots // num_generations))
+    return pow2(-(-num_slots // num_generations))
 
 
 class SamplingRule(NamedTuple):
@@ -500,7 +500,7 @@ def prefill_prompts(sampler_cfg: SamplerConfig, num_prompts: int, num_generation
     (``_admit`` starts a group while a slot is free). ``abstract_programs`` and the planner size the prefill so."""
     G = num_generations
     admitted = min(num_prompts, -(-sampler_cfg.decode_slots(num_prompts * G) // G))
-    return 1 << (admitted - 1).bit_length()
+    return pow2(admitted)
 
 
 @functools.cache
@@ -740,8 +740,9 @@ class Request:
         )
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (>= 1)."""
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1): the one rounding of the engine's prompt counts, slot groups
+    and refill widths (and of ``grpax.serve.worker``'s program set, which must meet the engine's shapes)."""
     return 1 << (n - 1).bit_length()
 
 
@@ -1100,7 +1101,7 @@ class Engine:
         sc = self.sc
         G = program_group(sc, self.fixed, len(batch[0][2]))  # rows per prompt in the program
         prompts = [req.prompts[i] for req, i, _ in batch]
-        N = _pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
+        N = pow2(len(prompts))  # prompt counts rounded up to a power of two: few compiles
         if self.fixed:  # one prefill program per group size
             N = max(N, fixed_prefill_prompts(self.num_slots, G))
         P = self.prompt_width(prompts)
@@ -1216,9 +1217,9 @@ class Engine:
             rows.append((context, dest))
             seq.kv_epoch = self._epoch
         while rows:  # the shortest row left sets the width T (a power of two); rows that fit join it
-            T = min(self.table_width * ps, _pow2(len(rows[0][0])))
+            T = min(self.table_width * ps, pow2(len(rows[0][0])))
             count = 1
-            while count < len(rows) and len(rows[count][0]) <= T and _pow2(count + 1) * T <= REFILL_TOKENS:
+            while count < len(rows) and len(rows[count][0]) <= T and pow2(count + 1) * T <= REFILL_TOKENS:
                 count += 1
             self._refill_call(rows[:count], T)
             rows = rows[count:]
@@ -1226,7 +1227,7 @@ class Engine:
     def _refill_call(self, rows: list[tuple[list[int], np.ndarray]], T: int) -> None:
         """One ``refill`` call: (context tokens, their pages) per row, padded to ``T`` tokens and a power of two
         of rows (rows past them repeat the first one's context and write nothing)."""
-        R = _pow2(len(rows))
+        R = pow2(len(rows))
         tokens = np.full((R, T), self.sc.pad_token_id, np.int32)
         lengths = np.full((R,), len(rows[0][0]), np.int32)
         dest = np.full((R, T), self.pool.num_pages, np.int32)

@@ -47,7 +47,7 @@ from grpax.host_memory import memory_mappings
 from grpax.models import llama
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sampler.engine import Engine, SamplerConfig
+from grpax.sampler.engine import Engine, SamplerConfig, pow2
 from grpax.sampler.engine import slot_counts as engine_slot_counts
 from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
 
@@ -95,8 +95,8 @@ class WarmupItem(NamedTuple):
 def prefill_counts(max_prefill_prompts: int, num_slots: int) -> list[int]:
     """The prompt counts of a server's prefills: the powers of two up to ``max_prefill_prompts`` (at most the
     slots) rounded up to one, as the engine rounds a call's prompts, ascending."""
-    top = min(max_prefill_prompts or num_slots, num_slots)
-    return [1 << i for i in range((top - 1).bit_length() + 1)]
+    top = pow2(min(max_prefill_prompts or num_slots, num_slots))
+    return [1 << i for i in range(top.bit_length())]
 
 
 def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
