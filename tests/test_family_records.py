@@ -17,7 +17,14 @@ from grpax.models import families
 from grpax.models.families import BY_MODEL_TYPE, FAMILY_TABLE, SUPPORTED_ARCHITECTURES, Family
 from grpax.models.llama import forward
 from grpax.models.params import init_params
-from grpax.models.registry import FAMILIES, MODELS, ModelConfig, from_hf_config, get_model_config, to_hf_config
+from grpax.models.registry import (
+    FAMILIES,
+    MODELS,
+    ModelConfig,
+    from_hf_config,
+    get_model_config,
+    to_hf_config,
+)
 
 _LLAMA_JSON = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -46,13 +53,38 @@ def test_a_llama_pattern_family_is_one_record(monkeypatch):
     monkeypatch.setitem(BY_MODEL_TYPE, record.model_type, record)
     cfg = from_hf_config(hf)
     llama = from_hf_config(dict(_LLAMA_JSON, model_type="llama", architectures=["LlamaForCausalLM"]))
-    assert cfg.family == "tinyllama_like" and cfg == ModelConfig(**{**vars(llama), "family": "tinyllama_like"})
+    assert cfg.family == "tinyllama_like" and cfg == ModelConfig(
+        **{**vars(llama), "family": "tinyllama_like"}
+    )
     params = init_params(llama, jax.random.key(0))
     ids = np.array([[3, 4, 5, 6]], np.int32)
     np.testing.assert_array_equal(forward(params, ids, cfg)[0], forward(params, ids, llama)[0])
     out = to_hf_config(cfg)
     assert out["architectures"] == ["TinyLlamaLikeForCausalLM"] and out["model_type"] == "tinyllama_like"
     assert from_hf_config(out) == cfg
+
+
+def test_refusals_stay_one_line(tmp_path):
+    """Every mixture of experts with dense layers among its sparse ones is refused (not Qwen3-MoE's alone), and a
+    family that is no name is a ConfigError."""
+    for model_type, arch in (("qwen3_moe", "Qwen3MoeForCausalLM"), ("mixtral", "MixtralForCausalLM")):
+        hf = dict(_LLAMA_JSON, model_type=model_type, architectures=[arch], num_local_experts=4,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2)  # fmt: skip
+        with pytest.raises(ConfigError, match="decoder_sparse_step=2"):
+            from_hf_config(hf)
+    with pytest.raises(ConfigError, match="family="):
+        ModelConfig(**{**vars(from_hf_config(dict(_LLAMA_JSON))), "family": ["llama"]})
+
+
+def test_a_windowed_llama_reads_back_the_same():
+    """A Llama-family config.json that gave sliding windows (none of the published ones do) survives export."""
+    hf = dict(_LLAMA_JSON, model_type="llama", architectures=["LlamaForCausalLM"], sliding_window=8,
+              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    cfg = from_hf_config(hf)
+    assert cfg.sliding_window == 8 and cfg.layer_types == ("local", "global")
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+    unused = from_hf_config(dict(hf, layer_types=["full_attention"] * 2))  # a window no layer uses
+    assert from_hf_config(to_hf_config(unused)) == unused
 
 
 def test_a_llama_export_carries_llama_keys_only():

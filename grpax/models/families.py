@@ -168,15 +168,7 @@ def read_family(hf: dict[str, Any], family: Family) -> dict[str, Any]:
 
 
 def _experts(hf: dict[str, Any], mlp_dim_key: str) -> dict[str, Any]:
-    return dict(
-        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
-        num_experts_per_tok=int(hf.get("num_experts_per_tok") or hf.get("experts_per_token")),
-        moe_mlp_dim=int(hf[mlp_dim_key]),
-    )
-
-
-def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's experts.
+    """The experts' counts and width of a mixture of experts' config.json.
 
     Raises:
       ConfigError: dense layers among its sparse ones (``decoder_sparse_step`` > 1 or ``mlp_only_layers``),
@@ -189,6 +181,14 @@ def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
             f"decoder_sparse_step={step}, mlp_only_layers={dense}: grpax runs Qwen3-MoE with every one of its "
             f"{n} layers sparse (decoder_sparse_step=1, mlp_only_layers=[]), as the published models are"
         )
+    return dict(
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts")),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok") or hf.get("experts_per_token")),
+        moe_mlp_dim=int(hf[mlp_dim_key]),
+    )
+
+
+def _read_qwen3_moe(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(_experts(hf, "moe_intermediate_size"), norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
@@ -229,7 +229,13 @@ def _gemma_reader(attn_cap: float | None, final_cap: float | None):
 
 
 def _write_llama(cfg, hidden_act: str) -> dict[str, Any]:
-    return dict(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    out: dict[str, Any] = dict(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    # The published Llamas have no window; a config.json that gave one reads back the same
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+    if "local" in cfg.layer_types:
+        out["layer_types"] = _layer_types_key(cfg)
+    return out
 
 
 def _write_mistral(cfg, hidden_act: str) -> dict[str, Any]:

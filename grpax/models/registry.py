@@ -153,7 +153,7 @@ class ModelConfig:
                 f"attention={self.attention} has no soft-capping of the scores, which this model uses "
                 f"(attn_logit_softcap={self.attn_logit_softcap}): pass attention=dot_product"
             )
-        if self.family not in FAMILY_TABLE:  # read at each check: a family is its record
+        if not isinstance(self.family, str) or self.family not in FAMILY_TABLE:  # a family is its record
             raise ConfigError(f"family={self.family!r}: expected one of {', '.join(FAMILY_TABLE)}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ConfigError(
