@@ -14,11 +14,10 @@ import pytest
 
 from grpax.config import ConfigError
 from grpax.models import families
-from grpax.models.families import BY_MODEL_TYPE, FAMILY_TABLE, SUPPORTED_ARCHITECTURES, Family
+from grpax.models.families import BY_MODEL_TYPE, FAMILY_TABLE, Family
 from grpax.models.llama import forward
 from grpax.models.params import init_params
 from grpax.models.registry import (
-    FAMILIES,
     MODELS,
     ModelConfig,
     from_hf_config,
@@ -33,13 +32,18 @@ _LLAMA_JSON = dict(
 )  # fmt: skip
 
 
-def test_every_family_is_one_record():
-    assert FAMILIES == tuple(FAMILY_TABLE)
-    assert {MODELS[name].shapes.get("family", "llama") for name in MODELS} <= set(FAMILY_TABLE)
-    for name, family in FAMILY_TABLE.items():
-        assert family.name == name and BY_MODEL_TYPE[family.model_type] is family
-        assert family.architecture in SUPPORTED_ARCHITECTURES
-    assert SUPPORTED_ARCHITECTURES.endswith("and the text model of Gemma3ForConditionalGeneration")
+def test_every_registered_model_reads_back_through_its_record():
+    """Each registered model's config.json names its family's record and reads back as the same config; the
+    refusal lists every record's architecture."""
+    for name in MODELS:
+        cfg = get_model_config(name)
+        out, record = to_hf_config(cfg), FAMILY_TABLE[cfg.family]
+        assert out["architectures"] == [record.architecture] and BY_MODEL_TYPE[out["model_type"]] is record
+        assert from_hf_config(out) == cfg, name
+    with pytest.raises(ConfigError) as refusal:
+        from_hf_config(dict(_LLAMA_JSON, model_type="phi3", architectures=["Phi3ForCausalLM"]))
+    assert all(f.architecture in str(refusal.value) for f in FAMILY_TABLE.values())
+    assert "text model of Gemma3ForConditionalGeneration" in str(refusal.value)
 
 
 def test_a_llama_pattern_family_is_one_record(monkeypatch):

@@ -249,7 +249,8 @@ def _write_mixtral(cfg, hidden_act: str) -> dict[str, Any]:
     )  # fmt: skip
 
 
-def _write_qwen_windows(cfg) -> dict[str, Any]:
+def _write_qwen2(cfg, hidden_act: str) -> dict[str, Any]:
+    """Qwen's windows: ``use_sliding_window``, ``max_window_layers`` (the first local layer), ``layer_types``."""
     local = [i for i, t in enumerate(cfg.layer_types) if t == "local"]
     out = dict(
         use_sliding_window=bool(local),
@@ -261,18 +262,14 @@ def _write_qwen_windows(cfg) -> dict[str, Any]:
     return out
 
 
-def _write_qwen2(cfg, hidden_act: str) -> dict[str, Any]:
-    return _write_qwen_windows(cfg)
-
-
 def _write_qwen3(cfg, hidden_act: str) -> dict[str, Any]:
-    return dict(attention_bias=False, **_write_qwen_windows(cfg))
+    return dict(attention_bias=False, **_write_qwen2(cfg, hidden_act))
 
 
 def _write_qwen3_moe(cfg, hidden_act: str) -> dict[str, Any]:
     return dict(
         attention_bias=False,
-        **_write_qwen_windows(cfg),
+        **_write_qwen2(cfg, hidden_act),
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
         moe_intermediate_size=cfg.moe_mlp_dim,
@@ -283,7 +280,7 @@ def _write_qwen3_moe(cfg, hidden_act: str) -> dict[str, Any]:
 
 
 def _write_gemma(cfg, hidden_act: str) -> dict[str, Any]:
-    out = dict(
+    return dict(
         attention_bias=False,
         hidden_activation=hidden_act,
         query_pre_attn_scalar=int_if_whole(cfg.query_pre_attn_scalar),
@@ -293,9 +290,10 @@ def _write_gemma(cfg, hidden_act: str) -> dict[str, Any]:
         layer_types=_layer_types_key(cfg) or ["full_attention"] * cfg.num_layers,
         cache_implementation="hybrid",
     )
-    if cfg.family == "gemma3":
-        out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
-    return out
+
+
+def _write_gemma3(cfg, hidden_act: str) -> dict[str, Any]:
+    return dict(_write_gemma(cfg, hidden_act), rope_local_base_freq=cfg.rope_local_theta or cfg.rope_theta)
 
 
 def _write_gpt_oss(cfg, hidden_act: str) -> dict[str, Any]:
@@ -326,7 +324,7 @@ FAMILY_TABLE: dict[str, Family] = {
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", _write_qwen3, fixed=_QK_NORM, **_QWEN_WINDOWS),
         Family("gemma2", "Gemma2ForCausalLM", "gemma2", _write_gemma, default_layer_types=_every_2nd_global,
                read=_gemma_reader(50.0, 30.0), tie_default=True),
-        Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", _write_gemma, default_layer_types=_gemma3_pattern,
+        Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", _write_gemma3, default_layer_types=_gemma3_pattern,
                fixed=_QK_NORM, read=_gemma_reader(None, None), rope=_gemma3_rope, tie_default=True,
                null_rope_scaling=True),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", _write_qwen3_moe, fixed=_QK_NORM,

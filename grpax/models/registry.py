@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grpax.errors import ConfigError, suggest
-from grpax.models.families import (  # noqa: F401 - SUPPORTED_ARCHITECTURES: the supported list, for its users
+from grpax.models.families import (
     BY_MODEL_TYPE,
     FAMILY_TABLE,
     SUPPORTED_ARCHITECTURES,
@@ -44,9 +44,6 @@ _MAXTEXT_ATTENTION = {
 }
 
 
-# The families one forward runs (``family`` picks the Hugging Face names and config.json form on export:
-# ``grpax.models.families``, one record each).
-FAMILIES = tuple(FAMILY_TABLE)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 LAYER_TYPES = ("global", "local")  # full causal attention | sliding-window attention
 
@@ -94,7 +91,7 @@ class ModelConfig:
     remat_names: tuple[tuple[str, str], ...] = ()
     attention: str = "dot_product"  # one of ATTENTION_IMPLEMENTATIONS (grpax.models.attention)
     # Architecture of the family (defaults: Llama).
-    family: str = "llama"  # one of FAMILIES: Hugging Face names and config.json form
+    family: str = "llama"  # a key of grpax.models.families.FAMILY_TABLE: HF names, config.json form
     attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o has none
     qk_norm: bool = False  # RMSNorm over H of each query and key head before RoPE (Qwen3, Gemma 3)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): 1.0 for Gemma, 0.0 for the others
