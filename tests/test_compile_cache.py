@@ -102,9 +102,9 @@ def test_commands_set_the_optimization_level_before_they_run(command, tmp_path, 
     """Each compiling command sets XLA's level from its key before its run (here the run fails at once: no
     checkpoint); auto leaves JAX's own; a value that is no level is refused in one line naming the key."""
     keys = [command, "hardware=cpu", "jax_cache_dir=", f"load_parameters_path={tmp_path / 'missing'}"]
-    jax.config.update("jax_optimization_level", "UNKNOWN")
+    jax.config.update("jax_optimization_level", "O2")  # as $JAX_OPTIMIZATION_LEVEL would: auto keeps it
     assert main(keys) == 2
-    assert jax.config.jax_optimization_level == "UNKNOWN"
+    assert jax.config.jax_optimization_level == "O2"
     assert main([*keys, "xla_optimization_level=O1"]) == 2
     assert jax.config.jax_optimization_level == "O1"
     capsys.readouterr()
@@ -140,6 +140,12 @@ def test_the_level_reaches_the_compiler_and_the_kept_figures(optimization_level)
     temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
     assert temps["O0"] != temps["auto"], temps
     assert keys["O0"] != keys["auto"]
+    effort = jax.config.jax_exec_time_optimization_effort
+    jax.config.update("jax_exec_time_optimization_effort", -1.0)  # JAX's other effort setting: apart too
+    try:
+        assert figures_cache.program_key(grad.lower(*args), devices) != keys["O0"]
+    finally:
+        jax.config.update("jax_exec_time_optimization_effort", effort)
 
 
 def test_an_unwritable_folder_turns_the_cache_off(tmp_path, jax_cache, caplog):

@@ -5,10 +5,10 @@ The fit check (``grpax.plan.compile_check``) needs of each program only its memo
 its collectives (read from its HLO). On a second run with the persistent cache warm, obtaining the executable
 means reading it back (1-4 s a program on a TPU v5e host), and the run reads it again where it first calls it.
 Here the figures are stored per lowered program, keyed by a SHA-256 of the lowered module's text, the devices
-(platform, kind, count, the backend's version), JAX's version and XLA's optimization level (the key
-``xla_optimization_level``: the same module compiles to other memory figures at another level), as one small JSON file in
-``<compilation cache>/grpax_figures/``: the same key means the same program for the same compiler, so the
-same figures. No cache folder (``jax_cache_dir=''``): nothing is kept. A damaged file is ignored.
+(platform, kind, count, the backend's version), JAX's version and XLA's effort settings (``COMPILE_SETTINGS``:
+the key ``xla_optimization_level`` or JAX's variables; the same module compiles to other memory figures at
+another level), as one small JSON file in ``<compilation cache>/grpax_figures/``: the same key means the same
+program for the same compiler, so the same figures. No cache folder (``jax_cache_dir=''``): nothing is kept. A damaged file is ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ from grpax.plan.fit_report import Compiled
 
 log = logging.getLogger("grpax.compile_check")
 FOLDER = "grpax_figures"
+# JAX's settings that go into every compile's options and change what the compiler builds (XLA's effort levels)
+COMPILE_SETTINGS = (
+    "jax_optimization_level",
+    "jax_memory_fitting_level",
+    "jax_exec_time_optimization_effort",
+    "jax_memory_fitting_effort",
+)
 
 
 def _folder() -> Path | None:
@@ -38,8 +45,8 @@ def program_key(lowered: jax.stages.Lowered, devices) -> str:
     """The key of a lowered program for ``devices`` (hex SHA-256)."""
     d = list(devices)[0]
     backend = getattr(getattr(d, "client", None), "platform_version", "")
-    level = jax.config.jax_optimization_level
-    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{level}\n"
+    settings = "|".join(str(getattr(jax.config, name)) for name in COMPILE_SETTINGS)
+    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{settings}\n"
     return hashlib.sha256((ident + lowered.as_text()).encode()).hexdigest()
 
 
