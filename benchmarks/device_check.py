@@ -20,13 +20,13 @@ cut by the time budget last):
    ``lax.top_k``'s k-th value on rows of random and tied logits of the vocabulary's width: equal, and each one's
    time;
 4. ``decode``: the rollout's sampler exactly as GRPO samples (``generate``: each prompt prefilled once, G
-   completions, temperature, top-k, stop tokens), at the job's 8 x 8 rows and (after the memory part: its pool
-   is sized to fill the chip) at 32 x 8; useful tokens/s
-   (completion tokens before each row's stop) against the HBM roofline, ms per decode step, the rows' mean
-   length, the fraction of decode row-steps spent past a row's stop;
-5. ``profile of one decode`` (8 x 8 rows, the job's): kernels per decode step, idle gaps between kernels, the shares of
-   the matmuls, attention, sampling (top-k, top-p, rng, draw, logprobs), cache writes, stop bookkeeping and the
-   loop's condition;
+   completions, temperature, top-k, stop tokens), at the job's 8 x 8 rows and (``decode 4x rows``, after the
+   memory part: its pool is sized to fill the chip) at 32 x 8; useful tokens/s (completion tokens before each
+   row's stop) against the HBM roofline, ms per decode step, the rows' mean length, the fraction of decode
+   row-steps spent past a row's stop; every decode after the first samples the first one's weights;
+5. ``profile of one decode`` (8 x 8 rows, the job's): kernels per decode step, idle gaps between kernels, the
+   shares of the matmuls, attention, sampling (top-k, top-p, rng, draw, logprobs), cache writes, stop
+   bookkeeping and the loop's condition;
 6. ``grpo step``: ``Rollout`` (sampling + rewards) -> reference logprobs -> ``make_update``, the trainer's
    own objects, split into rollout / reference / update seconds (the third step: the first compiles);
 7. ``memory``: the device's peak bytes in use (``memory_stats``) against the fit check's per-device table of
@@ -35,7 +35,8 @@ cut by the time budget last):
 8. ``variant ...``: ``VARIANTS``, each beside the default in the same process, after the memory part (so the
    peak is the job's): a sampler key, XLA GPU compiler options of the sampler's jits
    (``grpax.sampler.backend.XLA_GPU_OPTIONS``, per program: not process-wide as ``XLA_FLAGS``), main's top-k
-   (``lax.top_k`` on every platform: the "before" of this change), or the update's model keys. A decode variant
+   (``lax.top_k`` on every platform: the "before" of this change), XLA's optimization level of its programs, or
+   the update's model keys (``DEVICE_CHECK_VARIANTS`` keeps those whose name holds one of its words). A decode variant
    samples the default's prompts with its keys and reports the fraction of rows with the same tokens.
 
 Each part runs in its own ``try``: a failure prints one line and the table keeps the other parts' figures. A
@@ -334,8 +335,8 @@ def hlo_dumps(modules: tuple[str, ...]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def applied(variant: Variant):
-    """The sampler's GPU options, top-k threshold and paged attention of ``variant`` while inside (restored
-    after)."""
+    """The sampler's GPU options, top-k threshold and paged attention, and XLA's optimization level of every
+    program, of ``variant`` while inside (restored after)."""
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
     takes, level = sampler_backend.ragged_tpu_takes, jax.config.jax_optimization_level
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
@@ -345,7 +346,7 @@ def applied(variant: Variant):
         sampler_backend.ragged_tpu_takes = lambda *args: False
     if variant.optimization_level:
         jax.config.update("jax_optimization_level", variant.optimization_level)
-    retrace = variant.sort_top_k or variant.xla_paged or variant.optimization_level
+    retrace = bool(variant.sort_top_k or variant.xla_paged or variant.optimization_level)
     if retrace:
         jax.clear_caches()  # the programs traced and compiled again with the patched function or level
     try:
@@ -814,7 +815,7 @@ def main() -> int:
         ("grpo step", PART_SECONDS["grpo step"], check.part_grpo_step),
         # the job's peak against its plan: before the 32 x 8 decode, whose pool is sized to fill the chip
         ("memory", PART_SECONDS["memory"], check.part_memory),
-        ("decode 256 rows", PART_SECONDS["decode 4"], lambda: check.part_decode(4)),
+        ("decode 4x rows", PART_SECONDS["decode 4"], lambda: check.part_decode(4)),
     ]
     chosen = [v for v in VARIANTS if not ONLY_VARIANTS or any(w in v.name for w in ONLY_VARIANTS)]
     parts += [(f"variant {v.name}", v.seconds, lambda v=v: check.part_variant(v)) for v in chosen]
