@@ -27,7 +27,8 @@ from grpax.plan.fit_report import Compiled
 
 log = logging.getLogger("grpax.compile_check")
 FOLDER = "grpax_figures"
-# JAX's settings that go into every compile's options and change what the compiler builds (XLA's effort levels)
+# JAX's settings that go into every compile's options and change what the compiler builds (XLA's effort levels;
+# a JAX without one of them, e.g. jax 0.11's no float efforts, keys by those it has)
 COMPILE_SETTINGS = (
     "jax_optimization_level",
     "jax_memory_fitting_level",
@@ -45,7 +46,7 @@ def program_key(lowered: jax.stages.Lowered, devices) -> str:
     """The key of a lowered program for ``devices`` (hex SHA-256)."""
     d = list(devices)[0]
     backend = getattr(getattr(d, "client", None), "platform_version", "")
-    settings = "|".join(str(getattr(jax.config, name)) for name in COMPILE_SETTINGS)
+    settings = "|".join(str(getattr(jax.config, name, "")) for name in COMPILE_SETTINGS)  # what this JAX has
     ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{settings}\n"
     return hashlib.sha256((ident + lowered.as_text()).encode()).hexdigest()
 
