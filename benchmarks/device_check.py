@@ -183,12 +183,16 @@ class Variant:
     seconds: float = 45.0
     head_chunk_min_tokens: int | None = None  # train_step.LOGITS_CHUNK_MIN_TOKENS for an update variant
     xla_paged: bool = False  # the decode's paged attention by XLA's gather where Pallas's kernel would run
+    tpu_only: bool = False  # measured on TPUs only (a TPU kernel: elsewhere noted as n/a)
     optimization_level: str = ""  # XLA's level (jax_optimization_level, O0-O3) of its programs
 
 
 # In the order they run: the likeliest to explain the decode's 22% of the HBM roofline first (one decode step
 # launches hundreds of kernels and XLA's GPU top-k sorts the vocabulary for k > 16), then the update's remat.
 VARIANTS: tuple[Variant, ...] = (
+    # Pallas's splash attention kernel in the update (attention=flash): the scores never in HBM (the check's job
+    # still needs remat full: minimal 21.5 GiB of temporaries, compiled for a v5e with libtpu)
+    Variant("update attention=flash", model=(("attention", "flash"),), tpu_only=True, seconds=60),
     # XLA's optimization level (the key xla_optimization_level): compile seconds against run seconds
     Variant("update at XLA O1", optimization_level="O1", seconds=30),
     Variant("update at XLA O0", optimization_level="O0", seconds=30),
@@ -722,6 +726,9 @@ class Check:
                 f"variant {variant.name}",
                 note=f"n/a on {self.platform}: a GPU's; its compiler options compile",
             )
+            return
+        if variant.tpu_only and self.platform != "tpu":
+            self.add(f"variant {variant.name}", note=f"n/a on {self.platform}: a TPU kernel's")
             return
         if not variant.rows:
             floor = train_step_module.LOGITS_CHUNK_MIN_TOKENS

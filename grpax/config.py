@@ -558,7 +558,8 @@ def env_flag(name: str) -> bool:
 
 ATTENTION_HELP = (
     "attention implementation (MaxText key): dot_product (XLA einsums) | jax_nn (jax.nn.dot_product_attention) | "
-    "cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype)"
+    "cudnn (its cuDNN flash kernel: NVIDIA GPU, bfloat16/float16 dtype) | flash (Pallas's splash attention "
+    "kernel: TPU, no sliding-window layers; the update and reference pass)"
 )
 
 

@@ -7,6 +7,7 @@ backend), and ``forward_grouped``.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import jax
@@ -143,11 +144,16 @@ def test_a_gpu_only_choice_is_refused_in_one_line(params):
 
 def test_config_refusals():
     with pytest.raises(
-        ConfigError, match="attention='dot_prodcut': expected one of dot_product, jax_nn, cudnn. Did you"
+        ConfigError,
+        match="attention='dot_prodcut': expected one of dot_product, jax_nn, cudnn, flash. Did you",
     ):
         CFG.replace(attention="dot_prodcut")
     with pytest.raises(
-        ConfigError, match="attention='flash' is MaxText's TPU Pallas kernel, which grpax does not"
+        ConfigError, match="attention='autoselected' is MaxText's per-platform choice, which grpax does not"
+    ):
+        CFG.replace(attention="autoselected")
+    with pytest.raises(
+        ConfigError, match="attention=flash has no sliding-window layers.*attention=dot_product"
     ):
         CFG.replace(attention="flash")
     with pytest.raises(ConfigError, match="attention=jax_nn has no soft-capping.*pass attention=dot_product"):
@@ -187,3 +193,110 @@ def test_decode_scores_as_a_matmul_equal_the_multiply_reduce():
     k16 = keys.astype(jnp.bfloat16)
     want = attention._scores_reduce(q1.astype(jnp.bfloat16).astype(jnp.float32), k16)
     np.testing.assert_allclose(attention._scores_dot(q1, k16), want, rtol=1e-5, atol=1e-5)
+
+
+# attention=flash (Pallas's splash kernel, TPU only) run by Pallas's interpreter: the values on this CPU.
+FLASH_CFG = CFG.replace(layer_types=(), sliding_window=None)
+FLASH_HERE = attention.Implementation(
+    functools.partial(attention.flash_attention, interpret=True), causal_blocks=True
+)
+
+
+def _causal_case(rng, B, T, S, N, K, valid):
+    """q, k, v and the model's mask: causal over the last T of S keys, and ``valid`` keys."""
+    q = jnp.asarray(rng.normal(size=(B, T, N, 8)).astype(np.float32))
+    k, v = (jnp.asarray(rng.normal(size=(B, S, K, 8)).astype(np.float32)) for _ in range(2))
+    causal = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T
+    return q, k, v, causal[None] & jnp.asarray(valid, bool)[:, None, :]
+
+
+@pytest.mark.parametrize(
+    "T, S, valid",
+    [  # Pallas's interpreter takes ~20 s a case here: two in the default suite
+        pytest.param(8, 8, [[1] * 8], marks=pytest.mark.slow),  # causal
+        pytest.param(5, 12, [[1] * 12], marks=pytest.mark.slow),  # the last 5 of 12 keys
+        pytest.param(7, 7, [[0, 0, 1, 1, 1, 1, 1], [1] * 7], marks=pytest.mark.slow),  # left-padded prompts
+        (5, 12, [[0, 0] + [1] * 10, [1] * 12]),  # completions after a left-padded prompt (forward_grouped's)
+        (130, 140, [[0] * 3 + [1] * 137]),  # more than one block of queries and keys, both padded
+    ],
+)
+def test_flash_equals_dot_product(T, S, valid):
+    """Real queries' outputs and the gradients of a loss over them: dot_product's, with soft-capping and sinks."""
+    rng = np.random.default_rng(T + S)
+    B = len(valid)
+    q, k, v, mask = _causal_case(rng, B, T, S, 4, 2, valid)
+    real = jnp.asarray(valid, jnp.float32)[:, S - T :, None, None]  # queries at padding compute anything
+    w = jnp.asarray(rng.normal(size=q.shape).astype(np.float32))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    flash = functools.partial(attention.flash_attention, interpret=True)
+    for scale, cap, s in ((None, None, None), (0.3, 5.0, sinks)):
+
+        def loss(f, q, k, v, scale=scale, cap=cap, s=s):
+            return jnp.sum(f(q, k, v, mask, scale, cap, s) * w * real)
+
+        want = attention.attention(q, k, v, mask, scale, cap, s) * real
+        np.testing.assert_allclose(flash(q, k, v, mask, scale, cap, s) * real, want, atol=ATOL)
+        grads = [
+            jax.grad(functools.partial(loss, f), argnums=(0, 1, 2))(q, k, v)
+            for f in (flash, attention.attention)
+        ]
+        for got, want in zip(*grads, strict=True):
+            np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_flash_model_equals_dot_product(monkeypatch):
+    """forward (left-padded rows), forward_grouped and its gradient, and the cached prefill and decode (which
+    attend by dot_product): the values of attention=dot_product."""
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", FLASH_HERE)
+    params = jax.jit(init_params, static_argnums=0)(FLASH_CFG, jax.random.key(0))
+    flash = FLASH_CFG.replace(attention="flash")
+    tokens = jnp.asarray([[0, 0, 5, 9, 11, 3], [7, 21, 30, 2, 4, 6]], jnp.int32)
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6], jnp.int32)
+    run = jax.jit(forward, static_argnums=2)
+    got, want = (run(params, tokens, c, attention_mask=mask)[0] for c in (flash, FLASH_CFG))
+    np.testing.assert_allclose(got * mask[..., None], want * mask[..., None], atol=ATOL)
+    cache = init_cache(FLASH_CFG, 2, 8)
+    got, want = (run(params, tokens, c, cache=cache)[0] for c in (flash, FLASH_CFG))
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+    completions = jnp.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], jnp.int32)
+
+    def loss(p, cfg):
+        return jnp.sum(forward_grouped(p, tokens[:, :4], mask[:, :4], completions, cfg) ** 2)
+
+    grouped = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (got, got_grads), (want, want_grads) = grouped(params, flash), grouped(params, FLASH_CFG)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # float32 sums in another order (the kernel's online softmax, block by block): 1e-4 of each gradient, 1e-5 of
+    # its leaf's largest
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max()))
+
+
+def test_flash_is_refused_off_a_tpu_in_one_line():
+    params = jax.jit(init_params, static_argnums=0)(FLASH_CFG, jax.random.key(0))
+    with pytest.raises(ConfigError) as e:
+        forward(params, jnp.zeros((1, 3), jnp.int32), FLASH_CFG.replace(attention="flash"))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("attention=flash runs on tpu only"), message
+
+
+def test_flash_compiles_for_a_tpu_from_this_host():
+    """The update's forward and backward with attention=flash, compiled for a TPU v5e by libtpu here: the
+    platform is the mesh's (a TPU's), not this host's."""
+    pytest.importorskip("libtpu")
+    from grpax.models.sharding_rules import MESH_AXES
+    from grpax.plan.topology import get_topology
+
+    device = get_topology("v5e-1").devices[0]
+    mesh = jax.sharding.Mesh(np.asarray([device], dtype=object).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+    cfg = FLASH_CFG.replace(attention="flash", num_heads=4, num_kv_heads=2, head_dim=128, hidden_dim=256)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+    def loss(p, prompt_ids, prompt_mask, completion_ids):
+        return jnp.sum(forward_grouped(p, prompt_ids, prompt_mask, completion_ids, cfg))
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss)).lower(params, ints(2, 256), ints(2, 256), ints(4, 256)).compile()
+    assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel, lowered by Mosaic

@@ -354,8 +354,13 @@ def test_generate_and_export_errors_are_one_line(tiny_native, tmp_path, capsys):
     )
     assert main(["generate", load, "prompt=hi", "dtype=int8"]) == 2
     _one_line_error(capsys, "dtype='int8' is not a supported dtype")
-    assert main(["generate", load, "prompt=hi", "attention=flash"]) == 2
-    _one_line_error(capsys, "attention='flash' is MaxText's TPU Pallas kernel, which grpax does not have")
+    assert main(["generate", load, "prompt=hi", "attention=cudnn_flash_te"]) == 2
+    _one_line_error(
+        capsys, "attention='cudnn_flash_te' is MaxText's TransformerEngine kernel, which grpax does not have"
+    )
+    if jax.default_backend() == "cpu":
+        assert main(["generate", load, "prompt=hi", "attention=flash"]) == 2
+        _one_line_error(capsys, "attention=flash runs on tpu only and JAX runs on cpu")
     if jax.default_backend() != "gpu":  # refused before any weight is read, the CPU sampler backend included
         assert main(["generate", load, "prompt=hi", "attention=cudnn", "dtype=bfloat16"]) == 2
         _one_line_error(capsys, f"attention=cudnn runs on gpu only and JAX runs on {jax.default_backend()}")

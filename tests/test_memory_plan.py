@@ -137,3 +137,21 @@ def test_the_8b_step_script_runs_its_tiny_job_on_cpu(tmp_path):
     assert rows["reference"]["max_abs_diff"] == 0.0
     assert "reference_memory=pinned_host" in rows["plan"]["note"]
     assert rows["step 2"]["update_s"] > 0 and rows["step 2"]["tokens_per_s"] > 0
+
+
+def test_a_tpu_kernel_is_estimated_for_a_tpu_slice_from_this_host():
+    """compile_topology=v5e-1 attention=flash: the estimate traces the TPU kernel under the slice's device
+    (before, the platform check refused it on this CPU and auto fell back to remat full untraced), and the
+    kernel keeps less for the backward than dot_product's scores."""
+    pytest.importorskip("libtpu")
+    from grpax.plan.topology import get_topology
+
+    topology = get_topology("v5e-1")
+    cfg = _cfg("compile_topology=v5e-1", "reference_memory=device")
+    peaks = {}
+    with memory_plan._traced_for(topology.devices[0]):
+        for name in ("dot_product", "flash"):
+            option = dataclasses.replace(cfg, attention=name)
+            assert memory_plan.choose(option, topology.chip, 1, "tpu").remat_policy == "none"
+            peaks[name] = estimate_job(dataclasses.replace(option, remat_policy="none"), topology.chip, 1, "").peak
+    assert peaks["flash"] < peaks["dot_product"]

@@ -10,6 +10,9 @@ are MaxText's (``attention: dot_product``, its plain XLA reference); a kernel pl
 * ``jax_nn``: ``jax.nn.dot_product_attention`` with its XLA implementation (any platform).
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused flash attention (NVIDIA
   GPUs only; bfloat16 or float16 activations).
+* ``flash`` (MaxText's TPU value): Pallas's splash attention kernel (``flash_attention``; TPUs only, no
+  sliding-window layers): the scores never in HBM, forward or backward. The update and the reference pass
+  run it; the sampler's cached prefill keeps ``dot_product``.
 
 ``jax.nn.dot_product_attention`` has no score soft-capping and no attention sinks, so ``jax_nn`` and ``cudnn``
 refuse a config with ``attn_logit_softcap`` (Gemma 2) or ``attention_sinks`` (GPT-OSS: a learned logit per head
@@ -43,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from grpax.errors import ConfigError
-from grpax.models.sharding_rules import TENSOR
+from grpax.models.sharding_rules import TENSOR, logical_to_spec
 
 if TYPE_CHECKING:
     from grpax.models.registry import ModelConfig
@@ -133,6 +136,110 @@ def jax_nn_attention(
     )
 
 
+# Query and key rows per block of the Pallas splash kernel (``flash``); sequences are padded to a multiple.
+_FLASH_BLOCK = 128
+# The segment of the padding ``flash`` adds: its queries attend only to its keys, no real token to either.
+_FLASH_PAD_SEGMENT = 2
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
+    cap: float | None = None,
+    sinks: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """``attention`` by JAX's Pallas splash attention kernel (``attention=flash``, MaxText's TPU value): the
+    scores are computed block by block in the chip's vector memory, forward and backward, never written to HBM.
+
+    ``mask`` must be the model's causal mask over the last T of S keys and the valid keys, the form every
+    caller builds (``forward``, ``forward_grouped``, the cached prefill): ``mask[b, t, s] = (s <= t + S - T)
+    & valid[b, s]``. The kernel gets it as a causal mask with offset S - T and segment ids (key s: 1 if a query
+    attends to it, else 0; query t: its own key's, S - T + t): a real query's keys are the same; a padding
+    query (segment 0) attends to padding keys instead of to none, and no real token reads what it computes.
+    T and S are padded to multiples of ``_FLASH_BLOCK`` in a segment of their own.
+
+    Same arguments and result as ``attention`` (softmax in float32 inside the kernel; q is scaled before it, in
+    its own dtype); ``interpret``: Pallas's interpreter (tests on a CPU). Over a mesh of several devices each
+    runs it on its rows and heads (``_flash_sharded``). Source: Dao et al. 2022 (FlashAttention);
+    ``jax.experimental.pallas.ops.tpu.splash_attention``, as MaxText's ``attention: flash`` calls it.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    B, T, N, H = q.shape
+    S = k.shape[1]
+    seg_kv = jnp.any(mask, axis=1).astype(jnp.int32)  # [B, S]
+    seg_q = seg_kv[:, S - T :]
+    Tp, Sp = -(-T // _FLASH_BLOCK) * _FLASH_BLOCK, -(-S // _FLASH_BLOCK) * _FLASH_BLOCK
+    if Tp > T and Sp == S:  # padded queries need a padded key to attend to
+        Sp += _FLASH_BLOCK
+    factor = 1.0 / math.sqrt(H) if scale is None else scale
+    q = (q.astype(jnp.float32) * factor).astype(q.dtype)
+
+    def padded(x: jax.Array, length: int) -> jax.Array:  # [B, L, heads, H] -> [B, heads, length, H]
+        return jnp.pad(x, [(0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)]).transpose(0, 2, 1, 3)
+
+    def pad_segments(ids: jax.Array, length: int) -> jax.Array:
+        return jnp.pad(ids, [(0, 0), (0, length - ids.shape[1])], constant_values=_FLASH_PAD_SEGMENT)
+
+    def kernel(q, k, v, seg_q, seg_kv, sinks):  # one device's rows and heads
+        heads = q.shape[1]
+        causal = masks.CausalMask((Tp, Sp), offset=S - T)
+        attend = splash.make_splash_mha(
+            masks.MultiHeadMask([causal] * heads),
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=_flash_blocks(Tp, Sp),
+            attn_logits_soft_cap=cap,
+            interpret=interpret,
+        )
+        one = lambda q, k, v, sq, skv: attend(q, k, v, splash.SegmentIds(sq, skv), sinks)  # noqa: E731
+        return jax.vmap(one)(q, k, v, seg_q, seg_kv)
+
+    args = (padded(q, Tp), padded(k, Sp), padded(v, Sp), pad_segments(seg_q, Tp), pad_segments(seg_kv, Sp))
+    sinks = None if sinks is None else sinks.astype(jnp.float32)
+    out = _flash_sharded(kernel, *args, sinks)  # [B, N, Tp, H]
+    return out[:, :, :T].transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def _flash_blocks(q_len: int, kv_len: int):
+    """The splash kernel's block sizes: ``_FLASH_BLOCK`` rows of queries and keys, forward and backward."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    bq, bkv = min(_FLASH_BLOCK, q_len), min(_FLASH_BLOCK, kv_len)
+    return splash.BlockSizes(
+        block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv,
+    )  # fmt: skip
+
+
+def _flash_sharded(kernel, q, k, v, seg_q, seg_kv, sinks):
+    """``kernel`` over a mesh: a Pallas call is not partitioned by XLA, so each device runs it on its own rows
+    (the batch's mesh axes, ``sharding_rules``' "batch") and, where both head counts divide by "tensor", its
+    own heads; alone on one device."""
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(q, k, v, seg_q, seg_kv, sinks)
+    shape = dict(mesh.shape)
+    rows = logical_to_spec(("batch",), shape=q.shape[:1], mesh_shape=shape, name="attention rows")[0]
+    tensor = shape.get(TENSOR, 1)
+    heads = TENSOR if tensor > 1 and q.shape[1] % tensor == 0 and k.shape[1] % tensor == 0 else None
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(P(rows, heads), P(rows, heads), P(rows, heads), P(rows), P(rows), P(heads)),
+        out_specs=P(rows, heads),
+        check_vma=False,
+    )(q, k, v, seg_q, seg_kv, sinks)
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One attention implementation.
@@ -142,11 +249,16 @@ class Implementation:
       platforms: the JAX platforms it runs on (``jax.default_backend()``); () = any.
       dtypes: the activation dtypes (``cfg.dtype``) it takes; () = any (a cached prefill then attends in
         float32, else in ``cfg.dtype``).
+      causal_blocks: it computes in blocks of its own, never holding the [T, S] scores, and reads the mask as a
+        causal one over the last T of S keys and the keys some query attends to (``flash_attention``), so
+        ``chunked_attention`` hands it whole sequences and a cached prefill (whose slots need not end at its
+        last query) attends by ``attention`` instead.
     """
 
     attend: Attend
     platforms: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ()
+    causal_blocks: bool = False
 
 
 # The values of ``ModelConfig.attention`` (registry.ATTENTION_IMPLEMENTATIONS holds the same names).
@@ -156,8 +268,17 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "cudnn": Implementation(
         functools.partial(jax_nn_attention, implementation="cudnn"), ("gpu",), ("bfloat16", "float16")
     ),
+    "flash": Implementation(flash_attention, ("tpu",), causal_blocks=True),
 }
 DOT_PRODUCT = IMPLEMENTATIONS["dot_product"]
+
+
+def target_platform() -> str:
+    """The platform of the program being traced: its mesh's devices' (``jax.set_mesh``; a TPU slice compiled
+    from a CPU host with ``compile_topology`` is "tpu"), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
 
 
 def select_attention(cfg: ModelConfig) -> Implementation:
@@ -167,7 +288,7 @@ def select_attention(cfg: ModelConfig) -> Implementation:
       ConfigError: the implementation does not run on this platform or dtype (one line: key, why, fix).
     """
     impl = IMPLEMENTATIONS[cfg.attention]
-    platform = jax.default_backend()
+    platform = target_platform()
     if impl.platforms and platform not in impl.platforms:
         raise ConfigError(
             f"attention={cfg.attention} runs on {' or '.join(impl.platforms)} only and JAX runs on "
@@ -194,7 +315,7 @@ def chunked_attention(
     """``impl``'s attention computed ``_QUERY_CHUNK`` queries at a time, each block rematerialised in the
     backward pass (``jax.checkpoint``): the same values, with the scores of one block alive at a time."""
     B, T, N, H = q.shape
-    if T <= _QUERY_CHUNK:
+    if T <= _QUERY_CHUNK or impl.causal_blocks:
         return impl.attend(q, k, v, mask, scale, cap, sinks)
     n = -(-T // _QUERY_CHUNK)
     pad = n * _QUERY_CHUNK - T
@@ -241,7 +362,7 @@ def cached_attention(
     einsum over that layout, which made XLA transpose the whole cache of every layer at every step
     (docs/benchmarks.md). Several queries per row (a padded prefill, once per rollout) use ``impl`` on
     the cache transposed to [B, S, K, H], in float32 (in ``q``'s dtype for an implementation that names its
-    dtypes, e.g. cuDNN's 16-bit kernel).
+    dtypes, e.g. cuDNN's 16-bit kernel; ``attention`` for one of ``causal_blocks``).
 
     Args:
       q: [B, T, N, H] queries (already rotated).
@@ -265,6 +386,7 @@ def cached_attention(
         return out.reshape(B, 1, N, H).astype(q.dtype)
     # Several queries per row (a padded prefill, once per rollout): the attention on the cache turned to
     # [B, S, K, H], in float32 (XLA:CPU rejects some bf16 x bf16 -> f32 batched dots of this layout).
+    impl = DOT_PRODUCT if impl.causal_blocks else impl
     dtype = q.dtype if impl.dtypes else jnp.float32
     k = cache_k.transpose(0, 3, 1, 2).astype(dtype)  # [B, S, K, H]
     v = cache_v.transpose(0, 2, 1, 3).astype(dtype)

@@ -34,12 +34,14 @@ REMAT_NAMES = (
 )  # fmt: skip
 REMAT_CHOICES = ("remat", "device", "offload")
 # The attention implementations (grpax.models.attention.IMPLEMENTATIONS): MaxText's ``attention`` key, its
-# dot_product value (the plain XLA einsums); jax.nn.dot_product_attention's XLA and cuDNN implementations.
-ATTENTION_IMPLEMENTATIONS = ("dot_product", "jax_nn", "cudnn")
+# dot_product value (the plain XLA einsums); jax.nn.dot_product_attention's XLA and cuDNN implementations; flash,
+# MaxText's TPU value: Pallas's splash attention kernel.
+ATTENTION_IMPLEMENTATIONS = ("dot_product", "jax_nn", "cudnn", "flash")
+# The implementations by jax.nn.dot_product_attention: no soft-capping, no sinks.
+_NN_ATTENTION = ("jax_nn", "cudnn")
 # MaxText's other values, each a kernel grpax does not have: the refusal says so.
 _MAXTEXT_ATTENTION = {
     "autoselected": "MaxText's per-platform choice",
-    "flash": "MaxText's TPU Pallas kernel",
     "cudnn_flash_te": "MaxText's TransformerEngine kernel",
 }
 
@@ -145,7 +147,7 @@ class ModelConfig:
                 f"expected one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
                 f".{suggest(str(self.attention), ATTENTION_IMPLEMENTATIONS)}"
             )
-        if self.attention != "dot_product" and self.attn_logit_softcap:
+        if self.attention in _NN_ATTENTION and self.attn_logit_softcap:
             raise ConfigError(
                 f"attention={self.attention} has no soft-capping of the scores, which this model uses "
                 f"(attn_logit_softcap={self.attn_logit_softcap}): pass attention=dot_product"
@@ -172,7 +174,12 @@ class ModelConfig:
                 f"num_experts={self.num_experts} needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
                 f"num_experts and moe_mlp_dim > 0 (got {self.moe_mlp_dim})"
             )
-        if self.attention != "dot_product" and self.attention_sinks:
+        if self.attention == "flash" and "local" in self.layer_types:
+            raise ConfigError(
+                "attention=flash has no sliding-window layers, which this model has (layer_types with local "
+                "layers): pass attention=dot_product"
+            )
+        if self.attention in _NN_ATTENTION and self.attention_sinks:
             raise ConfigError(
                 f"attention={self.attention} has no attention sinks, which this model uses: pass "
                 "attention=dot_product"

@@ -23,10 +23,12 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
 
 from grpax.errors import ConfigError
 from grpax.plan import compile_check, memory_estimate
 from grpax.plan.fit_report import GIB
+from grpax.models.sharding_rules import MESH_AXES
 from grpax.plan.topology import Chip, chip_of, get_topology
 from grpax.rl.train_config import REMAT_ORDER, TrainConfig
 
@@ -154,6 +156,13 @@ def fit_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -> 
     return last
 
 
+def _traced_for(device):
+    """A one-device mesh of ``device`` with the model's axes, set: the estimate's traces of the model then see
+    the target's platform (``attention.target_platform``: attention=flash's TPU kernel, traced on a CPU host)."""
+    shape = (1,) * len(MESH_AXES)
+    return jax.set_mesh(jax.sharding.Mesh(np.asarray([device], dtype=object).reshape(shape), MESH_AXES))
+
+
 def compile_topology(cfg: TrainConfig) -> int:
     """``grpax train_rl ... compile_topology=NAME``: the auto keys chosen for that target, then its table (an
     NVIDIA estimate, or the job compiled for a TPU slice, the fallbacks compiled where it refuses the choice);
@@ -163,7 +172,8 @@ def compile_topology(cfg: TrainConfig) -> int:
         options = [choose(cfg, *gpus, "gpu")]
     else:
         topology = get_topology(cfg.compile_topology, cfg.compile_topology_num_slices, cfg.chips_per_vm or 0)
-        chosen = choose(cfg, topology.chip, topology.num_chips, "tpu", estimable=topology.num_slices == 1)
+        with _traced_for(topology.devices[0]):
+            chosen = choose(cfg, topology.chip, topology.num_chips, "tpu", estimable=topology.num_slices == 1)
         options = [chosen, *fallbacks(cfg, chosen)]
     for option in options:
         code = memory_estimate.run(option) if gpus else compile_check.run(option)
