@@ -78,6 +78,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpax import sharding
 from grpax.cli.common import enable_compilation_cache
 from grpax.config import build_config
+from grpax.models import attention as attention_module
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.plan.compile_check import compile_job, model_config
@@ -184,6 +185,7 @@ class Variant:
     head_chunk_min_tokens: int | None = None  # train_step.LOGITS_CHUNK_MIN_TOKENS for an update variant
     xla_paged: bool = False  # the decode's paged attention by XLA's gather where Pallas's kernel would run
     tpu_only: bool = False  # measured on TPUs only (a TPU kernel: elsewhere noted as n/a)
+    flash_block_max: int = 0  # attention.FLASH_BLOCK_MAX for an update variant (attention=flash's blocks)
     optimization_level: str = ""  # XLA's level (jax_optimization_level, O0-O3) of its programs
 
 
@@ -193,6 +195,13 @@ VARIANTS: tuple[Variant, ...] = (
     # Pallas's splash attention kernel in the update (attention=flash): the scores never in HBM (the check's job
     # still needs remat full: minimal 21.5 GiB of temporaries, compiled for a v5e with libtpu)
     Variant("update attention=flash", model=(("attention", "flash"),), tpu_only=True, seconds=60),
+    Variant(
+        "update attention=flash, blocks up to 512",
+        model=(("attention", "flash"),),
+        flash_block_max=512,
+        tpu_only=True,
+        seconds=60,
+    ),  # fmt: skip
     # XLA's optimization level (the key xla_optimization_level): compile seconds against run seconds
     Variant("update at XLA O1", optimization_level="O1", seconds=30),
     Variant("update at XLA O0", optimization_level="O0", seconds=30),
@@ -236,7 +245,9 @@ VARIANTS: tuple[Variant, ...] = (
 )
 # H200 estimates of the other parts (s), from its first run, for the budget.
 PART_SECONDS = {"setup": 10, "update": 30, "profile": 10, "top-k threshold": 5, "decode 1": 45, "decode 4": 45,
-                "decode profile": 20, "grpo step": 40, "memory": 30}  # fmt: skip
+                "decode profile": 20, "grpo step": 40, "memory": 30, "memory bracket": 20}  # fmt: skip
+# The memory bracket's rooms: shares of the update's compiled temporaries left free beside the state.
+BRACKET_ROOMS = (1.03, 1.0, 0.97, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
 def _timed(fn):
@@ -450,13 +461,16 @@ class Check:
                 model_cfg, self.grpo, self.optimizer, cfg.micro_batches, self.schedule
             )
         P, Lp, C = cfg.batch_size, cfg.max_prefill_predict_length, cfg.max_completion_length
+        in_use = (self.devices[0].memory_stats() or {}).get("bytes_in_use")
         with jax.set_mesh(self.mesh):
             batch = sharding.shard_global_batch(self.full_batch(), self.mesh)
             (self.state, metrics), first = _timed(lambda: train_step(self.state, batch))
             (self.state, metrics), second = _timed(lambda: train_step(self.state, batch))
             (self.state, metrics), run = _timed(lambda: train_step(self.state, batch))
+        memory = ""
         if label == "default":
             self.batch = batch
+            memory = self.update_memory(train_step, in_use)
         assert not bool(metrics["nonfinite"]), metrics
         tokens = P * G * (Lp + C)
         figures = dict(
@@ -471,7 +485,22 @@ class Check:
             run_s=run,
             **figures,
             compiles=train_step._cache_size(),
-            note=f"second call {second:.3f} s; remat_policy={model_cfg.remat_policy}, attention={model_cfg.attention}",
+            note=f"second call {second:.3f} s; remat_policy={model_cfg.remat_policy}, attention={model_cfg.attention}"
+            + memory,
+        )
+
+    def update_memory(self, train_step, in_use: int | None) -> str:
+        """The device's peak after the first update (the job's planned peak phase) against the bytes in use
+        before it (the state: params, optimizer state) and the compiled update's temporaries."""
+        peak = (self.devices[0].memory_stats() or {}).get("peak_bytes_in_use")
+        if peak is None or in_use is None:
+            return ""
+        with jax.set_mesh(self.mesh):
+            compiled = train_step.lower(self.state, self.batch).compile()  # compiled already: no compile
+        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        return (
+            f"; peak so far {peak / GIB:.2f} GiB = in use before it {in_use / GIB:.2f} + "
+            f"{(peak - in_use) / GIB:.2f} (its compiled temporaries {temporaries / GIB:.2f})"
         )
 
     def part_profile(self) -> None:
@@ -714,6 +743,42 @@ class Check:
             note=f"measured peak / fit check's peak {peak / max(report.peak, 1):.2f}",
         )
 
+    def part_memory_bracket(self) -> None:
+        """The update's real temporaries measured on the device: the TPU's ``peak_bytes_in_use`` leaves a
+        program's temporaries out (the update part's note: 0.05 GiB above the state for 5.18 GiB compiled), so
+        an array (ballast) leaves the update room for ``BRACKET_ROOMS`` of its compiled temporaries in turn,
+        the largest first, until one runs out of memory: the temporaries it needs lie between that room and the
+        last that ran. The last part: a failed update may have consumed the state it donates."""
+        stats = self.devices[0].memory_stats() or {}
+        limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use")
+        if not limit or in_use is None or getattr(self, "batch", None) is None:
+            self.add("memory bracket", note=f"{self.platform} reports no memory limit")
+            return
+        with jax.set_mesh(self.mesh):
+            compiled = self.train_step.lower(self.state, self.batch).compile()
+        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        ran, failed = None, None
+        for room in BRACKET_ROOMS:
+            ballast_bytes = int(limit - in_use - room * temporaries)
+            ballast = jax.device_put(np.zeros(max(ballast_bytes, 0), np.uint8), self.devices[0])
+            try:
+                with jax.set_mesh(self.mesh):
+                    self.state, _ = jax.block_until_ready(self.train_step(self.state, self.batch))
+                ran = room
+            except Exception as e:  # noqa: BLE001 - the device's out-of-memory error is the measurement
+                failed = f"{room:.2f}" + ("" if "RESOURCE_EXHAUSTED" in str(e) else f" ({type(e).__name__})")
+                break
+            finally:
+                ballast.delete()
+        self.add(
+            "memory bracket",
+            temporaries_gib=temporaries / GIB,
+            in_use_gib=in_use / GIB,
+            limit_gib=limit / GIB,
+            ran_with=ran or 0.0,
+            note=f"the update ran with {ran} of its compiled temporaries' bytes free, not with {failed}",
+        )
+
     def part_variant(self, variant: Variant) -> None:
         """``variant`` beside the default: its decode at its rows (the default's prompts and keys), or its
         update; GPU-only variants elsewhere only have their compiler options checked."""
@@ -731,14 +796,16 @@ class Check:
             self.add(f"variant {variant.name}", note=f"n/a on {self.platform}: a TPU kernel's")
             return
         if not variant.rows:
-            floor = train_step_module.LOGITS_CHUNK_MIN_TOKENS
+            floor, blocks = train_step_module.LOGITS_CHUNK_MIN_TOKENS, attention_module.FLASH_BLOCK_MAX
             if variant.head_chunk_min_tokens is not None:
                 train_step_module.LOGITS_CHUNK_MIN_TOKENS = variant.head_chunk_min_tokens
-            try:  # a new ModelConfig object: a new train step, traced with the variant's chunks
+            attention_module.FLASH_BLOCK_MAX = variant.flash_block_max or blocks
+            try:  # a new ModelConfig object: a new train step, traced with the variant's chunks and blocks
                 with applied(variant):
                     self.part_update(variant.name, dataclasses.replace(self.model_cfg, **dict(variant.model)))
             finally:
                 train_step_module.LOGITS_CHUNK_MIN_TOKENS = floor
+                attention_module.FLASH_BLOCK_MAX = blocks
             return
         sc = dataclasses.replace(self.sampler_cfg, **dict(variant.sampler))
         with applied(variant):
@@ -826,6 +893,7 @@ def main() -> int:
     ]
     chosen = [v for v in VARIANTS if not ONLY_VARIANTS or any(w in v.name for w in ONLY_VARIANTS)]
     parts += [(f"variant {v.name}", v.seconds, lambda v=v: check.part_variant(v)) for v in chosen]
+    parts.append(("memory bracket", PART_SECONDS["memory bracket"], check.part_memory_bracket))
     failed = 0
 
     def write(final: bool) -> str:

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from grpax.errors import ConfigError
+from grpax.models.sharding_rules import MESH_AXES
 from grpax.plan import compile_check, memory_estimate
 from grpax.plan.fit_report import GIB
-from grpax.models.sharding_rules import MESH_AXES
 from grpax.plan.topology import Chip, chip_of, get_topology
 from grpax.rl.train_config import REMAT_ORDER, TrainConfig
 
