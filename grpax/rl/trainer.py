@@ -61,6 +61,7 @@ from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
 from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
+from grpax.rl.teacher import load_teacher
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_run_update, make_update
 from grpax.sampler.engine import SamplerConfig, check_memory_fraction, describe_programs, fixed_programs
@@ -235,8 +236,19 @@ def _train(
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     del params  # LoRA: the policy holds the base
     state, train_step = _init_state(cfg, grpo, trainable, model_cfg, mesh, policy)
+    teacher = None
+    if inputs.teacher_cfg is not None:  # distillation_coef > 0: frozen, loaded once
+        folder = offload_folder(paths.run_dir)
+        teacher = load_teacher(
+            cfg, inputs.teacher_cfg, mesh, folder and folder.with_name(".teacher"), closing
+        )
     placement = dict(
-        mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
+        mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        reference=ref_params,
+        teacher=teacher,
+        teacher_cfg=inputs.teacher_cfg,
+        num_micro_batches=cfg.micro_batches,
     )
     rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
     uses = {"rollout": (cfg.batch_size, cfg.num_generations)}
