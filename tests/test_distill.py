@@ -1,0 +1,217 @@
+"""On-policy distillation: the per-token reverse-KL advantage, its gradient, the keys and their checks."""
+
+import dataclasses
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_smollm2_config
+
+from grpax.checkpoint.orbax import save_params
+from grpax.errors import ConfigError
+from grpax.models.params import init_params
+from grpax.models.registry import ModelConfig, checkpoint_config, to_hf_config
+from grpax.rl.config import GRPOConfig
+from grpax.rl.distill import distillation_advantages
+from grpax.rl.losses import policy_loss
+from grpax.rl.optim import make_lr_schedule, make_optimizer
+from grpax.rl.teacher import read_teacher
+from grpax.rl.train_config import TrainConfig, validate
+from grpax.rl.train_step import TrainState, accumulate_gradients, compute_logprobs, make_train_step
+
+CFG = ModelConfig(
+    vocab_size=61, hidden_dim=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32
+)
+P, C, TEMPERATURE = 5, 6, 0.7
+
+
+def _batch(seed=0):
+    """3 prompts x G = 2 completions (one prompt row per group), one empty completion."""
+    rng = np.random.default_rng(seed)
+    prompt_len, completion_len = np.array([5, 2, 3]), np.array([6, 2, 0, 4, 1, 6])
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
+    completion_mask = (np.arange(C)[None] < completion_len[:, None]).astype(np.int32)
+    return {
+        "prompt_ids": (rng.integers(1, CFG.vocab_size, (3, P)) * prompt_mask).astype(np.int32),
+        "prompt_mask": prompt_mask,
+        "completion_ids": (rng.integers(1, CFG.vocab_size, (6, C)) * completion_mask).astype(np.int32),
+        "completion_mask": completion_mask,
+        "advantages": np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def student():
+    return init_params(CFG, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def teacher_logprobs():
+    """A real teacher's logprobs of the batch's tokens: another random model of the same vocabulary."""
+    return compute_logprobs(init_params(CFG, jax.random.key(1)), _batch(), CFG, TEMPERATURE)
+
+
+def test_the_per_token_advantage_and_loss_are_the_hand_computed_ones():
+    adv = distillation_advantages(jnp.array([1.0, -1.0]), jnp.array([[-1.0, -2.0], [-0.5, 0.0]]),
+                                  jnp.array([[-0.5, -3.0], [-1.5, 7.0]]), 0.5)  # fmt: skip
+    # rkl = [[-0.5, 1.0], [1.0, -7.0]]: A_t = A_i - 0.5 rkl
+    np.testing.assert_allclose(adv, [[1.25, 0.5], [-1.5, 2.5]])
+    grpo = GRPOConfig(beta=0.0, distillation_coef=0.5, loss_agg_mode="token-mean")
+    loss, aux = policy_loss(
+        jnp.array([[-1.0, -2.0], [-0.5, jnp.nan]]),  # padding may hold anything
+        None,
+        None,
+        jnp.array([1.0, -1.0]),
+        jnp.array([[1, 1], [1, 0]]),
+        grpo,
+        teacher_logprobs=jnp.array([[-0.5, -3.0], [-1.5, 7.0]]),
+    )
+    # on-policy the ratio is 1: loss = -mean of the counted tokens' A_t = -(1.25 + 0.5 - 1.5) / 3
+    assert float(loss) == pytest.approx(-0.25 / 3, abs=1e-7)
+    assert float(aux["distill/reverse_kl"]) == pytest.approx((-0.5 + 1.0 + 1.0) / 3, abs=1e-7)
+    assert float(aux["distill/teacher_logprob"]) == pytest.approx((-0.5 - 3.0 - 1.5) / 3, abs=1e-7)
+
+
+@pytest.mark.parametrize("num_micro_batches", [3])  # whole groups of 2 rows, accumulated
+def test_the_gradient_is_the_sampled_reverse_kl_gradient(student, teacher_logprobs, num_micro_batches):
+    """With no reward signal the update's gradient is lambda E[sum_t sg(log pi - log pi_T) grad log pi]: the
+    REINFORCE gradient of lambda KL(pi || pi_T) from the samples, written out here by hand."""
+    coef, batch = 0.7, _batch()
+    batch["advantages"] = np.zeros(6, np.float32)
+    batch["teacher_logprobs"] = teacher_logprobs
+    grpo = GRPOConfig(beta=0.0, distillation_coef=coef, temperature=TEMPERATURE, loss_agg_mode="token-mean")
+    run = jax.jit(
+        functools.partial(accumulate_gradients, cfg=CFG, grpo=grpo, num_micro_batches=num_micro_batches)
+    )
+    _, grads, aux = run(student, batch)
+    mask = jnp.asarray(batch["completion_mask"], jnp.float32)
+
+    def sampled_reverse_kl(params):
+        logp = compute_logprobs(params, batch, CFG, TEMPERATURE)
+        rkl = jax.lax.stop_gradient(logp - teacher_logprobs)
+        return coef * jnp.sum(mask * rkl * logp) / jnp.sum(mask)
+
+    want = jax.grad(sampled_reverse_kl)(student)
+    assert max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want)) > 1e-3  # a real gradient
+    for got, exp in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, exp, atol=1e-6)
+    logp = compute_logprobs(student, batch, CFG, TEMPERATURE)
+    rkl = float(jnp.sum(mask * (logp - teacher_logprobs)) / jnp.sum(mask))
+    assert float(aux["distill/reverse_kl"]) == pytest.approx(rkl, abs=1e-5)
+
+
+def test_in_expectation_the_gradient_is_the_exact_reverse_kl_gradient():
+    """Summed over every token x with weight pi(x), the per-sample gradients give grad KL(pi || pi_T) exactly:
+    GKD's generalised JSD at beta = 1 (TRL's ``generalized_jsd_loss``: KL(student || teacher)), fully on-policy."""
+    z, q = jnp.array([0.3, -1.0, 2.0, 0.5, -0.2, 1.1]), jnp.array([1.0, 0.2, -0.5, 0.9, 0.0, -2.0])
+    logq = jax.nn.log_softmax(q)
+    grpo = GRPOConfig(beta=0.0, distillation_coef=1.0)
+
+    def sample_loss(z, x):
+        logp = jax.nn.log_softmax(z)[x][None, None]
+        loss, _ = policy_loss(
+            logp, None, None, jnp.zeros(1), jnp.ones((1, 1)), grpo, teacher_logprobs=logq[x][None, None]
+        )
+        return loss
+
+    p = jax.nn.softmax(z)
+    expected = sum(p[x] * jax.grad(sample_loss)(z, x) for x in range(6))
+    gkd = jax.grad(lambda z: jnp.sum(jax.nn.softmax(z) * (jax.nn.log_softmax(z) - logq)))(z)
+    assert float(jnp.max(jnp.abs(gkd))) > 0.1
+    np.testing.assert_allclose(expected, gkd, atol=1e-6)
+
+
+def _step(params, grpo, batch):
+    schedule = make_lr_schedule(1e-2, 10, schedule="constant")
+    optimizer = make_optimizer(schedule, 10, weight_decay=0.0)
+    step = make_train_step(CFG, grpo, optimizer, lr_schedule=schedule)
+    copy = jax.tree.map(jnp.copy, params)
+    return step(TrainState(params=copy, opt_state=optimizer.init(copy), step=jnp.zeros((), jnp.int32)), batch)
+
+
+def test_coef_zero_is_grpo_bit_for_bit_and_coef_above_zero_changes_the_update(student, teacher_logprobs):
+    grpo = GRPOConfig(beta=0.0, temperature=TEMPERATURE, max_grad_norm=0.0)
+    with_teacher = {**_batch(), "teacher_logprobs": teacher_logprobs}
+    plain, plain_metrics = _step(student, grpo, _batch())
+    zero, zero_metrics = _step(student, grpo, with_teacher)  # coef 0: the teacher only feeds distill/*
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(zero.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert {
+        k: v for k, v in zero_metrics.items() if not k.startswith("distill/")
+    }.keys() == plain_metrics.keys()
+    for k, v in plain_metrics.items():
+        np.testing.assert_array_equal(zero_metrics[k], v, err_msg=k)
+    assert float(zero_metrics["distill/reverse_kl"]) != 0.0
+    distilled, metrics = _step(student, grpo.replace(distillation_coef=1.0), with_teacher)
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(distilled.params), strict=True)
+    ]
+    assert all(changed) and float(metrics["loss"]) != float(plain_metrics["loss"])
+
+
+def test_distillation_coef_without_its_teacher_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^distillation_coef=0.5 needs teacher_parameters_path=") as e:
+        _validate(distillation_coef=0.5)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"teacher_parameters_path='t'.*set distillation_coef"):
+        _validate(teacher_parameters_path="t")
+    with pytest.raises(ConfigError, match=r"teacher_model_name='smollm2-136m'.*Did you mean"):
+        _validate(distillation_coef=1.0, teacher_parameters_path="t", teacher_model_name="smollm2-136m")
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(ConfigError, match=r"^distillation_coef="):
+            TrainConfig(load_parameters_path="x", distillation_coef=bad)
+
+
+def _validate(**keys):
+    validate(TrainConfig(load_parameters_path="x", **keys))
+
+
+def _checkpoint(folder, cfg, seed=0, tokenizer=True):
+    from grpax.checkpoint.gguf import read_gguf
+    from grpax.data.tokenizer import save_tokenizer
+
+    save_params(init_params(cfg, jax.random.key(seed)), folder / "0" / "items")
+    (folder / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
+    if tokenizer:
+        save_tokenizer(read_gguf().tokenizer(), folder)
+    return folder / "0" / "items"
+
+
+def _keys(student, teacher, **more):
+    return TrainConfig(
+        model_name="", load_parameters_path=str(student), teacher_parameters_path=str(teacher),
+        distillation_coef=1.0, max_target_length=272, **more,
+    )  # fmt: skip
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tiny_checkpoint, tmp_path):
+    other = dataclasses.replace(tiny_smollm2_config(), vocab_size=1024)
+    teacher = _checkpoint(tmp_path / "small_vocab", other, tokenizer=False)
+    cfg = _keys(tiny_checkpoint, teacher)
+    student, source = checkpoint_config(str(tiny_checkpoint))
+    with pytest.raises(ConfigError) as e:
+        read_teacher(cfg, student, source)
+    msg = str(e.value)
+    assert "vocab_size 1024 vs 49152" in msg and str(tmp_path / "small_vocab") in msg
+    assert str(source) in msg and "\n" not in msg
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tiny_checkpoint, tmp_path):
+    teacher = _checkpoint(tmp_path / "swapped", tiny_smollm2_config(), seed=1)
+    path = tmp_path / "swapped" / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (token for token, i in vocab.items() if i in (1000, 1001))  # two ordinary tokens swap their ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(data))
+    student, source = checkpoint_config(str(tiny_checkpoint))
+    with pytest.raises(ConfigError, match="different tokenizers") as e:
+        read_teacher(_keys(tiny_checkpoint, teacher), student, source)
+    assert str(tmp_path / "swapped") in str(e.value)
+    same = _checkpoint(tmp_path / "same", tiny_smollm2_config(), seed=1)
+    assert read_teacher(_keys(tiny_checkpoint, same), student, source).vocab_size == 49152
