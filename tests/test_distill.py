@@ -215,3 +215,67 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tiny_checkpoint, 
     assert str(tmp_path / "swapped") in str(e.value)
     same = _checkpoint(tmp_path / "same", tiny_smollm2_config(), seed=1)
     assert read_teacher(_keys(tiny_checkpoint, same), student, source).vocab_size == 49152
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory):
+    """Another random model of the student's shapes, vocabulary and tokenizer (``tiny_checkpoint``'s)."""
+    return _checkpoint(tmp_path_factory.mktemp("teacher"), tiny_smollm2_config(), seed=1)
+
+
+@pytest.mark.slow
+def test_a_distillation_run_logs_its_metrics_and_resumes_bit_exactly(
+    tiny_checkpoint, tiny_teacher, tmp_path, monkeypatch
+):
+    from conftest import tiny_run_keys
+
+    from grpax.checkpoint.orbax import restore_params
+    from grpax.rl import trainer
+
+    def config(out):
+        keys = tiny_run_keys(
+            tiny_checkpoint,
+            out,
+            teacher_parameters_path=str(tiny_teacher),
+            distillation_coef=1.0,
+            num_test_batches=0,
+        )
+        return TrainConfig(**keys)
+
+    def records(run_dir):
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("time", "compile/", "tokens_per_s"))}
+            for r in lines
+        ]
+
+    full = trainer.train(config(tmp_path / "a"))
+    first = records(tmp_path / "a" / "run")
+    assert len(first) == 3 and all(
+        math.isfinite(r["distill/reverse_kl"]) and r["distill/reverse_kl"] != 0 for r in first
+    )
+    assert all(r["distill/teacher_logprob"] < 0 for r in first)
+    timings = json.loads((tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert timings["time/teacher_s"] > 0
+    assert not (tmp_path / "a" / "run" / ".teacher").exists()  # the mapped copy goes with the run
+
+    real_step, calls = trainer._one_step, {"n": 0}
+
+    def dying_step(*args, **kwargs):  # a Ctrl-C during step 3, after the step-2 checkpoint
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_one_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(config(tmp_path / "b"))
+    monkeypatch.setattr(trainer, "_one_step", real_step)
+    resumed = trainer.train(config(tmp_path / "b"))
+    for a, b in zip(
+        jax.tree.leaves(restore_params(full["actor_path"])),
+        jax.tree.leaves(restore_params(resumed["actor_path"])),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert records(tmp_path / "b" / "run") == first
