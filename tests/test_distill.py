@@ -279,3 +279,53 @@ def test_a_distillation_run_logs_its_metrics_and_resumes_bit_exactly(
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert records(tmp_path / "b" / "run") == first
+
+
+PLAN = dict(
+    model_name="llama3.2-1b-Instruct", batch_size=4, num_generations=4, max_prefill_predict_length=128,
+    max_target_length=384, beta=0.04, weight_dtype="bfloat16", dtype="bfloat16", remat_policy="full",
+    num_batches=10, reference_memory="device",
+)  # fmt: skip
+
+
+def test_the_memory_plan_holds_the_teacher_and_the_step_count_its_pass():
+    """llama3.1-8b-Instruct teaching llama3.2-1b-Instruct on one H200: the teacher's params (bfloat16, as the
+    forward reads them) resident beside the student's, its pass's temporaries a phase, its forward in the count."""
+    from grpax.config import build_config
+    from grpax.models.registry import get_model_config
+    from grpax.plan.memory_estimate import GPUS, estimate_job
+    from grpax.plan.step_cost import grouped_forward_flops
+
+    def plan(**keys):
+        return estimate_job(
+            build_config(TrainConfig, [f"{k}={v}" for k, v in {**PLAN, **keys}.items()]),
+            GPUS["h200"],
+            1,
+            "h200-1",
+        )
+
+    alone = plan()
+    taught = plan(distillation_coef=1.0, teacher_model_name="llama3.1-8b-Instruct")
+    teacher = get_model_config("llama3.1-8b-Instruct")
+    assert taught.resident["teacher params"] == teacher.num_params() * 2  # 16.06 GB in bfloat16
+    assert {k: v for k, v in taught.resident.items() if k != "teacher params"} == alone.resident
+    assert taught.peak >= alone.peak + teacher.num_params() * 2
+    assert taught.phases["teacher logprobs"] > alone.phases["reference logprobs"]  # the 8B's temporaries
+    names = [p.name for p in taught.flops]
+    assert names[-2:] == ["teacher logprobs", "update"] and "teacher logprobs" not in [
+        p.name for p in alone.flops
+    ]
+    shape = build_job_shape(PLAN)
+    assert taught.flops[-2].flops == pytest.approx(sum(grouped_forward_flops(teacher, shape)))
+    with pytest.raises(
+        ConfigError,
+        match=r"the teacher qwen3-8b and the student llama3.2-1b-Instruct .*\(vocab_size 151936 vs 128256\)",
+    ):
+        plan(distillation_coef=1.0, teacher_model_name="qwen3-8b")
+
+
+def build_job_shape(keys):
+    from grpax.plan.step_cost import StepShape
+
+    P, C = keys["max_prefill_predict_length"], keys["max_target_length"] - keys["max_prefill_predict_length"]
+    return StepShape(keys["batch_size"], keys["num_generations"], P, C, 1, 1, True, False, 0)

@@ -100,7 +100,8 @@ def _check_name(teacher: ModelConfig, name: str, source: Path) -> None:
 
 def _describe(cfg: ModelConfig, source: Any) -> str:
     names = registered_names_of(cfg)
-    return f"{names[0] if names else cfg.family} ({source})"
+    name = names[0] if names else cfg.family
+    return f"{name} ({source})" if source else name
 
 
 def check_same_vocabulary(
@@ -113,11 +114,11 @@ def check_same_vocabulary(
       ConfigError: one line naming both models and the fix.
     """
     both = f"the teacher {_describe(teacher, teacher_source)} and the student {_describe(student, source)}"
-    fix = "a teacher of the student's tokenizer (another size of the same family)"
+    fix = "pass a teacher of the student's tokenizer (another size of its family) as teacher_parameters_path"
     if teacher.vocab_size != student.vocab_size:
         raise ConfigError(
             f"{both} have different vocabularies (vocab_size {teacher.vocab_size} vs {student.vocab_size}): "
-            f"distillation scores the student's tokens under the teacher; pass teacher_parameters_path= of {fix}"
+            f"distillation scores the student's tokens under the teacher; {fix}"
         )
     folders = [Path(teacher_source).parent, Path(source).parent] if teacher_source and source else []
     if (
@@ -129,7 +130,7 @@ def check_same_vocabulary(
     if load_tokenizer(folders[0]).get_vocab() != load_tokenizer(folders[1]).get_vocab():
         raise ConfigError(
             f"{both} have different tokenizers (their tokenizer.json map tokens to other ids): distillation "
-            f"scores the student's tokens under the teacher; pass teacher_parameters_path= of {fix}"
+            f"scores the student's tokens under the teacher; {fix}"
         )
 
 
