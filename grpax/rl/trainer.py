@@ -5,9 +5,9 @@ data and reward functions), samples ``num_generations`` (G) completions of each 
 trainer's own parameters (no copy; LoRA: the merged weights; ``max_staleness`` >= 1: a copy per version, sampled
 ahead in ``grpax.rl.ahead``'s thread; ``environment``: multi-turn, ``grpax.rl.multi_turn``), scores them with the task's reward functions (DAPO's dynamic sampling and
 overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the
-completions under the frozen reference model (when beta > 0) and
-applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
-eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
+completions under the frozen reference model (when beta > 0) and, for on-policy distillation
+(``distillation_coef`` > 0), under a frozen teacher (``grpax.rl.teacher``, ``grpax.rl.distill``), and applies
+``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024, eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
 steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
 data-iterator position and RNG seed.
 
