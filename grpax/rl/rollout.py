@@ -9,9 +9,9 @@ scores them with the task (``scorer``), adds DAPO's
 overlong punishment, refills zero-std groups from more prompt batches (DAPO dynamic sampling,
 ``grpax.rl.dapo``), turns the rewards into group-relative advantages (``grpax.rl.advantages``), places the
 batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0), a distillation teacher's
-(``distillation_coef`` > 0, ``grpax.rl.distill``) and, where the update's ratio
-needs them (``GRPOConfig.needs_old_logprobs``), the sampling params' own ``old_logprobs``. ``num_generations`` is handled here and nowhere else in the step:
-the sampler returns each prompt once, the batch holds one prompt row per group.
+(``distillation_coef`` > 0, ``grpax.rl.distill``) and, where the update's ratio needs them
+(``GRPOConfig.needs_old_logprobs``), the sampling params' own ``old_logprobs``. ``num_generations`` is handled
+here and nowhere else in the step: the sampler returns each prompt once, the batch holds one prompt row per group.
 
 The shape follows Tunix's ``BaseRollout`` (``update_params``, ``generate``, ``get_per_token_logps``) and
 its ``TrainExample``; the trainer's loop is ``batch = rollout(rows, key); state, metrics = update(state, batch)``.
@@ -364,8 +364,9 @@ class Rollout:
     def _logprobs(
         self, batch: Batch, versions: np.ndarray | None = None, version: int | None = None
     ) -> Batch:
-        """The reference's logprobs (beta > 0), the teacher's (``distillation_coef`` > 0) and, where ``GRPOConfig.needs_old_logprobs``, the sampling
-        params' own (pi_old of the clipped ratio): each token's under the version that sampled it
+        """The reference's logprobs (beta > 0), the teacher's (``distillation_coef`` > 0) and, where
+        ``GRPOConfig.needs_old_logprobs``, the sampling params' own (pi_old of the clipped ratio): each token's
+        under the version that sampled it
         (``versions`` int32 [B, C], -1 where masked; a kept engine's batch may hold two), else ``self.params``'."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         replay = self.grpo.router_replay == "replay"  # a mixture of experts routed by the sampler's routing
