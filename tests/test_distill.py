@@ -392,3 +392,38 @@ def test_pure_distillation_lowers_the_students_reverse_kl_to_the_teacher():
         state, metrics = update(state, batch)
         assert math.isfinite(float(metrics["distill/reverse_kl"]))
     assert np.all(np.diff(kls) < 0) and kls[-1] < 0.7 * kls[0], kls
+
+
+def test_compile_topology_compiles_the_teachers_pass_beside_the_students(tmp_path, capsys, monkeypatch):
+    """A 4-layer teacher of a 2-layer student's vocabulary on v5e:2x2: its params (fsdp=4, float32, rounded as
+    read: float32 compute) are a resident row counted by hand, its logprob pass a compiled program and a counted
+    phase of the step."""
+    import re
+
+    from grpax.cli.main import main
+
+    pytest.importorskip("libtpu", reason="the tpu extra brings libtpu")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    student = ModelConfig(vocab_size=512, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                          mlp_dim=128, eos_token_ids=(1,))  # fmt: skip
+    teacher = dataclasses.replace(student, num_layers=4)
+    for name, cfg in (("student", student), ("teacher", teacher)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(to_hf_config(cfg, "float32")))
+    keys = dict(model_name="", load_parameters_path=tmp_path / "student", compile_topology="v5e:2x2", batch_size=4,
+                num_generations=2, max_prefill_predict_length=32, max_target_length=64, hardware="tpu",
+                distillation_coef=1.0, teacher_parameters_path=tmp_path / "teacher", beta=0.0)  # fmt: skip
+    assert main(["train_rl", *(f"{k}={v}" for k, v in keys.items())]) == 0
+    out = capsys.readouterr().out
+
+    def row(name):
+        match = re.search(rf"^  {re.escape(name)}\s+[\d.]+ GiB\s+([\d,]+) bytes$", out, re.M)
+        assert match, f"no row {name!r} in:\n{out}"
+        return int(match.group(1).replace(",", ""))
+
+    V, D, L, N, K, H, F = 512, 64, 4, 4, 2, 16, 128
+    matrices = 2 * V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+    assert row("teacher params") == 4 * (matrices // 4 + L * 2 * D + D)  # float32, each matrix split 4 ways
+    assert row("teacher logprobs temporaries") > 0
+    assert re.search(r"^  teacher logprobs +[\d.]+ TFLOP", out, re.M), out
