@@ -51,6 +51,7 @@ from grpax.plan.step_cost import Phase, StepShape, step_phases
 from grpax.plan.topology import chip_of, get_topology
 from grpax.rl.batch import Batch
 from grpax.rl.policy import merge_adapters, sampler_mode
+from grpax.rl.teacher import check_same_vocabulary, teacher_name
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
 from grpax.sampler import engine
@@ -91,6 +92,29 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def teacher_model_config(cfg: TrainConfig) -> ModelConfig | None:
+    """The distillation teacher's model (``distillation_coef`` > 0), as ``model_config`` reads the student's: its
+    checkpoint's config.json, else the registered ``teacher_model_name`` (default ``model_name``); else None."""
+    if cfg.distillation_coef <= 0:
+        return None
+    found = find_hf_config(cfg.teacher_parameters_path) if cfg.teacher_parameters_path else None
+    if found is not None:
+        return load_hf_config(found, **cfg.model_keys())
+    if not teacher_name(cfg):
+        raise ConfigError(
+            "compile_topology with distillation_coef > 0 needs the teacher's shapes: pass teacher_model_name=<a "
+            "registered model> or the teacher_parameters_path of a converted checkpoint"
+        )
+    return get_model_config(teacher_name(cfg), **cfg.model_keys())
+
+
+def abstract_teacher(teacher_cfg: ModelConfig, mesh):
+    """The teacher's params as the trainer holds them (``grpax.rl.teacher.load_teacher``): placed by the rules
+    table, rounded as the forward reads them."""
+    params = _abstract(abstract_params(teacher_cfg), sharding.param_shardings(teacher_cfg, mesh))
+    return round_as_read(params, teacher_cfg)
+
+
 def _batch(cfg: TrainConfig, mesh, with_ref: bool, model_cfg: ModelConfig | None = None) -> Batch:
     """The update's batch as the trainer's ``Rollout`` builds it, at the longest prompt bucket (with a mixture of
     experts' recorded routing under ``router_replay``)."""
@@ -105,6 +129,7 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool, model_cfg: ModelConfig | None
         cfg.max_completion_length,
         with_ref=with_ref,
         with_old=cfg.needs_old_logprobs,
+        with_teacher=cfg.distillation_coef > 0,
         sharding_of=placed,
         routes=routes,
     )
@@ -212,6 +237,8 @@ class Job:
     )
     num_pages: int = 0  # pages in that pool (``engine.pool_pages``), of ``sampler_cfg.page_size`` tokens
     sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
+    teacher: Any = None  # distillation_coef > 0: the teacher's params as the trainer holds them
+    teacher_cfg: ModelConfig | None = None  # its model
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -302,6 +329,14 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
     resident, reference, merged_copy = _resident(cfg, model_cfg, params, base, trainable, opt_state, sampler)
+    teacher_cfg = teacher_model_config(cfg)
+    if (
+        teacher_cfg is not None
+    ):  # the registered names' vocabularies (the checkpoints' are checked by the run)
+        check_same_vocabulary(teacher_cfg, None, model_cfg, None)
+    teacher = None if teacher_cfg is None else abstract_teacher(teacher_cfg, mesh)
+    if teacher is not None:  # on the devices for the whole run (a CPU host maps it, but plans are for chips)
+        resident["teacher params"] = per_chip_bytes(teacher)
     # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
     # the base with its adapters.
     sampled = params if sampler != "adapters" else lora_lib.apply(base, trainable, lora)
@@ -337,7 +372,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         TrainState(params=trainable, opt_state=opt_state, step=step), _batch(cfg, mesh, with_ref, model_cfg), rollout_params,
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
-        reference is not None and cfg.reference_on_host, train_step, num_pages, backend,
+        reference is not None and cfg.reference_on_host, train_step, num_pages, backend, teacher, teacher_cfg,
     )  # fmt: skip
 
 
@@ -403,7 +438,7 @@ def step_count(
     mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
     phases = step_phases(
         job.model_cfg, job.shape, num_chips, mesh["tensor"], rollout["tensor"], rollout["data"], peak_flops,
-        bandwidth, trainer_expert=mesh["expert"], rollout_expert=rollout["expert"],
+        bandwidth, trainer_expert=mesh["expert"], rollout_expert=rollout["expert"], teacher=job.teacher_cfg,
     )  # fmt: skip
     if job.reference_on_host:
         copied = per_chip_bytes(job.reference)
@@ -446,6 +481,7 @@ def compile_job(
     with jax.set_mesh(job.mesh):
         _compile_update(job, len(devices), functions, phases)
         _compile_reference(job, len(devices), functions, phases)
+        _compile_teacher(job, len(devices), functions, phases)
     _compile_sampler(job, len(devices), functions, phases)
     if evaluation:
         _compile_evaluation(job, len(devices))
@@ -511,6 +547,19 @@ def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
     # reference in host memory is on the devices for this pass only.
     resident = 0 if job.reference_on_host else per_chip_bytes(read)
     phases["reference logprobs"] = job.merged_copy + _extra(c, resident)
+
+
+def _compile_teacher(job: Job, n: int, functions: dict, phases: dict) -> None:
+    """The distillation teacher's logprob pass (``token_logprobs`` of its model), where the run has a teacher."""
+    if job.teacher is None:
+        return
+    cfg = job.cfg
+    c, _ = _compile(
+        "the teacher logprobs", n, token_logprobs, job.teacher, job.batch.tokens(), job.teacher_cfg,
+        cfg.temperature, cfg.micro_batches,
+    )  # fmt: skip
+    functions["teacher logprobs"] = c
+    phases["teacher logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(job.teacher))
 
 
 def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:

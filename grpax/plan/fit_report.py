@@ -120,7 +120,7 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
             f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
         )
     out += _expert_suggestions(cfg, report, num_chips, phase)
-    if phase in ("update", "reference logprobs"):
+    if phase in ("update", "reference logprobs", "teacher logprobs"):
         prompts = cfg.batch_size // cfg.micro_batches
         if prompts > 1:
             fit = _divisor_at_most(cfg.batch_size, prompts * room)

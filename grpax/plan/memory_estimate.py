@@ -189,6 +189,10 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         estimates.append(("merge", _merge_temporaries(job)))
     if job.shape.with_reference or job.shape.with_old_logprobs:
         estimates.append(("reference logprobs", reference))
+    if job.teacher is not None:  # the reference pass's temporaries of the teacher's model and params
+        as_teacher = dataclasses.replace(job, model_cfg=job.teacher_cfg, reference=job.teacher)
+        teacher = _trainer_temporaries(cfg, as_teacher, ici[0] * ici[1] * ici[3], ici[2], ici[3])[1]
+        estimates.append(("teacher logprobs", teacher))
     estimates += [("prefill", prefill), ("decode", decode)]
     functions = {name: Compiled(name, 0, 0, 0, int(b), 0.0) for name, b in estimates}
     batch = sharding.per_chip_bytes(job.batch)
@@ -202,6 +206,8 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
         phases["merge"] = int(job.merged_copy + functions["merge"].temporaries)
     if "reference logprobs" in functions:
         phases["reference logprobs"] = int(job.merged_copy + copied + reference + batch)
+    if "teacher logprobs" in functions:
+        phases["teacher logprobs"] = int(job.merged_copy + functions["teacher logprobs"].temporaries + batch)
     flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
     report = Report(
         target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,

@@ -13,8 +13,8 @@ up to C steps), so its figures are low by factors of L, M and C. The count follo
   count that holds it), reads the weights once, and reads the pages its attention reads: where it gathers them
   (XLA), every slot's page table cut to the longest sequence's pages at the call's end rounded up to
   ``decode_phase_length`` (``gathered_width``); Pallas's ragged kernel (TPU), each sequence's filled pages;
-* reference / old logprobs: ``forward_grouped`` (each prompt once, its G completions on top) + the vocabulary
-  projection of the completion tokens;
+* reference / old / teacher logprobs: ``forward_grouped`` (each prompt once, its G completions on top) + the
+  vocabulary projection of the completion tokens (a distillation teacher's: of its own sizes);
 * update: forward + backward (2x forward) of the same, + one more forward of the layers with
   ``remat_policy=full`` or ``custom`` (what custom keeps is not recomputed: an upper bound) and of the vocabulary
   projection (it is always rematerialised).
@@ -125,6 +125,7 @@ def step_phases(
     *,
     trainer_expert: int = 1,
     rollout_expert: int = 1,
+    teacher: ModelConfig | None = None,
 ) -> list[Phase]:
     """The phases of one GRPO step (rollout, reference, old logprobs, update) with their roofline seconds.
 
@@ -137,6 +138,9 @@ def step_phases(
         rollout_data: the sampler mesh's tensor and data axes; trainer_expert, rollout_expert: the meshes'
         expert axes (each chip reads its own experts; the sampler's rows and cache split on it too).
       peak_flops: FLOP/s per chip; hbm_bandwidth: bytes/s per chip.
+      teacher: a distillation teacher's model: its logprob pass (``forward_grouped`` + the completion tokens'
+        vocabulary projection of its own sizes, its weights read rounded to its compute dtype) after the
+        reference's.
     """
     roof = _Roofline(num_chips, peak_flops, hbm_bandwidth)
     weights = _weights_per_chip(cfg, BYTES[cfg.weight_dtype], rollout_tensor, rollout_expert)
@@ -150,6 +154,11 @@ def step_phases(
     prefill += 2.0 * cfg.hidden_dim * cfg.vocab_size * s.num_prompts
     prefill += (2.0 * s.adapter_params if s.sampler_adapters else 0.0) * s.num_prompts * P
     training = _training_phases(cfg, s, roof, trainer_tensor, trainer_expert)
+    if teacher is not None:  # after the reference and pi_old passes, before the updates
+        itemsize = min(BYTES[teacher.weight_dtype], BYTES[teacher.dtype])
+        read = s.num_micro_batches * _weights_per_chip(teacher, itemsize, trainer_tensor, trainer_expert)
+        pass_phase = roof.phase("teacher logprobs", sum(grouped_forward_flops(teacher, s)), read)
+        training.insert(len(training) - s.num_iterations, pass_phase)
     merge = [p for p in training if p.name == "merge"]  # LoRA's merged sampler: before the rollout
     rollout = [
         roof.phase("prefill", prefill, weights + adapter_bytes / rollout_tensor),

@@ -17,6 +17,8 @@ answers prompt r // G). Shapes and dtypes:
   ref_logprobs      float32 [B, C]   the frozen reference's, or None (required when beta > 0)
   old_logprobs      float32 [B, C]   the trainer's own of the sampling params (num_iterations > 1), or None:
                                      on-policy the ratio is exp(logp - stop_gradient(logp)) = 1
+  teacher_logprobs  float32 [B, C]   a distillation teacher's (``distillation_coef`` > 0, ``grpax.rl.distill``),
+                                     or None
   routed_experts    int8/16 [B, C, L, k]   a mixture of experts' routing as the sampler ran it
                                      (``router_replay``): the k experts of completion token t (as an input) in each
                                      of the L layers; the last token, never fed back, holds 0s; or None
@@ -45,7 +47,8 @@ TOKEN_FIELDS = (*PROMPT_FIELDS, "completion_ids", "completion_mask", "routed_exp
 ROUTE_FIELDS = ("prompt_routed_experts", "routed_experts")
 # The fields with a completion axis [B, C].
 COMPLETION_FIELDS = (
-    "completion_ids", "completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "routed_experts"
+    "completion_ids", "completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "routed_experts",
+    "teacher_logprobs",
 )  # fmt: skip
 # The shortest completion bucket (tokens): the update and the reference pass run on the batch's longest
 # completion rounded up to this times a power of two (``completion_bucket``).
@@ -155,6 +158,7 @@ class Batch:
     old_logprobs: Any = None
     routed_experts: Any = None
     prompt_routed_experts: Any = None
+    teacher_logprobs: Any = None
     host: RolloutInfo | None = flax.struct.field(pytree_node=False, default=None)
 
     @staticmethod
@@ -191,7 +195,13 @@ class Batch:
             **kept,
         )
 
-    def check(self, beta: float, mask_truncated_completions: bool, rollout_correction: bool = False) -> None:
+    def check(
+        self,
+        beta: float,
+        mask_truncated_completions: bool,
+        rollout_correction: bool = False,
+        distillation: bool = False,
+    ) -> None:
         """The one structural check of the update's input.
 
         Raises:
@@ -202,6 +212,10 @@ class Batch:
                 raise ValueError(f"the train batch has no '{name}'")
         if beta > 0 and self.ref_logprobs is None:
             raise ValueError(f"beta={beta} needs the batch's ref_logprobs (from the frozen reference model)")
+        if distillation and self.teacher_logprobs is None:
+            raise ValueError(
+                "distillation_coef > 0 needs the batch's teacher_logprobs (from the teacher model)"
+            )
         if mask_truncated_completions and self.truncated is None:
             raise ValueError("mask_truncated_completions=True needs the batch's truncated bool [B]")
         if rollout_correction and self.rollout_logprobs is None:
@@ -215,7 +229,13 @@ class Batch:
                 "it needs one prompt row per group of num_generations completions"
             )
         C = self.completion_ids.shape[1]
-        for name in ("completion_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs"):
+        for name in (
+            "completion_mask",
+            "rollout_logprobs",
+            "ref_logprobs",
+            "old_logprobs",
+            "teacher_logprobs",
+        ):
             x = getattr(self, name)
             if x is not None and tuple(x.shape) != (B, C):
                 raise ValueError(f"the train batch's {name} is {tuple(x.shape)}, not [{B}, {C}]")
@@ -291,13 +311,15 @@ class Batch:
         *,
         with_ref: bool,
         with_old: bool,
+        with_teacher: bool = False,
         sharding_of=None,
         routes: tuple[int, int, Any] | None = None,
     ) -> Batch:
         """The ``ShapeDtypeStruct``s of the batch the trainer builds (what ``compile_topology`` compiles).
 
         ``sharding_of(shape) -> Sharding`` places each field (None: no sharding); rollout_logprobs and
-        truncated are always present, as the trainer's batches carry them; ``routes`` (L, k, dtype): the
+        truncated are always present, as the trainer's batches carry them; ``with_teacher``: teacher_logprobs
+        (``distillation_coef`` > 0); ``routes`` (L, k, dtype): the
         routing fields of a mixture of experts' recorded routing (``router_replay``).
         """
         B, Lp, C = num_prompts * num_generations, prompt_length, completion_length
@@ -325,5 +347,6 @@ class Batch:
             truncated=spec((B,), jnp.bool_),
             ref_logprobs=spec((B, C), jnp.float32) if with_ref else None,
             old_logprobs=spec((B, C), jnp.float32) if with_old else None,
+            teacher_logprobs=spec((B, C), jnp.float32) if with_teacher else None,
             **routed,
         )

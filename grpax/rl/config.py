@@ -9,9 +9,10 @@ Variants are selected by keys rather than classes: DAPO (Yu et al. 2025) clip-hi
 ``loss_agg_mode="token-mean"``; Dr. GRPO (Liu et al. 2025) ``scale_rewards="none"`` and
 ``loss_agg_mode="sequence-mean-token-sum-norm"``; GSPO (Zheng et al. 2025) ``importance_sampling_level=
 "sequence"``; CISPO (MiniMax 2025) ``loss_type="cispo"``; RLOO's leave-one-out baseline
-``adv_estimator="rloo"``. Rollout correction (``vllm_importance_sampling_*``, ``grpax.rl.correction``) weights
-each token's loss by the trainer / sampler probability ratio. ``docs/algorithm.md`` explains the defaults and
-where they differ from MaxText's ``rl.yml``.
+``adv_estimator="rloo"``; on-policy distillation (a teacher's per-token reverse KL in the advantage,
+``grpax.rl.distill``) ``distillation_coef``. Rollout correction (``vllm_importance_sampling_*``,
+``grpax.rl.correction``) weights each token's loss by the trainer / sampler probability ratio.
+``docs/algorithm.md`` explains the defaults and where they differ from MaxText's ``rl.yml``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class GRPOConfig:
     )
     num_iterations: int = field(1, "mu: policy updates per sampled batch (1 = on-policy, ratio r == 1)")
     beta: float = field(0.04, "beta: KL coefficient in the GRPO objective; 0 skips the reference model")
+    distillation_coef: float = field(
+        0.0,
+        "lambda of on-policy distillation (Thinking Machines 2025; MiniLLM's reverse KL): each completion token's "
+        "advantage gains -lambda (log pi_old - log pi_teacher) of the sampled token (teacher_parameters_path); "
+        "0 = GRPO as without a teacher (docs/algorithm.md, 'On-policy distillation')",
+    )
     epsilon: float = field(0.2, "eps: lower clip range, the ratio is clipped at 1 - eps")
     epsilon_high: float | None = field(
         None, "eps_high: upper clip range, 1 + eps_high (DAPO clip-higher); None = epsilon"
@@ -308,6 +315,7 @@ def _validate_numbers(cfg: GRPOConfig) -> None:
         "end_lr_ratio": (at_least_0, "the final learning rate's fraction"),
         "warmup_ratio": (in_0_1, "e.g. 0.1"),
         "load_balance_loss_weight": (at_least_0, "the auxiliary loss's coefficient, e.g. 0.01; 0 = off"),
+        "distillation_coef": (at_least_0, "the reverse-KL advantage's weight, e.g. 1.0; 0 = GRPO alone"),
     }
     for key, ((expected, ok), meaning) in ranges.items():
         value = getattr(cfg, key)

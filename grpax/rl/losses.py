@@ -5,6 +5,9 @@ Per token t of completion i (DeepSeekMath, Shao et al. 2024, eq. 3; PPO, Schulma
     r_it   = exp(logp_it - old_logp_it)                       importance ratio (1 when num_iterations == 1)
     l_it   = -min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i) + beta KL_it
 
+With a distillation teacher (``distillation_coef`` > 0, ``grpax.rl.distill``) A_i becomes a per-token
+A_it = A_i - lambda (log pi_old(o_it) - log pi_T(o_it)), the rest unchanged.
+
 ``epsilon_high`` > ``epsilon`` is DAPO's clip-higher (Yu et al. 2025). With ``importance_sampling_level=
 "sequence"`` (GSPO, Zheng et al. 2025) every token of row i uses the sequence ratio
 exp(mean_t(logp_it - old_logp_it)) instead of its own.
@@ -46,6 +49,7 @@ import jax.numpy as jnp
 
 from grpax.rl.config import LOSS_AGG_MODES, GRPOConfig
 from grpax.rl.correction import importance_weights
+from grpax.rl.distill import distillation_advantages, reverse_kl
 
 # log rho is clamped here for k3 only, so one token with an absurd ratio gives a large (e^20 ~ 5e8) but finite
 # penalty instead of inf; inside [-20, 20] the estimator and its gradient are exact.
@@ -176,6 +180,7 @@ def policy_loss(
     normalizer: jax.Array | float | None = None,
     truncated: jax.Array | None = None,
     rollout_logprobs: jax.Array | None = None,
+    teacher_logprobs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (negated objective) of a batch or micro-batch.
 
@@ -196,6 +201,8 @@ def policy_loss(
       normalizer: the full batch's ``loss_normalizer`` when this is one micro-batch of it; None = this batch.
       truncated: bool [B], rows that hit the length limit (needed with ``mask_truncated_completions``).
       rollout_logprobs: float32 [B, T] log mu of the sampler (the behaviour policy), or None.
+      teacher_logprobs: float32 [B, T] log pi_T of a distillation teacher, or None: each token's advantage is
+        then A_i - distillation_coef (log pi_old - log pi_T) (``grpax.rl.distill``).
 
     Returns:
       (loss float32 scalar, aux) where aux holds float32 scalars averaged over this batch's counted tokens:
@@ -204,7 +211,8 @@ def policy_loss(
       ``clip_region_frac`` (either: tokens that get no gradient from the surrogate; with CISPO the tokens
       whose weight was clipped, whatever the sign of A: their gradient is scaled, never removed), and
       ``num_tokens``; with ``rollout_logprobs`` also ``importance_weights``'s ``mismatch/is_*`` statistics of
-      w = pi_old / mu (truncated and masked fractions 0 when the correction is off).
+      w = pi_old / mu (truncated and masked fractions 0 when the correction is off); with ``teacher_logprobs``
+      also ``distill/reverse_kl`` (the mean of log pi_old - log pi_T) and ``distill/teacher_logprob``.
 
     Raises:
       ValueError: beta > 0 without ref_logprobs, mask_truncated_completions without ``truncated``, or the
@@ -228,7 +236,15 @@ def policy_loss(
         old_logprobs = jax.lax.stop_gradient(logprobs)
     old_logprobs = jnp.where(bmask, old_logprobs.astype(jnp.float32), 0.0)
     ratio = _ratio(logprobs, old_logprobs, mask, grpo.importance_sampling_level)
-    adv = advantages.astype(jnp.float32)[:, None]
+    adv, distill = advantages.astype(jnp.float32)[:, None], {}
+    if teacher_logprobs is not None:
+        teacher_logprobs = jnp.where(bmask, teacher_logprobs.astype(jnp.float32), 0.0)
+        if grpo.distillation_coef > 0:  # [B] -> [B, T]; at 0 the advantages stay GRPO's bit for bit
+            adv = distillation_advantages(advantages, old_logprobs, teacher_logprobs, grpo.distillation_coef)
+        distill = {
+            "distill/reverse_kl": _masked_mean(reverse_kl(old_logprobs, teacher_logprobs), bmask),
+            "distill/teacher_logprob": _masked_mean(teacher_logprobs, bmask),
+        }
     surrogate, clipped_low, clipped_high = _surrogate(ratio, adv, logprobs, grpo)
     correction = {}
     if rollout_logprobs is not None:
@@ -249,6 +265,7 @@ def policy_loss(
         "clip_region_frac": _masked_mean((clipped_low | clipped_high).astype(jnp.float32), bmask),
         "num_tokens": jnp.sum(mask),
         **correction,
+        **distill,
     }
     return aggregate(per_token), {k: jax.lax.stop_gradient(v) for k, v in aux.items()}
 

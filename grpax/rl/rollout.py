@@ -8,9 +8,10 @@ between decode calls; on the sampler's mesh, the weights resharded when its layo
 scores them with the task (``scorer``), adds DAPO's
 overlong punishment, refills zero-std groups from more prompt batches (DAPO dynamic sampling,
 ``grpax.rl.dapo``), turns the rewards into group-relative advantages (``grpax.rl.advantages``), places the
-batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0) and, where the update's ratio
-needs them (``GRPOConfig.needs_old_logprobs``), the sampling params' own ``old_logprobs``. ``num_generations`` is handled here and nowhere else in the step:
-the sampler returns each prompt once, the batch holds one prompt row per group.
+batch on the trainer's mesh and adds the frozen reference's logprobs (beta > 0), a distillation teacher's
+(``distillation_coef`` > 0, ``grpax.rl.distill``) and, where the update's ratio needs them
+(``GRPOConfig.needs_old_logprobs``), the sampling params' own ``old_logprobs``. ``num_generations`` is handled
+here and nowhere else in the step: the sampler returns each prompt once, the batch holds one prompt row per group.
 
 The shape follows Tunix's ``BaseRollout`` (``update_params``, ``generate``, ``get_per_token_logps``) and
 its ``TrainExample``; the trainer's loop is ``batch = rollout(rows, key); state, metrics = update(state, batch)``.
@@ -88,6 +89,8 @@ class Rollout:
       rollout_mesh: the sampler's mesh; when its layout differs from the trainer's the weights are resharded
         once per rollout (``time/reshard_s``), otherwise the sampler reads the trainer's arrays.
       reference: the frozen reference params (a tree or ``FrozenParams``), or None (beta == 0).
+      teacher: a distillation teacher's frozen params (a tree or ``FrozenParams``; ``distillation_coef`` > 0),
+        or None; its model is ``teacher_cfg`` (default ``model_cfg``), of the student's vocabulary.
       num_micro_batches: blocks of the reference / old logprob passes (memory).
       min_completion_bucket: the batch's completion axis is cut to its longest completion rounded up to this
         many tokens times a power of two (``grpax.rl.batch.completion_bucket``), so the reference pass and the
@@ -104,6 +107,8 @@ class Rollout:
         mesh: jax.sharding.Mesh | None = None,
         rollout_mesh: jax.sharding.Mesh | None = None,
         reference: Any = None,
+        teacher: Any = None,
+        teacher_cfg: ModelConfig | None = None,
         num_micro_batches: int = 1,
         min_completion_bucket: int = MIN_COMPLETION_BUCKET,
     ):
@@ -111,7 +116,10 @@ class Rollout:
         self.mesh, self.rollout_mesh = mesh, rollout_mesh
         if reference is not None and not isinstance(reference, FrozenParams):
             reference = FrozenParams(reference)
+        if teacher is not None and not isinstance(teacher, FrozenParams):
+            teacher = FrozenParams(teacher)
         self.reference, self.num_micro_batches = reference, num_micro_batches
+        self.teacher, self.teacher_cfg = teacher, teacher_cfg or model_cfg
         self.min_completion_bucket = min_completion_bucket
         self.params: Any = None
         self.version = 0
@@ -171,6 +179,8 @@ class Rollout:
         version = self.version  # the batch's first tokens'; a kept engine's tail may sample with later ones
         t_start = time.perf_counter()
         self._times = {"time/rollout_s": 0.0, "time/reshard_s": 0.0}
+        if self.teacher is not None:
+            self._times["time/teacher_s"] = 0.0
         self._rounds: list[GenerateOutput] = []  # every sampling round's output (dynamic sampling: several)
         self._on_tail = on_tail
         out, scores, correct = self._sample(rows, key)
@@ -211,8 +221,11 @@ class Rollout:
         info.timings = {
             **self._times,
             "time/rewards_s": t_scored - t_start - self._times["time/rollout_s"],
-            "time/reference_s": time.perf_counter() - t_scored,
         }
+        # the reference's and pi_old's passes; the teacher's is time/teacher_s
+        info.timings["time/reference_s"] = (
+            time.perf_counter() - t_scored - self._times.get("time/teacher_s", 0.0)
+        )
         return batch.replace(host=info)
 
     def _sampler_params(self) -> Any:
@@ -351,8 +364,9 @@ class Rollout:
     def _logprobs(
         self, batch: Batch, versions: np.ndarray | None = None, version: int | None = None
     ) -> Batch:
-        """The reference's logprobs (beta > 0) and, where ``GRPOConfig.needs_old_logprobs``, the sampling
-        params' own (pi_old of the clipped ratio): each token's under the version that sampled it
+        """The reference's logprobs (beta > 0), the teacher's (``distillation_coef`` > 0) and, where
+        ``GRPOConfig.needs_old_logprobs``, the sampling params' own (pi_old of the clipped ratio): each token's
+        under the version that sampled it
         (``versions`` int32 [B, C], -1 where masked; a kept engine's batch may hold two), else ``self.params``'."""
         temperature, M = self.grpo.temperature, self.num_micro_batches
         replay = self.grpo.router_replay == "replay"  # a mixture of experts routed by the sampler's routing
@@ -362,6 +376,12 @@ class Rollout:
                 ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M, replay)
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
+            if self.teacher is not None:  # its own model; never the student's recorded routes
+                t0 = time.perf_counter()
+                teacher = self.teacher.apply(compute_logprobs, batch, self.teacher_cfg, temperature, M, False)
+                batch = batch.replace(teacher_logprobs=teacher)
+                release_host_memory()
+                self._times["time/teacher_s"] = time.perf_counter() - t0
             if self.grpo.needs_old_logprobs:  # pi_old: the sampling params'
                 old = self._old_logprobs(batch, versions, replay)
                 batch = batch.replace(old_logprobs=old)

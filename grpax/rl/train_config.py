@@ -34,6 +34,7 @@ from grpax.rl.maxtext_keys import MAXTEXT_RL_KEYS
 from grpax.rl.policy import LORA_SAMPLERS
 from grpax.rl.profiling import PROFILERS
 from grpax.rl.remat_keys import RematKeys, check_remat_keys
+from grpax.rl.teacher import read_teacher, validate_teacher_keys
 from grpax.sampler.engine import SamplerConfig
 from grpax.sampler.keys import sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
@@ -104,6 +105,15 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "where the frozen reference's copy lives: device | pinned_host (host memory, copied to the devices for "
         "each reference pass: its bytes over the host link every step) | auto (device, unless the memory plan "
         "fits with a 10% margin only with it in host memory; device on CPU)",
+    )
+    teacher_parameters_path: str = field(
+        "",
+        "on-policy distillation's teacher (distillation_coef > 0): a native checkpoint as load_parameters_path "
+        "(<base>/0/items from grpax to_native, or an actor's model_params), frozen, loaded once; of the student's "
+        "vocabulary and tokenizer",
+    )
+    teacher_model_name: str = field(
+        "", "the teacher's registered model name, checked against its checkpoint; '' = model_name"
     )
     remat_policy: str = field(
         "auto",
@@ -374,6 +384,7 @@ def validate(cfg: TrainConfig) -> None:
             f"decode_sampling_nucleus_p={cfg.decode_sampling_nucleus_p}: expected a mass in (0, 1] (1 = off)"
         )
     _validate_lora(cfg)
+    validate_teacher_keys(cfg)
     _validate_choices(cfg)
     _warn_on_biased_choices(cfg)
     validate_eval_keys(cfg, allow_no_eval=True)
@@ -555,11 +566,13 @@ class Inputs:
         (None: no config.json at or above load_parameters_path; the load says so).
       train_rows: the training split's rows (``task.load_rows``).
       eval_rows: the evaluation split's rows; [] with num_test_batches=0.
+      teacher_cfg: the distillation teacher's model (``grpax.rl.teacher.read_teacher``), or None.
     """
 
     model_cfg: ModelConfig | None
     train_rows: list[dict]
     eval_rows: list[dict]
+    teacher_cfg: ModelConfig | None = None
 
 
 def check_router_replay(cfg: TrainConfig, model_cfg: ModelConfig | None, source: Any) -> None:
@@ -589,7 +602,8 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
 
     Raises:
       ConfigError: a dataset that cannot be read, fewer training rows than batch_size, an empty evaluation
-        split, or evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows.
+        split, evaluation on the training rows without eval_dataset_name or allow_eval_on_train_rows, or a
+        distillation teacher of another vocabulary or tokenizer than the student's.
     """
     what = f"max_target_length={cfg.max_target_length}"
     model_cfg, source = read_model_config(cfg.load_parameters_path, cfg, cfg.max_target_length, what)
@@ -597,6 +611,7 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
     if lora is not None and model_cfg is not None:
         check_rank(lora, model_cfg, str(source))
     check_router_replay(cfg, model_cfg, source)
+    teacher_cfg = read_teacher(cfg, model_cfg, source)
     train_key, train_dataset = cfg.train_dataset()
     rows = _load_rows(task, train_key, train_dataset, cfg.train_split, "train_split")
     if len(rows) < cfg.batch_size:
@@ -604,11 +619,11 @@ def check_inputs(cfg: TrainConfig, task: Task) -> Inputs:
         got, need = f"{len(rows)} rows", f"batch_size={cfg.batch_size} (prompts per step)"
         raise too_few_rows(train_key, train_dataset, "train_split", cfg.train_split, got, need, fix)
     if cfg.num_test_batches == 0:
-        return Inputs(model_cfg, rows, [])
+        return Inputs(model_cfg, rows, [], teacher_cfg)
     key, dataset = cfg.eval_dataset()
     _check_held_out(cfg, (train_key, train_dataset), (key, dataset))
     eval_rows = _load_rows(task, key, dataset, cfg.eval_split, "eval_split")
     if not eval_rows:
         fix = "pass a dataset with evaluation rows, or num_test_batches=0 for no evaluation"
         raise too_few_rows(key, dataset, "eval_split", cfg.eval_split, "0 rows", "1 question", fix)
-    return Inputs(model_cfg, rows, eval_rows)
+    return Inputs(model_cfg, rows, eval_rows, teacher_cfg)

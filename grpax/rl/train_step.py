@@ -64,6 +64,8 @@ _TOKEN_MEAN_METRICS = (
     "mismatch/is_ratio_mean",
     "mismatch/is_truncated_frac",
     "mismatch/is_masked_frac",
+    "distill/reverse_kl",
+    "distill/teacher_logprob",
 )
 
 
@@ -295,6 +297,7 @@ def _micro_loss(
         normalizer=normalizer,
         truncated=mb.truncated,
         rollout_logprobs=mb.rollout_logprobs,
+        teacher_logprobs=mb.teacher_logprobs,
     )
     mask = mb.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
@@ -368,13 +371,19 @@ def accumulate_gradients(
       (loss float32 scalar, float32 grads like params, aux) where aux holds ``policy_loss`` and
       ``num_tokens`` (sums), ``mismatch/logprob_diff_max`` (max |logprobs - rollout_logprobs| over completion
       tokens) and the token-weighted means ``kl``, ``ratio_mean``, ``clip_*_frac``, ``entropy``,
-      ``mismatch/kl`` and ``mismatch/logprob_diff_mean`` (``_mismatch``).
+      ``mismatch/kl`` and ``mismatch/logprob_diff_mean`` (``_mismatch``); with a teacher ``distill/reverse_kl``
+      and ``distill/teacher_logprob``.
 
     Raises:
       ValueError: a missing batch key, or B not divisible by num_micro_batches.
     """
     batch = Batch.of(batch).device()
-    batch.check(grpo.beta, grpo.mask_truncated_completions, grpo.rollout_is_mode is not None)
+    batch.check(
+        grpo.beta,
+        grpo.mask_truncated_completions,
+        grpo.rollout_is_mode is not None,
+        grpo.distillation_coef > 0,
+    )
     mask = batch.completion_mask.astype(jnp.float32)
     if grpo.mask_truncated_completions:
         mask = apply_truncation_mask(mask, batch.truncated)

@@ -5,9 +5,9 @@ data and reward functions), samples ``num_generations`` (G) completions of each 
 trainer's own parameters (no copy; LoRA: the merged weights; ``max_staleness`` >= 1: a copy per version, sampled
 ahead in ``grpax.rl.ahead``'s thread; ``environment``: multi-turn, ``grpax.rl.multi_turn``), scores them with the task's reward functions (DAPO's dynamic sampling and
 overlong punishment optional, ``grpax.rl.dapo``), turns rewards into group-relative advantages, scores the
-completions under the frozen reference model (when beta > 0) and
-applies ``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024,
-eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
+completions under the frozen reference model (when beta > 0) and, for on-policy distillation
+(``distillation_coef`` > 0), under a frozen teacher (``grpax.rl.teacher``, ``grpax.rl.distill``), and applies
+``num_iterations`` AdamW updates of the clipped GRPO objective (DeepSeekMath, Shao et al. 2024, eq. 3; DAPO and Dr. GRPO variants in ``grpax.rl.losses``). Evaluation runs before, every ``eval_interval``
 steps and after. Checkpoints hold everything a bit-exact resume needs: params, optimizer state, step,
 data-iterator position and RNG seed.
 
@@ -61,6 +61,7 @@ from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
 from grpax.rl.rollout import Rollout, mesh_context, task_scorer
 from grpax.rl.run_folder import claim_run_folder
+from grpax.rl.teacher import load_teacher
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_run_update, make_update
 from grpax.sampler.engine import SamplerConfig, check_memory_fraction, describe_programs, fixed_programs
@@ -235,8 +236,19 @@ def _train(
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     del params  # LoRA: the policy holds the base
     state, train_step = _init_state(cfg, grpo, trainable, model_cfg, mesh, policy)
+    teacher = None
+    if inputs.teacher_cfg is not None:  # distillation_coef > 0: frozen, loaded once
+        folder = offload_folder(paths.run_dir)
+        teacher = load_teacher(
+            cfg, inputs.teacher_cfg, mesh, folder and folder.with_name(".teacher"), closing
+        )
     placement = dict(
-        mesh=mesh, rollout_mesh=rollout_mesh, reference=ref_params, num_micro_batches=cfg.micro_batches
+        mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        reference=ref_params,
+        teacher=teacher,
+        teacher_cfg=inputs.teacher_cfg,
+        num_micro_batches=cfg.micro_batches,
     )
     rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
     uses = {"rollout": (cfg.batch_size, cfg.num_generations)}
