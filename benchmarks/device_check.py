@@ -196,8 +196,11 @@ VARIANTS: tuple[Variant, ...] = (
     # still needs remat full: minimal 21.5 GiB of temporaries, compiled for a v5e with libtpu)
     Variant("update attention=flash", model=(("attention", "flash"),), tpu_only=True, seconds=60),
     Variant(
-        "update attention=flash, blocks of 128", model=(("attention", "flash"),), flash_block_max=128,
-        tpu_only=True, seconds=60,
+        "update attention=flash, blocks of 128",
+        model=(("attention", "flash"),),
+        flash_block_max=128,
+        tpu_only=True,
+        seconds=60,
     ),  # fmt: skip
     # XLA's optimization level (the key xla_optimization_level): compile seconds against run seconds
     Variant("update at XLA O1", optimization_level="O1", seconds=30),

@@ -165,6 +165,27 @@ def test_distillation_coef_without_its_teacher_is_refused_in_one_line(tmp_path):
     for bad in (-0.1, math.nan, math.inf):
         with pytest.raises(ConfigError, match=r"^distillation_coef="):
             TrainConfig(load_parameters_path="x", distillation_coef=bad)
+    with pytest.raises(
+        ConfigError, match=r"^reward_preset=none scores every completion 0.*distillation_coef > 0"
+    ):
+        _validate(reward_preset="none")
+    _validate(reward_preset="none", distillation_coef=1.0, teacher_parameters_path="t")
+
+
+def test_reward_preset_none_scores_every_completion_zero():
+    """The preset of pure on-policy distillation: a right, a wrong and an unformatted answer all score 0, where
+    the default preset tells them apart."""
+    from grpax.tasks.gsm8k_rewards import get_reward_config, score_completions
+
+    completions = [
+        "<reasoning>2 + 2</reasoning><answer>4</answer>",
+        "<reasoning>2 + 3</reasoning><answer>5</answer>",
+        "four",
+    ]
+    none = score_completions(["q"] * 3, completions, ["4"] * 3, get_reward_config("none"))["total"]
+    assert none == [0.0, 0.0, 0.0]
+    default = score_completions(["q"] * 3, completions, ["4"] * 3, get_reward_config("maxtext"))["total"]
+    assert len(set(default)) == 3
 
 
 def _validate(**keys):

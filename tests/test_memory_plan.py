@@ -153,5 +153,7 @@ def test_a_tpu_kernel_is_estimated_for_a_tpu_slice_from_this_host():
         for name in ("dot_product", "flash"):
             option = dataclasses.replace(cfg, attention=name)
             assert memory_plan.choose(option, topology.chip, 1, "tpu").remat_policy == "none"
-            peaks[name] = estimate_job(dataclasses.replace(option, remat_policy="none"), topology.chip, 1, "").peak
+            peaks[name] = estimate_job(
+                dataclasses.replace(option, remat_policy="none"), topology.chip, 1, ""
+            ).peak
     assert peaks["flash"] < peaks["dot_product"]

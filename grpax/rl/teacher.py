@@ -31,7 +31,8 @@ def validate_teacher_keys(cfg: Any) -> None:
 
     Raises:
       ConfigError: a coefficient > 0 without a teacher (``compile_topology`` plans one from its name alone), a
-        teacher without a coefficient, or an unregistered ``teacher_model_name``; one line naming the fix.
+        teacher without a coefficient, ``reward_preset=none`` without one (nothing to learn from), or an
+        unregistered ``teacher_model_name``; one line naming the fix.
     """
     coef, path, name = cfg.distillation_coef, cfg.teacher_parameters_path, cfg.teacher_model_name
     if coef > 0 and not path and not cfg.compile_topology:
@@ -44,6 +45,11 @@ def validate_teacher_keys(cfg: Any) -> None:
         raise ConfigError(
             f"{given} names a distillation teacher, read only with distillation_coef > 0: set distillation_coef "
             "(e.g. 1.0) or drop the teacher keys"
+        )
+    if coef == 0 and cfg.task == "gsm8k" and cfg.reward_preset == "none":
+        raise ConfigError(
+            "reward_preset=none scores every completion 0, so GRPO alone learns nothing: set distillation_coef > 0 "
+            "with teacher_parameters_path (on-policy distillation), or another reward_preset"
         )
     if name and name not in MODELS:
         raise ConfigError(

@@ -94,7 +94,8 @@ class TaskConfig(RewardValueKeys, EnvironmentConfig):
     )
     reward_preset: str = field(
         "maxtext",
-        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one)",
+        "task=gsm8k's reward values: maxtext | tunix | simple | smollm2_demo (model presets pick one) | none "
+        "(every completion 0: pure on-policy distillation, with distillation_coef > 0)",
     )
     prompt_template_path: str = field(
         "",

@@ -128,11 +128,18 @@ _SMOLLM2_DEMO = RewardConfig(
     number_match=0.5,
     require_format=False,
 )
+# No reward: every completion scores 0, so GRPO's advantages are 0 and only a teacher teaches (on-policy
+# distillation, ``distillation_coef`` > 0); the evaluation still judges format and answers.
+_NONE = RewardConfig(
+    format_exact=0.0, format_tag_present=0.0, format_tag_penalty=0.0, answer_exact=0.0, answer_whitespace=0.0,
+    answer_ratio_high=0.0, answer_ratio_low=0.0, answer_wrong=0.0, answer_unparseable=0.0, number_match=0.0,
+)  # fmt: skip
 REWARD_PRESETS: dict[str, RewardConfig] = {
     "maxtext": RewardConfig(),
     "tunix": RewardConfig(),  # Tunix's GSM8K rewards are MaxText's
     "simple": _SIMPLE,
     "smollm2_demo": _SMOLLM2_DEMO,
+    "none": _NONE,
 }
 
 
