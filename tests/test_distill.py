@@ -222,6 +222,18 @@ def test_a_teacher_of_another_vocabulary_is_refused_naming_both(tiny_checkpoint,
     assert str(source) in msg and "\n" not in msg
 
 
+def test_a_teacher_unlike_its_registered_name_is_refused_naming_the_fix(tiny_checkpoint, tmp_path):
+    """teacher_model_name=smollm2-135m for a tiny checkpoint: its shapes named, the fix a name or none."""
+    teacher = _checkpoint(tmp_path / "tiny", tiny_smollm2_config(), seed=1)
+    student, source = checkpoint_config(str(tiny_checkpoint))
+    with pytest.raises(ConfigError) as e:
+        read_teacher(_keys(tiny_checkpoint, teacher, teacher_model_name="smollm2-135m"), student, source)
+    msg = str(e.value)
+    assert msg.startswith(f"the teacher {tmp_path / 'tiny' / 'config.json'} does not match smollm2-135m (")
+    assert "\n" not in msg
+    assert "num_layers: " in msg and "pass teacher_model_name=" in msg
+
+
 def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tiny_checkpoint, tmp_path):
     teacher = _checkpoint(tmp_path / "swapped", tiny_smollm2_config(), seed=1)
     path = tmp_path / "swapped" / "tokenizer.json"

@@ -782,16 +782,22 @@ ARCH_FIELDS = (
 )
 
 
-def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
-    """Raises ConfigError if ``cfg``'s shapes differ from the registered ``model_name``'s."""
+def shape_diffs(cfg: ModelConfig, model_name: str) -> list[str]:
+    """``"field: cfg's vs the registered model's"`` for each of ``ARCH_FIELDS`` where ``cfg`` differs from the
+    registered ``model_name`` ([] for a name that is not registered)."""
     if model_name not in MODELS:
-        return
+        return []
     ref = get_model_config(model_name)
-    diffs = [
+    return [
         f"{f}: {getattr(cfg, f)} vs {getattr(ref, f)}"
         for f in ARCH_FIELDS
         if getattr(cfg, f) != getattr(ref, f)
     ]
+
+
+def check_matches(cfg: ModelConfig, model_name: str, source: str) -> None:
+    """Raises ConfigError if ``cfg``'s shapes differ from the registered ``model_name``'s."""
+    diffs = shape_diffs(cfg, model_name)
     if diffs:
         names = registered_names_of(cfg)
         own = f"model_name={' or model_name='.join(names)} (its registered name) or " if names else ""

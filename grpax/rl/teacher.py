@@ -22,7 +22,7 @@ from grpax.config import read_model_config
 from grpax.data.tokenizer import load_tokenizer
 from grpax.errors import ConfigError, suggest
 from grpax.models.llama import round_as_read
-from grpax.models.registry import ARCH_FIELDS, MODELS, ModelConfig, get_model_config, registered_names_of
+from grpax.models.registry import MODELS, ModelConfig, registered_names_of, shape_diffs
 from grpax.rl.reference import FrozenParams
 
 
@@ -90,14 +90,7 @@ def read_teacher(cfg: Any, student: ModelConfig | None, student_source: Any) -> 
 
 def _check_name(teacher: ModelConfig, name: str, source: Path) -> None:
     """Refuses a teacher checkpoint whose shapes are not those of the registered ``name`` ('' = no check)."""
-    if not name or name not in MODELS:
-        return
-    ref = get_model_config(name)
-    diffs = [
-        f"{f}: {getattr(teacher, f)} vs {getattr(ref, f)}"
-        for f in ARCH_FIELDS
-        if getattr(teacher, f) != getattr(ref, f)
-    ]
+    diffs = shape_diffs(teacher, name) if name else []
     if diffs:
         own = registered_names_of(teacher)
         fix = f"teacher_model_name={own[0]}" if own else "teacher_model_name=<the teacher's registered name>"
