@@ -186,6 +186,13 @@ def test_reward_preset_none_scores_every_completion_zero():
     assert none == [0.0, 0.0, 0.0]
     default = score_completions(["q"] * 3, completions, ["4"] * 3, get_reward_config("maxtext"))["total"]
     assert len(set(default)) == 3
+    # the step's accuracy is still the answer's: only the first is right (not the top tier of 0 points)
+    from grpax.tasks import build_task
+
+    task = build_task(TrainConfig(load_parameters_path="x", reward_preset="none", prompt_preset="maxtext"))
+    rows = [{"question": "q", "gold": "4"}] * 3
+    scores = score_completions(["q"] * 3, completions, ["4"] * 3, get_reward_config("none"))
+    assert task.step_correct(rows, completions, scores) == [True, False, False]
 
 
 def _validate(**keys):

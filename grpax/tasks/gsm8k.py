@@ -293,8 +293,9 @@ class GSM8KTask(Task):
 
     def step_correct(self, rows: list[dict], completions: list[str], scores: Mapping[str, Any]) -> list[bool]:
         # With the built-in rewards a step's accuracy is the answer reward's top tier (it needs the layout
-        # when the preset requires it), as train_rl has always logged it.
-        if self.user_rewards is None and "answer_correct" in scores:
+        # when the preset requires it), as train_rl has always logged it; with no points for it (reward_preset=none)
+        # every completion reaches that tier, so the answer check judges instead.
+        if self.user_rewards is None and "answer_correct" in scores and self.reward_config.answer_exact > 0:
             return [v >= self.reward_config.answer_exact for v in scores["answer_correct"]]
         return super().step_correct(rows, completions, scores)
 
