@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -467,3 +468,37 @@ def test_compile_topology_compiles_the_teachers_pass_beside_the_students(tmp_pat
     assert row("teacher params") == 4 * (matrices // 4 + L * 2 * D + D)  # float32, each matrix split 4 ways
     assert row("teacher logprobs temporaries") > 0
     assert re.search(r"^  teacher logprobs +[\d.]+ TFLOP", out, re.M), out
+
+
+def test_convert_checkpoint_if_possible_converts_the_teacher_too(tmp_path, monkeypatch):
+    """Without teacher_parameters_path the teacher's registered name is converted into
+    base_output_directory/teacher/0/items (once), beside the student's base; without a name it is refused."""
+    from grpax.checkpoint import convert
+    from grpax.config import build_config
+    from grpax.rl.trainer import converted_base
+
+    calls = []
+
+    def to_native(**kwargs):
+        calls.append(kwargs)
+        (Path(kwargs["base_output_directory"]) / "0" / "items").mkdir(parents=True)
+
+    monkeypatch.setattr(convert, "to_native", to_native)
+    keys = [
+        f"base_output_directory={tmp_path}", "convert_checkpoint_if_possible=true", "hf_access_token=hf_secret",
+        "distillation_coef=1.0", "teacher_model_name=smollm2-360m-Instruct",
+    ]  # fmt: skip
+    cfg = build_config(TrainConfig, keys)
+    validate(cfg)
+    for _ in range(2):
+        got = converted_base(cfg)
+        assert got.load_parameters_path == str(tmp_path / "0" / "items")
+        assert got.teacher_parameters_path == str(tmp_path / "teacher" / "0" / "items")
+    assert [(c["model_name"], c["base_output_directory"], c["hf_access_token"]) for c in calls] == [
+        ("smollm2-135m-Instruct", str(tmp_path), "hf_secret"),
+        ("smollm2-360m-Instruct", str(tmp_path / "teacher"), "hf_secret"),
+    ]
+    with pytest.raises(
+        ConfigError, match="^distillation_coef=1.0 needs teacher_parameters_path=.*teacher_model_name"
+    ):
+        validate(build_config(TrainConfig, keys[:-1]))

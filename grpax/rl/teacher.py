@@ -35,10 +35,16 @@ def validate_teacher_keys(cfg: Any) -> None:
         unregistered ``teacher_model_name``; one line naming the fix.
     """
     coef, path, name = cfg.distillation_coef, cfg.teacher_parameters_path, cfg.teacher_model_name
-    if coef > 0 and not path and not cfg.compile_topology:
+    if (
+        coef > 0
+        and not path
+        and not cfg.compile_topology
+        and not (cfg.convert_checkpoint_if_possible and name)
+    ):
         raise ConfigError(
             f"distillation_coef={coef} needs teacher_parameters_path=<the teacher's native checkpoint, <base>/0/items "
-            "from grpax to_native> (or distillation_coef=0: GRPO alone)"
+            "from grpax to_native> (or convert_checkpoint_if_possible=true teacher_model_name=<registered name>; "
+            "or distillation_coef=0: GRPO alone)"
         )
     if coef == 0 and (path or name):
         given = f"teacher_parameters_path={path!r}" if path else f"teacher_model_name={name!r}"

@@ -82,7 +82,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     convert_checkpoint_if_possible: bool = field(
         False,
         "MaxText key: without load_parameters_path, train from base_output_directory/0/items, converting model_name "
-        "there first (grpax to_native; the Hub with hf_access_token) when it is not there yet; one host",
+        "there first (grpax to_native; the Hub with hf_access_token) when it is not there yet; one host. A "
+        "distillation teacher without teacher_parameters_path: teacher_model_name in base_output_directory/teacher",
     )
     hf_access_token: str = field("", "Hugging Face token for convert_checkpoint_if_possible's download")
     base_output_directory: str = field("outputs", "root folder of all runs")

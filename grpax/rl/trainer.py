@@ -78,47 +78,57 @@ class NonFiniteError(ConfigError):
 def converted_base(cfg: TrainConfig) -> TrainConfig:
     """MaxText's ``convert_checkpoint_if_possible``: without ``load_parameters_path``, ``cfg`` reading
     ``base_output_directory/0/items``, where ``model_name`` is converted first (``grpax to_native``, in
-    ``weight_dtype``) unless a conversion is there already; ``cfg`` itself otherwise.
+    ``weight_dtype``) unless a conversion is there already; likewise a distillation teacher without
+    ``teacher_parameters_path``: ``teacher_model_name`` converted into ``base_output_directory/teacher/0/items``.
+    ``cfg`` itself otherwise.
 
-    Called after ``validate``, which lets an empty ``load_parameters_path`` through with this key.
+    Called after ``validate``, which lets an empty ``load_parameters_path`` (``teacher_parameters_path``) through
+    with this key.
 
     Raises:
       ConfigError: no ``model_name`` to convert, or the conversion's own errors (no network for the Hub, ...) in
         one line with the ``grpax to_native`` command that takes that error's keys.
     """
-    if cfg.load_parameters_path or not cfg.convert_checkpoint_if_possible or cfg.compile_topology:
+    if not cfg.convert_checkpoint_if_possible or cfg.compile_topology:
         return cfg
     base = Path(cfg.base_output_directory)
-    converted = dataclasses.replace(cfg, load_parameters_path=str(base / "0" / "items"))
-    if not (base / "0" / "items").exists():
+    if not cfg.load_parameters_path:
         if not cfg.model_name:
             raise ConfigError(
                 "convert_checkpoint_if_possible=true without load_parameters_path needs model_name=<registered "
                 "name> to convert (or pass load_parameters_path)"
             )
-        from grpax.checkpoint.convert import to_native  # noqa: PLC0415 - only for this key
+        cfg = dataclasses.replace(cfg, load_parameters_path=_converted(cfg, cfg.model_name, base, "load"))
+    if cfg.distillation_coef > 0 and not cfg.teacher_parameters_path:  # validate: teacher_model_name is set
+        items = _converted(cfg, cfg.teacher_model_name, base / "teacher", "teacher")
+        cfg = dataclasses.replace(cfg, teacher_parameters_path=items)
+    return cfg
 
-        log.info("convert_checkpoint_if_possible: converting %s into %s/0/items", cfg.model_name, base)
-        try:
-            to_native(
-                model_name=cfg.model_name,
-                base_output_directory=str(base),
-                hf_access_token=cfg.hf_access_token or None,
-                weight_dtype=cfg.weight_dtype,
-                scan_layers=cfg.scan_layers,
-            )
-        except (
-            ConfigError,
-            OSError,
-            ValueError,
-        ) as e:  # its fixes name to_native's keys (hf_model_path, ...)
-            raise ConfigError(
-                f"convert_checkpoint_if_possible=true: converting model_name={cfg.model_name} into {base}/0/items "
-                f"failed: {e} (the keys named are grpax to_native's: convert with grpax to_native "
-                f"model_name={cfg.model_name} base_output_directory={base} and them, then pass "
-                f"load_parameters_path={base}/0/items)"
-            ) from None
-    return converted
+
+def _converted(cfg: TrainConfig, model_name: str, base: Path, key: str) -> str:
+    """``base/0/items``, ``model_name`` converted there first unless a conversion is there already; ``key``
+    names the checkpoint key the fix passes (``load`` or ``teacher``)."""
+    items = base / "0" / "items"
+    if items.exists():
+        return str(items)
+    from grpax.checkpoint.convert import to_native  # noqa: PLC0415 - only for this key
+
+    log.info("convert_checkpoint_if_possible: converting %s into %s", model_name, items)
+    try:
+        to_native(
+            model_name=model_name,
+            base_output_directory=str(base),
+            hf_access_token=cfg.hf_access_token or None,
+            weight_dtype=cfg.weight_dtype,
+            scan_layers=cfg.scan_layers,
+        )
+    except (ConfigError, OSError, ValueError) as e:  # its fixes name to_native's keys (hf_model_path, ...)
+        raise ConfigError(
+            f"convert_checkpoint_if_possible=true: converting model_name={model_name} into {items} failed: {e} "
+            f"(the keys named are grpax to_native's: convert with grpax to_native model_name={model_name} "
+            f"base_output_directory={base} and them, then pass {key}_parameters_path={items})"
+        ) from None
+    return str(items)
 
 
 def train(cfg: TrainConfig, fit: Callable[[TrainConfig], TrainConfig] | None = None) -> dict:
