@@ -244,6 +244,39 @@ def test_sharded_forward_equals_unsharded(name, params, tokens):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5, rtol=0)
 
 
+@on_8_devices
+@pytest.mark.parametrize("name", ["fsdp8", "2x2x2"])  # rows that no batch axis divides; rows and heads split
+def test_sharded_flash_attention_equals_one_devices(name, params, monkeypatch):
+    """attention=flash (Pallas's splash kernel in its interpreter) runs on each device's own rows and heads: the
+    forward_grouped and its gradient over the mesh equal dot_product's on one device."""
+    from grpax.models import attention
+    from grpax.models.llama import forward_grouped
+
+    flash_here = attention.Implementation(
+        functools.partial(attention.flash_attention, interpret=True), causal_blocks=True
+    )
+    monkeypatch.setitem(attention.IMPLEMENTATIONS, "flash", flash_here)
+    prompts = jnp.asarray([[0, 0, 5, 9], [7, 21, 30, 2]], jnp.int32)
+    prompt_mask = (prompts > 0).astype(jnp.int32)
+    completions = jax.random.randint(jax.random.key(2), (8, 3), 1, CFG.vocab_size)
+
+    def loss(p, cfg):
+        return jnp.sum(forward_grouped(p, prompts, prompt_mask, completions, cfg) ** 2)
+
+    want, want_grads = jax.value_and_grad(loss)(params, CFG)
+    mesh = sh.create_mesh(MESHES[name])
+    sharded = sh.shard_params(params, CFG, mesh)
+    with jax.set_mesh(mesh):
+        got, got_grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)(
+            sharded, CFG.replace(attention="flash")
+        )
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max())
+        )
+
+
 # Every family feature at once (Qwen2 biases, q/k norms, Gemma norms, GeGLU, soft caps, a 3-token window on
 # alternating layers with its own RoPE base): the family weights shard by the Llama weights' logical axes.
 CFG_FAMILY = CFG.replace(

@@ -229,12 +229,14 @@ def _flash_sharded(kernel, q, k, v, seg_q, seg_kv, sinks):
     """``kernel`` over a mesh: a Pallas call is not partitioned by XLA, so each device runs it on its own rows
     (the batch's mesh axes, ``sharding_rules``' "batch") and, where both head counts divide by "tensor", its
     own heads; alone on one device."""
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return kernel(q, k, v, seg_q, seg_kv, sinks)
     shape = dict(mesh.shape)
-    rows = logical_to_spec(("batch",), shape=q.shape[:1], mesh_shape=shape, name="attention rows")[0]
+    spec = logical_to_spec(("batch",), shape=q.shape[:1], mesh_shape=shape, name="attention rows")
+    rows = (
+        spec[0] if len(spec) else None
+    )  # () where no batch axis divides the rows: each device takes them all
     tensor = shape.get(TENSOR, 1)
     heads = TENSOR if tensor > 1 and q.shape[1] % tensor == 0 and k.shape[1] % tensor == 0 else None
     P = jax.sharding.PartitionSpec
