@@ -233,10 +233,9 @@ def _flash_sharded(kernel, q, k, v, seg_q, seg_kv, sinks):
     if mesh.empty or mesh.size == 1:
         return kernel(q, k, v, seg_q, seg_kv, sinks)
     shape = dict(mesh.shape)
+    # () where no batch axis divides the rows: each device takes them all
     spec = logical_to_spec(("batch",), shape=q.shape[:1], mesh_shape=shape, name="attention rows")
-    rows = (
-        spec[0] if len(spec) else None
-    )  # () where no batch axis divides the rows: each device takes them all
+    rows = spec[0] if len(spec) else None
     tensor = shape.get(TENSOR, 1)
     heads = TENSOR if tensor > 1 and q.shape[1] % tensor == 0 and k.shape[1] % tensor == 0 else None
     P = jax.sharding.PartitionSpec
@@ -255,7 +254,7 @@ class Implementation:
 
     Attributes:
       attend: the function, with ``attention``'s arguments and result.
-      platforms: the JAX platforms it runs on (``jax.default_backend()``); () = any.
+      platforms: the JAX platforms it runs on (``target_platform``: the traced program's); () = any.
       dtypes: the activation dtypes (``cfg.dtype``) it takes; () = any (a cached prefill then attends in
         float32, else in ``cfg.dtype``).
       causal_blocks: it computes in blocks of its own, never holding the [T, S] scores, and reads the mask as a
@@ -291,7 +290,8 @@ def target_platform() -> str:
 
 
 def select_attention(cfg: ModelConfig) -> Implementation:
-    """The implementation ``cfg.attention`` names, checked against the platform JAX runs on and ``cfg.dtype``.
+    """The implementation ``cfg.attention`` names, checked against the traced program's platform
+    (``target_platform``) and ``cfg.dtype``.
 
     Raises:
       ConfigError: the implementation does not run on this platform or dtype (one line: key, why, fix).

@@ -329,13 +329,11 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     with_ref = grpo.beta > 0
     resident, reference, merged_copy = _resident(cfg, model_cfg, params, base, trainable, opt_state, sampler)
-    teacher_cfg = teacher_model_config(cfg)
-    if (
-        teacher_cfg is not None
-    ):  # the registered names' vocabularies (the checkpoints' are checked by the run)
-        check_same_vocabulary(teacher_cfg, None, model_cfg, None)
-    teacher = None if teacher_cfg is None else abstract_teacher(teacher_cfg, mesh)
-    if teacher is not None:  # on the devices for the whole run (a CPU host maps it, but plans are for chips)
+    teacher_cfg, teacher = teacher_model_config(cfg), None
+    if teacher_cfg is not None:
+        check_same_vocabulary(teacher_cfg, None, model_cfg, None)  # the checkpoints' are the run's to check
+        teacher = abstract_teacher(teacher_cfg, mesh)
+        # on the devices for the whole run (a CPU host maps it, but plans are for chips)
         resident["teacher params"] = per_chip_bytes(teacher)
     # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
     # the base with its adapters.

@@ -8,7 +8,8 @@ Here the figures are stored per lowered program, keyed by a SHA-256 of the lower
 (platform, kind, count, the backend's version), JAX's version and XLA's effort settings (``COMPILE_SETTINGS``:
 the key ``xla_optimization_level`` or JAX's variables; the same module compiles to other memory figures at
 another level), as one small JSON file in ``<compilation cache>/grpax_figures/``: the same key means the same
-program for the same compiler, so the same figures. No cache folder (``jax_cache_dir=''``): nothing is kept. A damaged file is ignored.
+program for the same compiler, so the same figures. No cache folder (``jax_cache_dir=''``): nothing is kept. A
+damaged file is ignored.
 """
 
 from __future__ import annotations

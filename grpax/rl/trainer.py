@@ -316,7 +316,8 @@ def _policy(cfg: TrainConfig, params: Any, model_cfg: ModelConfig, checkpointer:
 
 def _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement: dict) -> Rollout:
     """The run's ``Rollout``: single-turn, or with ``environment`` multi-turn (the same Batch, observation
-    tokens masked out: ``grpax.rl.multi_turn``); ``placement``: its meshes, reference and micro-batches."""
+    tokens masked out: ``grpax.rl.multi_turn``); ``placement``: its meshes, reference, distillation teacher and
+    micro-batches."""
     if not cfg.environment:
         return Rollout(model_cfg, sampler_cfg, grpo, task_scorer(task, tokenizer), **placement)
     env, turns = environment_factory(cfg), multi_turn_config(cfg)
