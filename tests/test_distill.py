@@ -256,6 +256,10 @@ def test_a_teacher_of_another_tokenizer_is_refused_naming_both(tiny_checkpoint, 
     assert str(tmp_path / "swapped") in str(e.value)
     same = _checkpoint(tmp_path / "same", tiny_smollm2_config(), seed=1)
     assert read_teacher(_keys(tiny_checkpoint, same), student, source).vocab_size == 49152
+    # another file of the same table (written with another indentation): compared by its tokens, accepted
+    path = tmp_path / "same" / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=1))
+    assert read_teacher(_keys(tiny_checkpoint, same), student, source).vocab_size == 49152
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ on the trainer's mesh by the same rules table, rounded as the forward reads them
 from __future__ import annotations
 
 import contextlib
+import filecmp
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ import jax
 from grpax import sharding
 from grpax.checkpoint.orbax import load_model
 from grpax.config import read_model_config
-from grpax.data.tokenizer import load_tokenizer
 from grpax.errors import ConfigError, suggest
 from grpax.models.llama import round_as_read
 from grpax.models.registry import MODELS, ModelConfig, registered_names_of, shape_diffs
@@ -113,7 +113,8 @@ def check_same_vocabulary(
     teacher: ModelConfig, teacher_source: Any, student: ModelConfig, source: Any
 ) -> None:
     """Refuses a teacher whose vocabulary differs from the student's: vocab_size from the configs, then the
-    tokenizers' token -> id tables where both folders hold a tokenizer.json (the files beside config.json).
+    tokenizers' token -> id tables where both folders hold a tokenizer.json (the files beside config.json) and
+    the two files differ.
 
     Raises:
       ConfigError: one line naming both models and the fix.
@@ -125,14 +126,10 @@ def check_same_vocabulary(
             f"{both} have different vocabularies (vocab_size {teacher.vocab_size} vs {student.vocab_size}): "
             f"distillation scores the student's tokens under the teacher; {fix}"
         )
-    folders = [Path(teacher_source).parent, Path(source).parent] if teacher_source and source else []
-    if (
-        len(folders) < 2
-        or not all((f / "tokenizer.json").is_file() for f in folders)
-        or folders[0] == folders[1]
-    ):
+    files = [Path(teacher_source).parent / "tokenizer.json", Path(source).parent / "tokenizer.json"]
+    if not (teacher_source and source) or not all(f.is_file() for f in files) or _same_file(*files):
         return
-    if load_tokenizer(folders[0]).get_vocab() != load_tokenizer(folders[1]).get_vocab():
+    if _vocab(files[0]) != _vocab(files[1]):
         raise ConfigError(
             f"{both} have different tokenizers (their tokenizer.json map tokens to other ids): distillation "
             f"scores the student's tokens under the teacher; {fix}"
@@ -154,3 +151,16 @@ def load_teacher(
     teacher = FrozenParams(params, folder)
     closing.callback(teacher.close)
     return teacher
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same file, or byte for byte the same (a converted teacher's copy of the student's tokenizer)."""
+    return a.resolve() == b.resolve() or filecmp.cmp(a, b, shallow=False)
+
+
+def _vocab(file: Path) -> dict[str, int]:
+    """A tokenizer.json's token -> id table, its added tokens included (what ``load_tokenizer(...).get_vocab()``
+    returns, without transformers)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
