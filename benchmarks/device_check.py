@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -470,7 +471,7 @@ class Check:
         memory = ""
         if label == "default":
             self.batch = batch
-            memory = self.update_memory(train_step, in_use)
+            memory = self.update_memory(in_use)
         assert not bool(metrics["nonfinite"]), metrics
         tokens = P * G * (Lp + C)
         figures = dict(
@@ -489,19 +490,24 @@ class Check:
             + memory,
         )
 
-    def update_memory(self, train_step, in_use: int | None) -> str:
+    def update_memory(self, in_use: int | None) -> str:
         """The device's peak after the first update (the job's planned peak phase) against the bytes in use
         before it (the state: params, optimizer state) and the compiled update's temporaries."""
         peak = (self.devices[0].memory_stats() or {}).get("peak_bytes_in_use")
         if peak is None or in_use is None:
             return ""
-        with jax.set_mesh(self.mesh):
-            compiled = train_step.lower(self.state, self.batch).compile()  # compiled already: no compile
-        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        temporaries = self.update_temporaries
         return (
             f"; peak so far {peak / GIB:.2f} GiB = in use before it {in_use / GIB:.2f} + "
             f"{(peak - in_use) / GIB:.2f} (its compiled temporaries {temporaries / GIB:.2f})"
         )
+
+    @functools.cached_property
+    def update_temporaries(self) -> int:
+        """The default update's compiled temporaries (bytes), read once (its executable: compiled already)."""
+        with jax.set_mesh(self.mesh):
+            compiled = self.train_step.lower(self.state, self.batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
 
     def part_profile(self) -> None:
         """One more update under ``jax.profiler.trace``, summarised (top kernels, scopes, passes)."""
@@ -754,9 +760,7 @@ class Check:
         if not limit or in_use is None or getattr(self, "batch", None) is None:
             self.add("memory bracket", note=f"{self.platform} reports no memory limit")
             return
-        with jax.set_mesh(self.mesh):
-            compiled = self.train_step.lower(self.state, self.batch).compile()
-        temporaries = compiled.memory_analysis().temp_size_in_bytes
+        temporaries = self.update_temporaries
         ran, failed = None, None
         for room in BRACKET_ROOMS:
             ballast_bytes = int(limit - in_use - room * temporaries)

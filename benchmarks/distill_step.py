@@ -66,7 +66,9 @@ def checkpoint(name: str, seed: int) -> Path:
 
 
 def main() -> int:
-    jax.config.update("jax_platforms", "cpu")  # the checkpoints are made on the host: train_rl takes the device
+    jax.config.update(
+        "jax_platforms", "cpu"
+    )  # the checkpoints are made on the host: train_rl takes the device
     student, teacher = checkpoint(STUDENT, 0), checkpoint(TEACHER, 1)
     run = OUT / "run"
     keys = [
