@@ -64,6 +64,23 @@ def tiny_run_keys(ckpt, out, **overrides) -> dict:
     return keys
 
 
+def kill_at_call(monkeypatch, n: int):
+    """Makes the trainer's ``_one_step`` raise KeyboardInterrupt at its ``n``-th call (a Ctrl-C during that
+    step); returns the real one, to put back before the run is started again."""
+    from grpax.rl import trainer
+
+    real_step, calls = trainer._one_step, {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_one_step", dying_step)
+    return real_step
+
+
 def tiny_smollm2_config():
     """A 2-layer random model's config with SmolLM2's vocabulary (hidden 32, 2 heads, 1 kv head, mlp 64)."""
     return get_model_config(

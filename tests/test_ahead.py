@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_run_keys
+from conftest import kill_at_call, tiny_run_keys
 from test_learning import TOY_MODEL, V, toy_rows, toy_scorer, toy_task
 
 from grpax.config import ConfigError
@@ -223,16 +223,7 @@ def test_a_killed_run_ahead_resumes_with_every_prompt_once(tiny_checkpoint, tmp_
 
     # The same run ahead, killed during step 3's update (step 4's rollout may already be in flight).
     seen = _questions_of_each_rollout(monkeypatch)
-    real_one_step = trainer._one_step
-    calls = {"n": 0}
-
-    def dying(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_one_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "_one_step", dying)
+    real_one_step = kill_at_call(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(**tiny_run_keys(tiny_checkpoint, tmp_path / "ahead", **keys)))
     run = tmp_path / "ahead" / "run"

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_smollm2_config
+from conftest import kill_at_call, tiny_smollm2_config
+from test_train_step import CFG, _grouped_batch  # 3 prompts x G = 2, one empty completion
 
 from grpax.checkpoint.orbax import save_params
 from grpax.errors import ConfigError
@@ -24,25 +25,7 @@ from grpax.rl.teacher import read_teacher
 from grpax.rl.train_config import TrainConfig, validate
 from grpax.rl.train_step import TrainState, accumulate_gradients, compute_logprobs, make_train_step
 
-CFG = ModelConfig(
-    vocab_size=61, hidden_dim=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32
-)
-P, C, TEMPERATURE = 5, 6, 0.7
-
-
-def _batch(seed=0):
-    """3 prompts x G = 2 completions (one prompt row per group), one empty completion."""
-    rng = np.random.default_rng(seed)
-    prompt_len, completion_len = np.array([5, 2, 3]), np.array([6, 2, 0, 4, 1, 6])
-    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
-    completion_mask = (np.arange(C)[None] < completion_len[:, None]).astype(np.int32)
-    return {
-        "prompt_ids": (rng.integers(1, CFG.vocab_size, (3, P)) * prompt_mask).astype(np.int32),
-        "prompt_mask": prompt_mask,
-        "completion_ids": (rng.integers(1, CFG.vocab_size, (6, C)) * completion_mask).astype(np.int32),
-        "completion_mask": completion_mask,
-        "advantages": np.array([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], np.float32),
-    }
+TEMPERATURE = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +36,7 @@ def student():
 @pytest.fixture(scope="module")
 def teacher_logprobs():
     """A real teacher's logprobs of the batch's tokens: another random model of the same vocabulary."""
-    return compute_logprobs(init_params(CFG, jax.random.key(1)), _batch(), CFG, TEMPERATURE)
+    return compute_logprobs(init_params(CFG, jax.random.key(1)), _grouped_batch(), CFG, TEMPERATURE)
 
 
 def test_the_per_token_advantage_and_loss_are_the_hand_computed_ones():
@@ -81,7 +64,7 @@ def test_the_per_token_advantage_and_loss_are_the_hand_computed_ones():
 def test_the_gradient_is_the_sampled_reverse_kl_gradient(student, teacher_logprobs, num_micro_batches):
     """With no reward signal the update's gradient is lambda E[sum_t sg(log pi - log pi_T) grad log pi]: the
     REINFORCE gradient of lambda KL(pi || pi_T) from the samples, written out here by hand."""
-    coef, batch = 0.7, _batch()
+    coef, batch = 0.7, _grouped_batch()
     batch["advantages"] = np.zeros(6, np.float32)
     batch["teacher_logprobs"] = teacher_logprobs
     grpo = GRPOConfig(beta=0.0, distillation_coef=coef, temperature=TEMPERATURE, loss_agg_mode="token-mean")
@@ -136,8 +119,8 @@ def _step(params, grpo, batch):
 
 def test_coef_zero_is_grpo_bit_for_bit_and_coef_above_zero_changes_the_update(student, teacher_logprobs):
     grpo = GRPOConfig(beta=0.0, temperature=TEMPERATURE, max_grad_norm=0.0)
-    with_teacher = {**_batch(), "teacher_logprobs": teacher_logprobs}
-    plain, plain_metrics = _step(student, grpo, _batch())
+    with_teacher = {**_grouped_batch(), "teacher_logprobs": teacher_logprobs}
+    plain, plain_metrics = _step(student, grpo, _grouped_batch())
     zero, zero_metrics = _step(student, grpo, with_teacher)  # coef 0: the teacher only feeds distill/*
     for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(zero.params), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -304,15 +287,7 @@ def test_a_distillation_run_logs_its_metrics_and_resumes_bit_exactly(
     assert timings["time/teacher_s"] > 0
     assert not (tmp_path / "a" / "run" / ".teacher").exists()  # the mapped copy goes with the run
 
-    real_step, calls = trainer._one_step, {"n": 0}
-
-    def dying_step(*args, **kwargs):  # a Ctrl-C during step 3, after the step-2 checkpoint
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "_one_step", dying_step)
+    real_step = kill_at_call(monkeypatch, 3)  # a Ctrl-C during step 3, after the step-2 checkpoint
     with pytest.raises(KeyboardInterrupt):
         trainer.train(config(tmp_path / "b"))
     monkeypatch.setattr(trainer, "_one_step", real_step)

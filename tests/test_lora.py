@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_run_keys
+from conftest import kill_at_call, tiny_run_keys
 
 from grpax.checkpoint.orbax import restore_params, save_params
 from grpax.config import ConfigError, build_config
@@ -492,16 +492,7 @@ def test_lora_run_resumes_bit_exact_refuses_another_base_and_exports(
     assert set(adapters) == {"layers"} and set(adapters["layers"]["wq"]) == {"a", "b"}
     assert np.abs(np.asarray(adapters["layers"]["wq"]["b"])).max() > 0  # trained
 
-    real_step = trainer._one_step
-    calls = {"n": 0}
-
-    def dying_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "_one_step", dying_step)
+    real_step = kill_at_call(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(**tiny_run_keys(ckpt, tmp_path / "b", **keys)))
     monkeypatch.setattr(trainer, "_one_step", real_step)

@@ -13,7 +13,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tiny_run_keys
+from conftest import kill_at_call, tiny_run_keys
 
 from grpax.checkpoint.hf import iter_hf_tensors
 from grpax.checkpoint.orbax import restore_params
@@ -58,21 +58,6 @@ def _tensorboard_steps(run_dir, tag):
     return steps
 
 
-def _kill_at_call(monkeypatch, n):
-    """Makes ``_one_step`` raise KeyboardInterrupt at its ``n``-th call (a Ctrl-C during that step)."""
-    real_step = trainer._one_step
-    calls = {"n": 0}
-
-    def dying_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "_one_step", dying_step)
-    return real_step
-
-
 @pytest.mark.slow
 def test_resume_is_bit_exact(tiny_checkpoint, tmp_path, monkeypatch):
     full = train(_config(tiny_checkpoint, tmp_path / "a"))
@@ -86,7 +71,7 @@ def test_resume_is_bit_exact(tiny_checkpoint, tmp_path, monkeypatch):
     ).exists()
 
     # The same run, killed during step 3 (after the step-2 checkpoint), then started again with the same name.
-    real_step = _kill_at_call(monkeypatch, 3)
+    real_step = kill_at_call(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         train(_config(tiny_checkpoint, tmp_path / "b"))
     assert (tmp_path / "b" / "run" / "checkpoints" / "actor" / "2").exists()
@@ -186,7 +171,7 @@ def test_lr_schedule_from_the_real_config_loader():
 
 def test_restart_before_the_first_checkpoint_starts_the_files_afresh(tiny_checkpoint, tmp_path, monkeypatch):
     keys = dict(num_batches=2, checkpoint_period=10, eval_before=True)
-    real_step = _kill_at_call(monkeypatch, 2)  # killed during step 2, before any checkpoint
+    real_step = kill_at_call(monkeypatch, 2)  # killed during step 2, before any checkpoint
     with pytest.raises(KeyboardInterrupt):
         train(_config(tiny_checkpoint, tmp_path, **keys))
     run_dir = tmp_path / "run"
