@@ -751,7 +751,7 @@ class Check:
 
     def part_memory_bracket(self) -> None:
         """The update's real temporaries measured on the device: the TPU's ``peak_bytes_in_use`` leaves a
-        program's temporaries out (the update part's note: 0.05 GiB above the state for 5.18 GiB compiled), so
+        program's temporaries out (the update part's note sets the peak beside the state: docs/benchmarks.md), so
         an array (ballast) leaves the update room for ``BRACKET_ROOMS`` of its compiled temporaries in turn,
         the largest first, until one runs out of memory: the temporaries it needs lie between that room and the
         last that ran. The last part: a failed update may have consumed the state it donates."""

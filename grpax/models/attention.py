@@ -139,7 +139,7 @@ def jax_nn_attention(
 # Sequences are padded to a multiple of ``_FLASH_BLOCK`` rows for the Pallas splash kernel (``flash``); its
 # blocks of queries and keys are the longest multiples of it up to ``FLASH_BLOCK_MAX`` that divide them.
 _FLASH_BLOCK = 128
-FLASH_BLOCK_MAX = 512  # on one v5e, qwen3-0.6b's update: 0.915 s at 512, 1.213 s at 128
+FLASH_BLOCK_MAX = 512  # chosen on one v5e against 128 (docs/benchmarks.md, "Pallas's splash attention")
 # The segment of the padding ``flash`` adds: its queries attend only to its keys, no real token to either.
 _FLASH_PAD_SEGMENT = 2
 
