@@ -188,6 +188,7 @@ class Variant:
     tpu_only: bool = False  # measured on TPUs only (a TPU kernel: elsewhere noted as n/a)
     flash_block_max: int = 0  # attention.FLASH_BLOCK_MAX for an update variant (attention=flash's blocks)
     optimization_level: str = ""  # XLA's level (jax_optimization_level, O0-O3) of its programs
+    exec_time_effort: float = 0.0  # XLA's run-time effort of its programs (jax_exec_time_optimization_effort)
 
 
 # In the order they run: the likeliest to explain the decode's 22% of the HBM roofline first (one decode step
@@ -208,6 +209,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("update at XLA O0", optimization_level="O0", seconds=30),
     Variant("decode at XLA O1", rows=1, optimization_level="O1", seconds=30),
     Variant("decode at XLA O0", rows=1, optimization_level="O0", seconds=30),
+    # XLA's run-time effort (training_compile_effort=low: the update and logprob passes of a short run)
+    Variant("update at XLA effort -1", exec_time_effort=-1.0, seconds=30),
+    Variant("update at XLA effort -0.5", exec_time_effort=-0.5, seconds=30),
+    Variant("decode at XLA effort -1", rows=1, exec_time_effort=-1.0, seconds=30),
     # the vocabulary head's chunks as they were before issue 54 (2**24 logits per chip, no floor of tokens)
     Variant("update head chunks of 2**24 logits (no token floor)", head_chunk_min_tokens=0, seconds=40),
     Variant("update head chunks of >= 1024 tokens", head_chunk_min_tokens=1024, seconds=40),
@@ -355,6 +360,7 @@ def applied(variant: Variant):
     program, of ``variant`` while inside (restored after)."""
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
     takes, level = sampler_backend.ragged_tpu_takes, jax.config.jax_optimization_level
+    effort = jax.config.jax_exec_time_optimization_effort
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
     if variant.sort_top_k:
         sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
@@ -362,7 +368,11 @@ def applied(variant: Variant):
         sampler_backend.ragged_tpu_takes = lambda *args: False
     if variant.optimization_level:
         jax.config.update("jax_optimization_level", variant.optimization_level)
-    retrace = bool(variant.sort_top_k or variant.xla_paged or variant.optimization_level)
+    if variant.exec_time_effort:
+        jax.config.update("jax_exec_time_optimization_effort", variant.exec_time_effort)
+    retrace = bool(
+        variant.sort_top_k or variant.xla_paged or variant.optimization_level or variant.exec_time_effort
+    )
     if retrace:
         jax.clear_caches()  # the programs traced and compiled again with the patched function or level
     try:
@@ -371,6 +381,7 @@ def applied(variant: Variant):
         sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks = options, blocks
         sampler_backend.ragged_tpu_takes = takes
         jax.config.update("jax_optimization_level", level)
+        jax.config.update("jax_exec_time_optimization_effort", effort)
         if retrace:
             jax.clear_caches()
 

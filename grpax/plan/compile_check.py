@@ -53,7 +53,7 @@ from grpax.rl.batch import Batch
 from grpax.rl.policy import merge_adapters, sampler_mode
 from grpax.rl.teacher import check_same_vocabulary, teacher_name
 from grpax.rl.train_config import TrainConfig
-from grpax.rl.train_step import TrainState, make_run_update, token_logprobs
+from grpax.rl.train_step import TrainState, logprobs_program, make_run_update
 from grpax.sampler import engine
 from grpax.sampler.backend import select_backend
 from grpax.sharding import per_chip_bytes
@@ -143,12 +143,14 @@ def _batch(cfg: TrainConfig, mesh, with_ref: bool, model_cfg: ModelConfig | None
 _OVER_HBM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
-def _compile(name: str, num_devices: int, fn, *args, **kwargs) -> tuple[Compiled, jax.stages.Compiled | None]:
+def _compile(
+    name: str, num_devices: int, fn, *args, options: tuple = (), **kwargs
+) -> tuple[Compiled, jax.stages.Compiled | None]:
     """Lowers and compiles ``fn`` for its abstract arguments on ``num_devices``; (its memory and collectives,
-    the executable or None if refused)."""
+    the executable or None if refused). ``options``: the compiler options ``fn`` was jitted with."""
     start = time.perf_counter()
     lowered = fn.lower(*args, **kwargs)
-    key = figures_cache.program_key(lowered, _devices_of((args, kwargs)))
+    key = figures_cache.program_key(lowered, _devices_of((args, kwargs)), options)
     kept = figures_cache.read(key)
     if kept is not None:  # the same program compiled before: its figures, no compile (figures_cache)
         kept = dataclasses.replace(kept, name=name, seconds=time.perf_counter() - start)
@@ -239,6 +241,7 @@ class Job:
     sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
     teacher: Any = None  # distillation_coef > 0: the teacher's params as the trainer holds them
     teacher_cfg: ModelConfig | None = None  # its model
+    compiler_options: tuple = ()  # the update's and logprob passes' (``TrainConfig.training_compile_options``)
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -321,9 +324,11 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     trainable = params if lora is None else _abstract_adapters(model_cfg, lora, mesh)
     # The run's own optimizer and update (the trainer builds them with the same call); LoRA's base is an argument
     # of the compiled update (``train_step.func``), not bound.
+    options = cfg.training_compile_options(model_cfg, _platform(mesh), mesh.size)
     optimizer, lr_schedule, train_step = make_run_update(
-        grpo, model_cfg, cfg.num_batches, cfg.micro_batches, cfg.max_completion_length, lora=lora
-    )
+        grpo, model_cfg, cfg.num_batches, cfg.micro_batches, cfg.max_completion_length, lora=lora,
+        compiler_options=options,
+    )  # fmt: skip
     opt_shapes = jax.eval_shape(optimizer.init, trainable)
     opt_state = _abstract(opt_shapes, sharding.optimizer_state_shardings(optimizer, trainable, mesh))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
@@ -371,6 +376,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
         reference is not None and cfg.reference_on_host, train_step, num_pages, backend, teacher, teacher_cfg,
+        options,
     )  # fmt: skip
 
 
@@ -511,13 +517,16 @@ def _compile_update(job: Job, n: int, functions: dict, phases: dict) -> None:
     sampler, the merge too) into ``functions`` and its phase's bytes into ``phases``."""
     train_step = job.train_step
     if job.lora is None:
-        functions["update"], _ = _compile("the GRPO update", n, train_step, job.state, job.batch)
+        functions["update"], _ = _compile(
+            "the GRPO update", n, train_step, job.state, job.batch, options=job.compiler_options
+        )
         functions["update"].fsdp_minimum = _fsdp_minimum(job, 2, True)
         phases["update"] = _extra(functions["update"], per_chip_bytes(job.state))
         return
     functions["update"], _ = _compile(
-        "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base
-    )
+        "the GRPO update (LoRA adapters)", n, train_step.func, job.state, job.batch, base=job.base,
+        options=job.compiler_options,
+    )  # fmt: skip
     functions["update"].fsdp_minimum = _fsdp_minimum(
         job, 2, False
     )  # the base gathered twice, no weight gradient
@@ -536,8 +545,9 @@ def _compile_reference(job: Job, n: int, functions: dict, phases: dict) -> None:
     # the reference's own copy (rounded as read) where there is one, else the weights the forward reads
     read = _forward_params(job) if job.reference is None else job.reference
     c, _ = _compile(
-        "the reference logprobs", n, token_logprobs, read, job.batch.tokens(cfg.router_replay == "replay"),
-        job.model_cfg, grpo.temperature, cfg.micro_batches,
+        "the reference logprobs", n, logprobs_program(job.compiler_options), read,
+        job.batch.tokens(cfg.router_replay == "replay"), job.model_cfg, grpo.temperature, cfg.micro_batches,
+        options=job.compiler_options,
     )  # fmt: skip
     functions["reference logprobs"] = c
     c.fsdp_minimum = _fsdp_minimum(job, 1, False)
@@ -553,8 +563,8 @@ def _compile_teacher(job: Job, n: int, functions: dict, phases: dict) -> None:
         return
     cfg = job.cfg
     c, _ = _compile(
-        "the teacher logprobs", n, token_logprobs, job.teacher, job.batch.tokens(), job.teacher_cfg,
-        cfg.temperature, cfg.micro_batches,
+        "the teacher logprobs", n, logprobs_program(job.compiler_options), job.teacher, job.batch.tokens(),
+        job.teacher_cfg, cfg.temperature, cfg.micro_batches, options=job.compiler_options,
     )  # fmt: skip
     functions["teacher logprobs"] = c
     phases["teacher logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(job.teacher))

@@ -43,12 +43,13 @@ def _folder() -> Path | None:
     return Path(root) / FOLDER if root else None
 
 
-def program_key(lowered: jax.stages.Lowered, devices) -> str:
-    """The key of a lowered program for ``devices`` (hex SHA-256)."""
+def program_key(lowered: jax.stages.Lowered, devices, options: tuple = ()) -> str:
+    """The key of a lowered program for ``devices`` (hex SHA-256); ``options``: the compiler options it is
+    jitted with (``jax.jit``'s ``compiler_options`` as (name, value) pairs)."""
     d = list(devices)[0]
     backend = getattr(getattr(d, "client", None), "platform_version", "")
     settings = "|".join(str(getattr(jax.config, name, "")) for name in COMPILE_SETTINGS)  # what this JAX has
-    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{settings}\n"
+    ident = f"{jax.__version__}|{d.platform}|{d.device_kind}|{len(list(devices))}|{backend}|{settings}|{options}\n"
     return hashlib.sha256((ident + lowered.as_text()).encode()).hexdigest()
 
 

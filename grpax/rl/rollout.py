@@ -95,6 +95,7 @@ class Rollout:
       min_completion_bucket: the batch's completion axis is cut to its longest completion rounded up to this
         many tokens times a power of two (``grpax.rl.batch.completion_bucket``), so the reference pass and the
         update run on the real lengths, not on max_completion_length; 0 keeps the full length.
+      logprobs_options: XLA's options of the logprob passes (``TrainConfig.training_compile_options``).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class Rollout:
         teacher_cfg: ModelConfig | None = None,
         num_micro_batches: int = 1,
         min_completion_bucket: int = MIN_COMPLETION_BUCKET,
+        logprobs_options: tuple = (),
     ):
         self.model_cfg, self.sampler_cfg, self.grpo, self.scorer = model_cfg, sampler_cfg, grpo, scorer
         self.mesh, self.rollout_mesh = mesh, rollout_mesh
@@ -121,6 +123,7 @@ class Rollout:
         self.reference, self.num_micro_batches = reference, num_micro_batches
         self.teacher, self.teacher_cfg = teacher, teacher_cfg or model_cfg
         self.min_completion_bucket = min_completion_bucket
+        self.logprobs_options = logprobs_options
         self.params: Any = None
         self.version = 0
         self.engine: Engine | None = None  # one engine running across calls (``keep_engine``), else None
@@ -373,12 +376,16 @@ class Rollout:
         with mesh_context(self.mesh):
             if self.reference is not None:
                 # mapped from files on a CPU host, unmapped after
-                ref = self.reference.apply(compute_logprobs, batch, self.model_cfg, temperature, M, replay)
+                ref = self.reference.apply(
+                    compute_logprobs, batch, self.model_cfg, temperature, M, replay, self.logprobs_options
+                )
                 batch = batch.replace(ref_logprobs=ref)
                 release_host_memory()
             if self.teacher is not None:  # its own model; never the student's recorded routes
                 t0 = time.perf_counter()
-                teacher = self.teacher.apply(compute_logprobs, batch, self.teacher_cfg, temperature, M, False)
+                teacher = self.teacher.apply(
+                    compute_logprobs, batch, self.teacher_cfg, temperature, M, False, self.logprobs_options
+                )
                 batch = batch.replace(teacher_logprobs=teacher)
                 release_host_memory()
                 self._times["time/teacher_s"] = time.perf_counter() - t0
@@ -396,10 +403,14 @@ class Rollout:
         present = [] if versions is None or not self._keep_engine else sorted(set(np.unique(versions)) - {-1})
         if len(present) <= 1:
             params = self._params_of.get(present[0], self.params) if present else self.params
-            return compute_logprobs(params, batch, self.model_cfg, temperature, M, replay)
+            return compute_logprobs(
+                params, batch, self.model_cfg, temperature, M, replay, self.logprobs_options
+            )
         versions = versions[:, : batch.completion_ids.shape[1]]  # the batch's completion axis is trimmed
         old = None
         for v in present:
-            lp = compute_logprobs(self._params_of[v], batch, self.model_cfg, temperature, M, replay)
+            lp = compute_logprobs(
+                self._params_of[v], batch, self.model_cfg, temperature, M, replay, self.logprobs_options
+            )
             old = lp if old is None else jnp.where(jnp.asarray(versions == v), lp, old)
         return old

@@ -45,6 +45,12 @@ log = logging.getLogger("grpax.train")
 REMAT_ORDER = ("none", "minimal", "dots", "full")
 REFERENCE_DTYPES = ("compute", "weight")
 REFERENCE_MEMORIES = ("auto", "device", "pinned_host")
+TRAINING_COMPILE_EFFORTS = ("auto", "full", "low")
+# A short run (training_compile_effort=auto): its updates' work, 6 x params x tokens of every update (Kaplan et
+# al. 2020's count), under this many FLOPs per chip: seconds of a TPU's time, less than the compile saved.
+SHORT_RUN_FLOPS = 1e15
+# XLA's least run-time effort (jax_exec_time_optimization_effort, in [-1, 1]; a JAX without it: no option)
+LOW_EFFORT_OPTIONS = (("exec_time_optimization_effort", -1.0),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +223,13 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "on an accelerator, compile the job first and stop if it cannot fit in device memory (the run's first "
         "update then reads that program from the jax_cache_dir cache)",
     )
+    training_compile_effort: str = field(
+        "auto",
+        "XLA's effort on the update's and the logprob passes' run time (the sampler's programs always get the "
+        "compiler's default): full = the default; low = the least (exec_time_optimization_effort -1: on a TPU "
+        "the update compiles ~4x faster and runs slower, docs/benchmarks.md); auto = low on a TPU for a short run "
+        "(its updates under 1 PFLOP per chip, e.g. the README's job), else full",
+    )
     lora_rank: int = field(
         0,
         "r: rank of the LoRA adapters trained on a frozen base that is also the reference (0 = full fine-tune)",
@@ -295,6 +308,20 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
                 return key, getattr(self, key)
         return "dataset_name", self.dataset_name
 
+    def training_compile_options(
+        self, model_cfg: ModelConfig, platform: str, num_chips: int
+    ) -> tuple[tuple[str, float], ...]:
+        """The compile options of the update and the logprob passes (``training_compile_effort``), for a run on
+        ``num_chips`` devices of ``platform``: ``LOW_EFFORT_OPTIONS``, or () for the compiler's defaults."""
+        effort = self.training_compile_effort
+        if effort == "auto":
+            tokens = self.batch_size * self.num_generations * self.max_target_length
+            flops = 6 * model_cfg.num_params() * tokens * self.num_batches * self.num_iterations / num_chips
+            effort = "low" if platform == "tpu" and flops < SHORT_RUN_FLOPS else "full"
+        if effort == "full" or not hasattr(jax.config, "jax_exec_time_optimization_effort"):
+            return ()
+        return LOW_EFFORT_OPTIONS
+
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
 
@@ -335,6 +362,11 @@ def _validate_profiler(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
     the choices', the evaluation and export's and the micro-batches' in the checks below)."""
+    if cfg.training_compile_effort not in TRAINING_COMPILE_EFFORTS:
+        raise ConfigError(
+            f"training_compile_effort={cfg.training_compile_effort!r}: expected one of "
+            f"{', '.join(TRAINING_COMPILE_EFFORTS)}"
+        )
     if not cfg.load_parameters_path and not cfg.compile_topology and not cfg.convert_checkpoint_if_possible:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "

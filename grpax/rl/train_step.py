@@ -440,6 +440,7 @@ def make_train_step(
     lora: lora_lib.LoraConfig | None = None,
     base=None,
     max_completion_length: int | None = None,
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ):
     """Builds the jitted update ``step(state, batch) -> (state, metrics)``; ``state`` is donated.
 
@@ -458,6 +459,8 @@ def make_train_step(
         each call, never donated or copied; ``accumulate_gradients``).
       max_completion_length: L_max in tokens ("sequence-mean-token-sum-norm"); None = each batch's C. The
         trainer passes its own: its batches are trimmed to their longest completion's bucket.
+      compiler_options: XLA's options of this program (``TrainConfig.training_compile_options``); () = the
+        compiler's defaults.
 
     Returns:
       A jitted function. Its metrics are float32 scalars: ``loss``, ``policy_loss``, ``kl`` (NaN without
@@ -501,7 +504,7 @@ def make_train_step(
         )
         return new_state, metrics
 
-    jitted = jax.jit(step, donate_argnums=(0,))
+    jitted = jax.jit(step, donate_argnums=(0,), compiler_options=dict(compiler_options) or None)
     return jitted if lora is None else functools.partial(jitted, base=base)
 
 
@@ -513,6 +516,7 @@ def make_run_update(
     max_completion_length: int,
     lora: lora_lib.LoraConfig | None = None,
     base=None,
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> tuple[optax.GradientTransformation, optax.Schedule, Any]:
     """A run's optimizer, its learning-rate schedule and its jitted update: the one builder the trainer and the
     compile check (``compile_topology``, ``check_fit``) share, so the planner compiles the run's own program.
@@ -526,6 +530,7 @@ def make_run_update(
       max_completion_length: L_max in tokens (the sampler's; the batches are trimmed below it).
       lora, base: LoRA: the adapters' config and the frozen base (float32 adapters are what the optimizer
         trains); None = a full fine-tune.
+      compiler_options: the update's XLA options (``TrainConfig.training_compile_options``).
 
     Returns:
       (optimizer, lr schedule, ``make_train_step``'s jitted step).
@@ -542,6 +547,7 @@ def make_run_update(
         lora=lora,
         base=base,
         max_completion_length=max_completion_length,
+        compiler_options=compiler_options,
     )
     return optimizer, lr_schedule, step
 
@@ -577,6 +583,7 @@ def compute_logprobs(
     temperature: float,
     num_micro_batches: int = 1,
     replay: bool = False,
+    compiler_options: tuple[tuple[str, Any], ...] = (),
 ) -> jax.Array:
     """Per-token log-probabilities of the completion tokens under ``params``: float32 [B, C], 0 at padding.
 
@@ -584,19 +591,25 @@ def compute_logprobs(
     policy's ``old_logprobs`` before the first update. Needs prompt_ids, prompt_mask (one row per prompt),
     completion_ids, completion_mask (``grpax.rl.batch``); the batch is processed in ``num_micro_batches`` blocks
     (``Batch.split``) to bound memory. ``replay``: a mixture of experts routes by the batch's recorded routing
-    (``router_replay=replay``), where it has one.
+    (``router_replay=replay``), where it has one. ``compiler_options``: the program's XLA options
+    (``logprobs_program``).
     """
     batch = Batch.of(
         {k: v for k, v in batch.items() if k in TOKEN_FIELDS} if isinstance(batch, dict) else batch
     )
-    return token_logprobs(params, batch.tokens(routes=replay), cfg, temperature, num_micro_batches)
+    program = logprobs_program(compiler_options)
+    return program(params, batch.tokens(routes=replay), cfg, temperature, num_micro_batches)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "num_micro_batches"))
+_LOGPROBS_STATIC = ("cfg", "temperature", "num_micro_batches")
+
+
+@functools.partial(jax.jit, static_argnames=_LOGPROBS_STATIC)
 def token_logprobs(
     params, batch: Batch, cfg: ModelConfig, temperature: float, num_micro_batches: int
 ) -> jax.Array:
-    """``compute_logprobs`` of a ``Batch.tokens()`` batch, jitted (``compile_topology`` lowers this one)."""
+    """``compute_logprobs`` of a ``Batch.tokens()`` batch, jitted with the compiler's defaults (``compile_topology``
+    lowers this one, or ``logprobs_program``'s)."""
 
     def one(mb):
         hidden, _ = completion_hidden(
@@ -609,3 +622,14 @@ def token_logprobs(
         one, batch.split(num_micro_batches, _prompt_shards(batch, num_micro_batches))
     )  # [M, B / M, C]
     return out.reshape(-1, out.shape[-1])
+
+
+@functools.cache
+def logprobs_program(compiler_options: tuple[tuple[str, Any], ...] = ()):
+    """The jitted logprob pass compiled with XLA's ``compiler_options`` (``TrainConfig.training_compile_options``;
+    () = ``token_logprobs``, the compiler's defaults): one program per options, reused by every call."""
+    if not compiler_options:
+        return token_logprobs
+    return jax.jit(
+        token_logprobs.__wrapped__, static_argnames=_LOGPROBS_STATIC, compiler_options=dict(compiler_options)
+    )

@@ -245,7 +245,8 @@ def _train(
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     del params  # LoRA: the policy holds the base
-    state, train_step = _init_state(cfg, grpo, trainable, model_cfg, mesh, policy)
+    options = _training_compile_options(cfg, model_cfg, mesh)
+    state, train_step = _init_state(cfg, grpo, trainable, model_cfg, mesh, policy, options)
     teacher = None
     if inputs.teacher_cfg is not None:  # distillation_coef > 0: frozen, loaded once
         folder = offload_folder(paths.run_dir)
@@ -259,6 +260,7 @@ def _train(
         teacher=teacher,
         teacher_cfg=inputs.teacher_cfg,
         num_micro_batches=cfg.micro_batches,
+        logprobs_options=options,
     )
     rollout = _rollout(cfg, grpo, model_cfg, sampler_cfg, task, tokenizer, placement)
     uses = {"rollout": (cfg.batch_size, cfg.num_generations)}
@@ -441,6 +443,19 @@ def _sampler_configs(
     return sampler_cfg, dataclasses.replace(sampler_cfg, **eval_sampling(cfg))
 
 
+def _training_compile_options(cfg: TrainConfig, model_cfg: ModelConfig, mesh: jax.sharding.Mesh) -> tuple:
+    """The update's and logprob passes' XLA options on ``mesh``'s devices (``training_compile_effort``), said in
+    the log where they are not the compiler's defaults."""
+    options = cfg.training_compile_options(model_cfg, mesh.devices.flat[0].platform, mesh.size)
+    if options:
+        log.info(
+            "the update and the logprob passes compile with %s (training_compile_effort=%s: a short run; "
+            "training_compile_effort=full compiles them for speed)",
+            ", ".join(f"{k}={v}" for k, v in options), cfg.training_compile_effort,
+        )  # fmt: skip
+    return options
+
+
 def _init_state(
     cfg: TrainConfig,
     grpo: GRPOConfig,
@@ -448,11 +463,12 @@ def _init_state(
     model_cfg: ModelConfig,
     mesh: jax.sharding.Mesh,
     policy: Policy | None = None,
+    compiler_options: tuple = (),
 ) -> tuple[TrainState, Callable]:
     """A fresh TrainState at step 0 (optimizer state sharded as the params) and the jitted update.
 
     ``params`` is what the optimizer trains: the weights, or with LoRA the float32 adapters (``policy``; None =
-    the full fine-tune)."""
+    the full fine-tune); ``compiler_options``: the update's (``TrainConfig.training_compile_options``)."""
     policy = Policy() if policy is None else policy
     optimizer, _, train_step = make_run_update(
         grpo,
@@ -462,6 +478,7 @@ def _init_state(
         cfg.max_completion_length,
         lora=policy.lora,
         base=policy.base,
+        compiler_options=compiler_options,
     )
     state = TrainState(
         params=params,
