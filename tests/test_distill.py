@@ -481,3 +481,110 @@ def test_convert_checkpoint_if_possible_converts_the_teacher_too(tmp_path, monke
         ConfigError, match="^distillation_coef=1.0 needs teacher_parameters_path=.*teacher_model_name"
     ):
         validate(build_config(TrainConfig, keys[:-1]))
+
+
+def test_teacher_memory_auto_holds_the_teacher_in_host_memory_only_when_the_devices_cannot():
+    """teacher_memory: in host memory the teacher leaves the resident rows, is on the devices during its own
+    pass (its phase counts its bytes), and is copied there each step (a counted phase at the host link's
+    bandwidth); auto moves it there only when the plan leaves the margin no other way, after the reference."""
+    import dataclasses
+
+    from grpax.config import build_config
+    from grpax.models.registry import get_model_config
+    from grpax.plan import memory_plan
+    from grpax.plan.compile_check import TEACHER_COPY_PHASE, TEACHER_ON_HOST_ROW
+    from grpax.plan.memory_estimate import GPUS, estimate_job
+
+    h200 = GPUS["h200"]
+    keys = {**PLAN, "distillation_coef": 1.0, "teacher_model_name": "llama3.1-8b-Instruct"}
+
+    def cfg(**more):
+        return build_config(TrainConfig, [f"{k}={v}" for k, v in {**keys, **more}.items()])
+
+    def plan(c):
+        return estimate_job(c, h200, 1, "h200-1")
+
+    teacher_bytes = get_model_config("llama3.1-8b-Instruct").num_params() * 2
+    device, host = plan(cfg(teacher_memory="device")), plan(cfg(teacher_memory="pinned_host"))
+    assert device.resident["teacher params"] == teacher_bytes and "teacher params" not in host.resident
+    assert host.resident[TEACHER_ON_HOST_ROW] == 0
+    assert host.phases["teacher logprobs"] == device.phases["teacher logprobs"] + teacher_bytes
+    assert sum(host.resident.values()) == sum(device.resident.values()) - teacher_bytes
+    names = [p.name for p in host.flops]
+    assert names[-3:] == [TEACHER_COPY_PHASE, "teacher logprobs", "update"]
+    copy = host.flops[-3]
+    assert (copy.bytes_per_chip, copy.seconds) == (teacher_bytes, pytest.approx(teacher_bytes / 64e9))
+    assert TEACHER_COPY_PHASE not in [p.name for p in device.flops]
+
+    def on(peak):  # an H200 whose memory leaves the margin beside ``peak`` bytes
+        return dataclasses.replace(h200, hbm_bytes=int(peak / (1 - memory_plan.MARGIN)) + 1)
+
+    auto = cfg(reference_memory="auto")
+    assert auto.teacher_memory == "auto"  # the default
+    peaks = {
+        (ref, teacher): plan(dataclasses.replace(auto, reference_memory=ref, teacher_memory=teacher)).peak
+        for ref in ("device", "pinned_host")
+        for teacher in ("device", "pinned_host")
+    }
+    chosen = [
+        (c.reference_memory, c.teacher_memory)
+        for c in (memory_plan.choose(auto, on(p), 1, "gpu") for p in (peaks["device", "device"],
+                  peaks["pinned_host", "device"], peaks["pinned_host", "pinned_host"]))
+    ]  # fmt: skip
+    assert chosen == [("device", "device"), ("pinned_host", "device"), ("pinned_host", "pinned_host")]
+    assert memory_plan.describe(auto, dataclasses.replace(auto, reference_memory="device", teacher_memory="pinned_host")) == (
+        "reference_memory=auto -> device, teacher_memory=auto -> pinned_host"
+    )  # fmt: skip
+    # no teacher: nothing to place; a key set by hand is kept
+    assert {c.teacher_memory for c in memory_plan.candidates(cfg(distillation_coef=0.0))} == {"device"}
+    assert {c.teacher_memory for c in memory_plan.candidates(cfg(teacher_memory="device"))} == {"device"}
+    tries = memory_plan.fallbacks(
+        auto, dataclasses.replace(auto, reference_memory="device", teacher_memory="device")
+    )
+    assert [(c.reference_memory, c.teacher_memory) for c in tries] == [
+        ("pinned_host", "device"), ("pinned_host", "pinned_host")
+    ]  # fmt: skip
+    from grpax.rl.train_config import validate
+
+    keys = {**PLAN, "load_parameters_path": "x", "teacher_memory": "host"}
+    with pytest.raises(
+        ConfigError, match=r"^teacher_memory='host': expected one of auto, device, pinned_host"
+    ):
+        validate(build_config(TrainConfig, [f"{k}={v}" for k, v in keys.items()]))
+
+
+@pytest.mark.slow  # two 2-step distillation runs: about 30 s on 2 cores
+def test_a_teacher_in_host_memory_teaches_as_one_on_the_devices(
+    tiny_checkpoint, tiny_teacher, tmp_path, monkeypatch
+):
+    """teacher_memory=pinned_host: the loaded teacher is held in the host's pinned memory (no mapped files) and
+    copied to the devices for its pass; the run's metrics are those of the teacher on the devices, value for
+    value."""
+    from conftest import tiny_run_keys
+
+    from grpax.rl import trainer
+
+    loaded, load_teacher = [], trainer.load_teacher
+
+    def spy(*args, **kwargs):
+        loaded.append(load_teacher(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(trainer, "load_teacher", spy)
+
+    def run(out, memory):
+        keys = tiny_run_keys(
+            tiny_checkpoint, out, teacher_parameters_path=str(tiny_teacher), distillation_coef=1.0,
+            num_test_batches=0, num_batches=2, teacher_memory=memory,
+        )  # fmt: skip
+        result = trainer.train(TrainConfig(**keys))
+        lines = (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        skip = ("time", "compile/", "tokens_per_s")
+        return [{k: v for k, v in json.loads(x).items() if not k.startswith(skip)} for x in lines]
+
+    on_host = run(tmp_path / "a", "pinned_host")
+    kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(loaded[0]._params)}
+    assert kinds == {"pinned_host"} and loaded[0].folder is None
+    on_device = run(tmp_path / "b", "device")
+    assert loaded[1].folder is not None  # this CPU process maps a teacher on the devices from files
+    assert len(on_host) == 2 and on_host == on_device

@@ -241,6 +241,7 @@ class Job:
     sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
     teacher: Any = None  # distillation_coef > 0: the teacher's params as the trainer holds them
     teacher_cfg: ModelConfig | None = None  # its model
+    teacher_on_host: bool = False  # the teacher in host memory (``teacher_memory=pinned_host``)
     compiler_options: tuple = ()  # the update's and logprob passes' (``TrainConfig.training_compile_options``)
 
 
@@ -250,6 +251,7 @@ ADAPTERS_ROW = "adapters (float32)"
 ADAPTER_OPT_ROW = "adapter optimizer state"
 NO_REFERENCE_ROW = "reference copy: none (the base, adapters off)"
 REFERENCE_ON_HOST_ROW = "reference params: in host memory (pinned_host)"
+TEACHER_ON_HOST_ROW = "teacher params: in host memory (pinned_host)"
 
 
 def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
@@ -338,8 +340,12 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     if teacher_cfg is not None:
         check_same_vocabulary(teacher_cfg, None, model_cfg, None)  # the checkpoints' are the run's to check
         teacher = abstract_teacher(teacher_cfg, mesh)
-        # on the devices for the whole run (a CPU host maps it, but plans are for chips)
-        resident["teacher params"] = per_chip_bytes(teacher)
+        # on the devices for the whole run (a CPU host maps it, but plans are for chips), or in host memory
+        # (teacher_memory=pinned_host): on the devices during its own pass only
+        if cfg.teacher_on_host:
+            resident[TEACHER_ON_HOST_ROW] = 0
+        else:
+            resident["teacher params"] = per_chip_bytes(teacher)
     # What the sampler reads, on the trainer's mesh: the params, the merged weights (placed as the base), or
     # the base with its adapters.
     sampled = params if sampler != "adapters" else lora_lib.apply(base, trainable, lora)
@@ -376,7 +382,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
         reference is not None and cfg.reference_on_host, train_step, num_pages, backend, teacher, teacher_cfg,
-        options,
+        teacher is not None and cfg.teacher_on_host, options,
     )  # fmt: skip
 
 
@@ -428,6 +434,7 @@ def _rollout_params(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, samp
 
 
 HOST_COPY_PHASE = "reference from host"
+TEACHER_COPY_PHASE = "teacher from host"
 
 
 def step_count(
@@ -436,7 +443,8 @@ def step_count(
     """The counted phases of one step (``grpax.plan.step_cost``); [] without the chip's peaks (None or 0).
 
     A reference held in host memory adds its copy to the devices before each reference pass
-    (``HOST_COPY_PHASE``), at ``host_bandwidth`` (bytes/s per chip; 0: not published, counted as 0 s)."""
+    (``HOST_COPY_PHASE``), a teacher there its own before the teacher's pass (``TEACHER_COPY_PHASE``), at
+    ``host_bandwidth`` (bytes/s per chip; 0: not published, counted as 0 s)."""
     if not peak_flops:
         return []
     mesh, rollout = dict(job.mesh.shape), dict(job.rollout_mesh.shape)
@@ -448,6 +456,12 @@ def step_count(
         copied = per_chip_bytes(job.reference)
         seconds = copied / host_bandwidth if host_bandwidth else 0.0
         phases.insert(-job.shape.num_iterations, Phase(HOST_COPY_PHASE, 0.0, copied, seconds))
+    if job.teacher_on_host:
+        copied = per_chip_bytes(job.teacher)
+        at = [p.name for p in phases].index("teacher logprobs")
+        phases.insert(
+            at, Phase(TEACHER_COPY_PHASE, 0.0, copied, copied / host_bandwidth if host_bandwidth else 0.0)
+        )
     return phases
 
 
@@ -567,7 +581,10 @@ def _compile_teacher(job: Job, n: int, functions: dict, phases: dict) -> None:
         job.teacher_cfg, cfg.temperature, cfg.micro_batches, options=job.compiler_options,
     )  # fmt: skip
     functions["teacher logprobs"] = c
-    phases["teacher logprobs"] = job.merged_copy + _extra(c, per_chip_bytes(job.teacher))
+    # a teacher in host memory is on the devices for this pass only (its bytes are not resident)
+    phases["teacher logprobs"] = job.merged_copy + _extra(
+        c, 0 if job.teacher_on_host else per_chip_bytes(job.teacher)
+    )
 
 
 def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:

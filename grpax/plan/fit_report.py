@@ -116,6 +116,8 @@ def suggestions(cfg: TrainConfig, report: Report, num_chips: int) -> list[str]:
                     "reference_memory=pinned_host (the reference copy in host memory, on the devices for its pass)"
                 )
             out.append("beta=0 (no reference copy of the params)")
+        if cfg.distillation_coef > 0 and not cfg.teacher_on_host:
+            out.append("teacher_memory=pinned_host (the teacher in host memory, on the devices for its pass)")
         out.append(
             f"a larger compile_topology than {num_chips} chips (params and optimizer state split wider)"
         )

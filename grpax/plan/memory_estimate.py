@@ -207,7 +207,10 @@ def estimate_job(cfg: TrainConfig, chip: Chip, num_gpus: int, target: str) -> Re
     if "reference logprobs" in functions:
         phases["reference logprobs"] = int(job.merged_copy + copied + reference + batch)
     if "teacher logprobs" in functions:
-        phases["teacher logprobs"] = int(job.merged_copy + functions["teacher logprobs"].temporaries + batch)
+        on_host = sharding.per_chip_bytes(job.teacher) if job.teacher_on_host else 0  # on the devices for it
+        phases["teacher logprobs"] = int(
+            job.merged_copy + on_host + functions["teacher logprobs"].temporaries + batch
+        )
     flops = step_count(job, num_gpus, chip.peak_flops, chip.hbm_bandwidth, chip.host_bandwidth)
     report = Report(
         target, chip.hbm_bytes, job.resident, job.kv_cache, job.rollout_copy, functions, phases, flops,

@@ -1,18 +1,19 @@
-"""The run's memory choices made from its memory plan: ``remat_policy=auto`` and ``reference_memory=auto``.
+"""The run's memory choices made from its memory plan: ``remat_policy=auto``, ``reference_memory=auto`` and
+``teacher_memory=auto``.
 
 Each key trades step time for memory. A remat policy that recomputes less in the backward pass keeps more
-activations (``none`` keeps them all, ``full`` only each layer's input); the frozen reference in host memory
-(``pinned_host``) frees its bytes on the devices but crosses the host link at each reference pass. ``choose``
-takes the cheapest setting whose estimated peak (``grpax.plan.memory_estimate``: the fit check's table with its
-temporaries from formulas; a remat policy's activations traced from the model's own autodiff) leaves ``MARGIN``
-of the devices' memory free, in this order: the reference on the devices before host memory, and for each the
-remat policies from the least recompute to the most (``REMAT_ORDER``: none, minimal, dots, full). When none
+activations (``none`` keeps them all, ``full`` only each layer's input); the frozen reference, or a distillation
+teacher, in host memory (``pinned_host``) frees its bytes on the devices but crosses the host link at each of its
+passes. ``choose`` takes the cheapest setting whose estimated peak (``grpax.plan.memory_estimate``: the fit
+check's table with its temporaries from formulas; a remat policy's activations traced from the model's own
+autodiff) leaves ``MARGIN`` of the devices' memory free, in this order: the reference and the teacher on the
+devices, then the reference in host memory, then the teacher too, and for each placement the remat policies from the least recompute to the most (``REMAT_ORDER``: none, minimal, dots, full). When none
 leaves the margin, the setting with the least memory. On CPU: full and the devices (full is also the fastest
 there; a CPU process maps the reference from files anyway). A key set to a value other than auto is kept.
 
 ``fit_before_run`` then compiles the choice for the run's devices (the fit check,
 ``compile_check.check_before_run``); if the compiler's plan refuses an auto choice, it tries remat full, then the
-reference in host memory, before it stops the run: auto never refuses a job that fits with remat full and the
+reference in host memory, then the teacher, before it stops the run: auto never refuses a job that fits with remat full and the
 reference on the devices (what those keys meant before auto). ``check_fit=false`` (no compile to check a choice
 against) takes remat full and the devices.
 """
@@ -37,34 +38,47 @@ log = logging.getLogger("grpax.memory_plan")
 MARGIN = 0.10  # of the devices' memory left free by an auto choice (the estimate's error and the allocator's)
 
 
-def _auto(cfg: TrainConfig) -> tuple[bool, bool]:
-    """(remat_policy is auto, reference_memory is auto for a reference copy that exists: beta > 0, no LoRA)."""
+def _auto(cfg: TrainConfig) -> tuple[bool, bool, bool]:
+    """(remat_policy is auto, reference_memory is auto for a reference copy that exists: beta > 0, no LoRA,
+    teacher_memory is auto for a teacher that exists: distillation_coef > 0)."""
     copy = cfg.beta > 0 and not cfg.lora_rank
-    return cfg.remat_policy == "auto", cfg.reference_memory == "auto" and copy
+    teacher = cfg.teacher_memory == "auto" and cfg.distillation_coef > 0
+    return cfg.remat_policy == "auto", cfg.reference_memory == "auto" and copy, teacher
 
 
-def _settled(cfg: TrainConfig, remat: str | None = None, reference: str | None = None) -> TrainConfig:
-    """``cfg`` with no auto left: ``remat`` / ``reference`` where given, else full / device for an auto key."""
-    auto_remat, _ = _auto(cfg)
+def _settled(
+    cfg: TrainConfig, remat: str | None = None, reference: str | None = None, teacher: str | None = None
+) -> TrainConfig:
+    """``cfg`` with no auto left: ``remat`` / ``reference`` / ``teacher`` where given, else full / device /
+    device for an auto key."""
+    auto_remat = _auto(cfg)[0]
     return dataclasses.replace(
         cfg,
         remat_policy=remat or ("full" if auto_remat else cfg.remat_policy),
         reference_memory=reference or ("device" if cfg.reference_memory == "auto" else cfg.reference_memory),
+        teacher_memory=teacher or ("device" if cfg.teacher_memory == "auto" else cfg.teacher_memory),
     )
 
 
 def candidates(cfg: TrainConfig) -> list[TrainConfig]:
-    """The settings an auto key may take, cheapest first: the reference on the devices before host memory, and
-    for each the remat policies in ``REMAT_ORDER``; a single one when no key is auto."""
-    auto_remat, auto_reference = _auto(cfg)
+    """The settings an auto key may take, cheapest first: the reference, then also the distillation teacher, on
+    the devices before host memory (a host copy each step: the smaller first), and for each placement the remat
+    policies in ``REMAT_ORDER``; a single one when no key is auto."""
+    auto_remat, auto_reference, auto_teacher = _auto(cfg)
     remats = REMAT_ORDER if auto_remat else (None,)
-    places = ("device", "pinned_host") if auto_reference else (None,)
-    return [_settled(cfg, remat, place) for place in places for remat in remats]
+    places = [(None, None)]
+    if auto_reference or auto_teacher:
+        places = [("device" if auto_reference else None, "device" if auto_teacher else None)]
+        if auto_reference:
+            places.append(("pinned_host", places[0][1]))
+        if auto_teacher:
+            places.append((places[-1][0], "pinned_host"))
+    return [_settled(cfg, remat, ref, teacher) for ref, teacher in places for remat in remats]
 
 
 def describe(cfg: TrainConfig, chosen: TrainConfig) -> str:
     """``remat_policy=auto -> dots, reference_memory=auto -> device``: what the auto keys became ('' if none)."""
-    keys = ("remat_policy", "reference_memory")
+    keys = ("remat_policy", "reference_memory", "teacher_memory")
     return ", ".join(f"{k}=auto -> {getattr(chosen, k)}" for k in keys if getattr(cfg, k) == "auto")
 
 
@@ -107,13 +121,15 @@ def choose(
 
 def fallbacks(cfg: TrainConfig, chosen: TrainConfig) -> list[TrainConfig]:
     """What to compile when the compiler refuses ``chosen``: remat full (if it was auto), then also the
-    reference in host memory (if that was auto), the ones that differ from ``chosen``."""
-    auto_remat, auto_reference = _auto(cfg)
+    reference in host memory, then also the teacher (each if it was auto), the ones that differ from ``chosen``."""
+    auto_remat, auto_reference, auto_teacher = _auto(cfg)
     out = [chosen]
     if auto_remat:
         out.append(dataclasses.replace(out[-1], remat_policy="full"))
     if auto_reference:
         out.append(dataclasses.replace(out[-1], reference_memory="pinned_host"))
+    if auto_teacher:
+        out.append(dataclasses.replace(out[-1], teacher_memory="pinned_host"))
     return [c for i, c in enumerate(out) if i and c != out[i - 1]]
 
 
@@ -126,7 +142,7 @@ def fit_before_run(cfg: TrainConfig, devices=None, limit: int | None = None) -> 
       limit: bytes per device; default the first device's ``memory_stats()["bytes_limit"]``.
 
     Returns:
-      ``cfg`` with ``remat_policy`` and ``reference_memory`` settled (no auto left).
+      ``cfg`` with ``remat_policy``, ``reference_memory`` and ``teacher_memory`` settled (no auto left).
 
     Raises:
       ConfigError: the job does not fit even with the least-memory settings the auto keys allow

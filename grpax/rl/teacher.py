@@ -146,11 +146,13 @@ def load_teacher(
     closing: contextlib.ExitStack,
 ) -> FrozenParams:
     """The teacher's params, loaded once: placed on ``mesh`` by the rules table, rounded as the forward reads
-    them (the logprobs are the same, bit for bit), frozen (mapped from ``folder`` on a CPU host, else held on
-    the devices); its files go when ``closing`` closes."""
+    them (the logprobs are the same, bit for bit), frozen: in host memory with ``teacher_memory=pinned_host``
+    (copied to the devices for each pass), else mapped from ``folder`` on a CPU host, else held on the devices;
+    its files go when ``closing`` closes."""
     params, teacher_cfg, _ = load_model(cfg.teacher_parameters_path, teacher_cfg)
     params = round_as_read(sharding.shard_params(params, teacher_cfg, mesh), teacher_cfg)
-    teacher = FrozenParams(params, folder)
+    on_host = cfg.teacher_on_host
+    teacher = FrozenParams(params, None if on_host else folder, host_memory=on_host)
     closing.callback(teacher.close)
     return teacher
 

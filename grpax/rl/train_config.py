@@ -122,6 +122,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     teacher_model_name: str = field(
         "", "the teacher's registered model name, checked against its checkpoint; '' = model_name"
     )
+    teacher_memory: str = field(
+        "auto",
+        "where the distillation teacher's params live: device | pinned_host (host memory, copied to the devices "
+        "for each teacher pass: its bytes over the host link every step) | auto (device, unless the memory plan "
+        "fits with a 10% margin only with it, after the reference, in host memory; device on CPU)",
+    )
     remat_policy: str = field(
         "auto",
         "rematerialisation of each layer in the backward pass: auto | none | minimal | dots | full | custom (full: "
@@ -280,6 +286,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         """The frozen reference's copy lives in host memory (``reference_memory=pinned_host``; auto before
         ``grpax.plan.memory_plan`` resolves it is the devices)."""
         return self.reference_memory == "pinned_host"
+
+    @property
+    def teacher_on_host(self) -> bool:
+        """The distillation teacher's params live in host memory (``teacher_memory=pinned_host``; auto before
+        ``grpax.plan.memory_plan`` resolves it is the devices)."""
+        return self.teacher_memory == "pinned_host"
 
     def lora(self) -> LoraConfig | None:
         """The adapters' config, or None for a full fine-tune (lora_rank=0)."""
@@ -462,11 +474,13 @@ def _validate_lora(cfg: TrainConfig) -> None:
 
 
 def _validate_choices(cfg: TrainConfig) -> None:
-    """remat_policy, reference_dtype, reference_memory and lora_sampler name one of their choices."""
+    """remat_policy, reference_dtype, reference_memory, teacher_memory and lora_sampler name one of their
+    choices."""
     choices = {
         "remat_policy": ("auto", *REMAT_ORDER, "custom"),
         "reference_dtype": REFERENCE_DTYPES,
         "reference_memory": REFERENCE_MEMORIES,
+        "teacher_memory": REFERENCE_MEMORIES,
     }
     for key, allowed in choices.items():
         if getattr(cfg, key) not in allowed:
