@@ -588,3 +588,54 @@ def test_a_teacher_in_host_memory_teaches_as_one_on_the_devices(
     on_device = run(tmp_path / "b", "device")
     assert loaded[1].folder is not None  # this CPU process maps a teacher on the devices from files
     assert len(on_host) == 2 and on_host == on_device
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_student(tmp_path_factory):
+    """A tiny mixture-of-experts student of SmolLM2's vocabulary and tokenizer (4 experts, 2 a token)."""
+    cfg = dataclasses.replace(
+        tiny_smollm2_config(), family="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+        moe_mlp_dim=32, norm_topk_prob=True,
+    )  # fmt: skip
+    return _checkpoint(tmp_path_factory.mktemp("moe_student"), cfg, seed=2)
+
+
+# Each with the teacher beside its own keys (issue 56: LoRA students, off-policy rollouts with rollout correction,
+# multi-turn masks and MoE students keep working).
+WITH_A_TEACHER = {
+    "lora": dict(lora_rank=4),
+    "ahead, corrected": dict(max_staleness=1, vllm_importance_sampling_correction=True),
+    "multi-turn": dict(environment="calculator", max_prefill_predict_length=448, max_target_length=464),
+    "moe": dict(student="moe", router_replay="replay"),
+}
+
+
+@pytest.mark.slow  # a 2-step distillation run each: 15-40 s on 2 cores
+@pytest.mark.parametrize("case", WITH_A_TEACHER)
+def test_distillation_beside_lora_rollouts_ahead_multi_turn_and_moe(
+    case, tiny_checkpoint, tiny_teacher, tiny_moe_student, tmp_path
+):
+    """The teacher's pass and its advantage term run with each of these modes: every step's reverse KL is finite
+    and not 0, the teacher's logprobs are < 0, and the update's gradient is not 0."""
+    from conftest import tiny_run_keys
+
+    from grpax.rl import trainer
+
+    keys = dict(WITH_A_TEACHER[case])
+    student = tiny_moe_student if keys.pop("student", "") == "moe" else tiny_checkpoint
+    run = tiny_run_keys(
+        student, tmp_path, teacher_parameters_path=str(tiny_teacher), distillation_coef=1.0, num_batches=2,
+        num_test_batches=0, **keys,
+    )  # fmt: skip
+    result = trainer.train(TrainConfig(**run))
+    lines = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "distill/reverse_kl" in r]
+    assert len(steps) == 2, lines
+    for r in steps:
+        assert math.isfinite(r["distill/reverse_kl"]) and r["distill/reverse_kl"] != 0
+        assert r["distill/teacher_logprob"] < 0 and math.isfinite(r["loss"])
+    if case == "multi-turn":
+        assert all(r["multi_turn/turns"] >= 1 for r in steps)
+    if case == "ahead, corrected":
+        assert all("mismatch/is_ratio_min" in r for r in steps)
+    assert all(r["grad_norm"] > 0 for r in steps)
