@@ -1,7 +1,7 @@
 """``training_compile_effort``: XLA's run-time effort of the update and the logprob passes.
 
-A short run on a TPU (the README's job: its updates a few TFLOP) spends most of its wall time compiling: at XLA's
-least run-time effort the update compiles about 4x faster (docs/benchmarks.md). ``auto`` picks that effort for
+A short run on a TPU (the README's job: its updates a few TFLOP) spends most of its wall time compiling: at half
+XLA's effort on run time the update compiles 2-3x faster and runs 1.5-2x longer (docs/benchmarks.md). ``auto`` picks that effort for
 such a run and only there; the sampler's programs keep the compiler's defaults (the rollout's tokens as before).
 """
 
@@ -22,7 +22,7 @@ def _options(keys, platform="tpu", chips=1, model=SMOLLM2):
     return build_config(TrainConfig, keys).training_compile_options(model, platform, chips)
 
 
-def test_auto_is_the_least_effort_for_a_short_run_on_a_tpu_only():
+def test_auto_is_the_low_effort_for_a_short_run_on_a_tpu_only():
     # the demo's updates: 6 x 134.5M params x (16 rows x 448 tokens) x 6 steps = 0.035 PFLOP, under 1 PFLOP
     assert 6 * SMOLLM2.num_params() * 16 * 448 * 6 < SHORT_RUN_FLOPS
     assert _options(DEMO) == LOW_EFFORT_OPTIONS

@@ -11,6 +11,7 @@ probability about 2**-64.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -24,25 +25,57 @@ from grpax.models import quantize as quant
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _array_sums(x: jax.Array) -> jax.Array:
-    """Two uint32 sums over the array's bits: weighted by position, and by a second odd multiplier.
-
-    Both sums are one reduction of two operands (``lax.reduce``), so the compiler fuses the bits' widening and
-    the positions into it and materialises neither: as two ``jnp.sum``s, XLA:CPU wrote a uint32 copy of the bits
-    and of the positions for every leaf, 3.2 GB of temporaries for SmolLM2's params and AdamW state in one
-    program (the main job's peak, 3.5 -> 5.3 GB). The sums are modulo 2**32, so the order does not change them."""
+def _bits(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the array's bits widened to uint32 [size], their positions uint32 [size])."""
     size = x.dtype.itemsize
     bits = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, _UINT[size])
     flat = bits.reshape(-1).astype(jnp.uint32)
-    i = jax.lax.iota(jnp.uint32, flat.size)
+    return flat, jax.lax.iota(jnp.uint32, flat.size)
+
+
+def _weighted(flat: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two sums' terms: the bits weighted by position, and by a second odd multiplier."""
     weighted = flat * (i * jnp.uint32(2654435761) + jnp.uint32(1))
     mixed = (flat ^ (i * jnp.uint32(40503))) * jnp.uint32(2246822519) + i
+    return weighted, mixed
+
+
+def _one_reduction(x: jax.Array) -> jax.Array:
+    """The two sums as one reduction of two operands (``lax.reduce``), so that XLA:CPU fuses the bits' widening
+    and the positions into it and materialises neither: as two ``jnp.sum``s, it wrote a uint32 copy of the bits
+    and of the positions for every leaf, 3.2 GB of temporaries for SmolLM2's params and AdamW state in one
+    program (the main job's peak, 3.5 -> 5.3 GB)."""
     zero = jnp.uint32(0)
-    a, b = jax.lax.reduce((weighted, mixed), (zero, zero), lambda p, q: (p[0] + q[0], p[1] + q[1]), (0,))
+    terms = _weighted(*_bits(x))
+    a, b = jax.lax.reduce(terms, (zero, zero), lambda p, q: (p[0] + q[0], p[1] + q[1]), (0,))
     return jnp.stack([a, b])
 
 
-@jax.jit
+def _two_sums(x: jax.Array) -> jax.Array:
+    """The two sums as two ``jnp.sum``s: the TPU compiler fuses each into one reduction (3 MB of temporaries
+    for SmolLM2's params and AdamW state, against 145 MB as one two-operand reduction) and compiles them in a
+    third of the time (libtpu for a v5e: 3.7 s against 11.7 s for those 34 arrays; docs/benchmarks.md)."""
+    weighted, mixed = _weighted(*_bits(x))
+    return jnp.stack([jnp.sum(weighted, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
+
+def _array_sums(x: jax.Array) -> jax.Array:
+    """Two uint32 sums over the array's bits: weighted by position, and by a second odd multiplier; modulo
+    2**32, so neither the order nor the formulation changes them (the CPU's ``_one_reduction``, the other
+    platforms' ``_two_sums``)."""
+    return jax.lax.platform_dependent(x, cpu=_one_reduction, default=_two_sums)
+
+
+# XLA's least run-time effort: the digests run once per checkpoint, read each byte once, and their compile is
+# what a run waits for (on a TPU v5e, 15.8 s for SmolLM2's trees at the default effort, 1.0 s at the least).
+_LEAST_EFFORT = (
+    {"exec_time_optimization_effort": -1.0}
+    if hasattr(jax.config, "jax_exec_time_optimization_effort")
+    else None
+)
+
+
+@functools.partial(jax.jit, compiler_options=_LEAST_EFFORT)
 def _sums(arrays: list) -> list:
     """``_array_sums`` of each array, in one program per list of shapes: a whole tree's leaves at once, so a
     checkpoint's digests compile once, not once per distinct leaf shape (each a compile on an accelerator)."""

@@ -49,8 +49,10 @@ TRAINING_COMPILE_EFFORTS = ("auto", "full", "low")
 # A short run (training_compile_effort=auto): its updates' work, 6 x params x tokens of every update (Kaplan et
 # al. 2020's count), under this many FLOPs per chip: seconds of a TPU's time, less than the compile saved.
 SHORT_RUN_FLOPS = 1e15
-# XLA's least run-time effort (jax_exec_time_optimization_effort, in [-1, 1]; a JAX without it: no option)
-LOW_EFFORT_OPTIONS = (("exec_time_optimization_effort", -1.0),)
+# XLA's effort on run time halved (jax_exec_time_optimization_effort, in [-1, 1]; a JAX without it: no option). On
+# one TPU v5e (qwen3-0.6b's update, docs/benchmarks.md): -0.5 compiles in 8.7 s instead of 23.8 and runs 1.5x
+# longer; -1 compiles in 8.1 s and runs 2.4x longer.
+LOW_EFFORT_OPTIONS = (("exec_time_optimization_effort", -0.5),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +234,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     training_compile_effort: str = field(
         "auto",
         "XLA's effort on the update's and the logprob passes' run time (the sampler's programs always get the "
-        "compiler's default): full = the default; low = the least (exec_time_optimization_effort -1: on a TPU "
-        "the update compiles ~4x faster and runs slower, docs/benchmarks.md); auto = low on a TPU for a short run "
+        "compiler's default): full = the default; low = exec_time_optimization_effort -0.5 (on a TPU the update "
+        "compiles 2-3x faster and runs 1.5-2x longer, docs/benchmarks.md); auto = low on a TPU for a short run "
         "(its updates under 1 PFLOP per chip, e.g. the README's job), else full",
     )
     lora_rank: int = field(
