@@ -213,6 +213,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("update at XLA effort -1", exec_time_effort=-1.0, seconds=30),
     Variant("update at XLA effort -0.5", exec_time_effort=-0.5, seconds=30),
     Variant("decode at XLA effort -1", rows=1, exec_time_effort=-1.0, seconds=30),
+    # the decode's pages and calls (issue 54: the ragged kernel reads ~42% of HBM bandwidth per layer at 32-token
+    # pages): longer pages are longer DMAs per page; more steps per call, fewer host round trips
+    Variant("decode page_size=64", rows=1, sampler=(("page_size", 64),), seconds=30),
+    Variant("decode page_size=128", rows=1, sampler=(("page_size", 128),), seconds=30),
+    Variant("decode 64 steps per call", rows=1, sampler=(("decode_steps_per_call", 64),), seconds=30),
     # the vocabulary head's chunks as they were before issue 54 (2**24 logits per chip, no floor of tokens)
     Variant("update head chunks of 2**24 logits (no token floor)", head_chunk_min_tokens=0, seconds=40),
     Variant("update head chunks of >= 1024 tokens", head_chunk_min_tokens=1024, seconds=40),
