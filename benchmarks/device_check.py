@@ -365,7 +365,9 @@ def applied(variant: Variant):
     program, of ``variant`` while inside (restored after)."""
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
     takes, level = sampler_backend.ragged_tpu_takes, jax.config.jax_optimization_level
-    effort = jax.config.jax_exec_time_optimization_effort
+    effort = getattr(jax.config, "jax_exec_time_optimization_effort", None)  # jax 0.11 has no float efforts
+    if variant.exec_time_effort and effort is None:
+        raise RuntimeError(f"jax {jax.__version__} has no jax_exec_time_optimization_effort to set")
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
     if variant.sort_top_k:
         sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
@@ -386,7 +388,8 @@ def applied(variant: Variant):
         sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks = options, blocks
         sampler_backend.ragged_tpu_takes = takes
         jax.config.update("jax_optimization_level", level)
-        jax.config.update("jax_exec_time_optimization_effort", effort)
+        if effort is not None:
+            jax.config.update("jax_exec_time_optimization_effort", effort)
         if retrace:
             jax.clear_caches()
 
@@ -814,6 +817,9 @@ class Check:
             return
         if variant.tpu_only and self.platform != "tpu":
             self.add(f"variant {variant.name}", note=f"n/a on {self.platform}: a TPU kernel's")
+            return
+        if variant.exec_time_effort and not hasattr(jax.config, "jax_exec_time_optimization_effort"):
+            self.add(f"variant {variant.name}", note=f"n/a: jax {jax.__version__} has no float efforts")
             return
         if not variant.rows:
             floor, blocks = train_step_module.LOGITS_CHUNK_MIN_TOKENS, attention_module.FLASH_BLOCK_MAX
