@@ -64,7 +64,7 @@ def test_auto_moves_the_reference_to_host_memory_only_when_the_devices_cannot_ho
 
 
 def test_a_key_set_by_hand_is_kept_and_a_cpu_takes_full_remat_on_the_devices():
-    cfg = _cfg("remat_policy=dots", "reference_memory=pinned_host")
+    cfg = _cfg("remat_policy=dots", "reference_memory=pinned_host", "teacher_memory=device")
     assert memory_plan.candidates(cfg) == [cfg]
     assert memory_plan.choose(cfg, _on(2**20), 1, "gpu") == cfg
     auto = memory_plan.choose(_cfg(), _on(2**40), 1, "cpu")
