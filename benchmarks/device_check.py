@@ -78,6 +78,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpax import sharding
 from grpax.cli.common import enable_compilation_cache
+from grpax.compiles import effort_options
 from grpax.config import build_config
 from grpax.models import attention as attention_module
 from grpax.models.params import init_params
@@ -366,8 +367,6 @@ def applied(variant: Variant):
     options, blocks = sampler_backend.XLA_GPU_OPTIONS, sampling._kth_largest_by_blocks
     takes, level = sampler_backend.ragged_tpu_takes, jax.config.jax_optimization_level
     effort = getattr(jax.config, "jax_exec_time_optimization_effort", None)  # jax 0.11 has no float efforts
-    if variant.exec_time_effort and effort is None:
-        raise RuntimeError(f"jax {jax.__version__} has no jax_exec_time_optimization_effort to set")
     sampler_backend.XLA_GPU_OPTIONS = options + variant.gpu_options
     if variant.sort_top_k:
         sampling._kth_largest_by_blocks = sampling._kth_largest_by_sort
@@ -818,7 +817,7 @@ class Check:
         if variant.tpu_only and self.platform != "tpu":
             self.add(f"variant {variant.name}", note=f"n/a on {self.platform}: a TPU kernel's")
             return
-        if variant.exec_time_effort and not hasattr(jax.config, "jax_exec_time_optimization_effort"):
+        if variant.exec_time_effort and not effort_options(variant.exec_time_effort):
             self.add(f"variant {variant.name}", note=f"n/a: jax {jax.__version__} has no float efforts")
             return
         if not variant.rows:

@@ -22,6 +22,15 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
+def effort_options(effort: float) -> tuple[tuple[str, float], ...]:
+    """``jax.jit``'s ``compiler_options`` (as pairs) for XLA's run-time effort ``effort`` in [-1, 1] (JAX's
+    ``jax_exec_time_optimization_effort``: lower compiles faster and runs slower); () on a JAX without that
+    setting (jax 0.11 has no float efforts): the compiler's default."""
+    if not hasattr(jax.config, "jax_exec_time_optimization_effort"):
+        return ()
+    return (("exec_time_optimization_effort", float(effort)),)
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program obtained: its phase, function name, seconds (the compile, or the cache read) and whether it

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpax.compiles import effort_options
 from grpax.models import quantize as quant
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -66,16 +67,10 @@ def _array_sums(x: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x, cpu=_one_reduction, default=_two_sums)
 
 
-# XLA's least run-time effort: the digests run once per checkpoint, read each byte once, and their compile is
-# what a run waits for (on a TPU v5e, 15.8 s for SmolLM2's trees at the default effort, 1.0 s at the least).
-_LEAST_EFFORT = (
-    {"exec_time_optimization_effort": -1.0}
-    if hasattr(jax.config, "jax_exec_time_optimization_effort")
-    else None
-)
-
-
-@functools.partial(jax.jit, compiler_options=_LEAST_EFFORT)
+# XLA's least run-time effort: the digests run once per checkpoint and read each byte once, and their compile is
+# what a run waits for (the README's job on a TPU v5e: 15.8 s at the default effort as one reduction per array,
+# 1.2 s as two sums at the least; docs/benchmarks.md).
+@functools.partial(jax.jit, compiler_options=dict(effort_options(-1.0)) or None)
 def _sums(arrays: list) -> list:
     """``_array_sums`` of each array, in one program per list of shapes: a whole tree's leaves at once, so a
     checkpoint's digests compile once, not once per distinct leaf shape (each a compile on an accelerator)."""

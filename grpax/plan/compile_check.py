@@ -241,8 +241,12 @@ class Job:
     sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
     teacher: Any = None  # distillation_coef > 0: the teacher's params as the trainer holds them
     teacher_cfg: ModelConfig | None = None  # its model
-    teacher_on_host: bool = False  # the teacher in host memory (``teacher_memory=pinned_host``)
     compiler_options: tuple = ()  # the update's and logprob passes' (``TrainConfig.training_compile_options``)
+
+    @property
+    def teacher_on_host(self) -> bool:
+        """A teacher that lives in host memory (``teacher_memory=pinned_host``), on the devices for its pass."""
+        return self.teacher is not None and self.cfg.teacher_on_host
 
 
 # Table rows of a LoRA job's resident arrays (``Job.resident``).
@@ -382,7 +386,7 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
         sc, resident, 0 if same else per_chip_bytes(rollout_params), kv_cache, shape,
         lora, None if lora is None else base, merged_copy, sampler, None if lora is None else params, reference,
         reference is not None and cfg.reference_on_host, train_step, num_pages, backend, teacher, teacher_cfg,
-        teacher is not None and cfg.teacher_on_host, options,
+        options,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import jax
 
 from grpax import sharding
+from grpax.compiles import effort_options
 from grpax.config import (
     ConfigError,
     EngineKeys,
@@ -49,10 +50,10 @@ TRAINING_COMPILE_EFFORTS = ("auto", "full", "low")
 # A short run (training_compile_effort=auto): its updates' work, 6 x params x tokens of every update (Kaplan et
 # al. 2020's count), under this many FLOPs per chip: seconds of a TPU's time, less than the compile saved.
 SHORT_RUN_FLOPS = 1e15
-# XLA's effort on run time halved (jax_exec_time_optimization_effort, in [-1, 1]; a JAX without it: no option). On
-# one TPU v5e (qwen3-0.6b's update, docs/benchmarks.md): -0.5 compiles in 8.7 s instead of 23.8 and runs 1.5x
-# longer; -1 compiles in 8.1 s and runs 2.4x longer.
-LOW_EFFORT_OPTIONS = (("exec_time_optimization_effort", -0.5),)
+# XLA's effort on run time halved (``grpax.compiles.effort_options``; a JAX without it: no option). On one TPU
+# v5e (qwen3-0.6b's update, docs/benchmarks.md): -0.5 compiles in 8.7 s instead of 23.8 and runs 1.5x longer;
+# -1 compiles in 8.1 s and runs 2.4x longer.
+LOW_EFFORT_OPTIONS = effort_options(-0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,9 +333,7 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
             tokens = self.batch_size * self.num_generations * self.max_target_length
             flops = 6 * model_cfg.num_params() * tokens * self.num_batches * self.num_iterations / num_chips
             effort = "low" if platform == "tpu" and flops < SHORT_RUN_FLOPS else "full"
-        if effort == "full" or not hasattr(jax.config, "jax_exec_time_optimization_effort"):
-            return ()
-        return LOW_EFFORT_OPTIONS
+        return () if effort == "full" else LOW_EFFORT_OPTIONS
 
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GRPOConfig)})
@@ -376,11 +375,6 @@ def _validate_profiler(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the key for settings that cannot work (each key's own range here; LoRA's,
     the choices', the evaluation and export's and the micro-batches' in the checks below)."""
-    if cfg.training_compile_effort not in TRAINING_COMPILE_EFFORTS:
-        raise ConfigError(
-            f"training_compile_effort={cfg.training_compile_effort!r}: expected one of "
-            f"{', '.join(TRAINING_COMPILE_EFFORTS)}"
-        )
     if not cfg.load_parameters_path and not cfg.compile_topology and not cfg.convert_checkpoint_if_possible:
         raise ConfigError(
             "load_parameters_path is required: convert a model first with "
@@ -476,13 +470,14 @@ def _validate_lora(cfg: TrainConfig) -> None:
 
 
 def _validate_choices(cfg: TrainConfig) -> None:
-    """remat_policy, reference_dtype, reference_memory, teacher_memory and lora_sampler name one of their
-    choices."""
+    """remat_policy, reference_dtype, reference_memory, teacher_memory, training_compile_effort and lora_sampler
+    name one of their choices."""
     choices = {
         "remat_policy": ("auto", *REMAT_ORDER, "custom"),
         "reference_dtype": REFERENCE_DTYPES,
         "reference_memory": REFERENCE_MEMORIES,
         "teacher_memory": REFERENCE_MEMORIES,
+        "training_compile_effort": TRAINING_COMPILE_EFFORTS,
     }
     for key, allowed in choices.items():
         if getattr(cfg, key) not in allowed:

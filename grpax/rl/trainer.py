@@ -448,10 +448,11 @@ def _training_compile_options(cfg: TrainConfig, model_cfg: ModelConfig, mesh: ja
     the log where they are not the compiler's defaults."""
     options = cfg.training_compile_options(model_cfg, mesh.devices.flat[0].platform, mesh.size)
     if options:
+        why = "a short run on a TPU" if cfg.training_compile_effort == "auto" else "as set"
         log.info(
-            "the update and the logprob passes compile with %s (training_compile_effort=%s: a short run; "
+            "the update and the logprob passes compile with %s (training_compile_effort=%s: %s; "
             "training_compile_effort=full compiles them for speed)",
-            ", ".join(f"{k}={v}" for k, v in options), cfg.training_compile_effort,
+            ", ".join(f"{k}={v}" for k, v in options), cfg.training_compile_effort, why,
         )  # fmt: skip
     return options
 
