@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -371,3 +372,53 @@ def test_the_digests_compile_for_a_tpu_as_two_fused_sums():
     arguments = 4 * 30 * 576 * 1536 + 2 * 49152 * 576
     assert memory.argument_size_in_bytes == arguments
     assert memory.temp_size_in_bytes < arguments / 100, memory.temp_size_in_bytes
+
+
+def test_a_background_save_holds_the_arrays_as_they_were_when_it_returned(tmp_path):
+    """async_checkpointing: ``save`` returns before the files are written; the update that follows donates the
+    saved arrays (the trainer's step does), and the step on disk still holds the values handed to ``save``."""
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", background=True)
+    params, opt_state = _params(), _opt_state()
+    expected = jax.tree.map(np.asarray, (params, opt_state))
+    checkpointer.save(1, params, opt_state, {"step": 1})
+    bump = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
+    params, opt_state = bump((params, opt_state))
+    checkpointer.save(2, params, opt_state, {"step": 2})  # waits for step 1's write first
+    checkpointer.close()  # waits for step 2's
+    reader = TrainCheckpointer(tmp_path / "checkpoints")
+    for step, (want_params, want_opt) in ((1, expected), (2, jax.tree.map(np.asarray, (params, opt_state)))):
+        got_params, got_opt, meta = reader.restore(step, _params(), _opt_state())
+        assert meta == {"step": step}
+        jax.tree.map(np.testing.assert_array_equal, (got_params, got_opt), (want_params, want_opt))
+    reader.close()
+
+
+def test_a_failed_background_write_stops_the_next_save_naming_its_step(tmp_path, monkeypatch):
+    """The failure of a write under way in the background is raised by the next save (or ``wait`` / ``close``),
+    as the one line a failed save gives, naming the step that failed, not the one being saved."""
+    from grpax.checkpoint.train_state import SaveFailedError
+
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", background=True)
+    checkpointer.save(1, _params(), _opt_state(), {"step": 1})
+    checkpointer.wait()
+    checkpointer.save(2, _params(), _opt_state(), {"step": 2})
+    tensorstore = (
+        'RESOURCE_EXHAUSTED: Error writing "w/c/0/0" in OCDBT database at local file "/x/": Failed writing: '
+        "\"/x/d/24c7\": Failed to write 770375 bytes to file 7: No space left on device [os_error_code='28']"
+    )
+    finished = checkpointer.manager.wait_until_finished
+
+    def full_disk():
+        finished()
+        raise ValueError(tensorstore)
+
+    monkeypatch.setattr(checkpointer.manager, "wait_until_finished", full_disk)
+    with pytest.raises(SaveFailedError) as e:
+        checkpointer.save(3, _params(), _opt_state(), {"step": 3})
+    assert str(e.value).startswith(
+        f"writing checkpoint step 2 to {checkpointer.step_dir(2)} failed: No space left on device "
+        "(RESOURCE_EXHAUSTED); the last finished step 1 is kept"
+    )
+    checkpointer.wait()  # the failure was raised once: nothing is under way any more
+    monkeypatch.setattr(checkpointer.manager, "wait_until_finished", finished)
+    checkpointer.close()

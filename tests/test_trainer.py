@@ -219,6 +219,58 @@ def test_enable_checkpointing_false_saves_no_checkpoint(tiny_checkpoint, tmp_pat
     assert not (tmp_path / "export").exists()
 
 
+def test_the_prompts_are_tokenized_beside_the_fit_check(tiny_checkpoint, tmp_path, monkeypatch):
+    """The rows of both splits are rendered and tokenized in a thread while the fit check compiles (its keys
+    are not the fit check's to choose), and the run trains on them."""
+    import threading
+
+    tokenized = threading.Event()
+    real_prepare = trainer.prepare_rows
+
+    def prepare_rows(*args, **kwargs):
+        rows = real_prepare(*args, **kwargs)
+        tokenized.set()
+        return rows
+
+    def fit(cfg):  # a fit check that returns only once the prompts were prepared beside it
+        assert tokenized.wait(timeout=60), "the prompts were not prepared while the fit check ran"
+        return cfg
+
+    monkeypatch.setattr(trainer, "prepare_rows", prepare_rows)
+    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=1, num_test_batches=0, checkpoint_period=10)
+    results = train(TrainConfig(**keys), fit=fit)
+    assert len(results["reward_history"]) == 1
+
+
+@pytest.mark.slow
+def test_async_checkpointing_writes_in_the_background_the_same_checkpoints(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """MaxText's async_checkpointing: true (the default) hands each save to Orbax's background writer (the
+    next save waits for it); false waits inside each save. The steps on disk are the same bits."""
+    from grpax.checkpoint.train_state import TrainCheckpointer
+
+    waited_for = []  # per run: the steps whose background write the run waited for
+    real_wait = TrainCheckpointer.wait
+
+    def wait(self):
+        waited_for[-1].append(self._writing)
+        real_wait(self)
+
+    monkeypatch.setattr(TrainCheckpointer, "wait", wait)
+    actors = {}
+    for flag in (True, False):
+        waited_for.append([])
+        keys = tiny_run_keys(
+            tiny_checkpoint, tmp_path / str(flag), num_batches=2, num_test_batches=0, checkpoint_period=1
+        )
+        actors[flag] = train(TrainConfig(**keys, async_checkpointing=flag))["actor_path"]
+    # background: step 1's write is waited for by step 2's save, step 2's at the end; waiting: never pending
+    assert [w for w in waited_for[0] if w is not None] == [1, 2] and set(waited_for[1]) == {None}
+    for a, b in zip(*(jax.tree.leaves(restore_params(actors[f])) for f in (True, False)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_profiler_xplane_traces_the_steps_it_names(tiny_checkpoint, tmp_path, monkeypatch):
     """profiler=xplane (MaxText's keys, Tunix's rl.profiler_* spellings): a JAX trace of profiler_steps steps after
     skip_first_n_steps_for_profiler, written beside the run's TensorBoard scalars; off, no trace."""
@@ -322,6 +374,22 @@ def test_mismatch_alarm_names_the_causes_once_above_the_dtype_threshold(caplog):
     )
     assert "the top-k / top-p filter" in line and "miscompiled decode" in line
     assert "\n" not in line
+    # float32 on a TPU: its matmuls take one bfloat16 pass at JAX's default precision, and the alarm is
+    # bfloat16's (the README's job on a v5e: 0.0122 nats per token); at precision highest, float32's again
+    on_tpu = {"mismatch/logprob_diff_mean": 0.0122, "mismatch/logprob_diff_max": 0.191}
+    assert not trainer.warn_on_mismatch(on_tpu, "float32", plain, "tpu")
+    assert trainer.warn_on_mismatch(on_tpu, "float32", plain, "cpu")
+    assert trainer.warn_on_mismatch(loud, "float32", plain, "tpu")
+    line = caplog.records[-1].getMessage()
+    assert "alarm above 0.1 for dtype=float32, whose matmuls take one bfloat16 pass on a TPU" in line, line
+    assert "bfloat16 rounding (dtype=float32 and JAX_DEFAULT_MATMUL_PRECISION=highest tells)" in line, line
+    with jax.default_matmul_precision("highest"):
+        assert trainer.matmul_dtype("float32", "tpu") == "float32"
+        assert trainer.warn_on_mismatch(on_tpu, "float32", plain, "tpu")
+    assert (
+        trainer.matmul_dtype("bfloat16", "tpu") == "bfloat16"
+        and trainer.matmul_dtype("float32", "gpu") == "float32"
+    )
 
 
 def test_the_reference_copy_is_stored_as_the_forward_reads_it(tmp_path, monkeypatch):

@@ -213,6 +213,11 @@ class TrainCheckpointer:
         and optimizer moments shrink by under a tenth, while compressing holds every encoded chunk in host
         memory until the save ends (about the state's size again, measured in docs/benchmarks.md). Reading
         either kind of checkpoint needs no setting.
+      background: write each step's files in a background thread (Orbax's async save; MaxText's
+        ``async_checkpointing``): ``save`` returns once the arrays are copied to host memory, so training goes
+        on (and may donate them) while the files are written; the next ``save``, ``wait`` and ``close`` wait for
+        the write and raise its failure (``SaveFailedError`` naming the step). False: ``save`` returns when
+        the step is on disk.
     """
 
     def __init__(
@@ -222,8 +227,11 @@ class TrainCheckpointer:
         use_zarr3: bool = True,
         use_ocdbt: bool = True,
         use_compression: bool = False,
+        background: bool = False,
     ):
         self.directory = Path(directory).absolute()
+        self.background = background
+        self._writing: int | None = None  # the step whose files a background write is writing
         quiet_orbax_thread_errors()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         tree_handler = ocp.PyTreeCheckpointHandler(
@@ -237,7 +245,7 @@ class TrainCheckpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=background,
             cleanup_tmp_directories=True,  # the temporary folder of an abandoned save
         )
         self.manager = ocp.CheckpointManager(
@@ -264,17 +272,38 @@ class TrainCheckpointer:
         return check_step_meta(self.directory / "actor", step)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
-        """Writes step ``step`` and waits until it is complete on disk.
+        """Writes step ``step``: on disk when it returns, or (``background``) copied to host memory and written
+        by a background thread, after an earlier background write has finished.
 
-        A Ctrl-C or SIGTERM during the write takes effect once it is complete (``grpax.interrupts``); a second
-        one abandons it, and its temporary folder is removed when the run resumes.
+        A Ctrl-C or SIGTERM during the write takes effect once it is complete (``grpax.interrupts``; a background
+        write is waited for on the way out, ``close``); a second one abandons it, and its temporary folder is
+        removed when the run resumes.
+
+        Raises:
+          SaveFailedError: this step's write, or an earlier background one, failed (a full disk: the step named).
         """
         with interrupts.deferred():
-            self._save(step, params, opt_state, meta)
+            self.wait()
+            self._named_failure(step, lambda: self._write(step, params, opt_state, meta))
+            if self.background:
+                self._writing = step
+            else:
+                self._named_failure(step, self.manager.wait_until_finished)
 
-    def _save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
+    def wait(self) -> None:
+        """Waits for a background write (``background``); a no-op when none is under way.
+
+        Raises:
+          SaveFailedError: the write failed (the step named, and the last finished one kept).
+        """
+        step, self._writing = self._writing, None
+        if step is not None:
+            self._named_failure(step, self.manager.wait_until_finished)
+
+    def _named_failure(self, step: int, write) -> None:
+        """Runs ``write`` (part of step ``step``'s save); tensorstore's failure becomes ``SaveFailedError``."""
         try:
-            self._write(step, params, opt_state, meta)
+            write()
         except (
             Exception
         ) as e:  # tensorstore: "RESOURCE_EXHAUSTED: Error writing ...: No space left on device"
@@ -305,7 +334,6 @@ class TrainCheckpointer:
             ),
             force=True,
         )
-        self.manager.wait_until_finished()
 
     def restore(self, step: int, params_like: Any, opt_state_like: Any) -> tuple[Any, Any, dict]:
         """Restores step ``step`` onto the shardings and dtypes of ``params_like`` / ``opt_state_like``.
@@ -363,7 +391,11 @@ class TrainCheckpointer:
         return self.directory / "actor" / str(step)
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for a background write (its failure raised, ``wait``), then closes Orbax's manager."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def lora_meta(params_path: Path) -> dict | None:

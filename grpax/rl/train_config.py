@@ -206,6 +206,12 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "MaxText's: false saves no checkpoint at all (no resume point, no step folder: the trained weights "
         "end with the run; export_hf refused); a checkpoint already in the run folder is still resumed",
     )
+    async_checkpointing: bool = field(
+        True,
+        "MaxText's: write each checkpoint's files in a background thread while training goes on (the arrays "
+        "are first copied to host memory, the state's size again until the write ends); the next save and the "
+        "run's end wait for it, and a failed write stops the run naming its step; false: each save waits",
+    )
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
     checkpoint_storage_use_ocdbt: bool = field(True, "Orbax OCDBT storage")

@@ -21,6 +21,7 @@ base). The keys and their checks are in ``grpax.rl.train_config``, the run folde
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -36,13 +37,13 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from grpax import distributed, interrupts, prng, sharding
-from grpax.checkpoint.orbax import load_model
+from grpax.checkpoint.orbax import find_model_folder, load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.compiles import CompileLog
 from grpax.data.iterator import PromptIterator
 from grpax.data.prompts import prepare_rows
 from grpax.data.token_cache import cache_folder
-from grpax.data.tokenizer import stop_token_ids
+from grpax.data.tokenizer import load_tokenizer, stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import eval_sampling
@@ -173,6 +174,7 @@ def _train_logged(cfg: TrainConfig, fit: Callable | None, programs: CompileLog) 
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
             "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
         )
+    rows = _rows_beside(cfg, task, inputs)
     if (
         fit is not None
     ):  # the auto keys chosen; an accelerator run that cannot fit stops before any weight is read
@@ -191,7 +193,23 @@ def _train_logged(cfg: TrainConfig, fit: Callable | None, programs: CompileLog) 
     # Orbax's writes), before the folder is released.
     with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
         with programs.phase("load and save"):
-            return _train(cfg, task, paths, main_process, closing, inputs, programs)
+            return _train(cfg, task, paths, main_process, closing, inputs, programs, rows)
+
+
+def _rows_beside(cfg: TrainConfig, task: Task, inputs: Inputs) -> concurrent.futures.Future:
+    """``_load_rows``' (iterator, evaluation rows), prepared in a thread from here on: rendering and tokenizing
+    every prompt of both splits (9 s of the README's job on a TPU VM's host with an empty token cache) goes on
+    beside the fit check, whose compiles leave the GIL; the keys it reads are not the fit check's to choose."""
+
+    def prepare():
+        tokenizer = load_tokenizer(find_model_folder(Path(cfg.load_parameters_path).absolute()))
+        return _load_rows(cfg, tokenizer, task, inputs)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpax-rows")
+    try:
+        return pool.submit(prepare)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 @dataclasses.dataclass
@@ -232,8 +250,10 @@ def _train(
     closing: contextlib.ExitStack,
     inputs: Inputs,
     programs: CompileLog,
+    rows: concurrent.futures.Future,
 ) -> dict:
-    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
+    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer;
+    ``rows``: ``_rows_beside``'s."""
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
@@ -241,7 +261,7 @@ def _train(
     # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
     frozen = policy.lora is not None
     ref_params = _reference(cfg, policy.base if frozen else params, model_cfg, paths, closing, frozen=frozen)
-    iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
+    iterator, eval_rows = rows.result()
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     del params  # LoRA: the policy holds the base
@@ -335,6 +355,7 @@ def _open_checkpointer(
         cfg.max_num_checkpoints_to_keep,
         cfg.checkpoint_storage_use_zarr3,
         cfg.checkpoint_storage_use_ocdbt,
+        background=cfg.async_checkpointing,
     )
     closing.callback(checkpointer.close)
     if not cfg.enable_checkpointing:
@@ -649,7 +670,8 @@ def _one_step(
     if metrics["nonfinite"] or metrics["nonfinite_params"]:
         _stop_non_finite(run, metrics, step)
     if not run.mismatch_warned:
-        run.mismatch_warned = warn_on_mismatch(metrics, run.model_cfg.dtype, run.sampler_cfg)
+        platform = run.mesh.devices.flat[0].platform
+        run.mismatch_warned = warn_on_mismatch(metrics, run.model_cfg.dtype, run.sampler_cfg, platform)
     return state, metrics
 
 
@@ -691,20 +713,42 @@ def _stop_non_finite(run: _Run, metrics: dict[str, Any], step: int) -> None:
 # Mean |sampler - trainer logprob| (nats per token) above which a run warns: in float32 the two agree to ~1e-5;
 # bfloat16 compute differs by ~0.03 on SmolLM2 from the order of operations alone (docs/algorithm.md).
 MISMATCH_ALARM = {"float32": 1e-2, "bfloat16": 0.1, "float16": 0.1}
+# XLA's default precision of the float32 matmuls on a TPU: one bfloat16 pass (JAX's precision "default"; the
+# README's job on a v5e: 0.0122 nats per token between its sampler's and trainer's programs, docs/benchmarks.md).
+_ONE_BFLOAT16_PASS = (None, "default", "bfloat16", "fastest")
 
 
-def warn_on_mismatch(metrics: dict[str, Any], dtype: str, sampler_cfg: SamplerConfig) -> bool:
+def matmul_dtype(dtype: str, platform: str) -> str:
+    """The dtype the compute ``dtype``'s matmuls round to on ``platform``: bfloat16 for float32 on a TPU at
+    JAX's default matmul precision (``jax_default_matmul_precision``), else ``dtype``."""
+    if (
+        dtype == "float32"
+        and platform == "tpu"
+        and jax.config.jax_default_matmul_precision in _ONE_BFLOAT16_PASS
+    ):
+        return "bfloat16"
+    return dtype
+
+
+def warn_on_mismatch(
+    metrics: dict[str, Any], dtype: str, sampler_cfg: SamplerConfig, platform: str = "cpu"
+) -> bool:
     """Warns (one line; returns True) when the sampler's logprobs are further from the trainer's than
-    ``MISMATCH_ALARM`` allows for the compute ``dtype``, naming the likely causes."""
+    ``MISMATCH_ALARM`` allows for the dtype the compute ``dtype``'s matmuls round to on ``platform``
+    (``matmul_dtype``), naming the likely causes."""
     diff = metrics.get("mismatch/logprob_diff_mean", 0.0)
-    limit = MISMATCH_ALARM.get(dtype, 0.1)
+    rounded = matmul_dtype(dtype, platform)
+    limit = MISMATCH_ALARM.get(rounded, 0.1)
     if not diff > limit:
         return False
     causes = ["a sampler that computes another distribution (a miscompiled decode, wrong cache or weights)"]
     if sampler_cfg.top_k or sampler_cfg.top_p < 1.0:
         causes.insert(0, "the top-k / top-p filter (the sampler's logprobs are of the filtered distribution)")
-    if dtype != "float32":
-        causes.append(f"{dtype} rounding (dtype=float32 tells)")
+    if rounded != "float32":
+        tells = "dtype=float32" + (" and JAX_DEFAULT_MATMUL_PRECISION=highest" if platform == "tpu" else "")
+        causes.append(f"{rounded} rounding ({tells} tells)")
+    if rounded != dtype:
+        dtype = f"{dtype}, whose matmuls take one {rounded} pass on a {platform.upper()}"
     log.warning(
         "the sampler's logprobs differ from the trainer's by %.3g nats per token on average (max %.3g; alarm "
         "above %g for dtype=%s): likely %s; the GRPO ratio and KL assume they agree (metrics mismatch/*)",
@@ -740,6 +784,7 @@ def _finish(run: _Run, state: TrainState, history: list[float], results: dict[st
         if run.evaluating
         else None
     )
+    run.checkpointer.wait()  # the last step's write, beside the evaluation until here
     saved = run.cfg.enable_checkpointing or run.checkpointer.latest_step() == final_step
     results["actor_path"] = str(run.checkpointer.step_dir(final_step) / "model_params") if saved else None
     results["reward_history"] = reward_history(run.writer, final_step, history)  # the whole run's
