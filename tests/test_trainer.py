@@ -219,35 +219,12 @@ def test_enable_checkpointing_false_saves_no_checkpoint(tiny_checkpoint, tmp_pat
     assert not (tmp_path / "export").exists()
 
 
-def test_the_prompts_are_tokenized_beside_the_fit_check(tiny_checkpoint, tmp_path, monkeypatch):
-    """The rows of both splits are rendered and tokenized in a thread while the fit check compiles (its keys
-    are not the fit check's to choose), and the run trains on them."""
-    import threading
-
-    tokenized = threading.Event()
-    real_prepare = trainer.prepare_rows
-
-    def prepare_rows(*args, **kwargs):
-        rows = real_prepare(*args, **kwargs)
-        tokenized.set()
-        return rows
-
-    def fit(cfg):  # a fit check that returns only once the prompts were prepared beside it
-        assert tokenized.wait(timeout=60), "the prompts were not prepared while the fit check ran"
-        return cfg
-
-    monkeypatch.setattr(trainer, "prepare_rows", prepare_rows)
-    keys = tiny_run_keys(tiny_checkpoint, tmp_path, num_batches=1, num_test_batches=0, checkpoint_period=10)
-    results = train(TrainConfig(**keys), fit=fit)
-    assert len(results["reward_history"]) == 1
-
-
 @pytest.mark.slow
 def test_async_checkpointing_writes_in_the_background_the_same_checkpoints(
     tiny_checkpoint, tmp_path, monkeypatch
 ):
-    """MaxText's async_checkpointing: true (the default) hands each save to Orbax's background writer (the
-    next save waits for it); false waits inside each save. The steps on disk are the same bits."""
+    """MaxText's async_checkpointing: true hands each save to Orbax's background writer (the next save waits
+    for it); false (grpax's default) waits inside each save. The steps on disk are the same bits."""
     from grpax.checkpoint.train_state import TrainCheckpointer
 
     waited_for = []  # per run: the steps whose background write the run waited for

@@ -21,7 +21,6 @@ base). The keys and their checks are in ``grpax.rl.train_config``, the run folde
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -37,13 +36,13 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from grpax import distributed, interrupts, prng, sharding
-from grpax.checkpoint.orbax import find_model_folder, load_model
+from grpax.checkpoint.orbax import load_model
 from grpax.checkpoint.train_state import TrainCheckpointer
 from grpax.compiles import CompileLog
 from grpax.data.iterator import PromptIterator
 from grpax.data.prompts import prepare_rows
 from grpax.data.token_cache import cache_folder
-from grpax.data.tokenizer import load_tokenizer, stop_token_ids
+from grpax.data.tokenizer import stop_token_ids
 from grpax.errors import ConfigError
 from grpax.eval.evaluate import evaluate
 from grpax.eval.keys import eval_sampling
@@ -174,7 +173,6 @@ def _train_logged(cfg: TrainConfig, fit: Callable | None, programs: CompileLog) 
             f"max_staleness={cfg.max_staleness} runs in single-process jobs only (two threads issuing collectives "
             "could interleave differently across processes and hang); use max_staleness=0 with several hosts"
         )
-    rows = _rows_beside(cfg, task, inputs)
     if (
         fit is not None
     ):  # the auto keys chosen; an accelerator run that cannot fit stops before any weight is read
@@ -193,23 +191,7 @@ def _train_logged(cfg: TrainConfig, fit: Callable | None, programs: CompileLog) 
     # Orbax's writes), before the folder is released.
     with claim_run_folder(paths.run_dir, main_process), contextlib.ExitStack() as closing:
         with programs.phase("load and save"):
-            return _train(cfg, task, paths, main_process, closing, inputs, programs, rows)
-
-
-def _rows_beside(cfg: TrainConfig, task: Task, inputs: Inputs) -> concurrent.futures.Future:
-    """``_load_rows``' (iterator, evaluation rows), prepared in a thread from here on: rendering and tokenizing
-    every prompt of both splits (9 s of the README's job on a TPU VM's host with an empty token cache) goes on
-    beside the fit check, whose compiles leave the GIL; the keys it reads are not the fit check's to choose."""
-
-    def prepare():
-        tokenizer = load_tokenizer(find_model_folder(Path(cfg.load_parameters_path).absolute()))
-        return _load_rows(cfg, tokenizer, task, inputs)
-
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpax-rows")
-    try:
-        return pool.submit(prepare)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with its one task
+            return _train(cfg, task, paths, main_process, closing, inputs, programs)
 
 
 @dataclasses.dataclass
@@ -250,10 +232,8 @@ def _train(
     closing: contextlib.ExitStack,
     inputs: Inputs,
     programs: CompileLog,
-    rows: concurrent.futures.Future,
 ) -> dict:
-    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer;
-    ``rows``: ``_rows_beside``'s."""
+    """``train`` inside the claimed run folder; ``closing`` closes the checkpointer and metrics writer."""
     grpo = cfg.grpo()
     checkpointer, changes = _open_checkpointer(cfg, paths, closing)
     params, model_cfg, tokenizer, mesh, rollout_mesh = _load_policy(cfg, inputs.model_cfg)
@@ -261,7 +241,7 @@ def _train(
     # LoRA: the reference is the frozen base itself (QLoRA: the quantised base the adapters train on).
     frozen = policy.lora is not None
     ref_params = _reference(cfg, policy.base if frozen else params, model_cfg, paths, closing, frozen=frozen)
-    iterator, eval_rows = rows.result()
+    iterator, eval_rows = _load_rows(cfg, tokenizer, task, inputs)
     sampler_cfg, eval_sampler_cfg = _sampler_configs(cfg, grpo, tokenizer, model_cfg)
     trainable = policy.init_trainable(params, model_cfg, mesh, cfg.seed)
     del params  # LoRA: the policy holds the base
