@@ -48,7 +48,7 @@ from grpax.tasks.environment import (
 
 
 class MultiTurnOutput(NamedTuple):
-    """``grpax.sampler.engine.GenerateOutput``'s fields (completion = the whole trajectory after the prompt,
+    """``grpax.sampler.requests.GenerateOutput``'s fields (completion = the whole trajectory after the prompt,
     completion_mask = its model tokens) and, per row [B]: ``texts`` (the trajectory's text, observations
     included), ``turns``, ``tool_calls``, ``tool_errors``, ``observation_tokens``, ``env_rewards`` (points) and
     ``truncation`` ("" or "turn", "trajectory", "max_turns": which budget ended it)."""
