@@ -51,8 +51,7 @@ from grpax.host_memory import release_host_memory
 from grpax.models.moe import route_dtype
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sampler import decode as programs
-from grpax.sampler import paging
+from grpax.sampler import decode, paging
 from grpax.sampler.backend import select_backend, shape_planned
 from grpax.sampler.keys import (
     SamplerConfig,
@@ -302,7 +301,7 @@ class Engine:
         seq.forced, seq.forced_pos = list(tokens), 0
         if turn_budget is not None:
             seq.turn_end = min(seq.n + len(tokens) + turn_budget, seq.request.limit)
-        seq.reason = programs.RUNNING
+        seq.reason = decode.RUNNING
         self.scheduler.make_ready(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -372,7 +371,7 @@ class Engine:
                 seq.turn_end = min(request.turn_budget, request.limit)
                 seq.record(int(token[j * G + g]), float(logprob[j * G + g]), True, self.version)
                 reason = seq.first_reason(self.stop_table, self.pause_table)
-                if reason == programs.RUNNING:
+                if reason == decode.RUNNING:
                     self.scheduler.make_ready(seq)
                 elif self.scheduler.segment_ended(seq, reason):
                     paused.append(seq)
@@ -483,7 +482,7 @@ class Engine:
             if seq.forced_pos >= len(seq.forced):
                 seq.forced, seq.forced_pos = [], 0
             reason = int(out["reason"][s])
-            if reason == programs.RUNNING:
+            if reason == decode.RUNNING:
                 still.append(seq)
             elif self.scheduler.segment_ended(seq, reason):
                 paused.append(seq)
