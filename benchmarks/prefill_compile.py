@@ -34,7 +34,9 @@ def compile_prefill(cfg: TrainConfig, num_layers: int = 0):
     model_cfg, sc, mesh, params = job.model_cfg, job.sampler_cfg, job.rollout_mesh, job.rollout_params
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     G = cfg.grpo().num_generations
-    fn, args, kwargs = program_set.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, G)["prefill"]
+    fn, args, kwargs = program_set.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, G)[
+        "prefill"
+    ]
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         lowered = fn.lower(*args, **kwargs)
