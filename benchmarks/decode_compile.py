@@ -1,6 +1,6 @@
 """The sampler's decode loop compiled for a TPU slice: its temporaries per chip and the copies in its HLO.
 
-Compiles only the rollout engine's decode program (``grpax.sampler.engine.compiled_decode``, all rows of a step in
+Compiles only the rollout engine's decode program (``grpax.sampler.program_set.compiled_decode``, all rows of a step in
 flight over the default page pool: the program ``compile_topology`` sizes) of a ``grpax train_rl`` job for
 ``compile_topology`` with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), from
 abstract page pools placed as the engine places them, and prints per chip
@@ -35,7 +35,7 @@ from grpax.config import build_config
 from grpax.plan import compile_check
 from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
-from grpax.sampler import engine
+from grpax.sampler import program_set
 from grpax.sampler.backend import select_backend
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8}
@@ -118,13 +118,13 @@ def topology_job(cfg: TrainConfig, num_layers: int = 0):
 def compile_decode(cfg: TrainConfig, num_layers: int = 0) -> tuple[str, object]:
     """(the decode's optimised HLO text, its memory analysis) compiled for ``cfg.compile_topology``
     (``num_layers`` as in ``topology_job``): the rollout engine's decode program on every row of a step at once,
-    over the default page pool (``grpax.sampler.engine.abstract_programs``)."""
+    over the default page pool (``grpax.sampler.program_set.abstract_programs``)."""
     job = topology_job(cfg, num_layers)
     model_cfg, sc, mesh = job.model_cfg, job.sampler_cfg, job.rollout_mesh
     params = job.rollout_params
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     rows = cfg.grpo().num_generations
-    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, rows)[
+    fn, args, kwargs = program_set.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, rows)[
         "decode"
     ]
     with jax.set_mesh(mesh):

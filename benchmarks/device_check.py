@@ -93,7 +93,7 @@ from grpax.rl.rollout import Rollout
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.sampler import backend as sampler_backend
-from grpax.sampler import engine, sampling
+from grpax.sampler import paging, sampling
 from grpax.sampler.engine import generate
 
 # device_kind substring -> (HBM bytes/s, bf16 dense FLOP/s), per chip (vendor data sheets).
@@ -638,8 +638,8 @@ class Check:
         if "bytes_limit" not in stats:
             return sc, ""
         backend = sampler_backend.select_backend("xla", params, self.model_cfg, sc.cache_dtype, True)
-        page = sharding.per_chip_bytes(engine.abstract_pool(params, self.model_cfg, sc, backend, 1))
-        full = engine.pool_pages(sc, rows)
+        page = sharding.per_chip_bytes(paging.abstract_pool(params, self.model_cfg, sc, backend, 1))
+        full = paging.pool_pages(sc, rows)
         fits = int((0.85 * stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // page)
         if fits >= full:
             return sc, ""

@@ -65,7 +65,7 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update, token_logprobs
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 from grpax.tasks.gsm8k import load_dataset_rows
 from grpax.tasks.gsm8k_rewards import get_reward_config, score_completions
 from grpax.tasks.prompts import get_prompt_preset

@@ -26,7 +26,8 @@ def run_one(mode: str, backend: str, rows: int, prompt: int, completion: int, re
     from grpax.models.params import init_params
     from grpax.models.registry import get_model_config
     from grpax.rl.policy import merge_adapters
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     cfg = get_model_config("smollm2-135m-Instruct", weight_dtype="float32", dtype="float32")
     base = init_params(cfg, jax.random.key(0))

@@ -55,7 +55,7 @@ def worker(mode: str, args) -> None:
     from grpax.rl.reference import FrozenParams
     from grpax.rl.rollout import Rollout
     from grpax.rl.train_step import TrainState, make_train_step, make_update
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
 
     sys.path.insert(0, str(Path(__file__).parent))
     from grpo_step_bench import BETA, MAX_PROMPT_LENGTH, SEED, TEMPERATURE, TOP_K, load_batches, reward_total

@@ -55,12 +55,13 @@ from grpax.checkpoint.orbax import load_model
 from grpax.data.tokenizer import stop_token_ids
 from grpax.models.registry import from_hf_config
 from grpax.rl.config import GRPOConfig
-from grpax.rl.multi_turn import MultiTurnRollout, encode, render_prompt
+from grpax.rl.multi_turn import MultiTurnRollout
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout, task_scorer
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.multi_turn import encode, render_prompt
 from grpax.tasks.environment import MultiTurnConfig, calculator_environment
 from grpax.tasks.gsm8k import GSM8KTask
 from grpax.tasks.gsm8k_rewards import get_reward_config

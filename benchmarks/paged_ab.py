@@ -52,6 +52,7 @@ from grpax.checkpoint.hf import load_params_from_tensors  # noqa: E402
 from grpax.data.tokenizer import stop_token_ids  # noqa: E402
 from grpax.models.registry import from_hf_config  # noqa: E402
 from grpax.sampler import engine as engine_module  # noqa: E402
+from grpax.sampler import keys  # noqa: E402
 
 COMPILE_S = [0.0]
 
@@ -76,7 +77,7 @@ def run_static(params, cfg, sc, waves, G):
 def run_paged(params, cfg, sc, waves, G, slots, refill_at_once=True):
     """Every wave submitted at once to one engine with ``slots`` decode slots."""
     engine = engine_module.Engine(params, cfg, sc, num_slots=slots)
-    engine.refill_at_once = refill_at_once
+    engine.scheduler.refill_at_once = refill_at_once
     requests = [engine.submit(prompts, key, G) for prompts, key in waves]
     engine.run()
     outs = [
@@ -134,7 +135,7 @@ def main() -> None:
         max_prompt_length=MAX_PROMPT_LENGTH, max_completion_length=C, temperature=0.9, top_k=50,
         stop_token_ids=tuple(stops), pad_token_id=stops[0],
     )  # fmt: skip
-    bucket = max(engine_module.SamplerConfig(**fields).bucket_for(max(map(len, p))) for p, _ in waves)
+    bucket = max(keys.SamplerConfig(**fields).bucket_for(max(map(len, p))) for p, _ in waves)
     tokens_of_memory = args.static_rows * (bucket + C)
     if paged:
         fields.update(
@@ -144,7 +145,7 @@ def main() -> None:
             decode_steps_per_call=args.steps_per_call,
             slot_count_step=args.slot_count_step,
         )
-    sc = engine_module.SamplerConfig(**fields)
+    sc = keys.SamplerConfig(**fields)
     for _ in range(2 if args.warm else 1):  # --warm: the timed run is the second, every program compiled
         load = os.getloadavg()
         start, compile_before = time.perf_counter(), COMPILE_S[0]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpax.sampler.decode import RULE_FIELDS, sample
-from grpax.sampler.engine import SamplerConfig, SamplingRule
+from grpax.sampler.keys import SamplerConfig, SamplingRule
 
 
 def rule_arrays(rules: list[SamplingRule]) -> dict[str, jax.Array]:

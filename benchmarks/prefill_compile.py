@@ -1,6 +1,6 @@
 """The sampler's prefill compiled for a TPU slice: its compile time, temporaries per chip and HLO size.
 
-Compiles only the rollout engine's prefill (``grpax.sampler.engine.compiled_admit``: a step's prompts prefilled
+Compiles only the rollout engine's prefill (``grpax.sampler.program_set.compiled_admit``: a step's prompts prefilled
 and written into the page pool) of a ``grpax train_rl`` job for ``compile_topology``
 with the real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), on the rollout mesh and
 with the sampler's own weights (LoRA: the base and its adapters with ``lora_sampler=adapters``), exactly as
@@ -23,7 +23,7 @@ from decode_compile import report, topology_job
 
 from grpax.config import build_config
 from grpax.rl.train_config import TrainConfig
-from grpax.sampler import engine
+from grpax.sampler import program_set
 from grpax.sampler.backend import select_backend
 
 
@@ -34,7 +34,9 @@ def compile_prefill(cfg: TrainConfig, num_layers: int = 0):
     model_cfg, sc, mesh, params = job.model_cfg, job.sampler_cfg, job.rollout_mesh, job.rollout_params
     backend = select_backend(sc.backend, params, model_cfg, sc.cache_dtype, concrete=False)
     G = cfg.grpo().num_generations
-    fn, args, kwargs = engine.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, G)["prefill"]
+    fn, args, kwargs = program_set.abstract_programs(params, model_cfg, sc, backend, cfg.batch_size, G)[
+        "prefill"
+    ]
     with jax.set_mesh(mesh):
         start = time.perf_counter()
         lowered = fn.lower(*args, **kwargs)

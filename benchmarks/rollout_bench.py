@@ -31,7 +31,8 @@ from grpax.checkpoint.gguf import default_gguf_path, read_gguf
 from grpax.checkpoint.hf import load_params_from_tensors
 from grpax.models.params import cast_params
 from grpax.models.registry import from_hf_config
-from grpax.sampler.engine import SamplerConfig, generate
+from grpax.sampler.engine import generate
+from grpax.sampler.keys import SamplerConfig
 
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 

@@ -1,6 +1,6 @@
 """The rollout engine's memory per chip, compiled for a TPU slice beside the NVIDIA estimate's model of it.
 
-Compiles the engine's two programs (``grpax.sampler.engine.abstract_programs``: the prefill of a step's prompts
+Compiles the engine's two programs (``grpax.sampler.program_set.abstract_programs``: the prefill of a step's prompts
 into the page pool, a decode call on every slot) of a ``grpax train_rl`` job for ``compile_topology`` with the
 real TPU compiler (the ``tpu`` extra's libtpu; no TPU and no weights needed), as ``compile_topology`` does, and
 prints each one's arguments, outputs, aliases and temporaries per chip beside the terms
@@ -26,7 +26,7 @@ from decode_compile import topology_job
 from grpax.config import build_config
 from grpax.plan import memory_estimate
 from grpax.rl.train_config import TrainConfig
-from grpax.sampler import engine
+from grpax.sampler import program_set
 
 GIB = 2**30
 
@@ -37,7 +37,7 @@ def compile_programs(job, paged_attention: str) -> dict[str, object]:
     if paged_attention == "xla":
         backend = dataclasses.replace(backend, paged_attention="xla")
     cfg = job.cfg
-    programs = engine.abstract_programs(
+    programs = program_set.abstract_programs(
         job.rollout_params,
         job.model_cfg,
         job.sampler_cfg,

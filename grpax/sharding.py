@@ -30,6 +30,7 @@ the trainer's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -617,3 +618,8 @@ def reshard_for_rollout(
     seconds = time.perf_counter() - start
     log.info("resharded params for rollout in %.3f s", seconds)
     return treedef.unflatten(out), seconds
+
+
+def mesh_context(mesh: jax.sharding.Mesh | None):
+    """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()

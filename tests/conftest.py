@@ -127,7 +127,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 # XLA:CPU maps each compiled kernel's code and data as their own memory mappings while its executable lives, and
-# jitted functions cached for the process (``grpax.sampler.engine._compiled``, JAX's own caches) keep every program
+# jitted functions cached for the process (``grpax.sampler.program_set.compiled``, JAX's own caches) keep every program
 # a test compiled. Over the suite that passed Linux's limit of 65,530 mappings per process (``vm.max_map_count``),
 # where LLVM's allocation failed and the next compile crashed the run with a segmentation fault (CI, at the 581st
 # test; tests/test_engine.py alone reaches 45,000). Past FREE_AT mappings a test's teardown frees the compiled
@@ -145,10 +145,9 @@ def free_compiled_programs() -> None:
     """Drops every compiled program of this process (the engine's jitted functions and JAX's caches)."""
     import gc
 
-    from grpax.sampler import engine
+    from grpax.sampler import program_set
 
-    engine._compiled.cache_clear()
-    engine._zeros_program.cache_clear()
+    program_set.clear_compiled()
     jax.clear_caches()
     gc.collect()
 

@@ -24,7 +24,7 @@ from grpax.rl.rollout import Rollout
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics, train
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 
 TOY = TOY_MODEL
 SAMPLER = SamplerConfig(max_prompt_length=8, max_completion_length=4, temperature=1.0, pad_token_id=0)

@@ -20,7 +20,8 @@ from grpax.models import attention
 from grpax.models.llama import forward, forward_grouped, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ATTENTION_IMPLEMENTATIONS, ModelConfig
-from grpax.sampler.engine import SamplerConfig, generate
+from grpax.sampler.engine import generate
+from grpax.sampler.keys import SamplerConfig
 
 # GQA (4 query heads per 2 kv heads), one sliding-window layer, a scores factor that is not 1 / sqrt(H).
 CFG = ModelConfig(

@@ -10,7 +10,7 @@ from grpax.models.registry import ModelConfig
 from grpax.rl.batch import Batch, completion_bucket
 from grpax.rl.config import GRPOConfig
 from grpax.rl.rollout import Rollout
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 
 P, G, Lp, C = 2, 3, 4, 5
 

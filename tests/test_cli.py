@@ -638,7 +638,7 @@ def test_help_lists_the_kv_memory_keys(capsys, command):
 def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     tiny_native, tmp_path, capsys, monkeypatch
 ):
-    from grpax.sampler import engine
+    from grpax.sampler import engine, paging
 
     pools = []
     real_engine = engine.Engine
@@ -659,8 +659,8 @@ def test_generate_samples_on_a_pool_of_num_pages_pages_of_page_size(
     # hbm_utilization_vllm: room for 10.5 pages after the params (this CPU reports no memory size: the room is
     # given; tests/test_engine.py counts it from a device's bytes_limit)
     rooms = []
-    monkeypatch.setattr(engine, "memory_room", lambda *a: rooms.append(a[2].hbm_utilization) or (21, 2))
-    monkeypatch.setattr(engine, "check_memory_fraction", lambda fraction: None)  # the room is given
+    monkeypatch.setattr(paging, "memory_room", lambda *a: rooms.append(a[2].hbm_utilization) or (21, 2))
+    monkeypatch.setattr(paging, "check_memory_fraction", lambda fraction: None)  # the room is given
     args = ["page_size=4", "hbm_utilization_vllm=0.5", f"output_path={tmp_path}/d.jsonl"]
     assert main(["generate", load, *keys, *args]) == 0
     # 2 rows of 32 tokens: 1 page of 32 each, or 8 of 4; max_num_seqs=3 over the call's 2 rows: capped at 2

@@ -26,9 +26,9 @@ from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.plan.compile_check import compile_job
 from grpax.rl.batch import Batch
-from grpax.rl.rollout import mesh_context
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.trainer import _init_state
+from grpax.sharding import mesh_context
 
 TINY = ModelConfig(
     vocab_size=256, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,

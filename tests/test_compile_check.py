@@ -750,13 +750,13 @@ def _layer_pool_bytes_per_chip(decode_compile, cfg, num_layers: int) -> set[int]
     """The per-chip bytes of each layer's page pool in the decode that ``compile_decode`` lowers."""
     import math
 
-    from grpax.sampler import engine
+    from grpax.sampler import program_set
     from grpax.sampler.backend import select_backend
 
     job = decode_compile.topology_job(cfg, num_layers)
     sc = job.sampler_cfg
     backend = select_backend(sc.backend, job.rollout_params, job.model_cfg, sc.cache_dtype, concrete=False)
-    programs = engine.abstract_programs(
+    programs = program_set.abstract_programs(
         job.rollout_params, job.model_cfg, sc, backend, cfg.batch_size, cfg.grpo().num_generations
     )
     pages = programs["decode"][1][1]

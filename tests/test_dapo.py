@@ -16,7 +16,8 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import GenerateOutput, SamplerConfig
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.requests import GenerateOutput
 
 G = 2
 C = 6  # max_completion_length

@@ -13,7 +13,9 @@ from grpax.models.llama import forward, init_cache
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler import sampling
-from grpax.sampler.engine import Engine, SamplerConfig, generate, prepare_prompts, slot_counts
+from grpax.sampler.engine import Engine, generate
+from grpax.sampler.keys import SamplerConfig, slot_counts
+from grpax.sampler.requests import prepare_prompts
 
 CFG = ModelConfig(
     vocab_size=61,
@@ -586,10 +588,10 @@ def test_each_program_takes_the_pool_donated_so_no_cache_outlives_its_call(param
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_engines_pool_is_the_one_the_planner_sizes(params, backend):
-    """``Engine`` allocates the pool ``engine.pool_pages`` counts and ``engine.abstract_pool`` describes (what
+    """``Engine`` allocates the pool ``paging.pool_pages`` counts and ``paging.abstract_pool`` describes (what
     ``abstract_programs`` compiles and the planner's table row sizes): for several num_pages, page_size,
     max_num_seqs and cache dtypes, its arrays have those shapes, dtypes and bytes, hand-counted."""
-    from grpax.sampler import engine
+    from grpax.sampler import paging
     from grpax.sharding import per_chip_bytes
 
     L, K, H, pages_per_row = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, -(-(16 + C) // 4)
@@ -601,8 +603,8 @@ def test_the_engines_pool_is_the_one_the_planner_sizes(params, backend):
     ]:
         sc = _sc(backend=backend, **keys)
         built = Engine(params, CFG, sc, num_slots=6)
-        assert built.pool.num_pages == engine.pool_pages(sc, built.num_slots) == pages, keys
-        planned = engine.abstract_pool(params, CFG, sc, built.backend, pages)
+        assert built.pool.num_pages == paging.pool_pages(sc, built.num_slots) == pages, keys
+        planned = paging.abstract_pool(params, CFG, sc, built.backend, pages)
         real = jax.tree.leaves(built.pages)
         assert [(x.shape, x.dtype) for x in real] == [(x.shape, x.dtype) for x in jax.tree.leaves(planned)]
         itemsize = 2 if "cache_dtype" in keys else 4
@@ -714,7 +716,7 @@ def test_max_prefill_prompts_admits_a_step_in_calls_of_that_many_with_the_same_r
         engine = Engine(params, CFG, _sc(max_prefill_prompts=cap, num_pages=40), num_slots=len(PROMPTS))
         request = engine.submit(PROMPTS, jax.random.key(3))
         engine.step()
-        assert not engine.queue  # every prompt entered in the first step
+        assert not engine.waiting()  # every prompt entered in the first step
         engine.run(request)
         outs.append(request.output(0, engine.prompt_width(PROMPTS), C))
     assert seen == [4, 1, 1, 1, 1]
@@ -783,9 +785,9 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
     import gc
     import weakref
 
-    import grpax.sampler.engine as engine_module
+    import grpax.sampler.paging as paging
 
-    monkeypatch.setattr(engine_module, "_LIVE_ENGINES", weakref.WeakSet())  # no other test's engines
+    monkeypatch.setattr(paging, "LIVE_ENGINES", weakref.WeakSet())  # no other test's engines
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     page = 2 * 4 * 2 * 2 * 8 * 4
     sc = _sc(page_size=4, max_num_seqs=3, hbm_utilization=0.5, backend=backend)
@@ -795,7 +797,7 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
     full = generate(params, PROMPTS, CFG, dataclasses.replace(sc, hbm_utilization=0.0), jax.random.key(3))
     for room_pages, expected in ((12.5, 12), (1000, 1 + 3 * 7)):  # 7 pages of 4 hold 16 + 12 tokens
         limit = int((weights + room_pages * page) / 0.5)
-        monkeypatch.setattr(engine_module, "bytes_limit", lambda device, limit=limit: limit)
+        monkeypatch.setattr(paging, "bytes_limit", lambda device, limit=limit: limit)
         engine = Engine(params, CFG, sc)
         assert engine.pool.num_pages == expected
         request = engine.submit(PROMPTS, jax.random.key(3))
@@ -804,12 +806,12 @@ def test_hbm_utilization_sizes_the_pool_from_device_memory(params, backend, monk
     del engine, request
     gc.collect()
     # an engine alive holds its pool: the next one's room leaves it out (a kept rollout engine, an evaluation's)
-    monkeypatch.setattr(engine_module, "bytes_limit", lambda device: int((weights + 30.5 * page) / 0.5))
+    monkeypatch.setattr(paging, "bytes_limit", lambda device: int((weights + 30.5 * page) / 0.5))
     kept = Engine(params, CFG, sc)
     assert kept.pool.num_pages == 1 + 3 * 7 and Engine(params, CFG, sc).pool.num_pages == 8  # 30.5 - 22 pages
     del kept
     gc.collect()
-    monkeypatch.setattr(engine_module, "bytes_limit", lambda device: int((weights + 7.9 * page) / 0.5))
+    monkeypatch.setattr(paging, "bytes_limit", lambda device: int((weights + 7.9 * page) / 0.5))
     with pytest.raises(ValueError, match=r"hbm_utilization_vllm=0.5: the KV pool gets 0.00 GiB per device after "
                        r"the params, 7 pages of 4 tokens, fewer than one sequence of 28 tokens needs \(8\); raise "
                        r"it, or pass num_pages"):  # fmt: skip
@@ -825,7 +827,8 @@ def test_the_largest_prefill_is_the_groups_that_fill_the_decode_slots(params, mo
     prefill (and the one abstract_programs compiles and the planner sizes) is that many prompts, not the batch."""
     import grpax.sampler.engine as engine_module
     from grpax.sampler.backend import select_backend
-    from grpax.sampler.engine import abstract_programs, prefill_prompts
+    from grpax.sampler.keys import prefill_prompts
+    from grpax.sampler.program_set import abstract_programs
 
     sc = _sc(backend="xla")
     assert prefill_prompts(sc, 8, 2) == 8 and prefill_prompts(sc, 5, 3) == 8  # every prompt, a power of two
@@ -872,11 +875,11 @@ def test_a_memory_fraction_on_a_device_without_a_memory_size_is_refused_before_t
 
 def test_generate_sizes_its_slots_and_pool_from_its_rows_not_a_larger_max_num_seqs(params, monkeypatch):
     # grpax generate max_num_seqs=100000 batch_size=4 allocated 100000 slots' pages (the OOM killer, no message)
-    import grpax.sampler.engine as engine_module
+    import grpax.sampler.scheduler as scheduler
 
     pools = []
-    real = engine_module.PagePool
-    monkeypatch.setattr(engine_module, "PagePool", lambda n: pools.append(n) or real(n))
+    real = scheduler.PagePool
+    monkeypatch.setattr(scheduler, "PagePool", lambda n: pools.append(n) or real(n))
     prompts = [[3, 4, 5], [6, 7]]
     wide = generate(params, prompts, CFG, _sc(max_num_seqs=100_000), jax.random.key(1), 2)
     assert pools == [1 + 4 * _sc().pages_per_sequence()]  # 2 prompts x 2 completions
@@ -901,9 +904,10 @@ def test_a_pool_the_host_cannot_hold_is_refused_in_one_line_before_it_is_allocat
     params, monkeypatch, keys, message
 ):
     import grpax.sampler.engine as engine_module
+    import grpax.sampler.paging as paging
 
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: 4 << 20)
-    monkeypatch.setattr(Engine, "_init_pages", lambda *a: pytest.fail("the pool was allocated"))
+    monkeypatch.setattr(paging, "available_host_bytes", lambda: 4 << 20)
+    monkeypatch.setattr(engine_module, "compiled_zeros", lambda *a: pytest.fail("the pool was allocated"))
     for held in (params, jax.tree.map(np.asarray, params)):  # on the device, or numpy (a server's load)
         with pytest.raises(ValueError, match=message) as e:
             Engine(held, CFG, _sc(**keys))

@@ -373,7 +373,7 @@ def test_tool_format_chat_is_refused_when_the_chat_template_ignores_the_tools(tm
     """Issue 45: SmolLM2's template never reads ``tools``: tool_format=chat trained with no tool in the prompt
     (0 calls, exit 0). A template that declares them (Llama 3.1's) is accepted, and checked once."""
     from grpax.checkpoint.gguf import read_gguf
-    from grpax.rl.multi_turn import render_prompt
+    from grpax.sampler.multi_turn import render_prompt
     from grpax.tasks import environment
     from grpax.tasks.prompts import get_prompt_preset
 

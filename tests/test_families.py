@@ -338,7 +338,8 @@ def test_greedy_generation_matches_transformers_across_the_window(family):
     """48 greedy tokens after prompts of 10 and 6 tokens, past every sliding window (8-16 tokens), equal
     transformers' ``generate``: the sampler's prefill and decode keep to each local layer's window (on a
     full-length cache, masked)."""
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     model = hf_model(family, tie=False)
     model.generation_config.eos_token_id = None  # no stop: all 48 tokens are compared

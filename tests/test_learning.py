@@ -21,7 +21,7 @@ from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update
 from grpax.rl.trainer import step_metrics
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 from grpax.tasks.custom import CustomTask
 from grpax.tasks.user import load_reward_functions
 

@@ -147,7 +147,8 @@ def sampler_rollouts(scan_layers: bool, base_dtype: str = ""):
     """Greedy rollouts of one LoRA policy (trained-like rank-4 adapters; QLoRA's base quantised to
     ``base_dtype``) by the adapters sampler, the merged sampler, and the base alone (the adapters off)."""
     from grpax.sampler.backend import select_backend
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     cfg = _cfg(scan_layers=scan_layers)
     base = init_params(cfg, jax.random.key(0))
@@ -392,7 +393,7 @@ def toy_lora_run(tmp_path, lora, base_dtype: str = "", num_steps: int = 50):
     from grpax.rl.rollout import Rollout
     from grpax.rl.train_step import make_update
     from grpax.rl.trainer import step_metrics
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
 
     cfg = ModelConfig(
         vocab_size=V, hidden_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,

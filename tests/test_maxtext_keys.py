@@ -454,7 +454,7 @@ def test_a_whole_number_eval_top_k_reaches_the_sampler_as_an_integer():
     import dataclasses
 
     from grpax.eval.keys import eval_sampling
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
 
     keys = [
         "generation_configs={standard:{eval_top_k:50.0,eval_temperature:1}}",

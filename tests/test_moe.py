@@ -175,7 +175,8 @@ def test_hf_native_hf_is_exact(tmp_path, family):
 def test_greedy_generation_matches_transformers(tmp_path, family):
     """40 greedy tokens after prompts of 10 and 6 tokens (GPT-OSS: past its 8-token window) equal transformers'
     ``generate``, layers scanned and listed; the sampler's logprobs are transformers'."""
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     model = hf_model(family)
     model.generation_config.eos_token_id = None  # no stop: all 40 tokens are compared

@@ -106,9 +106,10 @@ def _step(params, mesh_cfg: sh.MeshConfig | None, router_replay: str):
     import optax
 
     from grpax.rl.config import GRPOConfig
-    from grpax.rl.rollout import Rollout, mesh_context
+    from grpax.rl.rollout import Rollout
     from grpax.rl.train_step import TrainState, make_train_step, make_update
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
+    from grpax.sharding import mesh_context
 
     grpo = GRPOConfig(beta=0.0, temperature=1.0, num_generations=2, router_replay=router_replay)
     sc = SamplerConfig(max_prompt_length=8, max_completion_length=12, pad_token_id=0, record_routes=True)

@@ -17,7 +17,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.rollout import Rollout
 from grpax.rl.train_step import TrainState, make_train_step, make_update
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 
 # The toy model of tests/test_learning.py with its MLP made 4 experts, 2 per token (Qwen3-MoE's block).
 TOY_MOE = TOY_MODEL.replace(

@@ -13,10 +13,16 @@ from grpax.backends.cpu import build
 from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.config import GRPOConfig
-from grpax.rl.multi_turn import MultiTurnConfig, encode, generate_multi_turn, pause_table, stop_string_end
 from grpax.rl.optim import make_lr_schedule, make_optimizer
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.multi_turn import (
+    MultiTurnConfig,
+    encode,
+    generate_multi_turn,
+    pause_table,
+    stop_string_end,
+)
 from grpax.tasks.environment import ToolEnvironment
 
 ALPHABET = "0123456789+-*/()<>=abcdefghijklmnopqrstuvwxyz .,:;!?\n#@$&[]"  # ids 1..60; 0 = EOS

@@ -128,9 +128,9 @@ def test_the_length_filter_measures_the_prompt_with_the_environments_instruction
     # max_prefill_predict_length may not fit with them, and is dropped (it was kept, then left-truncated).
     from grpax.checkpoint.gguf import read_gguf
     from grpax.data.prompts import prepare_rows, render_prompt
-    from grpax.rl.multi_turn import prompt_renderer
     from grpax.rl.train_config import Inputs, TrainConfig
     from grpax.rl.trainer import _load_rows
+    from grpax.sampler.multi_turn import prompt_renderer
     from grpax.tasks import build_task
     from grpax.tasks.gsm8k import load_dataset_rows
     from grpax.tasks.prompts import get_prompt_preset

@@ -16,7 +16,9 @@ from grpax.models.params import init_params
 from grpax.models.registry import ModelConfig
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.trainer import train
-from grpax.sampler.engine import Engine, SamplerConfig, abstract_programs, fixed_programs, generate
+from grpax.sampler.engine import Engine, generate
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.program_set import abstract_programs, fixed_programs
 
 CFG = ModelConfig(
     vocab_size=61, hidden_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
@@ -163,7 +165,7 @@ def test_a_short_grpo_run_of_the_fixed_set_compiles_nothing_after_its_first_step
 def test_the_runs_programs_are_named_before_it_runs():
     """train_rl logs the sampler's programs derived from the keys (the fixed set's shapes: what the fit check
     compiles; an evaluation of as many rows runs the rollout's decode)."""
-    from grpax.sampler.engine import describe_programs
+    from grpax.sampler.program_set import describe_programs
 
     sc = SamplerConfig(max_prompt_length=256, max_completion_length=192)
     assert describe_programs(sc, True, {"rollout": (4, 4), "evaluation": (16, 1)}) == (
@@ -184,7 +186,7 @@ def test_the_runs_programs_are_named_before_it_runs():
 def test_the_programs_named_follow_the_keys_that_change_them():
     """retire_rows=false decodes on one slot count, decode_phase_length=0 on the whole page table, and the fixed
     set pads prompts to prompt_length_buckets where they are given: the line says so."""
-    from grpax.sampler.engine import describe_programs
+    from grpax.sampler.program_set import describe_programs
 
     sc = SamplerConfig(
         max_prompt_length=256, max_completion_length=192, retire_rows=False, decode_phase_length=0

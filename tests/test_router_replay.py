@@ -23,7 +23,8 @@ from grpax.models.registry import ModelConfig
 from grpax.rl.batch import Batch
 from grpax.rl.config import GRPOConfig
 from grpax.rl.train_step import TrainState, compute_logprobs, make_train_step
-from grpax.sampler.engine import SamplerConfig, generate
+from grpax.sampler.engine import generate
+from grpax.sampler.keys import SamplerConfig
 
 CFG = ModelConfig(
     vocab_size=64, hidden_dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,

@@ -188,7 +188,7 @@ def test_the_per_row_program_samples_each_row_as_the_static_program_of_its_rule(
     # rule (its SamplerConfig's fields, the GRPO rollout's program): the same tokens, row by row, and the same
     # logprobs to float32 rounding (XLA fuses the static temperature's scaling into the draw and the logprobs).
     from grpax.sampler.decode import RULE_FIELDS, sample
-    from grpax.sampler.engine import SamplerConfig, SamplingRule
+    from grpax.sampler.keys import SamplerConfig, SamplingRule
 
     S, V = 12, 4096
     logits = 4.0 * jax.random.normal(jax.random.key(5), (S, V))

@@ -679,7 +679,7 @@ def test_after_warmup_requests_of_any_n_length_and_rule_compile_nothing(model, c
     every rule as data), logged a line per program, so that requests arriving at different times with prompts of
     3..120 tokens, n of 1..8, different max_tokens and any sampling rule (greedy, temperatures, top-p, top-k)
     trigger no JAX compile: ``n`` is no shape."""
-    from grpax.serve.worker import bucket_lengths, prefill_counts, scoring_lengths
+    from grpax.sampler.keys import bucket_lengths, prefill_counts, scoring_lengths
 
     assert bucket_lengths(512) == (64, 128, 256, 512) and bucket_lengths(100) == (64, 100)
     assert scoring_lengths(128, 12) == (64, 128, 192) and scoring_lengths(50, 14) == (64,)

@@ -530,7 +530,8 @@ def test_batch_cache_and_optimizer_state_shardings(params):
 @on_8_devices
 @pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4)])
 def test_sharded_greedy_generate_equals_unsharded(dp, tp, params):
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     sampler_cfg = SamplerConfig(max_prompt_length=8, max_completion_length=6, greedy=True, backend="xla")
     tokens = np.asarray(jax.random.randint(jax.random.key(4), (8, 8), 0, CFG.vocab_size))
@@ -552,7 +553,8 @@ def test_sharded_continuous_rollout_equals_unsharded_one(dp, tp, params):
     # calls of 3 steps: the sharded engine samples what one device decoding every row at once samples.
     import dataclasses
 
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     sc = SamplerConfig(max_prompt_length=8, max_completion_length=15, temperature=0.9, backend="xla",
                        stop_token_ids=tuple(range(0, CFG.vocab_size, 6)))  # fmt: skip
@@ -639,7 +641,8 @@ def test_deep_model_rollout_on_8_devices_equals_one_device(mesh_cfg, greedy):
     from grpax.checkpoint.hf import load_params_from_tensors
     from grpax.models.registry import from_hf_config
     from grpax.rl.train_step import compute_logprobs
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     source = read_gguf(default_gguf_path())
     cfg = from_hf_config(source.hf_config)
@@ -699,7 +702,8 @@ def test_split_rollout_devices_sample_and_train_with_rollouts_ahead(params):
     from grpax.rl.config import GRPOConfig
     from grpax.rl.optim import optimizer_from_config
     from grpax.rl.rollout import Rollout
-    from grpax.sampler.engine import SamplerConfig, generate
+    from grpax.sampler.engine import generate
+    from grpax.sampler.keys import SamplerConfig
 
     trainer_mesh, sampler_mesh = sh.create_meshes(sh.MeshConfig(rollout_devices=4))
     assert set(sampler_mesh.devices.flat) == set(jax.devices()[:4])
@@ -846,7 +850,7 @@ def test_a_lora_step_on_8_devices_trains_the_adapters_on_their_weights_axes(para
     from grpax.rl.policy import Policy
     from grpax.rl.reference import FrozenParams
     from grpax.rl.rollout import Rollout
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
 
     trainer_mesh, sampler_mesh = sh.create_meshes(mesh_cfg)
     base = sh.shard_params(params, CFG, trainer_mesh)

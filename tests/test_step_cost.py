@@ -106,7 +106,8 @@ def test_the_count_is_what_the_engine_runs_when_every_row_runs_to_c(monkeypatch)
 
     import grpax.sampler.engine as engine_module
     from grpax.models.params import init_params
-    from grpax.sampler.engine import Engine, SamplerConfig
+    from grpax.sampler.engine import Engine
+    from grpax.sampler.keys import SamplerConfig
 
     calls = []  # (slots, table width, steps) of each decode call
     real = engine_module.compiled_decode

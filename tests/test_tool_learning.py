@@ -22,7 +22,7 @@ from grpax.rl.config import GRPOConfig
 from grpax.rl.multi_turn import MultiTurnRollout
 from grpax.rl.optim import optimizer_from_config
 from grpax.rl.train_step import TrainState, make_train_step, make_update
-from grpax.sampler.engine import SamplerConfig
+from grpax.sampler.keys import SamplerConfig
 from grpax.tasks.environment import MultiTurnConfig
 
 LETTERS = "?abcdef"  # ids 1..7; 0 = EOS; "?" calls the tool

@@ -336,7 +336,7 @@ def test_a_failed_export_keeps_results_json(tiny_checkpoint, tmp_path, monkeypat
 
 
 def test_mismatch_alarm_names_the_causes_once_above_the_dtype_threshold(caplog):
-    from grpax.sampler.engine import SamplerConfig
+    from grpax.sampler.keys import SamplerConfig
 
     plain, filtered = SamplerConfig(), SamplerConfig(top_k=50)
     quiet = {"mismatch/logprob_diff_mean": 5e-3, "mismatch/logprob_diff_max": 0.02}

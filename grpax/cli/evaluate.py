@@ -206,8 +206,8 @@ def _sample_and_score(config: EvaluateConfig, task) -> dict:
     from grpax.data.tokenizer import stop_token_ids
     from grpax.eval.evaluate import evaluate
     from grpax.eval.keys import eval_sampling
-    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
+    from grpax.sampler.paging import check_memory_fraction
 
     # The checkpoint's config.json, read once: the context check here, the load below.
     what = f"max_target_length={config.max_target_length}"
@@ -261,7 +261,7 @@ def _renderer(config: EvaluateConfig, task, tokenizer):
     max_prefill_predict_length with its instructions), else None."""
     if not config.environment:
         return None
-    from grpax.rl.multi_turn import prompt_renderer
+    from grpax.sampler.multi_turn import prompt_renderer
     from grpax.tasks import environment_factory
 
     return prompt_renderer(tokenizer, environment_factory(config), task.preset)
@@ -271,7 +271,7 @@ def _trajectories(config: EvaluateConfig, task, tokenizer, model_cfg, sampler_cf
     """With ``environment``: the multi-turn sampler (the same environment as training), else None."""
     if not config.environment:
         return None
-    from grpax.rl.multi_turn import trajectory_sampler
+    from grpax.sampler.multi_turn import trajectory_sampler
     from grpax.tasks import environment_factory, multi_turn_config
 
     env = environment_factory(config)

@@ -257,8 +257,8 @@ def run(config: GenerateConfig) -> int:
     from grpax.checkpoint.orbax import load_model
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
-    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
+    from grpax.sampler.paging import check_memory_fraction
 
     length = completion_length(config) if config.load_parameters_path else 0
     sampling = sampling_kwargs(config)
@@ -335,13 +335,13 @@ def _generate_single_turn(
 def _generate_with_environment(
     config, params, model_cfg, tokenizer, sampler_cfg, texts, key
 ) -> tuple[list[dict], list[int]]:
-    """Multi-turn records of every prompt with ``environment`` (``grpax.rl.multi_turn``) in blocks of
+    """Multi-turn records of every prompt with ``environment`` (``grpax.sampler.multi_turn``) in blocks of
     ``batch_size`` rows, and the prompt index of each."""
     import types
 
     from grpax import prng
     from grpax.data.prompts import PromptPreset
-    from grpax.rl.multi_turn import sample_trajectories
+    from grpax.sampler.multi_turn import sample_trajectories
     from grpax.tasks import environment_factory, multi_turn_config
     from grpax.tasks.prompts import get_prompt_preset
 

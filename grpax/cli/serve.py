@@ -221,8 +221,8 @@ def run(config: ServeConfig) -> int:
     from grpax.cli.generate import completion_length
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
-    from grpax.sampler.engine import check_memory_fraction
     from grpax.sampler.keys import sampler_config
+    from grpax.sampler.paging import check_memory_fraction
     from grpax.serve.app import Server, build_app
     from grpax.serve.worker import EngineWorker
 

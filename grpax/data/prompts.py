@@ -164,7 +164,7 @@ def prepare_rows(
       load: ``(dataset, split) -> rows`` with a ``question`` each (the task's ``load_rows``).
       need: ``(dataset key, split key, rows)``: refuse fewer rows than that after the length filter.
       render: a row's prompt text as it is sampled, when it is not ``render_prompt`` of its question with
-        ``preset`` (an environment adds its instructions: ``grpax.rl.multi_turn.prompt_renderer``), so that
+        ``preset`` (an environment adds its instructions: ``grpax.sampler.multi_turn.prompt_renderer``), so that
         the length filter measures the prompt the sampler gets; None: ``render_prompt``.
       cache_dir: the token cache (``grpax.data.token_cache``): the ids of these texts with this tokenizer are
         read from there when an earlier run stored them; None: tokenize.

@@ -22,7 +22,8 @@ from grpax import prng
 from grpax.eval.metrics import summarize
 from grpax.files import write_text_atomic
 from grpax.models.registry import ModelConfig
-from grpax.sampler.engine import SamplerConfig, generate
+from grpax.sampler.engine import generate
+from grpax.sampler.keys import SamplerConfig
 
 if TYPE_CHECKING:
     from grpax.tasks.base import Task
@@ -75,7 +76,7 @@ def evaluate(
       seed: sampling seed.
       output_path: a folder to write ``results.jsonl`` (one record per completion) and ``summary.json``.
       desc: progress-bar label.
-      trajectories: multi-turn sampling with an environment (``grpax.rl.multi_turn.trajectory_sampler``):
+      trajectories: multi-turn sampling with an environment (``grpax.sampler.multi_turn.trajectory_sampler``):
         ``(params, rows, key, num_generations) -> MultiTurnOutput``; the records then hold each trajectory's
         text (observations included), ``turns``, ``tool_calls`` and ``tool_errors``, and the summary their means
         per completion (``turns``, ``tool_calls``, ``tool_errors``). None: single-turn ``generate``.

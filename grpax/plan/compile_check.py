@@ -54,7 +54,7 @@ from grpax.rl.policy import merge_adapters, sampler_mode
 from grpax.rl.teacher import check_same_vocabulary, teacher_name
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import TrainState, logprobs_program, make_run_update
-from grpax.sampler import engine
+from grpax.sampler import paging, program_set
 from grpax.sampler.backend import select_backend
 from grpax.sharding import per_chip_bytes
 
@@ -223,7 +223,7 @@ class Job:
     sampler_cfg: Any
     resident: dict[str, int]  # bytes per chip of what stays for the whole step (table rows, in order)
     rollout_copy: int  # the params copied to the sampler's layout (0 when it is the trainer's)
-    kv_cache: int  # the rollout engine's KV page pool (``engine.abstract_pool``), per chip
+    kv_cache: int  # the rollout engine's KV page pool (``paging.abstract_pool``), per chip
     shape: StepShape
     lora: lora_lib.LoraConfig | None = None
     base: Any = None  # LoRA: the frozen base params on the trainer's mesh (also the reference)
@@ -237,7 +237,7 @@ class Job:
     train_step: Any = (
         None  # the run's jitted update (``train_step.make_run_update``, as the trainer builds it)
     )
-    num_pages: int = 0  # pages in that pool (``engine.pool_pages``), of ``sampler_cfg.page_size`` tokens
+    num_pages: int = 0  # pages in that pool (``paging.pool_pages``), of ``sampler_cfg.page_size`` tokens
     sampler_backend: Any = None  # ``select_backend``'s choice for the rollout params: who runs the engine
     teacher: Any = None  # distillation_coef > 0: the teacher's params as the trainer holds them
     teacher_cfg: ModelConfig | None = None  # its model
@@ -363,8 +363,8 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     sc = dataclasses.replace(cfg.sampler_config(stops, stops[0]), backend="xla")
     backend = select_backend(sc.backend, rollout_params, model_cfg, sc.cache_dtype, concrete=False)
     slots = sc.decode_slots(cfg.batch_size * grpo.num_generations)
-    num_pages = engine.pool_pages(sc, slots)
-    kv_cache = per_chip_bytes(engine.abstract_pool(rollout_params, model_cfg, sc, backend, num_pages))
+    num_pages = paging.pool_pages(sc, slots)
+    kv_cache = per_chip_bytes(paging.abstract_pool(rollout_params, model_cfg, sc, backend, num_pages))
     L = model_cfg.num_layers
     adapter_params = 0 if lora is None else sum(math.prod(x.shape) for x in jax.tree.leaves(trainable))
     specs = layer_specs(model_cfg)
@@ -597,7 +597,7 @@ def _compile_sampler(job: Job, n: int, functions: dict, phases: dict) -> None:
     cfg, sc, rollout_params, model_cfg = job.cfg, job.sampler_cfg, job.rollout_params, job.model_cfg
     backend, G = job.sampler_backend, cfg.num_generations
     with jax.set_mesh(job.rollout_mesh):  # the rollout engine's two programs (grpax.sampler.engine)
-        for name, (fn, args, kwargs) in engine.abstract_programs(
+        for name, (fn, args, kwargs) in program_set.abstract_programs(
             rollout_params, model_cfg, sc, backend, cfg.batch_size, G
         ).items():
             title = {"prefill": "the sampler's prefill", "decode": "the sampler's decode steps"}[name]
@@ -620,11 +620,11 @@ def _compile_evaluation(job: Job, n: int) -> None:
     groups in threads saved 10 of 111 s on a TPU v5e host (the TPU compiler already keeps its cores busy:
     docs/benchmarks.md), so they compile one after another."""
     cfg = job.cfg
-    if cfg.num_test_batches == 0 or not engine.fixed_programs(job.sampler_cfg, job.rollout_params):
+    if cfg.num_test_batches == 0 or not program_set.fixed_programs(job.sampler_cfg, job.rollout_params):
         return
     with jax.set_mesh(job.rollout_mesh):
         rollout, programs = (
-            engine.abstract_programs(
+            program_set.abstract_programs(
                 job.rollout_params, job.model_cfg, job.sampler_cfg, job.sampler_backend, prompts, G
             )
             for prompts, G in (

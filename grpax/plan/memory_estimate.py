@@ -4,7 +4,7 @@ JAX compiles for a TPU slice without the TPU (``grpax.plan.compile_check``), but
 for an absent GPU, so ``compile_topology=h100-8`` (``GPUS``) gets the same table as an ESTIMATE. What is exact:
 the resident arrays (params, optimizer state, the reference's copy as the trainer stores it: rounded to the
 compute dtype, or in host memory), the params copied for the sampler and the rollout engine's KV page pool (the
-engine's own ``engine.pool_pages`` and ``engine.abstract_pool``: ``num_pages`` pages of ``page_size`` tokens,
+engine's own ``paging.pool_pages`` and ``paging.abstract_pool``: ``num_pages`` pages of ``page_size`` tokens,
 replicated over the rollout mesh's data axis, heads split over its tensor axis), all placed on an
 ``AbstractMesh`` of the run's mesh keys. What is estimated are the temporaries of each function, from the shapes
 of what it holds at its largest:
@@ -75,7 +75,7 @@ from grpax.plan.step_cost import BYTES
 from grpax.plan.topology import Chip
 from grpax.rl.train_config import TrainConfig
 from grpax.rl.train_step import logits_chunk_bytes
-from grpax.sampler import engine
+from grpax.sampler import keys
 
 # Per GPU: HBM as nvidia-smi reports it (MiB), bf16 dense FLOP/s and HBM bandwidth (NVIDIA's SXM data sheets).
 _MIB = 2**20
@@ -256,8 +256,8 @@ def sampler_terms(job) -> dict[str, dict[str, float]]:
     pool, donated and updated in place) at their largest moment, term by term: {"prefill": {term: bytes},
     "decode": {term: bytes}}; each program's temporaries are the sum of its terms.
 
-    The programs are those ``engine.abstract_programs`` compiles (``grpax.sampler.decode``). ``admit`` prefills
-    N = ``engine.prefill_prompts`` prompts (batch_size, or the groups that fill max_num_seqs slots; rounded up
+    The programs are those ``program_set.abstract_programs`` compiles (``grpax.sampler.decode``). ``admit`` prefills
+    N = ``keys.prefill_prompts`` prompts (batch_size, or the groups that fill max_num_seqs slots; rounded up
     to a power of two) of P = max_prompt_length tokens into a dense cache
     (the model's activation constraints split the prompts over the rollout mesh's data axes where they divide),
     then writes each layer's keys and values into the pages for each of the G completions (the pool is
@@ -275,7 +275,7 @@ def sampler_terms(job) -> dict[str, dict[str, float]]:
     mesh = dict(job.rollout_mesh.shape)
     rows_ways, tensor = mesh["data"] * mesh["fsdp"] * mesh["expert"], mesh["tensor"]
     G, P = s.num_generations, sc.max_prompt_length
-    N = engine.prefill_prompts(sc, s.num_prompts, G)
+    N = keys.prefill_prompts(sc, s.num_prompts, G)
     S = _share(sc.decode_slots(s.num_prompts * G), rows_ways)
     # the pool's bytes per token of one layer on a chip (its keys and values, heads split as the pool's)
     per_token = job.kv_cache / (job.num_pages * sc.page_size * L)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpax.models.registry import ModelConfig
-from grpax.sampler.engine import call_pages, call_slots, gathered_width
+from grpax.sampler.keys import call_pages, call_slots, gathered_width
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of each dtype a model key names
 

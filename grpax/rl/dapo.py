@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpax.sampler.engine import GenerateOutput
+from grpax.sampler.requests import GenerateOutput
 
 
 def overlong_penalty(

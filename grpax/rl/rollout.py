@@ -19,7 +19,6 @@ its ``TrainExample``; the trainer's loop is ``batch = rollout(rows, key); state,
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,14 +36,11 @@ from grpax.rl.batch import MIN_COMPLETION_BUCKET, Batch, RolloutInfo, completion
 from grpax.rl.config import GRPOConfig
 from grpax.rl.reference import FrozenParams, release_host_memory
 from grpax.rl.train_step import compute_logprobs
-from grpax.sampler.engine import (
-    Engine,
-    GenerateOutput,
-    SamplerConfig,
-    fixed_programs,
-    generate,
-    prepare_prompts,
-)
+from grpax.sampler.engine import Engine, generate
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.program_set import fixed_programs
+from grpax.sampler.requests import GenerateOutput, Request, prepare_prompts
+from grpax.sharding import mesh_context
 
 # (rows [B], rollout) -> ({reward name: [B] points, "total" included; NaN = abstain}, correct [B])
 Scorer = Callable[[list[dict], GenerateOutput], tuple[dict[str, Any], Any]]
@@ -72,11 +68,6 @@ def decode_work(outs: list[GenerateOutput]) -> dict[str, float]:
     # each row needs lengths - 1 decode steps: its first token comes from the prefill
     needed = sum(int(np.maximum(np.asarray(out.lengths) - 1, 0).sum()) for out in outs)
     return {"decode/row_steps": float(row_steps), "decode/past_eos_fraction": 1.0 - needed / row_steps}
-
-
-def mesh_context(mesh: jax.sharding.Mesh | None):
-    """``jax.set_mesh(mesh)`` (activation sharding constraints apply inside), or nothing."""
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 class Rollout:
@@ -151,10 +142,7 @@ class Rollout:
         enter the decode slots the batch in flight frees; the next call with these ``rows`` collects them."""
         G = self.grpo.num_generations
         engine = self._engine_for(self._sampler_params(), len(rows) * G)
-        request = engine.submit(
-            prepare_prompts([row["prompt_ids"] for row in rows], self.sampler_cfg)[0], key, G
-        )
-        self._presubmitted = (rows, request)
+        self._presubmitted = (rows, self._submit(engine, rows, key))
 
     def __call__(
         self,
@@ -256,25 +244,25 @@ class Rollout:
     def _engine_generate(self, params: Any, rows: list[dict], key: jax.Array) -> GenerateOutput:
         """``generate`` on the kept engine: the presubmitted request of these rows, or a new one; ``on_tail``
         called once when the batch's tail frees half the slots."""
-        sc, G = self.sampler_cfg, self.grpo.num_generations
-        kept, indices = prepare_prompts([row["prompt_ids"] for row in rows], sc)
-        engine = self._engine_for(params, len(rows) * G)
+        engine = self._engine_for(params, len(rows) * self.grpo.num_generations)
         if self._presubmitted is not None and self._presubmitted[0] is rows:
             request = self._presubmitted[1]
         else:
-            request = engine.submit(kept, key, G)
+            request = self._submit(engine, rows, key)
         self._presubmitted = None
         with mesh_context(self.rollout_mesh or self.mesh):
             while not request.done:
                 engine.step()
-                queued = any(entry[0] is request for entry in engine.queue) or any(
-                    seq.request is request for seq in engine.ready
-                )
-                if self._on_tail is not None and not queued and len(engine.running) <= engine.num_slots // 2:
+                tail = not engine.waiting(request) and engine.num_running <= engine.num_slots // 2
+                if self._on_tail is not None and tail:
                     hook, self._on_tail = self._on_tail, None
                     hook()
-        out = request.output(sc.pad_token_id, engine.prompt_width(kept), sc.max_completion_length)
-        return out._replace(prompt_indices=np.array(indices, np.int32))
+        return engine.collect(request)
+
+    def _submit(self, engine: Engine, rows: list[dict], key: jax.Array) -> Request:
+        """G completions of each row's prompt queued on ``engine`` (truncated by ``prepare_prompts``)."""
+        kept, indices = prepare_prompts([row["prompt_ids"] for row in rows], self.sampler_cfg)
+        return engine.submit(kept, key, self.grpo.num_generations, prompt_indices=indices)
 
     def _sample(self, rows: list[dict], key: jax.Array) -> tuple[GenerateOutput, dict[str, np.ndarray], Any]:
         """One sampling round: G completions of each row, their rewards (plus overlong) and correctness."""

@@ -36,8 +36,7 @@ from grpax.rl.policy import LORA_SAMPLERS
 from grpax.rl.profiling import PROFILERS
 from grpax.rl.remat_keys import RematKeys, check_remat_keys
 from grpax.rl.teacher import read_teacher, validate_teacher_keys
-from grpax.sampler.engine import SamplerConfig
-from grpax.sampler.keys import sampler_config
+from grpax.sampler.keys import SamplerConfig, sampler_config
 from grpax.tasks import Task, TaskConfig, validate_task_keys
 
 log = logging.getLogger("grpax.train")

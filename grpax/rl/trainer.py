@@ -53,18 +53,22 @@ from grpax.rl.ahead import AheadRollouts
 from grpax.rl.batch import Batch
 from grpax.rl.config import GRPOConfig
 from grpax.rl.metrics_writer import MetricsWriter
-from grpax.rl.multi_turn import MultiTurnRollout, prompt_renderer, trajectory_sampler
+from grpax.rl.multi_turn import MultiTurnRollout
 from grpax.rl.policy import Policy
 from grpax.rl.profiling import StepProfiler
 from grpax.rl.reference import FrozenParams, offload_folder, release_host_memory
 from grpax.rl.results import publish, reward_history
 from grpax.rl.resume import RunPaths, check_resume, restore_or_start, write_model_files
-from grpax.rl.rollout import Rollout, mesh_context, task_scorer
+from grpax.rl.rollout import Rollout, task_scorer
 from grpax.rl.run_folder import claim_run_folder
 from grpax.rl.teacher import load_teacher
 from grpax.rl.train_config import Inputs, TrainConfig, check_inputs, validate
 from grpax.rl.train_step import TrainState, make_run_update, make_update
-from grpax.sampler.engine import SamplerConfig, check_memory_fraction, describe_programs, fixed_programs
+from grpax.sampler.keys import SamplerConfig
+from grpax.sampler.multi_turn import prompt_renderer, trajectory_sampler
+from grpax.sampler.paging import check_memory_fraction
+from grpax.sampler.program_set import describe_programs, fixed_programs
+from grpax.sharding import mesh_context
 from grpax.tasks import RewardFunctionError, Task, build_task, environment_factory, multi_turn_config
 
 log = logging.getLogger("grpax.train")

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpax.models.attention import ragged_tpu_takes, write_pages
 from grpax.models.llama import decode_paged, forward, logits_from_hidden
@@ -353,3 +354,31 @@ def select_backend(
     if name == "cpu":
         raise ValueError(f"backend='cpu' cannot run here: {reason}; use backend='auto' or 'xla'")
     return XlaBackend(compiler_options=options)
+
+
+_SHAPE_PLANNED: dict[type, type] = {}
+
+
+def shape_planned(backend):
+    """``backend`` with prefill plans that depend on the prompts' shape only: the plan of N full prompts that
+    share no prefix (every valid plan for that shape covers them), so no batch compiles a plan of its own (a
+    server's bounded program set: ``Engine``'s ``shape_plans``).
+
+    A backend whose plan is None for every batch (XLA's) is returned as it is.
+    """
+    cls = type(backend)
+    if cls.plan(backend, np.zeros((2, 2), np.int32), np.ones((2,), np.int32)) is None:
+        return backend
+    if cls not in _SHAPE_PLANNED:
+
+        def plan(self, prompt_tokens, prompt_lengths):
+            B, P = np.shape(prompt_tokens)
+            rows = np.zeros((B, P), np.int32)
+            rows[:, 0] = np.arange(B)  # rows that differ at their first token: no shared prefix
+            return cls.plan(self, rows, np.full((B,), P, np.int32))
+
+        _SHAPE_PLANNED[cls] = type(
+            f"ShapePlanned{cls.__name__}", (cls,), {"plan": plan, "__doc__": cls.__doc__}
+        )
+    fields = {f.name: getattr(backend, f.name) for f in dataclasses.fields(backend) if f.init}
+    return _SHAPE_PLANNED[cls](**fields)

@@ -47,31 +47,12 @@ from grpax.host_memory import memory_mappings
 from grpax.models import llama
 from grpax.models.params import Params
 from grpax.models.registry import ModelConfig
-from grpax.sampler.engine import Engine, SamplerConfig, pow2
-from grpax.sampler.engine import slot_counts as engine_slot_counts
+from grpax.sampler.engine import Engine
+from grpax.sampler.keys import SamplerConfig, bucket_lengths, prefill_counts, scoring_lengths
+from grpax.sampler.keys import slot_counts as engine_slot_counts
 from grpax.serve.protocol import MAX_TOP_LOGPROBS, Sampling
 
 logger = logging.getLogger(__name__)
-
-
-def bucket_lengths(max_prompt_length: int) -> tuple[int, ...]:
-    """Prompt paddings of a server: 64, 128, 256... tokens, the last one ``max_prompt_length``."""
-    buckets, b = [], 64
-    while b < max_prompt_length:
-        buckets.append(b)
-        b *= 2
-    return (*buckets, max_prompt_length)
-
-
-def scoring_lengths(max_prompt_length: int, max_completion_length: int) -> tuple[int, ...]:
-    """Paddings of the scoring forward (``top_logprobs``): 64, 128, 256... tokens, the last one the server's longest
-    sequence rounded up to 64."""
-    longest = -(-(max_prompt_length + max_completion_length) // 64) * 64
-    lengths, t = [], 64
-    while t < longest:
-        lengths.append(t)
-        t *= 2
-    return (*lengths, longest)
 
 
 class WarmupItem(NamedTuple):
@@ -90,13 +71,6 @@ class WarmupItem(NamedTuple):
         if self.kind == "scoring":
             return f"top_logprobs scoring of {self.tokens} tokens"
         return f"decode on {self.slots} slot{'s' * (self.slots > 1)}"
-
-
-def prefill_counts(max_prefill_prompts: int, num_slots: int) -> list[int]:
-    """The prompt counts of a server's prefills: the powers of two up to ``max_prefill_prompts`` (at most the
-    slots) rounded up to one, as the engine rounds a call's prompts, ascending."""
-    top = pow2(min(max_prefill_prompts or num_slots, num_slots))
-    return [1 << i for i in range(top.bit_length())]
 
 
 def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
@@ -120,31 +94,6 @@ def warmup_plan(sampler_cfg: SamplerConfig, num_slots: int) -> list[WarmupItem]:
 
 
 DEFAULT_SLOTS = 64  # an Engine's slots where max_num_seqs is 0
-_SHAPE_PLANNED: dict[type, type] = {}
-
-
-def shape_planned(backend):
-    """``backend`` with prefill plans that depend on the prompts' shape only: the plan of N full prompts that
-    share no prefix (every valid plan for that shape covers them), so no batch compiles a plan of its own.
-
-    A backend whose plan is None for every batch (XLA's) is returned as it is.
-    """
-    cls = type(backend)
-    if cls.plan(backend, np.zeros((2, 2), np.int32), np.ones((2,), np.int32)) is None:
-        return backend
-    if cls not in _SHAPE_PLANNED:
-
-        def plan(self, prompt_tokens, prompt_lengths):
-            B, P = np.shape(prompt_tokens)
-            rows = np.zeros((B, P), np.int32)
-            rows[:, 0] = np.arange(B)  # rows that differ at their first token: no shared prefix
-            return cls.plan(self, rows, np.full((B,), P, np.int32))
-
-        _SHAPE_PLANNED[cls] = type(
-            f"ShapePlanned{cls.__name__}", (cls,), {"plan": plan, "__doc__": cls.__doc__}
-        )
-    fields = {f.name: getattr(backend, f.name) for f in dataclasses.fields(backend) if f.init}
-    return _SHAPE_PLANNED[cls](**fields)
 
 
 def bounded(sampler_cfg: SamplerConfig) -> SamplerConfig:
@@ -236,8 +185,7 @@ class EngineWorker:
 
     def __init__(self, params: Params, cfg: ModelConfig, sampler_cfg: SamplerConfig, *, version: int = 0):
         self.cfg = cfg
-        self.engine = Engine(params, cfg, bounded(sampler_cfg), version=version)
-        self.engine.backend = shape_planned(self.engine.backend)
+        self.engine = Engine(params, cfg, bounded(sampler_cfg), version=version, shape_plans=True)
         self.params, self.version = params, version
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: collections.deque[Job] = collections.deque()
@@ -339,7 +287,6 @@ class EngineWorker:
         e = self.engine
         i, item = self._warm.popleft()
         total = i + len(self._warm)
-        stop_table, e.stop_table = e.stop_table, np.zeros_like(e.stop_table)
         counted = _ProgramCounter()
         jax.monitoring.register_event_duration_secs_listener(counted)
         start = time.perf_counter()
@@ -352,13 +299,13 @@ class EngineWorker:
                 limit = (
                     1 if item.kind == "prefill" else 2
                 )  # decode: the prefill's token, then one decode call
-                e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, greedy=True))
+                with e.stops_ignored():  # every row runs to its limit
+                    e.run(e.submit(prompts, jax.random.key(0), max_completion_length=limit, greedy=True))
         except Exception:  # noqa: BLE001 - a program that fails here compiles (or fails) at its first request
             logger.exception("warm-up %d/%d (%s) failed", i, total, item.describe())
             return
         finally:
             jax.monitoring.unregister_event_duration_listener(counted)
-            e.stop_table = stop_table
         held = memory_mappings()
         logger.info(
             "warm-up %d/%d (%s): %d programs (%d of the engine's; %d of them read from the compilation cache) "
@@ -395,7 +342,7 @@ class EngineWorker:
             if self.engine.busy:
                 try:
                     e = self.engine
-                    in_flight = len(e.running) + len(e.ready) + sum(len(q[2]) for q in e.queue)
+                    in_flight = e.num_in_flight
                     self.engine.step()
                     self.stats["steps"] += 1
                     self.stats["peak_rows"] = max(self.stats["peak_rows"], in_flight)

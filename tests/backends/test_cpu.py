@@ -18,7 +18,8 @@ from grpax.models.llama import forward, init_cache, logits_from_hidden
 from grpax.models.params import convert_layout, init_params
 from grpax.models.registry import ModelConfig
 from grpax.sampler.backend import select_backend
-from grpax.sampler.engine import SamplerConfig, generate
+from grpax.sampler.engine import generate
+from grpax.sampler.keys import SamplerConfig
 
 # CI sets GRPAX_REQUIRE_CPU_KERNELS=1 (scripts/test.sh): there a kernel that fails to build is a failure,
 # elsewhere (no compiler) these tests are skipped and the sampler uses XLA's attention.
