@@ -326,7 +326,6 @@ def update_hardware_flops(model_cfg: ModelConfig, cfg: TrainConfig, micro_batche
         num_iterations=1,
         with_reference=False,
         with_old_logprobs=False,
-        decode_phase_length=64,
     )
     phases = step_phases(model_cfg, shape, 1, 1, 1, 1, peak_flops=1.0, hbm_bandwidth=1.0)
     return next(phase.flops for phase in phases if phase.name == "update")

@@ -22,6 +22,7 @@ from grpax.plan.compile_check import check_before_run
 from grpax.plan.step_cost import StepShape, step_phases
 from grpax.plan.topology import get_topology
 from grpax.rl.train_config import TrainConfig
+from grpax.sampler.keys import SamplerConfig
 from grpax.sharding import MeshConfig, create_rollout_mesh, per_chip_bytes
 
 pytest.importorskip("libtpu", reason="the tpu extra (pip install -e '.[tpu]') brings libtpu; CI installs it")
@@ -31,6 +32,8 @@ TINY = ModelConfig(
     vocab_size=512, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
     eos_token_ids=(1,),
 )  # fmt: skip
+
+WHOLE_TABLE = SamplerConfig(decode_phase_length=0)  # the decode's gathers over the whole page table
 
 
 @pytest.fixture
@@ -202,7 +205,7 @@ def test_missing_libtpu_names_the_extra(config_only, capsys, monkeypatch):
 def test_step_flops_equal_a_hand_count():
     # One prompt of P=4 tokens, G=2 completions of C=2 tokens, the whole page table, no reference, remat none.
     cfg = TINY.replace(remat_policy="none")
-    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, sampler=WHOLE_TABLE)
     phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
     V, D, L, N, K, H, F = 512, 64, 2, 4, 2, 16, 128
     per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)  # 2 x layer matmul params
@@ -224,7 +227,7 @@ def test_each_chip_reads_only_its_own_experts():
     cfg = TINY.replace(
         family="qwen3_moe", num_experts=E, num_experts_per_tok=2, moe_mlp_dim=Fe, remat_policy="none"
     )
-    s = StepShape(1, 4, 4, 2, 1, 1, False, False, 0)
+    s = StepShape(1, 4, 4, 2, 1, 1, False, False, sampler=WHOLE_TABLE)
     count = lambda **kw: {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0, **kw)}  # noqa: E731
     one, split = count(), count(trainer_expert=2, rollout_expert=4)
     experts = L * E * 3 * D * Fe * 4  # float32 bytes of every layer's experts
@@ -249,7 +252,7 @@ def test_the_old_logprob_pass_is_counted_whenever_the_run_computes_it():
 
     for num_iterations, max_staleness in [(1, 0), (2, 0), (1, 1)]:
         grpo = GRPOConfig(num_iterations=num_iterations, max_staleness=max_staleness)
-        s = StepShape(1, 2, 4, 2, 1, num_iterations, False, grpo.needs_old_logprobs, 0)
+        s = StepShape(1, 2, 4, 2, 1, num_iterations, False, grpo.needs_old_logprobs, sampler=WHOLE_TABLE)
         names = [p.name for p in step_phases(TINY, s, 1, 1, 1, 1, 1.0, 1.0)]
         assert ("old logprobs" in names) == (num_iterations > 1 or max_staleness > 0), names
 
@@ -257,7 +260,7 @@ def test_the_old_logprob_pass_is_counted_whenever_the_run_computes_it():
 def test_sampler_reads_the_weights_in_the_compute_dtype():
     """float32 master weights with bfloat16 compute: the decode reads the bfloat16 rounding (prepare_decode), the
     update reads float32 weights plus a float32 optimizer state, a bfloat16 one a float32 master copy too."""
-    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, sampler=WHOLE_TABLE)
     count = lambda **kw: {p.name: p for p in step_phases(TINY.replace(**kw), s, 1, 1, 1, 1, 1.0, 1.0)}  # noqa: E731
     master, half = (
         count(weight_dtype="float32", dtype="bfloat16"),
@@ -641,9 +644,9 @@ def test_lora_step_flops_equal_a_hand_count():
     counted = jax.eval_shape(lambda: init_adapters(cfg, LoraConfig(r, 4.0, ALL_MODULES), jax.random.key(0)))
     assert sum(x.size for x in jax.tree.leaves(counted)) == adapter_params
     adapted = L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
-    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0, adapter_params, adapted, r)
+    s = StepShape(1, 2, 4, 2, 1, 1, False, False, adapter_params, adapted, r, sampler=WHOLE_TABLE)
     phases = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
-    no_lora = StepShape(1, 2, 4, 2, 1, 1, False, False, 0)
+    no_lora = StepShape(1, 2, 4, 2, 1, 1, False, False, sampler=WHOLE_TABLE)
     full = {p.name: p for p in step_phases(cfg, no_lora, 1, 1, 1, 1, 1.0, 1.0)}
     per_token = 2 * L * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
     attention = lambda q, k: 4 * L * N * H * q * k  # noqa: E731
@@ -659,7 +662,9 @@ def test_lora_step_flops_equal_a_hand_count():
     assert phases["decode"] == full["decode"]  # the sampler reads merged plain weights
     # The adapters sampler: no merge; prefill and decode add the adapters' matmuls, 2 FLOPs per adapter
     # parameter per token (P = 4 prompt tokens; C = 2: one decode step of 2 slots), and each step reads them.
-    s = StepShape(1, 2, 4, 2, 1, 1, False, False, 0, adapter_params, adapted, r, sampler_adapters=True)
+    s = StepShape(
+        1, 2, 4, 2, 1, 1, False, False, adapter_params, adapted, r, sampler_adapters=True, sampler=WHOLE_TABLE
+    )
     adapters = {p.name: p for p in step_phases(cfg, s, 1, 1, 1, 1, 1.0, 1.0)}
     assert "merge" not in adapters and adapters["update"] == phases["update"]
     assert adapters["prefill"].flops == full["prefill"].flops + 2 * adapter_params * 4

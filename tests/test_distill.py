@@ -24,6 +24,7 @@ from grpax.rl.optim import make_lr_schedule, make_optimizer
 from grpax.rl.teacher import read_teacher
 from grpax.rl.train_config import TrainConfig, validate
 from grpax.rl.train_step import TrainState, accumulate_gradients, compute_logprobs, make_train_step
+from grpax.sampler.keys import SamplerConfig
 
 TEMPERATURE = 0.7
 
@@ -348,7 +349,10 @@ def build_job_shape(keys):
     from grpax.plan.step_cost import StepShape
 
     P, C = keys["max_prefill_predict_length"], keys["max_target_length"] - keys["max_prefill_predict_length"]
-    return StepShape(keys["batch_size"], keys["num_generations"], P, C, 1, 1, True, False, 0)
+    return StepShape(
+        keys["batch_size"], keys["num_generations"], P, C, 1, 1, True, False,
+        sampler=SamplerConfig(decode_phase_length=0),
+    )  # fmt: skip
 
 
 TINY = ModelConfig(

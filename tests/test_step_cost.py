@@ -3,6 +3,7 @@ its slots in waves of C - 1 steps, every slot of a call computed, the pages its 
 
 from grpax.models.registry import ModelConfig
 from grpax.plan.step_cost import StepShape, step_phases
+from grpax.sampler.keys import SamplerConfig
 
 # V=512, D=64, L=2, N=4, K=2, H=16, F=128, bfloat16 weights and cache.
 TINY = ModelConfig(
@@ -18,7 +19,8 @@ WEIGHTS = TINY.num_params() * 2  # bytes the sampler reads per step
 
 def _decode(num_prompts, G, P, C, data=1, peak=1.0, **engine):
     """The counted decode phase of a step of ``num_prompts`` x G rows on one chip (``peak`` FLOP/s, 1 B/s)."""
-    s = StepShape(num_prompts, G, P, C, 1, 1, False, False, engine.pop("decode_phase_length"), **engine)
+    shape = {k: engine.pop(k) for k in ("decode_slots", "reads_filled_pages") if k in engine}
+    s = StepShape(num_prompts, G, P, C, 1, 1, False, False, **shape, sampler=SamplerConfig(**engine))
     return next(p for p in step_phases(TINY, s, 1, 1, 1, data, peak, 1.0) if p.name == "decode")
 
 

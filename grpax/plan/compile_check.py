@@ -372,13 +372,10 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     adapted = L * sum(math.prod(specs[w][0]) for w in targets)
     shape = StepShape(
         cfg.batch_size, grpo.num_generations, cfg.max_prefill_predict_length, cfg.max_completion_length,
-        cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs, sc.decode_phase_length,
+        cfg.micro_batches, grpo.num_iterations, with_ref, grpo.needs_old_logprobs,
         adapter_params, adapted, 0 if lora is None else lora.rank, sampler == "adapters",
         reference_dtype="" if reference is None else str(largest_leaf(reference).dtype),
-        decode_slots=slots, page_size=sc.page_size,
-        decode_steps_per_call=sc.decode_steps_per_call, retire_rows=sc.retire_rows,
-        slot_count_step=sc.slot_count_step,
-        reads_filled_pages=backend.reads_filled_pages,
+        decode_slots=slots, sampler=sc, reads_filled_pages=backend.reads_filled_pages,
     )  # fmt: skip
     return Job(
         cfg, model_cfg, mesh, rollout_mesh, optimizer, lr_schedule,

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 
 from grpax.models.registry import ModelConfig
-from grpax.sampler.keys import call_pages, call_slots, gathered_width
+from grpax.sampler.keys import SamplerConfig, call_pages, call_slots, gathered_width
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # of each dtype a model key names
 
@@ -68,17 +68,15 @@ class StepShape:
     num_iterations: int
     with_reference: bool
     with_old_logprobs: bool  # GRPOConfig.needs_old_logprobs: the pi_old pass of the sampling params
-    decode_phase_length: int  # SamplerConfig.decode_phase_length
     adapter_params: int = 0  # LoRA: the adapters' parameters (0: a full fine-tune)
     adapted_params: int = 0  # LoRA: the base parameters of the adapted weights (merged each rollout)
     lora_rank: int = 0  # LoRA: r
     sampler_adapters: bool = False  # LoRA: the sampler reads the base and its adapters (no merge)
     reference_dtype: str = ""  # the reference copy's dtype (rounded to the compute dtype); "": weight_dtype
     decode_slots: int = 0  # the engine's decode slots (SamplerConfig.decode_slots of the rows); 0: every row
-    page_size: int = 32  # SamplerConfig.page_size: tokens per page of the KV cache
-    decode_steps_per_call: int = 16  # SamplerConfig.decode_steps_per_call
-    retire_rows: bool = True  # SamplerConfig.retire_rows: the last wave decodes on fewer slots
-    slot_count_step: int = 0  # SamplerConfig.slot_count_step: the ladder of those slot counts
+    # the engine's keys as the run's sampler takes them: page_size, decode_steps_per_call, decode_phase_length,
+    # retire_rows and slot_count_step shape the decode's gathers and slot ladder
+    sampler: SamplerConfig = SamplerConfig()
     reads_filled_pages: bool = False  # the sampler backend's: its attention reads only filled pages
 
 
@@ -214,7 +212,7 @@ def _decode(
     for count, running, waiting in [(waves - 1, num_slots, True), (1, rows - (waves - 1) * num_slots, False)]:
         if not count:
             continue
-        S = call_slots(num_slots, running, waiting, s.retire_rows, s.slot_count_step)
+        S = call_slots(num_slots, running, waiting, s.sampler.retire_rows, s.sampler.slot_count_step)
         for n in range(1, s.completion_length):  # n: completion tokens before the step
             keys = _keys_read(s, S, running, n)
             step_flops = S * per_slot + _attention_flops(cfg, 1, keys)
@@ -235,13 +233,15 @@ def _keys_read(s: StepShape, S: int, running: int, n: int) -> int:
     slot's row of the page table as the engine cut it for the step's call (calls of ``decode_steps_per_call``
     steps, the first at n0 tokens): the pages through the call's last position (``call_pages``), rounded up
     (``gathered_width``)."""
-    P, C, ps = s.prompt_length, s.completion_length, s.page_size
+    P, C, ps = s.prompt_length, s.completion_length, s.sampler.page_size
     if s.reads_filled_pages:
         return (running * -(-(P + n) // ps) + (S - running)) * ps
-    k = s.decode_steps_per_call
+    k = s.sampler.decode_steps_per_call
     n0 = 1 + (n - 1) // k * k
     table_width = -(-(P + C) // ps)
-    return S * gathered_width(call_pages(P, n0, k, C, ps), table_width, ps, s.decode_phase_length) * ps
+    return (
+        S * gathered_width(call_pages(P, n0, k, C, ps), table_width, ps, s.sampler.decode_phase_length) * ps
+    )
 
 
 def _training_phases(
