@@ -210,9 +210,8 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
         "MaxText's (its default is true): write each checkpoint's files in a background thread while training "
         "goes on (the arrays are first copied to host memory, the state's size again until the write ends); the "
         "next save and the run's end wait for it, and a failed write stops the run naming its step. Off by "
-        "default: on a TPU v5e the README's job gained nothing (the copy and digests stay in the step; the "
-        "write slowed the next rollout from 0.9 to 1.9 s, docs/benchmarks.md); worth it where a write takes "
-        "minutes",
+        "default: on a TPU the README's job gained nothing, the write slowing the next rollout as much as it "
+        "saved (docs/benchmarks.md); worth it where a write takes minutes",
     )
     max_num_checkpoints_to_keep: int = field(3, "step checkpoints kept")
     checkpoint_storage_use_zarr3: bool = field(True, "Orbax zarr3 storage")
