@@ -381,6 +381,7 @@ def test_a_background_save_holds_the_arrays_as_they_were_when_it_returned(tmp_pa
     params, opt_state = _params(), _opt_state()
     expected = jax.tree.map(np.asarray, (params, opt_state))
     checkpointer.save(1, params, opt_state, {"step": 1})
+    assert checkpointer.writing == 1
     bump = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
     params, opt_state = bump((params, opt_state))
     checkpointer.save(2, params, opt_state, {"step": 2})  # waits for step 1's write first
@@ -419,6 +420,7 @@ def test_a_failed_background_write_stops_the_next_save_naming_its_step(tmp_path,
         f"writing checkpoint step 2 to {checkpointer.step_dir(2)} failed: No space left on device "
         "(RESOURCE_EXHAUSTED); the last finished step 1 is kept"
     )
+    assert checkpointer.writing is None
     checkpointer.wait()  # the failure was raised once: nothing is under way any more
     monkeypatch.setattr(checkpointer.manager, "wait_until_finished", finished)
     checkpointer.close()

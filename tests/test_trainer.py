@@ -231,7 +231,7 @@ def test_async_checkpointing_writes_in_the_background_the_same_checkpoints(
     real_wait = TrainCheckpointer.wait
 
     def wait(self):
-        waited_for[-1].append(self._writing)
+        waited_for[-1].append(self.writing)
         real_wait(self)
 
     monkeypatch.setattr(TrainCheckpointer, "wait", wait)

@@ -231,7 +231,7 @@ class TrainCheckpointer:
     ):
         self.directory = Path(directory).absolute()
         self.background = background
-        self._writing: int | None = None  # the step whose files a background write is writing
+        self._writing: int | None = None
         quiet_orbax_thread_errors()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         tree_handler = ocp.PyTreeCheckpointHandler(
@@ -289,6 +289,11 @@ class TrainCheckpointer:
                 self._writing = step
             else:
                 self._named_failure(step, self.manager.wait_until_finished)
+
+    @property
+    def writing(self) -> int | None:
+        """The step whose files a background write is writing (``background``), None when none is under way."""
+        return self._writing
 
     def wait(self) -> None:
         """Waits for a background write (``background``); a no-op when none is under way.
