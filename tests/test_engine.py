@@ -766,6 +766,7 @@ def test_rules_as_data_runs_the_default_rules_rows_on_the_other_rules_program(pa
         (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
         (dict(top_k=-1), "top_k=-1 must be >= 0"),
         (dict(top_k=2.5), "top_k=2.5 must be an integer"),
+        (dict(prompt_indices=[0]), f"prompt_indices has 1 entries for {len(PROMPTS)} prompts"),
     ],
 )
 def test_bad_per_request_settings_are_refused_in_one_line_and_queue_nothing(params, kwargs, message):

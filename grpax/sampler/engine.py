@@ -139,7 +139,7 @@ class Engine:
         V = cfg.vocab_size
         self.stop_table = np.zeros(V, bool)
         self.stop_table[[i for i in sc.stop_token_ids if 0 <= i < V]] = True
-        self.pause_table = np.zeros(V, bool) if pause_table is None else np.asarray(pause_table, bool)
+        self.pause_table = np.zeros(V, bool) if pause_table is None else np.array(pause_table, bool)
         self.max_forced_tokens = max(1, max_forced_tokens)
         self._epoch = -1  # update_params calls less one; a sequence's KV is stale when its epoch differs
         self.default_rule = SamplingRule.of(sc)  # a request's rule unless it sets its own (and idle slots')
@@ -207,9 +207,11 @@ class Engine:
 
         Raises:
           ValueError: an empty prompt or one longer than max_prompt_length; num_generations above the decode
-            slots; a length limit or sampling value out of range (one line naming the argument); nothing is
-            queued then.
+            slots; a length limit or sampling value out of range; prompt_indices not one per prompt (one line
+            naming the argument); nothing is queued then.
         """
+        if prompt_indices is not None and len(prompt_indices) != len(prompts):
+            raise ValueError(f"prompt_indices has {len(prompt_indices)} entries for {len(prompts)} prompts")
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
         limit, rule = request_settings(
             self.sc, self.num_slots, prompts, num_generations, max_completion_length, self.default_rule, given

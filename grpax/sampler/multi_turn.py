@@ -61,6 +61,7 @@ class MultiTurnOutput(NamedTuple):
     lengths: np.ndarray
     finish_reason: list[str]
     prompt_indices: np.ndarray
+    decode_row_steps: int  # GenerateOutput's
     texts: list[str]
     turns: np.ndarray
     tool_calls: np.ndarray
@@ -68,8 +69,8 @@ class MultiTurnOutput(NamedTuple):
     observation_tokens: np.ndarray
     env_rewards: np.ndarray
     truncation: list[str]
-    routed_experts: None = None  # GenerateOutput's: multi-turn runs record no routing (check_router_replay)
-    prompt_routed_experts: None = None
+    routed_experts: np.ndarray | None = None  # GenerateOutput's: None, multi-turn records no routing
+    prompt_routed_experts: np.ndarray | None = None
     policy_versions: np.ndarray | None = None  # GenerateOutput's: each token's version, -1 if masked
 
     def metrics(self) -> dict[str, float]:
@@ -199,11 +200,9 @@ def generate_multi_turn(
     envs = [envs[i * G + g] for i in indices for g in range(G)]
     B, T, F = len(kept) * G, sc.max_completion_length, turn_cfg.max_observation_tokens
     stop_strings = sorted({s for env in envs for s in (getattr(env, "stop_strings", ()) or ())})
-    V = cfg.vocab_size
-    stop_table = np.zeros(V, bool)
-    stop_table[[i for i in sc.stop_token_ids if i < V]] = True
+    # a stop token that is also a pause token ends its row: stops win (decode.segment_end)
     engine = Engine(
-        params, cfg, sc, num_slots=B, pause_table=pause_table(tokenizer, V, stop_strings) & ~stop_table,
+        params, cfg, sc, num_slots=B, pause_table=pause_table(tokenizer, cfg.vocab_size, stop_strings),
         max_forced_tokens=F,
     )  # fmt: skip
     trajectories = _Trajectories(engine, envs, tokenizer, turn_cfg, stop_strings, T)
@@ -219,16 +218,9 @@ def generate_multi_turn(
     for seq in request.sequences:  # the length limit ends a sequence without a pause
         if seq.reason == reasons.LENGTH and not truncation[seq.index]:
             truncation[seq.index] = "trajectory"
-    out = engine.collect(request)
+    out = engine.collect(request)._replace(finish_reason=["length" if t else "stop" for t in truncation])
     return MultiTurnOutput(
-        prompt_ids=out.prompt_ids,
-        prompt_mask=out.prompt_mask,
-        completion_ids=out.completion_ids,
-        completion_mask=out.completion_mask,
-        logprobs=out.logprobs,
-        lengths=out.lengths,
-        finish_reason=["length" if t else "stop" for t in truncation],
-        prompt_indices=out.prompt_indices,
+        **out._asdict(),  # GenerateOutput's fields (no routing: check_router_replay refuses it here)
         texts=tokenizer.batch_decode([seq.tokens for seq in request.sequences], skip_special_tokens=True),
         turns=trajectories.turns,
         tool_calls=trajectories.calls,
@@ -236,7 +228,6 @@ def generate_multi_turn(
         observation_tokens=trajectories.obs_tokens,
         env_rewards=trajectories.rewards,
         truncation=truncation,
-        policy_versions=out.policy_versions,
     )
 
 
