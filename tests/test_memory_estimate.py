@@ -1,6 +1,6 @@
 """The NVIDIA estimate (``grpax.plan.memory_estimate``) of the paged rollout engine, and the 8B plan.
 
-The estimate's KV row is the engine's own pool (``engine.pool_pages`` / ``engine.abstract_pool``), counted here by
+The estimate's KV row is the engine's own pool (``paging.pool_pages`` / ``paging.abstract_pool``), counted here by
 hand; the rollout phase is that pool plus temporaries that do not depend on its size. The H200 measurement of
 67.04 GiB (docs/benchmarks.md, "On an H200") was of the static engine this replaced, so no test claims it now.
 """

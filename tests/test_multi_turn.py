@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (grpax.rl.multi_turn): observation tokens fed into the same KV cache, out of the loss."""
+"""Multi-turn rollouts (grpax.sampler.multi_turn's sampling, grpax.rl.multi_turn's scoring): observation tokens fed into the same KV cache, out of the loss."""
 
 import dataclasses
 import functools

@@ -54,7 +54,7 @@ class Report:
     merged_copy: int = (
         0  # LoRA: the merged weights the sampler reads, held by the rollout and reference phases
     )
-    kv_pool: tuple[int, int] = (0, 0)  # (pages, tokens per page) of that pool (``engine.pool_pages``)
+    kv_pool: tuple[int, int] = (0, 0)  # (pages, tokens per page) of that pool (``paging.pool_pages``)
     num_experts: int = 0  # the model's routed experts (0: dense), for the expert-parallel suggestions
 
     @property

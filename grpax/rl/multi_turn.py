@@ -25,7 +25,7 @@ from grpax.tasks.environment import MultiTurnConfig
 
 
 class MultiTurnRollout(Rollout):
-    """``Rollout`` whose trajectories talk to an environment between turns (``generate_multi_turn``).
+    """``Rollout`` whose trajectories talk to an environment between turns (``grpax.sampler.multi_turn.generate_multi_turn``).
 
     Args:
       task: scores each trajectory's text (observations included) with its reward functions; the

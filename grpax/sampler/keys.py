@@ -216,9 +216,9 @@ def gathered_width(longest: int, table_width: int, page_size: int, decode_phase_
 
 
 def prefill_prompts(sampler_cfg: SamplerConfig, num_prompts: int, num_generations: int) -> int:
-    """The most prompts one prefill of a ``num_prompts`` x G rollout takes (a power of two, as ``_prefill``
+    """The most prompts one prefill of a ``num_prompts`` x G rollout takes (a power of two, as ``Engine``'s prefill
     rounds them): all of them, or with fewer decode slots (``max_num_seqs``) the groups that fill the slots
-    (``_admit`` starts a group while a slot is free). ``abstract_programs`` and the planner size the prefill so."""
+    (``Scheduler.next_batch`` starts a group while a slot is free). ``abstract_programs`` and the planner size the prefill so."""
     G = num_generations
     admitted = min(num_prompts, -(-sampler_cfg.decode_slots(num_prompts * G) // G))
     return pow2(admitted)

@@ -36,7 +36,7 @@ class Scheduler:
       sampler_cfg: the engine's settings (page_size, decode_steps_per_call, retire_rows, max_prefill_prompts).
       num_slots: decode slots.
       fixed: whether the engine runs the fixed program set (``grpax.sampler.program_set.fixed_programs``).
-      num_pages: pages in the pool (``grpax.sampler.paging.pool_pages``).
+      num_pages: pages in the pool (``grpax.sampler.paging.engine_pool_pages``).
       stats: the engine's counters (``preempted`` is counted here).
     """
 
