@@ -11,7 +11,7 @@ from conftest import gsm8k_dir
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from grpax.checkpoint import gguf as gg
-from grpax.data.tokenizer import load_tokenizer, save_tokenizer, stop_token_ids
+from grpax.data.tokenizer import load_tokenizer, save_tokenizer, special_tokens, stop_token_ids
 from grpax.models.registry import get_model_config
 
 
@@ -79,6 +79,42 @@ def test_llama3_style_stop_ids():
     assert stop_token_ids(tok, {"eos_token_id": [3, 4, 5]}) == (3, 4, 5)
     assert stop_token_ids(tok, {"eos_token_id": 3}) == (3, 5, 4)
     assert stop_token_ids(tok, get_model_config("llama3.1-8b-Instruct")) == (128001, 128008, 128009, 3, 5, 4)
+
+
+def _ids(tok) -> tuple:
+    return tok.eos_token_id, tok.pad_token_id, tok.get_vocab()
+
+
+def test_special_tokens_read_without_transformers_name_transformers_ids(smollm2, tmp_path):
+    """``special_tokens`` (an export's generation_config.json, no transformers import) gives the ids and vocabulary
+    transformers' tokenizer gives: SmolLM2's GGUF tokenizer, an AddedToken-dict eos and pad, a special_tokens_map
+    that renames them (it wins), and a folder that names neither."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok, _ = smollm2
+    save_tokenizer(tok, tmp_path / "smollm2")
+    assert _ids(special_tokens(tmp_path / "smollm2")) == _ids(load_tokenizer(tmp_path / "smollm2"))
+    assert special_tokens(tmp_path / "smollm2")[1:] == (2, 2)
+
+    vocab = {"a": 0, "b": 1, "<s>": 2, "</s>": 3, "<pad>": 4, "<|im_end|>": 5}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(str(tmp_path / "plain"))
+    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": {"content": "</s>", "special": True, "__type": "AddedToken"},
+        "pad_token": "<pad>",
+    }))  # fmt: skip
+    found = special_tokens(tmp_path / "plain")
+    assert found[1:] == (3, 4) and _ids(found) == _ids(PreTrainedTokenizerFast.from_pretrained(tmp_path / "plain"))
+    (tmp_path / "plain" / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    found = special_tokens(tmp_path / "plain")
+    assert found[1:] == (5, 4) and _ids(found) == _ids(PreTrainedTokenizerFast.from_pretrained(tmp_path / "plain"))
+    (tmp_path / "plain" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "plain" / "special_tokens_map.json").unlink()
+    assert special_tokens(tmp_path / "plain")[1:] == (None, None)
+    assert stop_token_ids(special_tokens(tmp_path / "plain"), {"eos_token_id": 3}) == (3, 5)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        special_tokens(tmp_path)
 
 
 def test_load_tokenizer_missing(tmp_path):

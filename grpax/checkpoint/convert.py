@@ -855,10 +855,10 @@ def _write_hf_folder(
     dtype = _dtype(weight_dtype)
     tokenizer = None
     tokenizer_files: list[str] = []
-    if folder is not None and any((folder / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
-        from grpax.data.tokenizer import load_tokenizer
+    if folder is not None and (folder / "tokenizer.json").exists():
+        from grpax.data.tokenizer import special_tokens  # its ids only: no transformers import (seconds)
 
-        tokenizer = load_tokenizer(folder)
+        tokenizer = special_tokens(folder)
     staging = _staging_dir(target)
     update, close = _progress(total, "to_huggingface", progress)
     try:

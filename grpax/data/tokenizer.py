@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 # End-of-turn tokens of the supported chat templates (ChatML, Llama 3 turn end and tool-call end).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
@@ -48,6 +48,47 @@ def load_tokenizer(folder: str | os.PathLike):
         ) from None
     check_chat_template(tokenizer, folder)
     return tokenizer
+
+
+class SpecialTokens(NamedTuple):
+    """The ids a folder's tokenizer names, read with ``tokenizers`` alone (no transformers import): what
+    ``stop_token_ids`` and an export's generation_config.json need of a tokenizer."""
+
+    vocab: dict[str, int]  # token -> id, added tokens included
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def special_tokens(folder: str | os.PathLike) -> SpecialTokens:
+    """The eos and pad ids and the vocabulary of a folder's ``tokenizer.json``, the tokens named as transformers
+    names them: ``tokenizer_config.json``'s ``eos_token`` / ``pad_token`` (a string or an AddedToken dict),
+    ``special_tokens_map.json``'s where it has them (it wins, as in transformers' ``from_pretrained``).
+
+    Raises:
+      FileNotFoundError: if the folder has no ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer
+
+    folder = os.fspath(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder} has no tokenizer.json: pass a Hugging Face checkpoint folder")
+    tokenizer = Tokenizer.from_file(path)
+    named: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(folder, name)):
+            with open(os.path.join(folder, name)) as f:
+                named.update({k: v for k, v in json.load(f).items() if k in ("eos_token", "pad_token") and v})
+
+    def token_id(key: str) -> int | None:
+        token = named.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return None if token is None else tokenizer.token_to_id(token)
+
+    return SpecialTokens(tokenizer.get_vocab(with_added_tokens=True), token_id("eos_token"), token_id("pad_token"))
 
 
 def check_chat_template(tokenizer: Any, folder: str) -> None:
@@ -112,7 +153,7 @@ def stop_token_ids(tokenizer: Any, config: Any = None) -> tuple[int, ...]:
     """Every id that ends an answer: the config's eos ids, the tokenizer's eos, and chat end-of-turn tokens.
 
     Args:
-      tokenizer: a transformers tokenizer.
+      tokenizer: a transformers tokenizer, or ``special_tokens``' record.
       config: a Hugging Face config.json dict (``eos_token_id`` int or list), a grpax ``ModelConfig``
         (``eos_token_ids``), or None.
 
