@@ -98,7 +98,7 @@ def _step(checkpoint, stops=STOPS, **keys) -> Step:
     mesh, rollout_mesh = sharding.create_meshes(cfg.mesh())
     params = sharding.shard_params(init_params(model_cfg, jax.random.key(0)), model_cfg, mesh)
     policy = (
-        Policy(cfg.lora(), params, "", cfg.lora_base_dtype, cfg.lora_sampler, model_cfg.dtype)
+        Policy(cfg.lora(), params, "", cfg.lora_base_dtype, cfg.lora_sampler, model_cfg)
         if cfg.lora_rank
         else Policy()
     )

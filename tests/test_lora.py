@@ -215,17 +215,20 @@ def test_a_merged_bfloat16_sampler_loses_the_adapters_update_and_auto_picks_the_
     exact = (layer0(lora_lib.merge(base, adapters, lora)["layers"]["wq"]) - w).reshape(w.shape[0], -1)
 
     def relative_error(sampler: str) -> float:
-        policy = Policy(lora, base, sampler=sampler, compute_dtype="bfloat16")
+        policy = Policy(lora, base, sampler=sampler, model_cfg=cfg.replace(dtype="bfloat16"))
         weight = layer0(policy.sampler_params(adapters)["layers"]["wq"])
         delta = _effective_delta(weight, w, jnp.bfloat16)
         return float(jnp.linalg.norm(delta - exact) / jnp.linalg.norm(exact))
 
     merged, kept = relative_error("merged"), relative_error("adapters")
-    assert merged > 1.0, merged  # the rounding error exceeds the update itself
+    # most of the update is lost: W is held rounded to bfloat16 (lora.frozen_base), and W + s B A rounds back
+    # to it wherever |s B A| is under half an ulp (0.98 and 0.84 of it at these ratios; from a float32 W the
+    # sum also flipped roundings, 7x and 2x the update)
+    assert merged > 0.5, merged
     assert kept < 0.01, kept  # bfloat16's rounding of A and B only
-    assert Policy(lora, base, compute_dtype="bfloat16").sampler == "adapters"  # auto, 16-bit compute
-    assert Policy(lora, base, compute_dtype="float16").sampler == "adapters"
-    assert Policy(lora, base, compute_dtype="float32").sampler == "merged"  # auto on CPU in float32
+    assert Policy(lora, base, model_cfg=cfg.replace(dtype="bfloat16")).sampler == "adapters"  # auto, 16-bit compute
+    assert Policy(lora, base, model_cfg=cfg.replace(dtype="float16")).sampler == "adapters"
+    assert Policy(lora, base, model_cfg=cfg.replace(dtype="float32")).sampler == "merged"  # auto on CPU in float32
     print(
         f"|sBA|/|W| = {ratio:g}: merged bf16 sampler's error {merged:.3g}x the update, adapters {kept:.3g}x"
     )

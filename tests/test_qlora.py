@@ -140,6 +140,32 @@ def test_at_init_qlora_computes_the_dequantised_base_logits_exactly(scan_layers,
     assert float(jnp.abs(plain - want).max()) > 1e-4
 
 
+@pytest.mark.parametrize("qtype", ["", "nf4"])
+def test_the_frozen_base_is_held_as_the_forward_reads_it(qtype):
+    """Under bfloat16 compute the frozen base's other weights (embedding, head, norms) are held in bfloat16
+    (``lora.frozen_base``): the adapted model's logits and the reference's are the very same as from the
+    float32 base, the quantised projections are the same objects, and the base takes fewer bytes (the
+    decode then rounds no copy of the embedding and head: docs/benchmarks.md, the 8B on one v5e)."""
+    cfg = _cfg().replace(dtype="bfloat16")  # an untied head
+    lora = lora_lib.LoraConfig(rank=4, alpha=8.0)
+    base = init_params(cfg, jax.random.key(0))
+    adapters = _trained_like(lora_lib.init_adapters(cfg, lora, jax.random.key(1)))
+    as_loaded = lora_lib.quantize_base(base, qtype) if qtype else base
+    policy = Policy(lora, base, "", qtype, model_cfg=cfg)
+    assert {policy.base[k].dtype for k in ("embed", "lm_head", "final_norm")} == {jnp.dtype(jnp.bfloat16)}
+    assert sum(x.nbytes for x in jax.tree.leaves(policy.base)) < sum(x.nbytes for x in jax.tree.leaves(as_loaded))
+    if qtype:
+        np.testing.assert_array_equal(policy.base["layers"]["wq"].qvalue, as_loaded["layers"]["wq"].qvalue)
+        assert isinstance(policy.base["layers"]["w_gate"], quant.QuantizedWeight)
+        assert policy.base["layers"]["attn_norm"].dtype == jnp.bfloat16
+    else:
+        assert policy.base["layers"]["wq"].dtype == jnp.bfloat16
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
+    for held, loaded in ((policy.forward_params(adapters), lora_lib.apply(as_loaded, adapters, lora)),
+                         (policy.base, as_loaded)):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(forward(held, tokens, cfg)[0]), np.asarray(forward(loaded, tokens, cfg)[0]))
+
+
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
 def test_the_adapters_sampler_on_a_quantised_base_decodes_what_the_merged_sampler_decodes(qtype):
     """``lora_sampler=adapters`` on the quantised base (each decoded token dequantises the layer's weights in

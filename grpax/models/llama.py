@@ -40,6 +40,7 @@ from grpax.models.attention import (
     write_pages,
 )
 from grpax.models.params import Params
+from grpax.models.quantize import QuantizedWeight
 from grpax.models.registry import ModelConfig
 from grpax.models.sharding_rules import constrain
 
@@ -672,11 +673,14 @@ def round_as_read(params: Params, cfg: ModelConfig) -> Params:
 
     Returns:
       The tree with each floating leaf wider than ``cfg.dtype`` rounded to it (new arrays, placed as before);
-      the other leaves are the very same objects.
+      the other leaves are the very same objects, a QLoRA base's quantised weights (``QuantizedWeight``: the
+      matmul dequantises them into the compute dtype) included.
     """
     dtype = jnp.dtype(cfg.dtype)
 
     def narrow(path, x):
+        if isinstance(x, QuantizedWeight):
+            return x
         read_wider = cfg.norm_offset and jax.tree_util.keystr(path[:1]) == "['final_norm']"
         if read_wider or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize <= dtype.itemsize:
             return x
@@ -684,4 +688,4 @@ def round_as_read(params: Params, cfg: ModelConfig) -> Params:
             return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
         return x.astype(dtype)
 
-    return jax.tree_util.tree_map_with_path(narrow, params)
+    return jax.tree_util.tree_map_with_path(narrow, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -260,13 +260,15 @@ TEACHER_ON_HOST_ROW = "teacher params: in host memory (pinned_host)"
 
 def base_bytes_per_param(cfg: TrainConfig, model_cfg: ModelConfig) -> float:
     """Bytes per parameter of a layer's projection weights the run holds frozen (LoRA's base) or trains:
-    ``weight_dtype``'s, or QLoRA's (``lora_base_dtype``): int8 1 (its float32 scale per output channel, 4 / in
-    bytes a value, left out), nf4 0.5 + one float32 scale per block of ``quantize.NF4_BLOCK`` values."""
+    ``weight_dtype``'s (a full fine-tune), QLoRA's (``lora_base_dtype``): int8 1 (its float32 scale per output
+    channel, 4 / in bytes a value, left out), nf4 0.5 + one float32 scale per block of ``quantize.NF4_BLOCK``
+    values, or LoRA's frozen base rounded as read (``lora.frozen_base``: the narrower of weight_dtype and dtype)."""
     if cfg.lora_rank and cfg.lora_base_dtype == "int8":
         return 1.0
     if cfg.lora_rank and cfg.lora_base_dtype == "nf4":
         return 0.5 + 4 / quant.NF4_BLOCK
-    return jnp.dtype(model_cfg.weight_dtype).itemsize
+    stored = jnp.dtype(model_cfg.weight_dtype).itemsize
+    return min(stored, jnp.dtype(model_cfg.dtype).itemsize) if cfg.lora_rank else stored
 
 
 def _abstract_adapters(model_cfg: ModelConfig, lora: lora_lib.LoraConfig, mesh):
@@ -323,9 +325,8 @@ def build_job(cfg: TrainConfig, mesh, rollout_mesh, model_cfg: ModelConfig | Non
     sampler = "" if lora is None else sampler_mode(cfg.lora_sampler, _platform(mesh), model_cfg.dtype)
     shapes = abstract_params(model_cfg)
     params = _abstract(shapes, sharding.param_shardings(model_cfg, mesh))
-    # LoRA's frozen base; QLoRA's with its projections quantised as Policy quantises them (lora.quantize_base)
-    qtype = cfg.lora_base_dtype if lora is not None else ""
-    base = lora_lib.quantize_base(params, qtype) if qtype else params
+    # LoRA's frozen base as Policy holds it (lora.frozen_base: QLoRA's projections quantised, the rest rounded)
+    base = lora_lib.frozen_base(params, cfg.lora_base_dtype, model_cfg) if lora is not None else params
     # What the optimizer trains: the params, or the float32 adapters beside the frozen base (trainer._init_state).
     trainable = params if lora is None else _abstract_adapters(model_cfg, lora, mesh)
     # The run's own optimizer and update (the trainer builds them with the same call); LoRA's base is an argument
@@ -423,7 +424,7 @@ def _rollout_params(cfg: TrainConfig, model_cfg: ModelConfig, rollout_mesh, samp
     shapes = abstract_params(model_cfg)
     rollout_params = _abstract(shapes, sharding.param_shardings(model_cfg, rollout_mesh))
     if sampler == "adapters":
-        rollout_base = lora_lib.quantize_base(rollout_params, qtype) if qtype else rollout_params
+        rollout_base = lora_lib.frozen_base(rollout_params, qtype, model_cfg)
         rollout_params = lora_lib.apply(rollout_base, _abstract_adapters(model_cfg, lora, rollout_mesh), lora)
     same = all(
         _same_layout(a, b)

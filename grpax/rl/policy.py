@@ -82,11 +82,12 @@ class Policy:
       base: the frozen base params (LoRA only; on the trainer's mesh).
       base_path: where the base was loaded from (recorded in checkpoints).
       base_dtype: QLoRA: "int8" or "nf4", the base's projection weights quantised here (``self.base`` then
-        holds only the quantised base); "" keeps the base as loaded.
+        holds only the quantised base); "" keeps them as loaded.
       sampler: ``lora_sampler``: "auto", "merged" or "adapters" (``sampler_mode``); ``self.sampler`` holds the
         resolved one (LoRA only).
-      compute_dtype: the model's compute dtype (``ModelConfig.dtype``): auto picks the adapters sampler when it
-        is 16-bit.
+      model_cfg: the model: its compute dtype ``dtype`` (auto picks the adapters sampler when it is 16-bit), and
+        the base is held as the forward reads it (``lora.frozen_base``: its other weights rounded to that
+        dtype); None: float32 compute, the base's weights as loaded.
     """
 
     def __init__(
@@ -96,9 +97,10 @@ class Policy:
         base_path: str = "",
         base_dtype: str = "",
         sampler: str = "auto",
-        compute_dtype: str = "float32",
+        model_cfg: ModelConfig | None = None,
     ):
         self.lora, self.base, self.base_path, self.base_dtype = lora, base, base_path, base_dtype
+        compute_dtype = model_cfg.dtype if model_cfg is not None else "float32"
         self.sampler = sampler_mode(sampler, _platform(base), compute_dtype) if lora is not None else ""
         if lora is not None:
             log.info(
@@ -114,14 +116,17 @@ class Policy:
             )
         self.base_fingerprint = digests.fingerprint(base, base_dtype) if lora is not None else ""
         self.weight_dtype = str(jax.tree.leaves(base)[0].dtype) if lora is not None else ""
-        if lora is not None and base_dtype:
-            before = _nbytes(base["layers"])
-            self.base = lora_lib.quantize_base(base, base_dtype)
+        if lora is not None and (base_dtype or model_cfg is not None):
+            before = _nbytes(base)
+            self.base = lora_lib.frozen_base(base, base_dtype, model_cfg) if model_cfg else lora_lib.quantize_base(
+                base, base_dtype
+            )
             log.info(
-                "QLoRA: the base's layer weights quantised to %s: %.3f GB -> %.3f GB",
-                base_dtype,
+                "LoRA's frozen base: %s%s: %.3f GB -> %.3f GB",
+                f"the layers' projections quantised to {base_dtype}, " if base_dtype else "",
+                f"the rest held in the compute dtype {compute_dtype}" if model_cfg else "the rest as loaded",
                 before / 1e9,
-                _nbytes(self.base["layers"]) / 1e9,
+                _nbytes(self.base) / 1e9,
             )
 
     def init_trainable(self, params: Any, model_cfg: ModelConfig, mesh: jax.sharding.Mesh, seed: int) -> Any:

@@ -313,7 +313,7 @@ def _policy(cfg: TrainConfig, params: Any, model_cfg: ModelConfig, checkpointer:
     policy = Policy()
     if cfg.lora_rank:
         path = str(Path(cfg.load_parameters_path).absolute())
-        policy = Policy(cfg.lora(), params, path, cfg.lora_base_dtype, cfg.lora_sampler, model_cfg.dtype)
+        policy = Policy(cfg.lora(), params, path, cfg.lora_base_dtype, cfg.lora_sampler, model_cfg)
     latest = checkpointer.latest_step()
     if latest is not None:  # before anything is restored: adapters on other base weights are refused
         policy.check_resume(checkpointer.check_meta(latest), str(checkpointer.step_dir(latest)))
