@@ -552,6 +552,13 @@ def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def new_default(config: type, key: str, default: Any) -> Any:
+    """The field ``key`` of the config dataclass ``config`` with another default, its help kept: how a command
+    whose default differs takes a key declared once elsewhere (``grpax serve``'s 32 decode slots:
+    ``max_num_seqs: int = new_default(EngineKeys, "max_num_seqs", 32)``). The key keeps its place in --help."""
+    return field(default, config.__dataclass_fields__[key].metadata["help"])
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
@@ -604,8 +611,9 @@ SAMPLER_PROGRAMS = ("auto", "fixed", "adaptive")  # SamplerConfig.programs' valu
 @dataclasses.dataclass(frozen=True)
 class EngineKeys:
     """The rollout engine's KV memory and decode slots (``grpax.sampler.engine``: a paged cache, continuously
-    batched): train_rl, evaluate and generate take them alike (``engine_keys``), checked once by
-    ``check_engine_keys``."""
+    batched): train_rl, evaluate, generate and serve take them alike (``engine_keys``), checked once by
+    ``check_engine_keys``; serve with its own default of max_num_seqs (``new_default``) and its own program set
+    (``grpax.serve.worker.bounded``), which each help names."""
 
     page_size: int = field(
         32,
@@ -626,7 +634,7 @@ class EngineKeys:
         0,
         "decode slots (vLLM's and MaxText rl.yml's key): sequences sampled at once at most, the rest queued and "
         "started as slots free (continuous batching); 0 (or null) = every sequence of a batch at once (train_rl: "
-        "batch_size x num_generations)",
+        "batch_size x num_generations; serve: at least 1)",
     )
 
     hbm_utilization_vllm: float = field(
@@ -641,15 +649,17 @@ class EngineKeys:
         0,
         "the step between the decode slot counts the engine compiles (with nothing queued, a decode runs on the "
         "smallest count that holds its running sequences): 0 = max(2, slots // 8), e.g. 32 slots: 32, 28, ..., "
-        "4, 2, 1; 1 = every count: no idle slot in the tail, one decode compile per count",
+        "4, 2, 1 (serve: max_num_seqs // 2, the halvings 32, 16, 8, 4, 2, 1, each warmed up); 1 = every count: "
+        "no idle slot in the tail, one decode compile per count",
     )
 
     sampler_programs: str = field(
         "auto",
         "the programs the sampler compiles: fixed = one decode slot count, the whole page table, one prompt "
         "padding, sampling settings as data (a small set known before the run, shared by every sampling call of "
-        "the command: rollout, evaluation, request; compiled once); adaptive = slot counts, page-table widths and 64-token prompt buckets that "
-        "follow the work (one compile each); auto = fixed on an accelerator, adaptive on CPU",
+        "the command: rollout, evaluation, request; compiled once); adaptive = slot counts, page-table widths and "
+        "64-token prompt buckets that follow the work (one compile each); auto = fixed on an accelerator, "
+        "adaptive on CPU (serve: adaptive always, its own bounded set; fixed is refused)",
     )
 
     def engine_keys(self) -> dict:

@@ -215,8 +215,9 @@ def completion_length(config: GenerateConfig) -> int:
     return length
 
 
-def _context_keys(config: GenerateConfig, length: int) -> str:
-    """The keys that set a sequence's longest length (prompt + completion), as an error names them."""
+def context_keys(config: GenerateConfig) -> str:
+    """The keys that set a sequence's longest length (prompt + completion), as an error names them (generate's
+    and serve's)."""
     if config.max_completion_length > 0:
         return "max_prefill_predict_length + max_completion_length"
     return "max_target_length"
@@ -233,7 +234,7 @@ def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
     check_engine_keys(
         config,
         config.max_prefill_predict_length + length,
-        _context_keys(config, length),
+        context_keys(config),
         (("num_generations", config.num_generations),),
     )
     check_prompt_preset(config)
@@ -267,7 +268,7 @@ def run(config: GenerateConfig) -> int:
     total = config.max_prefill_predict_length + length
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
-        what = f"{_context_keys(config, length)} = {total}"
+        what = f"{context_keys(config)} = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
     model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
