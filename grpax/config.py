@@ -559,6 +559,12 @@ def new_default(config: type, key: str, default: Any) -> Any:
     return field(default, config.__dataclass_fields__[key].metadata["help"])
 
 
+def values_of(config: Any, keys: type, **renamed: str) -> dict:
+    """``config``'s values of the keys that the dataclass ``keys`` declares, each under its own name or the one
+    ``renamed`` gives it: a group of keys as the arguments of what it sets (``ModelKeys.model_keys``)."""
+    return {renamed.get(f.name, f.name): getattr(config, f.name) for f in dataclasses.fields(keys)}
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
@@ -597,12 +603,7 @@ class ModelKeys:
 
     def model_keys(self) -> dict:
         """These keys as ``load_hf_config``'s overrides."""
-        return dict(
-            scan_layers=self.scan_layers,
-            weight_dtype=self.weight_dtype,
-            dtype=self.dtype,
-            attention=self.attention,
-        )
+        return values_of(self, ModelKeys)
 
 
 SAMPLER_PROGRAMS = ("auto", "fixed", "adaptive")  # SamplerConfig.programs' values
@@ -663,14 +664,9 @@ class EngineKeys:
     )
 
     def engine_keys(self) -> dict:
-        """These keys as ``SamplerConfig`` fields."""
-        return dict(
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            max_num_seqs=self.max_num_seqs,
-            hbm_utilization=self.hbm_utilization_vllm,
-            slot_count_step=self.slot_count_step,
-            programs=self.sampler_programs,
+        """These keys as ``SamplerConfig`` fields (two of them named otherwise there)."""
+        return values_of(
+            self, EngineKeys, hbm_utilization_vllm="hbm_utilization", sampler_programs="programs"
         )
 
 
