@@ -670,6 +670,12 @@ class EngineKeys:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplingKeys(EngineKeys, ModelKeys, RuntimeKeys):
+    """The keys of every command that samples a checkpoint on the rollout engine (train_rl, evaluate, generate,
+    serve): where it runs, how it reads the checkpoint's config.json, the engine's KV memory and slots."""
+
+
 def check_engine_keys(
     keys: EngineKeys, context_length: int, what: str, group_sizes: tuple[tuple[str, int], ...] = ()
 ) -> None:

@@ -6,15 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
 from grpax.eval.keys import GENERATION_CONFIGS_HELP
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
@@ -31,7 +23,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
+class EvaluateConfig(TaskConfig, SamplingKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",

@@ -13,15 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -43,7 +35,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig, EngineKeys, ModelKeys, RuntimeKeys):
+class GenerateConfig(EnvironmentConfig, SamplingKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 

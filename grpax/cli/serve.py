@@ -18,8 +18,7 @@ from pathlib import Path
 from grpax.config import (
     ConfigError,
     EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
+    SamplingKeys,
     check_engine_keys,
     field,
     new_default,
@@ -54,7 +53,7 @@ LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig(EngineKeys, ModelKeys, RuntimeKeys):
+class ServeConfig(SamplingKeys):
     load_parameters_path: str = field(
         "", "checkpoint (<base>/0/items, <run>/checkpoints/actor/<step>/model_params; a LoRA run's: merged)"
     )

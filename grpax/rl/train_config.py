@@ -15,15 +15,7 @@ import jax
 
 from grpax import sharding
 from grpax.compiles import effort_options
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
 from grpax.data.datasets import dataset_files, too_few_rows
 from grpax.errors import suggest
 from grpax.eval.keys import GENERATION_CONFIGS_HELP, validate_eval_keys
@@ -56,7 +48,7 @@ LOW_EFFORT_OPTIONS = effort_options(-0.5)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, ModelKeys, RuntimeKeys, RematKeys):
+class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, SamplingKeys, RematKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
