@@ -334,7 +334,7 @@ def _generate_with_environment(
 
     from grpax import prng
     from grpax.data.prompts import PromptPreset
-    from grpax.sampler.multi_turn import sample_trajectories
+    from grpax.sampler.multi_turn import trajectory_sampler
     from grpax.tasks import environment_factory, multi_turn_config
     from grpax.tasks.prompts import get_prompt_preset
 
@@ -343,22 +343,12 @@ def _generate_with_environment(
     )
     task = types.SimpleNamespace(preset=preset)  # what the sampler reads of a task: its prompt
     factory, turn_cfg, G = environment_factory(config), multi_turn_config(config), config.num_generations
+    sample = trajectory_sampler(task, tokenizer, factory, model_cfg, sampler_cfg, turn_cfg)
     records, record_prompts = [], []
     per_call = max(1, config.batch_size // G)
     for start in range(0, len(texts), per_call):
         rows = [{"question": t, "gold": "", "columns": {}} for t in texts[start : start + per_call]]
-        out = sample_trajectories(
-            params,
-            rows,
-            task,
-            tokenizer,
-            factory,
-            model_cfg,
-            sampler_cfg,
-            turn_cfg,
-            prng.fold_in(key, start),
-            G,
-        )
+        out = sample(params, rows, prng.fold_in(key, start), G)
         for r in range(len(out.texts)):
             i = start + int(out.prompt_indices[r // G])
             record_prompts.append(i)
