@@ -552,6 +552,19 @@ def field(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def new_default(config: type, key: str, default: Any) -> Any:
+    """The field ``key`` of the config dataclass ``config`` with another default, its help kept: how a command
+    whose default differs takes a key declared once elsewhere (``grpax serve``'s 32 decode slots:
+    ``max_num_seqs: int = new_default(EngineKeys, "max_num_seqs", 32)``). The key keeps its place in --help."""
+    return field(default, config.__dataclass_fields__[key].metadata["help"])
+
+
+def values_of(config: Any, keys: type, **renamed: str) -> dict:
+    """``config``'s values of the keys that the dataclass ``keys`` declares, each under its own name or the one
+    ``renamed`` gives it: a group of keys as the arguments of what it sets (``ModelKeys.model_keys``)."""
+    return {renamed.get(f.name, f.name): getattr(config, f.name) for f in dataclasses.fields(keys)}
+
+
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
@@ -590,12 +603,7 @@ class ModelKeys:
 
     def model_keys(self) -> dict:
         """These keys as ``load_hf_config``'s overrides."""
-        return dict(
-            scan_layers=self.scan_layers,
-            weight_dtype=self.weight_dtype,
-            dtype=self.dtype,
-            attention=self.attention,
-        )
+        return values_of(self, ModelKeys)
 
 
 SAMPLER_PROGRAMS = ("auto", "fixed", "adaptive")  # SamplerConfig.programs' values
@@ -604,8 +612,9 @@ SAMPLER_PROGRAMS = ("auto", "fixed", "adaptive")  # SamplerConfig.programs' valu
 @dataclasses.dataclass(frozen=True)
 class EngineKeys:
     """The rollout engine's KV memory and decode slots (``grpax.sampler.engine``: a paged cache, continuously
-    batched): train_rl, evaluate and generate take them alike (``engine_keys``), checked once by
-    ``check_engine_keys``."""
+    batched): train_rl, evaluate, generate and serve take them alike (``engine_keys``), checked once by
+    ``check_engine_keys``; serve with its own default of max_num_seqs (``new_default``) and its own program set
+    (``grpax.serve.worker.bounded``), which each help names."""
 
     page_size: int = field(
         32,
@@ -626,7 +635,7 @@ class EngineKeys:
         0,
         "decode slots (vLLM's and MaxText rl.yml's key): sequences sampled at once at most, the rest queued and "
         "started as slots free (continuous batching); 0 (or null) = every sequence of a batch at once (train_rl: "
-        "batch_size x num_generations)",
+        "batch_size x num_generations; serve: at least 1)",
     )
 
     hbm_utilization_vllm: float = field(
@@ -641,27 +650,30 @@ class EngineKeys:
         0,
         "the step between the decode slot counts the engine compiles (with nothing queued, a decode runs on the "
         "smallest count that holds its running sequences): 0 = max(2, slots // 8), e.g. 32 slots: 32, 28, ..., "
-        "4, 2, 1; 1 = every count: no idle slot in the tail, one decode compile per count",
+        "4, 2, 1 (serve: max_num_seqs // 2, the halvings 32, 16, 8, 4, 2, 1, each warmed up); 1 = every count: "
+        "no idle slot in the tail, one decode compile per count",
     )
 
     sampler_programs: str = field(
         "auto",
         "the programs the sampler compiles: fixed = one decode slot count, the whole page table, one prompt "
         "padding, sampling settings as data (a small set known before the run, shared by every sampling call of "
-        "the command: rollout, evaluation, request; compiled once); adaptive = slot counts, page-table widths and 64-token prompt buckets that "
-        "follow the work (one compile each); auto = fixed on an accelerator, adaptive on CPU",
+        "the command: rollout, evaluation, request; compiled once); adaptive = slot counts, page-table widths and "
+        "64-token prompt buckets that follow the work (one compile each); auto = fixed on an accelerator, "
+        "adaptive on CPU (serve: adaptive always, its own bounded set; fixed is refused)",
     )
 
     def engine_keys(self) -> dict:
-        """These keys as ``SamplerConfig`` fields."""
-        return dict(
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            max_num_seqs=self.max_num_seqs,
-            hbm_utilization=self.hbm_utilization_vllm,
-            slot_count_step=self.slot_count_step,
-            programs=self.sampler_programs,
+        """These keys as ``SamplerConfig`` fields (two of them named otherwise there)."""
+        return values_of(
+            self, EngineKeys, hbm_utilization_vllm="hbm_utilization", sampler_programs="programs"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingKeys(EngineKeys, ModelKeys, RuntimeKeys):
+    """The keys of every command that samples a checkpoint on the rollout engine (train_rl, evaluate, generate,
+    serve): where it runs, how it reads the checkpoint's config.json, the engine's KV memory and slots."""
 
 
 def check_engine_keys(

@@ -625,7 +625,7 @@ def test_max_num_seqs_below_a_group_is_refused_before_loading(tmp_path, capsys, 
     )
 
 
-@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate"])
+@pytest.mark.parametrize("command", ["train_rl", "evaluate", "generate", "serve"])
 def test_help_lists_the_kv_memory_keys(capsys, command):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr().out

@@ -420,17 +420,18 @@ def test_the_fixed_program_set_keeps_a_multi_turn_rollouts_full_widths(params, m
     np.testing.assert_array_equal(outs["fixed"].completion_ids, outs["adaptive"].completion_ids)
     assert outs["adaptive"].prompt_ids.shape[1] == 64 and outs["fixed"].prompt_ids.shape[1] == 100
 
-    def sample(
-        params, rows, task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, key, num_generations, mesh
-    ):
-        envs = [CountEnv(1) for _ in rows for _ in range(num_generations)]
-        prompts = [row["prompt_ids"] for row in rows]
-        return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
+    def sampler(task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, mesh):
+        def sample(params, rows, key, num_generations):
+            envs = [CountEnv(1) for _ in rows for _ in range(num_generations)]
+            prompts = [row["prompt_ids"] for row in rows]
+            return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
+
+        return sample
 
     def score(task, rows, out):
         return {"total": np.arange(len(rows), dtype=np.float64)}, np.zeros(len(rows))
 
-    monkeypatch.setattr(multi_turn, "sample_trajectories", sample)
+    monkeypatch.setattr(multi_turn, "trajectory_sampler", sampler)
     monkeypatch.setattr(multi_turn, "score_trajectories", score)
     grpo = GRPOConfig(num_generations=G, beta=0.0)
     rollout = multi_turn.MultiTurnRollout(

@@ -389,7 +389,18 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "host=0.0.0.0" in err and "api_key=" in err
     for arg, needle in [
-        ("hbm_utilization_vllm=1.5", "hbm_utilization_vllm=1.5 must be in [0, 1] (0: off)"),
+        (
+            "hbm_utilization_vllm=1.5",
+            "hbm_utilization_vllm=1.5: expected a fraction in [0, 1] of each device's memory (0: off, num_pages",
+        ),
+        ("page_size=0", "page_size=0: expected >= 1 tokens per page of the KV cache (e.g. 32)"),
+        (
+            "num_pages=5",
+            "num_pages=5: the KV pool holds no sequence of max_target_length = 1536 tokens in pages of "
+            "page_size=32; pass num_pages >= 49",
+        ),
+        ("max_num_seqs=0", "max_num_seqs=0 must be >= 1"),
+        ("sampler_programs=fixed", "sampler_programs=fixed: grpax serve runs its own bounded program set"),
         (
             "tool_call_parser=mistral",
             "tool_call_parser='mistral': expected one of hermes, llama3_json, or '' (off)",
@@ -443,6 +454,41 @@ def test_the_serve_keys_set_the_program_set_and_when_it_compiles(checkpoint, mon
         0,
         4,
     )  # prefills of 1, 2 and 4 prompts; decodes on 1-4 slots; scoring
+
+
+def test_serve_takes_the_engine_keys_of_the_one_declaration_with_its_own_default_slots(
+    checkpoint, monkeypatch, capsys
+):
+    """ServeConfig's engine keys are EngineKeys' fields (their help, their place in --help); its one default of
+    its own, max_num_seqs=32, is the engine's slots, decoded on the halvings (slot_count_step 0), one prompt a
+    prefill (max_prefill_prompts 1), on the adaptive program set whatever sampler_programs' auto picks."""
+    import dataclasses
+
+    import uvicorn
+
+    from grpax.cli.serve import ServeConfig
+    from grpax.config import EngineKeys
+    from grpax.serve import worker as worker_module
+
+    served = {f.name: f for f in dataclasses.fields(ServeConfig)}
+    for f in dataclasses.fields(EngineKeys):
+        assert served[f.name].metadata == f.metadata
+        assert served[f.name].default == (32 if f.name == "max_num_seqs" else f.default)
+    assert main(["serve", "--help"]) == 0
+    listed = capsys.readouterr().out
+    for f in dataclasses.fields(EngineKeys):
+        assert f"{f.name}={served[f.name].default}" in listed and f.metadata["help"] in listed
+    assert listed.index("page_size=") < listed.index("max_num_seqs=32") < listed.index("slot_count_step=")
+
+    engines = []
+    monkeypatch.setattr(worker_module.EngineWorker, "start", lambda self: engines.append(self.engine))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    args = [f"load_parameters_path={checkpoint}", "max_prefill_predict_length=64", "max_target_length=72"]
+    assert main(["serve", *args, "warmup=false", "port=0"]) == 0
+    (engine,) = engines
+    assert engine.num_slots == 32 and engine.sc.max_prefill_prompts == 1 and engine.sc.programs == "adaptive"
+    decodes = [item.slots for item in worker_module.warmup_plan(engine.sc, engine.num_slots) if item.slots]
+    assert decodes == [1, 2, 4, 8, 16, 32]
 
 
 def test_a_harness_on_the_server_writes_completions_that_grpax_evaluate_scores(

@@ -6,16 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
-from grpax.eval.keys import GENERATION_CONFIGS_HELP
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
+from grpax.eval.keys import EvalKeys
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import TaskConfig, build_task, validate_task_keys
 
@@ -31,7 +23,7 @@ DESCRIPTION = (
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
+class EvaluateConfig(EvalKeys, TaskConfig, SamplingKeys):
     load_parameters_path: str = field("", "checkpoint to evaluate (<base>/0/items or an actor checkpoint)")
     completions_path: str = field(
         "",
@@ -55,16 +47,6 @@ class EvaluateConfig(TaskConfig, EngineKeys, ModelKeys, RuntimeKeys):
         4, "evaluate num_test_batches * eval_batch_size questions, as train_rl (-1: the whole split)"
     )
     eval_batch_size: int = field(16, "questions per generate call")
-    num_eval_passes: int = field(1, "samples per question (k of pass@k and maj@k)")
-    eval_sampling_strategy: str = field(
-        "greedy", "greedy | standard | liberal (MaxText rl.yml), or a name given in generation_configs"
-    )
-    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
-    eval_mode: str = field(
-        "pass",
-        "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
-        "maj = maj@k (the majority answer correct), pass_at_1 = accuracy (the fraction of samples correct)",
-    )
     max_prefill_predict_length: int = field(256, "max prompt tokens (longer prompts are dropped, counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
     response_prefix: str = field(

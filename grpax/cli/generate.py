@@ -13,15 +13,7 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
 from grpax.files import check_output, write_text_atomic
 from grpax.tasks import EnvironmentConfig
 
@@ -43,7 +35,7 @@ STRATEGIES = ("greedy", "weighted", "nucleus", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig(EnvironmentConfig, EngineKeys, ModelKeys, RuntimeKeys):
+class GenerateConfig(EnvironmentConfig, SamplingKeys):
     # A model preset's prompt_preset is train_rl's; here a prompt is not a GSM8K question unless asked for.
     PRESET_IGNORES: ClassVar[tuple[str, ...]] = ("prompt_preset",)
 
@@ -215,8 +207,9 @@ def completion_length(config: GenerateConfig) -> int:
     return length
 
 
-def _context_keys(config: GenerateConfig, length: int) -> str:
-    """The keys that set a sequence's longest length (prompt + completion), as an error names them."""
+def context_keys(config: GenerateConfig) -> str:
+    """The keys that set a sequence's longest length (prompt + completion), as an error names them (generate's
+    and serve's)."""
     if config.max_completion_length > 0:
         return "max_prefill_predict_length + max_completion_length"
     return "max_target_length"
@@ -233,7 +226,7 @@ def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
     check_engine_keys(
         config,
         config.max_prefill_predict_length + length,
-        _context_keys(config, length),
+        context_keys(config),
         (("num_generations", config.num_generations),),
     )
     check_prompt_preset(config)
@@ -267,7 +260,7 @@ def run(config: GenerateConfig) -> int:
     total = config.max_prefill_predict_length + length
     what = f"max_target_length={config.max_target_length}"
     if config.max_completion_length > 0:
-        what = f"{_context_keys(config, length)} = {total}"
+        what = f"{context_keys(config)} = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
     model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
     distributed.maybe_initialize(config.skip_jax_distributed_system)
@@ -341,7 +334,7 @@ def _generate_with_environment(
 
     from grpax import prng
     from grpax.data.prompts import PromptPreset
-    from grpax.sampler.multi_turn import sample_trajectories
+    from grpax.sampler.multi_turn import trajectory_sampler
     from grpax.tasks import environment_factory, multi_turn_config
     from grpax.tasks.prompts import get_prompt_preset
 
@@ -350,22 +343,12 @@ def _generate_with_environment(
     )
     task = types.SimpleNamespace(preset=preset)  # what the sampler reads of a task: its prompt
     factory, turn_cfg, G = environment_factory(config), multi_turn_config(config), config.num_generations
+    sample = trajectory_sampler(task, tokenizer, factory, model_cfg, sampler_cfg, turn_cfg)
     records, record_prompts = [], []
     per_call = max(1, config.batch_size // G)
     for start in range(0, len(texts), per_call):
         rows = [{"question": t, "gold": "", "columns": {}} for t in texts[start : start + per_call]]
-        out = sample_trajectories(
-            params,
-            rows,
-            task,
-            tokenizer,
-            factory,
-            model_cfg,
-            sampler_cfg,
-            turn_cfg,
-            prng.fold_in(key, start),
-            G,
-        )
+        out = sample(params, rows, prng.fold_in(key, start), G)
         for r in range(len(out.texts)):
             i = start + int(out.prompt_indices[r // G])
             record_prompts.append(i)

@@ -2,9 +2,11 @@
 
 MaxText's keys as ``grpax generate`` takes them (``load_parameters_path``, ``max_prefill_predict_length``,
 ``max_target_length``), or ``hf_model_path`` (``grpax to_native``'s key) for a Hugging Face folder, plus the
-server's: ``host``, ``port``, ``api_key`` (required off localhost), ``max_num_seqs`` (decode slots),
-``hbm_utilization_vllm`` (the KV pool from memory), ``served_model_name``, ``allow_update_params``,
-``tool_call_parser``, ``max_prefill_prompts``, ``slot_count_step``, ``warmup`` and ``warmup_in_background``.
+server's: ``host``, ``port``, ``api_key`` (required off localhost), ``served_model_name``,
+``allow_update_params``, ``tool_call_parser``, ``max_prefill_prompts``, ``warmup`` and ``warmup_in_background``.
+The engine's keys (``max_num_seqs``, ``num_pages``, ``page_size``, ``hbm_utilization_vllm``, ``slot_count_step``,
+``sampler_programs``) are ``grpax.config.EngineKeys``', as train_rl, evaluate and generate take them, with 32
+decode slots by default and the server's own program set (``grpax.serve.worker.bounded``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from grpax.config import ConfigError, ModelKeys, RuntimeKeys, field, read_model_config
+from grpax.config import (
+    ConfigError,
+    EngineKeys,
+    SamplingKeys,
+    check_engine_keys,
+    field,
+    new_default,
+    read_model_config,
+)
 from grpax.serve.tools import TOOL_CALL_PARSERS
 
 DESCRIPTION = (
@@ -43,7 +53,7 @@ LOCALHOST = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
-class ServeConfig(ModelKeys, RuntimeKeys):
+class ServeConfig(SamplingKeys):
     load_parameters_path: str = field(
         "", "checkpoint (<base>/0/items, <run>/checkpoints/actor/<step>/model_params; a LoRA run's: merged)"
     )
@@ -64,20 +74,9 @@ class ServeConfig(ModelKeys, RuntimeKeys):
     max_completion_length: int = field(
         -1, "max new tokens per completion, the largest max_tokens (-1: max_target_length - prefill)"
     )
-    max_num_seqs: int = field(32, "decode slots: completions sampled at once (more wait in the queue)")
-    num_pages: int = field(0, "KV cache pages (0: every slot can hold max_target_length tokens)")
-    page_size: int = field(32, "tokens per KV cache page")
-    hbm_utilization_vllm: float = field(
-        0.0,
-        "the fraction of each accelerator's memory (JAX's bytes_limit) the params and the KV pool may take "
-        "(vLLM's gpu_memory_utilization): the pool gets the pages that fit after the params, at most the "
-        "num_pages=0 pool; 0 = off (num_pages sizes it); GPU and TPU only",
-    )
-    slot_count_step: int = field(
-        0,
-        "the step between the decode slot counts compiled (and warmed up): 0 = max_num_seqs // 2 (the halvings: "
-        "32, 16, 8, 4, 2, 1); 1 = every count (no idle slot in a batch's tail, one decode program per count)",
-    )
+    # The one engine key whose default is the server's own (EngineKeys' 0, every sequence at once, is no bound
+    # for a server's queue); its help and its place in --help are EngineKeys'.
+    max_num_seqs: int = new_default(EngineKeys, "max_num_seqs", 32)
     max_prefill_prompts: int = field(
         1,
         "prompts one prefill call takes at most (more enter in further calls of the same step): one prefill "
@@ -137,6 +136,11 @@ def _check_keys(config: ServeConfig) -> None:
         raise ConfigError(f"port={config.port}: expected 0..65535")
     if config.max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs={config.max_num_seqs} must be >= 1")
+    if config.sampler_programs == "fixed":
+        raise ConfigError(
+            "sampler_programs=fixed: grpax serve runs its own bounded program set (adaptive: a fixed set would "
+            "prefill max_num_seqs prompts for a request of one); pass auto or adaptive"
+        )
     if config.max_prefill_prompts < 1:
         raise ConfigError(
             f"max_prefill_prompts={config.max_prefill_prompts} must be >= 1 (1: one prefill program per bucket)"
@@ -192,18 +196,14 @@ def load_checkpoint(path: str, model_cfg, hf: bool = False):
 
 
 def _engine_keys(config: ServeConfig, length: int) -> dict:
-    """The engine's ``SamplerConfig`` fields of the server's keys, checked by ``SamplerConfig`` (ConfigError
-    naming the key)."""
+    """The engine's ``SamplerConfig`` fields of the server's keys (``EngineKeys``' and ``max_prefill_prompts``)
+    for completions of ``length`` tokens, checked by ``check_engine_keys`` as every command's, then by
+    ``SamplerConfig`` (ConfigError naming the key)."""
+    from grpax.cli.generate import context_keys
     from grpax.sampler.keys import sampler_config
 
-    keys = dict(
-        max_num_seqs=config.max_num_seqs,
-        num_pages=config.num_pages,
-        page_size=config.page_size,
-        hbm_utilization=config.hbm_utilization_vllm,
-        slot_count_step=config.slot_count_step,
-        max_prefill_prompts=config.max_prefill_prompts,
-    )
+    check_engine_keys(config, config.max_prefill_predict_length + length, context_keys(config))
+    keys = {**config.engine_keys(), "max_prefill_prompts": config.max_prefill_prompts}
     try:
         sampler_config(config.max_prefill_predict_length, length, **keys)
     except ValueError as e:

@@ -1,4 +1,4 @@
-"""The evaluation keys that ``grpax train_rl`` and ``grpax evaluate`` share, and their checks.
+"""The evaluation keys that ``grpax train_rl`` and ``grpax evaluate`` share (``EvalKeys``), and their checks.
 
 ``EVAL_STRATEGIES`` are MaxText rl.yml's default ``generation_configs``: the sampler settings an
 ``eval_sampling_strategy`` name selects; the key ``generation_configs`` changes them or adds names
@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from grpax.config import field
 from grpax.errors import ConfigError
 from grpax.eval.metrics import EVAL_MODES
 
@@ -26,6 +28,25 @@ GENERATION_CONFIGS_HELP = (
     "eval_top_p: P}}, over the built-in greedy / standard / liberal (its defaults; eval_top_k 1 = greedy) or "
     "adding names"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalKeys:
+    """How an evaluation samples and scores each question, in train_rl's evaluations and ``grpax evaluate``
+    alike (checked by ``validate_eval_keys``; how many questions, and from where, are each command's keys)."""
+
+    num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k and maj@k)")
+    eval_sampling_strategy: str = field(
+        "greedy",
+        "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal (MaxText rl.yml), or a name given in "
+        "generation_configs",
+    )
+    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
+    eval_mode: str = field(
+        "pass",
+        "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
+        "maj = maj@k (the majority answer correct), pass_at_1 = accuracy (the fraction of samples correct)",
+    )
 
 
 def eval_sampling(cfg: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from grpax import sharding
 from grpax.models.registry import ModelConfig
 from grpax.rl.rollout import Rollout
 from grpax.sampler.keys import SamplerConfig
-from grpax.sampler.multi_turn import MultiTurnOutput, sample_trajectories
+from grpax.sampler.multi_turn import MultiTurnOutput, trajectory_sampler
 from grpax.tasks.environment import MultiTurnConfig
 
 
@@ -64,19 +64,16 @@ class MultiTurnRollout(Rollout):
                 params, self.mesh, self.rollout_mesh, dtype=self.model_cfg.dtype
             )
             self._times["time/reshard_s"] += reshard_s
-        out = sample_trajectories(
-            params,
-            rows,
+        sample = trajectory_sampler(
             self.task,
             self.tokenizer,
             self.env_factory,
             self.model_cfg,
             self.sampler_cfg,
             self.turn_cfg,
-            key,
-            self.grpo.num_generations,
             mesh=self.rollout_mesh or self.mesh,
         )
+        out = sample(params, rows, key, self.grpo.num_generations)
         self._times["time/rollout_s"] += time.perf_counter() - t0
         repeated = [rows[i] for i in out.prompt_indices for _ in range(self.grpo.num_generations)]
         scores, correct = score_trajectories(self.task, repeated, out)

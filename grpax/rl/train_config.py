@@ -15,18 +15,10 @@ import jax
 
 from grpax import sharding
 from grpax.compiles import effort_options
-from grpax.config import (
-    ConfigError,
-    EngineKeys,
-    ModelKeys,
-    RuntimeKeys,
-    check_engine_keys,
-    field,
-    read_model_config,
-)
+from grpax.config import ConfigError, SamplingKeys, check_engine_keys, field, read_model_config
 from grpax.data.datasets import dataset_files, too_few_rows
 from grpax.errors import suggest
-from grpax.eval.keys import GENERATION_CONFIGS_HELP, validate_eval_keys
+from grpax.eval.keys import EvalKeys, validate_eval_keys
 from grpax.models.lora import LoraConfig, check_rank
 from grpax.models.quantize import QUANT_DTYPES, require_qwix
 from grpax.models.registry import ModelConfig
@@ -56,7 +48,7 @@ LOW_EFFORT_OPTIONS = effort_options(-0.5)
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, ModelKeys, RuntimeKeys, RematKeys):
+class TrainConfig(GRPOConfig, EvalKeys, TaskConfig, sharding.MeshConfig, SamplingKeys, RematKeys):
     """All keys of ``grpax train_rl`` (MaxText names where MaxText has the key)."""
 
     ALIASES: ClassVar[dict[str, str]] = {  # MaxText rl.yml spellings
@@ -172,17 +164,6 @@ class TrainConfig(GRPOConfig, TaskConfig, sharding.MeshConfig, EngineKeys, Model
     )
     eval_interval: int = field(0, "evaluate every N steps (0: only before and after)")
     eval_before: bool = field(True, "evaluate before the first step")
-    num_eval_passes: int = field(1, "samples per evaluation question (k of pass@k / maj@k)")
-    eval_sampling_strategy: str = field(
-        "greedy",
-        "greedy | standard (T 0.7, top-k 50, top-p 0.95) | liberal, or a name given in generation_configs",
-    )
-    generation_configs: dict = field({}, GENERATION_CONFIGS_HELP)
-    eval_mode: str = field(
-        "pass",
-        "the evaluation's score (MaxText key): pass = pass@k (any of the num_eval_passes samples correct), "
-        "maj = maj@k (the majority answer correct), pass_at_1 = accuracy (the fraction of samples correct)",
-    )
     max_prefill_predict_length: int = field(256, "max prompt tokens; longer prompts are dropped (counted)")
     max_target_length: int = field(512, "max prompt + completion tokens")
     decode_sampling_top_k: int = field(

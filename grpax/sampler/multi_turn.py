@@ -313,40 +313,6 @@ def render_observation(
     return chat_observation(tokenizer, observation, stop_text, tuple(getattr(env, "tools", ()) or ()))
 
 
-def sample_trajectories(
-    params: Any,
-    rows: list[dict],
-    task: Any,
-    tokenizer: Any,
-    env_factory: Callable[[], Any],
-    cfg: ModelConfig,
-    sampler_cfg: SamplerConfig,
-    turn_cfg: MultiTurnConfig,
-    key: jax.Array,
-    num_generations: int,
-    mesh: Any = None,
-) -> MultiTurnOutput:
-    """G trajectories of each row with fresh environments: prompts rendered from each ``reset``.
-
-    Raises:
-      ConfigError: an environment's ``reset`` gives the G trajectories of one row different prompts (a group
-        shares its prompt).
-    """
-    G = num_generations
-    envs = [env_factory() for _ in rows for _ in range(G)]
-    prompts = []
-    for i, row in enumerate(rows):
-        texts = {render_prompt(tokenizer, envs[i * G + g], row, task.preset) for g in range(G)}
-        if len(texts) > 1:
-            raise ConfigError(
-                f"the environment's reset(row) gave the {G} trajectories of row {i + 1} different prompts: a GRPO "
-                "group shares its prompt, so reset must return the same messages for the same row"
-            )
-        prompts.append(encode(tokenizer, texts.pop()))
-    with mesh_context(mesh):
-        return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
-
-
 def trajectory_sampler(
     task: Any,
     tokenizer: Any,
@@ -356,13 +322,29 @@ def trajectory_sampler(
     turn_cfg: MultiTurnConfig,
     mesh: Any = None,
 ) -> Callable[..., MultiTurnOutput]:
-    """``(params, rows, key, num_generations) -> MultiTurnOutput``: what ``grpax.eval.evaluate.evaluate``
-    (``trajectories=``) samples with, so that ``grpax evaluate`` and the trainer's evaluations run the same
-    environment as training."""
+    """``(params, rows, key, num_generations) -> MultiTurnOutput``: G trajectories of each row with fresh
+    environments (``env_factory``), prompts rendered from each ``reset`` with ``task``'s preset. The trainer's
+    rollout (``grpax.rl.multi_turn``), ``grpax generate`` and ``grpax.eval.evaluate.evaluate``
+    (``trajectories=``) sample with it, so that ``grpax evaluate`` and the trainer's evaluations run the same
+    environment as training.
+
+    The returned function raises ConfigError: an environment's ``reset`` gives the G trajectories of one row
+    different prompts (a group shares its prompt).
+    """
 
     def sample(params: Any, rows: list[dict], key: jax.Array, num_generations: int) -> MultiTurnOutput:
-        return sample_trajectories(
-            params, rows, task, tokenizer, env_factory, cfg, sampler_cfg, turn_cfg, key, num_generations, mesh
-        )
+        G = num_generations
+        envs = [env_factory() for _ in rows for _ in range(G)]
+        prompts = []
+        for i, row in enumerate(rows):
+            texts = {render_prompt(tokenizer, envs[i * G + g], row, task.preset) for g in range(G)}
+            if len(texts) > 1:
+                raise ConfigError(
+                    f"the environment's reset(row) gave the {G} trajectories of row {i + 1} different prompts: a "
+                    "GRPO group shares its prompt, so reset must return the same messages for the same row"
+                )
+            prompts.append(encode(tokenizer, texts.pop()))
+        with mesh_context(mesh):
+            return generate_multi_turn(params, prompts, envs, tokenizer, cfg, sampler_cfg, turn_cfg, key, G)
 
     return sample
