@@ -35,7 +35,7 @@ def _programs(cfg: TrainConfig) -> tuple[str, str]:
     grpo = cfg.grpo()
     mesh, rollout_mesh = sharding.create_meshes(cfg.mesh())
     params = sharding.shard_params(init_params(TINY, jax.random.key(0)), TINY, mesh)
-    policy = Policy(cfg.lora(), params, "", "", cfg.lora_sampler, TINY.dtype) if cfg.lora_rank else Policy()
+    policy = Policy(cfg.lora(), params, "", "", cfg.lora_sampler, TINY) if cfg.lora_rank else Policy()
     trainable = policy.init_trainable(params, TINY, mesh, cfg.seed)
     state, train_step = trainer._init_state(cfg, grpo, trainable, TINY, mesh, policy)
     reference = (policy.base if policy.lora else params) if grpo.beta > 0 else None

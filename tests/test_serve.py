@@ -410,6 +410,10 @@ def test_serve_cli_refuses_a_public_host_without_api_key_and_names_the_extra(che
             "hbm_utilization_vllm=0.5: the cpu devices report no memory size; size the KV",
         ),
         ("max_prefill_prompts=0", "max_prefill_prompts=0 must be >= 1 (1: one prefill program per bucket)"),
+        (  # the keys that set the length, as generate names them
+            "max_completion_length=100000",
+            "max_prefill_predict_length + max_completion_length = 100512 exceeds the model's max_position_embeddings",
+        ),
     ]:
         assert main(["serve", load, arg, "warmup=false", "port=0"]) == 2
         err = capsys.readouterr().err.strip()

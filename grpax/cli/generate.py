@@ -215,6 +215,13 @@ def context_keys(config: GenerateConfig) -> str:
     return "max_target_length"
 
 
+def context_length_keys(config: GenerateConfig, total: int) -> str:
+    """``context_keys`` with the length they set (``total`` tokens), as the context check's error names it."""
+    if config.max_completion_length > 0:
+        return f"{context_keys(config)} = {total}"
+    return f"max_target_length={config.max_target_length}"
+
+
 def _check_keys(config: GenerateConfig, length: int, sampling: dict) -> None:
     """The keys checked before anything is read (ConfigError naming the key)."""
     if not config.load_parameters_path:
@@ -258,11 +265,10 @@ def run(config: GenerateConfig) -> int:
     _check_keys(config, length, sampling)
     texts = read_prompts(config)
     total = config.max_prefill_predict_length + length
-    what = f"max_target_length={config.max_target_length}"
-    if config.max_completion_length > 0:
-        what = f"{context_keys(config)} = {total}"
     # The checkpoint's config.json, read once: the context check here, the load below.
-    model_cfg, _ = read_model_config(config.load_parameters_path, config, total, what)
+    model_cfg, _ = read_model_config(
+        config.load_parameters_path, config, total, context_length_keys(config, total)
+    )
     distributed.maybe_initialize(config.skip_jax_distributed_system)
     check_memory_fraction(config.hbm_utilization_vllm)
     params, model_cfg, tokenizer = load_model(config.load_parameters_path, model_cfg)

@@ -218,7 +218,7 @@ def run(config: ServeConfig) -> int:
     import uvicorn
 
     from grpax import distributed
-    from grpax.cli.generate import completion_length
+    from grpax.cli.generate import completion_length, context_length_keys
     from grpax.data.tokenizer import stop_token_ids
     from grpax.models.registry import check_matches
     from grpax.sampler.keys import sampler_config
@@ -230,7 +230,7 @@ def run(config: ServeConfig) -> int:
     total = config.max_prefill_predict_length + length
     engine_keys = _engine_keys(config, length)
     path, hf = config.hf_model_path or config.load_parameters_path, bool(config.hf_model_path)
-    model_cfg, _ = read_model_config(path, config, total, f"max_target_length={total}")
+    model_cfg, _ = read_model_config(path, config, total, context_length_keys(config, total))
     if model_cfg is None and hf:
         raise ConfigError(f"hf_model_path={path} holds no config.json: pass a Hugging Face model folder")
     distributed.maybe_initialize(config.skip_jax_distributed_system)
