@@ -221,21 +221,24 @@ def _job():
 
 
 @pytest.mark.slow  # compiles the whole job (update, reference, prefill, decode): about a minute on 2 cores
-def test_the_fit_checks_update_is_the_runs_cache_hit(tmp_path, jax_cache, events):
+def test_the_runs_update_is_the_fit_checks_executable(tmp_path, jax_cache, events):
     """``compile_job`` (the pre-run fit check) compiles the update from abstract arrays; the trainer's first
-    update of the same job then reads that program from the cache instead of compiling it again, and its second
-    update runs the same program."""
+    update of the same job then calls that executable (the same jitted function, ``make_run_update``): no
+    compile, and no read of the persistent cache either; its second update runs the same program."""
+    from grpax.compiles import CompileLog
+
     cfg, mesh, params, batch = _job()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     enable_compilation_cache(str(tmp_path / "cache"))
     compile_job(cfg, jax.devices(), "cpu", 2**40, None, None, model_cfg=TINY)
     state, train_step = _init_state(cfg, cfg.grpo(), params, TINY, mesh)
     events.clear()
-    with mesh_context(mesh):
+    with CompileLog() as log, mesh_context(mesh):
         state, _ = train_step(state, batch)
         jax.block_until_ready(state)
-        assert (events.count(HITS), events.count(MISSES)) == (1, 0)
+        assert (events.count(HITS), events.count(MISSES)) == (0, 0)
         state, metrics = train_step(state, batch)
+    assert "step" not in [p.name for p in log.programs], log.programs
     assert not bool(metrics["nonfinite"])
     # One program for every step: an unplaced step counter (jnp.zeros) compiled the update again at step 2.
     assert train_step._cache_size() == 1

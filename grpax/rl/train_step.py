@@ -535,6 +535,18 @@ def make_run_update(
     Returns:
       (optimizer, lr schedule, ``make_train_step``'s jitted step).
     """
+    keys = (grpo, cfg, num_batches, num_micro_batches, max_completion_length, lora, tuple(compiler_options))
+    optimizer, lr_schedule, step = _run_update(*keys)
+    return optimizer, lr_schedule, step if lora is None else functools.partial(step, base=base)
+
+
+@functools.lru_cache(maxsize=4)
+def _run_update(grpo, cfg, num_batches, num_micro_batches, max_completion_length, lora, compiler_options):
+    """``make_run_update``'s optimizer, schedule and jitted step (LoRA: the base an argument), once per process
+    and equal keys: the fit check (``grpax.plan.compile_check``) and the trainer get the same jitted function, so
+    the run calls the executable the check compiled (JAX's in-memory caches), with no new trace, lowering or
+    read of the persistent cache. Four kept: a process that builds several runs' updates (tests) keeps only the
+    latest executables."""
     optimizer, lr_schedule = optimizer_from_config(
         grpo, grpo.schedule_steps(num_batches), "float32" if lora is not None else cfg.weight_dtype
     )
@@ -545,11 +557,10 @@ def make_run_update(
         num_micro_batches,
         lr_schedule,
         lora=lora,
-        base=base,
         max_completion_length=max_completion_length,
         compiler_options=compiler_options,
     )
-    return optimizer, lr_schedule, step
+    return optimizer, lr_schedule, step if lora is None else step.func
 
 
 def make_update(train_step, num_iterations: int):
