@@ -485,13 +485,15 @@ def decode_paged(
     ``cfg.sliding_window`` of them).
 
     Args:
-      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``); a layer's
-        ``wo`` [N, H, D] or its [N * H, D] view, its ``wq``/``wk``/``wv`` [D, heads, H] or [D, heads * H] (the
-        views ``output_and_mlp`` and ``_project`` multiply by; ``grpax.sampler.backend.merge_heads``).
+      params: the params tree with a list of layers (``convert_layout(..., scan_layers=False)``), or stacked
+        layers [L, ...] (the layers scanned over one pool of every layer's pages: ``_decode_scanned``); a
+        layer's ``wo`` [N, H, D] or its [N * H, D] view, its ``wq``/``wk``/``wv`` [D, heads, H] or [D, heads * H]
+        (the views ``output_and_mlp`` and ``_project`` multiply by; ``grpax.sampler.backend.merge_heads``).
       tokens: int32 [S] one token per sequence.
       positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page,
         and its output is meaningless).
-      pages: L per-layer pools [P, page_size, 2K, H] (updated in place inside a loop or a donated call).
+      pages: L per-layer pools [P, page_size, 2K, H] (updated in place inside a loop or a donated call); with
+        stacked layers one pool [L * P, page_size, 2K, H], layer i's pages at rows i * P ...
       page_table: int32 [S, n] each sequence's pages in order, n * page_size > its position.
       cfg: model config.
       implementation: ``grpax.models.attention.PAGED_IMPLEMENTATIONS``.
@@ -508,9 +510,12 @@ def decode_paged(
     write_page = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1)[:, 0]
     offset = jnp.where(idle, 0, pos % page_size)
     lengths = pos + 1
-    dtype = jnp.dtype(cfg.dtype)
     x = embed(params, tokens[:, None], cfg)  # [S, 1, D]
     rope = rope_pair(pos[:, None], cfg)
+    if isinstance(params["layers"], dict):
+        step = (x, rope, table, write_page, offset, lengths)
+        return _decode_scanned(params, step, pages, cfg, implementation, return_routes)
+    dtype = jnp.dtype(cfg.dtype)
     scale, cap = _scale(cfg), cfg.attn_logit_softcap
     pages, experts = list(pages), []
     for i, (layer, local) in enumerate(zip(params["layers"], _local_flags(cfg), strict=True)):
@@ -530,6 +535,42 @@ def decode_paged(
     if not return_routes:
         return x[:, 0], pages
     return x[:, 0], pages, jnp.stack(experts, axis=1)  # [S, L, k]
+
+
+def _decode_scanned(
+    params: Params, step: tuple, pages: list, cfg: ModelConfig, implementation: str, routes: bool
+):
+    """``decode_paged``'s layers scanned: stacked weights [L, ...], one pool of every layer's pages
+    ``[L * P, page_size, 2K, H]`` (layer i's page p at row i * P + p; ``pages`` = [that pool]) in the loop's
+    carry, written in place. One compiled layer instead of L: the TPU compiler generates code per fusion, and
+    the unrolled decode's L copies of each layer's fusions were most of its compile (docs/benchmarks.md). No
+    local (sliding-window) layers: their window is a static argument of the attention."""
+    assert not any(cfg.local_layers), "a scanned decode has no local layers"
+    x, rope, table, write_page, offset, lengths = step
+    pool = pages[0]
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    P = pool.shape[0] // num_layers
+    dtype, scale, cap = jnp.dtype(cfg.dtype), _scale(cfg), cfg.attn_logit_softcap
+
+    def body(carry, xs):
+        x, pool = carry
+        layer, i = xs
+        w = {name: val.astype(dtype) for name, val in layer.items()}
+        q, k, v = attention_inputs(x, w, _pick(None, *rope), cfg)
+        with jax.named_scope("kv_cache"):
+            pool = write_pages(pool, k[:, 0], v[:, 0], write_page + i * P, offset)
+        with jax.named_scope("attention"):
+            attn = paged_attention(
+                q[:, 0], pool, table + i * P, lengths, scale, cap, None, implementation, w.get("sinks")
+            )
+        x, routing = output_and_mlp(x, attn[:, None], w, cfg)
+        return (x, pool), (None if routing is None else routing.experts[:, 0])
+
+    (x, pool), experts = jax.lax.scan(body, (x, pool), (params["layers"], jnp.arange(num_layers)))
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_offset)
+    if not routes:
+        return x[:, 0], [pool]
+    return x[:, 0], [pool], jnp.moveaxis(experts, 0, 1)  # [S, L, k]
 
 
 def forward_grouped(

@@ -79,6 +79,12 @@ class XlaBackend:
     # inside each phase's program, where the compiler reads the weights in place instead of materialising a
     # prepared copy of them (this backend's layout change and rounding).
     prepares_once: bool = False
+    # Stacked layers scanned in the decode step, over one pool of every layer's pages (``init_pages``;
+    # ``grpax.models.llama.decode_paged``): one compiled layer instead of L. Chosen by ``select_backend`` where
+    # the params are stacked on TPU chips and the attention is XLA's (docs/benchmarks.md: the TPU compiler's
+    # time is per fusion, and the unrolled layers were most of the decode's); elsewhere the layers are unrolled
+    # over per-layer pools (a scan copied each layer's weights and cache at every step on CPU).
+    scan_layers: bool = False
 
     @property
     def reads_filled_pages(self) -> bool:
@@ -87,8 +93,12 @@ class XlaBackend:
         return self.paged_attention == "ragged_tpu"
 
     def init_pages(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list:
-        """Empty page pools: per layer ``[num_pages, page_size, 2K, H]`` (``grpax.models.attention``'s layout)."""
+        """Empty page pools: per layer ``[num_pages, page_size, 2K, H]`` (``grpax.models.attention``'s layout);
+        with ``scan_layers`` one pool of them all, ``[L * num_pages, page_size, 2K, H]`` (layer i's pages at
+        rows i * num_pages ...)."""
         shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+        if self.scan_layers:
+            return [jnp.zeros((cfg.num_layers * num_pages, *shape[1:]), dtype)]
         return [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)]
 
     def page_spec(self, cfg: ModelConfig, mesh_shape: dict) -> jax.sharding.PartitionSpec:
@@ -103,13 +113,16 @@ class XlaBackend:
 
         Args:
           pages: the pools (``init_pages``).
-          cache: the prefill's cache of N prompts: keys L x [N, K, H, P], values L x [N, K, P, H].
+          cache: the prefill's cache of N prompts: keys L x [N, K, H, P], values L x [N, K, P, H] (with
+            ``scan_layers`` stacked: [L, N, K, H, P] and [L, N, K, P, H]).
           dest: int32 [N, G, P]: the page of token t of prompt n's completion g (offset t % page_size);
             indices past the pool are not written.
         """
         N, G, P = dest.shape
         page_size = jax.tree.leaves(pages)[0].shape[1]
         offsets = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32) % page_size, (N, G, P)).reshape(-1)
+        if self.scan_layers:
+            return [_write_stacked(pages[0], cache, dest, offsets)]
         out = []
         for kv, ck, cv in zip(pages, cache["k"], cache["v"], strict=True):
             K, H = ck.shape[1], ck.shape[2]
@@ -161,7 +174,7 @@ class XlaBackend:
             hidden, stacked, *routing = forward(
                 params, prompt_tokens, cfg, positions=positions, cache=stacked, return_hidden=True, **routed
             )
-            cache = {name: list(buffers) for name, buffers in stacked.items()}
+            cache = stacked if self.scan_layers else {name: list(b) for name, b in stacked.items()}
         else:
             hidden, cache, *routing = forward(
                 params, prompt_tokens, cfg, positions=positions, cache=cache, return_hidden=True, **routed
@@ -219,12 +232,31 @@ class XlaBackend:
           was routed to, int [S, L, k].
         """
         # Layers unrolled with per-layer pools (scanning stacked layers copied each layer's weights and cache
-        # at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step.
-        params = convert_layout(prepared, cfg, scan_layers=False)
+        # at every step, ~2x slower on CPU), each layer's weights sliced here, inside the step; or scanned
+        # (``scan_layers``: stacked weights, one pool).
+        params = prepared if self.scan_layers else convert_layout(prepared, cfg, scan_layers=False)
         hidden, pages, *routes = decode_paged(
             params, tokens, positions, pages, page_table, cfg, self.paged_attention, self.record_routes
         )
         return (logits_from_hidden(params, hidden, cfg), pages, *routes)
+
+
+def _write_stacked(pool: jax.Array, cache: dict, dest: jax.Array, offsets: jax.Array) -> jax.Array:
+    """``write_prompts`` into one pool of every layer's pages (``scan_layers``), a layer at a time in a loop
+    (one layer's entries in flight, as the per-layer pools' writes): layer i's page p at row i * (its pages) +
+    p; ``dest`` past a layer's pages is not written."""
+    L, N, K, H, P = cache["k"].shape
+    G = dest.shape[1]
+    num_pages = pool.shape[0] // L
+    flat = dest.reshape(-1)
+
+    def one(i, pool):
+        k = jnp.broadcast_to(cache["k"][i].transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+        v = jnp.broadcast_to(cache["v"][i].transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+        pages = jnp.where(flat < num_pages, flat + i * num_pages, L * num_pages)  # past the pool: dropped
+        return write_pages(pool, k, v, pages, offsets)
+
+    return jax.lax.fori_loop(0, L, one, pool)
 
 
 def merge_heads(params: Params) -> Params:
@@ -323,29 +355,32 @@ def select_backend(
     on_tpu = bool(devices) and {d.platform for d in devices} == {"tpu"}
     takes = ragged_tpu_takes(cfg.num_kv_heads, cfg.head_dim, cache_dtype or cfg.dtype)
     paged = "ragged_tpu" if on_tpu and takes and not cfg.attention_sinks else "xla"  # the kernel has no sinks
+    # the decode's layers scanned where the params are stacked on TPU chips (XlaBackend.scan_layers)
+    stacked = isinstance(params.get("layers"), dict) if isinstance(params, dict) else False
+    scan = on_tpu and paged == "xla" and stacked and not any(cfg.local_layers)
     if name == "xla":
-        return XlaBackend(compiler_options=options, paged_attention=paged)
+        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
     if cfg.family != "llama":  # the kernels implement the plain Llama block only
         if name == "cpu":
             raise ValueError(
                 f"backend='cpu' runs Llama-family models only; this is a {cfg.family} model: "
                 "use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged)
+        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
     if not (on_cpu and len(devices) == 1 and concrete):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs on one CPU device with concrete params and prompts; these are sharded, on an "
                 "accelerator or traced: use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged)
+        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
     if not _plain(params):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs plain weights only; these hold LoRA adapters beside their weights "
                 "(lora_sampler=adapters) or quantised weights: use backend='auto' or 'xla', or lora_sampler=merged"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged)
+        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
     from grpax.backends import cpu  # only here, and only for params on one CPU device
 
     reason = cpu.unavailable_reason(params, cfg, cache_dtype)
