@@ -80,8 +80,8 @@ TINY_MODEL = ModelConfig(
 class Table:
     """The parts' figures, printed as each ends and written to ``$OUT`` after every part."""
 
-    def __init__(self, out: Path, header: str):
-        self.out, self.header, self.rows, self.start = out, header, [], time.perf_counter()
+    def __init__(self, out: Path, header: str, name: str = "h200_8b_step"):
+        self.out, self.header, self.name, self.rows, self.start = out, header, name, [], time.perf_counter()
         print(header, flush=True)
 
     def add(self, part: str, **figures) -> None:
@@ -96,9 +96,9 @@ class Table:
             figures = "  ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("part", "note"))
             lines.append(f"{row['part']:<22} {figures}" + (f"  [{row['note']}]" if "note" in row else ""))
         lines.append(f"\n{'total' if final else 'so far'} {time.perf_counter() - self.start:.1f} s")
-        (self.out / "h200_8b_step.txt").write_text("\n".join(lines) + "\n")
+        (self.out / f"{self.name}.txt").write_text("\n".join(lines) + "\n")
         record = {"header": self.header, "rows": self.rows, "finished": final}
-        (self.out / "h200_8b_step.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+        (self.out / f"{self.name}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
 def _fmt(v) -> str:
@@ -113,9 +113,11 @@ def peak_gib(device) -> float | None:
     return stats["peak_bytes_in_use"] / GIB if "peak_bytes_in_use" in stats else None
 
 
-def job_config(tiny: bool, overrides: list[str], out: Path) -> TrainConfig:
+def job_config(
+    tiny: bool, overrides: list[str], out: Path, seed_keys: dict = SEED_KEYS, run_name: str = "h200_8b_step"
+) -> TrainConfig:
     """The seed's keys (or the tiny job's, its model's config.json under ``out``) with ``overrides``."""
-    keys = {**SEED_KEYS, "base_output_directory": str(out), "run_name": "h200_8b_step"}
+    keys = {**seed_keys, "base_output_directory": str(out), "run_name": run_name}
     if tiny:
         folder = out / "tiny_model"
         folder.mkdir(parents=True, exist_ok=True)
