@@ -45,6 +45,10 @@ HERE = [
 OTHERS = [name for name in HERE if name != "dot_product"]
 # float32 throughout: the implementations differ only in rounding (scores * (1 / sqrt(H)) against / sqrt(H)).
 ATOL = 1e-5
+# A whole model's logits (two layers of peaked, x15 weights): a score's rounding difference grows through the
+# softmaxes; 6.0e-5 of logits up to 7.5 on an AVX2 AMD EPYC (XLA:CPU's other vector width), under 1e-5 on
+# AVX-512 Intel machines.
+MODEL_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +107,7 @@ def test_model_logits_equal_dot_product(params, name):
     mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6], jnp.int32)
     want, _ = run(params, tokens, CFG, attention_mask=mask)
     got, _ = run(params, tokens, other, attention_mask=mask)
-    np.testing.assert_allclose(got, want, atol=ATOL)
+    np.testing.assert_allclose(got, want, atol=MODEL_ATOL)
 
     def prefill_and_decode(cfg):
         cache = init_cache(cfg, 2, 8)
@@ -113,14 +117,14 @@ def test_model_logits_equal_dot_product(params, name):
         return logits, step
 
     for got, want in zip(prefill_and_decode(other), prefill_and_decode(CFG), strict=True):
-        np.testing.assert_allclose(got, want, atol=ATOL)
+        np.testing.assert_allclose(got, want, atol=MODEL_ATOL)
     prompt_ids, prompt_mask = tokens[:, :4], mask[:, :4]
     completions = jnp.asarray([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], jnp.int32)
     grouped = jax.jit(forward_grouped, static_argnums=4)
     np.testing.assert_allclose(
         grouped(params, prompt_ids, prompt_mask, completions, other),
         grouped(params, prompt_ids, prompt_mask, completions, CFG),
-        atol=ATOL,
+        atol=MODEL_ATOL,
     )
 
 
@@ -131,7 +135,7 @@ def test_sampler_xla_backend_samples_the_same(params, name):
     want = generate(params, prompts, CFG, sc, jax.random.key(1))
     got = generate(params, prompts, CFG.replace(attention=name), sc, jax.random.key(1))
     np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=MODEL_ATOL)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="cudnn runs here")
