@@ -404,7 +404,7 @@ def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
 
 # Whether this CPU sums a product's terms in an order that does not depend on the row count: on AVX-512 Intel
 # machines XLA:CPU and the CPU kernels gave every row the same logprobs bit for bit whatever else was in flight;
-# on an AVX2 AMD EPYC the same tokens, logprobs within 1.3e-5 (3e-6 of the value).
+# on an AVX2 AMD EPYC the same tokens, logprobs within 1.3e-5 (the CPU kernels) and 3.1e-5 (XLA's ops).
 _ROW_INVARIANT_CPU = Path("/proc/cpuinfo").exists() and " avx512f" in Path("/proc/cpuinfo").read_text()
 
 
@@ -420,8 +420,9 @@ def _same_logprobs(a, b, exact=True):
         np.testing.assert_array_equal(a, b)
     else:
         # A GPU's matmul kernel is chosen by the row count: the same float32 products summed in another order
-        # (measured on an H200 for the static engine's retirement: at most 9.5e-7); an AVX2 CPU's too (above).
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        # (measured on an H200 for the static engine's retirement: at most 9.5e-7); an AVX2 CPU's too (above:
+        # XLA's ops 3.1e-5 of -0.416 at most, as tests/test_program_set.py's 4.0e-5).
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=4e-5)
 
 
 # Rows that end between step 2 and 40 (the default sampling of the tests below).
