@@ -123,13 +123,10 @@ class XlaBackend:
         offsets = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32) % page_size, (N, G, P)).reshape(-1)
         if self.scan_layers:
             return [_write_stacked(pages[0], cache, dest, offsets)]
-        out = []
-        for kv, ck, cv in zip(pages, cache["k"], cache["v"], strict=True):
-            K, H = ck.shape[1], ck.shape[2]
-            k = jnp.broadcast_to(ck.transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
-            v = jnp.broadcast_to(cv.transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
-            out.append(write_pages(kv, k, v, dest.reshape(-1), offsets))
-        return out
+        return [
+            write_pages(kv, *_prompt_entries(ck, cv, G), dest.reshape(-1), offsets)
+            for kv, ck, cv in zip(pages, cache["k"], cache["v"], strict=True)
+        ]
 
     def plan(self, prompt_tokens: jax.Array, prompt_lengths: jax.Array) -> Any:
         """Static prefill choices made on the host from the concrete prompts (hashable; None: nothing to choose).
@@ -245,18 +242,24 @@ def _write_stacked(pool: jax.Array, cache: dict, dest: jax.Array, offsets: jax.A
     """``write_prompts`` into one pool of every layer's pages (``scan_layers``), a layer at a time in a loop
     (one layer's entries in flight, as the per-layer pools' writes): layer i's page p at row i * (its pages) +
     p; ``dest`` past a layer's pages is not written."""
-    L, N, K, H, P = cache["k"].shape
-    G = dest.shape[1]
+    L, G = cache["k"].shape[0], dest.shape[1]
     num_pages = pool.shape[0] // L
     flat = dest.reshape(-1)
 
     def one(i, pool):
-        k = jnp.broadcast_to(cache["k"][i].transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
-        v = jnp.broadcast_to(cache["v"][i].transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
         pages = jnp.where(flat < num_pages, flat + i * num_pages, L * num_pages)  # past the pool: dropped
-        return write_pages(pool, k, v, pages, offsets)
+        return write_pages(pool, *_prompt_entries(cache["k"][i], cache["v"][i], G), pages, offsets)
 
     return jax.lax.fori_loop(0, L, one, pool)
+
+
+def _prompt_entries(ck: jax.Array, cv: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
+    """One layer's prefilled keys [N, K, H, P] and values [N, K, P, H] as ``write_pages``' [N * G * P, K, H]
+    entries, each prompt's repeated for its G completions."""
+    N, K, H, P = ck.shape
+    k = jnp.broadcast_to(ck.transpose(0, 3, 1, 2)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+    v = jnp.broadcast_to(cv.transpose(0, 2, 1, 3)[:, None], (N, G, P, K, H)).reshape(-1, K, H)
+    return k, v
 
 
 def merge_heads(params: Params) -> Params:
@@ -358,29 +361,30 @@ def select_backend(
     # the decode's layers scanned where the params are stacked on TPU chips (XlaBackend.scan_layers)
     stacked = isinstance(params.get("layers"), dict) if isinstance(params, dict) else False
     scan = on_tpu and paged == "xla" and stacked and not any(cfg.local_layers)
+    xla = XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
     if name == "xla":
-        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
+        return xla
     if cfg.family != "llama":  # the kernels implement the plain Llama block only
         if name == "cpu":
             raise ValueError(
                 f"backend='cpu' runs Llama-family models only; this is a {cfg.family} model: "
                 "use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
+        return xla
     if not (on_cpu and len(devices) == 1 and concrete):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs on one CPU device with concrete params and prompts; these are sharded, on an "
                 "accelerator or traced: use backend='auto' or 'xla'"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
+        return xla
     if not _plain(params):
         if name == "cpu":
             raise ValueError(
                 "backend='cpu' runs plain weights only; these hold LoRA adapters beside their weights "
                 "(lora_sampler=adapters) or quantised weights: use backend='auto' or 'xla', or lora_sampler=merged"
             )
-        return XlaBackend(compiler_options=options, paged_attention=paged, scan_layers=scan)
+        return xla
     from grpax.backends import cpu  # only here, and only for params on one CPU device
 
     reason = cpu.unavailable_reason(params, cfg, cache_dtype)
@@ -388,7 +392,7 @@ def select_backend(
         return cpu.CpuBackend(compiler_options=options)
     if name == "cpu":
         raise ValueError(f"backend='cpu' cannot run here: {reason}; use backend='auto' or 'xla'")
-    return XlaBackend(compiler_options=options)
+    return xla
 
 
 _SHAPE_PLANNED: dict[type, type] = {}
