@@ -153,7 +153,9 @@ def test_the_frozen_base_is_held_as_the_forward_reads_it(qtype):
     as_loaded = lora_lib.quantize_base(base, qtype) if qtype else base
     policy = Policy(lora, base, "", qtype, model_cfg=cfg)
     assert {policy.base[k].dtype for k in ("embed", "lm_head", "final_norm")} == {jnp.dtype(jnp.bfloat16)}
-    assert sum(x.nbytes for x in jax.tree.leaves(policy.base)) < sum(x.nbytes for x in jax.tree.leaves(as_loaded))
+    assert sum(x.nbytes for x in jax.tree.leaves(policy.base)) < sum(
+        x.nbytes for x in jax.tree.leaves(as_loaded)
+    )
     if qtype:
         np.testing.assert_array_equal(policy.base["layers"]["wq"].qvalue, as_loaded["layers"]["wq"].qvalue)
         assert isinstance(policy.base["layers"]["w_gate"], quant.QuantizedWeight)
@@ -163,7 +165,9 @@ def test_the_frozen_base_is_held_as_the_forward_reads_it(qtype):
     tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size)
     for held, loaded in ((policy.forward_params(adapters), lora_lib.apply(as_loaded, adapters, lora)),
                          (policy.base, as_loaded)):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(forward(held, tokens, cfg)[0]), np.asarray(forward(loaded, tokens, cfg)[0]))
+        np.testing.assert_array_equal(
+            np.asarray(forward(held, tokens, cfg)[0]), np.asarray(forward(loaded, tokens, cfg)[0])
+        )
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
@@ -437,6 +441,65 @@ def test_nf4_quantises_as_qwix_does_without_flattening_the_weight():
     jaxpr = str(jax.make_jaxpr(lambda x: quant.quantize(x, "nf4", 1, 1))(w))
     size = math.prod(w.shape)
     assert f"[{size}]" not in jaxpr and f"[{size},16]" not in jaxpr and f"[{size}, 16]" not in jaxpr
+
+
+@pytest.mark.parametrize(
+    "shape, num_out, x_dtype, compute_dtype",
+    [
+        ((256, 384), 1, jnp.float32, jnp.float32),  # w_gate-like [in, out]
+        ((8, 64, 128), 1, jnp.float32, jnp.bfloat16),  # wo-like [N, H, D]: two input axes, H packed
+        ((4, 96, 40), 1, jnp.bfloat16, jnp.bfloat16),  # an inner axis of 96: blocks of gcd(96, 64) = 32
+        ((128, 4, 16), 2, jnp.float32, jnp.float32),  # wq-like [D, N, H]: two output axes
+    ],
+)
+def test_nf4_in_halves_is_the_one_product_summed_in_another_order(shape, num_out, x_dtype, compute_dtype):
+    """A TPU's nf4 matmul (x's even inputs times the low nibbles plus its odd inputs times the high ones) is
+    x @ dequantize(w): the same terms, so within float32 rounding of the sum of |x| |w| (on this CPU the
+    forward takes the one product, bit for bit as the exact tests above)."""
+    w = quant.quantize(jax.random.normal(jax.random.key(0), shape), "nf4", num_out).astype(compute_dtype)
+    out = math.prod(shape[len(shape) - num_out :])
+    view = w.reshape(-1, out)
+    x = jax.random.normal(jax.random.key(1), (3, 5, math.prod(shape) // out)).astype(x_dtype)
+    got = quant._nf4_halves_matmul(x, view)
+    want = quant._one_matmul(x, view)
+    np.testing.assert_array_equal(np.asarray(x @ w), np.asarray(want))  # this CPU: the one product
+    assert got.dtype == want.dtype
+    deq = quant.dequantize(view).astype(compute_dtype).astype(jnp.float32)
+    bound = jnp.abs(x.astype(jnp.float32)) @ jnp.abs(deq)  # the sum of |x| |w| of each output
+    ulp = 2.0**-23 if want.dtype == jnp.float32 else 2.0**-8  # the result's rounding
+    error = jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))
+    assert bool((error <= ulp * (bound + jnp.abs(want.astype(jnp.float32))) * 4).all()), float(error.max())
+    assert float(error.max()) < 1e-3 * float(jnp.abs(want).max())
+    # a TPU's product in halves takes the one product's gradient (the compiler's minutes over the halves')
+    assert quant._nf4_tpu_matmul(x, view).dtype == got.dtype
+    np.testing.assert_array_equal(np.asarray(quant._nf4_tpu_matmul(x, view)), np.asarray(got))
+    grad = lambda f: jax.grad(lambda x: f(x, view).astype(jnp.float32).sum())(x)  # noqa: E731
+    np.testing.assert_array_equal(
+        np.asarray(grad(quant._nf4_tpu_matmul)), np.asarray(grad(quant._one_matmul))
+    )
+
+
+def test_a_tpus_nf4_matmul_keeps_no_dequantised_weight():
+    """Compiled for a TPU v5e by libtpu here: x @ an nf4 weight holds no float32 copy of the weight (the one
+    product over the interleaved nibbles wrote two: 470 MB for Llama 3.1 8B's [4096, 14336] at 16 rows)."""
+    pytest.importorskip("libtpu")
+    from grpax.plan.topology import get_topology
+
+    place = jax.sharding.SingleDeviceSharding(get_topology("v5e-1").devices[0])
+    D, F = 4096, 14336  # Llama 3.1 8B's w_gate (a small weight's product is fused either way)
+    w = jax.eval_shape(lambda: quant.quantize(jnp.zeros((D, F), jnp.float32), "nf4", 1).astype(jnp.bfloat16))
+    w = w.replace(
+        qvalue=jax.ShapeDtypeStruct(w.qvalue.shape, w.qvalue.dtype, sharding=place),
+        scale=jax.ShapeDtypeStruct(w.scale.shape, w.scale.dtype, sharding=place),
+    )
+    x = jax.ShapeDtypeStruct((16, D), jnp.bfloat16, sharding=place)
+    weight_f32 = D * F * 4
+
+    def temporaries(fn):
+        return jax.jit(fn).lower(x, w).compile().memory_analysis().temp_size_in_bytes
+
+    assert temporaries(lambda x, w: x @ w) < weight_f32 / 8
+    assert temporaries(quant._one_matmul) >= weight_f32  # the interleaved product's copy, as it was
 
 
 def test_nf4_needs_no_qwix_and_int8_names_the_extra(monkeypatch):
