@@ -2,7 +2,7 @@
 
 Builds the run's abstract job from ``train_rl`` keys (``compile_check.build_job``: the arrays as the run holds
 them, the run's own update and sampler programs), compiles for a TPU topology with libtpu on this host each
-quantised projection of a layer at the decode's and the update's rows and, with ``--programs``, the sampler's
+quantised projection of a layer at the decode's and a logprob pass's rows and, with ``--programs``, the sampler's
 prefill and decode and the update, and prints per program the compiler's estimate of its run time
 (``cost_analysis()['optimal_seconds']``; a loop's is unknown), the bytes it moves and its temporaries. With
 ``--against REV`` it runs itself once more on a checkout of that commit (a temporary ``git worktree``) and
@@ -91,8 +91,8 @@ def measure(keys: list[str], layers: int, programs: list[str]) -> dict:
 
 def projections(cfg, model_cfg, device) -> dict:
     """Each quantised projection of a layer, ``x @ w`` compiled alone for ``device`` at the decode's rows (one
-    step: batch_size x num_generations) and at the update's (a micro-batch's tokens: the forward, which the
-    backward's remat runs again), times the layers. The decode program's loop hides its run time from the cost
+    step: batch_size x num_generations) and at a logprob pass's (the reference's: a micro-batch's tokens), times
+    the layers. The decode program's loop hides its run time from the cost
     model; its projections are a quantised base's decode step (380 ms measured on the chip, 329 ms estimated)."""
     import jax
     import jax.numpy as jnp
@@ -111,7 +111,7 @@ def projections(cfg, model_cfg, device) -> dict:
         decode_rows // cfg.micro_batches * (cfg.max_prefill_predict_length + cfg.max_completion_length)
     )
     out = {}
-    for label, rows in (("decode", decode_rows), ("update", update_rows)):
+    for label, rows in (("decode", decode_rows), ("logprobs", update_rows)):
         for name, in_axes in lora_lib._IN_AXES.items():
             shape = specs[name][0]
             num_out = len(shape) - in_axes

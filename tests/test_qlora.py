@@ -470,13 +470,15 @@ def test_nf4_in_halves_is_the_one_product_summed_in_another_order(shape, num_out
     error = jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))
     assert bool((error <= ulp * (bound + jnp.abs(want.astype(jnp.float32))) * 4).all()), float(error.max())
     assert float(error.max()) < 1e-3 * float(jnp.abs(want).max())
-    # a TPU's product in halves takes the one product's gradient (the compiler's minutes over the halves')
-    assert quant._nf4_tpu_matmul(x, view).dtype == got.dtype
+    # a TPU's product: in halves undifferentiated; differentiated, the one product and its derivative
     np.testing.assert_array_equal(np.asarray(quant._nf4_tpu_matmul(x, view)), np.asarray(got))
-    grad = lambda f: jax.grad(lambda x: f(x, view).astype(jnp.float32).sum())(x)  # noqa: E731
+    grad = lambda f: jax.grad(lambda x: jnp.tanh(f(x, view).astype(jnp.float32)).sum())(x)  # noqa: E731
     np.testing.assert_array_equal(
         np.asarray(grad(quant._nf4_tpu_matmul)), np.asarray(grad(quant._one_matmul))
     )
+    value, tangent = jax.jvp(lambda x: quant._nf4_tpu_matmul(x, view), (x,), (x,))  # forward mode too
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(tangent), np.asarray(want))  # linear in x
 
 
 def test_a_tpus_nf4_matmul_keeps_no_dequantised_weight():
@@ -500,6 +502,12 @@ def test_a_tpus_nf4_matmul_keeps_no_dequantised_weight():
 
     assert temporaries(lambda x, w: x @ w) < weight_f32 / 8
     assert temporaries(quant._one_matmul) >= weight_f32  # the interleaved product's copy, as it was
+    # differentiated (the update's 2,048 rows), the one product's program: no float32 partial products held for
+    # the backward, no minutes of compiling the halves' backward
+    x = jax.ShapeDtypeStruct((2048, D), jnp.bfloat16, sharding=place)
+    tanh_sum = lambda f: jax.grad(lambda x, w: jnp.tanh(f(x, w).astype(jnp.float32)).sum())  # noqa: E731
+    as_before = jax.checkpoint(quant._one_matmul)  # the product as it was, recomputed in the backward
+    assert temporaries(tanh_sum(lambda x, w: x @ w)) == temporaries(tanh_sum(as_before))
 
 
 def test_nf4_needs_no_qwix_and_int8_names_the_extra(monkeypatch):

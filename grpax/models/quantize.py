@@ -25,9 +25,9 @@ quantisation of the scales is not done (it saves 0.37 bits per value).
 ``astype`` records the compute dtype, ``reshape`` gives the 2-D view [in, out] the forward multiplies by, and
 ``x @ w`` dequantises that view and multiplies under ``jax.checkpoint``, so the backward pass recomputes the
 dequantised weight from the stored bytes instead of keeping it (under ``lax.scan`` it would otherwise be saved
-for every layer: the whole base in the compute dtype). On a TPU an nf4 product runs in two halves, one per
-nibble, each dequantised inside its dot (``_nf4_halves_matmul``: the unpacked weight was written out as a
-float32 copy at every decode step).
+for every layer: the whole base in the compute dtype). On a TPU an nf4 product that is not differentiated (the
+sampler's, a logprob pass) runs in two halves, one per nibble, each dequantised inside its dot
+(``_nf4_halves_matmul``: the unpacked weight was written out as a float32 copy at every decode step).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class QuantizedWeight:
 @jax.checkpoint
 def _dequantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [.., in] @ dequantize(w) [in, out], the dequantised weight recomputed in the backward pass; nf4 on a
-    TPU as ``_nf4_halves_matmul``, elsewhere (CPU, GPU) as the one product, bit for bit."""
+    TPU as ``_nf4_tpu_matmul`` (in halves where not differentiated), elsewhere (CPU, GPU) as the one product."""
     if w.qtype == "nf4":
         return jax.lax.platform_dependent(x, w, tpu=_nf4_tpu_matmul, default=_one_matmul)
     return _one_matmul(x, w)
@@ -152,23 +152,19 @@ def _one_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return x @ dequantize(w).astype(w.compute_dtype or x.dtype)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _nf4_tpu_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """The product in halves (``_nf4_halves_matmul``), its gradient the one product's: the TPU compiler took
-    minutes over the halves' backward (157 s against 2.3 s for one [4096, 14336] weight at 2,048 rows on a
-    2-core host), and the update's backward is not where a QLoRA step's time goes (its decode is)."""
+    """Without a derivative (the decode, the prefill, a logprob pass) the product in halves
+    (``_nf4_halves_matmul``); differentiated (the update), the one product and its derivative: the halves'
+    float32 partial products add 8 bytes x rows x out to a backward pass (0.4 GiB more for Llama 3.1 8B's
+    update), and the TPU compiler took minutes over their backward (157 s against 2.3 s for one [4096, 14336]
+    weight at 2,048 rows on a 2-core host)."""
     return _nf4_halves_matmul(x, w)
 
 
-def _nf4_tpu_forward(x: jax.Array, w: QuantizedWeight):
-    return _nf4_halves_matmul(x, w), (x, w)
-
-
-def _nf4_tpu_backward(residuals, cotangent: jax.Array):
-    return jax.vjp(_one_matmul, *residuals)[1](cotangent)
-
-
-_nf4_tpu_matmul.defvjp(_nf4_tpu_forward, _nf4_tpu_backward)
+@_nf4_tpu_matmul.defjvp
+def _nf4_tpu_jvp(primals, tangents):
+    return jax.jvp(_one_matmul, primals, tangents)
 
 
 def _nf4_halves_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
