@@ -490,8 +490,8 @@ def decode_paged(
         layer's ``wo`` [N, H, D] or its [N * H, D] view, its ``wq``/``wk``/``wv`` [D, heads, H] or [D, heads * H]
         (the views ``output_and_mlp`` and ``_project`` multiply by; ``grpax.sampler.backend.merge_heads``).
       tokens: int32 [S] one token per sequence.
-      positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page,
-        and its output is meaningless).
+      positions: int32 [S] its position; -1 marks an idle slot (its key goes to page 0, the pool's scratch page;
+        with stacked layers each layer's page 0, row i * P; its output is meaningless).
       pages: L per-layer pools [P, page_size, 2K, H] (updated in place inside a loop or a donated call); with
         stacked layers one pool [L * P, page_size, 2K, H], layer i's pages at rows i * P ...
       page_table: int32 [S, n] each sequence's pages in order, n * page_size > its position.
