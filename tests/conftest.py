@@ -20,6 +20,13 @@ from grpax.models.registry import get_model_config, to_hf_config
 
 GSM8K_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 
+# Whether this CPU has AVX-512. XLA:CPU's float32 dots sum their terms in an order that depends on the vector
+# width and on the row count: on AVX-512 CPUs (the Intel hosts the suite was written on, an AMD EPYC since) a
+# row's logprobs did not depend on what else was multiplied with it and implementations agreed to 1e-5; on an
+# AVX2 AMD EPYC the same tokens, with logprobs and logits further apart (each test names the difference it
+# measured there). Tests keep their tight tolerance where this is true and take the measured one elsewhere.
+CPU_HAS_AVX512 = Path("/proc/cpuinfo").is_file() and " avx512f" in Path("/proc/cpuinfo").read_text()
+
 
 def gsm8k_dir() -> Path:
     """The GSM8K copy (train.jsonl, test.jsonl): $GRPAX_GSM8K_DIR, else <repo>/../shared/data/gsm8k.

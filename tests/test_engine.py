@@ -1,13 +1,12 @@
 """The KV-cache rollout engine against a full forward recompute (grpax.sampler.engine)."""
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gsm8k_dir
+from conftest import CPU_HAS_AVX512, gsm8k_dir
 
 from grpax.backends.cpu import build
 from grpax.models.llama import forward, init_cache
@@ -402,12 +401,6 @@ def test_bfloat16_model_and_cache_dtypes_run_on_both_backends(cache_dtype):
     assert hidden.dtype == jnp.bfloat16
 
 
-# Whether this CPU sums a product's terms in an order that does not depend on the row count: on AVX-512 Intel
-# machines XLA:CPU and the CPU kernels gave every row the same logprobs bit for bit whatever else was in flight;
-# on an AVX2 AMD EPYC the same tokens, logprobs within 1.3e-5 (the CPU kernels) and 3.1e-5 (XLA's ops).
-_ROW_INVARIANT_CPU = Path("/proc/cpuinfo").exists() and " avx512f" in Path("/proc/cpuinfo").read_text()
-
-
 def _same(a, b, exact_logprobs=True):
     np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
     np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
@@ -416,13 +409,17 @@ def _same(a, b, exact_logprobs=True):
 
 
 def _same_logprobs(a, b, exact=True):
-    if exact and jax.default_backend() == "cpu" and _ROW_INVARIANT_CPU:
+    """Bit for bit where a row's logprobs do not depend on the rows beside it (an AVX-512 CPU: every row the same
+    whatever else was in flight); else float32 rounding of products of other row counts: a GPU's matmul kernel
+    is chosen by the row count (an H200, the static engine's retirement: at most 9.5e-7), and an AVX2 CPU's
+    XLA ops (3.1e-5 of -0.416 at most, the CPU kernels 1.3e-5; as tests/test_program_set.py's 4.0e-5)."""
+    on_cpu = jax.default_backend() == "cpu"
+    if exact and on_cpu and CPU_HAS_AVX512:
         np.testing.assert_array_equal(a, b)
-    else:
-        # A GPU's matmul kernel is chosen by the row count: the same float32 products summed in another order
-        # (measured on an H200 for the static engine's retirement: at most 9.5e-7); an AVX2 CPU's too (above:
-        # XLA's ops 3.1e-5 of -0.416 at most, as tests/test_program_set.py's 4.0e-5).
+    elif on_cpu and not CPU_HAS_AVX512:
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=4e-5)
+    else:
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 # Rows that end between step 2 and 40 (the default sampling of the tests below).
