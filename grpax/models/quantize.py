@@ -156,9 +156,8 @@ def _one_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 def _nf4_tpu_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Without a derivative (the decode, the prefill, a logprob pass) the product in halves
     (``_nf4_halves_matmul``); differentiated (the update), the one product and its derivative: the halves'
-    float32 partial products add 8 bytes x rows x out to a backward pass (0.4 GiB more for Llama 3.1 8B's
-    update), and the TPU compiler took minutes over their backward (157 s against 2.3 s for one [4096, 14336]
-    weight at 2,048 rows on a 2-core host)."""
+    float32 partial products add 8 bytes x rows x out to a backward pass, and the TPU compiler takes far longer
+    over their backward (docs/benchmarks.md, "nf4 in halves")."""
     return _nf4_halves_matmul(x, w)
 
 
@@ -173,8 +172,8 @@ def _nf4_halves_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     rounding to the result's dtype, as one product's).
 
     Unpacking the bytes into one weight interleaves the two nibbles' rows, which the TPU compiler writes out as
-    a float32 copy of the weight and relays out (Llama 3.1 8B's decode: ~10 ms a layer on a v5e); each half is a
-    plain elementwise function of the codes that the dot reads as it goes (docs/benchmarks.md, "nf4 in halves").
+    a float32 copy of the weight and relays out at every call; each half is a plain elementwise function of the
+    codes that the dot reads as it goes (docs/benchmarks.md, "nf4 in halves").
     The same sum as ``x @ dequantize(w)`` in another order: equal within float32 rounding.
     """
     rows, out = w.qvalue.shape  # packed rows: input 2j in the low nibble, 2j + 1 in the high
