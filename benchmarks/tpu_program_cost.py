@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +75,7 @@ def measure(keys: list[str], layers: int, programs: list[str]) -> dict:
             lowered["update"] = lambda: step.lower(job.state, job.batch)
         else:
             lowered["update"] = lambda: step.func.lower(job.state, job.batch, base=job.base)
-    found = {} if not cfg.lora_base_dtype else projections(cfg, model_cfg, devices[0])
+    found = {} if not cfg.lora_base_dtype else projections(cfg, job, devices[0])
     for name, lower in lowered.items():
         with jax.set_mesh(job.mesh if name == "update" else job.rollout_mesh):
             found[name] = figures(lower())
@@ -89,41 +88,38 @@ def measure(keys: list[str], layers: int, programs: list[str]) -> dict:
     )
 
 
-def projections(cfg, model_cfg, device) -> dict:
-    """Each quantised projection of a layer, ``x @ w`` compiled alone for ``device`` at the decode's rows (one
-    step: batch_size x num_generations) and at a logprob pass's (the reference's: a micro-batch's tokens), times
-    the layers. The decode program's loop hides its run time from the cost
-    model; its projections are a quantised base's decode step (380 ms measured on the chip, 329 ms estimated)."""
+def projections(cfg, job, device) -> dict:
+    """Each quantised projection of a layer of the run's frozen base (``job.base``, as ``lora.frozen_base`` holds
+    it), ``x @ w`` compiled alone for ``device`` at the decode's rows (one step: batch_size x num_generations)
+    and at a logprob pass's (the reference's: a micro-batch's tokens), times the layers. The decode program's
+    loop hides its run time from the cost model; its projections are a quantised base's decode step (380 ms
+    measured on the chip, 329 ms estimated)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from grpax.models import lora as lora_lib
     from grpax.models import quantize as quant
-    from grpax.models.params import layer_specs
 
     place = SingleDeviceSharding(device)
-    specs = layer_specs(model_cfg)
-    dtype = jnp.dtype(model_cfg.dtype)
-    L = model_cfg.num_layers
+    dtype = jnp.dtype(job.model_cfg.dtype)
+    layers = job.base["layers"]
+    first = (
+        layers[0]
+        if isinstance(layers, list)
+        else jax.eval_shape(lambda t: jax.tree.map(lambda a: a[0], t), layers)
+    )
+    L = job.model_cfg.num_layers
     decode_rows = cfg.batch_size * cfg.num_generations
-    update_rows = (
+    logprob_rows = (
         decode_rows // cfg.micro_batches * (cfg.max_prefill_predict_length + cfg.max_completion_length)
     )
     out = {}
-    for label, rows in (("decode", decode_rows), ("logprobs", update_rows)):
-        for name, in_axes in lora_lib._IN_AXES.items():
-            shape = specs[name][0]
-            num_out = len(shape) - in_axes
-            w = jax.eval_shape(
-                lambda x, n=num_out: quant.quantize(x, cfg.lora_base_dtype, n),
-                jax.ShapeDtypeStruct(shape, jnp.float32),
-            )
-            w = w.replace(
-                qvalue=jax.ShapeDtypeStruct(w.qvalue.shape, w.qvalue.dtype, sharding=place),
-                scale=jax.ShapeDtypeStruct(w.scale.shape, w.scale.dtype, sharding=place),
-            )
-            fan_in = math.prod(shape[:in_axes])
+    for label, rows in (("decode", decode_rows), ("logprobs", logprob_rows)):
+        for name, w in first.items():
+            if not isinstance(w, quant.QuantizedWeight):
+                continue
+            w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place), w)
+            fan_in = math.prod(w.shape[: w.ndim - w.num_out_axes])
             x = jax.ShapeDtypeStruct((rows, fan_in), dtype, sharding=place)
 
             def product(x, w, fan_in=fan_in):
@@ -134,18 +130,15 @@ def projections(cfg, model_cfg, device) -> dict:
 
 
 def figures(lowered, times: int = 1) -> dict:
-    """A lowered program's compile seconds and the compiler's figures for it, ``times`` over (NaN: the cost model
-    gave no estimate, as for a loop or some of libtpu's custom calls)."""
-    start = time.perf_counter()
+    """The compiler's figures for a lowered program, ``times`` over (NaN: the cost model gave no estimate, as for
+    a loop or some of libtpu's custom calls)."""
     compiled = lowered.compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     estimate = float(cost.get("optimal_seconds", -1.0))
     return dict(
-        compile_s=time.perf_counter() - start,
         estimate_ms=1e3 * times * estimate if estimate >= 0 else float("nan"),
         bytes_gb=times * float(cost.get("bytes accessed", 0.0)) / 1e9,
-        tflops=times * float(cost.get("flops", 0.0)) / 1e12,
         temporaries_gib=compiled.memory_analysis().temp_size_in_bytes / 2**30,
     )
 
@@ -191,9 +184,8 @@ def main() -> int:
         cells = "".join(
             f" | {f['estimate_ms']:20.2f} {f['bytes_gb']:8.2f} {f['temporaries_gib']:9.3f}" for f in row if f
         )
-        ratio = (
-            f" | {row[0]['estimate_ms'] / row[1]['estimate_ms']:5.2f}x" if len(row) == 2 and all(row) else ""
-        )
+        known = len(row) == 2 and all(row) and not any(math.isnan(f["estimate_ms"]) for f in row)
+        ratio = f" | {row[0]['estimate_ms'] / row[1]['estimate_ms']:5.2f}x" if known else ""
         print(f"{name:<22}{cells}{ratio}")
     return 0
 
